@@ -1,0 +1,13 @@
+"""autopar: plan and run the parallel training of a PyTorch model on a device mesh."""
+import logging as _logging
+
+from .mesh import DeviceSpec, Mesh
+from .plan import Plan
+from .planner import plan
+from .solver import InfeasibleError
+from .trace import TraceError
+
+_logging.getLogger("autopar").addHandler(_logging.NullHandler())
+
+__all__ = ["Mesh", "DeviceSpec", "Plan", "plan", "InfeasibleError", "TraceError"]
+__version__ = "0.1.0"

@@ -1,0 +1,83 @@
+"""The layouts a person would write by hand, as restrictions of the same strategy menus.
+
+Each is the cheapest plan the cost model finds within the rules of that layout, so the
+comparison with autopar's own plan is like for like:
+
+- data-parallel: every parameter whole on every rank and used whole; the batch splits.
+- zero3: every parameter stored sharded over every mesh axis (FSDP / ZeRO-3) and
+  all-gathered for use; the batch splits.
+- megatron-tp: matrices stored and used sharded along the tensor-parallel axis (column or
+  row, Megatron-LM style), small parameters replicated; other axes data parallel.
+"""
+from __future__ import annotations
+
+from torch.distributed.tensor import Replicate, Shard
+
+from .ops.strategy import PASS
+
+
+def tp_axis(mesh) -> int:
+    """The tensor-parallel axis: the one named 'tp' (or 'tensor'), else the innermost."""
+    for name in ("tp", "tensor", "model"):
+        if name in mesh.axis_names:
+            return mesh.axis_names.index(name)
+    return mesh.ndim - 1
+
+
+def _param_operands(problem, pn, strategy):
+    for (src, _), placement in zip(pn.inputs, strategy.inputs):
+        if problem.nodes[src].kind == "param":
+            yield problem.nodes[src], placement
+
+
+def data_parallel(problem, pn, strategy) -> bool:
+    if pn.kind == "param":
+        return all(isinstance(p, Replicate) for p in strategy.outputs[0])
+    return all(all(isinstance(p, Replicate) for p in pl) for _, pl in _param_operands(problem, pn, strategy))
+
+
+def zero3(problem, pn, strategy) -> bool:
+    if pn.kind == "param":
+        return all(isinstance(p, Shard) for p, n in zip(strategy.outputs[0], problem.mesh.shape) if n > 1)
+    return data_parallel(problem, pn, strategy)
+
+
+def megatron(axes_tp):
+    """Megatron on the axes in `axes_tp`, data parallel on the others."""
+    def allowed(problem, pn, strategy) -> bool:
+        n = problem.mesh.shape
+        if pn.kind == "param":
+            out = strategy.outputs[0]
+            for a, p in enumerate(out):
+                if n[a] == 1:
+                    continue
+                if a in axes_tp and len(pn.out_shapes[0]) >= 2 and not isinstance(p, Shard):
+                    return False
+                if (a not in axes_tp or len(pn.out_shapes[0]) < 2) and not isinstance(p, Replicate):
+                    return False
+            return True
+        for src, pl in _param_operands(problem, pn, strategy):
+            for a, p in enumerate(pl):
+                if n[a] == 1:
+                    continue
+                if a not in axes_tp and not isinstance(p, Replicate):
+                    return False
+                if a in axes_tp and len(src.out_shapes[0]) >= 2 and isinstance(p, Replicate):
+                    return False
+        if any(True for _ in _param_operands(problem, pn, strategy)):
+            for a in axes_tp:  # a layer with weights splits a weight dim on tp, never the batch
+                letter = strategy.split[a]
+                if letter not in (None, PASS) and not any(
+                        isinstance(p[a], Shard) for _, p in _param_operands(problem, pn, strategy)):
+                    return False
+        return True
+    return allowed
+
+
+def layouts(mesh) -> dict:
+    """name -> restriction for the hand-written layouts that make sense on this mesh."""
+    tp = tp_axis(mesh)
+    out = {"data-parallel": data_parallel, "zero3": zero3, "megatron-tp": megatron(set(range(mesh.ndim)))}
+    if sum(1 for s in mesh.shape if s > 1) > 1:
+        out["megatron-tp x dp"] = megatron({tp})
+    return out

@@ -1,0 +1,447 @@
+"""The op table: one annotation (or a small function building it from the op's arguments) per ATen op.
+
+Every rule returns an `Annotation` for the node's tensor operands in the order of
+`tensor_args(node)`.  Ops that are not here run replicated with one warning naming them.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from .annotation import Annotation, elementwise, parse, reduction, view
+
+aten = torch.ops.aten
+
+
+def tensor_args(node: fx.Node) -> list[fx.Node]:
+    """The node's tensor operands in argument order, repeats kept (sdpa(q, q, q) has three)."""
+    flat, _ = pytree.tree_flatten((node.args, node.kwargs))
+    return [a for a in flat if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+
+
+def outputs_of(node: fx.Node) -> list:
+    """The node's output tensors (fake), a list even for single-output ops."""
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return [val]
+    if isinstance(val, (list, tuple)):
+        return [v for v in val if isinstance(v, torch.Tensor)]
+    return []
+
+
+def _arg(node, index, name, default=None):
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def _dim(d, rank):
+    return d % rank if rank else 0
+
+
+# --- elementwise ---------------------------------------------------------------------------
+
+# Ops whose output is linear in their tensor inputs: Partial values pass through.
+LINEAR_ELEMENTWISE = {
+    "aten.neg", "aten.clone", "aten.alias", "aten.detach", "aten.contiguous", "aten.to",
+    "aten._to_copy", "aten.type_as", "aten.lift_fresh_copy", "aten.positive",
+}
+ELEMENTWISE = LINEAR_ELEMENTWISE | {
+    "aten.relu", "aten.gelu", "aten.silu", "aten.sigmoid", "aten.tanh", "aten.exp", "aten.log",
+    "aten.rsqrt", "aten.sqrt", "aten.pow", "aten.abs", "aten.sin", "aten.cos", "aten.erf",
+    "aten.reciprocal", "aten.dropout", "aten.native_dropout", "aten.sign", "aten.square",
+    "aten.clamp", "aten.clamp_min", "aten.clamp_max", "aten.log1p", "aten.expm1", "aten.softplus",
+    "aten.add", "aten.sub", "aten.mul", "aten.div", "aten.rsub", "aten.where", "aten.masked_fill",
+    "aten.eq", "aten.ne", "aten.lt", "aten.le", "aten.gt", "aten.ge", "aten.__and__",
+    "aten.__or__", "aten.logical_and", "aten.logical_or", "aten.logical_not", "aten.bitwise_and",
+    "aten.bitwise_or", "aten.bitwise_not", "aten.maximum", "aten.minimum", "aten.isnan",
+    "aten.zeros_like", "aten.ones_like", "aten.full_like", "aten.empty_like", "aten.lerp",
+    "aten.addcmul", "aten.addcdiv", "aten.leaky_relu", "aten.hardtanh", "aten.elu", "aten.mish",
+    "aten.floor", "aten.ceil", "aten.round", "aten.trunc", "aten.fmod", "aten.remainder",
+    "aten.floor_divide", "aten.tril", "aten.triu",
+}
+
+
+def _is_linear_elementwise(name: str, node: fx.Node, n_tensors: int) -> bool:
+    """x + y, x - y (both tensors) and x * c, x / c (c a number) are linear; x + c is affine."""
+    if name in LINEAR_ELEMENTWISE:
+        return True
+    if name in ("aten.add", "aten.sub"):
+        return n_tensors == 2
+    if name in ("aten.mul", "aten.div"):
+        return n_tensors == 1
+    return False
+
+
+def _elementwise_rule(node, ins, outs):
+    name = _packet(node)
+    if name in ("aten.tril", "aten.triu"):
+        rank = len(ins[0])
+        letters = [f"e{i}" for i in range(rank - 2)] + ["r^", "c^"]
+        return parse(f"{' '.join(letters)} -> {' '.join(letters)}", ins, outs)
+    return elementwise(ins, outs[0], linear=_is_linear_elementwise(name, node, len(ins)))
+
+
+# --- views -------------------------------------------------------------------------------
+
+def _view_rule(node, ins, outs):
+    return view(ins[0], outs[0])
+
+
+def _transpose_rule(node, ins, outs):
+    rank = len(ins[0])
+    if _packet(node) == "aten.t":
+        perm = list(range(rank))[::-1]
+    elif _packet(node) == "aten.permute":
+        perm = [_dim(d, rank) for d in node.args[1]]
+    else:
+        a, b = _dim(node.args[1], rank), _dim(node.args[2], rank)
+        perm = list(range(rank))
+        perm[a], perm[b] = perm[b], perm[a]
+    letters = [f"d{i}" for i in range(rank)]
+    return parse(f"{' '.join(letters)} -> {' '.join(letters[p] for p in perm)}", ins, outs, linear=True)
+
+
+def _unsqueeze_squeeze_rule(node, ins, outs):
+    """Keep a letter on every non-unit dim; the unit dims added or removed carry none."""
+    src = [f"d{i}" if s != 1 else "1" for i, s in enumerate(ins[0])]
+    dst = [f"d{i}" for i, s in enumerate(ins[0]) if s != 1]
+    out = []
+    it = iter(dst)
+    for s in outs[0]:
+        out.append(next(it) if s != 1 else "1")
+    return parse(f"{' '.join(src)} -> {' '.join(out)}", ins, outs, linear=True)
+
+
+def _expand_rule(node, ins, outs):
+    rank_out, rank_in = len(outs[0]), len(ins[0])
+    lead = rank_out - rank_in
+    src = [f"d{i + lead}" if s != 1 else "1" for i, s in enumerate(ins[0])]
+    dst = [f"d{i}" if (i >= lead and ins[0][i - lead] == s and s != 1) else "1"
+           for i, s in enumerate(outs[0])]
+    return parse(f"{' '.join(src)} -> {' '.join(dst)}", ins, outs, linear=True)
+
+
+def _slice_rule(node, ins, outs):
+    rank = len(ins[0])
+    dim = _dim(_arg(node, 1, "dim", 0), rank)
+    letters = [f"d{i}" for i in range(rank)]
+    out = list(letters)
+    if ins[0][dim] != outs[0][dim]:
+        letters[dim] = "x^"
+        out[dim] = "y^"
+    return parse(f"{' '.join(letters)} -> {' '.join(out)}", ins, outs, linear=True)
+
+
+def _select_rule(node, ins, outs):
+    rank = len(ins[0])
+    dim = _dim(node.args[1], rank)
+    letters = [f"d{i}" if i != dim else "x^" for i in range(rank)]
+    out = [l for i, l in enumerate(letters) if i != dim]
+    return parse(f"{' '.join(letters)} -> {' '.join(out)}", ins, outs, linear=True)
+
+
+def _cat_rule(node, ins, outs):
+    rank = len(outs[0])
+    dim = _dim(_arg(node, 1, "dim", 0), rank)
+    letters = [f"d{i}" if i != dim else "x^" for i in range(rank)]
+    specs = []
+    for k, shape in enumerate(ins):
+        if len(shape) != rank:  # a legacy empty 1-D tensor in the list
+            specs.append(" ".join(f"z{k}_{i}^" for i in range(len(shape))))
+        else:
+            specs.append(" ".join(l if i != dim else f"c{k}^" for i, l in enumerate(letters)))
+    return parse(f"{', '.join(specs)} -> {' '.join(letters)}", ins, outs, linear=True)
+
+
+def _stack_rule(node, ins, outs):
+    rank = len(outs[0])
+    dim = _dim(_arg(node, 1, "dim", 0), rank)
+    letters = [f"d{i}" for i in range(rank) if i != dim]
+    out = list(letters)
+    out.insert(dim, "x^")
+    return parse(f"{', '.join(' '.join(letters) for _ in ins)} -> {' '.join(out)}", ins, outs, linear=True)
+
+
+def _split_rule(node, ins, outs):
+    rank = len(ins[0])
+    dim = _dim(_arg(node, 2, "dim", 0), rank)
+    if _packet(node) == "aten.unbind":
+        dim = _dim(_arg(node, 1, "dim", 0), rank)
+    src = [f"d{i}" if i != dim else "x^" for i in range(rank)]
+    if _packet(node) == "aten.unbind":
+        out = [l for i, l in enumerate(src) if i != dim]
+        return parse(f"{' '.join(src)} -> {', '.join(' '.join(out) for _ in outs)}", ins, outs, linear=True)
+    return parse(f"{' '.join(src)} -> {', '.join(' '.join(l if i != dim else f'y{k}^' for i, l in enumerate(src)) for k in range(len(outs)))}",
+                 ins, outs, linear=True)
+
+
+def _along_dim_rule(dim_index, dim_name):
+    """cumsum, softmax, log_softmax, diff: the op mixes values along one dim, which never splits."""
+    def rule(node, ins, outs):
+        rank = len(ins[0])
+        dim = _dim(_arg(node, dim_index, dim_name, -1), rank)
+        letters = [f"d{i}" if i != dim else "x^" for i in range(rank)]
+        out = [f"d{i}" if i != dim else "y^" for i in range(len(outs[0]))]
+        specs = []
+        for shape in ins:
+            specs.append(" ".join(letters[i] if i != dim else f"z{len(specs)}^" for i in range(len(shape))))
+        return parse(f"{', '.join(specs)} -> {' '.join(out)}", ins, outs)
+    return rule
+
+
+def _pad_rule(node, ins, outs):
+    rank = len(ins[0])
+    pads = list(node.args[1])
+    padded = {rank - 1 - i // 2 for i, p in enumerate(pads) if p}
+    src = [f"d{i}" if i not in padded else f"x{i}^" for i in range(rank)]
+    dst = [f"d{i}" if i not in padded else f"y{i}^" for i in range(rank)]
+    return parse(f"{' '.join(src)} -> {' '.join(dst)}", ins, outs)
+
+
+# --- reductions ----------------------------------------------------------------------------
+
+def _reduction_rule(partial):
+    def rule(node, ins, outs):
+        dims = _arg(node, 1, "dim", None)
+        if isinstance(dims, int):
+            dims = [dims]
+        keepdim = bool(_arg(node, 2, "keepdim", False))
+        if dims is not None and len(outs[0]) == len(ins[0]):
+            keepdim = True
+        return reduction(ins[0], outs[0], dims, keepdim, partial=partial)
+    return rule
+
+
+def _multi_reduction_rule(node, ins, outs):
+    """max.dim / min.dim / sort-like: values and indices, the reduced dim never splits."""
+    rank = len(ins[0])
+    dim = _dim(_arg(node, 1, "dim", 0), rank)
+    keep = len(outs[0]) == rank
+    src = [f"d{i}" if i != dim else "x^" for i in range(rank)]
+    out = [l if i != dim else "1" for i, l in enumerate(src) if i != dim or keep]
+    return parse(f"{' '.join(src)} -> {', '.join(' '.join(out) for _ in outs)}", ins, outs)
+
+
+# --- contractions and named strategies ---------------------------------------------------
+
+def _linear_rule(node, ins, outs):
+    spec = "* row+, col row+" + (", col" if len(ins) == 3 else "") + " -> * col"
+    return parse(spec, ins, outs, partial_inputs={2}, alias=(("col", "col"), ("row", "row")))
+
+
+def _matmul_rule(node, ins, outs):
+    a, b = ins[0], ins[1]
+    if len(a) == 1 or len(b) == 1:
+        sa = "k+" if len(a) == 1 else "* m k+"
+        sb = "k+" if len(b) == 1 else "* k+ n"
+        so = "* n" if len(a) == 1 else ("* m" if len(b) == 1 else "* m n")
+        return parse(f"{sa}, {sb} -> {so}", ins, outs)
+    return parse("* m k+, * k+ n -> * m n", ins, outs)
+
+
+def _addmm_rule(node, ins, outs):
+    bias = "n" if len(ins[0]) == 1 else "m n"
+    return parse(f"{bias}, m k+, k+ n -> m n", ins, outs, partial_inputs={0})
+
+
+def _baddbmm_rule(node, ins, outs):
+    return parse("b m n, b m k+, b k+ n -> b m n", ins, outs, partial_inputs={0})
+
+
+def _embedding_rule(node, ins, outs):
+    """weight [vocab, dim], indices [*]: vocabulary-parallel when `vocab` splits (Partial output)."""
+    return parse("vocab+ dim, * -> * dim", ins, outs, lookup={"vocab"})
+
+
+def _layer_norm_rule(node, ins, outs):
+    k = len(node.args[1])
+    rank = len(ins[0])
+    norm = [f"n{i}^" for i in range(k)]
+    x = " ".join([f"d{i}" for i in range(rank - k)] + norm)
+    params = [" ".join(norm) for _ in ins[1:]]
+    return parse(", ".join([x] + params) + f" -> {' '.join([f'd{i}' for i in range(rank - k)] + norm)}",
+                 ins, outs)
+
+
+def _sdpa_rule(node, ins, outs):
+    """q [b, heads, s, e], k/v [b, kv_heads, t, e]: split batch or heads (grouped-query
+    attention splits query and key/value heads together, so both counts must divide).
+    The query sequence may split only without a causal mask (its offset is not local)."""
+    causal = bool(_arg(node, 5, "is_causal", False))
+    s = "s^" if causal else "s"
+    specs = [f"* heads {s} e^", "* heads t^ e^", "* heads t^ ev^"]
+    if len(ins) > 3:
+        specs.append(f"* heads {s} t^")
+    return parse(", ".join(specs[: len(ins)]) + f" -> * heads {s} ev^", ins, outs)
+
+
+def _cross_entropy_rule(node, ins, outs):
+    """logits [n, classes, *], target [n, *]: batch splits give Partial (summed) losses;
+    `classes` splits vocabulary-parallel (target stays Replicate; max and sum-exp are
+    all-reduced inside, see INTERNAL_COMM)."""
+    reduction_mode = _arg(node, 3, "reduction", 1)
+    extra = " ".join(f"p{i}" for i in range(len(ins[0]) - 2))
+    if reduction_mode == 0:
+        spec = f"n classes+ {extra}, n {extra} -> n {extra}"
+    else:
+        spec = f"n+ classes+ {extra}, n+ {extra} -> "
+    in_specs = spec.split("->")[0].split(",")
+    if len(ins) == 3:  # class weights
+        spec = f"{in_specs[0]}, {in_specs[1]}, classes+ -> {spec.split('->')[1]}"
+    return parse(spec, ins, outs, lookup={"classes"})
+
+
+def _nll_rule(node, ins, outs):
+    reduction_mode = _arg(node, 3, "reduction", 1)
+    extra = " ".join(f"p{i}" for i in range(len(ins[0]) - 2))
+    if reduction_mode == 0:
+        return parse(f"n classes+ {extra}, n {extra} -> n {extra}", ins, outs, lookup={"classes"})
+    return parse(f"n+ classes+ {extra}, n+ {extra} -> ", ins, outs, lookup={"classes"})
+
+
+def _index_rule(node, ins, outs):
+    """x[i0, i1, ...] with index tensors on the leading dims: the indexed dims never split,
+    the remaining dims of x and the broadcast dims of the indices pass to the output."""
+    indices = node.args[1]
+    x = ins[0]
+    if any(i is None for i in indices):
+        return None
+    k = len(indices)
+    idx_rank = len(outs[0]) - (len(x) - k)
+    src = [f"x{i}^" for i in range(k)] + [f"t{i}" for i in range(len(x) - k)]
+    lead = [f"i{i}" for i in range(idx_rank)]
+    specs = [" ".join(src)]
+    for shape in ins[1:]:
+        specs.append(" ".join(lead[idx_rank - len(shape):]))
+    return parse(f"{', '.join(specs)} -> {' '.join(lead + src[k:])}", ins, outs)
+
+
+def _gather_rule(node, ins, outs):
+    x, idx = ins[0], ins[1]
+    dim = _dim(node.args[1], len(x))
+    src = [f"d{i}" if i != dim and x[i] == idx[i] else f"x{i}^" for i in range(len(x))]
+    ids = [f"d{i}" if i != dim and x[i] == idx[i] else f"y{i}^" for i in range(len(idx))]
+    return parse(f"{' '.join(src)}, {' '.join(ids)} -> {' '.join(ids)}", ins, outs)
+
+
+def _pointwise_loss_rule(node, ins, outs):
+    """mse_loss, l1_loss, binary_cross_entropy...: elementwise, then a mean or sum over all
+    elements (every letter splits, giving a Partial loss) or none."""
+    reduction_mode = _arg(node, 2, "reduction", 1)
+    if reduction_mode == 0:
+        return elementwise(ins, outs[0])
+    rank = max(len(s) for s in ins)
+    letters = [f"e{i}+" for i in range(rank)]
+    spec = ", ".join(" ".join(letters[rank - len(s):]) for s in ins)
+    return parse(f"{spec} -> ", ins, outs)
+
+
+def _broadcast_tensors_rule(node, ins, outs):
+    shape = outs[0]
+    letters = [f"e{i}" for i in range(len(shape))]
+    spec = ", ".join(" ".join(letters[len(shape) - len(s):]) for s in ins)
+    return parse(f"{spec} -> {', '.join(' '.join(letters) for _ in outs)}", ins, outs, linear=True)
+
+
+def _factory_rule(node, ins, outs):
+    """arange, ones, zeros, full: made whole on every rank (a later slice is free)."""
+    return Annotation(tuple(tuple(None for _ in s) for s in ins), tuple(tuple(None for _ in s) for s in outs))
+
+
+def _packet(node: fx.Node) -> str:
+    target = node.target
+    if target is operator.getitem:
+        return "getitem"
+    packet = getattr(target, "_overloadpacket", None)
+    if packet is not None:
+        return f"aten.{packet.__name__}" if "aten" in str(packet) else str(packet)
+    return getattr(target, "__name__", str(target))
+
+
+RULES = {
+    "aten.linear": _linear_rule,
+    "aten.mm": lambda n, i, o: parse("m k+, k+ n -> m n", i, o),
+    "aten.bmm": lambda n, i, o: parse("b m k+, b k+ n -> b m n", i, o),
+    "aten.matmul": _matmul_rule,
+    "aten.addmm": _addmm_rule,
+    "aten.baddbmm": _baddbmm_rule,
+    "aten.embedding": _embedding_rule,
+    "aten.layer_norm": _layer_norm_rule,
+    "aten.rms_norm": _layer_norm_rule,
+    "aten.scaled_dot_product_attention": _sdpa_rule,
+    "aten.cross_entropy_loss": _cross_entropy_rule,
+    "aten.nll_loss": _nll_rule,
+    "aten.nll_loss_nd": _nll_rule,
+    "aten.nll_loss_forward": _nll_rule,
+    "aten.view": _view_rule, "aten.reshape": _view_rule, "aten._unsafe_view": _view_rule,
+    "aten.flatten": _view_rule, "aten.unflatten": _view_rule,
+    "aten.transpose": _transpose_rule, "aten.permute": _transpose_rule, "aten.t": _transpose_rule,
+    "aten.unsqueeze": _unsqueeze_squeeze_rule, "aten.squeeze": _unsqueeze_squeeze_rule,
+    "aten.expand": _expand_rule,
+    "aten.slice": _slice_rule, "aten.select": _select_rule, "aten.narrow": _slice_rule,
+    "aten.cat": _cat_rule, "aten.concat": _cat_rule, "aten.stack": _stack_rule,
+    "aten.split": _split_rule, "aten.split_with_sizes": _split_rule, "aten.chunk": _split_rule,
+    "aten.unbind": _split_rule,
+    "aten.softmax": _along_dim_rule(1, "dim"), "aten._softmax": _along_dim_rule(1, "dim"),
+    "aten.log_softmax": _along_dim_rule(1, "dim"), "aten._log_softmax": _along_dim_rule(1, "dim"),
+    "aten.cumsum": _along_dim_rule(1, "dim"), "aten.cumprod": _along_dim_rule(1, "dim"),
+    "aten.diff": _along_dim_rule(2, "dim"),
+    "aten.pad": _pad_rule, "aten.constant_pad_nd": _pad_rule,
+    "aten.sum": _reduction_rule(True), "aten.mean": _reduction_rule(True),
+    "aten.amax": _reduction_rule(False), "aten.amin": _reduction_rule(False),
+    "aten.var": _reduction_rule(False), "aten.std": _reduction_rule(False),
+    "aten.argmax": _reduction_rule(False), "aten.argmin": _reduction_rule(False),
+    "aten.all": _reduction_rule(False), "aten.any": _reduction_rule(False),
+    "aten.max": _multi_reduction_rule, "aten.min": _multi_reduction_rule,
+    "aten.mse_loss": _pointwise_loss_rule, "aten.l1_loss": _pointwise_loss_rule,
+    "aten.smooth_l1_loss": _pointwise_loss_rule, "aten.huber_loss": _pointwise_loss_rule,
+    "aten.binary_cross_entropy": _pointwise_loss_rule,
+    "aten.binary_cross_entropy_with_logits": _pointwise_loss_rule,
+    "aten.broadcast_tensors": _broadcast_tensors_rule,
+    "aten.index": _index_rule, "aten.gather": _gather_rule,
+    "aten.arange": _factory_rule, "aten.ones": _factory_rule, "aten.zeros": _factory_rule,
+    "aten.full": _factory_rule, "aten.empty": _factory_rule, "aten.new_ones": _factory_rule,
+    "aten.new_zeros": _factory_rule, "aten.new_full": _factory_rule, "aten.new_empty": _factory_rule,
+    "aten.scalar_tensor": _factory_rule, "aten.randn": _factory_rule, "aten.rand": _factory_rule,
+    # A no-grad region (Hugging Face's rotary tables): small, computed whole on every rank.
+    "wrap_with_set_grad_enabled": _factory_rule,
+    "wrap_with_autocast": _factory_rule,
+}
+for _name in ELEMENTWISE:
+    RULES.setdefault(_name, _elementwise_rule)
+
+# Ops with no output tensors: they do nothing to plan.
+NO_OUTPUT = {"aten._assert_tensor_metadata", "aten._assert_scalar", "aten.sym_constrain_range_for_size",
+             "aten._assert_async", "aten.sym_constrain_range"}
+
+# Views and unary elementwise ops: cheap, so they take the layout their producer offers.
+TRIVIAL = {"aten.view", "aten.reshape", "aten._unsafe_view", "aten.transpose", "aten.permute",
+           "aten.t", "aten.unsqueeze", "aten.squeeze", "aten.expand", "aten.flatten",
+           "aten.unflatten"} | ELEMENTWISE
+
+# Collectives a named strategy runs inside the op when a letter splits:
+# (kind, bytes as a fraction of the output's first-dim count times 4 bytes).
+INTERNAL_COMM = {
+    # vocabulary-parallel cross-entropy all-reduces the row max, the row sum of exp and the
+    # target logit: three float32 values per row.
+    ("aten.cross_entropy_loss", "classes"): (("all_reduce", 3),),
+    ("aten.nll_loss", "classes"): (("all_reduce", 1),),
+    ("aten.nll_loss_nd", "classes"): (("all_reduce", 1),),
+    ("aten.nll_loss_forward", "classes"): (("all_reduce", 1),),
+}
+
+
+def op_name(node: fx.Node) -> str:
+    return _packet(node)
+
+
+def annotate(node: fx.Node, in_shapes, out_shapes) -> Annotation | None:
+    """The node's annotation, or None when no rule covers it (it then runs replicated)."""
+    rule = RULES.get(_packet(node))
+    if rule is None:
+        return None
+    return rule(node, in_shapes, out_shapes)

@@ -1,0 +1,145 @@
+"""Sharding strategies of one node, derived from its annotation.
+
+A strategy assigns each mesh axis one index letter to split (or none).  From that follow
+the placement every operand must arrive in, the placement of every output, and the
+placement of every operand's gradient:
+
+- an operand holding the split letter has a `Shard` gradient;
+- an operand without it, when the letter survives to the output, was broadcast to every
+  rank of the axis, so its gradient is `Partial` there (Megatron's f operator, and the data
+  parallel gradient all-reduce, are this rule);
+- an operand that arrived `Partial` has a `Replicate` gradient.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from .annotation import Annotation
+
+Placements = tuple  # one torch placement per mesh axis
+
+PASS = "+"  # the axis carries Partial values straight through a linear op
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to run a node on the mesh.
+
+    split: the letter split along each mesh axis (None: computed redundantly; "+": Partial
+    passes through).  inputs / outputs / grads: placements per tensor operand / output /
+    operand gradient (None for operands that take no gradient).  factor: how many ways the
+    work is divided.  comm: collectives the strategy runs inside the op, as
+    (kind, axis index, fraction of the output bytes) triples.
+    """
+
+    split: tuple
+    inputs: tuple
+    outputs: tuple
+    grads: tuple
+    factor: int
+    name: str
+    comm: tuple = ()
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def show_placements(placements: Placements) -> str:
+    return "(" + ", ".join(_short(p) for p in placements) + ")"
+
+
+def _short(p) -> str:
+    if isinstance(p, Shard):
+        return f"S({p.dim})"
+    if isinstance(p, Partial):
+        return "P"
+    return "R"
+
+
+def _placement(letters, letter, contracted: bool, may_be_partial: bool):
+    if letter is None:
+        return Replicate()
+    if letter == PASS:
+        return Partial()
+    if letter in letters:
+        return Shard(letters.index(letter))
+    if contracted and may_be_partial:
+        return Partial()
+    return Replicate()
+
+
+def enumerate_strategies(ann: Annotation, in_shapes, out_shapes, mesh_shape, axis_names,
+                         needs_grad) -> list[Strategy]:
+    """Every valid split of the annotation's letters over the mesh axes.
+
+    A letter splits only when each operand dim carrying it divides evenly by the product of
+    the axis sizes given to it (never an uneven shard by accident).
+    """
+    out_letters = {l for o in ann.outputs for l in o if l is not None}
+    sizes: dict[str, list[int]] = {}
+    for letters, shape in zip(ann.inputs + ann.outputs, list(in_shapes) + list(out_shapes)):
+        for letter, size in zip(letters, shape):
+            if letter is not None:
+                sizes.setdefault(letter, []).append(int(size))
+    candidates = []
+    for letter in ann.letters():
+        if letter in ann.fixed:
+            continue
+        contracted = letter not in out_letters
+        if contracted:
+            if letter not in ann.reducible:
+                continue
+            if letter not in ann.lookup and any(
+                    letter not in ins and i not in ann.partial_inputs for i, ins in enumerate(ann.inputs)):
+                continue
+        candidates.append(letter)
+    menu = [None] + candidates + ([PASS] if ann.linear else [])
+    alias = dict(ann.alias)
+    result = []
+    for split in itertools.product(menu, repeat=len(mesh_shape)):
+        factors: dict[str, int] = {}
+        for letter, n in zip(split, mesh_shape):
+            if letter is not None and n > 1:
+                factors[letter] = factors.get(letter, 1) * n
+        if any(n == 1 and l is not None for l, n in zip(split, mesh_shape)):
+            continue  # a size-1 axis never splits: one strategy stands for all its choices
+        if any(l != PASS and any(s % f for s in sizes.get(l, [1])) for l, f in factors.items()):
+            continue
+        inputs, grads = [], []
+        for i, letters in enumerate(ann.inputs):
+            place, grad = [], []
+            for letter in split:
+                contracted = letter is not None and letter != PASS and letter not in out_letters
+                lookup = letter in ann.lookup
+                p = _placement(letters, letter, contracted and not lookup, i in ann.partial_inputs)
+                place.append(p)
+                if isinstance(p, Shard):
+                    grad.append(p)
+                elif isinstance(p, Partial) or letter is None or lookup:
+                    grad.append(Replicate())
+                else:
+                    grad.append(Partial())  # broadcast along a split: gradient sums over ranks
+            inputs.append(tuple(place))
+            grads.append(tuple(grad) if needs_grad[i] else None)
+        outputs = []
+        for letters in ann.outputs:
+            outputs.append(tuple(
+                Partial() if (letter == PASS or (letter is not None and letter not in out_letters))
+                else _placement(letters, letter, False, False) for letter in split))
+        name = " ".join(f"{ax}={alias.get(l, l)}" for ax, l in zip(axis_names, split)
+                        if l is not None) or "replicate"
+        result.append(Strategy(tuple(split), tuple(inputs), tuple(outputs), tuple(grads),
+                               math.prod(factors.get(l, 1) for l in factors if l != PASS), name))
+    return result
+
+
+def replicated(n_inputs: int, n_outputs: int, ndim: int, needs_grad) -> Strategy:
+    """The strategy every op has: all operands whole on every rank."""
+    rep = tuple(Replicate() for _ in range(ndim))
+    return Strategy(tuple(None for _ in range(ndim)), tuple(rep for _ in range(n_inputs)),
+                    tuple(rep for _ in range(n_outputs)),
+                    tuple(rep if g else None for g in needs_grad), 1, "replicate")

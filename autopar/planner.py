@@ -1,0 +1,131 @@
+"""autopar.plan: trace, build the strategy menus and costs, solve the ILP, return a Plan."""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from . import baselines as B
+from .mesh import Mesh, parse_bytes
+from .plan import Collective, NodeChoice, Plan, Prediction
+from .problem import Problem, reduce_problem
+from .solver import InfeasibleError, solve
+from .trace import trace
+
+log = logging.getLogger("autopar")
+
+CATEGORIES = ("params", "grads", "optimizer", "activations")
+
+
+def plan(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=None,
+         memory_budget=None, compare: bool = True, time_limit: float = 60.0) -> Plan:
+    """Choose a sharding for every node of `model` on `mesh`.
+
+    example_inputs: tensors (real, fake or meta) of the global batch, as the model's forward
+    takes them.  memory_budget: bytes per device ('70GiB' works); None means the device's
+    memory.  compare: also cost the hand-written layouts (data parallel, ZeRO-3, Megatron).
+    """
+    start = time.perf_counter()
+    budget = parse_bytes(memory_budget) if memory_budget is not None else None
+    traced = trace(model, tuple(example_inputs), example_kwargs)
+    t_trace = time.perf_counter() - start
+    problem = Problem(traced, mesh)
+    t_build = time.perf_counter() - start - t_trace
+    log.info("built strategy menus and costs in %.2fs", t_build)
+    limit = budget if budget is not None else mesh.device.memory
+    try:
+        best, sol, _ = _solve(problem, None, limit, time_limit)
+    except InfeasibleError:
+        floor = _solve(problem, None, None, time_limit, minimise_memory=True)[2]
+        raise InfeasibleError(
+            f"no plan of {type(model).__name__} on {mesh} fits {limit / 2**30:.2f} GiB per device; the "
+            f"smallest any plan needs is {floor / 2**30:.2f} GiB. Add devices, raise memory_budget, "
+            f"or (when available) use recomputation, ZeRO or offload.") from None
+    choice = best
+    nodes, collectives, predicted = _assemble(problem, choice)
+    compared = {}
+    if compare:
+        for name, rule in B.layouts(mesh).items():
+            try:
+                c, _, _ = _solve(problem, rule, None, time_limit)
+                compared[name] = _assemble(problem, c)[2]
+            except InfeasibleError as exc:
+                compared[name] = str(exc)
+    params = {}
+    for pn in problem.nodes:
+        if pn.kind == "param":
+            params[pn.param_name] = nodes[pn.index].outputs[0]
+    solver = {"optimal": sol.optimal, "gap": sol.gap, "objective_s": sol.objective, "bound_s": sol.bound,
+              "variables": sol.variables, "constraints": sol.constraints, "seconds": round(sol.seconds, 6),
+              "graph_nodes": len(problem.nodes), "choice_nodes": len(problem.choices)}
+    result = Plan(mesh=mesh.to_dict(), model=type(model).__name__,
+                  param_placements=_order_params(model, params), nodes=tuple(nodes[i] for i in sorted(nodes)),
+                  collectives=tuple(collectives), predicted=predicted, solver=solver, baselines=compared,
+                  memory_budget=budget, fallback_ops=tuple(problem.fallback_ops),
+                  layers=tuple((p, tuple(ix)) for p, ix in problem.layer_groups))
+    log.info("planned %s on %s in %.2fs (trace %.2fs)", type(model).__name__, mesh, time.perf_counter() - start, t_trace)
+    return result
+
+
+def _order_params(model, params: dict) -> dict:
+    """Parameter names in `model.named_parameters()` order; tied weights appear once, as there."""
+    out = {}
+    for name, _ in model.named_parameters():
+        if name in params:
+            out[name] = params[name]
+    for name, p in params.items():
+        out.setdefault(name, p)
+    return out
+
+
+def _solve(problem: Problem, rule, budget, time_limit, minimise_memory=False):
+    red = reduce_problem(problem, rule)
+    if minimise_memory:
+        sol = solve(red.memory, [], None, None, red.allowed, time_limit=time_limit)
+    else:
+        sol = solve(red.costs, red.edges, red.memory, budget, red.allowed, time_limit=time_limit)
+    root_choice = dict(zip(red.roots, sol.choice))
+    choice = {}
+    for pn in problem.nodes:
+        r = pn.rep
+        choice[pn.index] = int(red.follow[r][root_choice[red.root_of[r]]])
+    floor = sum(float(red.memory[i][c]) for i, c in enumerate(sol.choice))
+    return choice, sol, floor
+
+
+def _assemble(problem: Problem, choice: dict):
+    """Per-node choices, the collectives they imply and the predicted step time and memory."""
+    mesh = problem.mesh
+    nodes: dict[int, NodeChoice] = {}
+    collectives = []
+    compute = 0.0
+    comm = [0.0] * mesh.ndim
+    memory = dict.fromkeys(CATEGORIES, 0.0)
+    for pn in problem.nodes:
+        i = choice[pn.index]
+        s = problem.nodes[pn.rep].strategies[i]
+        c = problem.choices[pn.rep][i]
+        compute += c.compute
+        for a, t in enumerate(c.comm):
+            comm[a] += t
+            if t:
+                collectives.append(Collective("all_reduce", (mesh.axis_names[a],), 0.0, "forward", pn.name,
+                                              pn.name, t))
+        for k, v in c.memory.items():
+            memory[k] += v
+        edge_comm = 0.0
+        for k, (src, out) in enumerate(pn.inputs):
+            fwd, bwd = problem.edge_steps(problem.nodes[src].rep, out, pn.rep, k, choice[src], i)
+            for phase, steps in (("forward", fwd), ("backward", bwd)):
+                for st in steps:
+                    comm[st.axis] += st.seconds
+                    edge_comm += st.seconds
+                    collectives.append(Collective(st.kind, (mesh.axis_names[st.axis],), st.nbytes, phase,
+                                                  pn.name, problem.nodes[src].name, st.seconds))
+        nodes[pn.index] = NodeChoice(pn.name, pn.op, pn.module if pn.kind != "param" else pn.param_name,
+                                     s.name, tuple(s.split), tuple(s.inputs), tuple(s.outputs),
+                                     c.compute, sum(c.comm) + edge_comm, sum(c.memory.values()))
+    comm_by_axis = {mesh.axis_names[a]: comm[a] for a in range(mesh.ndim)}
+    predicted = Prediction(compute + sum(comm), compute, comm_by_axis, memory)
+    return nodes, collectives, predicted

@@ -1,0 +1,453 @@
+"""The planning problem: every graph node with its strategy menu and costs, every edge with
+its resharding costs, identical layers folded into one set of choices.
+
+Built once per (graph, mesh); solved for the best plan and for the hand-written layouts
+(the same problem with menus restricted).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import re
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from . import cost as C
+from .mesh import Mesh
+from .ops import (INTERNAL_COMM, NO_OUTPUT, TRIVIAL, Strategy, annotate, enumerate_strategies,
+                  op_name, outputs_of, replicated, tensor_args)
+from .trace import Traced
+
+log = logging.getLogger("autopar")
+
+
+@dataclass
+class PNode:
+    """One node to plan.  kind: "param", "input" (user input or buffer), "op" or "output"."""
+
+    index: int
+    node: fx.Node
+    kind: str
+    op: str
+    module: str
+    inputs: list = field(default_factory=list)   # per tensor operand: (source PNode index, output index)
+    out_shapes: list = field(default_factory=list)
+    out_dtypes: list = field(default_factory=list)
+    requires_grad: bool = False
+    param_name: str | None = None
+    rep: int = -1           # representative PNode (identical layers share it)
+    strategies: list = field(default_factory=list)
+    fallback: bool = False  # no sharding rule: replicated
+
+    @property
+    def name(self) -> str:
+        return self.node.name
+
+
+@dataclass
+class Choice:
+    """Costs of one strategy of one node (seconds, bytes), forward and backward together."""
+
+    compute: float
+    comm: tuple            # seconds per mesh axis of collectives inside the op
+    memory: dict           # "params", "grads", "optimizer", "activations" -> bytes
+
+    @property
+    def time(self) -> float:
+        return self.compute + sum(self.comm)
+
+
+def module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    # torch.export writes L['self'].blocks[0].attn style paths in some versions
+    path = re.sub(r"^L\['self'\]\.?", "", path)
+    return re.sub(r"\[(\d+)\]", r".\1", path)
+
+
+SHARE_PERIOD = 2
+
+_BLOCK = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
+
+
+def block_of(path: str):
+    """'blocks.3.attn.q' -> ('blocks', 3): the repeated layer a node belongs to, if any."""
+    m = _BLOCK.match(path)
+    if not m:
+        return None
+    return m.group(1), int(m.group(2))
+
+
+class Problem:
+    def __init__(self, traced: Traced, mesh: Mesh, *, param_names: dict | None = None):
+        self.traced = traced
+        self.mesh = mesh
+        self.nodes: list[PNode] = []
+        self.warnings: list[str] = []
+        self._build_nodes(param_names or {})
+        self._share_layers()
+        self._build_menus()
+        self._build_costs()
+
+    # --- graph ------------------------------------------------------------------------------
+    def _build_nodes(self, param_names):
+        by_fx: dict[fx.Node, tuple[int, int]] = {}
+        for node in self.traced.graph.graph.nodes:
+            if node.op == "placeholder":
+                val = node.meta.get("val")
+                if not isinstance(val, torch.Tensor):
+                    continue
+                is_param = node.target in self.traced.params
+                pname = self.traced.params.get(node.target) or self.traced.buffers.get(node.target)
+                pn = PNode(len(self.nodes), node, "param" if is_param else "input",
+                           "parameter" if is_param else "input",
+                           (pname.rsplit(".", 1)[0] if pname and "." in pname else ""),
+                           out_shapes=[tuple(val.shape)], out_dtypes=[val.dtype],
+                           requires_grad=is_param and val.dtype.is_floating_point,
+                           param_name=pname if is_param else None)
+            elif node.op == "call_function":
+                if node.target.__class__.__name__ == "builtin_function_or_method" and op_name(node) == "getitem":
+                    src, _ = by_fx[node.args[0]]
+                    by_fx[node] = (src, node.args[1])
+                    continue
+                name = op_name(node)
+                outs = outputs_of(node)
+                if name in NO_OUTPUT or not outs:
+                    continue
+                ins = [by_fx[a] for a in tensor_args(node) if a in by_fx]
+                pn = PNode(len(self.nodes), node, "op", name, module_path(node), inputs=ins,
+                           out_shapes=[tuple(o.shape) for o in outs], out_dtypes=[o.dtype for o in outs])
+                pn.requires_grad = any(self.nodes[i].requires_grad for i, _ in ins) and any(
+                    d.is_floating_point for d in pn.out_dtypes)
+                if name.startswith("wrap_with"):
+                    pn.requires_grad = False
+            elif node.op == "output":
+                flat = [a for a in torch.utils._pytree.tree_leaves(node.args) if isinstance(a, fx.Node)]
+                ins = [by_fx[a] for a in flat if a in by_fx]
+                pn = PNode(len(self.nodes), node, "output", "output", "", inputs=ins)
+            else:
+                continue
+            by_fx[node] = (pn.index, 0)
+            self.nodes.append(pn)
+        self.by_fx = by_fx
+
+    def _share_layers(self):
+        """Identical repeated layers (same ops, shapes and wiring) share representatives.
+
+        Layers alternate between SHARE_PERIOD sets of choices (even layers share one set, odd
+        layers the other), so the problem does not grow with depth yet alternating layouts,
+        such as Megatron's column/row pattern over bare linear layers, stay reachable."""
+        blocks: dict[tuple, list[int]] = {}
+        for pn in self.nodes:
+            key = block_of(pn.module) if pn.kind in ("op", "param") else None
+            if key is not None:
+                blocks.setdefault(key, []).append(pn.index)
+        for pn in self.nodes:
+            pn.rep = pn.index
+        by_sig: dict[tuple, list[int]] = {}
+        for key, members in blocks.items():
+            local = {m: k for k, m in enumerate(members)}
+            sig = []
+            for m in members:
+                pn = self.nodes[m]
+                rest = pn.module[len(f"{key[0]}.{key[1]}"):]
+                wiring = tuple((local[s], o) if s in local else ("ext", self.nodes[s].requires_grad)
+                               for s, o in pn.inputs)
+                sig.append((pn.kind, pn.op, rest, tuple(pn.out_shapes), tuple(pn.out_dtypes), wiring,
+                            _args_signature(pn.node), pn.requires_grad))
+            by_sig.setdefault((key[0], tuple(sig)), []).append(key[1])
+        self.layer_groups = []
+        for (prefix, _), indices in by_sig.items():
+            indices.sort()
+            for k, i in enumerate(indices[SHARE_PERIOD:], start=SHARE_PERIOD):
+                first = blocks[(prefix, indices[k % SHARE_PERIOD])]
+                for rep, m in zip(first, blocks[(prefix, i)]):
+                    self.nodes[m].rep = rep
+            self.layer_groups.append((prefix, indices))
+
+    # --- menus ------------------------------------------------------------------------------
+    def _build_menus(self):
+        mesh = self.mesh
+        fallback_ops: dict[str, list[str]] = {}
+        for pn in self.nodes:
+            if pn.rep != pn.index:
+                continue
+            in_shapes = [self.nodes[s].out_shapes[o] for s, o in pn.inputs]
+            needs = [self.nodes[s].requires_grad for s, o in pn.inputs]
+            if pn.kind == "param":
+                pn.strategies = _param_menu(pn.out_shapes[0], mesh)
+            elif pn.kind == "input":
+                pn.strategies = [replicated(0, 1, mesh.ndim, [])]
+            elif pn.kind == "output":
+                pn.strategies = [replicated(len(pn.inputs), 0, mesh.ndim, [False] * len(pn.inputs))]
+            else:
+                try:
+                    ann = annotate(pn.node, in_shapes, pn.out_shapes)
+                except Exception as exc:  # a rule that does not fit this call: replicate, say so
+                    log.debug("rule for %s failed on %s: %s", pn.op, pn.name, exc)
+                    ann = None
+                if ann is None:
+                    pn.fallback = True
+                    fallback_ops.setdefault(pn.op, []).append(pn.module or pn.name)
+                    pn.strategies = [replicated(len(pn.inputs), len(pn.out_shapes), mesh.ndim, needs)]
+                else:
+                    pn.strategies = enumerate_strategies(ann, in_shapes, pn.out_shapes, mesh.shape,
+                                                         mesh.axis_names, needs)
+                    internal = [(l, INTERNAL_COMM[(pn.op, l)]) for l in ann.letters() if (pn.op, l) in INTERNAL_COMM]
+                    if internal:
+                        pn.strategies = [_with_internal(s, internal) for s in pn.strategies]
+        for op, where in fallback_ops.items():
+            msg = (f"autopar: no sharding rule for {op} (in {', '.join(sorted(set(where))[:3])}); it runs "
+                   f"replicated on every rank. Add a rule in autopar/ops/rules.py to shard it.")
+            self.warnings.append(msg)
+            warnings.warn(msg, stacklevel=3)
+        self.fallback_ops = sorted(fallback_ops)
+
+    # --- costs ------------------------------------------------------------------------------
+    def _build_costs(self):
+        mesh = self.mesh
+        self.choices: dict[int, list[Choice]] = {}
+        for pn in self.nodes:
+            if pn.rep != pn.index:
+                continue
+            work = C.measure_flops(pn.node) if pn.kind == "op" else C.OpWork(0.0, 0.0)
+            self.choices[pn.index] = [self._choice(pn, s, work) for s in pn.strategies]
+        # edge classes: (rep src, out index, rep dst, operand index) -> count
+        self.edge_classes: dict[tuple, int] = {}
+        for pn in self.nodes:
+            for k, (s, o) in enumerate(pn.inputs):
+                key = (self.nodes[s].rep, o, pn.rep, k)
+                self.edge_classes[key] = self.edge_classes.get(key, 0) + 1
+        self.counts: dict[int, int] = {}
+        for pn in self.nodes:
+            self.counts[pn.rep] = self.counts.get(pn.rep, 0) + 1
+        self.edge_costs = {key: self._edge_matrix(*key) for key in self.edge_classes}
+
+    def _choice(self, pn: PNode, s: Strategy, work: C.OpWork) -> Choice:
+        mesh = self.mesh
+        mem = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0}
+        comm = [0.0] * mesh.ndim
+        if pn.kind == "param":
+            numel = C.local_numel(pn.out_shapes[0], s.outputs[0], mesh.shape)
+            item = pn.out_dtypes[0].itemsize
+            mem["params"] = numel * item
+            if pn.requires_grad:
+                mem["grads"] = numel * item
+                mem["optimizer"] = numel * C.OPTIMIZER_BYTES
+            return Choice(0.0, tuple(comm), mem)
+        if pn.kind != "op":
+            return Choice(0.0, tuple(comm), mem)
+        in_bytes = sum(C.local_numel(self.nodes[src].out_shapes[o], p, mesh.shape) *
+                       self.nodes[src].out_dtypes[o].itemsize
+                       for (src, o), p in zip(pn.inputs, s.inputs))
+        out_bytes = sum(C.local_numel(shape, p, mesh.shape) * d.itemsize
+                        for shape, d, p in zip(pn.out_shapes, pn.out_dtypes, s.outputs))
+        dtype = pn.out_dtypes[0] if pn.out_dtypes else torch.float32
+        if pn.op in VIEWS:
+            compute = 0.0
+        else:
+            compute = C.roofline(work.fwd_flops / s.factor, in_bytes + out_bytes, dtype, mesh)
+            if pn.requires_grad:
+                compute += C.roofline(work.bwd_flops / s.factor, 2 * (in_bytes + out_bytes), dtype, mesh)
+        if pn.requires_grad and pn.op not in SAVES_NOTHING:
+            # saved for backward: the op's activation operands, in the layout the op reads them
+            mem["activations"] = sum(
+                C.local_numel(self.nodes[src].out_shapes[o], p, mesh.shape) * self.nodes[src].out_dtypes[o].itemsize
+                for (src, o), p in zip(pn.inputs, s.inputs) if self.nodes[src].kind == "op")
+        if s.comm:  # per-row collectives of a named strategy, on the rows this rank holds
+            rows_shape = self.nodes[pn.inputs[0][0]].out_shapes[pn.inputs[0][1]][:1]
+            rows = C.local_numel(rows_shape, [p if isinstance(p, Shard) and p.dim == 0 else Replicate()
+                                              for p in s.inputs[0]], mesh.shape)
+            for kind, axis, per_row in s.comm:
+                comm[axis] += C.collective_time(kind, per_row * 4 * rows, axis, mesh)
+        return Choice(compute, tuple(comm), mem)
+
+    @functools.lru_cache(maxsize=None)
+    def _redistribute(self, shape, itemsize, src, dst):
+        return C.redistribute(shape, itemsize, src, dst, self.mesh)
+
+    def edge_steps(self, src: int, out: int, dst: int, operand: int, i: int, j: int):
+        """Forward and backward collectives on edge src[out] -> dst.operand under choices i, j."""
+        u, v = self.nodes[src], self.nodes[dst]
+        p = u.strategies[i].outputs[out]
+        q = v.strategies[j].inputs[operand]
+        g = v.strategies[j].grads[operand]
+        shape, item = u.out_shapes[out], u.out_dtypes[out].itemsize
+        fwd = self._redistribute(shape, item, p, q)
+        bwd = ()
+        if u.requires_grad and g is not None:
+            bwd = self._redistribute(shape, item, g, tuple(C.grad_target(x) for x in p))
+            if u.kind == "param":  # gathered for use, dropped after forward: gather again for backward
+                bwd = bwd + tuple(st for st in fwd if st.kind == "all_gather")
+        return fwd, bwd
+
+    def _edge_matrix(self, src, out, dst, operand) -> np.ndarray:
+        u, v = self.nodes[src], self.nodes[dst]
+        rows: dict = {}
+        cols: dict = {}
+        row_of = [rows.setdefault(s.outputs[out], len(rows)) for s in u.strategies]
+        col_of = [cols.setdefault((s.inputs[operand], s.grads[operand]), len(cols)) for s in v.strategies]
+        ri = {r: i for i, r in enumerate(row_of)}
+        ci = {c: j for j, c in enumerate(col_of)}
+        small = np.zeros((len(rows), len(cols)))
+        for r, i in ri.items():
+            for c, j in ci.items():
+                fwd, bwd = self.edge_steps(src, out, dst, operand, i, j)
+                small[r, c] = sum(st.seconds for st in fwd) + sum(st.seconds for st in bwd)
+        return small[np.ix_(row_of, col_of)]
+
+    # --- queries ----------------------------------------------------------------------------
+    def node_cost(self, rep: int) -> np.ndarray:
+        return np.array([c.time for c in self.choices[rep]])
+
+    def node_memory(self, rep: int) -> np.ndarray:
+        return np.array([sum(c.memory.values()) for c in self.choices[rep]])
+
+
+# Views cost neither time nor memory; linear elementwise ops and views save nothing for backward.
+from .ops.rules import ELEMENTWISE as _ELEMENTWISE, LINEAR_ELEMENTWISE as _LINEAR  # noqa: E402
+
+VIEWS = TRIVIAL - _ELEMENTWISE
+SAVES_NOTHING = VIEWS | _LINEAR | {"aten.add", "aten.sub", "aten.embedding"}
+
+
+def _args_signature(node: fx.Node):
+    def norm(a):
+        if isinstance(a, fx.Node):
+            return "node"
+        if isinstance(a, (list, tuple)):
+            return tuple(norm(x) for x in a)
+        if isinstance(a, (int, float, bool, str, type(None), torch.dtype)):
+            return a
+        return type(a).__name__
+    return norm(node.args), tuple(sorted((k, norm(v)) for k, v in node.kwargs.items()))
+
+
+def _param_menu(shape, mesh: Mesh) -> list[Strategy]:
+    """Storage layouts of a parameter: per axis Replicate or Shard of a dim it divides."""
+    import itertools
+    per_axis = []
+    for n in mesh.shape:
+        opts = [Replicate()]
+        if n > 1:
+            opts += [Shard(d) for d, size in enumerate(shape)]
+        per_axis.append(opts)
+    menu = []
+    for combo in itertools.product(*per_axis):
+        factor = {}
+        for p, n in zip(combo, mesh.shape):
+            if isinstance(p, Shard):
+                factor[p.dim] = factor.get(p.dim, 1) * n
+        if any(shape[d] % f for d, f in factor.items()):
+            continue
+        name = " ".join(f"{ax}=S({p.dim})" for ax, p in zip(mesh.axis_names, combo)
+                        if isinstance(p, Shard)) or "replicate"
+        menu.append(Strategy(tuple(None for _ in combo), (), (tuple(combo),), (), 1, name))
+    return menu
+
+
+def _pass_through(src: PNode, src_map, out: int, pn: PNode, operand: int, mask):
+    """For each choice of the producer's root, the follower strategy that takes the producer's
+    layout unchanged; None when some producer layout has no such strategy (then the node is
+    planned on its own: a view cannot take a Partial tensor's layout greedily)."""
+    by_input = {}
+    for t, s in enumerate(pn.strategies):
+        if mask[t]:
+            by_input.setdefault(s.inputs[operand], t)
+    result = np.zeros(len(src_map), dtype=int)
+    for k, s_src in enumerate(src_map):
+        t = by_input.get(src.strategies[s_src].outputs[out])
+        if t is None:
+            return None
+        result[k] = t
+    return result
+
+
+def _with_internal(s: Strategy, internal) -> Strategy:
+    """Add the collectives a named strategy runs inside the op (vocabulary-parallel loss)."""
+    steps = list(s.comm)
+    for axis, letter in enumerate(s.split):
+        for l, comms in internal:
+            if letter == l:
+                for kind, per_row in comms:
+                    steps.append((kind, axis, per_row))
+    if not steps:
+        return s
+    return Strategy(s.split, s.inputs, s.outputs, s.grads, s.factor, s.name + " (vocab-parallel)", tuple(steps))
+
+
+@dataclass
+class Reduced:
+    """The ILP view of a Problem: one variable node per root, follower maps to recover the rest."""
+
+    roots: list            # rep index per ILP node
+    costs: list            # np arrays, totals over all instances
+    memory: list
+    edges: list            # (ilp u, ilp v, matrix)
+    allowed: list
+    root_of: dict          # rep -> rep of its root
+    follow: dict           # rep -> np array: rep's choice for each root choice
+
+
+def reduce_problem(problem: Problem, allowed_fn=None) -> Reduced:
+    """Fold followers (views and unary elementwise ops take the layout their producer offers)
+    into their producers and multiply every cost by the number of layers sharing it."""
+    nodes = problem.nodes
+    reps = [pn.index for pn in nodes if pn.rep == pn.index]
+    mask = {}
+    for r in reps:
+        pn = nodes[r]
+        m = np.array([True if allowed_fn is None else bool(allowed_fn(problem, pn, s)) for s in pn.strategies])
+        if not m.any():
+            m[:] = True  # the restriction does not speak to this node
+        mask[r] = m
+    incoming: dict[int, list] = {}
+    for key in problem.edge_classes:
+        incoming.setdefault(key[2], []).append(key)
+    cost = {r: problem.node_cost(r) * problem.counts[r] for r in reps}
+    mem = {r: problem.node_memory(r) * problem.counts[r] for r in reps}
+    root_of, follow = {}, {}
+    used_edges = set()
+    for r in reps:
+        pn = nodes[r]
+        keys = incoming.get(r, [])
+        src = keys[0][0] if len(keys) == 1 else None
+        key = None
+        if (pn.kind == "op" and pn.op in TRIVIAL and len(keys) == 1 and len(pn.strategies) > 1
+                and problem.edge_classes[keys[0]] == problem.counts[r] and src != r
+                and len(nodes[src].strategies) > 1):
+            key = keys[0]
+            this_map = _pass_through(nodes[src], follow[src], key[1], pn, key[3], mask[r])
+        else:
+            this_map = None
+        if this_map is not None:
+            root = root_of[src]
+            edge = problem.edge_costs[key] * problem.edge_classes[key]
+            for s_root, (s_src, t) in enumerate(zip(follow[src], this_map)):
+                cost[root][s_root] += edge[s_src, t] + cost[r][t]
+                mem[root][s_root] += mem[r][t]
+            root_of[r], follow[r] = root, this_map
+            used_edges.add(key)
+        else:
+            root_of[r], follow[r] = r, np.arange(len(pn.strategies))
+    roots = [r for r in reps if root_of[r] == r]
+    index = {r: i for i, r in enumerate(roots)}
+    edges = []
+    for key, count in problem.edge_classes.items():
+        if key in used_edges:
+            continue
+        src, _, dst, _ = key
+        m = problem.edge_costs[key] * count
+        m = m[np.ix_(follow[src], follow[dst])]
+        edges.append((index[root_of[src]], index[root_of[dst]], m))
+    allowed = [mask[r] for r in roots]
+    costs = [cost[r] for r in roots]
+    return Reduced(roots, costs, [mem[r] for r in roots], edges, allowed, root_of, follow)

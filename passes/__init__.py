@@ -1,0 +1,1 @@
+"""Graph rewrites from a Plan (annotate, collectives, localize, sharding): see ARCHITECTURE.md."""

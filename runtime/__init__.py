@@ -1,0 +1,1 @@
+"""Execution of a compiled plan under torchrun."""
