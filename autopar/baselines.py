@@ -7,7 +7,8 @@ comparison with autopar's own plan is like for like:
 - zero3: every parameter stored sharded over every mesh axis (FSDP / ZeRO-3) and
   all-gathered for use; the batch splits.
 - megatron-tp: matrices stored and used sharded along the tensor-parallel axis (column or
-  row, Megatron-LM style), small parameters replicated; other axes data parallel.
+  row, Megatron-LM style; biases and norm weights as the cost model prefers); other axes
+  data parallel.
 """
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def megatron(axes_tp):
                     continue
                 if a in axes_tp and len(pn.out_shapes[0]) >= 2 and not isinstance(p, Shard):
                     return False
-                if (a not in axes_tp or len(pn.out_shapes[0]) < 2) and not isinstance(p, Replicate):
+                if a not in axes_tp and not isinstance(p, Replicate):
                     return False
             return True
         for src, pl in _param_operands(problem, pn, strategy):

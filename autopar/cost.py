@@ -64,7 +64,7 @@ def redistribute(shape, itemsize: int, src, dst, mesh: Mesh) -> tuple[CommStep, 
 
     Partial -> Replicate: reduce-scatter then all-gather (an all-reduce, reported as one);
     Partial -> Shard: reduce-scatter; Shard -> Replicate: all-gather; Shard(i) -> Shard(j):
-    all-to-all; Replicate -> Shard or Partial: a local slice, free.
+    all-to-all; Replicate -> Shard or Partial, Shard -> Partial: local, free.
     """
     if src == dst:
         return ()
@@ -74,9 +74,11 @@ def redistribute(shape, itemsize: int, src, dst, mesh: Mesh) -> tuple[CommStep, 
     def bytes_now():
         return local_numel(shape, cur, mesh.shape) * itemsize
 
-    # 1. free local slices shrink the tensor first
+    # 1. free local steps: slicing a replicated tensor shrinks it; a replicated or sharded
+    #    tensor is already a valid Partial one (zeros elsewhere) for sums
     for a, (s, d) in enumerate(zip(src, dst)):
-        if isinstance(s, Replicate) and not isinstance(d, Replicate):
+        if (isinstance(s, Replicate) and not isinstance(d, Replicate)) or (
+                isinstance(s, Shard) and isinstance(d, Partial)):
             cur[a] = d
     # 2. reductions: reduce-scatter (the all-reduce's second half is an all-gather in step 4)
     pending_gather = []

@@ -102,6 +102,10 @@ def _assemble(problem: Problem, choice: dict):
     compute = 0.0
     comm = [0.0] * mesh.ndim
     memory = dict.fromkeys(CATEGORIES, 0.0)
+    edges_into: dict = {}
+    for e in problem.edges:  # a data edge belongs to its consumer, a gradient edge to its tensor's producer
+        owner = e.b if e.kind == "data" else (e.b if e.kind == "grad_out" else problem.nodes[e.b].source[0])
+        edges_into.setdefault(owner, []).append(e)
     for pn in problem.nodes:
         i = choice[pn.index]
         s = problem.nodes[pn.rep].strategies[i]
@@ -115,14 +119,17 @@ def _assemble(problem: Problem, choice: dict):
         for k, v in c.memory.items():
             memory[k] += v
         edge_comm = 0.0
-        for k, (src, out) in enumerate(pn.inputs):
-            fwd, bwd = problem.edge_steps(problem.nodes[src].rep, out, pn.rep, k, choice[src], i)
+        for e in edges_into.get(pn.index, ()):
+            fwd, bwd = problem.edge_steps(problem.rep_edge(e), choice[e.a], choice[e.b])
+            src = problem.nodes[e.a] if e.kind == "data" else problem.nodes[e.b]
             for phase, steps in (("forward", fwd), ("backward", bwd)):
                 for st in steps:
                     comm[st.axis] += st.seconds
                     edge_comm += st.seconds
                     collectives.append(Collective(st.kind, (mesh.axis_names[st.axis],), st.nbytes, phase,
-                                                  pn.name, problem.nodes[src].name, st.seconds))
+                                                  pn.name, src.name, st.seconds))
+        if pn.kind == "gradsum":
+            continue
         nodes[pn.index] = NodeChoice(pn.name, pn.op, pn.module if pn.kind != "param" else pn.param_name,
                                      s.name, tuple(s.split), tuple(s.inputs), tuple(s.outputs),
                                      c.compute, sum(c.comm) + edge_comm, sum(c.memory.values()))

@@ -12,6 +12,7 @@ import math
 import re
 import warnings
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -21,7 +22,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from . import cost as C
 from .mesh import Mesh
 from .ops import (INTERNAL_COMM, NO_OUTPUT, TRIVIAL, Strategy, annotate, enumerate_strategies,
-                  op_name, outputs_of, replicated, tensor_args)
+                  op_name, outputs_of, replicated, show_placements, tensor_args)
 from .trace import Traced
 
 log = logging.getLogger("autopar")
@@ -48,6 +49,23 @@ class PNode:
     @property
     def name(self) -> str:
         return self.node.name
+
+
+class EdgeKey(NamedTuple):
+    """An edge between two planned nodes; the cost matrix has rows for `a`'s choices and
+    columns for `b`'s.
+
+    kind "data": tensor a[out] feeds operand `operand` of b (forward resharding, and the
+      backward one when a's gradient comes from b alone);
+    kind "grad_in": the gradient that consumer a computes for its operand `operand` joins
+      the gradient sum b (a "gradsum" node);
+    kind "grad_out": the gradient sum a reaches the layout of its tensor b[out]."""
+
+    kind: str
+    a: int
+    b: int
+    out: int
+    operand: int
 
 
 @dataclass
@@ -87,19 +105,21 @@ def block_of(path: str):
 
 
 class Problem:
-    def __init__(self, traced: Traced, mesh: Mesh, *, param_names: dict | None = None):
+    def __init__(self, traced: Traced, mesh: Mesh):
         self.traced = traced
         self.mesh = mesh
         self.nodes: list[PNode] = []
         self.warnings: list[str] = []
-        self._build_nodes(param_names or {})
+        self._build_nodes()
+        self._add_gradient_sums()
         self._share_layers()
         self._build_menus()
         self._build_costs()
 
     # --- graph ------------------------------------------------------------------------------
-    def _build_nodes(self, param_names):
+    def _build_nodes(self):
         by_fx: dict[fx.Node, tuple[int, int]] = {}
+        param_node: dict[str, int] = {}
         for node in self.traced.graph.graph.nodes:
             if node.op == "placeholder":
                 val = node.meta.get("val")
@@ -107,6 +127,12 @@ class Problem:
                     continue
                 is_param = node.target in self.traced.params
                 pname = self.traced.params.get(node.target) or self.traced.buffers.get(node.target)
+                if is_param:  # tied weights are one parameter with one layout
+                    pname = self.traced.tied.get(pname, pname)
+                    if pname in param_node:
+                        by_fx[node] = (param_node[pname], 0)
+                        continue
+                    param_node[pname] = len(self.nodes)
                 pn = PNode(len(self.nodes), node, "param" if is_param else "input",
                            "parameter" if is_param else "input",
                            (pname.rsplit(".", 1)[0] if pname and "." in pname else ""),
@@ -138,6 +164,29 @@ class Problem:
             by_fx[node] = (pn.index, 0)
             self.nodes.append(pn)
         self.by_fx = by_fx
+
+    def _add_gradient_sums(self):
+        """A tensor read by several ops gets one node for the sum of their gradients.
+
+        Autograd adds the consumers' gradients before the producer sees them, so a
+        Replicate tensor read by three column-parallel linears (q, k, v) is all-reduced once
+        in backward, not three times.  The sum node's choice is the layout the gradients are
+        added in; each consumer's gradient reaches it (free when Partial meets Partial), and
+        the sum reaches the producer's layout."""
+        readers: dict[tuple, list] = {}
+        for pn in self.nodes:
+            for k, (src, out) in enumerate(pn.inputs):
+                readers.setdefault((src, out), []).append((pn.index, k))
+        self.gradsum_of: dict[tuple, int] = {}
+        for (src, out), users in readers.items():
+            u = self.nodes[src]
+            if len(users) < 2 or not u.requires_grad:
+                continue
+            gs = PNode(len(self.nodes), u.node, "gradsum", "gradient-sum", u.module,
+                       out_shapes=[u.out_shapes[out]], out_dtypes=[u.out_dtypes[out]])
+            gs.source = (src, out)
+            self.nodes.append(gs)
+            self.gradsum_of[(src, out)] = gs.index
 
     def _share_layers(self):
         """Identical repeated layers (same ops, shapes and wiring) share representatives.
@@ -172,6 +221,13 @@ class Problem:
                 for rep, m in zip(first, blocks[(prefix, i)]):
                     self.nodes[m].rep = rep
             self.layer_groups.append((prefix, indices))
+        for (src, out), gs in self.gradsum_of.items():
+            rep_gs = self.gradsum_of.get((self.nodes[src].rep, out))
+            if rep_gs is not None and len(self._readers(src, out)) == len(self._readers(self.nodes[src].rep, out)):
+                self.nodes[gs].rep = rep_gs
+
+    def _readers(self, src, out):
+        return [(pn.index, k) for pn in self.nodes for k, s in enumerate(pn.inputs) if s == (src, out)]
 
     # --- menus ------------------------------------------------------------------------------
     def _build_menus(self):
@@ -188,6 +244,8 @@ class Problem:
                 pn.strategies = [replicated(0, 1, mesh.ndim, [])]
             elif pn.kind == "output":
                 pn.strategies = [replicated(len(pn.inputs), 0, mesh.ndim, [False] * len(pn.inputs))]
+            elif pn.kind == "gradsum":
+                continue  # after the other menus: it lists the layouts they can produce
             else:
                 try:
                     ann = annotate(pn.node, in_shapes, pn.out_shapes)
@@ -204,12 +262,27 @@ class Problem:
                     internal = [(l, INTERNAL_COMM[(pn.op, l)]) for l in ann.letters() if (pn.op, l) in INTERNAL_COMM]
                     if internal:
                         pn.strategies = [_with_internal(s, internal) for s in pn.strategies]
+        for pn in self.nodes:
+            if pn.kind == "gradsum" and pn.rep == pn.index:
+                pn.strategies = self._gradsum_menu(pn)
         for op, where in fallback_ops.items():
             msg = (f"autopar: no sharding rule for {op} (in {', '.join(sorted(set(where))[:3])}); it runs "
                    f"replicated on every rank. Add a rule in autopar/ops/rules.py to shard it.")
             self.warnings.append(msg)
             warnings.warn(msg, stacklevel=3)
         self.fallback_ops = sorted(fallback_ops)
+
+    def _gradsum_menu(self, gs: PNode) -> list[Strategy]:
+        src, out = gs.source
+        layouts: dict = {}
+        for s in self.nodes[self.nodes[src].rep].strategies:
+            layouts.setdefault(tuple(C.grad_target(p) for p in s.outputs[out]), None)
+        for v, k in self._readers(src, out):
+            for s in self.nodes[self.nodes[v].rep].strategies:
+                if s.grads[k] is not None:
+                    layouts.setdefault(tuple(s.grads[k]), None)
+        return [Strategy(tuple(None for _ in layout), (), (layout,), (), 1, "sum " + show_placements(layout))
+                for layout in layouts]
 
     # --- costs ------------------------------------------------------------------------------
     def _build_costs(self):
@@ -220,16 +293,26 @@ class Problem:
                 continue
             work = C.measure_flops(pn.node) if pn.kind == "op" else C.OpWork(0.0, 0.0)
             self.choices[pn.index] = [self._choice(pn, s, work) for s in pn.strategies]
-        # edge classes: (rep src, out index, rep dst, operand index) -> count
-        self.edge_classes: dict[tuple, int] = {}
+        self.edges: list[EdgeKey] = []   # every concrete edge
         for pn in self.nodes:
-            for k, (s, o) in enumerate(pn.inputs):
-                key = (self.nodes[s].rep, o, pn.rep, k)
-                self.edge_classes[key] = self.edge_classes.get(key, 0) + 1
+            for k, (src, out) in enumerate(pn.inputs):
+                self.edges.append(EdgeKey("data", src, pn.index, out, k))
+                gs = self.gradsum_of.get((src, out))
+                if gs is not None:
+                    self.edges.append(EdgeKey("grad_in", pn.index, gs, out, k))
+        for (src, out), gs in self.gradsum_of.items():
+            self.edges.append(EdgeKey("grad_out", gs, src, out, 0))
+        self.edge_classes: dict[EdgeKey, int] = {}
+        for e in self.edges:
+            key = self.rep_edge(e)
+            self.edge_classes[key] = self.edge_classes.get(key, 0) + 1
         self.counts: dict[int, int] = {}
         for pn in self.nodes:
             self.counts[pn.rep] = self.counts.get(pn.rep, 0) + 1
-        self.edge_costs = {key: self._edge_matrix(*key) for key in self.edge_classes}
+        self.edge_costs = {key: self._edge_matrix(key) for key in self.edge_classes}
+
+    def rep_edge(self, e: EdgeKey) -> EdgeKey:
+        return e._replace(a=self.nodes[e.a].rep, b=self.nodes[e.b].rep)
 
     def _choice(self, pn: PNode, s: Strategy, work: C.OpWork) -> Choice:
         mesh = self.mesh
@@ -274,35 +357,50 @@ class Problem:
     def _redistribute(self, shape, itemsize, src, dst):
         return C.redistribute(shape, itemsize, src, dst, self.mesh)
 
-    def edge_steps(self, src: int, out: int, dst: int, operand: int, i: int, j: int):
-        """Forward and backward collectives on edge src[out] -> dst.operand under choices i, j."""
-        u, v = self.nodes[src], self.nodes[dst]
-        p = u.strategies[i].outputs[out]
-        q = v.strategies[j].inputs[operand]
-        g = v.strategies[j].grads[operand]
-        shape, item = u.out_shapes[out], u.out_dtypes[out].itemsize
+    def edge_steps(self, e: EdgeKey, i: int, j: int):
+        """Forward and backward collectives on edge `e` (between representatives) when its
+        ends take choices i (of e.a) and j (of e.b)."""
+        a, b = self.nodes[e.a], self.nodes[e.b]
+        if e.kind == "grad_in":   # consumer a's gradient joins the sum b
+            g = a.strategies[i].grads[e.operand]
+            if g is None:
+                return (), ()
+            shape, item = b.out_shapes[0], b.out_dtypes[0].itemsize
+            return (), self._redistribute(shape, item, tuple(g), b.strategies[j].outputs[0])
+        if e.kind == "grad_out":  # the sum a reaches the layout of tensor b[out]
+            shape, item = a.out_shapes[0], a.out_dtypes[0].itemsize
+            target = tuple(C.grad_target(x) for x in b.strategies[j].outputs[e.out])
+            return (), self._redistribute(shape, item, a.strategies[i].outputs[0], target)
+        p = a.strategies[i].outputs[e.out]
+        q = b.strategies[j].inputs[e.operand]
+        g = b.strategies[j].grads[e.operand]
+        shape, item = a.out_shapes[e.out], a.out_dtypes[e.out].itemsize
         fwd = self._redistribute(shape, item, p, q)
         bwd = ()
-        if u.requires_grad and g is not None:
-            bwd = self._redistribute(shape, item, g, tuple(C.grad_target(x) for x in p))
-            if u.kind == "param":  # gathered for use, dropped after forward: gather again for backward
+        if a.requires_grad and g is not None:
+            if (e.a, e.out) not in self._summed:
+                bwd = self._redistribute(shape, item, g, tuple(C.grad_target(x) for x in p))
+            if a.kind == "param":  # gathered for use, dropped after forward: gather again for backward
                 bwd = bwd + tuple(st for st in fwd if st.kind == "all_gather")
         return fwd, bwd
 
-    def _edge_matrix(self, src, out, dst, operand) -> np.ndarray:
-        u, v = self.nodes[src], self.nodes[dst]
-        rows: dict = {}
-        cols: dict = {}
-        row_of = [rows.setdefault(s.outputs[out], len(rows)) for s in u.strategies]
-        col_of = [cols.setdefault((s.inputs[operand], s.grads[operand]), len(cols)) for s in v.strategies]
-        ri = {r: i for i, r in enumerate(row_of)}
-        ci = {c: j for j, c in enumerate(col_of)}
-        small = np.zeros((len(rows), len(cols)))
-        for r, i in ri.items():
-            for c, j in ci.items():
-                fwd, bwd = self.edge_steps(src, out, dst, operand, i, j)
-                small[r, c] = sum(st.seconds for st in fwd) + sum(st.seconds for st in bwd)
-        return small[np.ix_(row_of, col_of)]
+    @functools.cached_property
+    def _summed(self) -> set:
+        """Tensors (by representative) whose gradient goes through a gradient-sum node."""
+        return {(self.nodes[src].rep, out) for src, out in self.gradsum_of}
+
+    def _edge_matrix(self, e: EdgeKey) -> np.ndarray:
+        a, b = self.nodes[e.a], self.nodes[e.b]
+        m = np.zeros((len(a.strategies), len(b.strategies)))
+        seen: dict = {}
+        for i, sa in enumerate(a.strategies):
+            for j, sb in enumerate(b.strategies):
+                key = (_edge_view(e, sa, "a"), _edge_view(e, sb, "b"))
+                if key not in seen:
+                    fwd, bwd = self.edge_steps(e, i, j)
+                    seen[key] = sum(st.seconds for st in fwd) + sum(st.seconds for st in bwd)
+                m[i, j] = seen[key]
+        return m
 
     # --- queries ----------------------------------------------------------------------------
     def node_cost(self, rep: int) -> np.ndarray:
@@ -352,6 +450,15 @@ def _param_menu(shape, mesh: Mesh) -> list[Strategy]:
                         if isinstance(p, Shard)) or "replicate"
         menu.append(Strategy(tuple(None for _ in combo), (), (tuple(combo),), (), 1, name))
     return menu
+
+
+def _edge_view(e: EdgeKey, s: Strategy, end: str):
+    """The part of a strategy an edge's cost depends on (for caching)."""
+    if e.kind == "data":
+        return s.outputs[e.out] if end == "a" else (s.inputs[e.operand], s.grads[e.operand])
+    if e.kind == "grad_in":
+        return s.grads[e.operand] if end == "a" else s.outputs[0]
+    return s.outputs[0] if end == "a" else s.outputs[e.out]
 
 
 def _pass_through(src: PNode, src_map, out: int, pn: PNode, operand: int, mask):
@@ -411,7 +518,8 @@ def reduce_problem(problem: Problem, allowed_fn=None) -> Reduced:
         mask[r] = m
     incoming: dict[int, list] = {}
     for key in problem.edge_classes:
-        incoming.setdefault(key[2], []).append(key)
+        if key.kind == "data":
+            incoming.setdefault(key.b, []).append(key)
     cost = {r: problem.node_cost(r) * problem.counts[r] for r in reps}
     mem = {r: problem.node_memory(r) * problem.counts[r] for r in reps}
     root_of, follow = {}, {}
@@ -419,15 +527,13 @@ def reduce_problem(problem: Problem, allowed_fn=None) -> Reduced:
     for r in reps:
         pn = nodes[r]
         keys = incoming.get(r, [])
-        src = keys[0][0] if len(keys) == 1 else None
-        key = None
+        this_map = None
         if (pn.kind == "op" and pn.op in TRIVIAL and len(keys) == 1 and len(pn.strategies) > 1
-                and problem.edge_classes[keys[0]] == problem.counts[r] and src != r
-                and len(nodes[src].strategies) > 1):
+                and problem.edge_classes[keys[0]] == problem.counts[r] and keys[0].a != r
+                and len(nodes[keys[0].a].strategies) > 1):
             key = keys[0]
-            this_map = _pass_through(nodes[src], follow[src], key[1], pn, key[3], mask[r])
-        else:
-            this_map = None
+            src = key.a
+            this_map = _pass_through(nodes[src], follow[src], key.out, pn, key.operand, mask[r])
         if this_map is not None:
             root = root_of[src]
             edge = problem.edge_costs[key] * problem.edge_classes[key]
@@ -444,10 +550,9 @@ def reduce_problem(problem: Problem, allowed_fn=None) -> Reduced:
     for key, count in problem.edge_classes.items():
         if key in used_edges:
             continue
-        src, _, dst, _ = key
         m = problem.edge_costs[key] * count
-        m = m[np.ix_(follow[src], follow[dst])]
-        edges.append((index[root_of[src]], index[root_of[dst]], m))
+        m = m[np.ix_(follow[key.a], follow[key.b])]
+        edges.append((index[root_of[key.a]], index[root_of[key.b]], m))
     allowed = [mask[r] for r in roots]
     costs = [cost[r] for r in roots]
     return Reduced(roots, costs, [mem[r] for r in roots], edges, allowed, root_of, follow)

@@ -29,6 +29,7 @@ class Traced:
     params: dict
     buffers: dict
     user_inputs: list
+    tied: dict   # parameter name -> the name `named_parameters()` lists it under (tied weights)
 
 
 def _module_of_error(exc: BaseException, model: torch.nn.Module) -> str:
@@ -67,4 +68,8 @@ def trace(model: torch.nn.Module | fx.GraphModule, example_inputs: tuple, exampl
     buffers.update(getattr(sig, "inputs_to_lifted_tensor_constants", {}) or {})
     log.info("traced %s in %.2fs: %d nodes", type(model).__name__, time.perf_counter() - start,
              len(gm.graph.nodes))
-    return Traced(gm, params, buffers, list(sig.user_inputs))
+    first: dict[int, str] = {}
+    tied = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        tied[name] = first.setdefault(id(p), name)
+    return Traced(gm, params, buffers, list(sig.user_inputs), tied)

@@ -1,0 +1,228 @@
+"""Reference models for autopar: MLP, GPT-2, Llama 3 and BERT.
+
+The models are plain single-device PyTorch modules (no parallelism code) that
+return the training loss when called with targets, so one training step is
+`loss = model(*example_inputs); loss.backward()`.
+
+    >>> from autopar.models import build, list_models
+    >>> model, example_inputs = build("gpt-tiny")
+    >>> loss = model(*example_inputs)            # scalar
+    >>> model, example_inputs = build("llama3-70b", device="meta")   # no memory used
+    >>> model, example_inputs = build("gpt2-124m", n_layers=2, batch=2, seq=128)
+
+`build` accepts as keyword overrides any field of the preset's config
+dataclass plus `batch` and `seq` (the shape of the example inputs).
+"""
+
+from dataclasses import dataclass, fields, replace
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from .bert import IGNORE_INDEX, Bert, BertConfig
+from .gpt import GPT, GPTConfig
+from .llama import Llama, LlamaConfig, ffn_hidden_dim
+from .mlp import MLP, MLPConfig
+
+__all__ = [
+    "build",
+    "list_models",
+    "PRESETS",
+    "Preset",
+    "MLP",
+    "MLPConfig",
+    "GPT",
+    "GPTConfig",
+    "Llama",
+    "LlamaConfig",
+    "ffn_hidden_dim",
+    "Bert",
+    "BertConfig",
+]
+
+# The example inputs are drawn from their own generator with this seed, so they
+# are the same on every call and do not disturb the global RNG.
+EXAMPLE_SEED = 0
+
+
+# --- example inputs ----------------------------------------------------------
+# Each function returns a tuple whose last element is the targets, so that
+# `model(*inputs)` is the scalar loss. On the meta device the tensors are empty
+# meta tensors of the right shape and dtype.
+
+
+def _random_tokens(shape: tuple[int, ...], vocab: int, device: torch.device, gen: torch.Generator):
+    if device.type == "meta":
+        return torch.empty(shape, dtype=torch.long, device="meta")
+    return torch.randint(0, vocab, shape, generator=gen).to(device)
+
+
+def _regression_inputs(config: MLPConfig, batch: int, seq: int | None, device: torch.device):
+    """(x [batch, hidden] float32, target [batch, hidden] float32)"""
+    shape = (batch, config.hidden)
+    if device.type == "meta":
+        return torch.empty(shape, device="meta"), torch.empty(shape, device="meta")
+    gen = torch.Generator().manual_seed(EXAMPLE_SEED)
+    x = torch.randn(shape, generator=gen)
+    target = torch.randn(shape, generator=gen)
+    return x.to(device), target.to(device)
+
+
+def _causal_lm_inputs(config: GPTConfig | LlamaConfig, batch: int, seq: int, device: torch.device):
+    """(tokens [batch, seq] int64, targets [batch, seq] int64), ids in [0, vocab)"""
+    gen = torch.Generator().manual_seed(EXAMPLE_SEED)
+    tokens = _random_tokens((batch, seq), config.vocab, device, gen)
+    targets = _random_tokens((batch, seq), config.vocab, device, gen)
+    return tokens, targets
+
+
+def _masked_lm_inputs(config: BertConfig, batch: int, seq: int, device: torch.device):
+    """(input_ids [batch, seq] int64, targets [batch, seq] int64)
+
+    About 15% of the positions (and always position 0, so the loss is never an
+    average over nothing) are "masked": their target is a token id, every other
+    target is -100. The ids are random; no [MASK] token is substituted.
+    """
+    gen = torch.Generator().manual_seed(EXAMPLE_SEED)
+    input_ids = _random_tokens((batch, seq), config.vocab, device, gen)
+    if device.type == "meta":
+        return input_ids, torch.empty((batch, seq), dtype=torch.long, device="meta")
+    masked = torch.rand((batch, seq), generator=gen) < 0.15
+    masked[:, 0] = True
+    targets = torch.where(masked, input_ids.cpu(), IGNORE_INDEX)
+    return input_ids, targets.to(device)
+
+
+# --- presets -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A named model: its class, its config, and the default example-input shape."""
+
+    model_cls: type[nn.Module]
+    config: Any  # an instance of the model's config dataclass
+    make_inputs: Callable[..., tuple[torch.Tensor, ...]]
+    batch: int
+    seq: int | None  # None for models whose inputs have no sequence dimension
+
+
+def _gpt2(n_layers: int, hidden: int, n_heads: int) -> Preset:
+    config = GPTConfig(vocab=50257, max_seq=1024, hidden=hidden, n_layers=n_layers, n_heads=n_heads)
+    return Preset(GPT, config, _causal_lm_inputs, batch=8, seq=1024)
+
+
+PRESETS: dict[str, Preset] = {
+    "mlp": Preset(MLP, MLPConfig(hidden=1024, n_layers=4), _regression_inputs, batch=64, seq=None),
+    # GPT-2 sizes from the GPT-2 paper / Hugging Face configs.
+    "gpt2-124m": _gpt2(n_layers=12, hidden=768, n_heads=12),
+    "gpt2-355m": _gpt2(n_layers=24, hidden=1024, n_heads=16),
+    "gpt2-774m": _gpt2(n_layers=36, hidden=1280, n_heads=20),
+    "gpt2-1.5b": _gpt2(n_layers=48, hidden=1600, n_heads=25),
+    "gpt-tiny": Preset(
+        GPT,
+        GPTConfig(vocab=128, max_seq=64, hidden=64, n_layers=2, n_heads=4),
+        _causal_lm_inputs,
+        batch=4,
+        seq=16,
+    ),
+    # Llama 3 sizes from Meta's params.json. The models support 8192 tokens;
+    # the example inputs use 2048 to keep planning and tracing fast
+    # (pass seq=8192 for the full context).
+    "llama3-8b": Preset(
+        Llama,
+        LlamaConfig(
+            dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab=128256,
+            multiple_of=1024, ffn_dim_multiplier=1.3, rope_theta=500000.0, max_seq=8192,
+        ),
+        _causal_lm_inputs,
+        batch=1,
+        seq=2048,
+    ),
+    "llama3-70b": Preset(
+        Llama,
+        LlamaConfig(
+            dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab=128256,
+            multiple_of=4096, ffn_dim_multiplier=1.3, rope_theta=500000.0, max_seq=8192,
+        ),
+        _causal_lm_inputs,
+        batch=1,
+        seq=2048,
+    ),
+    "llama-tiny": Preset(
+        Llama,
+        LlamaConfig(
+            dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab=128,
+            multiple_of=32, ffn_dim_multiplier=None, max_seq=64, tie_embeddings=True,
+        ),
+        _causal_lm_inputs,
+        batch=4,
+        seq=16,
+    ),
+    # bert-base-uncased.
+    "bert-base": Preset(Bert, BertConfig(), _masked_lm_inputs, batch=8, seq=512),
+    "bert-tiny": Preset(
+        Bert,
+        BertConfig(vocab=128, max_seq=64, hidden=64, n_layers=2, n_heads=4),
+        _masked_lm_inputs,
+        batch=4,
+        seq=16,
+    ),
+}
+
+
+def list_models() -> list[str]:
+    """The preset names accepted by `build`."""
+    return list(PRESETS)
+
+
+def build(
+    name: str, device: str | torch.device = "cpu", **overrides: Any
+) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """Build a preset model and example inputs for one training step.
+
+    name:      a preset name, see `list_models()`
+    device:    "cpu" (or any real device) for a materialized, initialized model;
+               "meta" for a model and inputs that have shapes but no storage
+    overrides: any field of the preset's config dataclass (e.g. n_layers=2),
+               plus `batch` and `seq` for the example inputs
+
+    returns (model, example_inputs) with `model(*example_inputs)` a scalar loss.
+    On a real device the weights are drawn from the global RNG, so
+    `torch.manual_seed(s)` before `build` makes them reproducible; the example
+    inputs are always the same.
+    """
+    if name not in PRESETS:
+        raise ValueError(f"unknown model {name!r}; available: {', '.join(PRESETS)}")
+    preset = PRESETS[name]
+
+    config_fields = [f.name for f in fields(preset.config)]
+    input_fields = ["batch"] if preset.seq is None else ["batch", "seq"]
+    unknown = [k for k in overrides if k not in config_fields and k not in input_fields]
+    if unknown:
+        raise ValueError(
+            f"unknown override(s) {', '.join(map(repr, unknown))} for model {name!r}; "
+            f"valid fields: {', '.join(config_fields + input_fields)}"
+        )
+    config = replace(preset.config, **{k: v for k, v in overrides.items() if k in config_fields})
+
+    batch = overrides.get("batch", preset.batch)
+    seq = preset.seq
+    if seq is not None:
+        # If only max_seq was lowered, shorten the default example to fit.
+        seq = overrides.get("seq", min(seq, config.max_seq))
+        if seq > config.max_seq:
+            raise ValueError(f"seq={seq} exceeds max_seq={config.max_seq} of model {name!r}")
+
+    # Construct on the meta device (no memory, no init cost), then materialize
+    # and initialize on the requested device.
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = preset.model_cls(config)
+    if device.type != "meta":
+        model.to_empty(device=device)
+        model.init_weights()
+
+    example_inputs = preset.make_inputs(config, batch, seq, device)
+    return model, example_inputs

@@ -1,0 +1,157 @@
+"""GPT-2: a decoder-only transformer with learned position embeddings.
+
+Read top to bottom:
+
+    GPTConfig            the hyper-parameters
+    CausalSelfAttention  multi-head attention with separate q, k, v projections
+    FeedForward          hidden -> 4*hidden -> hidden with GELU
+    Block                pre-LayerNorm residual block: attention, then feed-forward
+    GPT                  embeddings, a stack of Blocks, final LayerNorm, LM head
+
+The data flow of GPT.forward:
+
+    idx [batch, seq] ──► wte + wpe ──► Block × n_layers
+                     ──► ln_f ──► lm_head ──► logits [batch, seq, vocab]
+
+Shapes in comments use `batch`, `seq`, `hidden`, `heads`, `head_dim`
+(`hidden == heads * head_dim`) and `vocab`.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class GPTConfig:
+    vocab: int = 50257  # GPT-2 BPE vocabulary size
+    max_seq: int = 1024  # longest sequence the position embedding covers
+    hidden: int = 768  # model width
+    n_layers: int = 12
+    n_heads: int = 12
+    bias: bool = True  # biases in the linear layers and LayerNorms
+    dropout: float = 0.0
+    tie_embeddings: bool = True  # lm_head shares its weight with wte
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        if config.hidden % config.n_heads != 0:
+            raise ValueError(
+                f"hidden ({config.hidden}) must be divisible by n_heads ({config.n_heads})"
+            )
+        self.n_heads = config.n_heads
+        self.head_dim = config.hidden // config.n_heads
+        self.dropout = config.dropout
+        self.q = nn.Linear(config.hidden, config.hidden, bias=config.bias)
+        self.k = nn.Linear(config.hidden, config.hidden, bias=config.bias)
+        self.v = nn.Linear(config.hidden, config.hidden, bias=config.bias)
+        self.o = nn.Linear(config.hidden, config.hidden, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [batch, seq, hidden] -> [batch, seq, hidden]"""
+        batch, seq, hidden = x.shape
+        # [batch, seq, hidden] -> [batch, seq, heads, head_dim] -> [batch, heads, seq, head_dim]
+        q = self.q(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )  # [batch, heads, seq, head_dim]
+        # Put the heads side by side again: -> [batch, seq, hidden]
+        y = y.transpose(1, 2).reshape(batch, seq, hidden)
+        return self.resid_dropout(self.o(y))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.fc1 = nn.Linear(config.hidden, 4 * config.hidden, bias=config.bias)
+        self.act = nn.GELU(approximate="tanh")  # the GELU variant GPT-2 used
+        self.fc2 = nn.Linear(4 * config.hidden, config.hidden, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [batch, seq, hidden] -> [batch, seq, 4*hidden] -> [batch, seq, hidden]"""
+        return self.dropout(self.fc2(self.act(self.fc1(x))))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.hidden, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.hidden, bias=config.bias)
+        self.mlp = FeedForward(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [batch, seq, hidden] -> [batch, seq, hidden]"""
+        x = x + self.attn(self.ln_1(x))
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab, config.hidden)  # token embedding
+        self.wpe = nn.Embedding(config.max_seq, config.hidden)  # position embedding
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.ln_f = nn.LayerNorm(config.hidden, bias=config.bias)
+        self.lm_head = nn.Linear(config.hidden, config.vocab, bias=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """GPT-2 style init.
+
+        Linear and embedding weights ~ normal(0, 0.02), biases zero, LayerNorms
+        weight one / bias zero. The two projections that write into the residual
+        stream (`attn.o`, `mlp.fc2`) get std 0.02 / sqrt(2 * n_layers), so the
+        residual stream does not grow with depth.
+
+        Also (re-)ties `lm_head.weight` to `wte.weight`: `Module.to_empty()`
+        (used to materialize a model built on the meta device) unties shared
+        parameters, so calling `to_empty(...)` then `init_weights()` gives a
+        correctly tied, initialized model.
+        """
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layers)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                std = residual_std if name.endswith(("attn.o", "mlp.fc2")) else 0.02
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            elif isinstance(module, nn.LayerNorm):
+                module.reset_parameters()
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """
+        idx:     [batch, seq] token ids, seq <= max_seq
+        targets: [batch, seq] next-token ids (optional)
+        returns the scalar cross-entropy loss if `targets` is given,
+        else logits: [batch, seq, vocab]
+        """
+        batch, seq = idx.shape
+        pos = torch.arange(seq, device=idx.device)  # [seq]
+        x = self.drop(self.wte(idx) + self.wpe(pos))  # [batch, seq, hidden]
+        for block in self.blocks:
+            x = block(x)
+        x = self.ln_f(x)
+        logits = self.lm_head(x)  # [batch, seq, vocab]
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.view(-1, self.config.vocab), targets.view(-1))
