@@ -104,6 +104,14 @@ class Plan:
     memory_budget: float | None = None
     fallback_ops: tuple = ()
     layers: tuple = ()                              # (module prefix, repeated layer indices)
+    timing: dict = field(default_factory=dict, compare=False)  # wall seconds of each planning step
+
+    @property
+    def identity(self) -> dict:
+        """Everything that defines the plan (its timing left out)."""
+        d = self.to_dict()
+        d.pop("timing")
+        return d
 
     # --- queries ----------------------------------------------------------------------------
     def node(self, name: str) -> NodeChoice:
@@ -116,7 +124,7 @@ class Plan:
         return [c for c in self.collectives if (kind is None or c.kind == kind) and (phase is None or c.phase == phase)]
 
     def hash(self) -> str:
-        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+        return hashlib.sha256(json.dumps(self.identity, sort_keys=True).encode()).hexdigest()[:16]
 
     # --- JSON -------------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -138,7 +146,7 @@ class Plan:
             "predicted": pred(self.predicted), "solver": self.solver,
             "baselines": {k: pred(v) for k, v in self.baselines.items()},
             "memory_budget": self.memory_budget, "fallback_ops": list(self.fallback_ops),
-            "layers": [[p, list(ix)] for p, ix in self.layers],
+            "layers": [[p, list(ix)] for p, ix in self.layers], "timing": self.timing,
         }
 
     def to_json(self) -> str:
@@ -163,7 +171,7 @@ class Plan:
                    predicted=pred(d["predicted"]), solver=d["solver"],
                    baselines={k: pred(v) for k, v in d["baselines"].items()},
                    memory_budget=d["memory_budget"], fallback_ops=tuple(d["fallback_ops"]),
-                   layers=tuple((p, tuple(ix)) for p, ix in d["layers"]))
+                   layers=tuple((p, tuple(ix)) for p, ix in d["layers"]), timing=d.get("timing", {}))
 
     def save(self, path) -> None:
         with open(path, "w") as f:
@@ -184,8 +192,10 @@ class Plan:
                  f"predicted: {self.predicted}"]
         s = self.solver
         state = "optimal" if s.get("optimal") else f"feasible (gap {s.get('gap', 0):.2%})"
-        lines.append(f"solver: {state}, {s.get('variables')} variables, {s.get('constraints')} constraints, "
-                     f"{s.get('seconds', 0):.2f}s")
+        t = self.timing
+        lines.append(f"solver: {state}, {s.get('variables')} variables, {s.get('constraints')} constraints; "
+                     f"planned in {t.get('total_s', 0):.2f}s (trace {t.get('trace_s', 0):.2f}s, "
+                     f"menus and costs {t.get('costs_s', 0):.2f}s, ILP {t.get('solve_s', 0):.2f}s)")
         if self.memory_budget:
             lines.append(f"memory budget: {_b(self.memory_budget)} per device")
         if self.fallback_ops:

@@ -57,13 +57,15 @@ def plan(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, example_kwarg
         if pn.kind == "param":
             params[pn.param_name] = nodes[pn.index].outputs[0]
     solver = {"optimal": sol.optimal, "gap": sol.gap, "objective_s": sol.objective, "bound_s": sol.bound,
-              "variables": sol.variables, "constraints": sol.constraints, "seconds": round(sol.seconds, 6),
+              "variables": sol.variables, "constraints": sol.constraints,
               "graph_nodes": len(problem.nodes), "choice_nodes": len(problem.choices)}
+    timing = {"trace_s": t_trace, "costs_s": t_build, "solve_s": sol.seconds,
+              "total_s": time.perf_counter() - start}
     result = Plan(mesh=mesh.to_dict(), model=type(model).__name__,
                   param_placements=_order_params(model, params), nodes=tuple(nodes[i] for i in sorted(nodes)),
                   collectives=tuple(collectives), predicted=predicted, solver=solver, baselines=compared,
                   memory_budget=budget, fallback_ops=tuple(problem.fallback_ops),
-                  layers=tuple((p, tuple(ix)) for p, ix in problem.layer_groups))
+                  layers=tuple((p, tuple(ix)) for p, ix in problem.layer_groups), timing=timing)
     log.info("planned %s on %s in %.2fs (trace %.2fs)", type(model).__name__, mesh, time.perf_counter() - start, t_trace)
     return result
 
@@ -127,7 +129,7 @@ def _assemble(problem: Problem, choice: dict):
                     comm[st.axis] += st.seconds
                     edge_comm += st.seconds
                     collectives.append(Collective(st.kind, (mesh.axis_names[st.axis],), st.nbytes, phase,
-                                                  pn.name, src.name, st.seconds))
+                                                  pn.name, src.param_name or src.name, st.seconds))
         if pn.kind == "gradsum":
             continue
         nodes[pn.index] = NodeChoice(pn.name, pn.op, pn.module if pn.kind != "param" else pn.param_name,

@@ -127,15 +127,17 @@ def solve(costs, edges, memory=None, budget=None, allowed=None, *, time_limit=60
         for c, members in col_members.items():
             model.Add(sum(pairs[(r, c)] for r in row_members) == sum(members))
     if budget is not None and memory is not None:
+        # memory in units of budget / 1e9; each term rounded up, so the constraint is never
+        # looser than the budget and at most ~1e-9 of it stricter per node
+        unit = max(float(budget), 1.0) / 1e9
         terms = []
-        mem_scale = 1.0 / 1024  # KiB units keep coefficients small
         for n in range(n_nodes):
             for i, v in enumerate(x[n]):
                 if v is not None:
-                    b = int(np.ceil(memory[n][i] * mem_scale))
+                    b = int(np.ceil(memory[n][i] / unit - 1e-9))
                     if b:
                         terms.append(b * v)
-        model.Add(sum(terms) <= int(budget * mem_scale))
+        model.Add(sum(terms) <= int(budget / unit))
     model.Minimize(sum(objective))
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1

@@ -1,0 +1,237 @@
+"""How long autopar takes to plan, and how much memory it needs, for real model sizes.
+
+For each case the model is built on the meta device (no weights exist) and planned with
+`autopar.plan`; one row reports:
+
+- planning wall time from `plan.timing`: total, and its trace (torch.export), costs
+  (strategy menus and cost model) and ILP (CP-SAT) parts.  "other" is the rest of the
+  total: with comparison on, mostly solving the hand-written layouts (one ILP each);
+- the process's peak resident memory (`ru_maxrss`) before building the model and after
+  planning, and the increase;
+- the ILP's size (variables, constraints) and whether it was solved to optimality (gap);
+- the predicted step time, and the best hand-written layout (data parallel, ZeRO-3,
+  Megatron, ...) with its predicted step time over autopar's (>1.00x: autopar is faster).
+
+Each case runs in a fresh Python process (this script with the hidden `--one CASE`), so
+the peak memory of one case is not inherited by the next.
+
+Target: llama3-8b on 64 devices (dp=8 x tp=8) planned in under 10 s on a 2-core machine.
+For reference, PyTorch's own ILP autoparallel reports about 37 s of solving alone for
+the same model and mesh.
+
+Run:
+    python benchmarks/plan_time.py                        # all cases, with baselines
+    python benchmarks/plan_time.py --cases llama3-8b      # one case
+    python benchmarks/plan_time.py --no-compare           # skip the hand-written layouts
+    python benchmarks/plan_time.py --json plan_time.json  # also write the rows as JSON
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+REFERENCE_ILP_S = 37.0     # PyTorch autoparallel, ILP solve only, llama3-8b on 8x8 H100
+TARGET_TOTAL_S = 10.0      # our target for the whole of planning, llama3-8b on 8x8
+TARGET_CASE = "llama3-8b"
+ROW_MARK = "PLAN_TIME_ROW "  # prefix of the one JSON line a `--one` child prints
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    shape: tuple
+    axes: tuple
+    device: str = "h100"
+
+    @property
+    def mesh_label(self) -> str:
+        return "x".join(f"{a}={s}" for a, s in zip(self.axes, self.shape))
+
+
+CASES = {
+    "gpt2-124m": Case("gpt2-124m", (8,), ("dp",)),
+    "llama3-8b": Case("llama3-8b", (8, 8), ("dp", "tp")),
+    "llama3-70b": Case("llama3-70b", (16, 8), ("dp", "tp")),
+}
+
+
+def _maxrss_bytes() -> int:
+    """Peak resident memory of this process so far; Linux reports KiB, macOS bytes."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
+def run_one(name: str, compare: bool) -> dict:
+    """Plan one case in this process and return its row."""
+    rss_start = _maxrss_bytes()  # before torch is imported
+    import autopar
+    from autopar.models import build
+    from autopar.plan import Prediction
+
+    case = CASES[name]
+    rss_before = _maxrss_bytes()
+    start = time.perf_counter()
+    model, example_inputs = build(case.model, device="meta")
+    t_build = time.perf_counter() - start
+    mesh = autopar.Mesh(case.shape, case.axes, device=case.device)
+    plan = autopar.plan(model, mesh, example_inputs, compare=compare)
+    rss_after = _maxrss_bytes()
+
+    best = None
+    for layout, pred in plan.baselines.items():
+        if isinstance(pred, Prediction) and (best is None or pred.step_s < best[1]):
+            best = (layout, pred.step_s)
+    t = plan.timing
+    return {
+        "case": name, "model": case.model, "mesh": case.mesh_label, "devices": mesh.size,
+        "build_s": t_build, "trace_s": t["trace_s"], "costs_s": t["costs_s"], "ilp_s": t["solve_s"],
+        "total_s": t["total_s"], "other_s": t["total_s"] - t["trace_s"] - t["costs_s"] - t["solve_s"],
+        "rss_import_bytes": rss_before - rss_start,
+        "rss_before_bytes": rss_before, "rss_after_bytes": rss_after,
+        "rss_increase_bytes": rss_after - rss_before,
+        "variables": plan.solver["variables"], "constraints": plan.solver["constraints"],
+        "graph_nodes": plan.solver.get("graph_nodes"), "optimal": bool(plan.solver["optimal"]),
+        "gap": float(plan.solver["gap"]),
+        "step_s": plan.predicted.step_s, "memory_bytes": plan.predicted.memory_total,
+        "best_layout": best[0] if best else None,
+        "best_layout_step_s": best[1] if best else None,
+        "best_layout_ratio": best[1] / plan.predicted.step_s if best else None,
+        "baselines_failed": sorted(k for k, v in plan.baselines.items() if not isinstance(v, Prediction)),
+    }
+
+
+def run_case_subprocess(name: str, compare: bool) -> dict:
+    """Run `run_one` in a fresh interpreter; on failure the child's stderr goes to ours."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--one", name]
+    if not compare:
+        cmd.append("--no-compare")
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    rows = [line[len(ROW_MARK):] for line in proc.stdout.splitlines() if line.startswith(ROW_MARK)]
+    if proc.returncode != 0 or not rows:
+        sys.stderr.write(proc.stderr)
+        return {"case": name, "error": f"exit code {proc.returncode}", "process_s": wall}
+    row = json.loads(rows[-1])
+    row["process_s"] = wall
+    return row
+
+
+# --- printing ----------------------------------------------------------------------------
+
+def _s(x: float) -> str:
+    return f"{x:.2f}s"
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.0f}M"
+
+
+def _t(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f}ms" if seconds < 1 else f"{seconds:.3f}s"
+
+
+COLUMNS = [  # (header, width, row -> text)
+    ("case", 11, lambda r: r["case"]),
+    ("mesh", 12, lambda r: r["mesh"]),
+    ("total", 7, lambda r: _s(r["total_s"])),
+    ("trace", 7, lambda r: _s(r["trace_s"])),
+    ("costs", 7, lambda r: _s(r["costs_s"])),
+    ("ILP", 7, lambda r: _s(r["ilp_s"])),
+    ("other", 7, lambda r: _s(r["other_s"])),
+    ("process", 8, lambda r: _s(r["process_s"])),
+    ("rss before", 11, lambda r: _mib(r["rss_before_bytes"])),
+    ("rss peak", 9, lambda r: _mib(r["rss_after_bytes"])),
+    ("increase", 9, lambda r: _mib(r["rss_increase_bytes"])),
+    ("vars", 7, lambda r: str(r["variables"])),
+    ("cons", 7, lambda r: str(r["constraints"])),
+    ("ILP state", 10, lambda r: "optimal" if r["optimal"] else f"gap {r['gap']:.2%}"),
+]
+
+
+def print_header(compare: bool) -> None:
+    print("autopar planning time and memory (models on the meta device)")
+    print(f"machine: {os.cpu_count()} CPU cores, Python {platform.python_version()}, {platform.machine()}")
+    print(f"target:   {TARGET_CASE} on 64 devices (dp=8 x tp=8) planned in under {TARGET_TOTAL_S:.0f} s "
+          f"on a 2-core machine")
+    print(f"baseline: PyTorch's own ILP autoparallel reports about {REFERENCE_ILP_S:.0f} s of solving "
+          f"alone for the same model and mesh")
+    print("columns:  total = trace + costs + ILP + other (other: hand-written layouts"
+          + (", one ILP each)" if compare else "; off with --no-compare)")
+          + "; process: wall time of the child process incl. imports; rss in MiB (ru_maxrss)")
+    print()
+
+
+def print_table(rows: list[dict], compare: bool) -> None:
+    print("  ".join(f"{h:<{w}}" if i < 2 else f"{h:>{w}}" for i, (h, w, _) in enumerate(COLUMNS)))
+    print("-" * (sum(w for _, w, _ in COLUMNS) + 2 * (len(COLUMNS) - 1)))
+    for r in rows:
+        if "error" in r:
+            print(f"{r['case']:<11}  failed ({r['error']}), see the traceback above")
+            continue
+        print("  ".join(f"{f(r):<{w}}" if i < 2 else f"{f(r):>{w}}" for i, (_, w, f) in enumerate(COLUMNS)))
+
+    print()
+    print(f"{'case':<11}  {'predicted step':>14}  {'memory/device':>13}  best hand-written layout")
+    for r in rows:
+        if "error" in r:
+            continue
+        if not compare:
+            best = "(skipped: --no-compare)"
+        elif r["best_layout"] is None:
+            best = "(none feasible)"
+        else:
+            best = (f"{r['best_layout']} {_t(r['best_layout_step_s'])} = {r['best_layout_ratio']:.2f}x "
+                    f"autopar's step")
+        if r["baselines_failed"]:
+            best += f"; infeasible: {', '.join(r['baselines_failed'])}"
+        print(f"{r['case']:<11}  {_t(r['step_s']):>14}  {r['memory_bytes'] / 2**30:>10.2f}GiB  {best}")
+
+    target = next((r for r in rows if r["case"] == TARGET_CASE and "error" not in r), None)
+    if target is not None:
+        print()
+        print(f"{TARGET_CASE} on {target['mesh']}: ILP {target['ilp_s']:.2f}s -> "
+              f"{REFERENCE_ILP_S:.0f} / {target['ilp_s']:.2f} = {REFERENCE_ILP_S / target['ilp_s']:.1f}x "
+              f"faster than PyTorch autoparallel's reported solve")
+        verdict = "meets" if target["total_s"] < TARGET_TOTAL_S else "MISSES"
+        print(f"{TARGET_CASE} on {target['mesh']}: total {target['total_s']:.2f}s -> "
+              f"{TARGET_TOTAL_S:.0f} / {target['total_s']:.2f} = {TARGET_TOTAL_S / target['total_s']:.2f}x "
+              f"({verdict} the {TARGET_TOTAL_S:.0f} s target on {os.cpu_count()} cores)")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES),
+                        help="cases to run (default: all)")
+    parser.add_argument("--no-compare", dest="compare", action="store_false",
+                        help="do not cost the hand-written layouts")
+    parser.add_argument("--json", metavar="PATH", help="also write the rows to this JSON file")
+    parser.add_argument("--one", choices=list(CASES), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.one:
+        print(ROW_MARK + json.dumps(run_one(args.one, args.compare)), flush=True)
+        return 0
+
+    print_header(args.compare)
+    rows = []
+    for name in args.cases:
+        print(f"planning {name} ...", file=sys.stderr, flush=True)
+        rows.append(run_case_subprocess(name, args.compare))
+    print_table(rows, args.compare)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"compare": args.compare, "cpu_count": os.cpu_count(), "rows": rows}, f, indent=1)
+        print(f"\nwrote {args.json}")
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
