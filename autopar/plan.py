@@ -150,7 +150,7 @@ class Plan:
         }
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=1, sort_keys=True)
+        return json.dumps(self.to_dict(), indent=1)
 
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":

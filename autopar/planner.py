@@ -82,18 +82,55 @@ def _order_params(model, params: dict) -> dict:
 
 
 def _solve(problem: Problem, rule, budget, time_limit, minimise_memory=False):
-    red = reduce_problem(problem, rule)
-    if minimise_memory:
-        sol = solve(red.memory, [], None, None, red.allowed, time_limit=time_limit)
-    else:
-        sol = solve(red.costs, red.edges, red.memory, budget, red.allowed, time_limit=time_limit)
-    root_choice = dict(zip(red.roots, sol.choice))
-    choice = {}
-    for pn in problem.nodes:
-        r = pn.rep
-        choice[pn.index] = int(red.follow[r][root_choice[red.root_of[r]]])
-    floor = sum(float(red.memory[i][c]) for i, c in enumerate(sol.choice))
-    return choice, sol, floor
+    """Solve with every identical layer alike (period 1); when the answer moves data between
+    consecutive layers, try alternating layouts (period 2) too and keep the faster plan."""
+    best = None
+    for period in (1, 2):
+        red = reduce_problem(problem, rule, period)
+        try:
+            if minimise_memory:
+                sol = solve(red.memory, [], None, None, red.allowed, time_limit=time_limit)
+            else:
+                sol = solve(red.costs, red.edges, red.memory, budget, red.allowed, time_limit=time_limit)
+        except InfeasibleError:
+            if period == 2 and best is not None:
+                break
+            if period == 1 and problem.tie:
+                continue
+            raise
+        root_choice = dict(zip(red.roots, sol.choice))
+        choice = {}
+        for pn in problem.nodes:
+            r = red.canon(pn.rep)
+            choice[pn.index] = int(red.follow[r][root_choice[red.root_of[r]]])
+        floor = sum(float(red.memory[i][c]) for i, c in enumerate(sol.choice))
+        if best is None or sol.objective < best[1].objective * (1 - 1e-9):
+            best = (choice, sol, floor)
+        if not problem.tie or not _moves_between_layers(problem, choice):
+            break
+    return best
+
+
+def _moves_between_layers(problem: Problem, choice: dict) -> bool:
+    """Whether a tensor travelling from one repeated layer to the next is resharded on the
+    way (directly, or through ops that sit between the layers)."""
+    spans = {}
+    for n, (prefix, _) in problem.block.items():
+        if problem.nodes[n].kind == "op":
+            lo, hi = spans.get(prefix, (n, n))
+            spans[prefix] = (min(lo, n), max(hi, n))
+
+    def inside(n):
+        return any(lo <= n <= hi for lo, hi in spans.values())
+
+    for e in problem.edges:
+        if e.kind != "data" or problem.nodes[e.a].kind != "op":
+            continue
+        a, b = problem.block.get(e.a), problem.block.get(e.b)
+        if (a or b) and a != b and inside(e.a) and inside(e.b) and \
+                problem.edge_costs[problem.rep_edge(e)][choice[e.a], choice[e.b]] > 0:
+            return True
+    return False
 
 
 def _assemble(problem: Problem, choice: dict):

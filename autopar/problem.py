@@ -91,7 +91,7 @@ def module_path(node: fx.Node) -> str:
     return re.sub(r"\[(\d+)\]", r".\1", path)
 
 
-SHARE_PERIOD = 2
+SHARE_PERIOD = 2  # see Problem._share_layers and reduce_problem(period=...)
 
 _BLOCK = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
 
@@ -152,7 +152,7 @@ class Problem:
                 pn = PNode(len(self.nodes), node, "op", name, module_path(node), inputs=ins,
                            out_shapes=[tuple(o.shape) for o in outs], out_dtypes=[o.dtype for o in outs])
                 pn.requires_grad = any(self.nodes[i].requires_grad for i, _ in ins) and any(
-                    d.is_floating_point for d in pn.out_dtypes)
+                    d.is_floating_point or d.is_complex for d in pn.out_dtypes)
                 if name.startswith("wrap_with"):
                     pn.requires_grad = False
             elif node.op == "output":
@@ -214,17 +214,29 @@ class Problem:
                             _args_signature(pn.node), pn.requires_grad))
             by_sig.setdefault((key[0], tuple(sig)), []).append(key[1])
         self.layer_groups = []
+        self.tie: dict[int, int] = {}  # representative of an odd layer -> that of the even layer
+        self.block: dict[int, tuple] = {}
         for (prefix, _), indices in by_sig.items():
             indices.sort()
+            for i in indices:
+                for m in blocks[(prefix, i)]:
+                    self.block[m] = (prefix, i)
             for k, i in enumerate(indices[SHARE_PERIOD:], start=SHARE_PERIOD):
                 first = blocks[(prefix, indices[k % SHARE_PERIOD])]
                 for rep, m in zip(first, blocks[(prefix, i)]):
                     self.nodes[m].rep = rep
+            if len(indices) > 1:
+                for even, odd in zip(blocks[(prefix, indices[0])], blocks[(prefix, indices[1])]):
+                    self.tie[odd] = even
             self.layer_groups.append((prefix, indices))
         for (src, out), gs in self.gradsum_of.items():
             rep_gs = self.gradsum_of.get((self.nodes[src].rep, out))
             if rep_gs is not None and len(self._readers(src, out)) == len(self._readers(self.nodes[src].rep, out)):
                 self.nodes[gs].rep = rep_gs
+        for odd, even in list(self.tie.items()):
+            gs_odd, gs_even = (self.gradsum_of.get((n, 0)) for n in (odd, even))
+            if gs_odd is not None and gs_even is not None and self.nodes[gs_odd].rep == gs_odd:
+                self.tie[gs_odd] = gs_even
 
     def _readers(self, src, out):
         return [(pn.index, k) for pn in self.nodes for k, s in enumerate(pn.inputs) if s == (src, out)]
@@ -246,6 +258,11 @@ class Problem:
                 pn.strategies = [replicated(len(pn.inputs), 0, mesh.ndim, [False] * len(pn.inputs))]
             elif pn.kind == "gradsum":
                 continue  # after the other menus: it lists the layouts they can produce
+            elif not pn.requires_grad:
+                # masks, positions, token ids: no gradient and no parameter behind them, so
+                # they are made whole on every rank and each consumer slices what it needs
+                # (free); planning them would only grow the ILP
+                pn.strategies = [replicated(len(pn.inputs), len(pn.out_shapes), mesh.ndim, needs)]
             else:
                 try:
                     ann = annotate(pn.node, in_shapes, pn.out_shapes)
@@ -502,13 +519,31 @@ class Reduced:
     allowed: list
     root_of: dict          # rep -> rep of its root
     follow: dict           # rep -> np array: rep's choice for each root choice
+    canon: object          # rep -> the rep whose choice it takes (period 1 ties odd layers to even)
 
 
-def reduce_problem(problem: Problem, allowed_fn=None) -> Reduced:
+def reduce_problem(problem: Problem, allowed_fn=None, period: int = SHARE_PERIOD) -> Reduced:
     """Fold followers (views and unary elementwise ops take the layout their producer offers)
-    into their producers and multiply every cost by the number of layers sharing it."""
+    into their producers and multiply every cost by the number of layers sharing it.
+
+    period 1 ties odd layers to even ones too (every identical layer the same choice):
+    half the variables; period 2 lets layouts alternate from layer to layer."""
     nodes = problem.nodes
-    reps = [pn.index for pn in nodes if pn.rep == pn.index]
+
+    def canon(r):
+        return problem.tie.get(r, r) if period == 1 else r
+
+    reps = sorted({canon(pn.rep) for pn in nodes})
+    counts: dict[int, int] = {}
+    for pn in nodes:
+        counts[canon(pn.rep)] = counts.get(canon(pn.rep), 0) + 1
+    edge_classes: dict[EdgeKey, int] = {}
+    edge_costs: dict[EdgeKey, np.ndarray] = {}
+    for e in problem.edges:
+        rep = problem.rep_edge(e)
+        key = rep._replace(a=canon(rep.a), b=canon(rep.b))
+        edge_classes[key] = edge_classes.get(key, 0) + 1
+        edge_costs.setdefault(key, problem.edge_costs[rep])
     mask = {}
     for r in reps:
         pn = nodes[r]
@@ -517,11 +552,11 @@ def reduce_problem(problem: Problem, allowed_fn=None) -> Reduced:
             m[:] = True  # the restriction does not speak to this node
         mask[r] = m
     incoming: dict[int, list] = {}
-    for key in problem.edge_classes:
+    for key in edge_classes:
         if key.kind == "data":
             incoming.setdefault(key.b, []).append(key)
-    cost = {r: problem.node_cost(r) * problem.counts[r] for r in reps}
-    mem = {r: problem.node_memory(r) * problem.counts[r] for r in reps}
+    cost = {r: problem.node_cost(r) * counts[r] for r in reps}
+    mem = {r: problem.node_memory(r) * counts[r] for r in reps}
     root_of, follow = {}, {}
     used_edges = set()
     for r in reps:
@@ -529,14 +564,14 @@ def reduce_problem(problem: Problem, allowed_fn=None) -> Reduced:
         keys = incoming.get(r, [])
         this_map = None
         if (pn.kind == "op" and pn.op in TRIVIAL and len(keys) == 1 and len(pn.strategies) > 1
-                and problem.edge_classes[keys[0]] == problem.counts[r] and keys[0].a != r
+                and edge_classes[keys[0]] == counts[r] and keys[0].a != r
                 and len(nodes[keys[0].a].strategies) > 1):
             key = keys[0]
             src = key.a
             this_map = _pass_through(nodes[src], follow[src], key.out, pn, key.operand, mask[r])
         if this_map is not None:
             root = root_of[src]
-            edge = problem.edge_costs[key] * problem.edge_classes[key]
+            edge = edge_costs[key] * edge_classes[key]
             for s_root, (s_src, t) in enumerate(zip(follow[src], this_map)):
                 cost[root][s_root] += edge[s_src, t] + cost[r][t]
                 mem[root][s_root] += mem[r][t]
@@ -547,12 +582,12 @@ def reduce_problem(problem: Problem, allowed_fn=None) -> Reduced:
     roots = [r for r in reps if root_of[r] == r]
     index = {r: i for i, r in enumerate(roots)}
     edges = []
-    for key, count in problem.edge_classes.items():
+    for key, count in edge_classes.items():
         if key in used_edges:
             continue
-        m = problem.edge_costs[key] * count
+        m = edge_costs[key] * count
         m = m[np.ix_(follow[key.a], follow[key.b])]
         edges.append((index[root_of[key.a]], index[root_of[key.b]], m))
     allowed = [mask[r] for r in roots]
     costs = [cost[r] for r in roots]
-    return Reduced(roots, costs, [mem[r] for r in roots], edges, allowed, root_of, follow)
+    return Reduced(roots, costs, [mem[r] for r in roots], edges, allowed, root_of, follow, canon)

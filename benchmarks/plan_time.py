@@ -10,7 +10,8 @@ For each case the model is built on the meta device (no weights exist) and plann
   planning, and the increase;
 - the ILP's size (variables, constraints) and whether it was solved to optimality (gap);
 - the predicted step time, and the best hand-written layout (data parallel, ZeRO-3,
-  Megatron, ...) with its predicted step time over autopar's (>1.00x: autopar is faster).
+  Megatron, ...) that fits in device memory, with its predicted step time over
+  autopar's (>1.00x: autopar is faster).
 
 Each case runs in a fresh Python process (this script with the hidden `--one CASE`), so
 the peak memory of one case is not inherited by the next.
@@ -84,9 +85,14 @@ def run_one(name: str, compare: bool) -> dict:
     plan = autopar.plan(model, mesh, example_inputs, compare=compare)
     rss_after = _maxrss_bytes()
 
-    best = None
+    # The layouts are costed without a memory budget; only those that fit a device count.
+    best, over_memory = None, []
     for layout, pred in plan.baselines.items():
-        if isinstance(pred, Prediction) and (best is None or pred.step_s < best[1]):
+        if not isinstance(pred, Prediction):
+            continue
+        if pred.memory_total > mesh.device.memory:
+            over_memory.append(layout)
+        elif best is None or pred.step_s < best[1]:
             best = (layout, pred.step_s)
     t = plan.timing
     return {
@@ -104,6 +110,7 @@ def run_one(name: str, compare: bool) -> dict:
         "best_layout_step_s": best[1] if best else None,
         "best_layout_ratio": best[1] / plan.predicted.step_s if best else None,
         "baselines_failed": sorted(k for k, v in plan.baselines.items() if not isinstance(v, Prediction)),
+        "baselines_over_memory": over_memory, "device_memory_bytes": mesh.device.memory,
     }
 
 
@@ -179,7 +186,7 @@ def print_table(rows: list[dict], compare: bool) -> None:
         print("  ".join(f"{f(r):<{w}}" if i < 2 else f"{f(r):>{w}}" for i, (_, w, f) in enumerate(COLUMNS)))
 
     print()
-    print(f"{'case':<11}  {'predicted step':>14}  {'memory/device':>13}  best hand-written layout")
+    print(f"{'case':<11}  {'predicted step':>14}  {'memory/device':>13}  best hand-written layout that fits")
     for r in rows:
         if "error" in r:
             continue
@@ -192,6 +199,9 @@ def print_table(rows: list[dict], compare: bool) -> None:
                     f"autopar's step")
         if r["baselines_failed"]:
             best += f"; infeasible: {', '.join(r['baselines_failed'])}"
+        if r["baselines_over_memory"]:
+            best += (f"; over {r['device_memory_bytes'] / 2**30:.0f} GiB/device: "
+                     f"{', '.join(r['baselines_over_memory'])}")
         print(f"{r['case']:<11}  {_t(r['step_s']):>14}  {r['memory_bytes'] / 2**30:>10.2f}GiB  {best}")
 
     target = next((r for r in rows if r["case"] == TARGET_CASE and "error" not in r), None)

@@ -1,0 +1,77 @@
+"""Mesh presets, per-axis links and the cost model's formulas."""
+import math
+
+import pytest
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+import autopar
+from autopar.cost import collective_time, redistribute
+from autopar.mesh import PRESETS
+
+R, P = Replicate(), Partial()
+
+
+def test_presets_and_inner_axes_inside_a_node():
+    for name in ("h100", "a100", "cpu"):
+        d = PRESETS[name]
+        assert d.peak_flops(torch.bfloat16) > 0 and d.peak_flops(torch.float32) > 0
+        assert d.memory > 0 and d.mem_bandwidth > 0 and d.devices_per_node >= 1
+        assert d.intra_bandwidth > d.inter_bandwidth
+    for name in ("h100", "a100"):  # tensor cores: bf16 far above fp32
+        assert PRESETS[name].peak_flops(torch.bfloat16) > 10 * PRESETS[name].peak_flops(torch.float32)
+    mesh = autopar.Mesh((8, 8), ("dp", "tp"), device="h100")
+    h100 = PRESETS["h100"]
+    assert mesh.bandwidth == (h100.inter_bandwidth, h100.intra_bandwidth)   # tp inside a node
+    mesh = autopar.Mesh((2, 4), ("dp", "tp"))
+    assert mesh.bandwidth == (h100.intra_bandwidth,) * 2                     # all 8 in one node
+    mesh = autopar.Mesh((4, 4), ("dp", "tp"), bandwidth=(1e9, 2e9), latency=0.0)
+    assert mesh.bandwidth == (1e9, 2e9) and mesh.latency == (0.0, 0.0)
+    assert autopar.Mesh((16, 64), ("dp", "tp")).size == 1024
+
+
+def test_bad_meshes_say_what_to_do():
+    with pytest.raises(ValueError, match="one name per axis"):
+        autopar.Mesh((2, 2), ("dp",))
+    with pytest.raises(ValueError, match="presets are"):
+        autopar.Mesh(4, "dp", device="tpu9")
+
+
+def test_alpha_beta_formulas():
+    mesh = autopar.Mesh(4, "x", bandwidth=1e9, latency=1e-6)
+    launch = mesh.device.launch_latency
+    n, b = 4, 8e6
+    assert collective_time("all_reduce", b, 0, mesh) == pytest.approx(launch + 2 * (n - 1) * 1e-6 + 2 * (n - 1) / n * b / 1e9)
+    assert collective_time("all_gather", b, 0, mesh) == pytest.approx(launch + (n - 1) * 1e-6 + (n - 1) / n * b / 1e9)
+    assert collective_time("reduce_scatter", b, 0, mesh) == collective_time("all_gather", b, 0, mesh)
+
+
+def test_redistribution_paths_over_two_axes():
+    mesh = autopar.Mesh((2, 4), ("dp", "tp"), bandwidth=(1e9, 4e9), latency=0.0)
+    shape, item = (1024, 1024), 4
+    full = math.prod(shape) * item
+    assert redistribute(shape, item, (R, R), (Shard(0), Shard(1)), mesh) == ()       # slicing is free
+    steps = redistribute(shape, item, (Shard(0), Shard(0)), (R, R), mesh)
+    assert [(s.kind, s.axis) for s in steps] == [("all_gather", 0), ("all_gather", 1)]
+    # gathers grow the tensor: the slow axis gathers the smaller piece first
+    assert steps[0].nbytes == full / 4 and steps[1].nbytes == full
+    steps = redistribute(shape, item, (P, P), (R, R), mesh)
+    assert sorted(s.kind for s in steps) == ["all_reduce", "all_reduce"]
+    # hierarchical: reduce-scatter on the fast axis first, so the slow axis moves a quarter
+    slow = [s for s in steps if s.axis == 0][0]
+    assert slow.seconds == pytest.approx(mesh.device.launch_latency + 2 * 0.5 * (full / 4) / 1e9)
+    steps = redistribute(shape, item, (Shard(0), R), (Shard(1), R), mesh)
+    assert [(s.kind, s.axis) for s in steps] == [("all_to_all", 0)]
+    steps = redistribute(shape, item, (P, R), (Shard(0), R), mesh)
+    assert [(s.kind, s.axis, s.nbytes) for s in steps] == [("reduce_scatter", 0, full)]
+
+
+def test_memory_of_model_states_is_16_bytes_per_parameter_in_data_parallel():
+    """float32 weights (4) + gradients (4) + Adam's two float32 states (8), all replicated."""
+    from autopar.models import build
+    model, example = build("mlp", hidden=256, batch=4096, device="meta")
+    plan = autopar.plan(model, autopar.Mesh(4, "dp"), example, compare=False)
+    n = sum(p.numel() for p in model.parameters())
+    assert plan.predicted.memory["params"] == 4 * n
+    assert plan.predicted.memory["grads"] == 4 * n
+    assert plan.predicted.memory["optimizer"] == 8 * n

@@ -1,0 +1,129 @@
+"""Strategies from annotations: placements, gradient placements, divisibility, fallbacks."""
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+import autopar
+from autopar.ops.annotation import parse, view, view_groups
+from autopar.ops.strategy import enumerate_strategies
+
+R, P = Replicate(), Partial()
+
+
+def by_name(strategies):
+    return {s.name: s for s in strategies}
+
+
+def test_linear_gives_megatron_and_data_parallel_rules():
+    """x [8, 16, 32] @ W[64, 32]^T + b[64] on one axis of 4."""
+    ins, outs = ((8, 16, 32), (64, 32), (64,)), ((8, 16, 64),)
+    ann = parse("* row+, col row+, col -> * col", ins, outs, partial_inputs={2})
+    s = by_name(enumerate_strategies(ann, ins, outs, (4,), ("tp",), [True, True, True]))
+    col, row, batch = s["tp=col"], s["tp=row"], s["tp=b0"]
+    # column: x whole (its gradient sums over ranks: Megatron's f), W and b split by rows
+    assert col.inputs == ((R,), (Shard(0),), (Shard(0),)) and col.outputs == ((Shard(2),),)
+    assert col.grads == ((P,), (Shard(0),), (Shard(0),))
+    # row: contracted dim split, Partial output; the bias enters Partial
+    assert row.inputs == ((Shard(2),), (Shard(1),), (P,)) and row.outputs == ((P,),)
+    assert row.grads == ((Shard(2),), (Shard(1),), (R,))
+    # batch: weights whole, their gradients Partial (the data-parallel all-reduce)
+    assert batch.grads == ((Shard(0),), (P,), (P,))
+    assert col.factor == row.factor == batch.factor == 4
+
+
+def test_uneven_dims_never_split():
+    """hidden 100 does not divide by 8: no strategy shards it."""
+    ins, outs = ((6, 100), (100, 100)), ((6, 100),)
+    ann = parse("* row+, col row+ -> * col", ins, outs)
+    names = {s.name for s in enumerate_strategies(ann, ins, outs, (8,), ("tp",), [True, True])}
+    assert names == {"replicate"}
+    names = {s.name for s in enumerate_strategies(ann, ins, outs, (2,), ("tp",), [True, True])}
+    assert names == {"replicate", "tp=b0", "tp=row", "tp=col"}
+
+
+def test_two_axes_may_split_one_dim_in_order():
+    ins, outs = ((16, 8),), ((16, 8),)
+    ann = parse("a b -> a b", ins, outs)
+    s = by_name(enumerate_strategies(ann, ins, outs, (2, 4), ("dp", "tp"), [True]))
+    assert s["dp=a tp=a"].outputs == ((Shard(0), Shard(0)),) and s["dp=a tp=a"].factor == 8
+
+
+def test_view_groups_and_head_split():
+    assert view_groups((2, 8, 64), (2, 8, 4, 16)) == [([0], [0]), ([1], [1]), ([2], [2, 3])]
+    ann = view((2, 8, 64), (2, 8, 4, 16))
+    s = by_name(enumerate_strategies(ann, ((2, 8, 64),), ((2, 8, 4, 16),), (4,), ("tp",), [True]))
+    assert s["tp=v2"].inputs == ((Shard(2),),) and s["tp=v2"].outputs == ((Shard(2),),)
+    # 4 heads split 8 ways would be uneven: excluded
+    s8 = by_name(enumerate_strategies(ann, ((2, 8, 64),), ((2, 8, 4, 16),), (8,), ("tp",), [True]))
+    assert "tp=v2" not in s8 and "tp=v1" in s8
+
+
+class Weird(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return torch.fft.fft(y).real.sum() + torch.fft.fft(y * 2).real.sum()
+
+
+def test_op_without_rule_runs_replicated_with_one_warning():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = autopar.plan(Weird(), autopar.Mesh(2, "dp", device="cpu"), (torch.randn(8, 16),), compare=False)
+    msgs = [str(w.message) for w in caught if "no sharding rule" in str(w.message)]
+    assert len(plan.fallback_ops) >= 1
+    assert len(msgs) == len(plan.fallback_ops)  # one warning per op, not per node
+    op = plan.fallback_ops[0]
+    assert op in msgs[0] and "replicated" in msgs[0]
+    for n in plan.nodes:
+        if n.op in plan.fallback_ops:
+            assert n.strategy == "replicate"
+            assert all(p == R for ps in n.inputs for p in ps)
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if self.inner(x).sum() > 0:   # data-dependent control flow: not traceable
+            return x.sum()
+        return x.mean()
+
+
+class Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = Branchy()
+
+    def forward(self, x):
+        return self.block(x)
+
+
+def test_trace_failure_names_the_module():
+    with pytest.raises(autopar.TraceError) as err:
+        autopar.plan(Outer(), autopar.Mesh(2, "dp"), (torch.randn(2, 4),))
+    assert "'block'" in str(err.value) and "data-dependent" in str(err.value)
+
+
+def test_user_graph_module_is_accepted():
+    class Small(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(64, 256)
+            self.b = nn.Linear(256, 64)
+
+        def forward(self, x):
+            return F.relu(self.b(F.relu(self.a(x)))).pow(2).mean()
+
+    gm = torch.fx.symbolic_trace(Small())
+    plan = autopar.plan(gm, autopar.Mesh(4, "dp", device="cpu"), (torch.randn(4096, 64),), compare=False)
+    assert set(plan.param_placements) == {"a.weight", "a.bias", "b.weight", "b.bias"}
+    assert any(n.op == "aten.linear" for n in plan.nodes)
