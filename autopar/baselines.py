@@ -6,9 +6,10 @@ comparison with autopar's own plan is like for like:
 - data-parallel: every parameter whole on every rank and used whole; the batch splits.
 - zero3: every parameter stored sharded over every mesh axis (FSDP / ZeRO-3) and
   all-gathered for use; the batch splits.
-- megatron-tp: matrices stored and used sharded along the tensor-parallel axis (column or
-  row, Megatron-LM style; biases and norm weights as the cost model prefers); other axes
-  data parallel.
+- megatron-tp x dp: matrices stored and used sharded along the tensor-parallel axis
+  (column or row, Megatron-LM style; biases and norm weights as the cost model prefers);
+  other axes data parallel.  On a 1-D mesh it is plain "megatron-tp"; on a larger mesh
+  "megatron-tp (all axes)" is tensor parallelism over every device.
 """
 from __future__ import annotations
 
@@ -78,7 +79,10 @@ def megatron(axes_tp):
 def layouts(mesh) -> dict:
     """name -> restriction for the hand-written layouts that make sense on this mesh."""
     tp = tp_axis(mesh)
-    out = {"data-parallel": data_parallel, "zero3": zero3, "megatron-tp": megatron(set(range(mesh.ndim)))}
+    out = {"data-parallel": data_parallel, "zero3": zero3}
     if sum(1 for s in mesh.shape if s > 1) > 1:
+        out["megatron-tp (all axes)"] = megatron(set(range(mesh.ndim)))
         out["megatron-tp x dp"] = megatron({tp})
+    else:
+        out["megatron-tp"] = megatron(set(range(mesh.ndim)))
     return out

@@ -205,10 +205,12 @@ class Plan:
             lines.append("hand-written layouts on the same mesh (predicted):")
             lines.append(f"  {'layout':<22}{'step':>12}{'memory':>12}{'vs plan':>10}")
             lines.append(f"  {'autopar':<22}{_t(self.predicted.step_s):>12}{_b(self.predicted.memory_total):>12}{'1.00x':>10}")
+            limit = self.memory_budget or self.mesh["device"]["memory"]
             for name, p in self.baselines.items():
                 if isinstance(p, Prediction):
                     ratio = p.step_s / self.predicted.step_s if self.predicted.step_s else float("nan")
-                    lines.append(f"  {name:<22}{_t(p.step_s):>12}{_b(p.memory_total):>12}{ratio:>9.2f}x")
+                    fits = "" if p.memory_total <= limit else f"  does not fit {_b(limit)}"
+                    lines.append(f"  {name:<22}{_t(p.step_s):>12}{_b(p.memory_total):>12}{ratio:>9.2f}x{fits}")
                 else:
                     lines.append(f"  {name:<22}  not possible: {p}")
         lines.append("")

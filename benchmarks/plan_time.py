@@ -50,6 +50,7 @@ class Case:
     shape: tuple
     axes: tuple
     device: str = "h100"
+    batch: int | None = None   # global batch of the example inputs (None: the preset's)
 
     @property
     def mesh_label(self) -> str:
@@ -58,8 +59,9 @@ class Case:
 
 CASES = {
     "gpt2-124m": Case("gpt2-124m", (8,), ("dp",)),
-    "llama3-8b": Case("llama3-8b", (8, 8), ("dp", "tp")),
-    "llama3-70b": Case("llama3-70b", (16, 8), ("dp", "tp")),
+    # one sequence of 2048 tokens per data-parallel rank, so data parallelism is possible
+    "llama3-8b": Case("llama3-8b", (8, 8), ("dp", "tp"), batch=8),
+    "llama3-70b": Case("llama3-70b", (16, 8), ("dp", "tp"), batch=16),
 }
 
 
@@ -79,7 +81,8 @@ def run_one(name: str, compare: bool) -> dict:
     case = CASES[name]
     rss_before = _maxrss_bytes()
     start = time.perf_counter()
-    model, example_inputs = build(case.model, device="meta")
+    overrides = {"batch": case.batch} if case.batch else {}
+    model, example_inputs = build(case.model, device="meta", **overrides)
     t_build = time.perf_counter() - start
     mesh = autopar.Mesh(case.shape, case.axes, device=case.device)
     plan = autopar.plan(model, mesh, example_inputs, compare=compare)
