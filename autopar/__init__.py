@@ -9,5 +9,11 @@ from .trace import TraceError
 
 _logging.getLogger("autopar").addHandler(_logging.NullHandler())
 
-__all__ = ["Mesh", "DeviceSpec", "Plan", "plan", "InfeasibleError", "TraceError"]
+__all__ = ["Mesh", "DeviceSpec", "Plan", "plan", "compile", "InfeasibleError", "TraceError"]
+
+
+def compile(model, mesh, example_inputs=(), **kwargs):
+    """Compile `model` for `mesh` under torchrun: see autopar.runtime.compiled.compile."""
+    from .runtime.compiled import compile as _compile  # the runtime is the last stage: import on use
+    return _compile(model, mesh, example_inputs, **kwargs)
 __version__ = "0.1.0"

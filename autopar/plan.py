@@ -43,7 +43,8 @@ def show(placements) -> str:
 
 @dataclass(frozen=True)
 class NodeChoice:
-    """The strategy of one graph node.  inputs / outputs: placements per tensor operand / output."""
+    """The strategy of one graph node.  inputs / outputs: placements per tensor operand /
+    output; grads: placement of each operand's gradient (None: the operand takes none)."""
 
     name: str
     op: str
@@ -52,6 +53,7 @@ class NodeChoice:
     split: tuple
     inputs: tuple
     outputs: tuple
+    grads: tuple
     compute_s: float
     comm_s: float
     memory: float
@@ -104,6 +106,8 @@ class Plan:
     memory_budget: float | None = None
     fallback_ops: tuple = ()
     layers: tuple = ()                              # (module prefix, repeated layer indices)
+    grad_sums: dict = field(default_factory=dict)   # "node:output" -> layout its readers' gradients are added in
+    origin: str = "ilp"                             # "ilp", "layout:<name>" or "random:<seed>"
     timing: dict = field(default_factory=dict, compare=False)  # wall seconds of each planning step
 
     @property
@@ -133,6 +137,7 @@ class Plan:
             d["split"] = list(n.split)
             d["inputs"] = [[placement_str(p) for p in ps] for ps in n.inputs]
             d["outputs"] = [[placement_str(p) for p in ps] for ps in n.outputs]
+            d["grads"] = [None if ps is None else [placement_str(p) for p in ps] for ps in n.grads]
             return d
 
         def pred(p):
@@ -146,7 +151,9 @@ class Plan:
             "predicted": pred(self.predicted), "solver": self.solver,
             "baselines": {k: pred(v) for k, v in self.baselines.items()},
             "memory_budget": self.memory_budget, "fallback_ops": list(self.fallback_ops),
-            "layers": [[p, list(ix)] for p, ix in self.layers], "timing": self.timing,
+            "layers": [[p, list(ix)] for p, ix in self.layers],
+            "grad_sums": {k: [placement_str(p) for p in v] for k, v in self.grad_sums.items()},
+            "origin": self.origin, "timing": self.timing,
         }
 
     def to_json(self) -> str:
@@ -164,14 +171,18 @@ class Plan:
             return Prediction(**p) if isinstance(p, dict) else p
 
         nodes = tuple(NodeChoice(**dict(n, split=tuple(n["split"]), inputs=tuple(places(x) for x in n["inputs"]),
-                                        outputs=tuple(places(x) for x in n["outputs"]))) for n in d["nodes"])
+                                        outputs=tuple(places(x) for x in n["outputs"]),
+                                        grads=tuple(None if x is None else places(x) for x in n["grads"])))
+                      for n in d["nodes"])
         return cls(mesh=d["mesh"], model=d["model"],
                    param_placements={k: places(v) for k, v in d["param_placements"].items()},
                    nodes=nodes, collectives=tuple(Collective(**dict(c, axes=tuple(c["axes"]))) for c in d["collectives"]),
                    predicted=pred(d["predicted"]), solver=d["solver"],
                    baselines={k: pred(v) for k, v in d["baselines"].items()},
                    memory_budget=d["memory_budget"], fallback_ops=tuple(d["fallback_ops"]),
-                   layers=tuple((p, tuple(ix)) for p, ix in d["layers"]), timing=d.get("timing", {}))
+                   layers=tuple((p, tuple(ix)) for p, ix in d["layers"]),
+                   grad_sums={k: places(v) for k, v in d["grad_sums"].items()}, origin=d["origin"],
+                   timing=d.get("timing", {}))
 
     def save(self, path) -> None:
         with open(path, "w") as f:
@@ -186,15 +197,18 @@ class Plan:
     def __str__(self) -> str:
         axes = self.mesh["axis_names"]
         shape = self.mesh["shape"]
-        lines = [f"autopar plan for {self.model} on mesh "
+        lines = [f"autopar plan ({self.origin}) for {self.model} on mesh "
                  + " x ".join(f"{a}={s}" for a, s in zip(axes, shape))
                  + f" ({self.mesh['device']['name']})",
                  f"predicted: {self.predicted}"]
         s = self.solver
-        state = "optimal" if s.get("optimal") else f"feasible (gap {s.get('gap', 0):.2%})"
+        if "optimal" not in s:
+            state = "not solved (" + self.origin + ")"
+        else:
+            state = "optimal" if s.get("optimal") else f"feasible (gap {s.get('gap', 0):.2%})"
         t = self.timing
-        lines.append(f"solver: {state}, {s.get('variables')} variables, {s.get('constraints')} constraints; "
-                     f"planned in {t.get('total_s', 0):.2f}s (trace {t.get('trace_s', 0):.2f}s, "
+        size = f", {s['variables']} variables, {s['constraints']} constraints" if "variables" in s else ""
+        lines.append(f"solver: {state}{size}; planned in {t.get('total_s', 0):.2f}s (trace {t.get('trace_s', 0):.2f}s, "
                      f"menus and costs {t.get('costs_s', 0):.2f}s, ILP {t.get('solve_s', 0):.2f}s)")
         if self.memory_budget:
             lines.append(f"memory budget: {_b(self.memory_budget)} per device")

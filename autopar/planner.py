@@ -19,12 +19,16 @@ CATEGORIES = ("params", "grads", "optimizer", "activations")
 
 
 def plan(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=None,
-         memory_budget=None, compare: bool = True, time_limit: float = 60.0) -> Plan:
+         memory_budget=None, compare: bool = True, time_limit: float = 60.0, layout: str | None = None,
+         random_seed: int | None = None) -> Plan:
     """Choose a sharding for every node of `model` on `mesh`.
 
     example_inputs: tensors (real, fake or meta) of the global batch, as the model's forward
     takes them.  memory_budget: bytes per device ('70GiB' works); None means the device's
     memory.  compare: also cost the hand-written layouts (data parallel, ZeRO-3, Megatron).
+    layout: instead of the best plan, the best plan within one hand-written layout (a name
+    from `autopar.baselines.layouts(mesh)`, e.g. "data-parallel").  random_seed: instead,
+    a random valid plan (every node's strategy drawn from its menu): for testing the passes.
     """
     start = time.perf_counter()
     budget = parse_bytes(memory_budget) if memory_budget is not None else None
@@ -34,8 +38,15 @@ def plan(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, example_kwarg
     t_build = time.perf_counter() - start - t_trace
     log.info("built strategy menus and costs in %.2fs", t_build)
     limit = budget if budget is not None else mesh.device.memory
+    rules = B.layouts(mesh)
+    if layout is not None and layout not in rules:
+        raise ValueError(f"unknown layout {layout!r} for mesh {mesh}; choose one of {sorted(rules)}")
+    origin = "ilp" if layout is None else f"layout:{layout}"
     try:
-        best, sol, _ = _solve(problem, None, limit, time_limit)
+        if random_seed is not None:
+            best, sol, origin = _random_choice(problem, random_seed), None, f"random:{random_seed}"
+        else:
+            best, sol, _ = _solve(problem, rules.get(layout), None if layout else limit, time_limit)
     except InfeasibleError:
         floor = _solve(problem, None, None, time_limit, minimise_memory=True)[2]
         raise InfeasibleError(
@@ -43,10 +54,10 @@ def plan(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, example_kwarg
             f"smallest any plan needs is {floor / 2**30:.2f} GiB. Add devices, raise memory_budget, "
             f"or (when available) use recomputation, ZeRO or offload.") from None
     choice = best
-    nodes, collectives, predicted = _assemble(problem, choice)
+    nodes, collectives, predicted, grad_sums = _assemble(problem, choice)
     compared = {}
     if compare:
-        for name, rule in B.layouts(mesh).items():
+        for name, rule in rules.items():
             try:
                 c, _, _ = _solve(problem, rule, None, time_limit)
                 compared[name] = _assemble(problem, c)[2]
@@ -56,16 +67,18 @@ def plan(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, example_kwarg
     for pn in problem.nodes:
         if pn.kind == "param":
             params[pn.param_name] = nodes[pn.index].outputs[0]
-    solver = {"optimal": sol.optimal, "gap": sol.gap, "objective_s": sol.objective, "bound_s": sol.bound,
-              "variables": sol.variables, "constraints": sol.constraints,
-              "graph_nodes": len(problem.nodes), "choice_nodes": len(problem.choices)}
-    timing = {"trace_s": t_trace, "costs_s": t_build, "solve_s": sol.seconds,
+    solver = {"graph_nodes": len(problem.nodes), "choice_nodes": len(problem.choices)}
+    if sol is not None:
+        solver.update({"optimal": sol.optimal, "gap": sol.gap, "objective_s": sol.objective, "bound_s": sol.bound,
+                       "variables": sol.variables, "constraints": sol.constraints})
+    timing = {"trace_s": t_trace, "costs_s": t_build, "solve_s": sol.seconds if sol else 0.0,
               "total_s": time.perf_counter() - start}
     result = Plan(mesh=mesh.to_dict(), model=type(model).__name__,
                   param_placements=_order_params(model, params), nodes=tuple(nodes[i] for i in sorted(nodes)),
                   collectives=tuple(collectives), predicted=predicted, solver=solver, baselines=compared,
                   memory_budget=budget, fallback_ops=tuple(problem.fallback_ops),
-                  layers=tuple((p, tuple(ix)) for p, ix in problem.layer_groups), timing=timing)
+                  layers=tuple((p, tuple(ix)) for p, ix in problem.layer_groups), grad_sums=grad_sums,
+                  origin=origin, timing=timing)
     log.info("planned %s on %s in %.2fs (trace %.2fs)", type(model).__name__, mesh, time.perf_counter() - start, t_trace)
     return result
 
@@ -111,6 +124,25 @@ def _solve(problem: Problem, rule, budget, time_limit, minimise_memory=False):
     return best
 
 
+def _random_choice(problem: Problem, seed: int) -> dict:
+    """Every node (each layer on its own) takes a strategy drawn uniformly from its menu."""
+    import random
+
+    from .problem import same_local_shape
+    rng = random.Random(seed)
+    choice = {}
+    for pn in problem.nodes:
+        menu = problem.nodes[pn.rep].strategies
+        if pn.kind == "gradsum":  # a sum autograd can do: the tensor's own local shape
+            src, out = pn.source
+            p = problem.nodes[problem.nodes[src].rep].strategies[choice[src]].outputs[out]
+            ok = [i for i, s in enumerate(menu) if same_local_shape(s.outputs[0], p)]
+            choice[pn.index] = rng.choice(ok)
+        else:
+            choice[pn.index] = rng.randrange(len(menu))
+    return choice
+
+
 def _moves_between_layers(problem: Problem, choice: dict) -> bool:
     """Whether a tensor travelling from one repeated layer to the next is resharded on the
     way (directly, or through ops that sit between the layers)."""
@@ -141,6 +173,7 @@ def _assemble(problem: Problem, choice: dict):
     compute = 0.0
     comm = [0.0] * mesh.ndim
     memory = dict.fromkeys(CATEGORIES, 0.0)
+    grad_sums = {}
     edges_into: dict = {}
     for e in problem.edges:  # a data edge belongs to its consumer, a gradient edge to its tensor's producer
         owner = e.b if e.kind == "data" else (e.b if e.kind == "grad_out" else problem.nodes[e.b].source[0])
@@ -168,10 +201,12 @@ def _assemble(problem: Problem, choice: dict):
                     collectives.append(Collective(st.kind, (mesh.axis_names[st.axis],), st.nbytes, phase,
                                                   pn.name, src.param_name or src.name, st.seconds))
         if pn.kind == "gradsum":
+            src, out = pn.source
+            grad_sums[f"{problem.nodes[src].name}:{out}"] = s.outputs[0]
             continue
         nodes[pn.index] = NodeChoice(pn.name, pn.op, pn.module if pn.kind != "param" else pn.param_name,
-                                     s.name, tuple(s.split), tuple(s.inputs), tuple(s.outputs),
+                                     s.name, tuple(s.split), tuple(s.inputs), tuple(s.outputs), tuple(s.grads),
                                      c.compute, sum(c.comm) + edge_comm, sum(c.memory.values()))
     comm_by_axis = {mesh.axis_names[a]: comm[a] for a in range(mesh.ndim)}
     predicted = Prediction(compute + sum(comm), compute, comm_by_axis, memory)
-    return nodes, collectives, predicted
+    return nodes, collectives, predicted, grad_sums

@@ -416,6 +416,9 @@ class Problem:
                 if key not in seen:
                     fwd, bwd = self.edge_steps(e, i, j)
                     seen[key] = sum(st.seconds for st in fwd) + sum(st.seconds for st in bwd)
+                    if e.kind == "grad_out" and not same_local_shape(sa.outputs[0], sb.outputs[e.out]):
+                        seen[key] += UNUSABLE
+
                 m[i, j] = seen[key]
         return m
 
@@ -467,6 +470,17 @@ def _param_menu(shape, mesh: Mesh) -> list[Strategy]:
                         if isinstance(p, Shard)) or "replicate"
         menu.append(Strategy(tuple(None for _ in combo), (), (tuple(combo),), (), 1, name))
     return menu
+
+
+UNUSABLE = 1e6  # seconds: a choice pair the runtime cannot run as planned
+
+
+def same_local_shape(a, b) -> bool:
+    """Whether layouts a and b give every rank a local tensor of the same shape (they differ
+    at most in Replicate versus Partial).  Gradients are summed by autograd, which needs the
+    sum's layout to have the tensor's own local shape."""
+    return all((isinstance(x, Shard) and isinstance(y, Shard) and x.dim == y.dim)
+               or (not isinstance(x, Shard) and not isinstance(y, Shard)) for x, y in zip(a, b))
 
 
 def _edge_view(e: EdgeKey, s: Strategy, end: str):

@@ -30,6 +30,7 @@ class Traced:
     buffers: dict
     user_inputs: list
     tied: dict   # parameter name -> the name `named_parameters()` lists it under (tied weights)
+    in_spec: object = None  # pytree structure of (args, kwargs) the graph's user inputs flatten from
 
 
 def _module_of_error(exc: BaseException, model: torch.nn.Module) -> str:
@@ -72,4 +73,4 @@ def trace(model: torch.nn.Module | fx.GraphModule, example_inputs: tuple, exampl
     tied = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         tied[name] = first.setdefault(id(p), name)
-    return Traced(gm, params, buffers, list(sig.user_inputs), tied)
+    return Traced(gm, params, buffers, list(sig.user_inputs), tied, ep.call_spec.in_spec)

@@ -12,6 +12,60 @@ return the training loss when called with targets, so one training step is
 
 `build` accepts as keyword overrides any field of the preset's config
 dataclass plus `batch` and `seq` (the shape of the example inputs).
+
+Initialization, one module at a time
+------------------------------------
+Every model class has
+
+    model.init_module(name, module)   # name: the path in named_modules(), "" for the model
+
+which initializes only the parameters and buffers that `module` owns directly
+(`recurse=False`), drawing from the global RNG exactly as the whole-model init
+does for that module. `model.init_weights()` is exactly `model.tie_weights()`
+(if the model has tied weights) followed by
+
+    for name, module in model.named_modules():
+        model.init_module(name, module)
+
+so a model built on the meta device can be initialized without ever
+materializing all of it, with bit-identical values to `build(name)` after the
+same seed:
+
+    >>> model, _ = build("gpt-tiny", device="meta")
+    >>> torch.manual_seed(0)                       # once, before the first module
+    >>> for name, module in model.named_modules():  # this order, every module
+    ...     module.to_empty(device="cpu", recurse=False)   # only its own tensors
+    ...     model.init_module(name, module)
+    ...     # (a real sharded loader would shard / offload `module` here)
+
+Rules and pitfalls:
+
+* Visit every module, in `named_modules()` order (the model itself first),
+  even ones owning nothing, and seed once: skipping or reordering a module
+  shifts the RNG for all later ones. (On the meta device `init_module`
+  draws nothing from the CPU RNG, so a rank that keeps only some modules must
+  still advance the RNG past the others to get the same values.)
+* Tied weights (GPT `lm_head.weight` = `wte.weight`, Llama `output.weight` =
+  `tok_embeddings.weight` when `tie_embeddings`, BERT `head.decoder.weight` =
+  `embeddings.word_embeddings.weight`) are drawn once, by the module that
+  `named_parameters()` lists them under (the embedding, which comes first).
+  `init_module` on the sharing module draws nothing for the weight; it re-ties
+  it, i.e. assigns the embedding's Parameter to it.
+* `to_empty()` unties: on a meta model, `to_empty(recurse=False)` on the
+  sharing module allocates a fresh, throwaway tensor of the full tied shape
+  (the vocab x hidden matrix), which `init_module` then replaces by the tied
+  one. To avoid that allocation, materialize only tensors still on meta and
+  give a tensor that is shared with an already materialized module that
+  module's tensor (a memo keyed by the meta tensor's id).
+* Never call `to_empty()` on a module whose tied weight is already
+  materialized on the same device type: for cpu -> cpu (or cuda -> cuda) it
+  swaps the storage of the shared Parameter in place (`param.data = ...`),
+  so it overwrites the weight the embedding already initialized.
+* Non-persistent buffers (the Llama RoPE `rope_cos` / `rope_sin` tables,
+  owned by the model itself, name "") are computed in `init_module` without
+  the RNG.
+* `init_module` raises `TypeError` for a module that owns tensors it has no
+  rule for, so a new layer type cannot be left uninitialized silently.
 """
 
 from dataclasses import dataclass, fields, replace

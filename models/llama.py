@@ -35,6 +35,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ._init import check_owns_nothing
+
 
 @dataclass
 class LlamaConfig:
@@ -207,34 +209,66 @@ class Llama(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.init_weights()
 
+    def tie_weights(self) -> None:
+        """Make `output.weight` the same Parameter as `tok_embeddings.weight` (if `tie_embeddings`).
+
+        `Module.to_empty()` (used to materialize a model built on the meta
+        device) gives each module a fresh Parameter, which unties shared ones.
+        """
+        if self.config.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
     @torch.no_grad()
     def init_weights(self) -> None:
         """GPT-2 style init.
 
         Linear and embedding weights ~ normal(0, 0.02), RMSNorm weights one.
         The projections that write into the residual stream (`attention.wo`,
-        `feed_forward.w2`) get std 0.02 / sqrt(2 * n_layers).
+        `feed_forward.w2`) get std 0.02 / sqrt(2 * n_layers). A tied
+        `output.weight` is `tok_embeddings.weight` and is drawn once, as
+        `tok_embeddings.weight`. The RoPE tables are recomputed.
 
-        Also recomputes the RoPE tables and (re-)ties `output.weight` to
-        `tok_embeddings.weight`, so that a model built on the meta device can
-        be materialized with `model.to_empty(device=...)` then `init_weights()`.
+        Re-ties the weights (see `tie_weights`), then runs `init_module` over
+        `named_modules()`, so that a model built on the meta device can be
+        materialized with `model.to_empty(device=...)` then `init_weights()`,
+        or one module at a time (see `init_module`).
         """
-        if self.config.tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight
-        head_dim = self.config.dim // self.config.n_heads
-        cos, sin = rope_tables(head_dim, self.config.max_seq, self.config.rope_theta)
-        self.rope_cos.copy_(cos)
-        self.rope_sin.copy_(sin)
-
-        residual_std = 0.02 / math.sqrt(2 * self.config.n_layers)
+        self.tie_weights()
         for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
-                std = residual_std if name.endswith(("attention.wo", "feed_forward.w2")) else 0.02
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            elif isinstance(module, RMSNorm):
-                module.reset_parameters()
+            self.init_module(name, module)
+
+    @torch.no_grad()
+    def init_module(self, name: str, module: nn.Module) -> None:
+        """Initialize the parameters and buffers `module` owns directly.
+
+        name:   the path of `module` in `self.named_modules()` ("" for the model)
+        module: the submodule at that path
+
+        Draws from the global RNG exactly as `init_weights` does for this
+        module, so calling it for every module in `named_modules()` order after
+        the same `torch.manual_seed` gives bit-identical weights. The model
+        itself ("") owns the non-persistent RoPE tables, which are computed
+        (no RNG). For `output` with tied embeddings it draws nothing: it
+        re-ties `output.weight` to the (already initialized)
+        `tok_embeddings.weight`, dropping whatever tensor `output.weight` held.
+        """
+        if module is self:
+            head_dim = self.config.dim // self.config.n_heads
+            cos, sin = rope_tables(head_dim, self.config.max_seq, self.config.rope_theta)
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
+        elif self.config.tie_embeddings and module is self.output:
+            self.tie_weights()  # the weight is tok_embeddings', initialized by its init_module
+        elif isinstance(module, nn.Linear):
+            residual = name.endswith(("attention.wo", "feed_forward.w2"))
+            std = 0.02 / math.sqrt(2 * self.config.n_layers) if residual else 0.02
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        elif isinstance(module, RMSNorm):
+            module.reset_parameters()  # weight one; no RNG
+        else:  # blocks, attention, feed-forward, containers: no tensors of their own
+            check_owns_nothing(name, module)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """

@@ -136,3 +136,141 @@ def test_export_on_meta(name):
     exported = torch.export.export(model, example_inputs, strict=False)
     (loss,) = exported.graph.output_node().args[0]
     assert loss.meta["val"].shape == ()  # the graph returns the scalar loss
+
+
+# --- shard-by-shard initialization (init_module) -------------------------------
+
+INIT_MODELS = [
+    ("mlp", dict(hidden=32, bias=True)),
+    ("gpt-tiny", {}),
+    ("llama-tiny", {}),
+    ("bert-tiny", {}),
+]
+TIED = {  # preset -> (owner of the tied weight, module that shares it)
+    "gpt-tiny": ("wte", "lm_head"),
+    "llama-tiny": ("tok_embeddings", "output"),
+    "bert-tiny": ("embeddings.word_embeddings", "head.decoder"),
+}
+
+
+def own_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters and buffers (persistent or not) `module` holds directly."""
+    own = dict(module.named_parameters(recurse=False, remove_duplicate=False))
+    own.update(module.named_buffers(recurse=False, remove_duplicate=False))
+    return own
+
+
+def all_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer under every name, tied and non-persistent ones included."""
+    out = dict(model.named_parameters(remove_duplicate=False))
+    out.update(model.named_buffers(remove_duplicate=False))
+    return out
+
+
+def assert_bit_identical(actual: dict, expected: dict) -> None:
+    assert actual.keys() == expected.keys()
+    for key, a in actual.items():
+        b = expected[key]
+        assert a.device == b.device and a.dtype == b.dtype and a.shape == b.shape, key
+        # Compare the bytes, so that e.g. -0.0 and 0.0 differ.
+        assert torch.equal(a.detach().contiguous().view(torch.uint8),
+                           b.detach().contiguous().view(torch.uint8)), key
+
+
+def materialize_to_empty(module: torch.nn.Module, memo: dict) -> None:
+    """Plain `to_empty(recurse=False)`: a tied weight gets a fresh (throwaway) tensor
+    in each module that holds it; `init_module` re-ties it."""
+    module.to_empty(device="cpu", recurse=False)
+
+
+def materialize_tie_aware(module: torch.nn.Module, memo: dict) -> None:
+    """Allocate each meta tensor once: a module holding a tensor that an earlier
+    module already materialized gets that materialized tensor."""
+    for key, p in list(module._parameters.items()):
+        if p is not None and p.is_meta:
+            if id(p) not in memo:
+                memo[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="cpu"), p.requires_grad)
+            module._parameters[key] = memo[id(p)]
+    for key, b in list(module._buffers.items()):
+        if b is not None and b.is_meta:
+            if id(b) not in memo:
+                memo[id(b)] = torch.empty_like(b, device="cpu")
+            module._buffers[key] = memo[id(b)]
+
+
+@pytest.mark.parametrize("materialize", [materialize_to_empty, materialize_tie_aware],
+                         ids=["to_empty", "tie_aware"])
+@pytest.mark.parametrize("name,overrides", INIT_MODELS, ids=[t[0] for t in INIT_MODELS])
+def test_init_module_shard_by_shard_matches_whole_model(name, overrides, materialize):
+    torch.manual_seed(0)
+    reference, _ = build(name, **overrides)
+    expected = all_tensors(reference)
+    expected_rng = torch.get_rng_state()
+
+    model, _ = build(name, device="meta", **overrides)
+    memo: dict = {}
+    torch.manual_seed(0)
+    for path, module in model.named_modules():
+        # Nothing of this module is materialized before its turn.
+        assert all(t.is_meta for t in own_tensors(module).values()), path
+        materialize(module, memo)
+        model.init_module(path, module)
+        assert not any(t.is_meta for t in own_tensors(module).values()), path
+
+    assert_bit_identical(all_tensors(model), expected)
+    # The RNG was consumed exactly as by the whole-model init.
+    assert torch.equal(torch.get_rng_state(), expected_rng)
+    if name in TIED:
+        owner, sharer = TIED[name]
+        assert model.get_submodule(sharer).weight is model.get_submodule(owner).weight
+        # named_parameters() lists the tied weight once, under the owner.
+        assert f"{owner}.weight" in dict(model.named_parameters())
+        assert f"{sharer}.weight" not in dict(model.named_parameters())
+
+
+@pytest.mark.parametrize("name,overrides", INIT_MODELS, ids=[t[0] for t in INIT_MODELS])
+def test_init_weights_is_init_module_over_named_modules(name, overrides):
+    whole, _ = build(name, **overrides)
+    torch.manual_seed(7)
+    whole.init_weights()
+    expected_rng = torch.get_rng_state()
+
+    by_module, _ = build(name, **overrides)
+    torch.manual_seed(7)
+    for path, module in by_module.named_modules():
+        by_module.init_module(path, module)
+    assert_bit_identical(all_tensors(by_module), all_tensors(whole))
+    assert torch.equal(torch.get_rng_state(), expected_rng)
+
+
+@pytest.mark.parametrize("name", sorted(TIED))
+def test_tied_weight_drawn_once(name):
+    owner, sharer = TIED[name]
+    model, _ = build(name)
+    sharer_module = model.get_submodule(sharer)
+    before = model.get_submodule(owner).weight.clone()
+    rng = torch.get_rng_state()
+    model.init_module(sharer, sharer_module)
+    # The sharer draws nothing and leaves the owner's values alone.
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert torch.equal(model.get_submodule(owner).weight, before)
+    assert sharer_module.weight is model.get_submodule(owner).weight
+
+
+def test_init_module_rejects_unknown_tensors():
+    model, _ = build("gpt-tiny")
+    model.blocks[0].attn.extra = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(TypeError, match="blocks.0.attn"):
+        model.init_weights()
+
+
+def test_llama_rope_tables_initialized_by_model_module():
+    reference, _ = build("llama-tiny")
+    model, _ = build("llama-tiny", device="meta")
+    model.to_empty(device="cpu", recurse=False)  # only the model's own tensors: the RoPE tables
+    rng = torch.get_rng_state()
+    model.init_module("", model)
+    assert torch.equal(torch.get_rng_state(), rng)  # deterministic, no RNG
+    assert torch.equal(model.rope_cos, reference.rope_cos)
+    assert torch.equal(model.rope_sin, reference.rope_sin)
+    assert model.tok_embeddings.weight.is_meta  # nothing else was touched

@@ -1,0 +1,152 @@
+"""collectives: between every producer and consumer whose layouts differ, insert the move.
+
+For an edge producer -> consumer the plan gives the producer's output layout p, the layout
+q the consumer reads, and the layout g of the gradient the consumer hands back.  The pass
+inserts `move(x, Move(p, q, g, t))`: forward p -> q, backward g -> t, where t is the
+layout the producer needs its gradient in (p itself; Replicate for a Partial p).  A move
+is inserted even when p == q if the gradient needs work (g != t): that is Megatron's f
+operator (identity forward, all-reduce backward), and the data-parallel gradient
+all-reduce of a parameter read by a batch-split op.
+
+A tensor read by several ops whose gradients the plan adds in layout w (plan.grad_sums)
+gets one move after its producer (forward nothing, backward w -> t), and each reader's
+move hands its gradient back in w: autograd adds them, then one reduction runs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Partial, Replicate
+from torch.utils import _pytree as pytree
+
+from autopar.ops import tensor_args
+
+from .redistribute import redistribute
+
+
+@dataclass(frozen=True)
+class Move:
+    """Forward: src -> dst.  Backward: the gradient arrives as grad_src, leaves as grad_dst."""
+
+    src: tuple
+    dst: tuple
+    grad_src: tuple
+    grad_dst: tuple
+
+    @property
+    def needed(self) -> bool:
+        return self.src != self.dst or self.grad_src != self.grad_dst
+
+
+def move(x: torch.Tensor, m: Move, groups) -> torch.Tensor:
+    return redistribute(x, m.src, m.dst, m.grad_src, m.grad_dst, groups)
+
+
+def grad_target(placements) -> tuple:
+    return tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
+
+
+def layout_of(node: fx.Node, index: int = 0, ndim: int = 1) -> tuple:
+    """The layout of tensor `node[index]` as the plan produces it."""
+    import operator
+    if node.op == "call_function" and node.target is operator.getitem:
+        return layout_of(node.args[0], node.args[1], ndim)
+    alias = node.meta.get("autopar_alias")
+    if alias is not None:
+        return layout_of(alias, index, ndim)
+    choice = node.meta.get("autopar")
+    if choice is None or not choice.outputs:
+        return tuple(Replicate() for _ in range(ndim))
+    return tuple(choice.outputs[index])
+
+
+def tensor_key(node: fx.Node) -> tuple[fx.Node, int]:
+    """(producer, output index) of the tensor a node stands for (through getitem and aliases)."""
+    import operator
+    if node.op == "call_function" and node.target is operator.getitem:
+        return node.args[0], node.args[1]
+    alias = node.meta.get("autopar_alias")
+    return (alias if alias is not None else node), 0
+
+
+def insert_collectives(gm: fx.GraphModule, plan, groups) -> fx.GraphModule:
+    """Rewrite gm in place; `groups` (an AxisGroups) is stored on gm and read at run time."""
+    ndim = len(plan.mesh["shape"])
+    graph = gm.graph
+    gm._autopar_groups = groups
+    count = [0]
+
+    def attr(value) -> fx.Node:
+        name = f"_autopar_move_{count[0]}"
+        count[0] += 1
+        setattr(gm, name, value)
+        return graph.get_attr(name)
+
+    summed: dict = {}
+
+    def source_for(x: fx.Node) -> tuple[fx.Node, tuple, tuple]:
+        """The node readers should read, the layout it has, and the layout of the gradient
+        they must hand back."""
+        producer, index = tensor_key(x)
+        p = layout_of(x, 0, ndim)
+        w = plan.grad_sums.get(f"{producer.name}:{index}")
+        if w is None or not _same_local_shape(w, p):
+            return x, p, grad_target(p)
+        if x not in summed:
+            anchor = x
+            if x.op == "placeholder":  # keep the placeholders together at the top
+                anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]
+            with graph.inserting_after(anchor):
+                groups_node = graph.get_attr("_autopar_groups")
+            with graph.inserting_after(groups_node):
+                spec = attr(Move(p, p, tuple(w), grad_target(p)))
+            with graph.inserting_after(spec):
+                summed[x] = graph.call_function(move, (x, spec, groups_node))
+            summed[x].meta["val"] = x.meta.get("val")
+        return summed[x], p, tuple(w)
+
+    for node in list(graph.nodes):
+        choice = node.meta.get("autopar")
+        if choice is None or node.op not in ("call_function", "output"):
+            continue
+        operands = tensor_args(node) if node.op == "call_function" else [
+            a for a in pytree.tree_leaves(node.args) if isinstance(a, fx.Node)]
+        if len(operands) != len(choice.inputs):
+            raise ValueError(f"{node.name}: plan lists {len(choice.inputs)} operands, graph has {len(operands)}")
+        replacement = []
+        for k, x in enumerate(operands):
+            src, p, back = source_for(x)
+            q = tuple(choice.inputs[k])
+            g = choice.grads[k] if k < len(choice.grads) else None
+            m = Move(p, q, tuple(g) if g is not None else q, back if g is not None else q)
+            if not m.needed:
+                replacement.append(src)
+                continue
+            with graph.inserting_before(node):
+                groups_node = graph.get_attr("_autopar_groups")
+                moved = graph.call_function(move, (src, attr(m), groups_node))
+            moved.meta["val"] = x.meta.get("val")  # the same global tensor, in another layout
+            replacement.append(moved)
+        _replace_operands(node, replacement)
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _same_local_shape(a, b) -> bool:
+    from autopar.problem import same_local_shape
+    return same_local_shape(a, b)
+
+
+def _replace_operands(node: fx.Node, replacement: list) -> None:
+    """Put the k-th tensor operand's replacement in the k-th tensor position of args/kwargs."""
+    it = iter(replacement)
+
+    def swap(a):
+        if isinstance(a, fx.Node) and (node.op == "output" or isinstance(a.meta.get("val"), torch.Tensor)):
+            return next(it)
+        return a
+
+    node.args, node.kwargs = pytree.tree_map(swap, (node.args, node.kwargs))

@@ -1,0 +1,95 @@
+"""Per-rank implementations of ops whose local form differs from the op itself.
+
+- vocabulary-parallel embedding: this rank holds rows [start, start + rows) of the table;
+  other tokens read zeros, so the output is a Partial sum over the vocabulary axes;
+- cross-entropy with a split batch (mean over the global count of counted targets) and/or
+  split classes (vocabulary-parallel: max, sum of exp and target logit all-reduced);
+- means over a split dimension: the local mean scaled to its share of the global one.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dnn
+import torch.nn.functional as F
+
+
+def shard_offset(global_size: int, placements, dim: int, groups) -> tuple[int, int]:
+    """(start, length) along `dim` of this rank's shard, following the nesting of axes."""
+    start, length = 0, global_size
+    for axis, p in enumerate(placements):
+        if getattr(p, "dim", None) == dim and p.is_shard():
+            length //= groups.size(axis)
+            start += groups.coordinate(axis) * length
+    return start, length
+
+
+def vocab_parallel_embedding(weight, indices, vocab: int, weight_placements, axes: tuple, groups):
+    """weight: [vocab / n, dim_local] rows of this rank; indices: global token ids."""
+    start, rows = shard_offset(vocab, weight_placements, 0, groups)
+    mine = (indices >= start) & (indices < start + rows)
+    local = torch.where(mine, indices - start, torch.zeros_like(indices))
+    out = F.embedding(local, weight)
+    return out * mine.unsqueeze(-1).to(out.dtype)
+
+
+def _all_reduce(x, axes, groups, op=dist.ReduceOp.SUM):
+    """Differentiable all-reduce (sum) over several mesh axes."""
+    for a in axes:
+        x = dnn.all_reduce(x, op=op, group=groups.group(a))
+    return x
+
+
+def _all_reduce_nograd(x, axes, groups, op=dist.ReduceOp.SUM):
+    x = x.clone()
+    for a in axes:
+        dist.all_reduce(x, op=op, group=groups.group(a))
+    return x
+
+
+def local_cross_entropy(logits, target, weight=None, reduction=1, ignore_index=-100, label_smoothing=0.0, *,
+                        classes: int, logits_placements, batch_axes: tuple, class_axes: tuple, partial_axes: tuple,
+                        groups):
+    """logits [n_local, classes_local, *], target [n_local, *]: the loss as the plan lays it out.
+
+    Over `class_axes` the classes are split (vocabulary-parallel); over `batch_axes` the rows
+    are; the result is Partial on `partial_axes` (the axes a reduced letter splits on), where
+    only coordinate 0 of a class axis carries the value.
+    """
+    if not class_axes:
+        per_row = F.cross_entropy(logits, target, weight, reduction="none", ignore_index=ignore_index,
+                                  label_smoothing=label_smoothing)
+    else:
+        if weight is not None or label_smoothing:
+            raise NotImplementedError("vocabulary-parallel cross-entropy with class weights or label smoothing")
+        start, length = shard_offset(classes, logits_placements, 1, groups)
+        x = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+        row_max = _all_reduce_nograd(x.detach().amax(dim=1, keepdim=True), class_axes, groups, dist.ReduceOp.MAX)
+        shifted = x - row_max
+        sum_exp = _all_reduce(shifted.exp().sum(dim=1), class_axes, groups)
+        mine = (target >= start) & (target < start + length)
+        local_t = torch.where(mine, target - start, torch.zeros_like(target))
+        picked = shifted.gather(1, local_t.unsqueeze(1)).squeeze(1) * mine.to(x.dtype)
+        picked = _all_reduce(picked, class_axes, groups)
+        per_row = sum_exp.log() - picked
+        per_row = per_row * (target != ignore_index).to(per_row.dtype)
+        per_row = per_row.to(logits.dtype)
+    if reduction == 0:
+        out = per_row
+    else:
+        out = per_row.sum()
+        if reduction == 1:
+            counted = (target != ignore_index).sum() if weight is None else (
+                weight[target.clamp(min=0)] * (target != ignore_index)).sum()
+            if batch_axes:
+                counted = _all_reduce_nograd(counted, batch_axes, groups)
+            out = out / counted
+    for a in class_axes:  # the value is replicated over the class axes: keep one copy
+        if a in partial_axes and groups.coordinate(a) != 0:
+            out = out * 0
+    return out
+
+
+def scaled_op(op, scale, *args, **kwargs):
+    """op(...) * scale: a mean over a dimension split k ways is 1/k of the global mean's sum."""
+    return op(*args, **kwargs) * scale

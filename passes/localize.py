@@ -1,0 +1,128 @@
+"""localize: rewrite what the graph says about global shapes into per-rank terms.
+
+- view / reshape / expand / unflatten sizes become the local output shape;
+- a mean (or a loss with reduction="mean") over a dimension the plan splits is scaled to
+  its share of the global mean;
+- embedding with a split vocabulary and cross-entropy with split rows or classes become
+  their per-rank forms in local_ops.py.
+Runs after `annotate` (it reads node.meta["autopar"]) and after `insert_collectives`.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Shard
+
+from autopar.ops import annotate as annotate_op
+from autopar.ops import op_name, outputs_of, tensor_args
+from autopar.ops.strategy import PASS
+
+from . import local_ops
+
+SIZE_ARG = {"aten.view": 1, "aten.reshape": 1, "aten._unsafe_view": 1, "aten.expand": 1}
+MEANS = {"aten.mean"}
+MEAN_LOSSES = {"aten.mse_loss", "aten.l1_loss", "aten.smooth_l1_loss", "aten.huber_loss",
+               "aten.binary_cross_entropy", "aten.binary_cross_entropy_with_logits"}
+
+
+def local_shape(shape, placements, mesh_shape) -> list[int]:
+    out = list(shape)
+    for p, n in zip(placements, mesh_shape):
+        if isinstance(p, Shard):
+            if out[p.dim] % n:
+                raise ValueError(f"dim {p.dim} of shape {tuple(shape)} does not divide by {n}")
+            out[p.dim] //= n
+    return out
+
+
+def localize(gm: fx.GraphModule, plan) -> fx.GraphModule:
+    mesh_shape = tuple(plan.mesh["shape"])
+    graph = gm.graph
+    for node in list(graph.nodes):
+        choice = node.meta.get("autopar")
+        if choice is None or node.op != "call_function":
+            continue
+        name = op_name(node)
+        outs = outputs_of(node)
+        if name in SIZE_ARG and outs:
+            size = local_shape(outs[0].shape, choice.outputs[0], mesh_shape)
+            args = list(node.args)
+            args[SIZE_ARG[name]] = size
+            node.args = tuple(args)
+        elif name == "aten.unflatten" and outs:
+            dim, sizes = node.args[1], node.args[2]
+            size = local_shape(outs[0].shape, choice.outputs[0], mesh_shape)
+            d = dim % len(node.args[0].meta["val"].shape)
+            node.args = (node.args[0], dim, size[d:d + len(sizes)])
+        split_reduced = _split_reduced_axes(node, choice)
+        if name == "aten.embedding" and split_reduced:
+            _to_vocab_parallel_embedding(node, choice, split_reduced)
+        elif name in ("aten.cross_entropy_loss",):
+            _to_local_cross_entropy(gm, node, choice, split_reduced)
+        elif split_reduced and (name in MEANS or (name in MEAN_LOSSES and _arg(node, 2, "reduction", 1) == 1)):
+            share = 1.0 / math.prod(mesh_shape[a] for a in split_reduced)
+            node.args = (node.target, share) + tuple(node.args)
+            node.target = local_ops.scaled_op
+        elif split_reduced and name in ("aten.nll_loss", "aten.nll_loss_nd", "aten.nll_loss_forward"):
+            raise NotImplementedError(f"{node.name}: {name} with split rows or classes; use cross_entropy")
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _arg(node, index, name, default):
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def _split_reduced_axes(node: fx.Node, choice) -> tuple:
+    """Mesh axes on which the node splits a letter that does not reach its output."""
+    if all(l in (None, PASS) for l in choice.split):
+        return ()
+    in_shapes = [tuple(a.meta["val"].shape) for a in tensor_args(node)]
+    out_shapes = [tuple(o.shape) for o in outputs_of(node)]
+    ann = annotate_op(node, in_shapes, out_shapes)
+    if ann is None:
+        return ()
+    out_letters = {l for o in ann.outputs for l in o if l is not None}
+    return tuple(a for a, l in enumerate(choice.split) if l not in (None, PASS) and l not in out_letters)
+
+
+def _to_vocab_parallel_embedding(node, choice, axes):
+    weight, indices = node.args[0], node.args[1]
+    vocab = _global_shape(node, 0)[0]
+    node.target = local_ops.vocab_parallel_embedding
+    node.args = (weight, indices, vocab, tuple(choice.inputs[0]), axes, _groups_node(node))
+    node.kwargs = {}
+
+
+def _to_local_cross_entropy(gm, node, choice, split_reduced):
+    letters = choice.split
+    class_axes = tuple(a for a, l in enumerate(letters) if l == "classes")
+    batch_axes = tuple(a for a, l in enumerate(letters) if l not in (None, PASS, "classes"))
+    if not class_axes and not batch_axes:
+        return
+    args = list(node.args) + [None] * (6 - len(node.args))
+    logits, target, weight = args[0], args[1], node.kwargs.get("weight", args[2])
+    reduction = node.kwargs.get("reduction", args[3] if args[3] is not None else 1)
+    ignore_index = node.kwargs.get("ignore_index", args[4] if args[4] is not None else -100)
+    smoothing = node.kwargs.get("label_smoothing", args[5] if args[5] is not None else 0.0)
+    classes = _global_shape(node, 0)[1]
+    node.target = local_ops.local_cross_entropy
+    node.args = (logits, target, weight, reduction, ignore_index, smoothing)
+    node.kwargs = {"classes": classes, "logits_placements": tuple(choice.inputs[0]), "batch_axes": batch_axes,
+                   "class_axes": class_axes, "partial_axes": split_reduced, "groups": _groups_node(node)}
+
+
+def _global_shape(node, k):
+    """Global shape of the node's k-th tensor operand (moves carry the global value's meta)."""
+    return tuple(tensor_args(node)[k].meta["val"].shape)
+
+
+def _groups_node(node):
+    graph = node.graph
+    with graph.inserting_before(node):
+        return graph.get_attr("_autopar_groups")

@@ -1,0 +1,287 @@
+"""Move a tensor between placements on a device mesh, on local tensors with plain collectives.
+
+Placements are torch's (`Shard(d)`, `Replicate()`, `Partial()`), one per mesh axis. When
+several mesh axes shard the same tensor dim the earlier axis splits it first and each piece
+is split again by the later one: with (Shard(0), Shard(0)) on a (2, 4) mesh the rank at
+(i0, i1) holds chunk i0*4 + i1 of 8 equal chunks of dim 0. `Partial()` means the true value
+is the sum over that axis of the local values. Shards are always even.
+
+`plan_redistribute(src, dst, sizes)` lists the steps, `redistribute_local` runs them, and
+`Redistribute` / `redistribute` wrap them for autograd (the gradient travels with its own
+pair of layouts, e.g. forward Shard(0) -> Replicate, backward Partial -> Shard(0)).
+
+The steps, for each tensor dim d:
+  1. axes that shard d in both layouts, as a common prefix in mesh order, are kept;
+  2. src's other axes on d are undone innermost first (reverse mesh order): all-gather, or,
+     when dst is Partial on that axis, the local piece placed in zeros of the gathered size;
+  3. dst's other axes on d are applied outermost first (mesh order): a local chunk, or a
+     reduce-scatter when src is Partial on that axis;
+  4. Partial -> Replicate axes are all-reduced where the tensor is smallest (before step 2 if
+     src's local tensor is smaller than dst's, else after step 3): gathers and chunks on
+     other axes are linear and act alike on every peer of the reduced axis, so they commute;
+  5. Replicate -> Partial axes keep the value on coordinate 0 and zeros elsewhere (exact).
+Axes of size 1 take no step.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol, Sequence, runtime_checkable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import Placement, Shard
+
+__all__ = ["AxisGroups", "MeshGroups", "Step", "plan_redistribute", "redistribute_local",
+           "Redistribute", "redistribute"]
+
+
+@runtime_checkable
+class AxisGroups(Protocol):
+    """What the runtime provides about this rank's place on the mesh.
+
+    The rank of this process inside `group(axis)` must equal `coordinate(axis)`: collectives
+    return pieces in group-rank order and the steps read them in coordinate order.
+    """
+
+    def size(self, axis: int) -> int: ...
+
+    def coordinate(self, axis: int) -> int: ...
+
+    def group(self, axis: int): ...
+
+
+class MeshGroups:
+    """AxisGroups of a torch DeviceMesh (one process group per mesh axis)."""
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+        coord = mesh.get_coordinate()
+        if coord is None:
+            raise ValueError(f"this rank ({dist.get_rank()}) is not part of the mesh {mesh}")
+        self._coord = tuple(coord)
+        self._sizes = tuple(mesh.size(a) for a in range(mesh.ndim))
+        self._groups = [mesh.get_group(a) for a in range(mesh.ndim)]
+        for a, g in enumerate(self._groups):
+            if dist.get_rank(g) != self._coord[a]:
+                raise ValueError(f"mesh axis {a}: group rank {dist.get_rank(g)} differs from "
+                                 f"mesh coordinate {self._coord[a]}")
+
+    @property
+    def ndim(self) -> int:
+        return len(self._sizes)
+
+    def size(self, axis: int) -> int:
+        return self._sizes[axis]
+
+    def coordinate(self, axis: int) -> int:
+        return self._coord[axis]
+
+    def group(self, axis: int):
+        return self._groups[axis]
+
+    def __repr__(self) -> str:
+        return f"MeshGroups(sizes={self._sizes}, coordinate={self._coord})"
+
+
+# ---------------------------------------------------------------- plan
+
+@dataclass(frozen=True)
+class Step:
+    """One action on one mesh axis. `dim` is the tensor dim for gathers, pads and splits.
+
+    all_gather: Shard(dim) -> Replicate; zero_pad: Shard(dim) -> Partial (own piece in
+    zeros); chunk: Replicate -> Shard(dim); reduce_scatter: Partial -> Shard(dim);
+    all_reduce: Partial -> Replicate; keep_on_first: Replicate -> Partial.
+    """
+
+    kind: str
+    axis: int
+    dim: int | None = None
+
+    def __str__(self) -> str:
+        return f"{self.kind}(axis {self.axis})" if self.dim is None else \
+            f"{self.kind}(dim {self.dim}, axis {self.axis})"
+
+    @property
+    def is_collective(self) -> bool:
+        return self.kind in ("all_reduce", "all_gather", "reduce_scatter")
+
+
+def _kind(p: Placement) -> str:
+    if isinstance(p, Shard):
+        return "S"
+    if p.is_replicate():
+        return "R"
+    if p.is_partial():
+        op = getattr(p, "reduce_op", "sum")
+        if op != "sum":
+            raise ValueError(f"Partial({op!r}) is not supported; only sum partials redistribute")
+        return "P"
+    raise ValueError(f"unsupported placement {p!r}: use Shard(d), Replicate() or Partial()")
+
+
+def _normalize(placements: Sequence[Placement], ndim: int | None, name: str) -> tuple:
+    out = []
+    for axis, p in enumerate(placements):
+        _kind(p)
+        if isinstance(p, Shard) and ndim is not None:
+            d = p.dim + ndim if p.dim < 0 else p.dim
+            if not 0 <= d < ndim:
+                raise ValueError(f"{name}[{axis}] = {p} names a dim of a {ndim}-d tensor that "
+                                 f"does not exist")
+            p = Shard(d)
+        out.append(p)
+    return tuple(out)
+
+
+def _shard_axes(placements: tuple) -> dict[int, list[int]]:
+    """tensor dim -> mesh axes sharding it, in mesh order (outer split first)."""
+    axes: dict[int, list[int]] = {}
+    for a, p in enumerate(placements):
+        if isinstance(p, Shard):
+            axes.setdefault(p.dim, []).append(a)
+    return axes
+
+
+def plan_redistribute(src: Sequence[Placement], dst: Sequence[Placement],
+                      sizes: Sequence[int]) -> tuple[Step, ...]:
+    """The steps that take a tensor from `src` to `dst` on a mesh of axis `sizes`, in order.
+
+    Shard dims must be non-negative here (`redistribute_local` normalizes them).
+    """
+    src, dst = tuple(src), tuple(dst)
+    if not len(src) == len(dst) == len(sizes):
+        raise ValueError(f"placements {src} -> {dst} do not match a mesh of {len(sizes)} axes "
+                         f"{tuple(sizes)}: give one placement per mesh axis")
+    sk = [_kind(p) for p in src]
+    dk = [_kind(p) for p in dst]
+    src_axes, dst_axes = _shard_axes(src), _shard_axes(dst)
+    undo: list[Step] = []   # src shards to remove, any order here; sorted below
+    apply: list[Step] = []  # dst shards to add
+    for d in set(src_axes) | set(dst_axes):
+        s_ax, d_ax = src_axes.get(d, []), dst_axes.get(d, [])
+        keep = 0
+        while keep < min(len(s_ax), len(d_ax)) and s_ax[keep] == d_ax[keep]:
+            keep += 1
+        for a in s_ax[keep:]:
+            undo.append(Step("zero_pad" if dk[a] == "P" else "all_gather", a, d))
+        for a in d_ax[keep:]:
+            apply.append(Step("reduce_scatter" if sk[a] == "P" else "chunk", a, d))
+    undo.sort(key=lambda s: -s.axis)
+    apply.sort(key=lambda s: s.axis)
+    reduce = [Step("all_reduce", a) for a in range(len(sk)) if sk[a] == "P" and dk[a] == "R"]
+    to_partial = [Step("keep_on_first", a) for a in range(len(sk)) if sk[a] == "R" and dk[a] == "P"]
+
+    def split(placements):
+        return math.prod(sizes[a] for a, p in enumerate(placements) if isinstance(p, Shard))
+
+    # the local tensor is numel/split(src) before and numel/split(dst) after the reshaping
+    reduce_first = split(src) >= split(dst)
+    steps = (reduce + undo + apply if reduce_first else undo + apply + reduce) + to_partial
+    return tuple(s for s in steps if sizes[s.axis] > 1)
+
+
+# ---------------------------------------------------------------- execution
+
+def _all_gather(t: Tensor, dim: int, group, n: int) -> Tensor:
+    t = t.contiguous()
+    parts = [torch.empty_like(t) for _ in range(n)]
+    dist.all_gather(parts, t, group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _chunk(t: Tensor, dim: int, n: int, coord: int, axis: int) -> Tensor:
+    if t.size(dim) % n:
+        raise ValueError(f"cannot shard dim {dim} of size {t.size(dim)} (local shape "
+                         f"{tuple(t.shape)}) evenly over mesh axis {axis} of size {n}: the plan "
+                         f"must only split dims that divide, or the tensor must be padded")
+    return t.narrow(dim, coord * (t.size(dim) // n), t.size(dim) // n)
+
+
+def _zero_pad(t: Tensor, dim: int, n: int, coord: int) -> Tensor:
+    shape = list(t.shape)
+    shape[dim] *= n
+    out = t.new_zeros(shape)
+    out.narrow(dim, coord * t.size(dim), t.size(dim)).copy_(t)
+    return out
+
+
+def _reduce_scatter(t: Tensor, dim: int, group, n: int, coord: int, axis: int,
+                    native: bool | None = None) -> Tensor:
+    """Partial -> Shard(dim) on one axis. Gloo emulates reduce-scatter with an all-reduce
+    anyway, so there we all-reduce and chunk ourselves (no dependence on that emulation);
+    elsewhere a real reduce_scatter_tensor along dim 0 of a dim-first copy."""
+    if native is None:
+        native = dist.get_backend(group) != "gloo"
+    if not native:
+        buf = t.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(buf, group=group)
+        return _chunk(buf, dim, n, coord, axis)
+    _chunk(t, dim, n, coord, axis)  # divisibility check with a clear message
+    inp = t.movedim(dim, 0).contiguous()
+    out = inp.new_empty((inp.size(0) // n,) + tuple(inp.shape[1:]))
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, inp, group=group)
+    return out.movedim(0, dim)
+
+
+def redistribute_local(x: Tensor, src: Sequence[Placement], dst: Sequence[Placement],
+                       groups: AxisGroups) -> Tensor:
+    """The local tensor of the global tensor that `x` is a piece of, laid out as `dst`.
+
+    x: this rank's local tensor of a global tensor laid out as `src` (one placement per mesh
+    axis of `groups`). Returns a new contiguous tensor (or `x` itself when nothing changes);
+    `x` is never modified. No autograd: see `redistribute`.
+    """
+    src = _normalize(src, x.dim(), "src")
+    dst = _normalize(dst, x.dim(), "dst")
+    sizes = [groups.size(a) for a in range(len(src))]
+    t, owned = x, False
+    for step in plan_redistribute(src, dst, sizes):
+        a, d, n = step.axis, step.dim, sizes[step.axis]
+        c = groups.coordinate(a)
+        if step.kind == "all_gather":
+            t, owned = _all_gather(t, d, groups.group(a), n), True
+        elif step.kind == "zero_pad":
+            t, owned = _zero_pad(t, d, n, c), True
+        elif step.kind == "chunk":
+            t = _chunk(t, d, n, c, a)
+            owned = False  # a view: a later in-place all-reduce must copy first
+        elif step.kind == "reduce_scatter":
+            t, owned = _reduce_scatter(t, d, groups.group(a), n, c, a), True
+        elif step.kind == "all_reduce":
+            if not (owned and t.is_contiguous()):  # in place, on a buffer of our own
+                t = t.clone(memory_format=torch.contiguous_format)
+            dist.all_reduce(t, group=groups.group(a))
+            owned = True
+        elif step.kind == "keep_on_first":
+            if c != 0:
+                t, owned = torch.zeros_like(t, memory_format=torch.contiguous_format), True
+        else:  # pragma: no cover
+            raise AssertionError(step)
+    return t.contiguous()
+
+
+class Redistribute(torch.autograd.Function):
+    """y = x moved from `src` to `dst`; its gradient, arriving laid out as `grad_src`, leaves
+    laid out as `grad_dst` (usually the mirror: forward S(0) -> R, backward P -> S(0))."""
+
+    @staticmethod
+    def forward(ctx, x, src, dst, grad_src, grad_dst, groups):
+        ctx.grad_src, ctx.grad_dst, ctx.groups = grad_src, grad_dst, groups
+        return redistribute_local(x, src, dst, groups)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return redistribute_local(grad, ctx.grad_src, ctx.grad_dst, ctx.groups), \
+            None, None, None, None, None
+
+
+def redistribute(x: Tensor, src, dst, grad_src, grad_dst, groups: AxisGroups) -> Tensor:
+    """`Redistribute.apply`, or `x` itself when neither the value nor its gradient moves."""
+    if tuple(src) == tuple(dst) and tuple(grad_src) == tuple(grad_dst):
+        return x
+    return Redistribute.apply(x, tuple(src), tuple(dst), tuple(grad_src), tuple(grad_dst),
+                              groups)

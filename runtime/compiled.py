@@ -1,0 +1,213 @@
+"""autopar.compile: a per-rank module that trains like the plain model, on a device mesh.
+
+Under torchrun every rank calls `autopar.compile(model, mesh, example_inputs, plan=...)`
+with the same arguments.  The model is traced again, the plan's choices written into the
+graph (passes.annotate), moves inserted between layouts (passes.collectives), shapes made
+local (passes.localize), and each rank keeps only its shards of the parameters
+(passes.shard_params).  The result is an nn.Module: `cm(*inputs)` runs forward on the
+global batch, `cm.train_step(*inputs)` runs forward and backward and synchronises
+gradients, `cm.build_optimizer(torch.optim.AdamW, lr=...)` builds any optimizer over the
+local shards.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import Replicate
+from torch.utils import _pytree as pytree
+
+import autopar
+from autopar.mesh import Mesh
+from autopar.passes.annotate import annotate
+from autopar.passes.collectives import insert_collectives
+from autopar.passes.localize import localize
+from autopar.passes.redistribute import MeshGroups, redistribute_local
+from autopar.passes.shard_params import init_sharded, shard_full_model
+from autopar.plan import Plan
+from autopar.trace import trace
+
+from .grad_sync import GradSync
+
+log = logging.getLogger("autopar")
+
+
+class CompileError(RuntimeError):
+    """The model, mesh, plan or process group do not fit together; the message says how."""
+
+
+def ensure_process_group() -> None:
+    """Initialise torch.distributed from torchrun's environment if nobody has yet."""
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        raise CompileError("autopar.compile needs a process group: run under torchrun "
+                           "(torchrun --nproc_per_node N script.py) or call torch.distributed.init_process_group")
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+
+
+def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=None, plan=None,
+            memory_budget=None, seed: int | None = None, bucket_mb: float = 25.0) -> "CompiledModel":
+    """Compile `model` for `mesh` with `plan` (a Plan, a path to a saved one, or None to plan now).
+
+    A model on the meta device is initialised shard by shard (with `seed` if given); a model
+    on CPU is sliced.  Every rank must pass the same model, mesh, inputs and plan."""
+    start = time.perf_counter()
+    ensure_process_group()
+    world = dist.get_world_size()
+    if world != mesh.size:
+        raise CompileError(f"mesh {tuple(mesh.shape)} {mesh.axis_names} needs {mesh.size} ranks but the process "
+                           f"group has {world}; launch with --nproc_per_node {mesh.size} (or change the mesh)")
+    if plan is None:
+        plan = autopar.plan(model, mesh, example_inputs, example_kwargs=example_kwargs,
+                            memory_budget=memory_budget, compare=False)
+    elif not isinstance(plan, Plan):
+        plan = Plan.load(plan)
+    if tuple(plan.mesh["shape"]) != mesh.shape or tuple(plan.mesh["axis_names"]) != mesh.axis_names:
+        raise CompileError(f"the plan was made for mesh {plan.mesh['shape']} {plan.mesh['axis_names']}, "
+                           f"not {mesh.shape} {mesh.axis_names}; plan again for this mesh")
+    _check_same_plan(plan)
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if device_type == "cuda":
+        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+    device_mesh = _device_mesh(device_type, mesh)
+    groups = MeshGroups(device_mesh)
+    traced = trace(model, tuple(example_inputs), example_kwargs)
+    gm = traced.graph
+    annotate(gm, plan, traced.params, traced.tied)
+    insert_collectives(gm, plan, groups)
+    localize(gm, plan)
+    on_meta = any(p.is_meta for p in model.parameters())
+    if on_meta:
+        shards = init_sharded(model, plan.param_placements, groups, seed)
+    else:
+        shards = shard_full_model(model, plan.param_placements, groups)
+    cm = CompiledModel(gm, traced, plan, groups, shards, model, device_type, bucket_mb)
+    log.info("compiled %s for %s on rank %d in %.2fs", type(model).__name__, mesh, dist.get_rank(),
+             time.perf_counter() - start)
+    return cm
+
+
+_MESHES: dict = {}
+
+
+def _device_mesh(device_type: str, mesh: Mesh):
+    """One DeviceMesh per (device, shape, names): process groups are made once."""
+    from torch.distributed.device_mesh import init_device_mesh
+    key = (device_type, mesh.shape, mesh.axis_names)
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh(device_type, mesh.shape, mesh_dim_names=mesh.axis_names)
+    return _MESHES[key]
+
+
+def _check_same_plan(plan: Plan) -> None:
+    mine = plan.hash()
+    hashes = [None] * dist.get_world_size()
+    dist.all_gather_object(hashes, mine)
+    if len(set(hashes)) > 1:
+        odd = [r for r, h in enumerate(hashes) if h != hashes[0]]
+        raise CompileError(f"ranks hold different plans (plan hash by rank: {hashes}; ranks {odd} differ from "
+                           f"rank 0). Give every rank the same plan file, or let every rank plan with the same "
+                           f"model, mesh and inputs.")
+
+
+class CompiledModel(nn.Module):
+    """One rank's part of the model.  Parameters are this rank's shards, named as in the
+    original model (dots become '__' in the module's own attribute names)."""
+
+    def __init__(self, gm, traced, plan: Plan, groups, shards: dict, model: nn.Module, device_type: str,
+                 bucket_mb: float):
+        super().__init__()
+        self.plan = plan
+        self.groups = groups
+        self.device_type = device_type
+        device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+        self.graph_module = gm.to(device)
+        self.shards = nn.ParameterDict({_key(k): nn.Parameter(v.to(device)) for k, v in shards.items()})
+        self._names = {_key(k): k for k in shards}
+        buffers = dict(model.named_buffers())
+        order = []  # what each placeholder is fed with
+        for node in gm.graph.nodes:
+            if node.op != "placeholder":
+                continue
+            if node.target in traced.params:
+                name = traced.tied.get(traced.params[node.target], traced.params[node.target])
+                order.append(("param", _key(name)))
+            elif node.target in traced.buffers:
+                name = traced.buffers[node.target]
+                buf = buffers.get(name)
+                if buf is None or buf.is_meta:
+                    raise CompileError(f"buffer {name} has no value; initialise it before compiling")
+                self.register_buffer(_key(name), buf.to(device), persistent=False)
+                order.append(("buffer", _key(name)))
+            else:
+                order.append(("input", None))
+        self._order = order
+        self._in_spec = traced.in_spec
+        self._grad_sync = GradSync(self, bucket_mb)
+
+    # --- running -----------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        """Forward on the global batch: every rank passes the same full inputs."""
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        if self._in_spec is not None and spec != self._in_spec:
+            raise CompileError(f"inputs do not match the example inputs the model was compiled with "
+                               f"(expected structure {self._in_spec}, got {spec})")
+        device = next(iter(self.shards.values())).device if len(self.shards) else torch.device("cpu")
+        inputs = iter(t.to(device) if isinstance(t, torch.Tensor) else t for t in flat)
+        feed = []
+        for kind, key in self._order:
+            if kind == "param":
+                feed.append(self.shards[key])
+            elif kind == "buffer":
+                feed.append(getattr(self, key))
+            else:
+                feed.append(next(inputs))
+        out = self.graph_module(*feed)
+        if isinstance(out, (tuple, list)) and len(out) == 1:
+            return out[0]
+        return out
+
+    def train_step(self, *args, **kwargs) -> torch.Tensor:
+        """Forward, backward and gradient synchronisation; returns the loss (detached)."""
+        loss = self(*args, **kwargs)
+        loss.backward()
+        self._grad_sync.finish()
+        return loss.detach()
+
+    def build_optimizer(self, cls=torch.optim.AdamW, **kwargs) -> torch.optim.Optimizer:
+        """Any torch optimizer over this rank's shards (elementwise optimizers such as Adam
+        then behave exactly as on the whole model)."""
+        return cls(self.shards.values(), **kwargs)
+
+    # --- whole tensors ----------------------------------------------------------------------
+    def _full(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        placements = self.plan.param_placements[name]
+        return redistribute_local(local.detach(), tuple(placements), tuple(Replicate() for _ in placements),
+                                  self.groups)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter whole, under its name in the original model (on every rank)."""
+        return {self._names[k]: self._full(self._names[k], p).cpu() for k, p in self.shards.items()}
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        return {self._names[k]: self._full(self._names[k], p.grad).cpu()
+                for k, p in self.shards.items() if p.grad is not None}
+
+    def load_full_state_dict(self, state: dict) -> None:
+        from autopar.passes.shard_params import shard_of
+        missing = set(self._names.values()) - set(state)
+        if missing:
+            raise KeyError(f"state dict lacks parameters {sorted(missing)[:5]}")
+        with torch.no_grad():
+            for k, p in self.shards.items():
+                name = self._names[k]
+                p.copy_(shard_of(state[name].to(p.device, p.dtype), self.plan.param_placements[name], self.groups))
+
+
+def _key(name: str) -> str:
+    return name.replace(".", "__")
