@@ -3,7 +3,8 @@
 Each is the cheapest plan the cost model finds within the rules of that layout, so the
 comparison with autopar's own plan is like for like:
 
-- data-parallel: every parameter whole on every rank and used whole; the batch splits.
+- data-parallel: every parameter whole on every rank and used whole; every op on the
+  gradient path splits its work (the batch) on every axis.
 - zero3: every parameter stored sharded over every mesh axis (FSDP / ZeRO-3) and
   all-gathered for use; the batch splits.
 - megatron-tp x dp: matrices stored and used sharded along the tensor-parallel axis
@@ -32,10 +33,19 @@ def _param_operands(problem, pn, strategy):
             yield problem.nodes[src], placement
 
 
+def _splits_on(problem, pn, strategy, axes) -> bool:
+    """An op on the gradient path works on its part of the batch on every given axis (it
+    is not computed whole on every rank)."""
+    if pn.kind != "op" or not pn.requires_grad:
+        return True
+    return all(strategy.split[a] is not None for a in axes if problem.mesh.shape[a] > 1)
+
+
 def data_parallel(problem, pn, strategy) -> bool:
     if pn.kind == "param":
         return all(isinstance(p, Replicate) for p in strategy.outputs[0])
-    return all(all(isinstance(p, Replicate) for p in pl) for _, pl in _param_operands(problem, pn, strategy))
+    return (all(all(isinstance(p, Replicate) for p in pl) for _, pl in _param_operands(problem, pn, strategy))
+            and _splits_on(problem, pn, strategy, range(problem.mesh.ndim)))
 
 
 def zero3(problem, pn, strategy) -> bool:
@@ -58,6 +68,8 @@ def megatron(axes_tp):
                 if a not in axes_tp and not isinstance(p, Replicate):
                     return False
             return True
+        if not _splits_on(problem, pn, strategy, [a for a in range(len(n)) if a not in axes_tp]):
+            return False
         for src, pl in _param_operands(problem, pn, strategy):
             for a, p in enumerate(pl):
                 if n[a] == 1:

@@ -20,7 +20,7 @@ CATEGORIES = ("params", "grads", "optimizer", "activations")
 
 def plan(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=None,
          memory_budget=None, compare: bool = True, time_limit: float = 60.0, layout: str | None = None,
-         random_seed: int | None = None) -> Plan:
+         random_seed=None):
     """Choose a sharding for every node of `model` on `mesh`.
 
     example_inputs: tensors (real, fake or meta) of the global batch, as the model's forward
@@ -28,7 +28,8 @@ def plan(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, example_kwarg
     memory.  compare: also cost the hand-written layouts (data parallel, ZeRO-3, Megatron).
     layout: instead of the best plan, the best plan within one hand-written layout (a name
     from `autopar.baselines.layouts(mesh)`, e.g. "data-parallel").  random_seed: instead,
-    a random valid plan (every node's strategy drawn from its menu): for testing the passes.
+    a random valid plan (every node's strategy drawn from its menu): for testing the passes;
+    a list of seeds gives a list of plans (the model is traced and costed once).
     """
     start = time.perf_counter()
     budget = parse_bytes(memory_budget) if memory_budget is not None else None
@@ -42,19 +43,20 @@ def plan(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, example_kwarg
     if layout is not None and layout not in rules:
         raise ValueError(f"unknown layout {layout!r} for mesh {mesh}; choose one of {sorted(rules)}")
     origin = "ilp" if layout is None else f"layout:{layout}"
+    if random_seed is not None:
+        seeds = [random_seed] if isinstance(random_seed, int) else list(random_seed)
+        made = [_make_plan(problem, model, mesh, _random_choice(problem, s), None, f"random:{s}", {}, budget,
+                           {"trace_s": t_trace, "costs_s": t_build, "solve_s": 0.0,
+                            "total_s": time.perf_counter() - start}) for s in seeds]
+        return made[0] if isinstance(random_seed, int) else made
     try:
-        if random_seed is not None:
-            best, sol, origin = _random_choice(problem, random_seed), None, f"random:{random_seed}"
-        else:
-            best, sol, _ = _solve(problem, rules.get(layout), None if layout else limit, time_limit)
+        best, sol, _ = _solve(problem, rules.get(layout), None if layout else limit, time_limit)
     except InfeasibleError:
         floor = _solve(problem, None, None, time_limit, minimise_memory=True)[2]
         raise InfeasibleError(
             f"no plan of {type(model).__name__} on {mesh} fits {limit / 2**30:.2f} GiB per device; the "
             f"smallest any plan needs is {floor / 2**30:.2f} GiB. Add devices, raise memory_budget, "
             f"or (when available) use recomputation, ZeRO or offload.") from None
-    choice = best
-    nodes, collectives, predicted, grad_sums = _assemble(problem, choice)
     compared = {}
     if compare:
         for name, rule in rules.items():
@@ -63,6 +65,15 @@ def plan(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, example_kwarg
                 compared[name] = _assemble(problem, c)[2]
             except InfeasibleError as exc:
                 compared[name] = str(exc)
+    timing = {"trace_s": t_trace, "costs_s": t_build, "solve_s": sol.seconds,
+              "total_s": time.perf_counter() - start}
+    result = _make_plan(problem, model, mesh, best, sol, origin, compared, budget, timing)
+    log.info("planned %s on %s in %.2fs (trace %.2fs)", type(model).__name__, mesh, time.perf_counter() - start, t_trace)
+    return result
+
+
+def _make_plan(problem, model, mesh, choice, sol, origin, compared, budget, timing) -> Plan:
+    nodes, collectives, predicted, grad_sums = _assemble(problem, choice)
     params = {}
     for pn in problem.nodes:
         if pn.kind == "param":
@@ -71,16 +82,12 @@ def plan(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, example_kwarg
     if sol is not None:
         solver.update({"optimal": sol.optimal, "gap": sol.gap, "objective_s": sol.objective, "bound_s": sol.bound,
                        "variables": sol.variables, "constraints": sol.constraints})
-    timing = {"trace_s": t_trace, "costs_s": t_build, "solve_s": sol.seconds if sol else 0.0,
-              "total_s": time.perf_counter() - start}
-    result = Plan(mesh=mesh.to_dict(), model=type(model).__name__,
-                  param_placements=_order_params(model, params), nodes=tuple(nodes[i] for i in sorted(nodes)),
-                  collectives=tuple(collectives), predicted=predicted, solver=solver, baselines=compared,
-                  memory_budget=budget, fallback_ops=tuple(problem.fallback_ops),
-                  layers=tuple((p, tuple(ix)) for p, ix in problem.layer_groups), grad_sums=grad_sums,
-                  origin=origin, timing=timing)
-    log.info("planned %s on %s in %.2fs (trace %.2fs)", type(model).__name__, mesh, time.perf_counter() - start, t_trace)
-    return result
+    return Plan(mesh=mesh.to_dict(), model=type(model).__name__,
+                param_placements=_order_params(model, params), nodes=tuple(nodes[i] for i in sorted(nodes)),
+                collectives=tuple(collectives), predicted=predicted, solver=solver, baselines=compared,
+                memory_budget=budget, fallback_ops=tuple(problem.fallback_ops),
+                layers=tuple((p, tuple(ix)) for p, ix in problem.layer_groups), grad_sums=grad_sums,
+                origin=origin, timing=timing)
 
 
 def _order_params(model, params: dict) -> dict:

@@ -472,7 +472,7 @@ def _param_menu(shape, mesh: Mesh) -> list[Strategy]:
     return menu
 
 
-UNUSABLE = 1e6  # seconds: a choice pair the runtime cannot run as planned
+UNUSABLE = float("inf")  # a choice pair the runtime cannot run as planned: the ILP never picks it
 
 
 def same_local_shape(a, b) -> bool:

@@ -53,6 +53,11 @@ def _fold_edges(costs, edges):
     kept = []
     for u, v, m in edges:
         m = np.asarray(m, dtype=float)
+        if not np.isfinite(m).all():  # forbidden pairs: keep the edge, its pairs leave them out
+            rows, row_of = np.unique(m, axis=0, return_inverse=True)
+            cols, col_of = np.unique(rows, axis=1, return_inverse=True)
+            kept.append((u, v, cols, row_of.reshape(-1), col_of.reshape(-1)))
+            continue
         if u == v:
             costs[u] += np.diag(m)
             continue
@@ -84,7 +89,8 @@ def solve(costs, edges, memory=None, budget=None, allowed=None, *, time_limit=60
         if not allowed[n].any():
             raise InfeasibleError(f"node {n} has no allowed strategy")
     finite = [np.where(allowed[n], costs[n], 0.0) for n in range(n_nodes)]
-    scale_ref = sum(float(f.max(initial=0)) for f in finite) + sum(float(m.max(initial=0)) for _, _, m, _, _ in kept)
+    scale_ref = sum(float(f.max(initial=0)) for f in finite) + sum(
+        float(m[np.isfinite(m)].max(initial=0)) for _, _, m, _, _ in kept)
     scale = 1e9 / scale_ref if scale_ref > 0 else 1.0  # keep the integer objective below ~1e9·a few
 
     model = cp_model.CpModel()
@@ -117,15 +123,17 @@ def solve(costs, edges, memory=None, budget=None, allowed=None, *, time_limit=60
                 col_members.setdefault(int(c), []).append(x[v][j])
         for r in row_members:
             for c in col_members:
+                if not np.isfinite(m[r, c]):
+                    continue
                 e = model.NewBoolVar(f"e{u}_{v}_{r}_{c}")
                 pairs[(r, c)] = e
                 w = int(round(m[r, c] * scale))
                 if w:
                     objective.append(w * e)
         for r, members in row_members.items():
-            model.Add(sum(pairs[(r, c)] for c in col_members) == sum(members))
+            model.Add(sum(pairs[(r, c)] for c in col_members if (r, c) in pairs) == sum(members))
         for c, members in col_members.items():
-            model.Add(sum(pairs[(r, c)] for r in row_members) == sum(members))
+            model.Add(sum(pairs[(r, c)] for r in row_members if (r, c) in pairs) == sum(members))
     if budget is not None and memory is not None:
         # memory in units of budget / 1e9; each term rounded up, so the constraint is never
         # looser than the budget and at most ~1e-9 of it stricter per node

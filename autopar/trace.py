@@ -7,6 +7,7 @@ weights exist is never run.  Shapes land in `node.meta["val"]`, module paths in
 """
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ class Traced:
     user_inputs: list
     tied: dict   # parameter name -> the name `named_parameters()` lists it under (tied weights)
     in_spec: object = None  # pytree structure of (args, kwargs) the graph's user inputs flatten from
+    out_spec: object = None  # pytree structure the graph's outputs unflatten into
 
 
 def _module_of_error(exc: BaseException, model: torch.nn.Module) -> str:
@@ -46,7 +48,51 @@ def _module_of_error(exc: BaseException, model: torch.nn.Module) -> str:
     return found or type(model).__name__
 
 
-def trace(model: torch.nn.Module | fx.GraphModule, example_inputs: tuple, example_kwargs: dict | None = None) -> Traced:
+_CACHE: dict = {}
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
+
+
+def _fingerprint(model: torch.nn.Module, example_inputs, example_kwargs) -> str:
+    """Everything the traced graph depends on that can be read without running the model:
+    module types and their plain attributes (configs, flags, sizes, training mode), the
+    names, shapes, dtypes, devices and ties of parameters and buffers, and the inputs'
+    structure, shapes and dtypes."""
+    parts = []
+    for name, mod in model.named_modules(remove_duplicate=False):
+        attrs = sorted((k, repr(v)) for k, v in vars(mod).items()
+                       if k not in _MODULE_INTERNALS and not isinstance(v, (torch.Tensor, torch.nn.Module)))
+        parts.append((name, type(mod).__module__, type(mod).__qualname__, attrs))
+    first: dict[int, str] = {}
+    for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):
+        parts.append((name, first.setdefault(id(t), name), tuple(t.shape), str(t.dtype), str(t.device), t.requires_grad))
+    flat, spec = torch.utils._pytree.tree_flatten((tuple(example_inputs), example_kwargs))
+    parts.append(str(spec))
+    parts.extend((tuple(x.shape), str(x.dtype), str(x.device)) if isinstance(x, torch.Tensor) else repr(x) for x in flat)
+    return repr(parts)
+
+
+def trace(model: torch.nn.Module | fx.GraphModule, example_inputs: tuple, example_kwargs: dict | None = None,
+          cache: bool = True) -> Traced:
+    """The training-IR graph of `model(*example_inputs, **example_kwargs)`.
+
+    Traces are cached in the process by a fingerprint of the model's structure and the
+    inputs' shapes (see _fingerprint), so planning and compiling the same model, or
+    compiling it with several plans, traces once; each caller gets its own copy of the
+    graph.  cache=False always traces."""
+    key = _fingerprint(model, example_inputs, example_kwargs or {}) if cache else None
+    if key is not None and key in _CACHE:
+        hit = _CACHE[key]
+        return Traced(copy.deepcopy(hit.graph), dict(hit.params), dict(hit.buffers), list(hit.user_inputs),
+                      dict(hit.tied), hit.in_spec, hit.out_spec)
+    traced = _trace(model, example_inputs, example_kwargs)
+    if key is not None:
+        _CACHE[key] = traced
+        return Traced(copy.deepcopy(traced.graph), dict(traced.params), dict(traced.buffers),
+                      list(traced.user_inputs), dict(traced.tied), traced.in_spec, traced.out_spec)
+    return traced
+
+
+def _trace(model: torch.nn.Module | fx.GraphModule, example_inputs: tuple, example_kwargs: dict | None = None) -> Traced:
     """Export `model(*example_inputs, **example_kwargs)` to ATen training IR on fake tensors.
 
     A user-made `fx.GraphModule` (e.g. from `torch.fx.symbolic_trace`) is an nn.Module and
@@ -73,4 +119,4 @@ def trace(model: torch.nn.Module | fx.GraphModule, example_inputs: tuple, exampl
     tied = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         tied[name] = first.setdefault(id(p), name)
-    return Traced(gm, params, buffers, list(sig.user_inputs), tied, ep.call_spec.in_spec)
+    return Traced(gm, params, buffers, list(sig.user_inputs), tied, ep.call_spec.in_spec, ep.call_spec.out_spec)

@@ -44,6 +44,37 @@ def move(x: torch.Tensor, m: Move, groups) -> torch.Tensor:
     return redistribute(x, m.src, m.dst, m.grad_src, m.grad_dst, groups)
 
 
+def local_input_layouts(gm: fx.GraphModule, user_inputs) -> list:
+    """Lay every user input out as its first reader reads it, so callers pass their shard
+    (no slicing, no move); returns the layouts in placeholder order."""
+    layouts = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder" or node.target not in user_inputs:
+            continue
+        layout = None
+        for reader in node.users:
+            choice = reader.meta.get("autopar")
+            if choice is None or reader.op != "call_function":
+                continue
+            k = tensor_args(reader).index(node)
+            layout = tuple(choice.inputs[k])
+            break
+        if layout is None:
+            layout = layout_of(node)
+        node.meta["autopar_input_layout"] = layout
+        layouts.append(layout)
+    return layouts
+
+
+def get_attr(graph: fx.Graph, name: str) -> fx.Node:
+    """A get_attr node for a plain (non-tensor, non-module) attribute of the GraphModule;
+    fx warns about those, but they work and keep the generated code readable."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return graph.get_attr(name)
+
+
 def grad_target(placements) -> tuple:
     return tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
 
@@ -56,6 +87,8 @@ def layout_of(node: fx.Node, index: int = 0, ndim: int = 1) -> tuple:
     alias = node.meta.get("autopar_alias")
     if alias is not None:
         return layout_of(alias, index, ndim)
+    if "autopar_input_layout" in node.meta:  # a user input the caller passes already sharded
+        return node.meta["autopar_input_layout"]
     choice = node.meta.get("autopar")
     if choice is None or not choice.outputs:
         return tuple(Replicate() for _ in range(ndim))
@@ -71,18 +104,36 @@ def tensor_key(node: fx.Node) -> tuple[fx.Node, int]:
     return (alias if alias is not None else node), 0
 
 
-def insert_collectives(gm: fx.GraphModule, plan, groups) -> fx.GraphModule:
-    """Rewrite gm in place; `groups` (an AxisGroups) is stored on gm and read at run time."""
+def insert_collectives(gm: fx.GraphModule, plan, groups, defer: dict | None = None) -> fx.GraphModule:
+    """Rewrite gm in place; `groups` (an AxisGroups) is stored on gm and read at run time.
+
+    defer: placeholder name -> parameter name for parameters whose gradient all-reduce the
+    runtime runs itself (bucketed, overlapped with backward).  For those, a move that would
+    end the gradient's journey with Partial -> Replicate leaves it Partial instead, and
+    gm._autopar_grad_sync[parameter] lists the mesh axes still to reduce."""
     ndim = len(plan.mesh["shape"])
     graph = gm.graph
     gm._autopar_groups = groups
+    gm._autopar_grad_sync = {}
+    defer = defer or {}
     count = [0]
+
+    def deferred(x: fx.Node, back_from: tuple, back_to: tuple) -> tuple:
+        """The gradient layout a move should leave for parameter x (see `defer`)."""
+        if x.op != "placeholder" or x.target not in defer:
+            return back_to
+        axes = tuple(a for a, (f, t) in enumerate(zip(back_from, back_to)) if f != t)
+        if not axes or any(not (isinstance(back_from[a], Partial) and isinstance(back_to[a], Replicate))
+                           for a in axes):
+            return back_to
+        gm._autopar_grad_sync[defer[x.target]] = axes
+        return back_from
 
     def attr(value) -> fx.Node:
         name = f"_autopar_move_{count[0]}"
         count[0] += 1
         setattr(gm, name, value)
-        return graph.get_attr(name)
+        return get_attr(graph, name)
 
     summed: dict = {}
 
@@ -99,9 +150,9 @@ def insert_collectives(gm: fx.GraphModule, plan, groups) -> fx.GraphModule:
             if x.op == "placeholder":  # keep the placeholders together at the top
                 anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]
             with graph.inserting_after(anchor):
-                groups_node = graph.get_attr("_autopar_groups")
+                groups_node = get_attr(graph, "_autopar_groups")
             with graph.inserting_after(groups_node):
-                spec = attr(Move(p, p, tuple(w), grad_target(p)))
+                spec = attr(Move(p, p, tuple(w), deferred(x, tuple(w), grad_target(p))))
             with graph.inserting_after(spec):
                 summed[x] = graph.call_function(move, (x, spec, groups_node))
             summed[x].meta["val"] = x.meta.get("val")
@@ -120,12 +171,14 @@ def insert_collectives(gm: fx.GraphModule, plan, groups) -> fx.GraphModule:
             src, p, back = source_for(x)
             q = tuple(choice.inputs[k])
             g = choice.grads[k] if k < len(choice.grads) else None
+            if g is not None and src is x:
+                back = deferred(x, tuple(g), back)
             m = Move(p, q, tuple(g) if g is not None else q, back if g is not None else q)
             if not m.needed:
                 replacement.append(src)
                 continue
             with graph.inserting_before(node):
-                groups_node = graph.get_attr("_autopar_groups")
+                groups_node = get_attr(graph, "_autopar_groups")
                 moved = graph.call_function(move, (src, attr(m), groups_node))
             moved.meta["val"] = x.meta.get("val")  # the same global tensor, in another layout
             replacement.append(moved)

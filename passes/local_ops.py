@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dnn
 import torch.nn.functional as F
 
 
@@ -33,10 +32,28 @@ def vocab_parallel_embedding(weight, indices, vocab: int, weight_placements, axe
     return out * mine.unsqueeze(-1).to(out.dtype)
 
 
-def _all_reduce(x, axes, groups, op=dist.ReduceOp.SUM):
+class _SumOverAxis(torch.autograd.Function):
+    """y = sum over the axis of x (every rank gets it); the gradient of each x is the sum of
+    the gradients every rank's y received."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        y = x.clone()
+        dist.all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _all_reduce(x, axes, groups):
     """Differentiable all-reduce (sum) over several mesh axes."""
     for a in axes:
-        x = dnn.all_reduce(x, op=op, group=groups.group(a))
+        x = _SumOverAxis.apply(x, groups.group(a))
     return x
 
 

@@ -123,6 +123,6 @@ def _global_shape(node, k):
 
 
 def _groups_node(node):
-    graph = node.graph
-    with graph.inserting_before(node):
-        return graph.get_attr("_autopar_groups")
+    from .collectives import get_attr
+    with node.graph.inserting_before(node):
+        return get_attr(node.graph, "_autopar_groups")

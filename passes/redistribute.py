@@ -81,6 +81,19 @@ class MeshGroups:
     def group(self, axis: int):
         return self._groups[axis]
 
+    def group_of(self, axes: tuple):
+        """One process group over several mesh axes (this rank's peers on all of them)."""
+        axes = tuple(axes)
+        if len(axes) == 1:
+            return self._groups[axes[0]]
+        cache = self.__dict__.setdefault("_flat", {})
+        if axes not in cache:
+            names = self.mesh.mesh_dim_names
+            if names is None:
+                raise ValueError("a process group over several mesh axes needs a DeviceMesh with axis names")
+            cache[axes] = self.mesh[tuple(names[a] for a in axes)]._flatten().get_group()
+        return cache[axes]
+
     def __repr__(self) -> str:
         return f"MeshGroups(sizes={self._sizes}, coordinate={self._coord})"
 

@@ -24,7 +24,7 @@ from torch.utils import _pytree as pytree
 import autopar
 from autopar.mesh import Mesh
 from autopar.passes.annotate import annotate
-from autopar.passes.collectives import insert_collectives
+from autopar.passes.collectives import insert_collectives, local_input_layouts
 from autopar.passes.localize import localize
 from autopar.passes.redistribute import MeshGroups, redistribute_local
 from autopar.passes.shard_params import init_sharded, shard_full_model
@@ -51,11 +51,15 @@ def ensure_process_group() -> None:
 
 
 def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=None, plan=None,
-            memory_budget=None, seed: int | None = None, bucket_mb: float = 25.0) -> "CompiledModel":
+            memory_budget=None, seed: int | None = None, bucket_mb: float = 25.0,
+            local_inputs: bool = False) -> "CompiledModel":
     """Compile `model` for `mesh` with `plan` (a Plan, a path to a saved one, or None to plan now).
 
     A model on the meta device is initialised shard by shard (with `seed` if given); a model
-    on CPU is sliced.  Every rank must pass the same model, mesh, inputs and plan."""
+    on CPU is sliced.  Every rank must pass the same model, mesh, inputs and plan.
+
+    local_inputs: the compiled module takes each rank's own shard of every input (laid out
+    as `cm.input_layouts` says, see `cm.shard_inputs`) instead of the global batch."""
     start = time.perf_counter()
     ensure_process_group()
     world = dist.get_world_size()
@@ -79,7 +83,8 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=N
     traced = trace(model, tuple(example_inputs), example_kwargs)
     gm = traced.graph
     annotate(gm, plan, traced.params, traced.tied)
-    insert_collectives(gm, plan, groups)
+    input_layouts = local_input_layouts(gm, set(traced.user_inputs)) if local_inputs else None
+    insert_collectives(gm, plan, groups, defer=_single_use_params(traced))
     localize(gm, plan)
     on_meta = any(p.is_meta for p in model.parameters())
     if on_meta:
@@ -87,12 +92,22 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=N
     else:
         shards = shard_full_model(model, plan.param_placements, groups)
     cm = CompiledModel(gm, traced, plan, groups, shards, model, device_type, bucket_mb)
+    cm.input_layouts = input_layouts
     log.info("compiled %s for %s on rank %d in %.2fs", type(model).__name__, mesh, dist.get_rank(),
              time.perf_counter() - start)
     return cm
 
 
 _MESHES: dict = {}
+
+
+def _single_use_params(traced) -> dict:
+    """placeholder -> parameter name, for parameters fed to exactly one placeholder (a tied
+    weight is fed twice and accumulates two gradients: it is reduced inside autograd)."""
+    by_name: dict = {}
+    for ph, name in traced.params.items():
+        by_name.setdefault(traced.tied.get(name, name), []).append(ph)
+    return {phs[0]: name for name, phs in by_name.items() if len(phs) == 1}
 
 
 def _device_mesh(device_type: str, mesh: Mesh):
@@ -124,6 +139,7 @@ class CompiledModel(nn.Module):
         super().__init__()
         self.plan = plan
         self.groups = groups
+        self.input_layouts = None  # set by compile(local_inputs=True)
         self.device_type = device_type
         device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
         self.graph_module = gm.to(device)
@@ -148,11 +164,14 @@ class CompiledModel(nn.Module):
                 order.append(("input", None))
         self._order = order
         self._in_spec = traced.in_spec
-        self._grad_sync = GradSync(self, bucket_mb)
+        self._out_spec = traced.out_spec
+        sync = {_key(name): axes for name, axes in gm._autopar_grad_sync.items()}
+        self._grad_sync = GradSync(self, sync, groups.group_of, bucket_mb)
 
     # --- running -----------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
-        """Forward on the global batch: every rank passes the same full inputs."""
+        """Forward on the global batch (every rank passes the same full inputs), or on this
+        rank's shards when compiled with local_inputs=True."""
         flat, spec = pytree.tree_flatten((args, kwargs))
         if self._in_spec is not None and spec != self._in_spec:
             raise CompileError(f"inputs do not match the example inputs the model was compiled with "
@@ -168,16 +187,33 @@ class CompiledModel(nn.Module):
             else:
                 feed.append(next(inputs))
         out = self.graph_module(*feed)
-        if isinstance(out, (tuple, list)) and len(out) == 1:
-            return out[0]
-        return out
+        if self._out_spec is not None:
+            return pytree.tree_unflatten(list(out), self._out_spec)
+        return out[0] if isinstance(out, (tuple, list)) and len(out) == 1 else out
+
+    def shard_inputs(self, *args, **kwargs):
+        """This rank's shards of global inputs, for a module compiled with local_inputs=True."""
+        if self.input_layouts is None:
+            raise CompileError("shard_inputs is for modules compiled with local_inputs=True; this one takes "
+                               "the global batch as it is")
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        tensors = iter(self.input_layouts)
+        out = [redistribute_local(t, tuple(Replicate() for _ in layout), layout, self.groups)
+               if isinstance(t, torch.Tensor) and (layout := next(tensors)) is not None else t for t in flat]
+        return pytree.tree_unflatten(out, spec)
 
     def train_step(self, *args, **kwargs) -> torch.Tensor:
         """Forward, backward and gradient synchronisation; returns the loss (detached)."""
-        loss = self(*args, **kwargs)
+        out = self(*args, **kwargs)
+        loss = _loss_of(out)
         loss.backward()
         self._grad_sync.finish()
         return loss.detach()
+
+    def no_sync(self):
+        """Micro-steps inside `with cm.no_sync():` accumulate gradients without reducing them;
+        the next `train_step` outside reduces the sum."""
+        return self._grad_sync.no_sync()
 
     def build_optimizer(self, cls=torch.optim.AdamW, **kwargs) -> torch.optim.Optimizer:
         """Any torch optimizer over this rank's shards (elementwise optimizers such as Adam
@@ -207,6 +243,23 @@ class CompiledModel(nn.Module):
             for k, p in self.shards.items():
                 name = self._names[k]
                 p.copy_(shard_of(state[name].to(p.device, p.dtype), self.plan.param_placements[name], self.groups))
+
+
+def _loss_of(out) -> torch.Tensor:
+    """The scalar to differentiate: the output itself, its `.loss` (Hugging Face) or its first."""
+    if isinstance(out, torch.Tensor):
+        loss = out
+    elif getattr(out, "loss", None) is not None:
+        loss = out.loss
+    elif isinstance(out, dict) and "loss" in out:
+        loss = out["loss"]
+    elif isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        loss = out[0]
+    else:
+        raise CompileError(f"train_step needs the model to return a loss; it returned {type(out).__name__}")
+    if loss.numel() != 1:
+        raise CompileError(f"train_step needs a scalar loss; the model returned shape {tuple(loss.shape)}")
+    return loss
 
 
 def _key(name: str) -> str:

@@ -71,3 +71,15 @@ def test_weight_dominated_gpt2_puts_megatron_on_tp():
     data_parallel_sync = layers * collective_time("all_reduce", tp_local_bytes, dp, mesh)
     assert plan.predicted.comm_s["dp"] < data_parallel_sync
     assert plan.predicted.step_s <= plan.baselines["megatron-tp x dp"].step_s
+
+
+@pytest.mark.parametrize("name,shape", [("gpt-tiny", (2, 2)), ("llama-tiny", (4,)), ("gpt2-124m", (2, 4))])
+def test_ilp_objective_is_the_predicted_step(name, shape):
+    """The solver's objective (integer-scaled) and the plan's prediction (recomputed from the
+    chosen strategies) are the same number: what the ILP optimises is what the plan shows."""
+    from autopar.solver import MEMORY_TIE_BREAK
+    model, example = build(name, device="meta")
+    mesh = autopar.Mesh(shape, ("dp", "tp")[-len(shape):], device="h100")
+    plan = autopar.plan(model, mesh, example, compare=False)
+    expected = plan.predicted.step_s + MEMORY_TIE_BREAK * plan.predicted.memory_total
+    assert plan.solver["objective_s"] == pytest.approx(expected, rel=1e-4)

@@ -1,0 +1,168 @@
+"""Jobs the multi-rank tests send to the worker pool: build a model, compile it with a
+plan, train a few AdamW steps and compare with the same model trained on one device."""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import autopar
+from autopar.mesh import Mesh
+from autopar.plan import Plan
+
+RTOL, ATOL = 1e-5, 1e-6
+# Adam divides by sqrt(v) + eps, so rounding noise in a gradient that is (nearly) zero in
+# exact arithmetic (attention key biases, whose gradient cancels) becomes an update of up
+# to lr whose sign is the noise's.  eps 1e-6 (not 1e-8) damps such noise, and lr 1e-4 keeps
+# what is left below atol, while every real update (~lr = 1e-4 per step) stays 100x above
+# it: a missing or doubled update is still caught.
+OPTIM = dict(lr=1e-4, eps=1e-6)
+
+
+def build_case(spec: tuple):
+    """spec -> (model, args, kwargs), the same on every call (seed 0)."""
+    kind = spec[0]
+    torch.manual_seed(0)
+    if kind == "autopar":
+        from autopar.models import build
+        model, example = build(spec[1], **dict(spec[2]))
+        return model, tuple(example), {}
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
+    if kind == "hf-gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+        cfg = GPT2Config(vocab_size=128, n_positions=64, n_embd=64, n_layer=2, n_head=4, use_cache=False,
+                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        model = GPT2LMHeadModel(cfg)
+    elif kind == "hf-llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+        cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+        model = LlamaForCausalLM(cfg)
+    else:
+        raise ValueError(kind)
+    return model, (), {"input_ids": ids, "labels": ids}
+
+
+def _loss(out):
+    from autopar.runtime.compiled import _loss_of
+    return _loss_of(out)
+
+
+_REFERENCE: dict = {}
+
+
+def reference(spec: tuple, steps: int):
+    """Single-device run: loss and gradients at every step, parameters at the end."""
+    key = (spec, steps)
+    if key not in _REFERENCE:
+        model, args, kwargs = build_case(spec)
+        opt = torch.optim.AdamW(model.parameters(), **OPTIM)
+        losses, grads = [], []
+        for _ in range(steps):
+            loss = _loss(model(*args, **kwargs))
+            loss.backward()
+            losses.append(loss.item())
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+            opt.step()
+            opt.zero_grad()
+        _REFERENCE[key] = (losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()})
+    return _REFERENCE[key]
+
+
+def excess(a: torch.Tensor, b: torch.Tensor) -> float:
+    """How far `a` is outside the tolerance band around `b` (<= 0: inside)."""
+    return float(((a - b).abs() - (ATOL + RTOL * b.abs())).max())
+
+
+def train_and_compare(spec: tuple, plan_dict: dict, steps: int = 3) -> dict:
+    plan = Plan.from_dict(plan_dict)
+    losses, grads, params = reference(spec, steps)
+    model, args, kwargs = build_case(spec)
+    mesh = Mesh.from_dict(plan.mesh)
+    cm = autopar.compile(model, mesh, args, example_kwargs=kwargs or None, plan=plan)
+    opt = cm.build_optimizer(torch.optim.AdamW, **OPTIM)
+    worst = {"loss": 0.0, "grad": (-1.0, ""), "param": (-1.0, "")}
+    for step in range(steps):
+        loss = cm.train_step(*args, **kwargs)
+        worst["loss"] = max(worst["loss"], abs(loss.item() - losses[step]) - (ATOL + RTOL * abs(losses[step])))
+        for name, g in cm.full_grads().items():
+            e = excess(g, grads[step][name])
+            if e > worst["grad"][0]:
+                worst["grad"] = (e, f"step {step} {name}")
+        opt.step()
+        opt.zero_grad()
+    for name, p in cm.full_state_dict().items():
+        e = excess(p, params[name])
+        if e > worst["param"][0]:
+            worst["param"] = (e, name)
+    worst["ok"] = worst["loss"] <= 0 and worst["grad"][0] <= 0 and worst["param"][0] <= 0
+    worst["synced_by_buckets"] = len(cm._grad_sync.params)
+    return worst
+
+
+def forward_collectives(spec: tuple, plan_dict: dict) -> list:
+    """(kind, mesh axis, module of the reading op) of every forward collective the compiled
+    graph runs in its moves."""
+    from autopar.passes.collectives import move
+    from autopar.problem import module_path
+    from autopar.passes.redistribute import plan_redistribute
+    plan = Plan.from_dict(plan_dict)
+    model, args, kwargs = build_case(spec)
+    cm = autopar.compile(model, Mesh.from_dict(plan.mesh), args, example_kwargs=kwargs or None, plan=plan)
+    gm = cm.graph_module
+    sizes = tuple(plan.mesh["shape"])
+    found = []
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is move:
+            m = getattr(gm, node.args[1].target)
+            reader = next(iter(node.users))
+            where = module_path(reader) if reader.op == "call_function" else "output"
+            found.extend((s.kind, s.axis, where) for s in plan_redistribute(m.src, m.dst, sizes) if s.is_collective)
+    return found
+
+
+def compile_error(kind: str) -> str:
+    """Compile something that must fail fast; return the error message (or '' if none)."""
+    import torch.distributed as dist
+    from autopar.models import build
+    from autopar.runtime.compiled import CompileError
+    torch.manual_seed(0)
+    model, example = build("gpt-tiny")
+    if kind == "world":
+        mesh = autopar.Mesh((2,), ("dp",), device="cpu")
+        plan = None
+    else:
+        mesh = autopar.Mesh((4,), ("dp",), device="cpu")
+        layout = "data-parallel" if dist.get_rank() == 0 else "megatron-tp"
+        plan = autopar.plan(model, mesh, example, compare=False, layout=layout)
+    try:
+        autopar.compile(model, mesh, example, plan=plan)
+    except CompileError as exc:
+        return str(exc)
+    return ""
+
+
+def meta_init_matches_whole(name: str, plan_dict: dict) -> float:
+    """Largest difference between a meta model initialised shard by shard under a plan and
+    the same model built whole on CPU from the same seed."""
+    from autopar.models import build
+    plan = Plan.from_dict(plan_dict)
+    torch.manual_seed(0)
+    whole, example = build(name)
+    meta, _ = build(name, device="meta")
+    cm = autopar.compile(meta, Mesh.from_dict(plan.mesh), example, plan=plan, seed=0)
+    full = cm.full_state_dict()
+    return max(float((full[n] - p.detach()).abs().max()) for n, p in whole.named_parameters())
+
+
+def local_inputs_match_global(plan_dict: dict) -> tuple:
+    """Loss of one step with global inputs and with each rank's own shards."""
+    from autopar.models import build
+    plan = Plan.from_dict(plan_dict)
+    mesh = Mesh.from_dict(plan.mesh)
+    torch.manual_seed(0)
+    model, example = build("gpt-tiny")
+    a = autopar.compile(copy.deepcopy(model), mesh, example, plan=plan)
+    b = autopar.compile(copy.deepcopy(model), mesh, example, plan=plan, local_inputs=True)
+    local = b.shard_inputs(*example)[0]
+    return a.train_step(*example).item(), b.train_step(*local).item(), [tuple(t.shape) for t in local]
