@@ -34,9 +34,10 @@ def _param_operands(problem, pn, strategy):
 
 
 def _splits_on(problem, pn, strategy, axes) -> bool:
-    """An op on the gradient path works on its part of the batch on every given axis (it
-    is not computed whole on every rank)."""
-    if pn.kind != "op" or not pn.requires_grad:
+    """An op on the gradient path that reads the batch works on its part of the batch on
+    every given axis (it is not computed whole on every rank).  Ops that see no batch
+    (position embeddings of arange) run whole, as they do under DDP."""
+    if pn.kind != "op" or not pn.requires_grad or not pn.from_input:
         return True
     return all(strategy.split[a] is not None for a in axes if problem.mesh.shape[a] > 1)
 

@@ -45,6 +45,7 @@ class PNode:
     rep: int = -1           # representative PNode (identical layers share it)
     strategies: list = field(default_factory=list)
     fallback: bool = False  # no sharding rule: replicated
+    from_input: bool = False  # depends on a user input (the batch), not only on weights and constants
 
     @property
     def name(self) -> str:
@@ -136,6 +137,7 @@ class Problem:
                 pn = PNode(len(self.nodes), node, "param" if is_param else "input",
                            "parameter" if is_param else "input",
                            (pname.rsplit(".", 1)[0] if pname and "." in pname else ""),
+                           from_input=not is_param and node.target in self.traced.user_inputs,
                            out_shapes=[tuple(val.shape)], out_dtypes=[val.dtype],
                            requires_grad=is_param and val.dtype.is_floating_point,
                            param_name=pname if is_param else None)
@@ -153,6 +155,7 @@ class Problem:
                            out_shapes=[tuple(o.shape) for o in outs], out_dtypes=[o.dtype for o in outs])
                 pn.requires_grad = any(self.nodes[i].requires_grad for i, _ in ins) and any(
                     d.is_floating_point or d.is_complex for d in pn.out_dtypes)
+                pn.from_input = any(self.nodes[i].from_input for i, _ in ins)
                 if name.startswith("wrap_with"):
                     pn.requires_grad = False
             elif node.op == "output":

@@ -9,9 +9,10 @@ Three pairs, each timed in the same run on the same model and global batch:
    DTensor tensor parallelism (`parallelize_module`: `ColwiseParallel` for
    blocks.{i}.attn.q/k/v and blocks.{i}.mlp.fc1, `RowwiseParallel` for blocks.{i}.attn.o and
    blocks.{i}.mlp.fc2; embeddings, LayerNorms and lm_head replicated);
-3. one device: autopar on Mesh((1,), ("dp",)) vs the eager model.  This pair runs on rank 0
-   alone, after the 4-rank pairs, in a process group of its own (ranks 1-3 have exited), so
-   neither side shares the 2 cores with other ranks.
+3. one device: autopar (the solver's plan, layout=None) on Mesh((1,), ("dp",)) vs the
+   eager model.  This pair runs on rank 0 alone, after the 4-rank pairs, in a process
+   group of its own (ranks 1-3 have exited), so neither side shares the 2 cores with
+   other ranks.
 
 A step is forward + backward (+ gradient synchronisation) + AdamW step + zero_grad.  Each
 pair gets `--warmup` untimed steps, then `--steps` timed steps with the two sides
@@ -22,7 +23,15 @@ targets are printed beside the ratios, not asserted.
 
 Both sides of a pair start from the same weights (copies of one model built with seed 0),
 so their losses at step 0 must agree: both are printed (the DDP loss is averaged over the
-ranks' quarters to make it the global-batch loss).
+ranks' quarters to make it the global-batch loss).  After timing, one more step of each side
+runs under torch.profiler on rank 0 to count its c10d collective calls (DDP's C++ reducer
+and DTensor's functional collectives show up there too).
+
+Model: gpt-tiny (vocab 128, tied embeddings) widened to hidden 256, 8 heads, 4 layers
+(3.2 M parameters), global batch 8 x 64 tokens.  On this machine a step takes about 90 ms
+on one rank and 120-450 ms on 4 ranks (it varies with the machine's load): long against
+the few-ms jitter of a barrier on oversubscribed cores, short enough for 25 steps per side
+in the time budget.
 
 Notes on the baselines:
 - The GPT attention hard-codes the global head count (`view(batch, seq, self.n_heads,
@@ -31,32 +40,37 @@ Notes on the baselines:
   baseline's copy gets `n_heads // tp` heads and a forward that is the model's own with the
   last reshape written `reshape(batch, seq, -1)` (`_local_heads_forward`): the same math on
   the local heads, as torchtitan's attention is written for TP.
-- autopar's "megatron-tp" layout also shards the embeddings and the (tied) lm_head on tp
-  (vocabulary-parallel embedding and cross-entropy), while the DTensor baseline keeps them
-  replicated as asked; the linear layers of the blocks are split alike.
+- autopar's "megatron-tp" layout (the cheapest plan its cost model finds within Megatron's
+  rules) also shards the embeddings and the (tied) lm_head on tp, and keeps the residual
+  stream between sublayers split on hidden (all-gather before each LayerNorm,
+  reduce-scatter after attn.o / mlp.fc2), while the DTensor baseline keeps embeddings,
+  norms and head replicated as asked; the linear layers of the blocks are split alike.
 
 4 ranks on this 2-core machine oversubscribe it: every rank runs with one intra-op thread
-(OMP_NUM_THREADS=1, also `torch.set_num_threads(1)`).  The whole run takes about 1-2 min.
+(OMP_NUM_THREADS=1, also `torch.set_num_threads(1)`).  The whole run takes 35-60 s.
 
 Run:
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 4 benchmarks/runtime_overhead.py
     ... benchmarks/runtime_overhead.py --steps 30 --warmup 5
+    ... benchmarks/runtime_overhead.py --hidden 512 --n-layers 2 --batch 16
     ... benchmarks/runtime_overhead.py --profile    # also cProfile autopar's timed steps on rank 0
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import cProfile
 import io
 import os
 import pstats
 import statistics
+import sys
 import time
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch reads it
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported (torchrun sets it too)
 
 import torch
 import torch.distributed as dist
@@ -86,19 +100,30 @@ class Config:
 
 
 @dataclass(frozen=True)
+class Side:
+    """One side of a pair, as measured on rank 0."""
+
+    label: str
+    ms: tuple           # step time: (median, 25th, 75th percentile)
+    loss0: float        # loss of step 0 on the global batch
+    collectives: dict   # c10d collective kind -> calls in one step (torch.profiler on rank 0)
+
+    def comm(self) -> str:
+        total = sum(self.collectives.values())
+        kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.collectives.items()))
+        return f"{total}" + (f" ({kinds})" if kinds else "")
+
+
+@dataclass(frozen=True)
 class Result:
     case: str
-    compiled: str
-    baseline: str
-    compiled_ms: tuple      # step time: (median, 25th, 75th percentile)
-    baseline_ms: tuple
-    compiled_loss0: float   # global-batch loss of step 0
-    baseline_loss0: float
-    target: float           # the ratio we aim for (at most)
+    compiled: Side
+    baseline: Side
+    target: float  # the ratio compiled / baseline we aim for (at most)
 
     @property
     def ratio(self) -> float:
-        return self.compiled_ms[0] / self.baseline_ms[0]
+        return self.compiled.ms[0] / self.baseline.ms[0]
 
 
 def log0(*args) -> None:
@@ -126,11 +151,38 @@ def make_compiled_step(cm, optimizer, inputs):
     return step
 
 
-def time_pair(steps: dict, warmup: int, n: int, profile_name: str | None = None) -> tuple[dict, dict]:
-    """Run `warmup` then `n` interleaved steps of each callable; returns (name -> step-0 loss,
-    name -> step ms on rank 0 as (median, 25th, 75th percentile)).  With `profile_name`,
-    cProfile that side's timed steps (which then run slower)."""
-    sync = dist.barrier if dist.is_initialized() else (lambda: None)
+def count_collectives(step) -> dict:
+    """Run one step; on rank 0 under torch.profiler, and return the c10d collectives it issued
+    (DDP's C++ reducer and DTensor's functional collectives included), by kind."""
+    if dist.get_rank() != 0:
+        step()
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+    with _stderr_silenced(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    return {e.key[len("c10d::"):].rstrip("_"): e.count for e in prof.key_averages()
+            if e.key.startswith("c10d::") and "barrier" not in e.key}
+
+
+@contextlib.contextmanager
+def _stderr_silenced():
+    """File descriptor 2 to /dev/null: the profiler's C++ side logs every start and stop there."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def time_pair(steps: dict, warmup: int, n: int, profile_name: str | None = None) -> dict[str, Side]:
+    """label -> Side for each training-step callable in `steps` (label -> step): `warmup`
+    untimed steps (the first gives the loss), `n` timed steps interleaved across the sides,
+    then one step to count collectives.  With `profile_name`, cProfile that side's timed
+    steps (which then run slower)."""
     loss0 = {name: float(fn()) for name, fn in steps.items()}
     for _ in range(warmup - 1):
         for fn in steps.values():
@@ -139,24 +191,25 @@ def time_pair(steps: dict, warmup: int, n: int, profile_name: str | None = None)
     profiler = cProfile.Profile() if profile_name else None
     for _ in range(n):
         for name, fn in steps.items():
-            sync()
             on = profiler is not None and name == profile_name
+            dist.barrier()
             start = time.perf_counter()
             if on:
                 profiler.enable()
             fn()
-            sync()
+            dist.barrier()
             if on:
                 profiler.disable()
             times[name].append(time.perf_counter() - start)
-    if profiler is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+    if profiler is not None and dist.get_rank() == 0:
         out = io.StringIO()
         stats = pstats.Stats(profiler, stream=out).strip_dirs().sort_stats("tottime")
-        out.write(f"--- cProfile of {n} timed steps of {profile_name} on rank 0, by own time ---\n")
+        out.write(f"--- cProfile of {n} timed steps of {profile_name} on rank 0 ---\n")
         stats.print_stats(25)
         stats.sort_stats("cumulative").print_stats(25)
         print(out.getvalue(), flush=True)
-    return loss0, {name: _summary(t) for name, t in times.items()}
+    comm = {name: count_collectives(fn) for name, fn in steps.items()}
+    return {name: Side(name, _summary(times[name]), loss0[name], comm[name]) for name in steps}
 
 
 def _summary(seconds: list) -> tuple:
@@ -180,12 +233,12 @@ def data_parallel(cfg: Config, warmup: int, n: int, profile: bool) -> Result:
     share = cfg.batch // world
     local = tuple(t[rank * share:(rank + 1) * share] for t in example)
     baseline = make_step(ddp, OPTIMIZER(ddp.parameters(), lr=LR), local)
-    loss0, med = time_pair({"autopar": compiled, "ddp": baseline}, warmup, n,
-                           "autopar" if profile else None)
-    ddp_loss0 = torch.tensor(loss0["ddp"])  # this rank's quarter's mean; the global mean is their mean
+    name = "autopar data-parallel"
+    out = time_pair({name: compiled, "DDP": baseline}, warmup, n, name if profile else None)
+    ddp_loss0 = torch.tensor(out["DDP"].loss0)  # this rank's quarter's mean; the global mean is their mean
     dist.all_reduce(ddp_loss0)
-    return Result("data parallel, 4 ranks", "autopar data-parallel", "DDP", med["autopar"],
-                  med["ddp"], loss0["autopar"], float(ddp_loss0) / world, 1.05)
+    ddp_side = replace(out["DDP"], loss0=float(ddp_loss0) / world)
+    return Result("data parallel, 4 ranks", out[name], ddp_side, 1.05)
 
 
 def _local_heads_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -232,10 +285,9 @@ def tensor_parallel(cfg: Config, warmup: int, n: int, profile: bool) -> Result:
 
     tp_model = dtensor_tp(model, world)
     baseline = make_step(tp_model, OPTIMIZER(tp_model.parameters(), lr=LR), example)
-    loss0, med = time_pair({"autopar": compiled, "dtensor": baseline}, warmup, n,
-                           "autopar" if profile else None)
-    return Result("tensor parallel, 4 ranks", "autopar megatron-tp", "DTensor TP", med["autopar"],
-                  med["dtensor"], loss0["autopar"], loss0["dtensor"], 1.00)
+    name = "autopar megatron-tp"
+    out = time_pair({name: compiled, "DTensor TP": baseline}, warmup, n, name if profile else None)
+    return Result("tensor parallel, 4 ranks", out[name], out["DTensor TP"], 1.00)
 
 
 def single_device(cfg: Config, warmup: int, n: int, profile: bool) -> Result:
@@ -251,12 +303,11 @@ def single_device(cfg: Config, warmup: int, n: int, profile: bool) -> Result:
         compiled = make_compiled_step(cm, cm.build_optimizer(OPTIMIZER, lr=LR), example)
         eager_model = copy.deepcopy(model)
         eager = make_step(eager_model, OPTIMIZER(eager_model.parameters(), lr=LR), example)
-        loss0, med = time_pair({"autopar": compiled, "eager": eager}, warmup, n,
-                               "autopar" if profile else None)
+        name = "autopar Mesh((1,))"
+        out = time_pair({name: compiled, "eager": eager}, warmup, n, name if profile else None)
     finally:
         dist.destroy_process_group()
-    return Result("one device (rank 0 alone)", "autopar, Mesh((1,))", "eager", med["autopar"],
-                  med["eager"], loss0["autopar"], loss0["eager"], 1.02)
+    return Result("one device (rank 0 alone)", out[name], out["eager"], 1.02)
 
 
 # ------------------------------------------------------------------------- report
@@ -284,13 +335,17 @@ def report(cfg: Config, model_params: int, results: list[Result], warmup: int, n
     print("-" * len(head))
     for r in results:
         mark = "met" if r.ratio <= r.target else "missed"
-        print(f"{r.case:<27}{r.compiled:<23}{ms(r.compiled_ms):>19}  {r.baseline:<11}{ms(r.baseline_ms):>19}  "
-              f"{r.ratio:>6.3f}  <= {r.target:.2f} ({mark})")
+        print(f"{r.case:<27}{r.compiled.label:<23}{ms(r.compiled.ms):>19}  {r.baseline.label:<11}"
+              f"{ms(r.baseline.ms):>19}  {r.ratio:>6.3f}  <= {r.target:.2f} ({mark})")
     print()
     print("loss at step 0 (global batch), compiled vs baseline:")
     for r in results:
-        print(f"  {r.case:<27}{r.compiled_loss0:.7f} vs {r.baseline_loss0:.7f}  "
-              f"(|diff| {abs(r.compiled_loss0 - r.baseline_loss0):.1e})")
+        print(f"  {r.case:<27}{r.compiled.loss0:.7f} vs {r.baseline.loss0:.7f}  "
+              f"(|diff| {abs(r.compiled.loss0 - r.baseline.loss0):.1e})")
+    print()
+    print("collective calls per step on rank 0 (torch.profiler, c10d ops), compiled vs baseline:")
+    for r in results:
+        print(f"  {r.case:<27}{r.compiled.comm()} vs {r.baseline.comm()}")
     print(f"\ntotal run time {seconds:.0f} s")
 
 
@@ -299,10 +354,16 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--profile", action="store_true", help="cProfile autopar's timed steps on rank 0")
+    default = Config()
+    for field in ("hidden", "n_heads", "n_layers", "batch", "seq"):
+        parser.add_argument(f"--{field.replace('_', '-')}", type=int, default=getattr(default, field))
     args = parser.parse_args()
     start = time.perf_counter()
     torch.set_num_threads(1)
-    cfg = Config()
+    cfg = Config(hidden=args.hidden, n_heads=args.n_heads, n_layers=args.n_layers, batch=args.batch,
+                 seq=args.seq)
+    if cfg.batch % WORLD or cfg.n_heads % WORLD:
+        raise SystemExit(f"batch ({cfg.batch}) and n_heads ({cfg.n_heads}) must divide by {WORLD}")
     if "RANK" not in os.environ:
         raise SystemExit(f"run under torchrun: torchrun --nproc_per_node {WORLD} {__file__}")
     dist.init_process_group("gloo")

@@ -1,6 +1,11 @@
 """Plan and train gpt-tiny on a (2, 2) mesh of CPU ranks.
 
     torchrun --nproc_per_node 4 examples/train_gpt.py [--steps 10] [--mesh 2x2] [--plan plan.json]
+                                                      [--set hidden=256 --set batch=16 ...]
+
+By default gpt-tiny is widened to hidden 256 (8 heads) with a batch of 16 sequences of
+64 tokens, large enough that the CPU cost model prefers splitting it over the four ranks
+(data and tensor parallelism mixed) to computing it whole on each.
 
 Every rank builds the same model, plans it (the solver is deterministic, so every rank
 gets the same plan; compile checks that) and trains it with data and tensor parallelism as
@@ -31,6 +36,8 @@ def main(argv=None) -> None:
     parser.add_argument("--device", default="cpu", help="device preset the planner costs with")
     parser.add_argument("--plan", help="use this saved plan instead of planning")
     parser.add_argument("--no-check", action="store_true", help="skip the single-device reference run")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="model config or example-input override (default hidden=256 n_heads=8 batch=16 seq=64)")
     args = parser.parse_args(argv)
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -42,8 +49,12 @@ def main(argv=None) -> None:
     names = ("dp", "tp")[-len(shape):] if len(shape) <= 2 else tuple(f"ax{i}" for i in range(len(shape)))
     mesh = autopar.Mesh(shape, names, device=args.device)
 
+    overrides = {"hidden": 256, "n_heads": 8, "batch": 16, "seq": 64} if args.model == "gpt-tiny" else {}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        overrides[key] = int(value) if value.lstrip("-").isdigit() else value
     torch.manual_seed(0)
-    model, batch = build(args.model)
+    model, batch = build(args.model, **overrides)
     reference = None if args.no_check else copy.deepcopy(model)
     plan = autopar.Plan.load(args.plan) if args.plan else autopar.plan(model, mesh, batch)
     if rank == 0:

@@ -37,6 +37,17 @@ def local_shape(shape, placements, mesh_shape) -> list[int]:
     return out
 
 
+def place_on(gm: fx.GraphModule, device: torch.device) -> fx.GraphModule:
+    """Ops that make tensors (arange, ones, ...) carry the device they were traced on (meta
+    for a model planned on the meta device, cpu for one traced on CPU); run them where the
+    rank runs."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and isinstance(node.kwargs.get("device"), torch.device):
+            node.kwargs = {**node.kwargs, "device": device}
+    gm.recompile()
+    return gm
+
+
 def localize(gm: fx.GraphModule, plan) -> fx.GraphModule:
     mesh_shape = tuple(plan.mesh["shape"])
     graph = gm.graph

@@ -24,6 +24,7 @@ Axes of size 1 take no step.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Protocol, Sequence, runtime_checkable
@@ -162,9 +163,14 @@ def plan_redistribute(src: Sequence[Placement], dst: Sequence[Placement],
                       sizes: Sequence[int]) -> tuple[Step, ...]:
     """The steps that take a tensor from `src` to `dst` on a mesh of axis `sizes`, in order.
 
-    Shard dims must be non-negative here (`redistribute_local` normalizes them).
+    Shard dims must be non-negative here (`redistribute_local` normalizes them).  Cached:
+    a compiled model runs the same few moves every step.
     """
-    src, dst = tuple(src), tuple(dst)
+    return _plan_redistribute(tuple(src), tuple(dst), tuple(sizes))
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan_redistribute(src: tuple, dst: tuple, sizes: tuple) -> tuple[Step, ...]:
     if not len(src) == len(dst) == len(sizes):
         raise ValueError(f"placements {src} -> {dst} do not match a mesh of {len(sizes)} axes "
                          f"{tuple(sizes)}: give one placement per mesh axis")

@@ -25,7 +25,7 @@ import autopar
 from autopar.mesh import Mesh
 from autopar.passes.annotate import annotate
 from autopar.passes.collectives import insert_collectives, local_input_layouts
-from autopar.passes.localize import localize
+from autopar.passes.localize import localize, place_on
 from autopar.passes.redistribute import MeshGroups, redistribute_local
 from autopar.passes.shard_params import init_sharded, shard_full_model
 from autopar.plan import Plan
@@ -80,13 +80,17 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=N
         torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
     device_mesh = _device_mesh(device_type, mesh)
     groups = MeshGroups(device_mesh)
+    on_meta = any(p.is_meta for p in model.parameters())
+    if on_meta:  # trace the meta model with meta inputs of the same shapes
+        example_inputs, example_kwargs = pytree.tree_map(
+            lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, (tuple(example_inputs), example_kwargs))
     traced = trace(model, tuple(example_inputs), example_kwargs)
     gm = traced.graph
     annotate(gm, plan, traced.params, traced.tied)
     input_layouts = local_input_layouts(gm, set(traced.user_inputs)) if local_inputs else None
     insert_collectives(gm, plan, groups, defer=_single_use_params(traced))
     localize(gm, plan)
-    on_meta = any(p.is_meta for p in model.parameters())
+    place_on(gm, torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu"))
     if on_meta:
         shards = init_sharded(model, plan.param_placements, groups, seed)
     else:

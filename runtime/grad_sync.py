@@ -18,10 +18,14 @@ import torch.distributed as dist
 
 
 class GradSync:
+    FIRST_BUCKET_MB = 1.0  # the first bucket is small so communication starts early in backward
+
     def __init__(self, module, sync_axes: dict, groups_of, bucket_mb: float):
         """sync_axes: parameter key in module.shards -> mesh axes to all-reduce its gradient over;
         groups_of(axes) -> a process group spanning those mesh axes."""
         self.bucket_bytes = int(bucket_mb * 2**20)
+        self.first_bytes = int(min(bucket_mb, self.FIRST_BUCKET_MB) * 2**20)
+        self.pending_bytes: dict[tuple, int] = {}
         self.enabled = True
         self.params = {key: module.shards[key] for key in sync_axes}
         self.axes = dict(sync_axes)
@@ -38,14 +42,16 @@ class GradSync:
                 return
             self.done.add(key)
             axes = self.axes[key]
-            bucket = self.pending.setdefault(axes, [])
-            bucket.append(param)
-            if sum(p.grad.numel() * p.grad.element_size() for p in bucket) >= self.bucket_bytes:
+            self.pending.setdefault(axes, []).append(param)
+            size = self.pending_bytes.get(axes, 0) + param.grad.numel() * param.grad.element_size()
+            self.pending_bytes[axes] = size
+            if size >= (self.bucket_bytes if self.in_flight else self.first_bytes):
                 self._launch(axes)
         return ready
 
     def _launch(self, axes: tuple) -> None:
         bucket = self.pending.pop(axes, [])
+        self.pending_bytes.pop(axes, None)
         if not bucket:
             return
         flat = torch.cat([p.grad.reshape(-1) for p in bucket])

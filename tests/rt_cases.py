@@ -166,3 +166,18 @@ def local_inputs_match_global(plan_dict: dict) -> tuple:
     b = autopar.compile(copy.deepcopy(model), mesh, example, plan=plan, local_inputs=True)
     local = b.shard_inputs(*example)[0]
     return a.train_step(*example).item(), b.train_step(*local).item(), [tuple(t.shape) for t in local]
+
+
+def state_dict_round_trip(plan_dict: dict) -> float:
+    """Load a whole state dict into the shards and read it back whole."""
+    from autopar.models import build
+    plan = Plan.from_dict(plan_dict)
+    torch.manual_seed(0)
+    model, example = build("gpt-tiny")
+    cm = autopar.compile(model, Mesh.from_dict(plan.mesh), example, plan=plan)
+    torch.manual_seed(5)
+    new = {n: torch.randn_like(p) for n, p in cm.full_state_dict().items()}
+    cm.load_full_state_dict(new)
+    back = cm.full_state_dict()
+    assert set(back) == set(new) == {n for n, _ in model.named_parameters()}
+    return max(float((back[n] - new[n]).abs().max()) for n in new)
