@@ -118,13 +118,12 @@ def insert_collectives(gm: fx.GraphModule, plan, groups, defer: dict | None = No
     defer = defer or {}
     count = [0]
 
+    decided = _deferrable(gm, plan, defer, ndim)
+
     def deferred(x: fx.Node, back_from: tuple, back_to: tuple) -> tuple:
         """The gradient layout a move should leave for parameter x (see `defer`)."""
-        if x.op != "placeholder" or x.target not in defer:
-            return back_to
-        axes = tuple(a for a, (f, t) in enumerate(zip(back_from, back_to)) if f != t)
-        if not axes or any(not (isinstance(back_from[a], Partial) and isinstance(back_to[a], Replicate))
-                           for a in axes):
+        axes = decided.get(x.target) if x.op == "placeholder" else None
+        if axes is None:
             return back_to
         gm._autopar_grad_sync[defer[x.target]] = axes
         return back_from
@@ -186,6 +185,43 @@ def insert_collectives(gm: fx.GraphModule, plan, groups, defer: dict | None = No
     graph.lint()
     gm.recompile()
     return gm
+
+
+def _deferrable(gm: fx.GraphModule, plan, defer: dict, ndim: int) -> dict:
+    """placeholder -> mesh axes whose all-reduce the runtime may take over: every gradient
+    conversion of every placeholder of that parameter (tied weights have several) is exactly
+    Partial -> Replicate on those axes and nothing else."""
+    per_placeholder = {}
+    for x in gm.graph.nodes:
+        if x.op != "placeholder" or x.target not in defer:
+            continue
+        p = layout_of(x, 0, ndim)
+        target = grad_target(p)
+        producer, index = tensor_key(x)
+        w = plan.grad_sums.get(f"{producer.name}:{index}")
+        if w is not None and _same_local_shape(w, p):
+            conversions = [tuple(w)]
+        else:
+            conversions = []
+            for reader in x.users:
+                choice = reader.meta.get("autopar")
+                if choice is None or reader.op != "call_function":
+                    continue
+                for k, a in enumerate(tensor_args(reader)):
+                    if a is x and choice.grads[k] is not None:
+                        conversions.append(tuple(choice.grads[k]))
+        axes_seen = set()
+        for g in conversions:
+            axes = tuple(a for a in range(ndim) if g[a] != target[a])
+            if any(not (isinstance(g[a], Partial) and isinstance(target[a], Replicate)) for a in axes):
+                axes = None
+            axes_seen.add(axes)
+        per_placeholder[x.target] = axes_seen.pop() if len(axes_seen) == 1 else None
+    by_param: dict = {}
+    for ph, axes in per_placeholder.items():
+        by_param.setdefault(defer[ph], set()).add(axes)
+    return {ph: axes for ph, axes in per_placeholder.items()
+            if axes and by_param[defer[ph]] == {axes}}
 
 
 def _same_local_shape(a, b) -> bool:

@@ -88,7 +88,7 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=N
     gm = traced.graph
     annotate(gm, plan, traced.params, traced.tied)
     input_layouts = local_input_layouts(gm, set(traced.user_inputs)) if local_inputs else None
-    insert_collectives(gm, plan, groups, defer=_single_use_params(traced))
+    insert_collectives(gm, plan, groups, defer=_param_placeholders(traced))
     localize(gm, plan)
     place_on(gm, torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu"))
     if on_meta:
@@ -105,13 +105,9 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=N
 _MESHES: dict = {}
 
 
-def _single_use_params(traced) -> dict:
-    """placeholder -> parameter name, for parameters fed to exactly one placeholder (a tied
-    weight is fed twice and accumulates two gradients: it is reduced inside autograd)."""
-    by_name: dict = {}
-    for ph, name in traced.params.items():
-        by_name.setdefault(traced.tied.get(name, name), []).append(ph)
-    return {phs[0]: name for name, phs in by_name.items() if len(phs) == 1}
+def _param_placeholders(traced) -> dict:
+    """placeholder -> the parameter's name (tied weights: several placeholders, one name)."""
+    return {ph: traced.tied.get(name, name) for ph, name in traced.params.items()}
 
 
 def _device_mesh(device_type: str, mesh: Mesh):
