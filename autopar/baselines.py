@@ -7,8 +7,9 @@ comparison with autopar's own plan is like for like:
   gradient path splits its work (the batch) on every axis.
 - zero3: every parameter stored sharded over every mesh axis (FSDP / ZeRO-3) and
   all-gathered for use; the batch splits.
-- megatron-tp x dp: matrices stored and used sharded along the tensor-parallel axis
-  (column or row, Megatron-LM style; biases and norm weights as the cost model prefers);
+- megatron-tp x dp: the layers' matrices stored and used sharded along the tensor-parallel
+  axis (column or row, Megatron-LM style; biases, norm weights, embeddings and the output
+  head as the cost model prefers);
   other axes data parallel.  On a 1-D mesh it is plain "megatron-tp"; on a larger mesh
   "megatron-tp (all axes)" is tensor parallelism over every device.
 """
@@ -57,6 +58,11 @@ def zero3(problem, pn, strategy) -> bool:
 
 def megatron(axes_tp):
     """Megatron on the axes in `axes_tp`, data parallel on the others."""
+    def matrix(problem, pn) -> bool:
+        """A weight Megatron shards: a matrix inside the repeated layers (embeddings and the
+        output head are left to the cost model), or any matrix if the model has no layers."""
+        return len(pn.out_shapes[0]) >= 2 and (not problem.layer_groups or pn.index in problem.block)
+
     def allowed(problem, pn, strategy) -> bool:
         n = problem.mesh.shape
         if pn.kind == "param":
@@ -64,7 +70,7 @@ def megatron(axes_tp):
             for a, p in enumerate(out):
                 if n[a] == 1:
                     continue
-                if a in axes_tp and len(pn.out_shapes[0]) >= 2 and not isinstance(p, Shard):
+                if a in axes_tp and matrix(problem, pn) and not isinstance(p, Shard):
                     return False
                 if a not in axes_tp and not isinstance(p, Replicate):
                     return False
@@ -77,7 +83,7 @@ def megatron(axes_tp):
                     continue
                 if a not in axes_tp and not isinstance(p, Replicate):
                     return False
-                if a in axes_tp and len(src.out_shapes[0]) >= 2 and isinstance(p, Replicate):
+                if a in axes_tp and matrix(problem, src) and isinstance(p, Replicate):
                     return False
         if any(True for _ in _param_operands(problem, pn, strategy)):
             for a in axes_tp:  # a layer with weights splits a weight dim on tp, never the batch

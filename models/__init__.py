@@ -167,6 +167,23 @@ def _gpt2(n_layers: int, hidden: int, n_heads: int) -> Preset:
     return Preset(GPT, config, _causal_lm_inputs, batch=8, seq=1024)
 
 
+def _llama3(dim: int, n_layers: int, n_heads: int, multiple_of: int) -> Preset:
+    # The models support 8192 tokens; the example inputs use 2048 to keep
+    # planning and tracing fast (pass seq=8192 for the full context).
+    config = LlamaConfig(
+        dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=8, vocab=128256,
+        multiple_of=multiple_of, ffn_dim_multiplier=1.3, rope_theta=500000.0, max_seq=8192,
+    )
+    return Preset(Llama, config, _causal_lm_inputs, batch=1, seq=2048)
+
+
+def _tiny(
+    model_cls: type[nn.Module], config: Any, make_inputs: Callable[..., tuple[torch.Tensor, ...]]
+) -> Preset:
+    """A small model for tests and examples: batch 4, seq 16."""
+    return Preset(model_cls, config, make_inputs, batch=4, seq=16)
+
+
 PRESETS: dict[str, Preset] = {
     "mlp": Preset(MLP, MLPConfig(hidden=1024, n_layers=4), _regression_inputs, batch=64, seq=None),
     # GPT-2 sizes from the GPT-2 paper / Hugging Face configs.
@@ -174,54 +191,24 @@ PRESETS: dict[str, Preset] = {
     "gpt2-355m": _gpt2(n_layers=24, hidden=1024, n_heads=16),
     "gpt2-774m": _gpt2(n_layers=36, hidden=1280, n_heads=20),
     "gpt2-1.5b": _gpt2(n_layers=48, hidden=1600, n_heads=25),
-    "gpt-tiny": Preset(
-        GPT,
-        GPTConfig(vocab=128, max_seq=64, hidden=64, n_layers=2, n_heads=4),
-        _causal_lm_inputs,
-        batch=4,
-        seq=16,
+    "gpt-tiny": _tiny(
+        GPT, GPTConfig(vocab=128, max_seq=64, hidden=64, n_layers=2, n_heads=4), _causal_lm_inputs
     ),
-    # Llama 3 sizes from Meta's params.json. The models support 8192 tokens;
-    # the example inputs use 2048 to keep planning and tracing fast
-    # (pass seq=8192 for the full context).
-    "llama3-8b": Preset(
-        Llama,
-        LlamaConfig(
-            dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab=128256,
-            multiple_of=1024, ffn_dim_multiplier=1.3, rope_theta=500000.0, max_seq=8192,
-        ),
-        _causal_lm_inputs,
-        batch=1,
-        seq=2048,
-    ),
-    "llama3-70b": Preset(
-        Llama,
-        LlamaConfig(
-            dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab=128256,
-            multiple_of=4096, ffn_dim_multiplier=1.3, rope_theta=500000.0, max_seq=8192,
-        ),
-        _causal_lm_inputs,
-        batch=1,
-        seq=2048,
-    ),
-    "llama-tiny": Preset(
+    # Llama 3 sizes from Meta's params.json.
+    "llama3-8b": _llama3(dim=4096, n_layers=32, n_heads=32, multiple_of=1024),
+    "llama3-70b": _llama3(dim=8192, n_layers=80, n_heads=64, multiple_of=4096),
+    "llama-tiny": _tiny(
         Llama,
         LlamaConfig(
             dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab=128,
             multiple_of=32, ffn_dim_multiplier=None, max_seq=64, tie_embeddings=True,
         ),
         _causal_lm_inputs,
-        batch=4,
-        seq=16,
     ),
     # bert-base-uncased.
     "bert-base": Preset(Bert, BertConfig(), _masked_lm_inputs, batch=8, seq=512),
-    "bert-tiny": Preset(
-        Bert,
-        BertConfig(vocab=128, max_seq=64, hidden=64, n_layers=2, n_heads=4),
-        _masked_lm_inputs,
-        batch=4,
-        seq=16,
+    "bert-tiny": _tiny(
+        Bert, BertConfig(vocab=128, max_seq=64, hidden=64, n_layers=2, n_heads=4), _masked_lm_inputs
     ),
 }
 

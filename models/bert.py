@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._init import check_owns_nothing
+from . import _init
 
 IGNORE_INDEX = -100  # target value of the positions that do not count in the loss
 
@@ -160,8 +160,7 @@ class Bert(nn.Module):
         """Make `head.decoder.weight` the same Parameter as `embeddings.word_embeddings.weight`
         (if `tie_embeddings`).
 
-        `Module.to_empty()` (used to materialize a model built on the meta
-        device) gives each module a fresh Parameter, which unties shared ones.
+        `init_weights` re-ties: `to_empty()` gives each module a fresh Parameter.
         """
         if self.config.tie_embeddings:
             self.head.decoder.weight = self.embeddings.word_embeddings.weight
@@ -174,43 +173,20 @@ class Bert(nn.Module):
         weight one / bias zero. Post-LN keeps the residual stream normalized,
         so no depth scaling is needed. The tied `head.decoder.weight` is
         `embeddings.word_embeddings.weight` and is drawn once, as the latter.
-
-        Re-ties the weights (see `tie_weights`), then runs `init_module` over
-        `named_modules()`, so that a model built on the meta device can be
-        materialized with `model.to_empty(device=...)` then `init_weights()`,
-        or one module at a time (see `init_module`).
         """
-        self.tie_weights()
-        for name, module in self.named_modules():
-            self.init_module(name, module)
+        _init.init_weights(self)
 
     @torch.no_grad()
     def init_module(self, name: str, module: nn.Module) -> None:
-        """Initialize the parameters and buffers `module` owns directly.
-
-        name:   the path of `module` in `self.named_modules()` ("" for the model)
-        module: the submodule at that path
-
-        Draws from the global RNG exactly as `init_weights` does for this
-        module, so calling it for every module in `named_modules()` order after
-        the same `torch.manual_seed` gives bit-identical weights. For
-        `head.decoder` with tied embeddings it draws nothing for the weight: it
-        re-ties `head.decoder.weight` to the (already initialized) word
-        embeddings, dropping whatever tensor it held; the bias is zeroed.
-        """
-        if self.config.tie_embeddings and module is self.head.decoder:
-            self.tie_weights()  # the weight is the word embeddings', initialized before
-            nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        elif isinstance(module, nn.LayerNorm):
-            module.reset_parameters()  # weight one, bias zero; no RNG
-        else:  # Bert itself, embeddings, layers, containers: no tensors of their own
-            check_owns_nothing(name, module)
+        """`_init.init_module` with BERT's rules; a tied `head.decoder` re-ties its weight
+        (no draw) and zeroes its bias."""
+        _init.init_module(
+            name,
+            module,
+            model=self,
+            tied=self.head.decoder if self.config.tie_embeddings else None,
+            norms=(nn.LayerNorm,),
+        )
 
     def forward(
         self,

@@ -17,14 +17,13 @@ Shapes in comments use `batch`, `seq`, `hidden`, `heads`, `head_dim`
 (`hidden == heads * head_dim`) and `vocab`.
 """
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._init import check_owns_nothing
+from . import _init
 
 
 @dataclass
@@ -115,8 +114,7 @@ class GPT(nn.Module):
     def tie_weights(self) -> None:
         """Make `lm_head.weight` the same Parameter as `wte.weight` (if `tie_embeddings`).
 
-        `Module.to_empty()` (used to materialize a model built on the meta
-        device) gives each module a fresh Parameter, which unties shared ones.
+        `init_weights` re-ties: `to_empty()` gives each module a fresh Parameter.
         """
         if self.config.tie_embeddings:
             self.lm_head.weight = self.wte.weight
@@ -130,46 +128,21 @@ class GPT(nn.Module):
         stream (`attn.o`, `mlp.fc2`) get std 0.02 / sqrt(2 * n_layers), so the
         residual stream does not grow with depth. The tied `lm_head.weight` is
         `wte.weight` and is drawn once, as `wte.weight`.
-
-        Re-ties the weights (see `tie_weights`), then runs `init_module` over
-        `named_modules()`, so `to_empty(...)` then `init_weights()` gives a
-        correctly tied, initialized model, and a model materialized one module
-        at a time can be initialized to the same values (see `init_module`).
         """
-        self.tie_weights()
-        for name, module in self.named_modules():
-            self.init_module(name, module)
+        _init.init_weights(self)
 
     @torch.no_grad()
     def init_module(self, name: str, module: nn.Module) -> None:
-        """Initialize the parameters and buffers `module` owns directly.
-
-        name:   the path of `module` in `self.named_modules()` ("" for the model)
-        module: the submodule at that path
-
-        Draws from the global RNG exactly as `init_weights` does for this
-        module, so calling it for every module in `named_modules()` order after
-        the same `torch.manual_seed` gives bit-identical weights. For `lm_head`
-        with tied embeddings it draws nothing: it re-ties `lm_head.weight` to
-        the (already initialized) `wte.weight`, dropping whatever tensor
-        `lm_head.weight` held.
-        """
-        if self.config.tie_embeddings and module is self.lm_head:
-            self.tie_weights()  # the weight is wte's, initialized by init_module("wte", ...)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Linear):
-            residual = name.endswith(("attn.o", "mlp.fc2"))
-            std = 0.02 / math.sqrt(2 * self.config.n_layers) if residual else 0.02
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        elif isinstance(module, nn.LayerNorm):
-            module.reset_parameters()  # weight one, bias zero; no RNG
-        else:  # GPT itself, blocks, attention, feed-forward, containers: no tensors of their own
-            check_owns_nothing(name, module)
+        """`_init.init_module` with GPT's rules; a tied `lm_head` draws nothing, it re-ties."""
+        _init.init_module(
+            name,
+            module,
+            model=self,
+            tied=self.lm_head if self.config.tie_embeddings else None,
+            residual=("attn.o", "mlp.fc2"),
+            n_layers=self.config.n_layers,
+            norms=(nn.LayerNorm,),
+        )
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """

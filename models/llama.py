@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._init import check_owns_nothing
+from . import _init
 
 
 @dataclass
@@ -212,8 +212,7 @@ class Llama(nn.Module):
     def tie_weights(self) -> None:
         """Make `output.weight` the same Parameter as `tok_embeddings.weight` (if `tie_embeddings`).
 
-        `Module.to_empty()` (used to materialize a model built on the meta
-        device) gives each module a fresh Parameter, which unties shared ones.
+        `init_weights` re-ties: `to_empty()` gives each module a fresh Parameter.
         """
         if self.config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
@@ -227,48 +226,28 @@ class Llama(nn.Module):
         `feed_forward.w2`) get std 0.02 / sqrt(2 * n_layers). A tied
         `output.weight` is `tok_embeddings.weight` and is drawn once, as
         `tok_embeddings.weight`. The RoPE tables are recomputed.
-
-        Re-ties the weights (see `tie_weights`), then runs `init_module` over
-        `named_modules()`, so that a model built on the meta device can be
-        materialized with `model.to_empty(device=...)` then `init_weights()`,
-        or one module at a time (see `init_module`).
         """
-        self.tie_weights()
-        for name, module in self.named_modules():
-            self.init_module(name, module)
+        _init.init_weights(self)
 
     @torch.no_grad()
     def init_module(self, name: str, module: nn.Module) -> None:
-        """Initialize the parameters and buffers `module` owns directly.
-
-        name:   the path of `module` in `self.named_modules()` ("" for the model)
-        module: the submodule at that path
-
-        Draws from the global RNG exactly as `init_weights` does for this
-        module, so calling it for every module in `named_modules()` order after
-        the same `torch.manual_seed` gives bit-identical weights. The model
-        itself ("") owns the non-persistent RoPE tables, which are computed
-        (no RNG). For `output` with tied embeddings it draws nothing: it
-        re-ties `output.weight` to the (already initialized)
-        `tok_embeddings.weight`, dropping whatever tensor `output.weight` held.
-        """
+        """`_init.init_module` with Llama's rules, plus the model itself (""), which owns
+        the non-persistent RoPE tables: computed, no RNG. A tied `output` re-ties, no draw."""
         if module is self:
             head_dim = self.config.dim // self.config.n_heads
             cos, sin = rope_tables(head_dim, self.config.max_seq, self.config.rope_theta)
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
-        elif self.config.tie_embeddings and module is self.output:
-            self.tie_weights()  # the weight is tok_embeddings', initialized by its init_module
-        elif isinstance(module, nn.Linear):
-            residual = name.endswith(("attention.wo", "feed_forward.w2"))
-            std = 0.02 / math.sqrt(2 * self.config.n_layers) if residual else 0.02
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        elif isinstance(module, RMSNorm):
-            module.reset_parameters()  # weight one; no RNG
-        else:  # blocks, attention, feed-forward, containers: no tensors of their own
-            check_owns_nothing(name, module)
+            return
+        _init.init_module(
+            name,
+            module,
+            model=self,
+            tied=self.output if self.config.tie_embeddings else None,
+            residual=("attention.wo", "feed_forward.w2"),
+            n_layers=self.config.n_layers,
+            norms=(RMSNorm,),
+        )
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """

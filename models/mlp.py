@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._init import check_owns_nothing
+from . import _init
 
 
 @dataclass
@@ -41,32 +41,13 @@ class MLP(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """GPT-2 style init: weights ~ normal(0, 0.02), biases zero.
-
-        Exactly `init_module` over `named_modules()`, so a model materialized
-        one module at a time can be initialized to the same values (see
-        `init_module`).
-        """
-        for name, module in self.named_modules():
-            self.init_module(name, module)
+        """GPT-2 style init: weights ~ normal(0, 0.02), biases zero."""
+        _init.init_weights(self)
 
     @torch.no_grad()
     def init_module(self, name: str, module: nn.Module) -> None:
-        """Initialize the parameters and buffers `module` owns directly.
-
-        name:   the path of `module` in `self.named_modules()` ("" for the model)
-        module: the submodule at that path
-
-        Draws from the global RNG exactly as `init_weights` does for this
-        module, so calling it for every module in `named_modules()` order after
-        the same `torch.manual_seed` gives bit-identical weights.
-        """
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        else:  # the MLP itself and the ModuleList own no tensors
-            check_owns_nothing(name, module)
+        """`_init.init_module` for the MLP: only its Linear layers own tensors."""
+        _init.init_module(name, module, embeddings=())
 
     def forward(self, x: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
         """

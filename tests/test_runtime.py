@@ -19,7 +19,7 @@ MODELS = {
     "hf-llama": ("hf-llama",),
 }
 MESHES = {(4,): ("tp",), (2, 2): ("dp", "tp"), (1, 4): ("dp", "tp"), (4, 1): ("dp", "tp")}
-RANDOM_PER_MESH = 5  # 20 random plans per model over the four meshes, 100 in all
+RANDOM_PER_MESH = 8  # 32 random plans per model over the four meshes, 160 in all
 
 
 @functools.lru_cache(maxsize=None)
@@ -63,16 +63,17 @@ def test_data_parallel_gradients_go_through_buckets(pool4):
 
 
 def test_megatron_gpt_has_two_forward_all_reduces_per_block(pool4):
-    """L blocks of Megatron on a 1-D mesh: exactly 2L forward all-reduces inside the blocks
-    (after the attention and MLP row-parallel projections), no other forward collective."""
+    """L blocks of Megatron on a 1-D mesh: exactly 2L forward all-reduces (after the
+    attention and MLP row-parallel projections of every block), no other forward collective
+    (the small embeddings and head stay whole, as the cost model prefers)."""
     layers = 3
     spec = ("autopar", "gpt-tiny", (("n_layers", layers), ("hidden", 128)))
     model, args, _ = build_case(spec)
     mesh = autopar.Mesh(4, "tp", device="h100")
     plan = autopar.plan(model, mesh, args, compare=False, layout="megatron-tp")
     found = pool4.run(forward_collectives, spec, plan.to_dict())[0]
+    assert [k for k, _, _ in found] == ["all_reduce"] * (2 * layers), found
     in_blocks = [(kind, where) for kind, _, where in found if where.startswith("blocks.")]
-    assert [k for k, _ in in_blocks] == ["all_reduce"] * (2 * layers), found
     for i in range(layers):  # one after attention, one after the MLP, in every block
         assert sorted(w for _, w in in_blocks if w.startswith(f"blocks.{i}.")) == [
             f"blocks.{i}.attn.resid_dropout", f"blocks.{i}.mlp.dropout"], in_blocks
