@@ -31,3 +31,13 @@ def test_llama3_70b_plans_without_allocating_weights():
     assert r["grew_kib"] * 1024 < 0.01 * r["n_params"] * 2, r
     assert r["planned"] == r["named"]  # every parameter has a placement
     assert r["step_s"] > 0 and r["memory"] > 0
+
+
+def test_a_mesh_of_1024_devices_plans_in_one_process():
+    import autopar
+    from autopar.models import build
+    model, example = build("gpt2-124m", device="meta", batch=64)
+    mesh = autopar.Mesh((128, 8), ("dp", "tp"), device="h100")
+    plan = autopar.plan(model, mesh, example, compare=False)
+    assert mesh.size == 1024 and plan.solver["optimal"]
+    assert plan.predicted.memory_total < mesh.device.memory

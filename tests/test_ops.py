@@ -127,3 +127,56 @@ def test_user_graph_module_is_accepted():
     plan = autopar.plan(gm, autopar.Mesh(4, "dp", device="cpu"), (torch.randn(4096, 64),), compare=False)
     assert set(plan.param_placements) == {"a.weight", "a.bias", "b.weight", "b.bias"}
     assert any(n.op == "aten.linear" for n in plan.nodes)
+
+
+def _menu(model_name, mesh, op, **overrides):
+    from autopar.models import build
+    from autopar.problem import Problem
+    from autopar.trace import trace
+    model, example = build(model_name, device="meta", **overrides)
+    problem = Problem(trace(model, example), mesh)
+    return problem, [pn for pn in problem.nodes if pn.op == op and pn.rep == pn.index]
+
+
+def test_attention_splits_heads_with_grouped_query_attention():
+    """llama-tiny: 4 query heads, 2 key/value heads.  tp=2 divides both; tp=4 does not
+    divide the key/value heads, so heads never split 4 ways."""
+    _, [sdpa, *_] = _menu("llama-tiny", autopar.Mesh(2, "tp"), "aten.scaled_dot_product_attention")
+    heads = [s for s in sdpa.strategies if s.name == "tp=heads"]
+    assert len(heads) == 1 and all(p == (Shard(1),) for p in heads[0].inputs)
+    _, [sdpa4, *_] = _menu("llama-tiny", autopar.Mesh(4, "tp"), "aten.scaled_dot_product_attention")
+    assert "tp=heads" not in {s.name for s in sdpa4.strategies}
+
+
+def test_vocabulary_parallel_embedding_and_cross_entropy():
+    mesh = autopar.Mesh(4, "tp")
+    _, [emb, *_] = _menu("gpt-tiny", mesh, "aten.embedding")
+    vocab = [s for s in emb.strategies if s.name == "tp=vocab"][0]
+    # table split by rows, token ids whole, output a Partial sum (zeros for others' tokens)
+    assert vocab.inputs == ((Shard(0),), (R,)) and vocab.outputs == ((P,),)
+    problem, [ce] = _menu("gpt-tiny", mesh, "aten.cross_entropy_loss")
+    named = [s for s in ce.strategies if "vocab-parallel" in s.name]
+    assert len(named) == 1 and named[0].inputs[0] == (Shard(1),) and named[0].inputs[1] == (R,)
+    # its internal all-reduces (row max, sum of exp, target logit) are costed
+    i = ce.strategies.index(named[0])
+    assert problem.choices[ce.index][i].comm[0] > 0
+
+
+def test_reference_models_have_a_rule_for_every_op():
+    from autopar.models import build
+    for name in ("mlp", "gpt-tiny", "llama-tiny", "bert-tiny"):
+        model, example = build(name, device="meta")
+        plan = autopar.plan(model, autopar.Mesh((2, 2), ("dp", "tp")), example, compare=False)
+        assert plan.fallback_ops == (), (name, plan.fallback_ops)
+
+
+def test_compute_cost_is_a_roofline_over_the_local_shard():
+    """A 4096 x 4096 linear on 4096 rows is compute-bound on an H100: forward 2*b*h*h FLOPs,
+    backward twice that, divided by the ways the strategy splits the work."""
+    mesh = autopar.Mesh(4, "tp", device="h100")
+    problem, linears = _menu("mlp", mesh, "aten.linear", hidden=4096, batch=4096)
+    pn = linears[0]
+    flops = 3 * 2 * 4096 * 4096 * 4096
+    peak = mesh.device.peak_flops(torch.float32)
+    for s, c in zip(pn.strategies, problem.choices[pn.index]):
+        assert c.compute == pytest.approx(flops / s.factor / peak, rel=1e-6), s.name
