@@ -135,8 +135,11 @@ class OpWork:
     bwd_flops: float
 
 
-def measure_flops(node) -> OpWork:
-    """Run the node's op on meta tensors of its global shapes under the FLOP counter."""
+def measure_flops(node, needs_grad=None) -> OpWork:
+    """Run the node's op on meta tensors of its global shapes under the FLOP counter.
+
+    needs_grad: per tensor operand (in `tensor_args` order), whether its gradient is wanted;
+    backward FLOPs count only those (a first layer computes no gradient of its input)."""
     from torch.utils.flop_counter import FlopCounterMode
     from torch.utils import _pytree as pytree
     import torch.fx as fx
@@ -144,13 +147,15 @@ def measure_flops(node) -> OpWork:
     if not isinstance(node.target, torch._ops.OpOverload):
         return OpWork(0.0, 0.0)
     wants_grad = []
+    needs = iter(needs_grad) if needs_grad is not None else None
 
     def meta(a):
         if isinstance(a, fx.Node):
             v = a.meta.get("val")
             if isinstance(v, torch.Tensor):
                 t = torch.empty(v.shape, dtype=v.dtype, device="meta")
-                if v.dtype.is_floating_point:
+                wanted = next(needs, True) if needs is not None else True
+                if v.dtype.is_floating_point and wanted:
                     t.requires_grad_(True)
                     wants_grad.append(t)
                 return t

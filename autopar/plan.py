@@ -9,7 +9,7 @@ import hashlib
 import json
 import re
 from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -17,7 +16,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 
 from . import cost as C
 from .mesh import Mesh
@@ -306,12 +305,12 @@ class Problem:
 
     # --- costs ------------------------------------------------------------------------------
     def _build_costs(self):
-        mesh = self.mesh
         self.choices: dict[int, list[Choice]] = {}
         for pn in self.nodes:
             if pn.rep != pn.index:
                 continue
-            work = C.measure_flops(pn.node) if pn.kind == "op" else C.OpWork(0.0, 0.0)
+            work = (C.measure_flops(pn.node, [self.nodes[src].requires_grad for src, _ in pn.inputs])
+                    if pn.kind == "op" else C.OpWork(0.0, 0.0))
             self.choices[pn.index] = [self._choice(pn, s, work) for s in pn.strategies]
         self.edges: list[EdgeKey] = []   # every concrete edge
         for pn in self.nodes:

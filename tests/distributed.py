@@ -208,6 +208,7 @@ class WorkerPool:
         pending = {c: r for r, c in enumerate(self._conns)}
         sentinels = {p.sentinel: r for r, p in enumerate(self._procs)}
         deadline = time.monotonic() + timeout
+        first_error = 0.0  # when the first rank failed (set with the first error)
         while pending:
             if errors:
                 deadline = min(deadline, first_error + self.grace)
