@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -140,6 +141,7 @@ class CompiledModel(nn.Module):
         self.plan = plan
         self.groups = groups
         self.input_layouts = None  # set by compile(local_inputs=True)
+        self._optimizers: list = []
         self.device_type = device_type
         device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
         self.graph_module = gm.to(device)
@@ -204,11 +206,21 @@ class CompiledModel(nn.Module):
 
     def train_step(self, *args, **kwargs) -> torch.Tensor:
         """Forward, backward and gradient synchronisation; returns the loss (detached)."""
-        out = self(*args, **kwargs)
-        loss = _loss_of(out)
-        loss.backward()
-        self._grad_sync.finish()
+        loss = _loss_of(self(*args, **kwargs))
+        self.backward(loss)
         return loss.detach()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss.backward() and the gradient synchronisation that train_step runs after it.
+
+        Gradient accumulation over k micro-batches:
+            for micro in batches[:-1]:
+                with cm.no_sync():
+                    cm.backward(cm(*micro) / k)
+            cm.backward(cm(*batches[-1]) / k)     # reduces the accumulated sum once
+        """
+        _loss_of(loss).backward()
+        self._grad_sync.finish()
 
     def no_sync(self):
         """Micro-steps inside `with cm.no_sync():` accumulate gradients without reducing them;
@@ -218,7 +230,33 @@ class CompiledModel(nn.Module):
     def build_optimizer(self, cls=torch.optim.AdamW, **kwargs) -> torch.optim.Optimizer:
         """Any torch optimizer over this rank's shards (elementwise optimizers such as Adam
         then behave exactly as on the whole model)."""
-        return cls(self.shards.values(), **kwargs)
+        optimizer = cls(self.shards.values(), **kwargs)
+        self._optimizers.append(weakref.ref(optimizer))
+        return optimizer
+
+    def memory_report(self) -> dict:
+        """Bytes this rank holds of parameters, gradients and optimizer states (per-element
+        states such as Adam's moments; scalar bookkeeping like Adam's step count is listed
+        apart), next to the plan's prediction; on CUDA also the peak allocated memory."""
+        params = [p for p in self.shards.values()]
+        measured = {
+            "params": sum(p.numel() * p.element_size() for p in params),
+            "grads": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
+            "optimizer": 0, "optimizer_scalars": 0,
+        }
+        for ref in self._optimizers:
+            opt = ref()
+            if opt is None:
+                continue
+            for p, state in opt.state.items():
+                for value in state.values():
+                    if isinstance(value, torch.Tensor):
+                        key = "optimizer" if value.numel() == p.numel() else "optimizer_scalars"
+                        measured[key] += value.numel() * value.element_size()
+        report = {"measured": measured, "predicted": dict(self.plan.predicted.memory)}
+        if self.device_type == "cuda":
+            report["peak_allocated"] = torch.cuda.max_memory_allocated()
+        return report
 
     # --- whole tensors ----------------------------------------------------------------------
     def _full(self, name: str, local: torch.Tensor) -> torch.Tensor:

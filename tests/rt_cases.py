@@ -181,3 +181,40 @@ def state_dict_round_trip(plan_dict: dict) -> float:
     back = cm.full_state_dict()
     assert set(back) == set(new) == {n for n, _ in model.named_parameters()}
     return max(float((back[n] - new[n]).abs().max()) for n in new)
+
+
+def accumulate_vs_whole_batch(plan_dict: dict, micro: int = 4) -> dict:
+    """Gradients of `micro` micro-batches accumulated under no_sync versus one step on the
+    whole batch (the loss is a mean, so each micro-batch's loss is divided by `micro`)."""
+    from autopar.models import build
+    plan = Plan.from_dict(plan_dict)
+    mesh = Mesh.from_dict(plan.mesh)
+    torch.manual_seed(0)
+    model, (idx, targets) = build("gpt-tiny", batch=16)
+    whole = autopar.compile(copy.deepcopy(model), mesh, (idx, targets), plan=plan)
+    whole.train_step(idx, targets)
+    torch.manual_seed(0)
+    model_small, small = build("gpt-tiny", batch=16 // micro)
+    micro_plan = autopar.plan(model_small, mesh, small, compare=False, layout=plan.origin.split(":", 1)[1])
+    acc = autopar.compile(copy.deepcopy(model), mesh, small, plan=micro_plan)
+    chunks = list(zip(idx.chunk(micro), targets.chunk(micro)))
+    for i, (x, y) in enumerate(chunks):
+        if i < micro - 1:
+            with acc.no_sync():
+                acc.backward(acc(x, y) / micro)
+        else:
+            acc.backward(acc(x, y) / micro)
+    a, b = whole.full_grads(), acc.full_grads()
+    return {"worst": max(excess(b[n], a[n]) for n in a), "bucketed": len(acc._grad_sync.params)}
+
+
+def memory_after_step(plan_dict: dict) -> dict:
+    from autopar.models import build
+    plan = Plan.from_dict(plan_dict)
+    torch.manual_seed(0)
+    model, example = build("gpt-tiny", hidden=128)
+    cm = autopar.compile(model, Mesh.from_dict(plan.mesh), example, plan=plan)
+    opt = cm.build_optimizer(torch.optim.AdamW, lr=1e-4)
+    cm.train_step(*example)
+    opt.step()
+    return cm.memory_report()
