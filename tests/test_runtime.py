@@ -140,3 +140,19 @@ def test_model_state_bytes_held_equal_the_plan(pool4, layout):
         measured, predicted = report["measured"], report["predicted"]
         for kind in ("params", "grads", "optimizer"):
             assert measured[kind] == predicted[kind], (kind, measured, predicted)
+
+
+@pytest.mark.parametrize("model_key", ["gpt-tiny", "llama-tiny"])
+def test_training_matches_one_device_on_two_ranks(pool2, model_key):
+    spec = MODELS[model_key]
+    model, args, _ = build_case(spec)
+    mesh = autopar.Mesh((2,), ("tp",), device="cpu")
+    plans = [autopar.plan(model, mesh, args, compare=False, layout=layout)
+             for layout in ("data-parallel", "megatron-tp", "zero3")]
+    plans += autopar.plan(model, mesh, args, random_seed=[100, 101, 102, 103])
+    failures = []
+    for plan in plans:
+        result = pool2.run(train_and_compare, spec, plan.to_dict())[0]
+        if not result["ok"]:
+            failures.append(f"{plan.origin}: {result}")
+    assert not failures, "\n".join(failures)
