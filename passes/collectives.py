@@ -115,6 +115,7 @@ def insert_collectives(gm: fx.GraphModule, plan, groups, defer: dict | None = No
     graph = gm.graph
     gm._autopar_groups = groups
     gm._autopar_grad_sync = {}
+    gm._autopar_output_reduce = {}
     defer = defer or {}
     count = [0]
 
@@ -176,6 +177,12 @@ def insert_collectives(gm: fx.GraphModule, plan, groups, defer: dict | None = No
             if not m.needed:
                 replacement.append(src)
                 continue
+            if node.op == "output" and _scalar_sum(x, m):
+                # a Partial scalar (the loss) leaves the graph as it is: the runtime sums it
+                # asynchronously while backward runs (see gm._autopar_output_reduce)
+                gm._autopar_output_reduce[k] = m
+                replacement.append(src)
+                continue
             with graph.inserting_before(node):
                 groups_node = get_attr(graph, "_autopar_groups")
                 moved = graph.call_function(move, (src, attr(m), groups_node))
@@ -185,6 +192,14 @@ def insert_collectives(gm: fx.GraphModule, plan, groups, defer: dict | None = No
     graph.lint()
     gm.recompile()
     return gm
+
+
+def _scalar_sum(x: fx.Node, m: Move) -> bool:
+    """A one-element output whose move is only Partial -> Replicate on some axes."""
+    val = x.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.numel() != 1:
+        return False
+    return all(s == d or (isinstance(s, Partial) and isinstance(d, Replicate)) for s, d in zip(m.src, m.dst))
 
 
 def _deferrable(gm: fx.GraphModule, plan, defer: dict, ndim: int) -> dict:

@@ -66,12 +66,13 @@ def _all_reduce_nograd(x, axes, groups, op=dist.ReduceOp.SUM):
 
 def local_cross_entropy(logits, target, weight=None, reduction=1, ignore_index=-100, label_smoothing=0.0, *,
                         classes: int, logits_placements, batch_axes: tuple, class_axes: tuple, partial_axes: tuple,
-                        groups):
+                        groups, all_targets=None):
     """logits [n_local, classes_local, *], target [n_local, *]: the loss as the plan lays it out.
 
     Over `class_axes` the classes are split (vocabulary-parallel); over `batch_axes` the rows
     are; the result is Partial on `partial_axes` (the axes a reduced letter splits on), where
-    only coordinate 0 of a class axis carries the value.
+    only coordinate 0 of a class axis carries the value.  all_targets: the targets whole
+    over `batch_axes` when this rank has them (then the mean's count needs no all-reduce).
     """
     if not class_axes:
         per_row = F.cross_entropy(logits, target, weight, reduction="none", ignore_index=ignore_index,
@@ -96,9 +97,11 @@ def local_cross_entropy(logits, target, weight=None, reduction=1, ignore_index=-
     else:
         out = per_row.sum()
         if reduction == 1:
-            counted = (target != ignore_index).sum() if weight is None else (
-                weight[target.clamp(min=0)] * (target != ignore_index)).sum()
-            if batch_axes:
+            whole = batch_axes and all_targets is not None
+            t = all_targets if whole else target
+            counted = (t != ignore_index).sum() if weight is None else (
+                weight[t.clamp(min=0)] * (t != ignore_index)).sum()
+            if batch_axes and not whole:
                 counted = _all_reduce_nograd(counted, batch_axes, groups)
             out = out / counted
     for a in class_axes:  # the value is replicated over the class axes: keep one copy

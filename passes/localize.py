@@ -125,7 +125,22 @@ def _to_local_cross_entropy(gm, node, choice, split_reduced):
     node.target = local_ops.local_cross_entropy
     node.args = (logits, target, weight, reduction, ignore_index, smoothing)
     node.kwargs = {"classes": classes, "logits_placements": tuple(choice.inputs[0]), "batch_axes": batch_axes,
-                   "class_axes": class_axes, "partial_axes": split_reduced, "groups": _groups_node(node)}
+                   "class_axes": class_axes, "partial_axes": split_reduced, "groups": _groups_node(node),
+                   "all_targets": _whole_before_move(gm, target, batch_axes)}
+
+
+def _whole_before_move(gm, node, axes):
+    """The tensor a move sliced `node` from, when that tensor is whole on every rank
+    (targets arrive whole and are sliced), else None: the mean's global count of counted
+    targets can then be read locally instead of all-reduced over `axes`."""
+    from torch.distributed.tensor import Replicate
+
+    from .collectives import move
+    if node.op == "call_function" and node.target is move:
+        m = getattr(gm, node.args[1].target)
+        if axes and all(isinstance(p, Replicate) for p in m.src):
+            return node.args[0]
+    return None
 
 
 def _global_shape(node, k):

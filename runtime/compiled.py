@@ -25,7 +25,7 @@ from torch.utils import _pytree as pytree
 import autopar
 from autopar.mesh import Mesh
 from autopar.passes.annotate import annotate
-from autopar.passes.collectives import insert_collectives, local_input_layouts
+from autopar.passes.collectives import insert_collectives, local_input_layouts, move
 from autopar.passes.localize import localize, place_on
 from autopar.passes.redistribute import MeshGroups, redistribute_local
 from autopar.passes.shard_params import init_sharded, shard_full_model
@@ -165,6 +165,7 @@ class CompiledModel(nn.Module):
             else:
                 order.append(("input", None))
         self._order = order
+        self._output_reduce = dict(gm._autopar_output_reduce)
         self._in_spec = traced.in_spec
         self._out_spec = traced.out_spec
         sync = {_key(name): axes for name, axes in gm._autopar_grad_sync.items()}
@@ -174,6 +175,13 @@ class CompiledModel(nn.Module):
     def forward(self, *args, **kwargs):
         """Forward on the global batch (every rank passes the same full inputs), or on this
         rank's shards when compiled with local_inputs=True."""
+        flat = self._run(args, kwargs)
+        for k, m in self._output_reduce.items():  # Partial scalars summed here (autograd-aware)
+            flat[k] = move(flat[k], m, self.groups)
+        return self._structure(flat)
+
+    def _run(self, args, kwargs) -> list:
+        """The graph's outputs as it returns them (a deferred loss still Partial)."""
         flat, spec = pytree.tree_flatten((args, kwargs))
         if self._in_spec is not None and spec != self._in_spec:
             raise CompileError(f"inputs do not match the example inputs the model was compiled with "
@@ -189,9 +197,12 @@ class CompiledModel(nn.Module):
             else:
                 feed.append(next(inputs))
         out = self.graph_module(*feed)
+        return list(out) if isinstance(out, (tuple, list)) else [out]
+
+    def _structure(self, flat: list):
         if self._out_spec is not None:
-            return pytree.tree_unflatten(list(out), self._out_spec)
-        return out[0] if isinstance(out, (tuple, list)) and len(out) == 1 else out
+            return pytree.tree_unflatten(list(flat), self._out_spec)
+        return flat[0] if len(flat) == 1 else tuple(flat)
 
     def shard_inputs(self, *args, **kwargs):
         """This rank's shards of global inputs, for a module compiled with local_inputs=True."""
@@ -205,10 +216,23 @@ class CompiledModel(nn.Module):
         return pytree.tree_unflatten(out, spec)
 
     def train_step(self, *args, **kwargs) -> torch.Tensor:
-        """Forward, backward and gradient synchronisation; returns the loss (detached)."""
-        loss = _loss_of(self(*args, **kwargs))
+        """Forward, backward and gradient synchronisation; returns the loss (detached).
+
+        When the loss leaves the graph as a Partial sum over ranks, its all-reduce runs
+        asynchronously while backward runs (backward only needs this rank's part)."""
+        flat = self._run(args, kwargs)
+        loss = _loss_of(self._structure(flat))
+        k = next((i for i, t in enumerate(flat) if t is loss), None)
+        m = self._output_reduce.get(k)
+        if m is None:
+            self.backward(loss)
+            return loss.detach()
+        total = loss.detach().clone()
+        axes = tuple(a for a, (s, d) in enumerate(zip(m.src, m.dst)) if s != d)
+        work = dist.all_reduce(total, group=self.groups.group_of(axes), async_op=True)
         self.backward(loss)
-        return loss.detach()
+        work.wait()
+        return total
 
     def backward(self, loss: torch.Tensor) -> None:
         """loss.backward() and the gradient synchronisation that train_step runs after it.
