@@ -67,6 +67,10 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=N
     if world != mesh.size:
         raise CompileError(f"mesh {tuple(mesh.shape)} {mesh.axis_names} needs {mesh.size} ranks but the process "
                            f"group has {world}; launch with --nproc_per_node {mesh.size} (or change the mesh)")
+    on_meta = any(p.is_meta for p in model.parameters())
+    if on_meta:  # trace the meta model with meta inputs of the same shapes
+        example_inputs, example_kwargs = pytree.tree_map(
+            lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, (tuple(example_inputs), example_kwargs))
     if plan is None:
         plan = autopar.plan(model, mesh, example_inputs, example_kwargs=example_kwargs,
                             memory_budget=memory_budget, compare=False)
@@ -81,10 +85,6 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=N
         torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
     device_mesh = _device_mesh(device_type, mesh)
     groups = MeshGroups(device_mesh)
-    on_meta = any(p.is_meta for p in model.parameters())
-    if on_meta:  # trace the meta model with meta inputs of the same shapes
-        example_inputs, example_kwargs = pytree.tree_map(
-            lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, (tuple(example_inputs), example_kwargs))
     traced = trace(model, tuple(example_inputs), example_kwargs)
     gm = traced.graph
     annotate(gm, plan, traced.params, traced.tied)
