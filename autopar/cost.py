@@ -128,8 +128,7 @@ def roofline(flops: float, nbytes: float, dtype: torch.dtype, mesh: Mesh) -> flo
 
 @dataclass(frozen=True)
 class OpWork:
-    """Global work of one node, measured once on meta tensors: FLOPs forward and backward
-    and bytes read and written forward (backward reads and writes about twice as many)."""
+    """Global FLOPs of one node, forward and backward, measured once on meta tensors."""
 
     fwd_flops: float
     bwd_flops: float

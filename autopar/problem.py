@@ -175,7 +175,8 @@ class Problem:
         in backward, not three times.  The sum node's choice is the layout the gradients are
         added in; each consumer's gradient reaches it (free when Partial meets Partial), and
         the sum reaches the producer's layout."""
-        readers: dict[tuple, list] = {}
+        self.readers: dict[tuple, list] = {}  # (producer, output) -> [(reader, operand index)]
+        readers = self.readers
         for pn in self.nodes:
             for k, (src, out) in enumerate(pn.inputs):
                 readers.setdefault((src, out), []).append((pn.index, k))
@@ -233,15 +234,12 @@ class Problem:
             self.layer_groups.append((prefix, indices))
         for (src, out), gs in self.gradsum_of.items():
             rep_gs = self.gradsum_of.get((self.nodes[src].rep, out))
-            if rep_gs is not None and len(self._readers(src, out)) == len(self._readers(self.nodes[src].rep, out)):
+            if rep_gs is not None and len(self.readers[(src, out)]) == len(self.readers[(self.nodes[src].rep, out)]):
                 self.nodes[gs].rep = rep_gs
         for odd, even in list(self.tie.items()):
             gs_odd, gs_even = (self.gradsum_of.get((n, 0)) for n in (odd, even))
             if gs_odd is not None and gs_even is not None and self.nodes[gs_odd].rep == gs_odd:
                 self.tie[gs_odd] = gs_even
-
-    def _readers(self, src, out):
-        return [(pn.index, k) for pn in self.nodes for k, s in enumerate(pn.inputs) if s == (src, out)]
 
     # --- menus ------------------------------------------------------------------------------
     def _build_menus(self):
@@ -296,7 +294,7 @@ class Problem:
         layouts: dict = {}
         for s in self.nodes[self.nodes[src].rep].strategies:
             layouts.setdefault(tuple(C.grad_target(p) for p in s.outputs[out]), None)
-        for v, k in self._readers(src, out):
+        for v, k in self.readers[(src, out)]:
             for s in self.nodes[self.nodes[v].rep].strategies:
                 if s.grads[k] is not None:
                     layouts.setdefault(tuple(s.grads[k]), None)
