@@ -3,13 +3,14 @@ import logging as _logging
 
 from .mesh import DeviceSpec, Mesh
 from .plan import Plan
+from .precision import MixedPrecision
 from .planner import plan
 from .solver import InfeasibleError
 from .trace import TraceError
 
 _logging.getLogger("autopar").addHandler(_logging.NullHandler())
 
-__all__ = ["Mesh", "DeviceSpec", "Plan", "plan", "compile", "InfeasibleError", "TraceError"]
+__all__ = ["Mesh", "DeviceSpec", "MixedPrecision", "Plan", "plan", "compile", "InfeasibleError", "TraceError"]
 
 
 def compile(model, mesh, example_inputs=(), **kwargs):

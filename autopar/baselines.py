@@ -5,6 +5,8 @@ comparison with autopar's own plan is like for like:
 
 - data-parallel: every parameter whole on every rank and used whole; every op on the
   gradient path splits its work (the batch) on every axis.
+- zero1 / zero2: data parallel with every trainable parameter's optimizer state (zero1)
+  and gradient (zero2) split over the mesh (ZeRO-1 / ZeRO-2).
 - zero3: every parameter stored sharded over every mesh axis (FSDP / ZeRO-3) and
   all-gathered for use; the batch splits.
 - megatron-tp x dp: the layers' matrices stored and used sharded along the tensor-parallel
@@ -43,16 +45,32 @@ def _splits_on(problem, pn, strategy, axes) -> bool:
     return all(strategy.split[a] is not None for a in axes if problem.mesh.shape[a] > 1)
 
 
+def _plain(strategy) -> bool:
+    """Model states kept as the placement says: no ZeRO-1/2, no offload."""
+    return not strategy.zero and not strategy.offload
+
+
 def data_parallel(problem, pn, strategy) -> bool:
     if pn.kind == "param":
-        return all(isinstance(p, Replicate) for p in strategy.outputs[0])
+        return all(isinstance(p, Replicate) for p in strategy.outputs[0]) and _plain(strategy)
     return (all(all(isinstance(p, Replicate) for p in pl) for _, pl in _param_operands(problem, pn, strategy))
             and _splits_on(problem, pn, strategy, range(problem.mesh.ndim)))
 
 
+def zero_stage(stage: int):
+    """Data parallel with ZeRO-`stage` (1 or 2) over every axis for trainable parameters."""
+    def allowed(problem, pn, strategy) -> bool:
+        if pn.kind == "param" and pn.requires_grad and problem.mesh.size > 1:
+            return (all(isinstance(p, Replicate) for p in strategy.outputs[0]) and strategy.zero == stage
+                    and not strategy.offload)
+        return data_parallel(problem, pn, strategy)
+    return allowed
+
+
 def zero3(problem, pn, strategy) -> bool:
     if pn.kind == "param":
-        return all(isinstance(p, Shard) for p, n in zip(strategy.outputs[0], problem.mesh.shape) if n > 1)
+        return (all(isinstance(p, Shard) for p, n in zip(strategy.outputs[0], problem.mesh.shape) if n > 1)
+                and _plain(strategy))
     return data_parallel(problem, pn, strategy)
 
 
@@ -66,6 +84,8 @@ def megatron(axes_tp):
     def allowed(problem, pn, strategy) -> bool:
         n = problem.mesh.shape
         if pn.kind == "param":
+            if not _plain(strategy):
+                return False
             out = strategy.outputs[0]
             for a, p in enumerate(out):
                 if n[a] == 1:
@@ -98,7 +118,7 @@ def megatron(axes_tp):
 def layouts(mesh) -> dict:
     """name -> restriction for the hand-written layouts that make sense on this mesh."""
     tp = tp_axis(mesh)
-    out = {"data-parallel": data_parallel, "zero3": zero3}
+    out = {"data-parallel": data_parallel, "zero1": zero_stage(1), "zero2": zero_stage(2), "zero3": zero3}
     if sum(1 for s in mesh.shape if s > 1) > 1:
         out["megatron-tp (all axes)"] = megatron(set(range(mesh.ndim)))
         out["megatron-tp x dp"] = megatron({tp})

@@ -25,7 +25,11 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from .mesh import Mesh
 
-OPTIMIZER_BYTES = 8  # Adam: two float32 states per parameter element
+def state_bytes(param_itemsize: int, mixed_precision: bool) -> float:
+    """Optimizer bytes per trainable parameter element (Adam): two moments in the
+    parameter's dtype; under mixed precision float32 moments and a float32 master copy
+    (the 12 bytes of the ZeRO paper)."""
+    return 12.0 if mixed_precision else 2.0 * param_itemsize
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,9 @@ class DeviceSpec:
     (NVLink class) and between nodes (network).  intra/inter_latency: seconds per step of a
     ring collective; launch_latency: fixed seconds per collective call (kernel launch and
     synchronisation), so one all-reduce costs less than a reduce-scatter plus an all-gather.
+    host_bandwidth: bytes/s between the device and host memory (offload);
+    host_optimizer_rate: parameter elements per second the host's optimizer updates
+    (a vectorised CPU Adam) for this device.
     """
 
     name: str
@@ -34,6 +37,7 @@ class DeviceSpec:
     inter_latency: float = 5e-6
     launch_latency: float = 5e-6
     host_bandwidth: float = 25e9
+    host_optimizer_rate: float = 1e9
 
     def peak_flops(self, dtype: torch.dtype | str) -> float:
         name = str(dtype).replace("torch.", "")
@@ -175,7 +179,7 @@ class Mesh:
                            "intra_bandwidth": d.intra_bandwidth, "inter_bandwidth": d.inter_bandwidth,
                            "devices_per_node": d.devices_per_node, "intra_latency": d.intra_latency,
                            "inter_latency": d.inter_latency, "launch_latency": d.launch_latency,
-                           "host_bandwidth": d.host_bandwidth}}
+                           "host_bandwidth": d.host_bandwidth, "host_optimizer_rate": d.host_optimizer_rate}}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Mesh":

@@ -74,6 +74,22 @@ class Collective:
 
 
 @dataclass(frozen=True)
+class ParamState:
+    """Where a parameter's training state lives beyond its placement.  stage: ZeRO stage 1
+    (optimizer state split over `axes`) or 2 (gradient too), or 0; offload: the optimizer
+    state and master weights stay in host memory.  (ZeRO-3 is a placement: Shard on an axis
+    whose ops read the parameter whole.)"""
+
+    stage: int
+    axes: tuple
+    offload: bool = False
+
+    def __str__(self) -> str:
+        text = f"zero-{self.stage} over {'+'.join(self.axes)}" if self.stage else ""
+        return ", ".join(t for t in (text, "offload" if self.offload else "") if t)
+
+
+@dataclass(frozen=True)
 class Prediction:
     """Step time (compute plus communication per mesh axis) and memory per device by kind."""
 
@@ -109,6 +125,19 @@ class Plan:
     grad_sums: dict = field(default_factory=dict)   # "node:output" -> layout its readers' gradients are added in
     origin: str = "ilp"                             # "ilp", "layout:<name>" or "random:<seed>"
     timing: dict = field(default_factory=dict, compare=False)  # wall seconds of each planning step
+    param_states: dict = field(default_factory=dict)  # parameter name -> ParamState (ZeRO-1/2, offload)
+    precision: dict | None = None                   # MixedPrecision.to_dict(), None: the model's dtypes
+
+    def zero_stage(self, name: str) -> int:
+        """The ZeRO stage of parameter `name`: 3 when it is stored split and all-gathered for
+        use in forward, else its ParamState's stage (0 when it has none)."""
+        if name not in self.param_placements:
+            raise KeyError(f"plan has no parameter {name!r}")
+        state = self.param_states.get(name)
+        if state is not None and state.stage:
+            return state.stage
+        gathered = any(c.tensor == name and c.kind == "all_gather" and c.phase == "forward" for c in self.collectives)
+        return 3 if gathered else 0
 
     @property
     def identity(self) -> dict:
@@ -154,6 +183,9 @@ class Plan:
             "layers": [[p, list(ix)] for p, ix in self.layers],
             "grad_sums": {k: [placement_str(p) for p in v] for k, v in self.grad_sums.items()},
             "origin": self.origin, "timing": self.timing,
+            "param_states": {k: {"stage": v.stage, "axes": list(v.axes), "offload": v.offload}
+                             for k, v in self.param_states.items()},
+            "precision": self.precision,
         }
 
     def to_json(self) -> str:
@@ -182,7 +214,10 @@ class Plan:
                    memory_budget=d["memory_budget"], fallback_ops=tuple(d["fallback_ops"]),
                    layers=tuple((p, tuple(ix)) for p, ix in d["layers"]),
                    grad_sums={k: places(v) for k, v in d["grad_sums"].items()}, origin=d["origin"],
-                   timing=d.get("timing", {}))
+                   timing=d.get("timing", {}),
+                   param_states={k: ParamState(v["stage"], tuple(v["axes"]), v["offload"])
+                                 for k, v in d.get("param_states", {}).items()},
+                   precision=d.get("precision"))
 
     def save(self, path) -> None:
         with open(path, "w") as f:
@@ -212,6 +247,16 @@ class Plan:
                      f"menus and costs {t.get('costs_s', 0):.2f}s, ILP {t.get('solve_s', 0):.2f}s)")
         if self.memory_budget:
             lines.append(f"memory budget: {_b(self.memory_budget)} per device")
+        if self.precision:
+            lines.append(f"precision: compute {self.precision['param_dtype']}, float32 master weights, "
+                         f"gradients reduced in {self.precision['reduce_dtype']}")
+        states = Counter()
+        for name in self.param_placements:
+            st = self.param_states.get(name)
+            label = f"zero-{self.zero_stage(name)}" + (", offload" if st is not None and st.offload else "")
+            states[label] += 1
+        if states:
+            lines.append("model states: " + "; ".join(f"{k}: {v} parameters" for k, v in sorted(states.items())))
         if self.fallback_ops:
             lines.append(f"replicated (no sharding rule): {', '.join(self.fallback_ops)}")
         if self.baselines:

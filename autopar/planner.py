@@ -8,7 +8,7 @@ import torch
 
 from . import baselines as B
 from .mesh import Mesh, parse_bytes
-from .plan import Collective, NodeChoice, Plan, Prediction
+from .plan import Collective, NodeChoice, ParamState, Plan, Prediction
 from .problem import Problem, reduce_problem
 from .solver import InfeasibleError, solve
 from .trace import trace
@@ -20,7 +20,7 @@ CATEGORIES = ("params", "grads", "optimizer", "activations")
 
 def plan(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=None,
          memory_budget=None, compare: bool = True, time_limit: float = 60.0, layout: str | None = None,
-         random_seed=None):
+         random_seed=None, mixed_precision=None):
     """Choose a sharding for every node of `model` on `mesh`.
 
     example_inputs: tensors (real, fake or meta) of the global batch, as the model's forward
@@ -30,12 +30,19 @@ def plan(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, example_kwarg
     from `autopar.baselines.layouts(mesh)`, e.g. "data-parallel").  random_seed: instead,
     a random valid plan (every node's strategy drawn from its menu): for testing the passes;
     a list of seeds gives a list of plans (the model is traced and costed once).
+    mixed_precision: an autopar.MixedPrecision; costs and memory are then those of the
+    low-precision compute with float32 master weights.
     """
     start = time.perf_counter()
     budget = parse_bytes(memory_budget) if memory_budget is not None else None
-    traced = trace(model, tuple(example_inputs), example_kwargs)
+    if mixed_precision is not None:  # plan what runs: the model in param_dtype
+        from .precision import cast_for_trace, meta_inputs
+        example_inputs, example_kwargs = meta_inputs((tuple(example_inputs), example_kwargs))
+        traced = trace(cast_for_trace(model, mixed_precision.param_dtype), example_inputs, example_kwargs)
+    else:
+        traced = trace(model, tuple(example_inputs), example_kwargs)
     t_trace = time.perf_counter() - start
-    problem = Problem(traced, mesh)
+    problem = Problem(traced, mesh, mixed_precision)
     t_build = time.perf_counter() - start - t_trace
     log.info("built strategy menus and costs in %.2fs", t_build)
     limit = budget if budget is not None else mesh.device.memory
@@ -74,10 +81,13 @@ def plan(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, example_kwarg
 
 def _make_plan(problem, model, mesh, choice, sol, origin, compared, budget, timing) -> Plan:
     nodes, collectives, predicted, grad_sums = _assemble(problem, choice)
-    params = {}
+    params, states = {}, {}
     for pn in problem.nodes:
         if pn.kind == "param":
             params[pn.param_name] = nodes[pn.index].outputs[0]
+            s = problem.nodes[pn.rep].strategies[choice[pn.index]]
+            if s.zero or s.offload:
+                states[pn.param_name] = ParamState(s.zero, tuple(mesh.axis_names[a] for a in s.zero_axes), s.offload)
     solver = {"graph_nodes": len(problem.nodes), "choice_nodes": len(problem.choices)}
     if sol is not None:
         solver.update({"optimal": sol.optimal, "gap": sol.gap, "objective_s": sol.objective, "bound_s": sol.bound,
@@ -87,7 +97,8 @@ def _make_plan(problem, model, mesh, choice, sol, origin, compared, budget, timi
                 collectives=tuple(collectives), predicted=predicted, solver=solver, baselines=compared,
                 memory_budget=budget, fallback_ops=tuple(problem.fallback_ops),
                 layers=tuple((p, tuple(ix)) for p, ix in problem.layer_groups), grad_sums=grad_sums,
-                origin=origin, timing=timing)
+                origin=origin, timing=timing, param_states={k: states[k] for k in _order_params(model, states)},
+                precision=problem.precision.to_dict() if problem.precision is not None else None)
 
 
 def _order_params(model, params: dict) -> dict:
@@ -111,7 +122,8 @@ def _solve(problem: Problem, rule, budget, time_limit, minimise_memory=False):
             if minimise_memory:
                 sol = solve(red.memory, [], None, None, red.allowed, time_limit=time_limit)
             else:
-                sol = solve(red.costs, red.edges, red.memory, budget, red.allowed, time_limit=time_limit)
+                sol = solve(red.costs, red.edges, red.memory, budget, red.allowed, time_limit=time_limit,
+                            tiebreak=red.plain_memory)
         except InfeasibleError:
             if period == 2 and best is not None:
                 break
@@ -190,11 +202,17 @@ def _assemble(problem: Problem, choice: dict):
         s = problem.nodes[pn.rep].strategies[i]
         c = problem.choices[pn.rep][i]
         compute += c.compute
-        for a, t in enumerate(c.comm):
-            comm[a] += t
-            if t:
-                collectives.append(Collective("all_reduce", (mesh.axis_names[a],), 0.0, "forward", pn.name,
-                                              pn.name, t))
+        if pn.kind == "param" and s.zero:  # ZeRO-1/2: updated weights all-gathered after the step
+            for st in problem.zero_gather_steps(pn, s):
+                comm[st.axis] += st.seconds
+                collectives.append(Collective("all_gather", (mesh.axis_names[st.axis],), st.nbytes, "step",
+                                              pn.param_name, pn.param_name, st.seconds))
+        else:
+            for a, t in enumerate(c.comm):
+                comm[a] += t
+                if t:
+                    collectives.append(Collective("all_reduce", (mesh.axis_names[a],), 0.0, "forward", pn.name,
+                                                  pn.name, t))
         for k, v in c.memory.items():
             memory[k] += v
         edge_comm = 0.0

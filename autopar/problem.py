@@ -6,8 +6,10 @@ Built once per (graph, mesh); solved for the best plan and for the hand-written 
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
+import math
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -75,6 +77,7 @@ class Choice:
     compute: float
     comm: tuple            # seconds per mesh axis of collectives inside the op
     memory: dict           # "params", "grads", "optimizer", "activations" -> bytes
+    plain_memory: float | None = None  # what the memory tie-break sees (ZeRO savings left out)
 
     @property
     def time(self) -> float:
@@ -105,9 +108,12 @@ def block_of(path: str):
 
 
 class Problem:
-    def __init__(self, traced: Traced, mesh: Mesh):
+    def __init__(self, traced: Traced, mesh: Mesh, precision=None):
+        """precision: an autopar.MixedPrecision (the graph is then traced from the model cast
+        to its param_dtype, see autopar.precision.cast_for_trace), or None."""
         self.traced = traced
         self.mesh = mesh
+        self.precision = precision
         self.nodes: list[PNode] = []
         self.warnings: list[str] = []
         self._build_nodes()
@@ -251,7 +257,7 @@ class Problem:
             in_shapes = [self.nodes[s].out_shapes[o] for s, o in pn.inputs]
             needs = [self.nodes[s].requires_grad for s, o in pn.inputs]
             if pn.kind == "param":
-                pn.strategies = _param_menu(pn.out_shapes[0], mesh)
+                pn.strategies = _param_menu(pn.out_shapes[0], mesh, pn.requires_grad)
             elif pn.kind == "input":
                 pn.strategies = [replicated(0, 1, mesh.ndim, [])]
             elif pn.kind == "output":
@@ -336,13 +342,7 @@ class Problem:
         mem = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0}
         comm = [0.0] * mesh.ndim
         if pn.kind == "param":
-            numel = C.local_numel(pn.out_shapes[0], s.outputs[0], mesh.shape)
-            item = pn.out_dtypes[0].itemsize
-            mem["params"] = numel * item
-            if pn.requires_grad:
-                mem["grads"] = numel * item
-                mem["optimizer"] = numel * C.OPTIMIZER_BYTES
-            return Choice(0.0, tuple(comm), mem)
+            return self._param_choice(pn, s)
         if pn.kind != "op":
             return Choice(0.0, tuple(comm), mem)
         in_bytes = sum(C.local_numel(self.nodes[src].out_shapes[o], p, mesh.shape) *
@@ -370,6 +370,53 @@ class Problem:
                 comm[axis] += C.collective_time(kind, per_row * 4 * rows, axis, mesh)
         return Choice(compute, tuple(comm), mem)
 
+    def _param_choice(self, pn: PNode, s: Strategy) -> Choice:
+        """Model states of a parameter stored in layout s.outputs[0] (ZeRO, Rajbhandari et al.
+        2020): weights `item` bytes per local element, gradients `item`, optimizer states
+        C.state_bytes (Adam's two moments, plus float32 master weights under mixed
+        precision).  ZeRO-1/2 over axes Z of n ranks: each rank keeps ceil(local / n)
+        elements of the optimizer state (and, stage 2, of the gradient), and after the
+        optimizer step the updated parameter is all-gathered over Z.  Offload moves the
+        optimizer state to host memory and pays the host link for the gradient going down
+        and the weights coming up, plus the host's optimizer step."""
+        mesh = self.mesh
+        comm = [0.0] * mesh.ndim
+        mem = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0}
+        layout = s.outputs[0]
+        numel = C.local_numel(pn.out_shapes[0], layout, mesh.shape)
+        item = pn.out_dtypes[0].itemsize
+        mem["params"] = numel * item
+        if not pn.requires_grad:
+            return Choice(0.0, tuple(comm), mem, numel * item)
+        state = C.state_bytes(item, self.precision is not None)
+        n = math.prod(mesh.shape[a] for a in s.zero_axes)
+        owned = math.ceil(numel / n) if s.zero else numel
+        mem["grads"] = (owned if s.zero == 2 else numel) * item
+        mem["optimizer"] = 0.0 if s.offload else owned * state
+        compute = 0.0
+        for st in self.zero_gather_steps(pn, s):
+            comm[st.axis] += st.seconds
+        if s.offload:
+            dev = mesh.device
+            compute = 2 * owned * item / dev.host_bandwidth + owned / dev.host_optimizer_rate
+        return Choice(compute, tuple(comm), mem, numel * (2 * item + state))
+
+    def zero_gather_steps(self, pn: PNode, s: Strategy) -> tuple:
+        """The all-gathers that spread a ZeRO-1/2 parameter's updated chunks after the step."""
+        if not s.zero:
+            return ()
+        layout = s.outputs[0]
+        return self._redistribute(pn.out_shapes[0], pn.out_dtypes[0].itemsize, zero_layout(layout, s.zero_axes), layout)
+
+    def grad_destination(self, pn: PNode, s: Strategy, out: int = 0) -> tuple:
+        """The layout the gradient of tensor pn[out] must reach when pn takes strategy s:
+        its own layout with Partial made Replicate, and for a ZeRO-2 parameter split over
+        the ZeRO axes (reduce-scattered, not all-reduced)."""
+        target = tuple(C.grad_target(x) for x in s.outputs[out])
+        if pn.kind == "param" and s.zero == 2:
+            target = zero_layout(target, s.zero_axes)
+        return target
+
     @functools.lru_cache(maxsize=None)
     def _redistribute(self, shape, itemsize, src, dst):
         return C.redistribute(shape, itemsize, src, dst, self.mesh)
@@ -386,7 +433,7 @@ class Problem:
             return (), self._redistribute(shape, item, tuple(g), b.strategies[j].outputs[0])
         if e.kind == "grad_out":  # the sum a reaches the layout of tensor b[out]
             shape, item = a.out_shapes[0], a.out_dtypes[0].itemsize
-            target = tuple(C.grad_target(x) for x in b.strategies[j].outputs[e.out])
+            target = self.grad_destination(b, b.strategies[j], e.out)
             return (), self._redistribute(shape, item, a.strategies[i].outputs[0], target)
         p = a.strategies[i].outputs[e.out]
         q = b.strategies[j].inputs[e.operand]
@@ -396,7 +443,7 @@ class Problem:
         bwd = ()
         if a.requires_grad and g is not None:
             if (e.a, e.out) not in self._summed:
-                bwd = self._redistribute(shape, item, g, tuple(C.grad_target(x) for x in p))
+                bwd = self._redistribute(shape, item, g, self.grad_destination(a, a.strategies[i], e.out))
             if a.kind == "param":  # gathered for use, dropped after forward: gather again for backward
                 bwd = bwd + tuple(st for st in fwd if st.kind == "all_gather")
         return fwd, bwd
@@ -429,6 +476,10 @@ class Problem:
     def node_memory(self, rep: int) -> np.ndarray:
         return np.array([sum(c.memory.values()) for c in self.choices[rep]])
 
+    def node_plain_memory(self, rep: int) -> np.ndarray:
+        return np.array([sum(c.memory.values()) if c.plain_memory is None else c.plain_memory
+                         for c in self.choices[rep]])
+
 
 # Views cost neither time nor memory; linear elementwise ops and views save nothing for backward.
 from .ops.rules import ELEMENTWISE as _ELEMENTWISE, LINEAR_ELEMENTWISE as _LINEAR  # noqa: E402
@@ -449,8 +500,17 @@ def _args_signature(node: fx.Node):
     return norm(node.args), tuple(sorted((k, norm(v)) for k, v in node.kwargs.items()))
 
 
-def _param_menu(shape, mesh: Mesh) -> list[Strategy]:
-    """Storage layouts of a parameter: per axis Replicate or Shard of a dim it divides."""
+def zero_layout(layout: tuple, axes: tuple) -> tuple:
+    """`layout` split further over the ZeRO `axes` (where it is Replicate): the flat chunks
+    each rank owns.  Shard(0) stands for "a 1/n chunk"; only sizes matter to the costs."""
+    return tuple(Shard(0) if a in axes else p for a, p in enumerate(layout))
+
+
+def _param_menu(shape, mesh: Mesh, trainable: bool = True) -> list[Strategy]:
+    """Storage layouts of a parameter: per axis Replicate or Shard of a dim it divides
+    (Shard on an axis whose ops read it whole is ZeRO-3); for a trainable parameter stored
+    whole on some axes, also ZeRO-1, ZeRO-2 and ZeRO-2 with offload over those axes; for one
+    stored split on every axis, offload."""
     import itertools
     per_axis = []
     for n in mesh.shape:
@@ -468,7 +528,19 @@ def _param_menu(shape, mesh: Mesh) -> list[Strategy]:
             continue
         name = " ".join(f"{ax}=S({p.dim})" for ax, p in zip(mesh.axis_names, combo)
                         if isinstance(p, Shard)) or "replicate"
-        menu.append(Strategy(tuple(None for _ in combo), (), (tuple(combo),), (), 1, name))
+        base = Strategy(tuple(None for _ in combo), (), (tuple(combo),), (), 1, name)
+        menu.append(base)
+        if not trainable:
+            continue
+        whole = tuple(a for a, (p, n) in enumerate(zip(combo, mesh.shape)) if isinstance(p, Replicate) and n > 1)
+        over = "+".join(mesh.axis_names[a] for a in whole)
+        if whole:
+            for stage, offload in ((1, False), (2, False), (2, True)):
+                menu.append(dataclasses.replace(
+                    base, name=f"{name}, zero-{stage} over {over}" + (", offload" if offload else ""),
+                    zero=stage, zero_axes=whole, offload=offload))
+        else:
+            menu.append(dataclasses.replace(base, name=f"{name}, offload", offload=True))
     return menu
 
 
@@ -486,10 +558,10 @@ def same_local_shape(a, b) -> bool:
 def _edge_view(e: EdgeKey, s: Strategy, end: str):
     """The part of a strategy an edge's cost depends on (for caching)."""
     if e.kind == "data":
-        return s.outputs[e.out] if end == "a" else (s.inputs[e.operand], s.grads[e.operand])
+        return (s.outputs[e.out], s.zero == 2) if end == "a" else (s.inputs[e.operand], s.grads[e.operand])
     if e.kind == "grad_in":
         return s.grads[e.operand] if end == "a" else s.outputs[0]
-    return s.outputs[0] if end == "a" else s.outputs[e.out]
+    return s.outputs[0] if end == "a" else (s.outputs[e.out], s.zero == 2)
 
 
 def _pass_through(src: PNode, src_map, out: int, pn: PNode, operand: int, mask):
@@ -529,6 +601,7 @@ class Reduced:
     roots: list            # rep index per ILP node
     costs: list            # np arrays, totals over all instances
     memory: list
+    plain_memory: list     # memory as the tie-break sees it (Choice.plain_memory)
     edges: list            # (ilp u, ilp v, matrix)
     allowed: list
     root_of: dict          # rep -> rep of its root
@@ -571,6 +644,7 @@ def reduce_problem(problem: Problem, allowed_fn=None, period: int = SHARE_PERIOD
             incoming.setdefault(key.b, []).append(key)
     cost = {r: problem.node_cost(r) * counts[r] for r in reps}
     mem = {r: problem.node_memory(r) * counts[r] for r in reps}
+    plain = {r: problem.node_plain_memory(r) * counts[r] for r in reps}
     root_of, follow = {}, {}
     used_edges = set()
     for r in reps:
@@ -589,6 +663,7 @@ def reduce_problem(problem: Problem, allowed_fn=None, period: int = SHARE_PERIOD
             for s_root, (s_src, t) in enumerate(zip(follow[src], this_map)):
                 cost[root][s_root] += edge[s_src, t] + cost[r][t]
                 mem[root][s_root] += mem[r][t]
+                plain[root][s_root] += plain[r][t]
             root_of[r], follow[r] = root, this_map
             used_edges.add(key)
         else:
@@ -604,4 +679,5 @@ def reduce_problem(problem: Problem, allowed_fn=None, period: int = SHARE_PERIOD
         edges.append((index[root_of[key.a]], index[root_of[key.b]], m))
     allowed = [mask[r] for r in roots]
     costs = [cost[r] for r in roots]
-    return Reduced(roots, costs, [mem[r] for r in roots], edges, allowed, root_of, follow, canon)
+    return Reduced(roots, costs, [mem[r] for r in roots], [plain[r] for r in roots], edges, allowed, root_of,
+                   follow, canon)

@@ -72,16 +72,19 @@ def _fold_edges(costs, edges):
     return costs, kept
 
 
-def solve(costs, edges, memory=None, budget=None, allowed=None, *, time_limit=60.0) -> Solution:
+def solve(costs, edges, memory=None, budget=None, allowed=None, *, time_limit=60.0, tiebreak=None) -> Solution:
     """costs[n][i]: seconds of node n under choice i.  edges: (u, v, matrix[i][j]) seconds.
     memory[n][i]: bytes; the sum over nodes of the chosen memory must stay <= budget.
-    allowed[n]: a boolean mask of the choices node n may take (None: all)."""
+    allowed[n]: a boolean mask of the choices node n may take (None: all).
+    tiebreak[n][i]: the bytes the memory tie-break weighs (default: memory); ZeRO variants
+    weigh as their stage-0 layout, so states are sharded only when the budget needs it."""
     from ortools.sat.python import cp_model
 
     start = time.perf_counter()
     n_nodes = len(costs)
     if memory is not None:
-        costs = [np.asarray(c, float) + MEMORY_TIE_BREAK * np.asarray(m, float) for c, m in zip(costs, memory)]
+        weigh = memory if tiebreak is None else tiebreak
+        costs = [np.asarray(c, float) + MEMORY_TIE_BREAK * np.asarray(m, float) for c, m in zip(costs, weigh)]
     costs, kept = _fold_edges(costs, edges)
     allowed = [np.ones(len(c), bool) if allowed is None or allowed[n] is None else np.asarray(allowed[n], bool)
                for n, c in enumerate(costs)]

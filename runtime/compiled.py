@@ -30,9 +30,11 @@ from autopar.passes.localize import localize, place_on
 from autopar.passes.redistribute import MeshGroups, redistribute_local
 from autopar.passes.shard_params import init_sharded, shard_full_model
 from autopar.plan import Plan
+from autopar.precision import MixedPrecision, cast_for_trace, meta_inputs
 from autopar.trace import trace
 
 from .grad_sync import GradSync
+from .zero import ShardedOptimizer, all_gather_chunks, zero_layout
 
 log = logging.getLogger("autopar")
 
@@ -53,14 +55,18 @@ def ensure_process_group() -> None:
 
 def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=None, plan=None,
             memory_budget=None, seed: int | None = None, bucket_mb: float = 25.0,
-            local_inputs: bool = False) -> "CompiledModel":
+            local_inputs: bool = False, mixed_precision=None) -> "CompiledModel":
     """Compile `model` for `mesh` with `plan` (a Plan, a path to a saved one, or None to plan now).
 
     A model on the meta device is initialised shard by shard (with `seed` if given); a model
     on CPU is sliced.  Every rank must pass the same model, mesh, inputs and plan.
 
     local_inputs: the compiled module takes each rank's own shard of every input (laid out
-    as `cm.input_layouts` says, see `cm.shard_inputs`) instead of the global batch."""
+    as `cm.input_layouts` says, see `cm.shard_inputs`) instead of the global batch.
+
+    mixed_precision: an autopar.MixedPrecision (a plan made with one carries it too): the
+    module computes in param_dtype, the optimizer keeps float32 master weights, gradients
+    are summed in reduce_dtype."""
     start = time.perf_counter()
     ensure_process_group()
     world = dist.get_world_size()
@@ -73,9 +79,13 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=N
             lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, (tuple(example_inputs), example_kwargs))
     if plan is None:
         plan = autopar.plan(model, mesh, example_inputs, example_kwargs=example_kwargs,
-                            memory_budget=memory_budget, compare=False)
+                            memory_budget=memory_budget, compare=False, mixed_precision=mixed_precision)
     elif not isinstance(plan, Plan):
         plan = Plan.load(plan)
+    precision = MixedPrecision.from_dict(plan.precision)
+    if mixed_precision is not None and precision != mixed_precision:
+        raise CompileError(f"the plan was made for {precision or 'full precision'}, not {mixed_precision}; "
+                           f"plan with mixed_precision={mixed_precision!r} or compile without it")
     if tuple(plan.mesh["shape"]) != mesh.shape or tuple(plan.mesh["axis_names"]) != mesh.axis_names:
         raise CompileError(f"the plan was made for mesh {plan.mesh['shape']} {plan.mesh['axis_names']}, "
                            f"not {mesh.shape} {mesh.axis_names}; plan again for this mesh")
@@ -85,7 +95,11 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=N
         torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
     device_mesh = _device_mesh(device_type, mesh)
     groups = MeshGroups(device_mesh)
-    traced = trace(model, tuple(example_inputs), example_kwargs)
+    if precision is not None:
+        example_inputs, example_kwargs = meta_inputs((tuple(example_inputs), example_kwargs))
+        traced = trace(cast_for_trace(model, precision.param_dtype), example_inputs, example_kwargs)
+    else:
+        traced = trace(model, tuple(example_inputs), example_kwargs)
     gm = traced.graph
     annotate(gm, plan, traced.params, traced.tied)
     input_layouts = local_input_layouts(gm, set(traced.user_inputs)) if local_inputs else None
@@ -96,7 +110,7 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=N
         shards = init_sharded(model, plan.param_placements, groups, seed)
     else:
         shards = shard_full_model(model, plan.param_placements, groups)
-    cm = CompiledModel(gm, traced, plan, groups, shards, model, device_type, bucket_mb)
+    cm = CompiledModel(gm, traced, plan, groups, shards, model, device_type, bucket_mb, precision)
     cm.input_layouts = input_layouts
     log.info("compiled %s for %s on rank %d in %.2fs", type(model).__name__, mesh, dist.get_rank(),
              time.perf_counter() - start)
@@ -136,8 +150,10 @@ class CompiledModel(nn.Module):
     original model (dots become '__' in the module's own attribute names)."""
 
     def __init__(self, gm, traced, plan: Plan, groups, shards: dict, model: nn.Module, device_type: str,
-                 bucket_mb: float):
+                 bucket_mb: float, precision: MixedPrecision | None = None):
         super().__init__()
+        self.precision = precision
+        self.bucket_bytes = int(bucket_mb * 2**20)
         self.plan = plan
         self.groups = groups
         self.input_layouts = None  # set by compile(local_inputs=True)
@@ -145,8 +161,31 @@ class CompiledModel(nn.Module):
         self.device_type = device_type
         device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
         self.graph_module = gm.to(device)
-        self.shards = nn.ParameterDict({_key(k): nn.Parameter(v.to(device)) for k, v in shards.items()})
         self._names = {_key(k): k for k in shards}
+        sync = {_key(name): axes for name, axes in gm._autopar_grad_sync.items()}
+        self.zero_layouts = {}   # key -> ZeroLayout of ZeRO-1/2 parameters
+        self.masters = {}        # key -> float32 master (or offloaded copy) the optimizer updates
+        for name, state in plan.param_states.items():
+            value = shards[name]
+            k = _key(name)
+            lay = None
+            if state.stage:
+                axes = tuple(plan.mesh["axis_names"].index(a) for a in state.axes)
+                lay = zero_layout(state.stage, axes, sync.get(k, ()), value.numel(), groups, state.offload)
+                self.zero_layouts[k] = lay
+        trainable = {n: p.requires_grad for n, p in model.named_parameters()}
+        for name, value in shards.items():
+            k = _key(name)
+            state = plan.param_states.get(name)
+            offload = state is not None and state.offload
+            if trainable.get(name, False) and value.is_floating_point() and (precision is not None or offload):
+                lay = self.zero_layouts.get(k)
+                part = value.detach().reshape(-1)[lay.start: lay.end] if lay is not None else value.detach()
+                home = torch.device("cpu") if offload else device
+                dtype = torch.float32 if precision is not None else value.dtype
+                self.masters[k] = nn.Parameter(part.to(home, dtype, copy=True))
+        self.shards = nn.ParameterDict({_key(k): nn.Parameter(self._compute_dtype(v).to(device))
+                                        for k, v in shards.items()})
         buffers = dict(model.named_buffers())
         order = []  # what each placeholder is fed with
         for node in gm.graph.nodes:
@@ -160,7 +199,7 @@ class CompiledModel(nn.Module):
                 buf = buffers.get(name)
                 if buf is None or buf.is_meta:
                     raise CompileError(f"buffer {name} has no value; initialise it before compiling")
-                self.register_buffer(_key(name), buf.to(device), persistent=False)
+                self.register_buffer(_key(name), self._compute_dtype(buf).to(device), persistent=False)
                 order.append(("buffer", _key(name)))
             else:
                 order.append(("input", None))
@@ -168,8 +207,13 @@ class CompiledModel(nn.Module):
         self._output_reduce = dict(gm._autopar_output_reduce)
         self._in_spec = traced.in_spec
         self._out_spec = traced.out_spec
-        sync = {_key(name): axes for name, axes in gm._autopar_grad_sync.items()}
-        self._grad_sync = GradSync(self, sync, groups.group_of, bucket_mb)
+        self._grad_sync = GradSync(self, sync, groups, bucket_mb, self.zero_layouts,
+                                   precision.reduce_dtype if precision is not None else None)
+
+    def _compute_dtype(self, t: torch.Tensor) -> torch.Tensor:
+        if self.precision is not None and t.dtype == torch.float32:
+            return t.detach().to(self.precision.param_dtype)
+        return t.detach()
 
     # --- running -----------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -251,23 +295,38 @@ class CompiledModel(nn.Module):
         the next `train_step` outside reduces the sum."""
         return self._grad_sync.no_sync()
 
-    def build_optimizer(self, cls=torch.optim.AdamW, **kwargs) -> torch.optim.Optimizer:
-        """Any torch optimizer over this rank's shards (elementwise optimizers such as Adam
-        then behave exactly as on the whole model)."""
-        optimizer = cls(self.shards.values(), **kwargs)
+    def build_optimizer(self, cls=torch.optim.AdamW, **kwargs):
+        """Any torch optimizer over what this rank owns of the parameters: its shards, their
+        ZeRO-1/2 chunks, or their float32 master weights (runtime/zero.py).  Elementwise
+        optimizers such as Adam then behave exactly as on the whole model.  The result has
+        step, zero_grad, param_groups, state_dict and load_state_dict."""
+        if not self.zero_layouts and not self.masters:
+            optimizer = cls(self.shards.values(), **kwargs)
+        else:
+            optimizer = ShardedOptimizer(self, cls, self.bucket_bytes, **kwargs)
         self._optimizers.append(weakref.ref(optimizer))
         return optimizer
 
     def memory_report(self) -> dict:
-        """Bytes this rank holds of parameters, gradients and optimizer states (per-element
-        states such as Adam's moments; scalar bookkeeping like Adam's step count is listed
-        apart), next to the plan's prediction; on CUDA also the peak allocated memory."""
+        """Bytes this rank holds of parameters, gradients and optimizer states, next to the
+        plan's prediction ("predicted"); on CUDA also the peak allocated memory.
+
+        optimizer: per-element optimizer states (Adam's moments) plus float32 master weights;
+        optimizer_scalars: bookkeeping such as Adam's step count; offloaded: what of those
+        lives in host memory (not in "optimizer").  grads: full local gradients plus the
+        ZeRO-2 chunks.  Measured after optimizer.step() and before zero_grad() it is what
+        the plan predicts."""
         params = [p for p in self.shards.values()]
         measured = {
-            "params": sum(p.numel() * p.element_size() for p in params),
-            "grads": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
-            "optimizer": 0, "optimizer_scalars": 0,
+            "params": sum(_nbytes(p) for p in params),
+            "grads": sum(_nbytes(p.grad) for p in params if p.grad is not None)
+                     + sum(_nbytes(g) for g in self._grad_sync.zero_grads.values()),
+            "optimizer": 0, "optimizer_scalars": 0, "offloaded": 0,
         }
+        host = {id(m) for k, m in self.masters.items() if m.device.type == "cpu" and
+                self.plan.param_states.get(self._names[k]) is not None and self.plan.param_states[self._names[k]].offload}
+        for m in self.masters.values():
+            measured["offloaded" if id(m) in host else "optimizer"] += _nbytes(m)
         for ref in self._optimizers:
             opt = ref()
             if opt is None:
@@ -275,8 +334,9 @@ class CompiledModel(nn.Module):
             for p, state in opt.state.items():
                 for value in state.values():
                     if isinstance(value, torch.Tensor):
-                        key = "optimizer" if value.numel() == p.numel() else "optimizer_scalars"
-                        measured[key] += value.numel() * value.element_size()
+                        per_element = value.dim() > 0 and value.shape == p.shape
+                        key = ("offloaded" if id(p) in host else "optimizer") if per_element else "optimizer_scalars"
+                        measured[key] += _nbytes(value)
         report = {"measured": measured, "predicted": dict(self.plan.predicted.memory)}
         if self.device_type == "cuda":
             report["peak_allocated"] = torch.cuda.max_memory_allocated()
@@ -293,8 +353,19 @@ class CompiledModel(nn.Module):
         return {self._names[k]: self._full(self._names[k], p).cpu() for k, p in self.shards.items()}
 
     def full_grads(self) -> dict[str, torch.Tensor]:
-        return {self._names[k]: self._full(self._names[k], p.grad).cpu()
-                for k, p in self.shards.items() if p.grad is not None}
+        """Every parameter's reduced gradient whole (ZeRO-2 chunks gathered), on every rank."""
+        out = {}
+        for k, p in self.shards.items():
+            grad = p.grad
+            chunk = self._grad_sync.zero_grads.get(k)
+            if chunk is not None:
+                lay = self.zero_layouts[k]
+                grad = torch.zeros_like(p, dtype=chunk.dtype)
+                grad.view(-1)[lay.start: lay.end] = chunk
+                all_gather_chunks([grad], [lay], self.groups)
+            if grad is not None:
+                out[self._names[k]] = self._full(self._names[k], grad).cpu()
+        return out
 
     def load_full_state_dict(self, state: dict) -> None:
         from autopar.passes.shard_params import shard_of
@@ -322,6 +393,10 @@ def _loss_of(out) -> torch.Tensor:
     if loss.numel() != 1:
         raise CompileError(f"train_step needs a scalar loss; the model returned shape {tuple(loss.shape)}")
     return loss
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _key(name: str) -> str:

@@ -8,6 +8,11 @@ gradient, it joins a bucket of gradients that need the same axes reduced; a full
 flattened and all-reduced asynchronously while backward goes on; `finish()` flushes the
 rest and waits.  Inside `no_sync()` gradients only accumulate, Partial, and the next
 synchronised backward reduces the sum (the reduction is linear).
+
+ZeRO-2 parameters (runtime/zero.py) are reduce-scattered instead: their buckets sum the
+gradient over the axes it is Partial on and keep this rank's chunk in `zero_grads` (added
+to what is there, so steps without zero_grad accumulate); the full local gradient is then
+freed.  Under mixed precision the buckets are summed in reduce_dtype.
 """
 from __future__ import annotations
 
@@ -16,23 +21,32 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from .zero import reduce_scatter_finish, reduce_scatter_start
+
 
 class GradSync:
     FIRST_BUCKET_MB = 1.0  # the first bucket is small so communication starts early in backward
 
-    def __init__(self, module, sync_axes: dict, groups_of, bucket_mb: float):
+    def __init__(self, module, sync_axes: dict, groups, bucket_mb: float, zero_layouts=None, reduce_dtype=None):
         """sync_axes: parameter key in module.shards -> mesh axes to all-reduce its gradient over;
-        groups_of(axes) -> a process group spanning those mesh axes."""
+        groups: the MeshGroups; zero_layouts: key -> ZeroLayout of ZeRO-1/2 parameters (stage-2
+        ones are reduce-scattered over their layout's reduce axes instead)."""
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.first_bytes = int(min(bucket_mb, self.FIRST_BUCKET_MB) * 2**20)
         self.pending_bytes: dict[tuple, int] = {}
         self.enabled = True
-        self.params = {key: module.shards[key] for key in sync_axes}
-        self.axes = dict(sync_axes)
-        self.groups_of = groups_of
+        self.layouts = {k: lay for k, lay in (zero_layouts or {}).items() if lay.stage == 2}
+        self.params = {key: module.shards[key] for key in list(sync_axes) + list(self.layouts)}
+        self.axes = {k: ("rs",) + self.layouts[k].geometry if k in self.layouts else tuple(v)
+                     for k, v in {**sync_axes, **dict.fromkeys(self.layouts)}.items()}
+        self.groups = groups
+        self.groups_of = groups.group_of
+        self.reduce_dtype = reduce_dtype
+        self.zero_grads: dict = {}  # ZeRO-2 key -> this rank's chunk of the summed gradient
         self.pending: dict[tuple, list] = {}
         self.in_flight: list = []
         self.done: set = set()
+        self.key_of = {id(p): key for key, p in self.params.items()}
         for key, p in self.params.items():
             p.register_post_accumulate_grad_hook(self._hook(key))
 
@@ -54,7 +68,13 @@ class GradSync:
         self.pending_bytes.pop(axes, None)
         if not bucket:
             return
-        flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+        if axes[:1] == ("rs",):
+            keys = [self.key_of[id(p)] for p in bucket]
+            handle = reduce_scatter_start([p.grad for p in bucket], [self.layouts[k] for k in keys], self.groups,
+                                          self.reduce_dtype)
+            self.in_flight.append(("rs", handle, keys))
+            return
+        flat = torch.cat([p.grad.reshape(-1).to(self.reduce_dtype or p.grad.dtype) for p in bucket])
         work = dist.all_reduce(flat, group=self.groups_of(axes), async_op=True)
         self.in_flight.append((work, flat, bucket))
 
@@ -68,6 +88,12 @@ class GradSync:
         for axes in list(self.pending):
             self._launch(axes)
         for work, flat, bucket in self.in_flight:
+            if work == "rs":
+                for key, chunk in zip(bucket, reduce_scatter_finish(flat)):
+                    held = self.zero_grads.get(key)
+                    self.zero_grads[key] = chunk if held is None else held.add_(chunk)
+                    self.params[key].grad = None
+                continue
             work.wait()
             offset = 0
             for p in bucket:

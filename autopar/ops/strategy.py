@@ -34,6 +34,11 @@ class Strategy:
     operand gradient (None for operands that take no gradient).  factor: how many ways the
     work is divided.  comm: collectives the strategy runs inside the op, as
     (kind, axis index, fraction of the output bytes) triples.
+
+    Parameters only: zero is the ZeRO stage 1 or 2 of a parameter stored whole on the
+    mesh axes `zero_axes` (its optimizer state, and at stage 2 its gradient, split over
+    them; stage 3 is a Shard placement instead); offload keeps its optimizer state and
+    float32 master weights in host memory.
     """
 
     split: tuple
@@ -43,6 +48,9 @@ class Strategy:
     factor: int
     name: str
     comm: tuple = ()
+    zero: int = 0
+    zero_axes: tuple = ()
+    offload: bool = False
 
     def __str__(self) -> str:
         return self.name

@@ -1,0 +1,10 @@
+"""Pipeline-parallel schedules: simulate them on a timeline and draw the timeline.
+
+    tl = simulate("1f1b", n_stages=4, n_microbatches=8)
+    print(tl)                      # one row of passes per rank and the bubble fraction
+    gantt_svg(tl, "1f1b.svg")
+"""
+from .gantt import gantt_svg
+from .simulate import SCHEDULES, Event, Timeline, bubble_formula, simulate
+
+__all__ = ["SCHEDULES", "Event", "Timeline", "bubble_formula", "gantt_svg", "simulate"]

@@ -1,0 +1,312 @@
+"""Event-driven simulation of pipeline-parallel schedules.
+
+A schedule is, for each rank, the order in which it runs forward (F), backward (B) and,
+for zero-bubble, weight-gradient (W) passes of (microbatch, chunk) pairs.  The simulator
+starts each pass when the rank is free and its inputs have arrived:
+
+    F(m) on virtual stage s   after F(m) on s-1           (+ comm_time across ranks)
+    B(m) on virtual stage s   after B(m) on s+1 (+ comm), and F(m) on s
+    W(m) on virtual stage s   after B(m) on s
+
+Chunk c of rank r is virtual stage c*S + r (S ranks, v chunks per rank).  With S equal
+stages, forward tf and backward tb per microbatch, B microbatches and v chunks:
+
+    naive         one batch through S stages            bubble (S-1)/S
+    gpipe, 1f1b   makespan (B+S-1)(tf+tb)               bubble (S-1)/(B+S-1)
+    interleaved   makespan B(tf+tb) + (S-1)(tf+tb)/v     bubble (S-1)/(vB+S-1)
+    zero-bubble   makespan B(tf+tb) + (S-1)(tf+tbB-tbW)  for B >= S and tbW <= min(tf, tbB),
+                  where tb = tbB + tbW (ZB-H1; see _zero_bubble and bubble_formula)
+
+Interleaved 1F1B follows Narayanan et al. 2021 ("Efficient Large-Scale Language Model
+Training on GPU Clusters Using Megatron-LM"); zero-bubble follows the ZB-H1 schedule of
+Qi et al. 2023 ("Zero Bubble Pipeline Parallelism").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+KINDS = ("F", "B", "W")
+
+Op = tuple  # (kind, microbatch, chunk)
+
+
+@dataclass(frozen=True)
+class Event:
+    """One pass on one rank: kind "F", "B" or "W" of `microbatch` on model chunk `chunk`,
+    running over [start, end) in the unit of stage_times (seconds for measured events)."""
+
+    rank: int
+    kind: str
+    microbatch: int
+    chunk: int
+    start: float
+    end: float
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind}{self.microbatch}" + (f"c{self.chunk}" if self.chunk else "")
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """The passes a schedule ran on `n_stages` ranks, with when each started and ended.
+
+    utilisation = sum of pass durations / (n_stages * makespan); bubble_fraction is the
+    rest, the share of rank-time spent idle.
+    """
+
+    schedule: str
+    n_stages: int
+    n_microbatches: int
+    events: tuple
+    n_virtual: int = 1
+
+    @classmethod
+    def from_events(cls, events, schedule: str = "measured") -> Timeline:
+        """A Timeline of measured passes: Events, or dicts with rank, kind, microbatch,
+        start, end (seconds, any origin) and optionally chunk; times are shifted so the
+        earliest start is 0, and n_stages is one more than the highest rank."""
+        events = [e if isinstance(e, Event) else
+                  Event(e["rank"], e["kind"], e["microbatch"], e.get("chunk", 0), e["start"], e["end"])
+                  for e in events]
+        if not events:
+            raise ValueError("no events to build a timeline from")
+        unknown = {e.kind for e in events} - set(KINDS)
+        if unknown:
+            raise ValueError(f"event kinds {sorted(unknown)} are not among {KINDS}")
+        t0 = min(e.start for e in events)
+        events = tuple(sorted((Event(e.rank, e.kind, e.microbatch, e.chunk, e.start - t0, e.end - t0)
+                               for e in events), key=lambda e: (e.rank, e.start)))
+        return cls(schedule, 1 + max(e.rank for e in events), 1 + max(e.microbatch for e in events), events,
+                   1 + max(e.chunk for e in events))
+
+    def on(self, rank: int) -> list:
+        """The events of `rank`, in start order."""
+        return sorted((e for e in self.events if e.rank == rank), key=lambda e: e.start)
+
+    @property
+    def makespan(self) -> float:
+        return max(e.end for e in self.events) - min(e.start for e in self.events)
+
+    def busy(self, rank: int) -> float:
+        return sum(e.duration for e in self.events if e.rank == rank)
+
+    @property
+    def utilisation(self) -> float:
+        return sum(e.duration for e in self.events) / (self.n_stages * self.makespan)
+
+    @property
+    def bubble_fraction(self) -> float:
+        return 1.0 - self.utilisation
+
+    def max_in_flight(self, rank: int) -> int:
+        """Most microbatches whose activations `rank` holds at once: forwards started minus
+        backwards finished, where a (microbatch, chunk) is finished by its last backward
+        pass (W under zero-bubble, else B).  Each chunk counts as one; with v chunks a
+        chunk's activations are 1/v of a stage's."""
+        events = self.on(rank)
+        last = "W" if any(e.kind == "W" for e in events) else "B"
+        held = peak = 0
+        for e in events:
+            held += (e.kind == "F") - (e.kind == last)
+            peak = max(peak, held)
+        return peak
+
+    def __str__(self) -> str:
+        """A header, then one row per rank: its passes in order, with one "." per
+        shortest-pass length of idle time before each."""
+        unit = min((e.duration for e in self.events if e.duration > 0), default=1.0)
+        rows = [f"{self.schedule}: {self.n_stages} stages, {self.n_microbatches} microbatches"
+                + (f", {self.n_virtual} chunks per rank" if self.n_virtual > 1 else "")
+                + f", makespan {self.makespan:.4g}, bubble {self.bubble_fraction:.1%}"]
+        t0 = min(e.start for e in self.events)
+        for r in range(self.n_stages):
+            cells, t = [], t0
+            for e in self.on(r):
+                if e.start - t > 1e-9 * unit:
+                    cells += ["."] * max(1, round((e.start - t) / unit))
+                cells.append(e.label)
+                t = e.end
+            rows.append(f"rank {r} | " + " ".join(cells))
+        return "\n".join(rows)
+
+
+def simulate(schedule: str, n_stages: int, n_microbatches: int, stage_times=None, *, backward_ratio: float = 2.0,
+             n_virtual: int = 1, comm_time: float = 0.0, w_fraction: float = 0.5) -> Timeline:
+    """Run `schedule` on `n_stages` ranks and return when every pass ran.
+
+    stage_times: forward time of one microbatch on each stage (default 1.0 each); a
+    backward takes backward_ratio times as long.  Under interleaved-1f1b each of the
+    n_virtual chunks of a rank takes 1/n_virtual of its stage's times.  Under zero-bubble
+    the backward splits into B (input gradient) and W (weight gradient), W taking
+    w_fraction of it.  comm_time is added when an activation or gradient moves to
+    another rank.  naive runs one batch (n_microbatches is taken as 1): stage_times is
+    then the time of that batch.
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    if n_stages < 1 or n_microbatches < 1:
+        raise ValueError(f"need at least one stage and one microbatch, got n_stages={n_stages}, "
+                         f"n_microbatches={n_microbatches}")
+    if schedule == "naive":
+        n_microbatches = 1
+    if n_virtual != 1 and schedule != "interleaved-1f1b":
+        raise ValueError(f"n_virtual={n_virtual} applies only to interleaved-1f1b; use n_virtual=1 for {schedule}")
+    if n_virtual < 1:
+        raise ValueError(f"n_virtual must be at least 1, got {n_virtual}")
+    if schedule == "interleaved-1f1b" and n_microbatches % n_stages:
+        raise ValueError(f"interleaved-1f1b runs microbatches in groups of n_stages={n_stages}, but "
+                         f"n_microbatches={n_microbatches} is not a multiple; use a multiple of {n_stages}")
+    stage_times = [1.0] * n_stages if stage_times is None else [float(t) for t in stage_times]
+    if len(stage_times) != n_stages:
+        raise ValueError(f"stage_times has {len(stage_times)} entries for n_stages={n_stages}; give one forward "
+                         f"time per stage")
+    if min(stage_times) < 0 or backward_ratio < 0 or comm_time < 0:
+        raise ValueError("stage_times, backward_ratio and comm_time must be non-negative")
+    if not 0.0 < w_fraction < 1.0:
+        raise ValueError(f"w_fraction must be strictly between 0 and 1, got {w_fraction}")
+
+    S, B, v = n_stages, n_microbatches, n_virtual
+    if schedule in ("naive", "gpipe"):
+        orders = _gpipe(S, B)
+    elif schedule == "zero-bubble":
+        orders = _zero_bubble(S, B)
+    else:
+        orders = _one_f_one_b(S, B, v)
+    tb = backward_ratio * (1.0 - w_fraction if schedule == "zero-bubble" else 1.0)
+    scale = {"F": 1.0 / v, "B": tb / v, "W": backward_ratio * w_fraction}
+    durations = [{k: t * s for k, s in scale.items()} for t in stage_times]
+    events = _run(orders, durations, S, v, comm_time)
+    return Timeline(schedule, S, B, events, v)
+
+
+def bubble_formula(schedule: str, n_stages: int, n_microbatches: int, n_virtual: int = 1, *,
+                   backward_ratio: float = 2.0, w_fraction: float = 0.5) -> float:
+    """The bubble fraction `simulate` measures, in closed form, for equal stages and no
+    communication time (S stages, B microbatches, v chunks, tf = 1, tb = backward_ratio):
+
+        naive             (S-1) / S
+        gpipe, 1f1b       (S-1) / (B + S-1)          bubble time (S-1)(tf+tb)
+        interleaved-1f1b  (S-1) / (vB + S-1)         bubble time (S-1)(tf+tb)/v (Narayanan et al. 2021)
+        zero-bubble       (S-1) x / (B(tf+tb) + (S-1) x),  x = max(tf, tbB, tf + tbB - tbW),
+                          tbW = w_fraction tb, tbB = tb - tbW; for B >= S (ZB-H1, Qi et al. 2023)
+
+    Only zero-bubble depends on backward_ratio: with the defaults x = tf and the fraction
+    is (S-1) / (3B + S-1).
+    """
+    S, B, v = n_stages, n_microbatches, n_virtual
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    if schedule == "naive":
+        return (S - 1) / S
+    if schedule in ("gpipe", "1f1b"):
+        return (S - 1) / (B + S - 1)
+    if schedule == "interleaved-1f1b":
+        if B % S:
+            raise ValueError(f"interleaved-1f1b needs n_microbatches a multiple of n_stages={S}, got {B}")
+        return (S - 1) / (v * B + S - 1)
+    if B < S:
+        raise ValueError(f"the zero-bubble closed form holds for n_microbatches >= n_stages, got {B} < {S}; "
+                         f"use simulate() instead")
+    tb_w = w_fraction * backward_ratio
+    tb_b = backward_ratio - tb_w
+    x = max(1.0, tb_b, 1.0 + tb_b - tb_w)
+    return (S - 1) * x / (B * (1.0 + backward_ratio) + (S - 1) * x)
+
+
+def _gpipe(S: int, B: int) -> list:
+    """All forwards in order, then all backwards in reverse order, on every rank."""
+    return [[("F", m, 0) for m in range(B)] + [("B", m, 0) for m in reversed(range(B))] for _ in range(S)]
+
+
+def _one_f_one_b(S: int, B: int, v: int = 1) -> list:
+    """1F1B (PipeDream-flush) and, for v > 1, interleaved 1F1B as in Megatron-LM.
+
+    Rank r runs its k-th forward on chunk (k // S) % v of microbatch (k // (S v)) S + k % S
+    (microbatches go in groups of S through each chunk in turn), and its backwards in the
+    same order with the chunks reversed.  Warmup: (S - r - 1) forwards for v = 1;
+    2 (S - r - 1) + (v - 1) S for v > 1; then one forward, one backward; then the rest
+    of the backwards.
+    """
+    total = B * v
+
+    def op(kind: str, k: int) -> Op:
+        chunk = (k // S) % v
+        return kind, (k // (S * v)) * S + k % S, v - 1 - chunk if kind == "B" else chunk
+
+    orders = []
+    for r in range(S):
+        warmup = min(S - r - 1 if v == 1 else 2 * (S - r - 1) + (v - 1) * S, total)
+        order = [op("F", k) for k in range(warmup)]
+        for i in range(total - warmup):
+            order += [op("F", warmup + i), op("B", i)]
+        order += [op("B", k) for k in range(total - warmup, total)]
+        orders.append(order)
+    return orders
+
+
+def _zero_bubble(S: int, B: int) -> list:
+    """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): the 1F1B order with each
+    backward split into B (input gradient, on the critical path) and W (weight gradient,
+    needed only by the optimizer step).  Rank r runs W(i) right after B(i + r) and the
+    last r W's after its final B, so the tail bubbles fill with W's while every rank
+    holds at most S microbatches, the peak of 1F1B.
+
+    With equal stages and B >= S the bubble is (S-1) max(tf, tb_B, tf + tb_B - tb_W) per
+    rank, which is (S-1)(tf + tb_B - tb_W) as in the paper when tb_W <= min(tf, tb_B):
+    with the default split (tb_B = tb_W = tf) a third of 1F1B's (S-1)(tf + tb).
+    """
+    orders = []
+    for r, order in enumerate(_one_f_one_b(S, B)):
+        split, n_b = [], 0
+        for kind, m, c in order:
+            split.append((kind, m, c))
+            if kind == "B":
+                if n_b >= r:
+                    split.append(("W", n_b - r, 0))
+                n_b += 1
+        orders.append(split + [("W", m, 0) for m in range(max(B - r, 0), B)])
+    return orders
+
+
+def _deps(rank: int, op: Op, S: int, v: int) -> list:
+    """(rank, op) pairs that must finish before `op` runs on `rank`."""
+    kind, m, c = op
+    vs = c * S + rank
+    if kind == "W":
+        return [(rank, ("B", m, c))]
+    if kind == "F":
+        return [] if vs == 0 else [((vs - 1) % S, ("F", m, (vs - 1) // S))]
+    after = [(rank, ("F", m, c))]
+    if vs < S * v - 1:
+        after.append(((vs + 1) % S, ("B", m, (vs + 1) // S)))
+    return after
+
+
+def _run(orders: list, durations: list, S: int, v: int, comm_time: float) -> tuple:
+    """Start every op as soon as its rank is free and its inputs have arrived, each rank
+    taking its ops in the listed order."""
+    end, events = {}, []
+    pos, free = [0] * S, [0.0] * S
+    while any(p < len(o) for p, o in zip(pos, orders)):
+        progressed = False
+        for r in range(S):
+            while pos[r] < len(orders[r]):
+                op = orders[r][pos[r]]
+                deps = _deps(r, op, S, v)
+                if any(d not in end for d in deps):
+                    break
+                start = max([free[r]] + [end[(r2, o)] + (comm_time if r2 != r else 0.0) for r2, o in deps])
+                free[r] = end[(r, op)] = start + durations[r][op[0]]
+                events.append(Event(r, op[0], op[1], op[2], start, free[r]))
+                pos[r] += 1
+                progressed = True
+        if not progressed:
+            stuck = {r: orders[r][pos[r]] for r in range(S) if pos[r] < len(orders[r])}
+            raise RuntimeError(f"schedule deadlocks; next op per rank: {stuck}")
+    return tuple(sorted(events, key=lambda e: (e.rank, e.start)))

@@ -1,0 +1,253 @@
+"""ZeRO-1/2 (Rajbhandari et al., 2020), mixed-precision master weights and optimizer offload.
+
+A parameter with ZeRO stage 1 or 2 over mesh axes Z is stored whole on those axes (its
+placement says Replicate there) but its optimizer state is split: flatten the local tensor,
+pad it to n·c elements (n = ranks on Z, c = ceil(numel / n)) and let the rank with chunk
+index k own elements [k·c, min((k+1)·c, numel)).  Only the owner updates them; after the
+step the chunks are all-gathered so every rank holds the whole updated parameter again.
+At stage 2 the gradient is split too: backward's Partial gradient is reduce-scattered into
+the owned chunk instead of all-reduced.
+
+The chunk index orders the axes the gradient still has to be summed over (P, from the
+graph: the axes it arrives Partial on) before the others (R = Z minus P):
+k = (rank in P) · n_R + (rank in R).  A reduce-scatter over P then hands each rank its
+P-chunk, of which it keeps its R-th part; the all-gather after the step runs over R, then P.
+
+Mixed precision: the module computes with param_dtype weights; the optimizer updates
+float32 master weights (its owned chunk of them under ZeRO-1/2) and copies them back.
+Offload: master weights and optimizer state live on the host (CPU), gradients go down and
+updated weights come up each step.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+
+@dataclass(frozen=True)
+class ZeroLayout:
+    """One parameter's chunking under ZeRO-1/2 (see the module docstring)."""
+
+    stage: int
+    reduce_axes: tuple   # P: axes its gradient is summed over by the runtime
+    rest_axes: tuple     # R: ZeRO axes on which the gradient arrives already summed
+    numel: int
+    chunk: int           # c
+    n_reduce: int
+    n_rest: int
+    index: int           # k, this rank's chunk
+    offload: bool = False
+
+    @property
+    def start(self) -> int:
+        return min(self.index * self.chunk, self.numel)
+
+    @property
+    def end(self) -> int:
+        return min((self.index + 1) * self.chunk, self.numel)
+
+    @property
+    def geometry(self) -> tuple:
+        """Parameters with the same geometry share collectives (buckets)."""
+        return self.reduce_axes, self.rest_axes
+
+
+def zero_layout(stage: int, zero_axes: tuple, reduce_axes: tuple, numel: int, groups, offload=False) -> ZeroLayout:
+    p_axes = tuple(a for a in zero_axes if a in reduce_axes)
+    r_axes = tuple(a for a in zero_axes if a not in reduce_axes)
+    n_p = math.prod(groups.size(a) for a in p_axes)
+    n_r = math.prod(groups.size(a) for a in r_axes)
+    k = _group_rank(groups, p_axes) * n_r + _group_rank(groups, r_axes)
+    return ZeroLayout(stage, p_axes, r_axes, numel, math.ceil(numel / (n_p * n_r)), n_p, n_r, k, offload)
+
+
+def _group_rank(groups, axes: tuple) -> int:
+    """This rank's index among its peers on `axes` (row-major over the axes in mesh order)."""
+    index = 0
+    for a in axes:
+        index = index * groups.size(a) + groups.coordinate(a)
+    return index
+
+
+def padded(flat: torch.Tensor, length: int) -> torch.Tensor:
+    if flat.numel() == length:
+        return flat
+    out = flat.new_zeros(length)
+    out[: flat.numel()] = flat
+    return out
+
+
+def reduce_scatter_start(grads: list, layouts: list, groups, reduce_dtype=None):
+    """Start summing each full local gradient (Partial over its layout's reduce axes) over
+    those axes, keeping this rank's chunk: one asynchronous collective for the whole list
+    (all of one geometry).  `reduce_scatter_finish(handle)` waits and returns the chunks
+    (end - start elements each, in the gradients' dtype)."""
+    lay0 = layouts[0]
+    dtype = reduce_dtype or grads[0].dtype
+    rows = [padded(g.reshape(-1).to(dtype), lay.n_reduce * lay.n_rest * lay.chunk).view(lay.n_reduce, -1)
+            for g, lay in zip(grads, layouts)]
+    table = torch.cat(rows, dim=1) if len(rows) > 1 else rows[0].clone()
+    work, row = None, table[0]
+    if lay0.n_reduce > 1:
+        group = groups.group_of(lay0.reduce_axes)
+        mine = _group_rank(groups, lay0.reduce_axes)
+        if dist.get_backend(group) == "gloo":  # gloo emulates reduce-scatter with an all-reduce
+            work = dist.all_reduce(table, group=group, async_op=True)
+            row = table[mine]
+        else:
+            row = table.new_empty(table.shape[1])
+            fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+            work = fn(row, table.reshape(-1), group=group, async_op=True)
+    return work, row, [g.dtype for g in grads], layouts, _group_rank(groups, lay0.rest_axes)
+
+
+def reduce_scatter_finish(handle) -> list:
+    work, row, dtypes, layouts, rest = handle
+    if work is not None:
+        work.wait()
+    out, offset = [], 0
+    for dtype, lay in zip(dtypes, layouts):
+        part = row[offset: offset + lay.n_rest * lay.chunk].view(lay.n_rest, lay.chunk)[rest]
+        out.append(part[: lay.end - lay.start].to(dtype).clone())
+        offset += lay.n_rest * lay.chunk
+    return out
+
+
+def all_gather_chunks(params: list, layouts: list, groups) -> None:
+    """After the step: every rank's updated chunks spread so each holds its parameters whole
+    again (in place), over R then over P; one collective per axis set for the whole list."""
+    lay0 = layouts[0]
+    pieces = [padded(p.detach().reshape(-1)[lay.start: lay.end], lay.chunk) for p, lay in zip(params, layouts)]
+    local = torch.cat(pieces)
+    if lay0.n_rest > 1:  # chunks -> P-chunks
+        gathered = _all_gather_rows(local, lay0.n_rest, groups.group_of(lay0.rest_axes))
+        parts, offset = [], 0
+        for lay in layouts:
+            parts.append(gathered[:, offset: offset + lay.chunk].reshape(-1))
+            offset += lay.chunk
+        local = torch.cat(parts)
+    widths = [lay.n_rest * lay.chunk for lay in layouts]
+    if lay0.n_reduce > 1:  # P-chunks -> whole
+        gathered = _all_gather_rows(local, lay0.n_reduce, groups.group_of(lay0.reduce_axes))
+    else:
+        gathered = local.view(1, -1)
+    offset = 0
+    with torch.no_grad():
+        for p, lay, w in zip(params, layouts, widths):
+            p.view(-1).copy_(gathered[:, offset: offset + w].reshape(-1)[: lay.numel])
+            offset += w
+
+
+def _all_gather_rows(local: torch.Tensor, n: int, group) -> torch.Tensor:
+    """[n, numel]: row i is rank i's `local`."""
+    flat = local.new_empty(n * local.numel())
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(flat, local.contiguous(), group=group)
+    return flat.view(n, -1)
+
+
+def buckets(keys: list, layouts: dict, sizes: dict, limit_bytes: int) -> list:
+    """Keys grouped by geometry, each group cut into runs of about `limit_bytes`."""
+    by_geometry: dict = {}
+    for k in keys:
+        by_geometry.setdefault(layouts[k].geometry, []).append(k)
+    out = []
+    for members in by_geometry.values():
+        run, size = [], 0
+        for k in members:
+            run.append(k)
+            size += sizes[k]
+            if size >= limit_bytes:
+                out.append(run)
+                run, size = [], 0
+        if run:
+            out.append(run)
+    return out
+
+
+class ShardedOptimizer:
+    """Any torch optimizer, run on what this rank owns of every parameter.
+
+    For a parameter without ZeRO-1/2 it updates the local shard itself (or its float32
+    master under mixed precision); for a ZeRO-1/2 parameter only the owned chunk of the flat
+    local tensor (a view into the parameter, or its master chunk), after which the chunks are
+    all-gathered.  Elementwise optimizers (SGD, Adam, AdamW, ...) therefore compute exactly
+    what they compute on the whole model.  zero_grad, state_dict, load_state_dict and
+    param_groups are the wrapped optimizer's (its state is this rank's part)."""
+
+    def __init__(self, cm, cls, bucket_bytes: int, **kwargs):
+        self.cm = cm
+        self.bucket_bytes = bucket_bytes
+        self.entries = []  # (key, parameter, layout or None, target the optimizer updates)
+        targets = []
+        for key, p in cm.shards.items():
+            if not p.requires_grad:
+                continue
+            lay = cm.zero_layouts.get(key)
+            target = cm.masters.get(key)
+            if target is None:
+                target = p if lay is None else nn.Parameter(p.detach().view(-1)[lay.start: lay.end])
+            self.entries.append((key, p, lay, target))
+            targets.append(target)
+        self.optimizer = cls(targets, **kwargs)
+        self.gathered = [k for k, _, lay, _ in self.entries if lay is not None]
+
+    # the wrapped optimizer's interface
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state):
+        self.optimizer.load_state_dict(state)
+
+    def __repr__(self) -> str:
+        return f"ShardedOptimizer({self.optimizer!r})"
+
+    def _grad_of(self, key, p, lay):
+        if lay is None:
+            return p.grad
+        if lay.stage == 2:
+            return self.cm._grad_sync.zero_grads.get(key)
+        return None if p.grad is None else p.grad.view(-1)[lay.start: lay.end]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("autopar's sharded optimizer takes no closure: call cm.train_step, then step()")
+        temporary = []
+        for key, p, lay, target in self.entries:
+            if target is p:
+                continue  # the optimizer reads p.grad itself
+            g = self._grad_of(key, p, lay)
+            target.grad = None if g is None else g.to(target.device, target.dtype)
+            temporary.append(target)
+        self.optimizer.step()
+        for key, p, lay, target in self.entries:
+            if target is p or target.grad is None:
+                continue
+            if key in self.cm.masters:  # master -> the compute weights
+                dst = p.view(-1)[lay.start: lay.end] if lay is not None else p
+                dst.copy_(target.view_as(dst))
+        for t in temporary:
+            t.grad = None
+        shards, layouts = self.cm.shards, self.cm.zero_layouts
+        sizes = {k: shards[k].numel() * shards[k].element_size() for k in self.gathered}
+        for run in buckets(self.gathered, layouts, sizes, self.bucket_bytes):
+            all_gather_chunks([shards[k] for k in run], [layouts[k] for k in run], self.cm.groups)
+
+    def zero_grad(self, set_to_none: bool = True):
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        for _, p, _, _ in self.entries:
+            p.grad = None
+        self.cm._grad_sync.zero_grads.clear()

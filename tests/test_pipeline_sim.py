@@ -1,0 +1,202 @@
+"""Pipeline schedule simulator: closed-form bubbles, dependencies, memory, Gantt SVG.
+
+Equal stages, forward tf = 1 and backward tb = 2 unless a test says otherwise; S stages,
+B microbatches, v chunks per rank.
+"""
+import itertools
+import xml.etree.ElementTree as ET
+from collections import Counter
+
+import pytest
+
+from autopar.pipeline import (
+    SCHEDULES,
+    Event,
+    Timeline,
+    bubble_formula,
+    gantt_svg,
+    simulate,
+)
+
+EPS = 1e-9
+
+
+def check_timeline(tl: Timeline, comm_time: float = 0.0) -> None:
+    """Every (virtual stage, microbatch) has one F and one B (and one W under zero-bubble),
+    no rank runs two passes at once, and every pass starts after its inputs arrive."""
+    S, B, v = tl.n_stages, tl.n_microbatches, tl.n_virtual
+    kinds = "FBW" if tl.schedule == "zero-bubble" else "FB"
+    at = {}
+    for e in tl.events:
+        at[e.kind, e.chunk * S + e.rank, e.microbatch] = e
+    count = Counter((e.kind, e.chunk * S + e.rank, e.microbatch) for e in tl.events)
+    assert set(count.values()) == {1}
+    assert set(count) == {(k, s, m) for k in kinds for s in range(S * v) for m in range(B)}
+
+    for r in range(S):
+        passes = tl.on(r)
+        assert all(a.end <= b.start + EPS for a, b in itertools.pairwise(passes)), f"rank {r} overlaps"
+
+    def after(e, dep):
+        return e.start + EPS >= dep.end + (comm_time if dep.rank != e.rank else 0.0)
+
+    for (kind, s, m), e in at.items():
+        if kind == "F" and s > 0:
+            assert after(e, at["F", s - 1, m])
+        if kind == "B":
+            assert after(e, at["F", s, m])
+            if s < S * v - 1:
+                assert after(e, at["B", s + 1, m])
+        if kind == "W":
+            assert after(e, at["B", s, m])
+
+
+CASES = [("naive", 4, 1, {}), ("gpipe", 4, 4, {}), ("gpipe", 3, 5, {"stage_times": [1.0, 2.5, 0.5]}),
+         ("1f1b", 4, 8, {}), ("1f1b", 4, 2, {}), ("1f1b", 3, 6, {"stage_times": [2.0, 1.0, 1.5]}),
+         ("interleaved-1f1b", 4, 8, {"n_virtual": 2}), ("interleaved-1f1b", 2, 6, {"n_virtual": 3}),
+         ("zero-bubble", 4, 8, {}), ("zero-bubble", 4, 2, {}),
+         ("zero-bubble", 3, 6, {"stage_times": [1.0, 3.0, 2.0], "backward_ratio": 3.0})]
+
+
+@pytest.mark.parametrize("comm_time", [0.0, 0.25])
+@pytest.mark.parametrize("schedule, S, B, kwargs", CASES)
+def test_every_pass_once_no_overlap_dependencies_hold(schedule, S, B, kwargs, comm_time):
+    tl = simulate(schedule, S, B, comm_time=comm_time, **kwargs)
+    check_timeline(tl, comm_time)
+    assert {e.rank for e in tl.events} == set(range(S))
+
+
+def test_naive_uses_a_quarter_of_four_ranks():
+    tl = simulate("naive", 4, 8)
+    assert tl.n_microbatches == 1  # one batch, no microbatching
+    assert tl.utilisation == 0.25
+    assert tl.makespan == 4 * (1 + 2)
+    assert bubble_formula("naive", 4, 8) == 0.75
+
+
+@pytest.mark.parametrize("backward_ratio", [1.0, 2.0, 3.5])
+def test_gpipe_4x4_utilisation_is_four_sevenths(backward_ratio):
+    tl = simulate("gpipe", 4, 4, backward_ratio=backward_ratio)
+    assert tl.utilisation == pytest.approx(4 / 7)
+    assert tl.bubble_fraction == pytest.approx(3 / 7)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("S, B", [(2, 4), (4, 4), (4, 8), (8, 16), (4, 2)])
+def test_gpipe_and_1f1b_bubble_closed_form(schedule, S, B):
+    tl = simulate(schedule, S, B)
+    assert tl.makespan == pytest.approx((B + S - 1) * 3)
+    assert tl.bubble_fraction == pytest.approx((S - 1) / (B + S - 1))
+    assert bubble_formula(schedule, S, B) == pytest.approx(tl.bubble_fraction)
+
+
+def test_gpipe_unequal_stages_and_comm_time():
+    # identical jobs through a flow shop: sum of stage times + (B-1) x slowest, forward and backward
+    assert simulate("gpipe", 4, 4, [1, 2, 1, 1]).makespan == pytest.approx(3 * (5 + 3 * 2))
+    # each of the 2(S-1) hops on the critical path pays comm_time once
+    assert simulate("gpipe", 4, 4, comm_time=0.5).makespan == pytest.approx(21 + 2 * 3 * 0.5)
+
+
+@pytest.mark.parametrize("v", [2, 4])
+def test_interleaved_bubble_time_is_1f1b_over_v(v):
+    S, B = 4, 8
+    one_f_one_b = simulate("1f1b", S, B).makespan - B * 3
+    tl = simulate("interleaved-1f1b", S, B, n_virtual=v)
+    assert one_f_one_b == pytest.approx((S - 1) * 3)
+    assert tl.makespan - B * 3 == pytest.approx(one_f_one_b / v)
+    assert tl.bubble_fraction == pytest.approx(bubble_formula("interleaved-1f1b", S, B, v))
+    assert tl.bubble_fraction == pytest.approx((S - 1) / (v * B + S - 1))
+
+
+def test_interleaved_with_one_chunk_is_1f1b():
+    assert simulate("interleaved-1f1b", 4, 8).events == simulate("1f1b", 4, 8).events
+
+
+def test_zero_bubble_beats_1f1b():
+    S, B = 4, 8
+    zb, base = simulate("zero-bubble", S, B), simulate("1f1b", S, B)
+    assert zb.bubble_fraction < base.bubble_fraction
+    # ZB-H1 with tB = tW = tf: bubble time (S-1)(tf + tB - tW) = S-1, a third of 1F1B's 3(S-1)
+    assert zb.makespan - B * 3 == pytest.approx((base.makespan - B * 3) / 3)
+    assert zb.bubble_fraction == pytest.approx((S - 1) / (3 * B + S - 1))
+    assert zb.bubble_fraction == pytest.approx(bubble_formula("zero-bubble", S, B))
+    assert [zb.max_in_flight(r) for r in range(S)] == [S] * S  # the 1F1B peak, on every rank
+
+
+@pytest.mark.parametrize("backward_ratio, w_fraction", [(1.0, 0.25), (3.0, 0.75), (4.0, 0.5)])
+def test_zero_bubble_formula_other_splits(backward_ratio, w_fraction):
+    tl = simulate("zero-bubble", 4, 8, backward_ratio=backward_ratio, w_fraction=w_fraction)
+    assert tl.bubble_fraction == pytest.approx(
+        bubble_formula("zero-bubble", 4, 8, backward_ratio=backward_ratio, w_fraction=w_fraction))
+
+
+@pytest.mark.parametrize("S, B", [(4, 8), (4, 2), (8, 16)])
+def test_max_in_flight(S, B):
+    one_f_one_b, gpipe = simulate("1f1b", S, B), simulate("gpipe", S, B)
+    assert [one_f_one_b.max_in_flight(r) for r in range(S)] == [min(S - r, B) for r in range(S)]
+    assert [gpipe.max_in_flight(r) for r in range(S)] == [B] * S
+
+
+def test_str_rows():
+    text = str(simulate("gpipe", 4, 4))
+    lines = text.splitlines()
+    assert lines[0] == "gpipe: 4 stages, 4 microbatches, makespan 21, bubble 42.9%"
+    assert lines[4] == "rank 3 | . . . F0 F1 F2 F3 B3 B2 B1 B0"
+    assert len(lines) == 5
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: simulate("pipedream", 4, 4), "1f1b, interleaved-1f1b, zero-bubble"),
+    (lambda: simulate("interleaved-1f1b", 4, 6, n_virtual=2), "multiple of 4"),
+    (lambda: simulate("gpipe", 4, 4, [1.0, 1.0]), "stage_times has 2 entries for n_stages=4"),
+    (lambda: simulate("1f1b", 4, 4, n_virtual=2), "only to interleaved-1f1b"),
+    (lambda: simulate("1f1b", 0, 4), "at least one stage"),
+    (lambda: bubble_formula("zero-bubble", 4, 2), "n_microbatches >= n_stages"),
+])
+def test_errors_say_what_to_do(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def _rects(path):
+    root = ET.parse(path).getroot()
+    ns = "{http://www.w3.org/2000/svg}"
+    return root, [r.get("class") for r in root.iter(f"{ns}rect")]
+
+
+def test_gantt_gpipe_4x4(tmp_path):
+    tl = simulate("gpipe", 4, 4)
+    path = gantt_svg(tl, tmp_path / "gpipe.svg")
+    assert path == tmp_path / "gpipe.svg" and path.exists()
+    root, classes = _rects(path)
+    # 1 background + one per event + one legend swatch per kind present (F, B)
+    assert len(classes) == 1 + 32 + 2
+    assert Counter(classes) == {"background": 1, "event F": 16, "event B": 16, "legend": 2}
+    texts = [t.text for t in root.iter("{http://www.w3.org/2000/svg}text")]
+    assert "bubble 42.9%" in texts[0]
+    assert sorted(t for t in texts if t.isdigit() and len(t) == 1).count("3") == 8  # F3, B3 on 4 ranks
+
+
+def test_gantt_measured_events_normalised(tmp_path):
+    def measured_pass(rank, kind, start, end, t0=12_345.0):  # seconds, arbitrary origin
+        return {"rank": rank, "kind": kind, "microbatch": 0, "start": t0 + start, "end": t0 + end}
+
+    measured = [measured_pass(0, "F", 0.0, 0.01), measured_pass(1, "F", 0.012, 0.022),
+                measured_pass(1, "B", 0.022, 0.042), measured_pass(0, "B", 0.044, 0.064)]
+    tl = Timeline.from_events(measured)
+    assert tl.n_stages == 2 and tl.makespan == pytest.approx(0.064)
+    assert tl.utilisation == pytest.approx(0.06 / (2 * 0.064))
+
+    path = gantt_svg(measured, tmp_path / "measured.svg", title="measured")
+    root, classes = _rects(path)
+    assert Counter(classes) == {"background": 1, "event F": 2, "event B": 2, "legend": 2}
+    xs = [float(r.get("x")) for r in root.iter("{http://www.w3.org/2000/svg}rect") if r.get("class") == "event F"]
+    assert min(xs) == pytest.approx(70.0)  # the earliest start sits at the left edge of the plot
+
+    as_events = [Event(chunk=0, **m) for m in measured]
+    _, classes = _rects(gantt_svg(as_events, tmp_path / "events.svg"))
+    assert len(classes) == 1 + 4 + 2
+
+
+def test_all_schedules_listed():
+    assert SCHEDULES == ("naive", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
