@@ -17,6 +17,8 @@ comparison with autopar's own plan is like for like:
 """
 from __future__ import annotations
 
+import dataclasses
+
 from torch.distributed.tensor import Replicate, Shard
 
 from .ops.strategy import PASS
@@ -115,13 +117,38 @@ def megatron(axes_tp):
     return allowed
 
 
-def layouts(mesh) -> dict:
-    """name -> restriction for the hand-written layouts that make sense on this mesh."""
+def megatron_zero(tp: int, stage: int):
+    """Megatron on axis `tp`, ZeRO-`stage` over the other axes: the layouts torchtitan and
+    Megatron-LM users write for large models (TP inside a node, sharded data parallel)."""
+    tensor_parallel = megatron({tp})
+
+    def allowed(problem, pn, strategy) -> bool:
+        if pn.kind != "param" or not pn.requires_grad:
+            return tensor_parallel(problem, pn, strategy)
+        placement = strategy.outputs[0]
+        if stage == 3:
+            plain = dataclasses.replace(strategy, outputs=(tuple(
+                p if a == tp else Replicate() for a, p in enumerate(placement)),))
+            return _plain(strategy) and tensor_parallel(problem, pn, plain) and all(
+                isinstance(p, Shard) for a, (p, n) in enumerate(zip(placement, problem.mesh.shape)) if a != tp and n > 1)
+        plain = dataclasses.replace(strategy, zero=0, zero_axes=(), offload=False)
+        return (tensor_parallel(problem, pn, plain) and strategy.zero == stage and not strategy.offload
+                and problem.mesh.size > problem.mesh.shape[tp])
+    return allowed
+
+
+def layouts(mesh, every: bool = False) -> dict:
+    """name -> restriction for the hand-written layouts that make sense on this mesh: those
+    a plan is compared with, and with every=True also Megatron combined with ZeRO-1/2/3
+    ("megatron-tp x zero2", ...) on meshes of two or more axes."""
     tp = tp_axis(mesh)
     out = {"data-parallel": data_parallel, "zero1": zero_stage(1), "zero2": zero_stage(2), "zero3": zero3}
     if sum(1 for s in mesh.shape if s > 1) > 1:
         out["megatron-tp (all axes)"] = megatron(set(range(mesh.ndim)))
         out["megatron-tp x dp"] = megatron({tp})
+        if every:
+            for stage in (1, 2, 3):
+                out[f"megatron-tp x zero{stage}"] = megatron_zero(tp, stage)
     else:
         out["megatron-tp"] = megatron(set(range(mesh.ndim)))
     return out

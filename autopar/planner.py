@@ -47,8 +47,9 @@ def plan(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, example_kwarg
     log.info("built strategy menus and costs in %.2fs", t_build)
     limit = budget if budget is not None else mesh.device.memory
     rules = B.layouts(mesh)
-    if layout is not None and layout not in rules:
-        raise ValueError(f"unknown layout {layout!r} for mesh {mesh}; choose one of {sorted(rules)}")
+    every = B.layouts(mesh, every=True)
+    if layout is not None and layout not in every:
+        raise ValueError(f"unknown layout {layout!r} for mesh {mesh}; choose one of {sorted(every)}")
     origin = "ilp" if layout is None else f"layout:{layout}"
     if random_seed is not None:
         seeds = [random_seed] if isinstance(random_seed, int) else list(random_seed)
@@ -57,7 +58,7 @@ def plan(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, example_kwarg
                             "total_s": time.perf_counter() - start}) for s in seeds]
         return made[0] if isinstance(random_seed, int) else made
     try:
-        best, sol, _ = _solve(problem, rules.get(layout), None if layout else limit, time_limit)
+        best, sol, _ = _solve(problem, every.get(layout), None if layout else limit, time_limit)
     except InfeasibleError:
         floor = _solve(problem, None, None, time_limit, minimise_memory=True)[2]
         raise InfeasibleError(

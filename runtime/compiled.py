@@ -348,9 +348,24 @@ class CompiledModel(nn.Module):
         return redistribute_local(local.detach(), tuple(placements), tuple(Replicate() for _ in placements),
                                   self.groups)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter whole, under its name in the original model (on every rank)."""
-        return {self._names[k]: self._full(self._names[k], p).cpu() for k, p in self.shards.items()}
+    def full_state_dict(self, master: bool = False) -> dict[str, torch.Tensor]:
+        """Every parameter whole, under its name in the original model (on every rank).
+        master=True: the float32 master weights where the optimizer keeps them (mixed
+        precision, offload), gathered from their ZeRO chunks."""
+        out = {}
+        for k, p in self.shards.items():
+            local = p
+            if master and k in self.masters:
+                lay = self.zero_layouts.get(k)
+                m = self.masters[k].detach().to(p.device)
+                if lay is None:
+                    local = m
+                else:
+                    local = torch.zeros(p.shape, dtype=m.dtype, device=p.device)
+                    local.view(-1)[lay.start: lay.end] = m
+                    all_gather_chunks([local], [lay], self.groups)
+            out[self._names[k]] = self._full(self._names[k], local).cpu()
+        return out
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Every parameter's reduced gradient whole (ZeRO-2 chunks gathered), on every rank."""

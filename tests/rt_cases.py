@@ -3,6 +3,7 @@ plan, train a few AdamW steps and compare with the same model trained on one dev
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 
@@ -17,6 +18,7 @@ RTOL, ATOL = 1e-5, 1e-6
 # what is left below atol, while every real update (~lr = 1e-4 per step) stays 100x above
 # it: a missing or doubled update is still caught.
 OPTIM = dict(lr=1e-4, eps=1e-6)
+MODELS_ZERO = {"gpt-tiny": ("autopar", "gpt-tiny", ()), "llama-tiny": ("autopar", "llama-tiny", ())}
 
 
 def build_case(spec: tuple):
@@ -208,13 +210,54 @@ def accumulate_vs_whole_batch(plan_dict: dict, micro: int = 4) -> dict:
     return {"worst": max(excess(b[n], a[n]) for n in a), "bucketed": len(acc._grad_sync.params)}
 
 
-def memory_after_step(plan_dict: dict) -> dict:
-    from autopar.models import build
+def memory_after_step(plan_dict: dict, spec=("autopar", "gpt-tiny", (("hidden", 128),))) -> dict:
     plan = Plan.from_dict(plan_dict)
-    torch.manual_seed(0)
-    model, example = build("gpt-tiny", hidden=128)
+    model, example, _ = build_case(spec)
     cm = autopar.compile(model, Mesh.from_dict(plan.mesh), example, plan=plan)
     opt = cm.build_optimizer(torch.optim.AdamW, lr=1e-4)
     cm.train_step(*example)
     opt.step()
     return cm.memory_report()
+
+
+def mixed_precision_vs_reference(spec: tuple, plan_dict: dict, steps: int = 3) -> dict:
+    """A plan made with MixedPrecision(bfloat16, float32) against one device under the same
+    policy: the model cast to bfloat16 computes, AdamW updates float32 master weights that
+    are copied back after every step.  Returns the worst relative loss difference and the
+    worst master-weight difference."""
+    plan = Plan.from_dict(plan_dict)
+    model, args, kwargs = build_case(spec)
+    compute = copy.deepcopy(model).to(torch.bfloat16)
+    masters = {n: p.detach().float().clone().requires_grad_() for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW(masters.values(), **OPTIM)
+    losses = []
+    for _ in range(steps):
+        loss = _loss(compute(*args, **kwargs))
+        loss.backward()
+        losses.append(loss.item())
+        with torch.no_grad():
+            for n, p in compute.named_parameters():
+                masters[n].grad = p.grad.float()
+            opt.step()
+            opt.zero_grad()
+            for n, p in compute.named_parameters():
+                p.copy_(masters[n])
+                p.grad = None
+    cm = autopar.compile(model, Mesh.from_dict(plan.mesh), args, example_kwargs=kwargs or None, plan=plan)
+    copt = cm.build_optimizer(torch.optim.AdamW, **OPTIM)
+    worst_loss = 0.0
+    for step in range(steps):
+        loss = cm.train_step(*args, **kwargs)
+        worst_loss = max(worst_loss, abs(loss.item() - losses[step]) / abs(losses[step]))
+        copt.step()
+        copt.zero_grad()
+    got = cm.full_state_dict(master=True)
+    # Adam turns bf16 rounding noise in near-zero gradients into sign flips of whole
+    # updates, so compare the runs by the norm of their difference against the norm of the
+    # change the steps made, over all master weights
+    diff = math.sqrt(sum(float((got[n] - masters[n].detach()).pow(2).sum()) for n in got))
+    moved = math.sqrt(sum(float((masters[n].detach() - p.detach()).pow(2).sum()) for n, p in model.named_parameters()))
+    worst_param = diff / moved
+    dtypes = {str(p.dtype) for p in cm.shards.values()}
+    return {"loss": worst_loss, "param": worst_param, "moved": moved, "dtypes": sorted(dtypes),
+            "memory": cm.memory_report()}

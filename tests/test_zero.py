@@ -1,0 +1,89 @@
+"""ZeRO-1/2/3, mixed precision and gradient accumulation on 4 gloo ranks: the model states
+each rank holds equal the memory model byte for byte, and training equals one device."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopar
+from autopar.memory import state_bytes_per_param
+from rt_cases import (MODELS_ZERO, accumulate_vs_whole_batch, build_case, memory_after_step,
+                      mixed_precision_vs_reference, train_and_compare)
+
+GPT = ("autopar", "gpt-tiny", (("hidden", 128),))
+LAYOUT_OF_STAGE = {0: "data-parallel", 1: "zero1", 2: "zero2", 3: "zero3"}
+
+
+def _plan(spec, shape, names, layout, **kw):
+    model, args, kwargs = build_case(spec)
+    mesh = autopar.Mesh(shape, names, device="cpu")
+    return autopar.plan(model, mesh, args, example_kwargs=kwargs or None, compare=False, layout=layout, **kw)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "bf16"])
+def test_model_state_bytes_per_rank_equal_the_memory_model(pool4, stage, mixed):
+    """After optimizer.step(): parameters, gradients and optimizer states (Adam's moments,
+    plus float32 master weights under mixed precision) held by every rank equal the plan's
+    prediction exactly, and equal the ZeRO formula (2 + 2 + 12 bytes per parameter split as
+    the stage says) with n = 4 (the model's sizes divide by 4)."""
+    precision = autopar.MixedPrecision() if mixed else None
+    plan = _plan(GPT, (4,), ("dp",), LAYOUT_OF_STAGE[stage], mixed_precision=precision)
+    model, _, _ = build_case(GPT)
+    n_params = sum(p.numel() for p in model.parameters())
+    weight, grad, opt = (2, 2, 12) if mixed else (4, 4, 8)
+    expected = n_params * state_bytes_per_param(4, stage, weight, grad, opt)
+    for rank, report in enumerate(pool4.run(memory_after_step, plan.to_dict(), GPT)):
+        measured, predicted = report["measured"], report["predicted"]
+        for kind in ("params", "grads", "optimizer"):
+            assert measured[kind] == predicted[kind], (rank, kind, measured, predicted)
+        assert measured["params"] + measured["grads"] + measured["optimizer"] == expected, (rank, measured)
+
+
+@pytest.mark.parametrize("spec_key", ["gpt-tiny", "llama-tiny"])
+def test_each_stage_alone_and_with_tensor_parallelism_trains_like_one_device(pool4, spec_key):
+    spec = MODELS_ZERO[spec_key]
+    plans = [_plan(spec, (4,), ("dp",), LAYOUT_OF_STAGE[s]) for s in (1, 2, 3)]
+    plans += [_plan(spec, (2, 2), ("dp", "tp"), f"megatron-tp x zero{s}") for s in (1, 2, 3)]
+    failures = []
+    for plan in plans:
+        result = pool4.run(train_and_compare, spec, plan.to_dict())[0]
+        if not result["ok"]:
+            failures.append(f"{plan.origin} on {plan.mesh['shape']}: {result}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("layout", ["data-parallel", "zero2", "megatron-tp x zero2"])
+def test_mixed_precision_equals_one_device_under_the_same_policy(pool4, layout):
+    spec = MODELS_ZERO["gpt-tiny"]
+    shape, names = ((2, 2), ("dp", "tp")) if "megatron" in layout else ((4,), ("dp",))
+    plan = _plan(spec, shape, names, layout, mixed_precision=autopar.MixedPrecision())
+    result = pool4.run(mixed_precision_vs_reference, spec, plan.to_dict())[0]
+    assert result["dtypes"] == ["torch.bfloat16"]
+    assert result["loss"] < 2e-2, result     # a few bf16 roundings (2^-8 each) of the loss
+    assert result["moved"] > 1e-3             # the steps changed the weights (norm) ...
+    assert result["param"] < 0.1, result      # ... and the two runs alike (relative norm)
+
+
+@pytest.mark.parametrize("layout", ["zero1", "zero2"])
+def test_gradient_accumulation_under_zero_equals_the_whole_batch(pool4, layout):
+    model, example, _ = build_case(("autopar", "gpt-tiny", (("batch", 16),)))
+    mesh = autopar.Mesh((4,), ("dp",), device="h100")
+    plan = autopar.plan(model, mesh, example, compare=False, layout=layout)
+    result = pool4.run(accumulate_vs_whole_batch, plan.to_dict())[0]
+    assert result["bucketed"] > 0
+    assert result["worst"] <= 0, result
+
+
+def test_random_plans_include_zero_states_and_train_like_one_device(pool4):
+    """Random valid plans draw ZeRO-1/2 and offload for some parameters too."""
+    spec = MODELS_ZERO["gpt-tiny"]
+    model, args, _ = build_case(spec)
+    mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="cpu")
+    plans = autopar.plan(model, mesh, args, random_seed=[7, 8, 9])
+    stages = {s.stage for p in plans for s in p.param_states.values()}
+    assert stages >= {1, 2}
+    assert any(s.offload for p in plans for s in p.param_states.values())
+    for plan in plans:
+        result = pool4.run(train_and_compare, spec, plan.to_dict())[0]
+        assert result["ok"], (plan.origin, result)
