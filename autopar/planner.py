@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import torch
@@ -60,11 +61,7 @@ def plan(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, example_kwarg
     try:
         best, sol, _ = _solve(problem, every.get(layout), None if layout else limit, time_limit)
     except InfeasibleError:
-        floor = _solve(problem, None, None, time_limit, minimise_memory=True)[2]
-        raise InfeasibleError(
-            f"no plan of {type(model).__name__} on {mesh} fits {limit / 2**30:.2f} GiB per device; the "
-            f"smallest any plan needs is {floor / 2**30:.2f} GiB. Add devices, raise memory_budget, "
-            f"or (when available) use recomputation, ZeRO or offload.") from None
+        raise _infeasible(problem, model, mesh, limit, time_limit) from None
     compared = {}
     if compare:
         for name, rule in rules.items():
@@ -78,6 +75,34 @@ def plan(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, example_kwarg
     result = _make_plan(problem, model, mesh, best, sol, origin, compared, budget, timing)
     log.info("planned %s on %s in %.2fs (trace %.2fs)", type(model).__name__, mesh, time.perf_counter() - start, t_trace)
     return result
+
+
+def _infeasible(problem, model, mesh, limit, time_limit) -> InfeasibleError:
+    """The error for a budget no plan fits: the least memory any plan needs, what it is made
+    of, and what would make the model fit."""
+    choice, _, floor = _solve(problem, None, None, time_limit, minimise_memory=True)
+    memory = _assemble(problem, choice)[2].memory
+    gib = 2**30
+    parts = ", ".join(f"{k} {v / gib:.2f}" for k, v in memory.items())
+    states = floor - memory["activations"]
+    devices = math.ceil(mesh.size * floor / limit)
+    offloaded = sum(1 for pn in problem.nodes if pn.kind == "param"
+                    and problem.nodes[pn.rep].strategies[choice[pn.index]].offload)
+    hints = [f"about {devices} devices instead of {mesh.size} (more data- or tensor-parallel ranks: "
+             f"states and activations both shrink with the device count)"]
+    if memory["activations"] > 0.2 * floor:
+        hints.append(f"fewer activations: activations are {memory['activations'] / floor:.0%} of that minimum, "
+                     f"so a smaller batch per step (gradient accumulation keeps the global batch) or recomputing "
+                     f"activations in backward (activation checkpointing; autopar does not plan it yet)")
+    if states > 0.2 * floor:
+        how = "offloaded to host memory" if offloaded else "sharded"
+        hints.append(f"smaller model states: weights, gradients and optimizer states are {states / floor:.0%} of "
+                     f"it even {how}; mixed precision (autopar.MixedPrecision) halves weights and gradients")
+    return InfeasibleError(
+        f"no plan of {type(model).__name__} on {mesh} fits {limit / gib:.2f} GiB per device; the smallest any "
+        f"plan needs is {floor / gib:.2f} GiB per device (GiB: {parts}), with every parameter sharded "
+        f"(ZeRO-3 or tensor parallel) and {offloaded} parameters' optimizer states offloaded to the host. To fit: "
+        + "; or ".join(hints) + f"; or raise memory_budget to at least {floor / gib:.2f} GiB.")
 
 
 def _make_plan(problem, model, mesh, choice, sol, origin, compared, budget, timing) -> Plan:

@@ -3,12 +3,17 @@ each rank holds equal the memory model byte for byte, and training equals one de
 from __future__ import annotations
 
 import pytest
-import torch
+from rt_cases import (
+    MODELS_ZERO,
+    accumulate_vs_whole_batch,
+    build_case,
+    memory_after_step,
+    mixed_precision_vs_reference,
+    train_and_compare,
+)
 
 import autopar
 from autopar.memory import state_bytes_per_param
-from rt_cases import (MODELS_ZERO, accumulate_vs_whole_batch, build_case, memory_after_step,
-                      mixed_precision_vs_reference, train_and_compare)
 
 GPT = ("autopar", "gpt-tiny", (("hidden", 128),))
 LAYOUT_OF_STAGE = {0: "data-parallel", 1: "zero1", 2: "zero2", 3: "zero3"}

@@ -1,0 +1,61 @@
+"""The ILP chooses how much model state to shard under a memory budget (llama3-8b on
+64 H100s, dp=8 x tp=8): never over the budget, never a slower plan when a faster one fits,
+more sharding as the budget shrinks, and a clear error below the least any plan needs."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+import autopar
+from autopar.models import build
+
+BUDGETS = [None, "15GiB", "10GiB", "7GiB"]
+
+
+@pytest.fixture(scope="module")
+def sweep():
+    model, example = build("llama3-8b", device="meta", batch=8)
+    mesh = autopar.Mesh((8, 8), ("dp", "tp"), device="h100")
+    plans = [autopar.plan(model, mesh, example, compare=False, memory_budget=b) for b in BUDGETS]
+    return model, example, mesh, plans
+
+
+def _states(plan) -> float:
+    m = plan.predicted.memory
+    return m["params"] + m["grads"] + m["optimizer"]
+
+
+def test_budget_is_kept_and_time_only_grows_as_it_shrinks(sweep):
+    _, _, mesh, plans = sweep
+    limits = [mesh.device.memory if b is None else autopar.mesh.parse_bytes(b) for b in BUDGETS]
+    for plan, limit in zip(plans, limits):
+        assert plan.predicted.memory_total <= limit
+    for i, (plan, limit) in enumerate(zip(plans, limits)):
+        for bigger in plans[:i]:
+            assert plan.predicted.step_s >= bigger.predicted.step_s * (1 - 1e-9)
+            if bigger.predicted.memory_total <= limit:  # a faster plan that fits is never passed over
+                assert plan.predicted.step_s <= bigger.predicted.step_s * (1 + 1e-9)
+
+
+def test_plans_shard_more_state_as_the_budget_shrinks(sweep):
+    _, _, _, plans = sweep
+    stages = [{plan.zero_stage(n) for n in plan.param_placements} for plan in plans]
+    assert stages[0] == {0} and not plans[0].param_states       # room to spare: no ZeRO
+    assert stages[-1] & {2, 3}                                  # tight: ZeRO-2/3 somewhere
+    states = [_states(p) for p in plans]
+    assert all(a >= b for a, b in zip(states, states[1:])), states
+    assert states[-1] < 0.5 * states[0]
+
+
+def test_a_budget_below_the_minimum_names_the_minimum_and_the_fixes(sweep):
+    model, example, mesh, _ = sweep
+    with pytest.raises(autopar.InfeasibleError) as info:
+        autopar.plan(model, mesh, example, compare=False, memory_budget="3GiB")
+    text = str(info.value)
+    floor = float(re.search(r"smallest any plan needs is ([\d.]+) GiB", text).group(1))
+    assert 3 < floor < 7
+    for hint in ("devices instead of 64", "activations", "raise memory_budget"):
+        assert hint in text, text
+    plan = autopar.plan(model, mesh, example, compare=False, memory_budget=f"{floor * 1.01:.3f}GiB")
+    assert plan.predicted.memory_total <= floor * 1.01 * 2**30
