@@ -34,6 +34,7 @@ from autopar.precision import MixedPrecision, cast_for_trace, meta_inputs
 from autopar.trace import trace
 
 from .grad_sync import GradSync
+from .reshard import Regather
 from .zero import ShardedOptimizer, all_gather_chunks, zero_layout
 
 log = logging.getLogger("autopar")
@@ -55,7 +56,8 @@ def ensure_process_group() -> None:
 
 def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=None, plan=None,
             memory_budget=None, seed: int | None = None, bucket_mb: float = 25.0,
-            local_inputs: bool = False, mixed_precision=None) -> "CompiledModel":
+            local_inputs: bool = False, mixed_precision=None,
+            reshard_after_forward: bool = True) -> "CompiledModel":
     """Compile `model` for `mesh` with `plan` (a Plan, a path to a saved one, or None to plan now).
 
     A model on the meta device is initialised shard by shard (with `seed` if given); a model
@@ -66,7 +68,10 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=N
 
     mixed_precision: an autopar.MixedPrecision (a plan made with one carries it too): the
     module computes in param_dtype, the optimizer keeps float32 master weights, gradients
-    are summed in reduce_dtype."""
+    are summed in reduce_dtype.
+
+    reshard_after_forward: ZeRO-3 weights gathered for forward are dropped and gathered
+    again in backward (False: kept from forward to backward, one gather fewer)."""
     start = time.perf_counter()
     ensure_process_group()
     world = dist.get_world_size()
@@ -110,7 +115,9 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=N
         shards = init_sharded(model, plan.param_placements, groups, seed)
     else:
         shards = shard_full_model(model, plan.param_placements, groups)
+    regather = Regather(gm, set(traced.params), reshard_after_forward, groups)
     cm = CompiledModel(gm, traced, plan, groups, shards, model, device_type, bucket_mb, precision)
+    cm._regather = regather
     cm.input_layouts = input_layouts
     log.info("compiled %s for %s on rank %d in %.2fs", type(model).__name__, mesh, dist.get_rank(),
              time.perf_counter() - start)
@@ -204,6 +211,7 @@ class CompiledModel(nn.Module):
             else:
                 order.append(("input", None))
         self._order = order
+        self._placeholders = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
         self._output_reduce = dict(gm._autopar_output_reduce)
         self._in_spec = traced.in_spec
         self._out_spec = traced.out_spec
@@ -240,7 +248,12 @@ class CompiledModel(nn.Module):
                 feed.append(getattr(self, key))
             else:
                 feed.append(next(inputs))
-        out = self.graph_module(*feed)
+        regather = getattr(self, "_regather", None)
+        if regather:
+            with regather.forward(dict(zip(self._placeholders, feed))):
+                out = self.graph_module(*feed)
+        else:
+            out = self.graph_module(*feed)
         return list(out) if isinstance(out, (tuple, list)) else [out]
 
     def _structure(self, flat: list):

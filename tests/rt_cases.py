@@ -261,3 +261,16 @@ def mixed_precision_vs_reference(spec: tuple, plan_dict: dict, steps: int = 3) -
     dtypes = {str(p.dtype) for p in cm.shards.values()}
     return {"loss": worst_loss, "param": worst_param, "moved": moved, "dtypes": sorted(dtypes),
             "memory": cm.memory_report()}
+
+
+def zero3_regather_counts(plan_dict: dict, reshard: bool) -> dict:
+    """One training step of a ZeRO-3 plan: how many weights were gathered in forward,
+    prefetched, and gathered again in backward; and whether the gradients match one device."""
+    spec = ("autopar", "gpt-tiny", ())
+    plan = Plan.from_dict(plan_dict)
+    model, args, _ = build_case(spec)
+    _, grads, _ = reference(spec, 1)
+    cm = autopar.compile(model, Mesh.from_dict(plan.mesh), args, plan=plan, reshard_after_forward=reshard)
+    cm.train_step(*args)
+    worst = max(excess(g, grads[0][n]) for n, g in cm.full_grads().items())
+    return dict(cm._regather.counts, gathers=len(cm._regather.order), worst=worst)

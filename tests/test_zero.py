@@ -3,6 +3,7 @@ each rank holds equal the memory model byte for byte, and training equals one de
 from __future__ import annotations
 
 import pytest
+
 from rt_cases import (
     MODELS_ZERO,
     accumulate_vs_whole_batch,
@@ -10,6 +11,7 @@ from rt_cases import (
     memory_after_step,
     mixed_precision_vs_reference,
     train_and_compare,
+    zero3_regather_counts,
 )
 
 import autopar
@@ -92,3 +94,19 @@ def test_random_plans_include_zero_states_and_train_like_one_device(pool4):
     for plan in plans:
         result = pool4.run(train_and_compare, spec, plan.to_dict())[0]
         assert result["ok"], (plan.origin, result)
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_zero3_regathers_in_backward_and_prefetches_in_forward(pool4, reshard):
+    """ZeRO-3: every weight is gathered once in forward, all but the first by a prefetch
+    started one gather earlier; with reshard_after_forward the weights backward needs are
+    gathered again (one per saved use), without it never; gradients equal one device."""
+    plan = _plan(("autopar", "gpt-tiny", ()), (4,), ("dp",), "zero3")
+    counts = pool4.run(zero3_regather_counts, plan.to_dict(), reshard)[0]
+    assert counts["gathered"] == counts["gathers"] > 0
+    assert counts["prefetched"] == counts["gathers"] - 1
+    if reshard:
+        assert counts["regathered"] >= counts["gathers"] // 2, counts
+    else:
+        assert counts["regathered"] == 0
+    assert counts["worst"] <= 0, counts
