@@ -12,7 +12,7 @@ which must not be recycled for another tensor meanwhile.)
 
 The gathers of the next parameters are prefetched: when the k-th gather of a forward runs,
 the (k+1)-th is started asynchronously, so it overlaps with the compute in between
-(single-axis gathers; gathers over several axes run when reached).
+(moves that are exactly one all-gather; others run when reached).
 """
 from __future__ import annotations
 
@@ -47,8 +47,9 @@ class Regather:
             if src.op != "placeholder" or src.target not in param_placeholders:
                 continue
             m = getattr(gm, node.args[1].target)
-            steps = [s for s in plan_redistribute(m.src, m.dst, sizes) if s.is_collective]
-            if not steps or any(s.kind != "all_gather" for s in steps):
+            steps = plan_redistribute(m.src, m.dst, sizes)  # local slices too: a prefetch must do all
+            collective = [s for s in steps if s.is_collective]
+            if not collective or any(s.kind != "all_gather" for s in collective):
                 continue
             k = len(self.order)
             self.order.append((src.target, m, steps))
