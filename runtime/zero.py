@@ -169,7 +169,7 @@ def buckets(keys: list, layouts: dict, sizes: dict, limit_bytes: int) -> list:
     return out
 
 
-class ShardedOptimizer:
+class ShardedOptimizer(torch.optim.Optimizer):
     """Any torch optimizer, run on what this rank owns of every parameter.
 
     For a parameter without ZeRO-1/2 it updates the local shard itself (or its float32
@@ -179,7 +179,11 @@ class ShardedOptimizer:
     what they compute on the whole model.  zero_grad, state_dict, load_state_dict and
     param_groups are the wrapped optimizer's (its state is this rank's part)."""
 
-    def __init__(self, cm, cls, bucket_bytes: int, **kwargs):
+    def __init__(self, cm, cls, bucket_bytes: int, **kwargs):  # noqa: D107 (no Optimizer.__init__: it
+        # would register the parameters a second time; the wrapped optimizer owns them)
+        self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = {}, {}
+        self._optimizer_state_dict_pre_hooks, self._optimizer_state_dict_post_hooks = {}, {}
+        self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = {}, {}
         self.cm = cm
         self.bucket_bytes = bucket_bytes
         self.entries = []  # (key, parameter, layout or None, target the optimizer updates)
@@ -194,6 +198,7 @@ class ShardedOptimizer:
             self.entries.append((key, p, lay, target))
             targets.append(target)
         self.optimizer = cls(targets, **kwargs)
+        self.defaults = self.optimizer.defaults
         self.gathered = [k for k, _, lay, _ in self.entries if lay is not None]
 
     # the wrapped optimizer's interface
@@ -201,9 +206,17 @@ class ShardedOptimizer:
     def param_groups(self):
         return self.optimizer.param_groups
 
+    @param_groups.setter
+    def param_groups(self, value):
+        self.optimizer.param_groups = value
+
     @property
     def state(self):
         return self.optimizer.state
+
+    @state.setter
+    def state(self, value):
+        self.optimizer.state = value
 
     def state_dict(self):
         return self.optimizer.state_dict()
