@@ -274,3 +274,19 @@ def zero3_regather_counts(plan_dict: dict, reshard: bool) -> dict:
     cm.train_step(*args)
     worst = max(excess(g, grads[0][n]) for n, g in cm.full_grads().items())
     return dict(cm._regather.counts, gathers=len(cm._regather.order), worst=worst)
+
+
+def scheduler_on_sharded_optimizer(plan_dict: dict) -> dict:
+    """A torch LR scheduler drives the optimizer build_optimizer returns under ZeRO."""
+    plan = Plan.from_dict(plan_dict)
+    model, args, _ = build_case(("autopar", "gpt-tiny", ()))
+    cm = autopar.compile(model, Mesh.from_dict(plan.mesh), args, plan=plan)
+    opt = cm.build_optimizer(torch.optim.AdamW, lr=1e-3)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    for _ in range(3):
+        cm.train_step(*args)
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    return {"lr": opt.param_groups[0]["lr"], "is_optimizer": isinstance(opt, torch.optim.Optimizer),
+            "states": len(opt.state_dict()["state"])}

@@ -10,6 +10,7 @@ from rt_cases import (
     build_case,
     memory_after_step,
     mixed_precision_vs_reference,
+    scheduler_on_sharded_optimizer,
     train_and_compare,
     zero3_regather_counts,
 )
@@ -110,3 +111,11 @@ def test_zero3_regathers_in_backward_and_prefetches_in_forward(pool4, reshard):
     else:
         assert counts["regathered"] == 0
     assert counts["worst"] <= 0, counts
+
+
+def test_lr_schedulers_drive_the_sharded_optimizer(pool4):
+    plan = _plan(("autopar", "gpt-tiny", ()), (4,), ("dp",), "zero2")
+    for result in pool4.run(scheduler_on_sharded_optimizer, plan.to_dict()):
+        assert result["is_optimizer"]
+        assert result["lr"] == pytest.approx(1e-3 * 0.5**3)
+        assert result["states"] == len(plan.param_placements)  # one Adam state per owned chunk
