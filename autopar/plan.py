@@ -127,6 +127,7 @@ class Plan:
     timing: dict = field(default_factory=dict, compare=False)  # wall seconds of each planning step
     param_states: dict = field(default_factory=dict)  # parameter name -> ParamState (ZeRO-1/2, offload)
     precision: dict | None = None                   # MixedPrecision.to_dict(), None: the model's dtypes
+    pipeline: dict | None = None                    # stages, schedule, microbatches (autopar.pipeline.search)
 
     def zero_stage(self, name: str) -> int:
         """The ZeRO stage of parameter `name`: 3 when it is stored split and all-gathered for
@@ -185,7 +186,7 @@ class Plan:
             "origin": self.origin, "timing": self.timing,
             "param_states": {k: {"stage": v.stage, "axes": list(v.axes), "offload": v.offload}
                              for k, v in self.param_states.items()},
-            "precision": self.precision,
+            "precision": self.precision, "pipeline": self.pipeline,
         }
 
     def to_json(self) -> str:
@@ -217,7 +218,7 @@ class Plan:
                    timing=d.get("timing", {}),
                    param_states={k: ParamState(v["stage"], tuple(v["axes"]), v["offload"])
                                  for k, v in d.get("param_states", {}).items()},
-                   precision=d.get("precision"))
+                   precision=d.get("precision"), pipeline=d.get("pipeline"))
 
     def save(self, path) -> None:
         with open(path, "w") as f:
@@ -247,6 +248,9 @@ class Plan:
                      f"menus and costs {t.get('costs_s', 0):.2f}s, ILP {t.get('solve_s', 0):.2f}s)")
         if self.memory_budget:
             lines.append(f"memory budget: {_b(self.memory_budget)} per device")
+        if self.pipeline:
+            lines.append(self.pipeline["summary"] + ("; the table below is one stage's plan for one microbatch"
+                                                     if self.pipeline["axis"] else ""))
         if self.precision:
             lines.append(f"precision: compute {self.precision['param_dtype']}, float32 master weights, "
                          f"gradients reduced in {self.precision['reduce_dtype']}")

@@ -87,6 +87,9 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=N
                             memory_budget=memory_budget, compare=False, mixed_precision=mixed_precision)
     elif not isinstance(plan, Plan):
         plan = Plan.load(plan)
+    if plan.pipeline and plan.pipeline.get("axis"):
+        raise CompileError(f"the plan cuts the model into {len(plan.pipeline['stages'])} pipeline stages; autopar "
+                           f"cannot run pipelined plans yet. Plan without pipeline=True to train now.")
     precision = MixedPrecision.from_dict(plan.precision)
     if mixed_precision is not None and precision != mixed_precision:
         raise CompileError(f"the plan was made for {precision or 'full precision'}, not {mixed_precision}; "

@@ -1,0 +1,333 @@
+"""Pipeline stage search: whether to cut the model into stages, where, on which sub-meshes,
+with which schedule and how many microbatches (Alpa's inter-operator pass, Zheng et al.
+2022, specialised to models built of repeated layers).
+
+Candidates.  The mesh is split evenly along one axis a into p groups of devices (p divides
+shape[a]); every stage runs on a sub-mesh of shape[a] / p along a and the full size along
+the other axes, with the same links.  Splitting the axis that crosses nodes puts stages
+across nodes and leaves the fast links inside a stage.  p = 1 is "no pipeline".
+
+Stage costs.  For each sub-mesh and microbatch size the whole model is planned by the
+intra-stage ILP (tensor, data parallelism and ZeRO inside the stage) on a microbatch; the
+plan's per-node times are summed per repeated layer, plus what runs before the first layer
+(embeddings) and after the last (head, loss).  Every op also pays the device's launch
+latency once per pass (forward, and twice in backward): small microbatches are not free,
+which is what keeps small models on fast networks out of pipelines.  Per microbatch a layer costs its compute and
+activation communication; its gradient synchronisation and optimizer all-gathers run once
+per step.  Crossing a cut costs the boundary activation (and its gradient) over axis a.
+
+Cuts.  Layers are the units: stage s holds a contiguous run of layers, the first stage also
+the prefix, the last the suffix.  For S stages the cuts minimise the slowest stage (the
+bubble and the steady state both scale with it; a dynamic programme over layer counts).
+
+Schedule.  Each (p, S, schedule, microbatches) candidate is run through the simulator
+(autopar.pipeline.simulate) with the stage times: the step is its makespan plus the slowest
+stage's once-per-step synchronisation.  Memory per device: the stage's model states plus
+its activations per microbatch times the microbatches it holds in flight (GPipe: all of
+them; 1F1B: S - s), which must fit the budget.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .simulate import simulate
+
+log = logging.getLogger("autopar")
+
+SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """Seconds and bytes of one candidate stage layout, per microbatch unless noted."""
+
+    forward_s: float
+    backward_s: float
+    once_s: float        # per step: gradient synchronisation, optimizer all-gathers
+    states: float        # bytes of parameters, gradients, optimizer states
+    activations: float   # bytes kept for backward per microbatch
+
+
+@dataclass(frozen=True)
+class PipelineChoice:
+    """What the search chose.  axis: the mesh axis split into `n_groups` device groups (None:
+    no pipeline); stages: (first layer, last layer + 1) per stage, stage 0 also holding the
+    prefix and the last stage the suffix; submesh: each group's mesh shape."""
+
+    axis: str | None
+    n_groups: int
+    submesh: tuple
+    stages: tuple
+    schedule: str
+    n_microbatches: int
+    n_virtual: int
+    step_s: float
+    bubble: float
+    stage_s: tuple
+    memory: tuple          # bytes per device of each stage
+    candidates: int = 0
+    seconds: float = 0.0
+    no_pipeline_s: float = 0.0
+    rejected: dict = field(default_factory=dict)   # reason -> count
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.stages)
+
+    def __str__(self) -> str:
+        if self.axis is None:
+            return (f"pipeline: none (best pipelined candidate of {self.candidates} was not faster; "
+                    f"step {self.step_s * 1e3:.1f} ms)")
+        cuts = ", ".join(f"{a}-{b - 1}" for a, b in self.stages)
+        return (f"pipeline: {self.n_stages} stages over {self.axis} (layers {cuts}), each on sub-mesh "
+                f"{'x'.join(map(str, self.submesh))}; {self.schedule} with {self.n_microbatches} microbatches"
+                + (f", {self.n_virtual} virtual stages per group" if self.n_virtual > 1 else "")
+                + f"; step {self.step_s * 1e3:.1f} ms (no pipeline: {self.no_pipeline_s * 1e3:.1f} ms), "
+                f"bubble {self.bubble:.1%}, memory per device up to {max(self.memory) / 2**30:.2f} GiB")
+
+
+def search(model, mesh, example_inputs, example_kwargs=None, *, memory_budget=None, schedules=SCHEDULE_CHOICES,
+           microbatches=None, time_limit: float = 60.0) -> PipelineChoice:
+    """The fastest pipeline layout (or none) for `model` on `mesh`; see the module docstring."""
+    from autopar.mesh import Mesh, parse_bytes
+    start = time.perf_counter()
+    limit = parse_bytes(memory_budget) if memory_budget is not None else mesh.device.memory
+    batch = _batch_size(example_inputs, example_kwargs)
+    results = []
+    rejected: dict = {}
+    cost_cache: dict = {}
+
+    def costs_for(sub_shape, mb_size):
+        key = (sub_shape, mb_size)
+        if key not in cost_cache:
+            sub = Mesh(sub_shape, mesh.axis_names, device=mesh.device, bandwidth=mesh.bandwidth, latency=mesh.latency)
+            args, kwargs = _microbatch((tuple(example_inputs), example_kwargs), batch, mb_size)
+            cost_cache[key] = _layer_costs(model, sub, args, kwargs, time_limit)
+        return cost_cache[key]
+
+    # no pipeline: the plain plan of the whole batch
+    base = costs_for(mesh.shape, batch)
+    if base is not None:
+        layers, prefix, suffix, boundary = base
+        step = sum(c.forward_s + c.backward_s + c.once_s for c in [prefix, *layers, suffix])
+        mem = sum(c.states + c.activations for c in [prefix, *layers, suffix])
+        none = PipelineChoice(None, 1, mesh.shape, ((0, len(layers)),), "none", 1, 1, step, 0.0, (step,), (mem,))
+        if mem <= limit:
+            results.append(none)
+    for axis, size in enumerate(mesh.shape):
+        for p in (d for d in range(2, size + 1) if size % d == 0):
+            sub_shape = tuple(s // p if a == axis else s for a, s in enumerate(mesh.shape))
+            for n_mb in _microbatch_counts(batch, p, microbatches):
+                got = costs_for(sub_shape, batch // n_mb)
+                if got is None:
+                    rejected["no plan fits a stage"] = rejected.get("no plan fits a stage", 0) + 1
+                    continue
+                layers, prefix, suffix, boundary = got
+                send = boundary / mesh.bandwidth[axis] + mesh.latency[axis]  # one activation (or gradient) across a cut
+                for schedule in schedules:
+                    for v in ((1, 2) if schedule == "interleaved-1f1b" else (1,)):
+                        n_stages = p * v
+                        if len(layers) < n_stages or (schedule == "interleaved-1f1b" and n_mb % p):
+                            continue
+                        choice = _evaluate(layers, prefix, suffix, send, n_stages, p, v, schedule, n_mb, limit,
+                                           rejected)
+                        if choice is not None:
+                            results.append(_with_place(choice, mesh.axis_names[axis], p, sub_shape))
+    if not results:
+        raise ValueError(f"no pipeline or plain layout of {type(model).__name__} fits {limit / 2**30:.2f} GiB "
+                         f"per device on {mesh}")
+    best = min(results, key=lambda c: (c.step_s, c.n_stages))
+    base_step = next((c.step_s for c in results if c.axis is None), float("inf"))
+    seconds = time.perf_counter() - start
+    best = _replace(best, candidates=len(results), seconds=seconds, no_pipeline_s=base_step, rejected=rejected)
+    log.info("%s (searched %d layouts in %.2fs)", best, len(results), seconds)
+    return best
+
+
+def _replace(c: PipelineChoice, **kw) -> PipelineChoice:
+    import dataclasses
+    return dataclasses.replace(c, **kw)
+
+
+def _with_place(c: PipelineChoice, axis: str, p: int, sub_shape) -> PipelineChoice:
+    return _replace(c, axis=axis, n_groups=p, submesh=tuple(sub_shape))
+
+
+def _evaluate(layers, prefix, suffix, send, n_stages, p, v, schedule, n_mb, limit, rejected):
+    """Cut the layers into n_stages, simulate the schedule, check memory."""
+    units = [c.forward_s + c.backward_s for c in layers]
+    cuts = _balanced_cuts(units, n_stages, units and (prefix.forward_s + prefix.backward_s),
+                          suffix.forward_s + suffix.backward_s)
+    fwd, bwd, once, states, acts = [], [], [], [], []
+    for s, (a, b) in enumerate(cuts):
+        members = layers[a:b] + ([prefix] if s == 0 else []) + ([suffix] if s == n_stages - 1 else [])
+        fwd.append(sum(c.forward_s for c in members) + (send if s < n_stages - 1 else 0.0))
+        bwd.append(sum(c.backward_s for c in members) + (send if s > 0 else 0.0))
+        once.append(sum(c.once_s for c in members))
+        states.append(sum(c.states for c in members))
+        acts.append(sum(c.activations for c in members))
+    ratio = sum(bwd) / max(sum(fwd), 1e-30)
+    if v > 1:  # group g holds stages g, g + p, ...: its chunks' times add up
+        group_f = [sum(fwd[g::p]) for g in range(p)]
+        tl = simulate(schedule, p, n_mb, stage_times=group_f, backward_ratio=ratio, n_virtual=v)
+    else:
+        tl = simulate(schedule, n_stages, n_mb, stage_times=fwd, backward_ratio=ratio)
+    memory = []
+    for g in range(p):
+        held = tl.max_in_flight(g)
+        mine = range(g, n_stages, p)
+        per_chunk = max(acts[s] for s in mine)
+        memory.append(sum(states[s] for s in mine) + per_chunk * held)
+    if max(memory) > limit:
+        rejected["over the memory budget"] = rejected.get("over the memory budget", 0) + 1
+        return None
+    group_once = [sum(once[s] for s in range(g, n_stages, p)) for g in range(p)]
+    step = tl.makespan + max(group_once)
+    return PipelineChoice(None, p, (), tuple(cuts), schedule, n_mb, v, step, tl.bubble_fraction,
+                          tuple(f + b for f, b in zip(fwd, bwd)), tuple(memory))
+
+
+def _balanced_cuts(units, n_stages, head, tail):
+    """Contiguous runs of layers minimising the slowest stage (stage 0 also carries `head`,
+    the last `tail`): dynamic programme over (stages used, layers placed)."""
+    n = len(units)
+    prefix = [0.0]
+    for u in units:
+        prefix.append(prefix[-1] + u)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(n_stages + 1)]
+    back = [[0] * (n + 1) for _ in range(n_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, n_stages + 1):
+        for j in range(s, n - (n_stages - s) + 1):
+            for i in range(s - 1, j):
+                t = prefix[j] - prefix[i] + (head if s == 1 else 0.0) + (tail if s == n_stages else 0.0)
+                cand = max(best[s - 1][i], t)
+                if cand < best[s][j] - 1e-15:
+                    best[s][j], back[s][j] = cand, i
+    cuts, j = [], n
+    for s in range(n_stages, 0, -1):
+        i = back[s][j]
+        cuts.append((i, j))
+        j = i
+    return cuts[::-1]
+
+
+def _microbatch_counts(batch: int, p: int, wanted) -> list:
+    if wanted is not None:
+        return [m for m in wanted if batch % m == 0]
+    return [m for m in (p, 2 * p, 4 * p, 8 * p) if m <= batch and batch % m == 0]
+
+
+def _batch_size(example_inputs, example_kwargs) -> int:
+    sizes = {t.shape[0] for t in pytree.tree_leaves((tuple(example_inputs), example_kwargs or {}))
+             if isinstance(t, torch.Tensor) and t.dim() > 0}
+    if len(sizes) != 1:
+        raise ValueError(f"pipeline search splits the batch (dim 0 of every input) into microbatches; the "
+                         f"inputs' first dims {sorted(sizes)} differ")
+    return sizes.pop()
+
+
+def _microbatch(tree, batch: int, size: int):
+    def cut(t):
+        if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch:
+            return torch.empty((size,) + tuple(t.shape[1:]), dtype=t.dtype, device="meta")
+        return t
+    return pytree.tree_map(cut, tree)
+
+
+def _layer_costs(model, mesh, args, kwargs, time_limit):
+    """Plan `model` on `mesh` for inputs (args, kwargs) and split the plan's costs per
+    repeated layer: (layers, prefix, suffix, boundary bytes), or None when nothing fits."""
+    from autopar.planner import _assemble, _solve
+    from autopar.problem import VIEWS, Problem
+    from autopar.solver import InfeasibleError
+    from autopar.trace import trace
+
+    traced = trace(model, args, kwargs)
+    problem = Problem(traced, mesh)
+    try:
+        choice, _, _ = _solve(problem, None, None, time_limit)
+    except InfeasibleError:
+        return None
+    nodes, collectives, _, _ = _assemble(problem, choice)
+    if not problem.layer_groups:
+        raise ValueError(f"{type(model).__name__} has no repeated layers (modules named like blocks.0, "
+                         f"blocks.1, ...) to cut into pipeline stages")
+    prefix_name, indices = max(problem.layer_groups, key=lambda g: len(g[1]))
+    pattern = re.compile(re.escape(prefix_name) + r"\.(\d+)(\.|$)")
+    once: dict = {}
+    params = {pn.param_name for pn in problem.nodes if pn.kind == "param"}
+    for c in collectives:  # per-step collectives: gradients of parameters, the optimizer's gathers
+        if (c.phase == "backward" and c.tensor in params) or c.phase == "step":
+            once[c.node] = once.get(c.node, 0.0) + c.seconds
+    n_layers = len(indices)
+    launch = mesh.device.launch_latency
+    buckets = {k: [0.0, 0.0, 0.0, 0.0, 0.0] for k in ["prefix", "suffix", *range(n_layers)]}
+    position = {i: k for k, i in enumerate(sorted(indices))}
+    seen_layer = False
+    for idx in sorted(nodes):
+        pn = problem.nodes[idx]
+        n = nodes[idx]
+        m = pattern.match(n.module or "")
+        if m and int(m.group(1)) in position:
+            key = position[int(m.group(1))]
+            seen_layer = seen_layer or pn.kind == "op"
+        elif pn.kind == "param":
+            key = "prefix" if _first_reader_before_layers(problem, pn, pattern) else "suffix"
+        else:
+            key = "suffix" if seen_layer else "prefix"
+        b = buckets[key]
+        c = problem.choices[pn.rep][choice[idx]]
+        total = n.compute_s + n.comm_s
+        o = once.get(n.name, 0.0) + (once.get(n.module, 0.0) if pn.kind == "param" else 0.0)
+        per_mb = max(total - o, 0.0)
+        bwd_share = 2.0 / 3.0 if pn.requires_grad else 0.0
+        b[0] += per_mb * (1 - bwd_share)
+        b[1] += per_mb * bwd_share
+        if pn.kind == "op" and pn.op not in VIEWS:  # every pass of every microbatch launches its ops
+            b[0] += launch
+            b[1] += 2 * launch if pn.requires_grad else 0.0
+        b[2] += o
+        b[3] += c.memory["params"] + c.memory["grads"] + c.memory["optimizer"]
+        b[4] += c.memory["activations"]
+    boundary = _boundary_bytes(problem, choice, position, pattern)
+    layers = [StageCost(*buckets[k]) for k in range(n_layers)]
+    return layers, StageCost(*buckets["prefix"]), StageCost(*buckets["suffix"]), boundary
+
+
+def _first_reader_before_layers(problem, pn, pattern) -> bool:
+    """A parameter outside the layers belongs to the prefix if it is read before any layer
+    (embeddings; a tied head reads it again at the end: the prefix owns it)."""
+    readers = [r for r, _ in problem.readers.get((pn.index, 0), [])]
+    if not readers:
+        return True
+    first = min(readers)
+    return not any(problem.nodes[r].kind == "op" and pattern.match(problem.nodes[r].module or "")
+                   for r in range(first))
+
+
+def _boundary_bytes(problem, choice, position, pattern) -> float:
+    """Bytes per device of the tensor that flows from one layer into the next (the largest
+    such tensor: the residual stream)."""
+    from autopar.cost import local_numel
+    best = 0.0
+    for pn in problem.nodes:
+        m = pattern.match(pn.module or "")
+        if pn.kind != "op" or not m:
+            continue
+        for src, out in pn.inputs:
+            sm = pattern.match(problem.nodes[src].module or "")
+            if sm and sm.group(1) != m.group(1):
+                s = problem.nodes[src]
+                layout = problem.nodes[s.rep].strategies[choice[src]].outputs[out]
+                nbytes = local_numel(s.out_shapes[out], layout, problem.mesh.shape) * s.out_dtypes[out].itemsize
+                best = max(best, nbytes)
+    return best
+

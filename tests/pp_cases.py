@@ -1,0 +1,76 @@
+"""Jobs for tests/test_pipeline_measured.py: run a real torch.distributed.pipelining
+schedule on the pool's ranks, one stage per rank, and report when every pass ran, the
+losses and this rank's gradients.
+
+The model is N_STAGES equal stages, each LAYERS x (Linear(HIDDEN, HIDDEN), ReLU); a
+microbatch is MB rows, so one forward of one stage is LAYERS matmuls of [MB, HIDDEN] x
+[HIDDEN, HIDDEN], about 2 ms on one thread of a current x86 core and the backward about
+twice that.  Rank r holds stage r; the pipeline uses the pool's default (world) gloo
+group, so the job needs a pool of exactly N_STAGES ranks.
+"""
+from __future__ import annotations
+
+import torch
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from autopar.pipeline.measure import EventRecorder, gather_timeline
+
+N_STAGES, LAYERS, HIDDEN, MB = 4, 16, 256, 128
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+def build_model() -> torch.nn.Sequential:
+    """The whole model, the same on every call (seed 0): N_STAGES Sequentials of LAYERS
+    (Linear, ReLU) pairs.  x: [batch, HIDDEN] -> [batch, HIDDEN]."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[
+        torch.nn.Sequential(*[m for _ in range(LAYERS) for m in (torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.ReLU())])
+        for _ in range(N_STAGES)])
+
+
+def batch(n_microbatches: int) -> tuple:
+    """(x, target), both [n_microbatches * MB, HIDDEN], the same on every call."""
+    g = torch.Generator().manual_seed(1)
+    return (torch.randn(n_microbatches * MB, HIDDEN, generator=g),
+            torch.randn(n_microbatches * MB, HIDDEN, generator=g))
+
+
+def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(out, target)
+
+
+def measured_bubble(schedule_name: str, n_microbatches: int, warmup: int = 2) -> dict:
+    """Run `warmup` steps of `schedule_name` ("gpipe" or "1f1b"), then one measured step.
+
+    Returns, on every rank: "timeline", the measured step's passes on all ranks (an
+    autopar Timeline, times in seconds); "grads", this rank's stage gradients of the
+    measured step by parameter name in build_model() ("2.0.weight"); on the last rank
+    "losses", the measured step's per-microbatch losses (mean-reduced MSE, so their mean
+    is the whole batch's loss, and scale_grads divides the summed gradients by
+    n_microbatches to match).
+    """
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    if dist.get_world_size() != N_STAGES:
+        raise RuntimeError(f"measured_bubble runs {N_STAGES} stages on {N_STAGES} ranks, one each; "
+                           f"got {dist.get_world_size()} ranks, use the pool4 fixture")
+    torch.set_num_threads(1)
+    submodule = build_model()[rank]
+    stage = PipelineStage(submodule, rank, N_STAGES, device=torch.device("cpu"))
+    schedule = SCHEDULES[schedule_name](stage, n_microbatches, loss_fn=loss_fn)
+    x, target = batch(n_microbatches)
+    with EventRecorder(stage) as recorder:
+        for step in range(warmup + 1):
+            recorder.clear()
+            submodule.zero_grad()
+            losses = []
+            dist.barrier()  # start every step together, so rank 0's first forward is the step's start
+            schedule.step(*([x] if rank == 0 else []),
+                          **({"target": target, "losses": losses} if rank == N_STAGES - 1 else {}))
+        timeline = gather_timeline(recorder, schedule_name)
+    out = {"timeline": timeline,
+           "grads": {f"{rank}.{name}": p.grad.clone() for name, p in submodule.named_parameters()}}
+    if rank == N_STAGES - 1:
+        out["losses"] = [loss.item() for loss in losses]
+    return out
