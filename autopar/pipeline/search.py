@@ -222,7 +222,8 @@ def _balanced_cuts(units, n_stages, head, tail):
 def _microbatch_counts(batch: int, p: int, wanted) -> list:
     if wanted is not None:
         return [m for m in wanted if batch % m == 0]
-    return [m for m in (p, 2 * p, 4 * p, 8 * p) if m <= batch and batch % m == 0]
+    counts = [m for m in (2 * p, 4 * p) if m <= batch and batch % m == 0]  # B = p leaves a large bubble
+    return counts or ([p] if batch % p == 0 else [])
 
 
 def _batch_size(example_inputs, example_kwargs) -> int:
