@@ -4,9 +4,11 @@ losses and this rank's gradients.
 
 The model is N_STAGES equal stages, each LAYERS x (Linear(HIDDEN, HIDDEN), ReLU); a
 microbatch is MB rows, so one forward of one stage is LAYERS matmuls of [MB, HIDDEN] x
-[HIDDEN, HIDDEN], about 2 ms on one thread of a current x86 core and the backward about
-twice that.  Rank r holds stage r; the pipeline uses the pool's default (world) gloo
-group, so the job needs a pool of exactly N_STAGES ranks.
+[HIDDEN, HIDDEN] (2.1 GFLOP), about 8 ms on one thread of a current x86 core, ~20 ms when
+4 ranks share 2 cores, and the backward 1.7-2x that.  Rank r holds stage r; every rank
+builds the whole model (seed 0) and keeps its stage, so the stages equal the single-device
+reference.  The pipeline uses the pool's default (world) gloo group, so the job needs a
+pool of exactly N_STAGES ranks.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from autopar.pipeline.measure import EventRecorder, gather_timeline
 
-N_STAGES, LAYERS, HIDDEN, MB = 4, 16, 256, 128
+N_STAGES, LAYERS, HIDDEN, MB = 4, 8, 512, 512
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
@@ -39,15 +41,14 @@ def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.mse_loss(out, target)
 
 
-def measured_bubble(schedule_name: str, n_microbatches: int, warmup: int = 2) -> dict:
-    """Run `warmup` steps of `schedule_name` ("gpipe" or "1f1b"), then one measured step.
+def measured_bubble(schedule_name: str, n_microbatches: int, steps: int = 3, warmup: int = 1) -> dict:
+    """Run `warmup` steps of `schedule_name` ("gpipe" or "1f1b"), then `steps` measured ones.
 
-    Returns, on every rank: "timeline", the measured step's passes on all ranks (an
-    autopar Timeline, times in seconds); "grads", this rank's stage gradients of the
-    measured step by parameter name in build_model() ("2.0.weight"); on the last rank
-    "losses", the measured step's per-microbatch losses (mean-reduced MSE, so their mean
-    is the whole batch's loss, and scale_grads divides the summed gradients by
-    n_microbatches to match).
+    Returns, on every rank: "timelines", each measured step's passes on all ranks (autopar
+    Timelines, times in seconds); "grads", this rank's stage gradients of the last step by
+    parameter name in build_model() ("2.0.weight"); on the last rank "losses", the last
+    step's per-microbatch losses (mean-reduced MSE, so their mean is the whole batch's
+    loss, and scale_grads divides the summed gradients by n_microbatches to match).
     """
     import torch.distributed as dist
 
@@ -60,16 +61,18 @@ def measured_bubble(schedule_name: str, n_microbatches: int, warmup: int = 2) ->
     stage = PipelineStage(submodule, rank, N_STAGES, device=torch.device("cpu"))
     schedule = SCHEDULES[schedule_name](stage, n_microbatches, loss_fn=loss_fn)
     x, target = batch(n_microbatches)
+    timelines = []
     with EventRecorder(stage) as recorder:
-        for step in range(warmup + 1):
+        for step in range(warmup + steps):
             recorder.clear()
             submodule.zero_grad()
             losses = []
-            dist.barrier()  # start every step together, so rank 0's first forward is the step's start
+            dist.barrier()  # start every step together, so that rank 0's first forward starts it
             schedule.step(*([x] if rank == 0 else []),
                           **({"target": target, "losses": losses} if rank == N_STAGES - 1 else {}))
-        timeline = gather_timeline(recorder, schedule_name)
-    out = {"timeline": timeline,
+            if step >= warmup:
+                timelines.append(gather_timeline(recorder, schedule_name))
+    out = {"timelines": timelines,
            "grads": {f"{rank}.{name}": p.grad.clone() for name, p in submodule.named_parameters()}}
     if rank == N_STAGES - 1:
         out["losses"] = [loss.item() for loss in losses]

@@ -5,6 +5,8 @@
     gantt_svg(tl, "1f1b.svg")
 """
 from .gantt import gantt_svg
+from .measure import EventRecorder, PassTimes, gather_timeline, pass_times
 from .simulate import SCHEDULES, Event, Timeline, bubble_formula, simulate
 
-__all__ = ["SCHEDULES", "Event", "Timeline", "bubble_formula", "gantt_svg", "simulate"]
+__all__ = ["SCHEDULES", "Event", "EventRecorder", "PassTimes", "Timeline", "bubble_formula", "gantt_svg",
+           "gather_timeline", "pass_times", "simulate"]

@@ -12,19 +12,20 @@ simulator understand.
     costs = pass_times(tl)                      # mean F per stage, B/F, hand-off delay
     costs.simulate("gpipe", n_microbatches)     # the simulator's account of the same run
 
-How passes are found.  Every single- and multi-stage schedule of torch 2.13 runs a pass by
-calling the stage's `forward_one_chunk(mb, ...)`, `backward_one_chunk(mb, ...)` (full or,
-under zero-bubble schedules, input-gradient backward) and `backward_weight_one_chunk(mb)`,
-always through the stage object.  EventRecorder replaces these three methods on the stage
-instance by timed wrappers, so the microbatch index is the schedule's own (the first
-argument), not a count.  Hooks on the submodule would not do: the schedule's metadata
-inference also runs the submodule (extra forwards to filter out), a full backward hook
-fires once the input's gradient exists, which can be before the first layer's weight
-gradient is accumulated, and on stage 0, whose input needs no gradient, it fires at the
-start of the backward, when the output's gradient arrives.  A pass's time covers its compute only: the
-schedule waits for the received activation or gradient before calling the method, and
-sends after it returns, so waiting shows up as idle time.  The last stage's loss is
-computed by the schedule between its forward and the next pass and is in neither.
+How passes are found.  The schedules of torch 2.13 (GPipe, 1F1B, interleaved, zero-bubble)
+run a pass by calling the stage's `forward_one_chunk(mb, ...)`, `backward_one_chunk(mb,
+...)` (full or, under zero-bubble schedules, input-gradient backward) and
+`backward_weight_one_chunk(mb)`, always through the stage object.  EventRecorder replaces
+these three methods on the stage instance by timed wrappers, so the microbatch index is
+the schedule's own (the first argument), not a count.  Hooks on the submodule would not
+do: the schedule's metadata inference also runs the submodule (extra forwards to filter
+out); a full backward hook fires once the input's gradient exists, which can be before
+the first layer's weight gradient is accumulated, and on stage 0, whose input needs no
+gradient, it fires at the start of the backward, when the output's gradient arrives.
+A pass's time covers its compute only: the schedule waits for the received activation or
+gradient before calling the method and sends after it returns, so waiting shows up as
+idle time.  The last stage's loss is computed by the schedule between its forward and
+the next pass and is in neither.
 
 Timestamps are `time.perf_counter()`, CLOCK_MONOTONIC on Linux: one clock shared by all
 processes of a host, so events of ranks on one host line up as they are.  Ranks on
@@ -112,8 +113,10 @@ def gather_timeline(recorder_or_events, schedule: str = "measured", group=None) 
 class PassTimes:
     """What `simulate` needs to replay a measured run: the mean forward time of one
     microbatch on each stage (seconds), the mean backward over the mean forward time
-    (all stages together) and the hand-off delay, the median time from the end of a
-    pass to the start of the cross-rank pass that was waiting for its output."""
+    (all stages together) and the hand-off delay, the mean time from the end of a pass
+    to the start of the cross-rank pass that was waiting for its output (the mean, not
+    the median: the simulator adds it to every hand-off, so the rare slow wake-up of an
+    oversubscribed host belongs in it)."""
 
     forward: tuple
     backward_ratio: float
@@ -157,4 +160,4 @@ def pass_times(tl: Timeline) -> PassTimes:
             if dep is not None and (prev_end is None or prev_end <= dep.end):
                 gaps.append(e.start - dep.end)
             prev_end = e.end
-    return PassTimes(tuple(forward), total["B"] / total["F"], statistics.median(gaps) if gaps else 0.0)
+    return PassTimes(tuple(forward), total["B"] / total["F"], statistics.fmean(gaps) if gaps else 0.0)
