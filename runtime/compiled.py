@@ -176,13 +176,11 @@ class CompiledModel(nn.Module):
         self.zero_layouts = {}   # key -> ZeroLayout of ZeRO-1/2 parameters
         self.masters = {}        # key -> float32 master (or offloaded copy) the optimizer updates
         for name, state in plan.param_states.items():
-            value = shards[name]
-            k = _key(name)
-            lay = None
             if state.stage:
+                k = _key(name)
                 axes = tuple(plan.mesh["axis_names"].index(a) for a in state.axes)
-                lay = zero_layout(state.stage, axes, sync.get(k, ()), value.numel(), groups, state.offload)
-                self.zero_layouts[k] = lay
+                self.zero_layouts[k] = zero_layout(state.stage, axes, sync.get(k, ()), shards[name].numel(), groups,
+                                                   state.offload)
         trainable = {n: p.requires_grad for n, p in model.named_parameters()}
         for name, value in shards.items():
             k = _key(name)
