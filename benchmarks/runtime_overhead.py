@@ -93,6 +93,19 @@ class Config:
     batch: int = 8   # global batch
     seq: int = 64
 
+    SIZES = ("hidden", "n_heads", "n_layers", "batch", "seq")
+
+    @classmethod
+    def add_arguments(cls, parser) -> None:
+        """--hidden, --n-heads, --n-layers, --batch, --seq with this config's defaults."""
+        default = cls()
+        for name in cls.SIZES:
+            parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(default, name))
+
+    @classmethod
+    def from_args(cls, args) -> "Config":
+        return cls(**{name: getattr(args, name) for name in cls.SIZES})
+
     def build(self):
         torch.manual_seed(0)
         return build(self.model, hidden=self.hidden, n_heads=self.n_heads, n_layers=self.n_layers,
@@ -354,14 +367,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--profile", action="store_true", help="cProfile autopar's timed steps on rank 0")
-    default = Config()
-    for field in ("hidden", "n_heads", "n_layers", "batch", "seq"):
-        parser.add_argument(f"--{field.replace('_', '-')}", type=int, default=getattr(default, field))
+    Config.add_arguments(parser)
     args = parser.parse_args()
     start = time.perf_counter()
     torch.set_num_threads(1)
-    cfg = Config(hidden=args.hidden, n_heads=args.n_heads, n_layers=args.n_layers, batch=args.batch,
-                 seq=args.seq)
+    cfg = Config.from_args(args)
     if cfg.batch % WORLD or cfg.n_heads % WORLD:
         raise SystemExit(f"batch ({cfg.batch}) and n_heads ({cfg.n_heads}) must divide by {WORLD}")
     if "RANK" not in os.environ:

@@ -387,14 +387,11 @@ def main() -> None:
     parser.add_argument("--only", choices=("all", "torch", "autopar"), default="all",
                         help="run only the torch sides or only autopar's")
     parser.add_argument("--stages", default="0,1,2,3", help="autopar's ZeRO stages to run, e.g. 0,3")
-    default = Config()
-    for name in ("hidden", "n_heads", "n_layers", "batch", "seq"):
-        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(default, name))
+    Config.add_arguments(parser)
     args = parser.parse_args()
     start = time.perf_counter()
     torch.set_num_threads(1)
-    cfg = Config(hidden=args.hidden, n_heads=args.n_heads, n_layers=args.n_layers, batch=args.batch,
-                 seq=args.seq)
+    cfg = Config.from_args(args)
     stages = [int(s) for s in args.stages.split(",") if s]
     if any(s not in LAYOUTS for s in stages):
         raise SystemExit(f"--stages takes ZeRO stages among {sorted(LAYOUTS)}, got {args.stages!r}")

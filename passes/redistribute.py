@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import Placement, Shard
 
-__all__ = ["AxisGroups", "MeshGroups", "Step", "plan_redistribute", "redistribute_local",
+__all__ = ["AxisGroups", "MeshGroups", "Step", "plan_redistribute", "redistribute_local", "reduce_scatter_rows",
            "Redistribute", "redistribute"]
 
 
@@ -227,23 +227,30 @@ def _zero_pad(t: Tensor, dim: int, n: int, coord: int) -> Tensor:
     return out
 
 
-def _reduce_scatter(t: Tensor, dim: int, group, n: int, coord: int, axis: int,
-                    native: bool | None = None) -> Tensor:
-    """Partial -> Shard(dim) on one axis. Gloo emulates reduce-scatter with an all-reduce
-    anyway, so there we all-reduce and chunk ourselves (no dependence on that emulation);
-    elsewhere a real reduce_scatter_tensor along dim 0 of a dim-first copy."""
+def reduce_scatter_rows(table: Tensor, group, index: int, native: bool | None = None, async_op: bool = False):
+    """table [n, m], Partial over the group's n ranks: sum it and keep row `index` (this
+    rank's place in the group).  Gloo emulates reduce-scatter with an all-reduce anyway, so
+    there we all-reduce `table` in place (pass a buffer of your own) and take the row;
+    elsewhere a real reduce_scatter_tensor.  Returns (work or None, row); the row is valid
+    after work.wait()."""
     if native is None:
         native = dist.get_backend(group) != "gloo"
     if not native:
-        buf = t.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(buf, group=group)
-        return _chunk(buf, dim, n, coord, axis)
-    _chunk(t, dim, n, coord, axis)  # divisibility check with a clear message
-    inp = t.movedim(dim, 0).contiguous()
-    out = inp.new_empty((inp.size(0) // n,) + tuple(inp.shape[1:]))
+        work = dist.all_reduce(table, group=group, async_op=async_op)
+        return work, table[index]
+    row = table.new_empty(table.shape[1:])
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    fn(out, inp, group=group)
-    return out.movedim(0, dim)
+    work = fn(row, table.reshape(-1), group=group, async_op=async_op)
+    return work, row
+
+
+def _reduce_scatter(t: Tensor, dim: int, group, n: int, coord: int, axis: int,
+                    native: bool | None = None) -> Tensor:
+    """Partial -> Shard(dim) on one axis (reduce_scatter_rows on a dim-first copy)."""
+    _chunk(t, dim, n, coord, axis)  # divisibility check with a clear message
+    inp = t.movedim(dim, 0).clone(memory_format=torch.contiguous_format)
+    _, row = reduce_scatter_rows(inp.view(n, -1), group, coord, native)
+    return row.view((inp.size(0) // n,) + tuple(inp.shape[1:])).movedim(0, dim)
 
 
 def redistribute_local(x: Tensor, src: Sequence[Placement], dst: Sequence[Placement],

@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from autopar.passes.redistribute import reduce_scatter_rows
+
 
 @dataclass(frozen=True)
 class ZeroLayout:
@@ -93,15 +95,8 @@ def reduce_scatter_start(grads: list, layouts: list, groups, reduce_dtype=None):
     table = torch.cat(rows, dim=1) if len(rows) > 1 else rows[0].clone()
     work, row = None, table[0]
     if lay0.n_reduce > 1:
-        group = groups.group_of(lay0.reduce_axes)
-        mine = _group_rank(groups, lay0.reduce_axes)
-        if dist.get_backend(group) == "gloo":  # gloo emulates reduce-scatter with an all-reduce
-            work = dist.all_reduce(table, group=group, async_op=True)
-            row = table[mine]
-        else:
-            row = table.new_empty(table.shape[1])
-            fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-            work = fn(row, table.reshape(-1), group=group, async_op=True)
+        work, row = reduce_scatter_rows(table, groups.group_of(lay0.reduce_axes), _group_rank(groups, lay0.reduce_axes),
+                                        async_op=True)
     return work, row, [g.dtype for g in grads], layouts, _group_rank(groups, lay0.rest_axes)
 
 
