@@ -3,6 +3,7 @@ import logging as _logging
 
 from .mesh import DeviceSpec, Mesh
 from .plan import Plan
+from .pipeline.search import Pipeline
 from .precision import MixedPrecision
 from .planner import plan
 from .solver import InfeasibleError
@@ -10,7 +11,7 @@ from .trace import TraceError
 
 _logging.getLogger("autopar").addHandler(_logging.NullHandler())
 
-__all__ = ["Mesh", "DeviceSpec", "MixedPrecision", "Plan", "plan", "compile", "InfeasibleError", "TraceError"]
+__all__ = ["Mesh", "DeviceSpec", "MixedPrecision", "Pipeline", "Plan", "plan", "compile", "InfeasibleError", "TraceError"]
 
 
 def compile(model, mesh, example_inputs=(), **kwargs):

@@ -129,6 +129,14 @@ class Plan:
     precision: dict | None = None                   # MixedPrecision.to_dict(), None: the model's dtypes
     pipeline: dict | None = None                    # stages, schedule, microbatches (autopar.pipeline.search)
 
+    def device_mesh(self):
+        """The Mesh to compile this plan on: the whole mesh of a pipelined plan (whose `mesh`
+        is one stage's sub-mesh), else `mesh`."""
+        from .mesh import Mesh
+        if self.pipeline and self.pipeline.get("axis"):
+            return Mesh.from_dict(self.pipeline["full_mesh"])
+        return Mesh.from_dict(self.mesh)
+
     def zero_stage(self, name: str) -> int:
         """The ZeRO stage of parameter `name`: 3 when it is stored split and all-gathered for
         use in forward, else its ParamState's stage (0 when it has none)."""

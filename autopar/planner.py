@@ -21,7 +21,7 @@ CATEGORIES = ("params", "grads", "optimizer", "activations")
 
 def plan(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=None,
          memory_budget=None, compare: bool = True, time_limit: float = 60.0, layout: str | None = None,
-         random_seed=None, mixed_precision=None, pipeline: bool = False):
+         random_seed=None, mixed_precision=None, pipeline=False):
     """Choose a sharding for every node of `model` on `mesh`.
 
     example_inputs: tensors (real, fake or meta) of the global batch, as the model's forward
@@ -33,14 +33,17 @@ def plan(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, example_kwarg
     a list of seeds gives a list of plans (the model is traced and costed once).
     mixed_precision: an autopar.MixedPrecision; costs and memory are then those of the
     low-precision compute with float32 master weights.
-    pipeline: also search pipeline stages (autopar.pipeline.search): when cutting the model
-    into stages is faster, the plan returned is each stage's plan on its sub-mesh for one
-    microbatch, and `plan.pipeline` says how many stages, where they are cut, the schedule
-    and the microbatch count.
+    pipeline: True to also search pipeline stages (autopar.pipeline.search): when cutting
+    the model into stages is faster, the plan returned is each stage's plan on its sub-mesh
+    for one microbatch, and `plan.pipeline` says how many stages, where they are cut, the
+    schedule and the microbatch count.  An autopar.Pipeline fixes some of those (axis,
+    groups, schedule, microbatches, virtual) and always pipelines; `layout` and
+    `random_seed` then apply to the stages' plan.
     """
     if pipeline:
         return _plan_with_pipeline(model, mesh, example_inputs, example_kwargs, memory_budget, compare,
-                                   time_limit, mixed_precision)
+                                   time_limit, mixed_precision, None if pipeline is True else pipeline,
+                                   layout, random_seed)
     start = time.perf_counter()
     budget = parse_bytes(memory_budget) if memory_budget is not None else None
     if mixed_precision is not None:  # plan what runs: the model in param_dtype
@@ -85,30 +88,33 @@ def plan(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, example_kwarg
 
 
 def _plan_with_pipeline(model, mesh, example_inputs, example_kwargs, memory_budget, compare, time_limit,
-                        mixed_precision) -> Plan:
+                        mixed_precision, fixed=None, layout=None, random_seed=None) -> Plan:
     import dataclasses
 
     from .pipeline.search import _batch_size, _microbatch, search
     if mixed_precision is not None:
         raise ValueError("pipeline search does not take mixed_precision yet; plan without one of them")
     start = time.perf_counter()
+    if random_seed is not None and not isinstance(random_seed, int):
+        raise ValueError("with pipeline=..., random_seed takes one seed, not a list")
     choice = search(model, mesh, example_inputs, example_kwargs, memory_budget=memory_budget,
-                    time_limit=time_limit)
+                    time_limit=time_limit, fixed=fixed)
     if choice.axis is None:
         result = plan(model, mesh, example_inputs, example_kwargs=example_kwargs, memory_budget=memory_budget,
-                      compare=compare, time_limit=time_limit)
+                      compare=compare, time_limit=time_limit, layout=layout, random_seed=random_seed)
     else:
         sub = Mesh(choice.submesh, mesh.axis_names, device=mesh.device, bandwidth=mesh.bandwidth,
                    latency=mesh.latency)
         batch = _batch_size(example_inputs, example_kwargs)
         args, kwargs = _microbatch((tuple(example_inputs), example_kwargs), batch, batch // choice.n_microbatches)
         result = plan(model, sub, args, example_kwargs=kwargs, memory_budget=memory_budget, compare=compare,
-                      time_limit=time_limit)
+                      time_limit=time_limit, layout=layout, random_seed=random_seed)
     info = {"axis": choice.axis, "groups": choice.n_groups, "submesh": list(choice.submesh),
             "stages": [list(s) for s in choice.stages], "schedule": choice.schedule,
             "microbatches": choice.n_microbatches, "virtual": choice.n_virtual, "step_s": choice.step_s,
             "no_pipeline_step_s": choice.no_pipeline_s, "bubble": choice.bubble, "stage_s": list(choice.stage_s),
-            "memory": list(choice.memory), "full_mesh": mesh.to_dict(), "summary": str(choice)}
+            "memory": list(choice.memory), "full_mesh": mesh.to_dict(), "summary": str(choice),
+            "layer_prefix": choice.layer_prefix, "layer_indices": list(choice.layer_indices)}
     timing = dict(result.timing, pipeline_search_s=choice.seconds, total_s=time.perf_counter() - start)
     return dataclasses.replace(result, pipeline=info, timing=timing)
 

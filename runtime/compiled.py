@@ -87,20 +87,29 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=N
                             memory_budget=memory_budget, compare=False, mixed_precision=mixed_precision)
     elif not isinstance(plan, Plan):
         plan = Plan.load(plan)
-    if plan.pipeline and plan.pipeline.get("axis"):
-        raise CompileError(f"the plan cuts the model into {len(plan.pipeline['stages'])} pipeline stages; autopar "
-                           f"cannot run pipelined plans yet. Plan without pipeline=True to train now.")
+    pipelined = bool(plan.pipeline and plan.pipeline.get("axis"))
     precision = MixedPrecision.from_dict(plan.precision)
     if mixed_precision is not None and precision != mixed_precision:
         raise CompileError(f"the plan was made for {precision or 'full precision'}, not {mixed_precision}; "
                            f"plan with mixed_precision={mixed_precision!r} or compile without it")
-    if tuple(plan.mesh["shape"]) != mesh.shape or tuple(plan.mesh["axis_names"]) != mesh.axis_names:
+    if pipelined and local_inputs:
+        raise CompileError("a pipelined plan takes the global batch (its schedule splits it into microbatches); "
+                           "compile it without local_inputs=True")
+    if not pipelined and (tuple(plan.mesh["shape"]) != mesh.shape or
+                          tuple(plan.mesh["axis_names"]) != mesh.axis_names):
         raise CompileError(f"the plan was made for mesh {plan.mesh['shape']} {plan.mesh['axis_names']}, "
                            f"not {mesh.shape} {mesh.axis_names}; plan again for this mesh")
     _check_same_plan(plan)
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if device_type == "cuda":
         torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+    if pipelined:
+        from .pipelined import compile_pipelined
+        cm = compile_pipelined(model, mesh, example_inputs, example_kwargs, plan, on_meta=on_meta, seed=seed,
+                               bucket_mb=bucket_mb, precision=precision, device_type=device_type)
+        log.info("compiled %s for %s on rank %d in %.2fs", type(model).__name__, mesh, dist.get_rank(),
+                 time.perf_counter() - start)
+        return cm
     device_mesh = _device_mesh(device_type, mesh)
     groups = MeshGroups(device_mesh)
     if precision is not None:
@@ -172,11 +181,15 @@ class CompiledModel(nn.Module):
         device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
         self.graph_module = gm.to(device)
         self._names = {_key(k): k for k in shards}
-        sync = {_key(name): axes for name, axes in gm._autopar_grad_sync.items()}
+        self._model_params = {n: torch.empty(0).new_empty(p.shape, dtype=p.dtype, device="meta").requires_grad_(
+            p.requires_grad and p.is_floating_point()) for n, p in model.named_parameters()}  # shapes only
+        self._traced_params = {ph: traced.tied.get(n, n) for ph, n in traced.params.items()}
+        self._traced_buffers = dict(traced.buffers)
+        sync = {_key(name): axes for name, axes in gm._autopar_grad_sync.items() if name in shards}
         self.zero_layouts = {}   # key -> ZeroLayout of ZeRO-1/2 parameters
         self.masters = {}        # key -> float32 master (or offloaded copy) the optimizer updates
         for name, state in plan.param_states.items():
-            if state.stage:
+            if state.stage and name in shards:  # (a pipeline stage holds some of the parameters)
                 k = _key(name)
                 axes = tuple(plan.mesh["axis_names"].index(a) for a in state.axes)
                 self.zero_layouts[k] = zero_layout(state.stage, axes, sync.get(k, ()), shards[name].numel(), groups,

@@ -80,8 +80,7 @@ def train_and_compare(spec: tuple, plan_dict: dict, steps: int = 3) -> dict:
     plan = Plan.from_dict(plan_dict)
     losses, grads, params = reference(spec, steps)
     model, args, kwargs = build_case(spec)
-    mesh = Mesh.from_dict(plan.mesh)
-    cm = autopar.compile(model, mesh, args, example_kwargs=kwargs or None, plan=plan)
+    cm = autopar.compile(model, plan.device_mesh(), args, example_kwargs=kwargs or None, plan=plan)
     opt = cm.build_optimizer(torch.optim.AdamW, **OPTIM)
     worst = {"loss": 0.0, "grad": (-1.0, ""), "param": (-1.0, "")}
     for step in range(steps):

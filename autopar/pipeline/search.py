@@ -55,6 +55,44 @@ class StageCost:
 
 
 @dataclass(frozen=True)
+class Pipeline:
+    """What to fix of the pipeline layout; a field left None is searched.
+
+        autopar.plan(model, mesh, x, pipeline=autopar.Pipeline(axis="dp", groups=2, schedule="1f1b"))
+
+    axis: the mesh axis cut into device groups; groups: how many (stages = groups x
+    virtual); schedule: one of SCHEDULE_CHOICES; microbatches: per step (dividing the batch);
+    virtual: stages per group (interleaved-1f1b only).  With any constraint the result is
+    pipelined even where no pipeline would be faster."""
+
+    axis: str | None = None
+    groups: int | None = None
+    schedule: str | None = None
+    microbatches: int | None = None
+    virtual: int | None = None
+
+    def check(self, mesh) -> None:
+        """Raise ValueError naming the field that cannot hold on `mesh`."""
+        if self.axis is not None and self.axis not in mesh.axis_names:
+            raise ValueError(f"Pipeline(axis={self.axis!r}): the mesh's axes are {mesh.axis_names}")
+        if self.schedule is not None and self.schedule not in SCHEDULE_CHOICES:
+            raise ValueError(f"Pipeline(schedule={self.schedule!r}): choose one of {SCHEDULE_CHOICES}")
+        if self.virtual not in (None, 1) and self.schedule not in (None, "interleaved-1f1b"):
+            raise ValueError(f"Pipeline(virtual={self.virtual}): only interleaved-1f1b runs several stages "
+                             f"per device group, not {self.schedule}")
+        if self.groups is not None:
+            sizes = [mesh.shape[mesh.axis_names.index(self.axis)]] if self.axis else list(mesh.shape)
+            if self.groups < 2 or not any(s % self.groups == 0 for s in sizes):
+                raise ValueError(f"Pipeline(groups={self.groups}): no mesh axis of size {sizes} splits into "
+                                 f"{self.groups} groups (at least 2)")
+
+    def allows(self, axis, groups, schedule, microbatches, virtual) -> bool:
+        """Whether a candidate agrees with every set field (a candidate's None: not decided yet)."""
+        return all(want is None or got is None or want == got for want, got in ((self.axis, axis), (self.groups, groups),
+                   (self.schedule, schedule), (self.microbatches, microbatches), (self.virtual, virtual)))
+
+
+@dataclass(frozen=True)
 class PipelineChoice:
     """What the search chose.  axis: the mesh axis split into `n_groups` device groups (None:
     no pipeline); stages: (first layer, last layer + 1) per stage, stage 0 also holding the
@@ -75,6 +113,8 @@ class PipelineChoice:
     seconds: float = 0.0
     no_pipeline_s: float = 0.0
     rejected: dict = field(default_factory=dict)   # reason -> count
+    layer_prefix: str = ""  # module path of the repeated layers ("blocks" for blocks.0, blocks.1, ...)
+    layer_indices: tuple = ()  # their indices in order; stages count positions in this list
 
     @property
     def n_stages(self) -> int:
@@ -93,8 +133,9 @@ class PipelineChoice:
 
 
 def search(model, mesh, example_inputs, example_kwargs=None, *, memory_budget=None, schedules=SCHEDULE_CHOICES,
-           microbatches=None, time_limit: float = 60.0) -> PipelineChoice:
-    """The fastest pipeline layout (or none) for `model` on `mesh`; see the module docstring."""
+           microbatches=None, time_limit: float = 60.0, fixed: Pipeline | None = None) -> PipelineChoice:
+    """The fastest pipeline layout (or none) for `model` on `mesh`; see the module docstring.
+    fixed: a Pipeline whose set fields the result must have (then never "no pipeline")."""
     from autopar.mesh import Mesh, parse_bytes
     start = time.perf_counter()
     limit = parse_bytes(memory_budget) if memory_budget is not None else mesh.device.memory
@@ -111,39 +152,55 @@ def search(model, mesh, example_inputs, example_kwargs=None, *, memory_budget=No
             cost_cache[key] = _layer_costs(model, sub, args, kwargs, time_limit)
         return cost_cache[key]
 
+    if fixed is not None:
+        fixed.check(mesh)
+        if fixed.microbatches is not None:
+            if batch % fixed.microbatches:
+                raise ValueError(f"Pipeline(microbatches={fixed.microbatches}) does not divide the batch of {batch}")
+            microbatches = [fixed.microbatches]
     # no pipeline: the plain plan of the whole batch
     base = costs_for(mesh.shape, batch)
     if base is not None:
-        layers, prefix, suffix, boundary = base
+        layers, prefix, suffix, boundary, _ = base
         step = sum(c.forward_s + c.backward_s + c.once_s for c in [prefix, *layers, suffix])
         mem = sum(c.states + c.activations for c in [prefix, *layers, suffix])
         none = PipelineChoice(None, 1, mesh.shape, ((0, len(layers)),), "none", 1, 1, step, 0.0, (step,), (mem,))
-        if mem <= limit:
+        if mem <= limit and fixed is None:
             results.append(none)
     for axis, size in enumerate(mesh.shape):
         for p in (d for d in range(2, size + 1) if size % d == 0):
+            if fixed is not None and not fixed.allows(mesh.axis_names[axis], p, None, None, None):
+                continue
             sub_shape = tuple(s // p if a == axis else s for a, s in enumerate(mesh.shape))
             for n_mb in _microbatch_counts(batch, p, microbatches):
                 got = costs_for(sub_shape, batch // n_mb)
                 if got is None:
                     rejected["no plan fits a stage"] = rejected.get("no plan fits a stage", 0) + 1
                     continue
-                layers, prefix, suffix, boundary = got
+                layers, prefix, suffix, boundary, names = got
                 send = boundary / mesh.bandwidth[axis] + mesh.latency[axis]  # one activation (or gradient) across a cut
                 for schedule in schedules:
-                    for v in ((1, 2) if schedule == "interleaved-1f1b" else (1,)):
+                    virtuals = (fixed.virtual,) if fixed is not None and fixed.virtual else (1, 2)
+                    for v in (virtuals if schedule == "interleaved-1f1b" else (1,)):
                         n_stages = p * v
                         if len(layers) < n_stages or (schedule == "interleaved-1f1b" and n_mb % p):
+                            continue
+                        if fixed is not None and not fixed.allows(mesh.axis_names[axis], p, schedule, n_mb, v):
                             continue
                         choice = _evaluate(layers, prefix, suffix, send, n_stages, p, v, schedule, n_mb, limit,
                                            rejected)
                         if choice is not None:
-                            results.append(_with_place(choice, mesh.axis_names[axis], p, sub_shape))
+                            results.append(_replace(_with_place(choice, mesh.axis_names[axis], p, sub_shape),
+                                                    layer_prefix=names[0], layer_indices=tuple(names[1])))
+    if not results and fixed is not None:
+        raise ValueError(f"no pipeline layout of {type(model).__name__} on {mesh} satisfies {fixed} within "
+                         f"{limit / 2**30:.2f} GiB per device (rejected: {rejected or 'none'}); the model has "
+                         f"{len(base[0]) if base else '?'} repeated layers, the batch {batch} rows")
     if not results:
         raise ValueError(f"no pipeline or plain layout of {type(model).__name__} fits {limit / 2**30:.2f} GiB "
                          f"per device on {mesh}")
     best = min(results, key=lambda c: (c.step_s, c.n_stages))
-    base_step = next((c.step_s for c in results if c.axis is None), float("inf"))
+    base_step = none.step_s if base is not None else float("inf")
     seconds = time.perf_counter() - start
     best = _replace(best, candidates=len(results), seconds=seconds, no_pipeline_s=base_step, rejected=rejected)
     log.info("%s (searched %d layouts in %.2fs)", best, len(results), seconds)
@@ -238,7 +295,7 @@ def _batch_size(example_inputs, example_kwargs) -> int:
 def _microbatch(tree, batch: int, size: int):
     def cut(t):
         if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch:
-            return torch.empty((size,) + tuple(t.shape[1:]), dtype=t.dtype, device="meta")
+            return t[:size]  # the first microbatch: real rows for a real model, shapes for a meta one
         return t
     return pytree.tree_map(cut, tree)
 
@@ -300,7 +357,8 @@ def _layer_costs(model, mesh, args, kwargs, time_limit):
         b[4] += c.memory["activations"]
     boundary = _boundary_bytes(problem, choice, position, pattern)
     layers = [StageCost(*buckets[k]) for k in range(n_layers)]
-    return layers, StageCost(*buckets["prefix"]), StageCost(*buckets["suffix"]), boundary
+    return (layers, StageCost(*buckets["prefix"]), StageCost(*buckets["suffix"]), boundary,
+            (prefix_name, sorted(indices)))
 
 
 def _first_reader_before_layers(problem, pn, pattern) -> bool:

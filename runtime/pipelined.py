@@ -1,0 +1,317 @@
+"""Pipelined execution of a plan with stages (plan.pipeline), on torch.distributed.pipelining.
+
+Devices.  The plan splits mesh axis `axis` into `groups` contiguous device groups; each
+group is a sub-mesh of the plan's per-stage shape and runs the stages g, g + groups, ...
+(one stage, or `virtual` stages under interleaved 1F1B).  Rank i of one group talks to
+rank i of the next (they hold the same shards of what crosses the cut), over a "pipeline"
+process group of one rank per group; inside a group, the per-stage plan's collectives run
+over the sub-mesh's axes as in an unpipelined plan (tensor, data parallelism, ZeRO).
+
+Graph.  The model is traced for one microbatch, annotated with the per-stage plan, given
+its collectives and local shapes like any plan, then cut by passes.pipeline_split.  Each
+rank wraps its stages' graphs in modules that read this rank's parameter shards, and
+hands them to `PipelineStage`s and the plan's schedule (ScheduleGPipe, Schedule1F1B,
+ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble).  User inputs reach every stage as
+keyword arguments, split into microbatches by the schedule.
+
+A step.  `train_step(*inputs)` runs the schedule on the global batch: each microbatch's
+loss is divided by the number of microbatches before its backward, so the accumulated
+gradients are those of the whole batch's mean loss.  Gradients accumulate over the
+microbatches unreduced; after the schedule the sub-mesh's gradient synchronisation runs
+once (GradSync), then the gradients of weights read by stages on several device groups
+(a tied input embedding and output head) are summed between those groups, so every copy
+takes the same optimizer step.  The loss (the sum of the microbatches' shares, reduced
+over the sub-mesh where the plan leaves it Partial) is broadcast from the last stage to
+every rank and returned.
+
+Not here yet: ZeRO-3 weights keep their gathered copies from forward to backward
+(reshard_after_forward is not applied inside stages), and the gradient synchronisation
+waits for the schedule to end instead of overlapping the last microbatch's backward.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+from autopar.mesh import Mesh
+from autopar.passes.annotate import annotate
+from autopar.passes.collectives import insert_collectives, move
+from autopar.passes.localize import localize, place_on
+from autopar.passes.pipeline_split import assign_stages, layer_stages, split_stages
+from autopar.passes.redistribute import MeshGroups
+from autopar.passes.shard_params import init_sharded, shard_full_model
+from autopar.trace import trace
+
+from .compiled import CompiledModel, CompileError, _key, _loss_of, _param_placeholders
+
+log = logging.getLogger("autopar")
+
+STAGE_AXIS = "_stage"  # the device-group dimension added in front of the mesh's own axes
+
+
+def _schedules() -> dict:
+    from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                              ScheduleInterleavedZeroBubble)
+    return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
+            "zero-bubble": ScheduleInterleavedZeroBubble}
+
+
+MULTI_STAGE = {"interleaved-1f1b", "zero-bubble"}  # schedules that take a list of this rank's stages
+
+_MESHES: dict = {}
+
+
+def group_mesh(device_type: str, mesh: Mesh, axis: str, groups: int):
+    """A DeviceMesh of shape (groups, *per-stage shape) named (STAGE_AXIS, *mesh.axis_names):
+    device group g holds the ranks whose coordinate on `axis` lies in [g*q, (g+1)*q),
+    q = shape[axis] / groups."""
+    from torch.distributed.device_mesh import DeviceMesh
+    key = (device_type, mesh.shape, mesh.axis_names, axis, groups)
+    if key not in _MESHES:
+        a = mesh.axis_names.index(axis)
+        q = mesh.shape[a] // groups
+        ranks = torch.arange(mesh.size).reshape(mesh.shape)
+        ranks = ranks.reshape(mesh.shape[:a] + (groups, q) + mesh.shape[a + 1:]).movedim(a, 0)
+        _MESHES[key] = DeviceMesh(device_type, ranks, mesh_dim_names=(STAGE_AXIS, *mesh.axis_names))
+    return _MESHES[key]
+
+
+def compile_pipelined(model, mesh: Mesh, example_inputs, example_kwargs, plan, *, on_meta: bool, seed,
+                      bucket_mb: float, precision, device_type: str) -> "PipelinedModel":
+    """compile() for a plan with pipeline stages (see the module docstring)."""
+    from autopar.pipeline.search import _batch_size, _microbatch
+    info = plan.pipeline
+    if precision is not None:
+        raise CompileError("pipelined plans run in full precision for now; plan without mixed_precision")
+    full = Mesh.from_dict(info["full_mesh"])
+    if full.shape != mesh.shape or full.axis_names != mesh.axis_names:
+        raise CompileError(f"the plan was made for mesh {full.shape} {full.axis_names}, not {mesh.shape} "
+                           f"{mesh.axis_names}; plan again for this mesh")
+    if tuple(plan.mesh["shape"]) != tuple(info["submesh"]):
+        raise CompileError(f"the plan's per-stage mesh {plan.mesh['shape']} is not its pipeline's sub-mesh "
+                           f"{info['submesh']}; the plan file is inconsistent, plan again")
+    if not info.get("layer_prefix"):
+        raise CompileError("the plan does not name the repeated layers its stages cut between; plan again "
+                           "with this version of autopar")
+    n_groups, n_mb = info["groups"], info["microbatches"]
+    n_stages = len(info["stages"])
+    batch = _batch_size(example_inputs, example_kwargs)
+    if batch % n_mb:
+        raise CompileError(f"the plan splits the batch into {n_mb} microbatches; the inputs' batch of {batch} "
+                           f"rows does not divide")
+    dm = group_mesh(device_type, mesh, info["axis"], n_groups)
+    sub = dm[mesh.axis_names] if len(mesh.axis_names) > 1 else dm[mesh.axis_names[0]]
+    groups = MeshGroups(sub)
+    group = dm.get_coordinate()[0]
+    args, kwargs = _microbatch((tuple(example_inputs), example_kwargs), batch, batch // n_mb)
+    traced = trace(model, args, kwargs)
+    gm = traced.graph
+    annotate(gm, plan, traced.params, traced.tied)
+    insert_collectives(gm, plan, groups, defer=_param_placeholders(traced))
+    localize(gm, plan)
+    device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    place_on(gm, device)
+    stage_of = assign_stages(gm, traced.user_inputs, info["layer_prefix"],
+                             layer_stages(info["stages"], info["layer_indices"]))
+    stages = split_stages(gm, traced.user_inputs, stage_of, n_stages)
+    name_of = _param_placeholders(traced)
+    readers: dict = {}   # parameter name -> device groups whose stages read it
+    for st in stages:
+        for ph in st.params:
+            if ph in name_of:
+                readers.setdefault(name_of[ph], set()).add(st.index % n_groups)
+    mine = {name for name, gs in readers.items() if group in gs}
+    if on_meta:
+        shards = init_sharded(model, plan.param_placements, groups, seed)
+    else:
+        shards = shard_full_model(model, plan.param_placements, groups)
+    shards = {name: t for name, t in shards.items() if name in mine}
+    cm = PipelinedModel(gm, traced, plan, groups, shards, model, device_type, bucket_mb, precision)
+    cm._setup(dm, group, stages, readers, device)
+    return cm
+
+
+class _StageModule(nn.Module):
+    """One stage's graph over this rank's shards: forward(*received, **user_inputs)."""
+
+    def __init__(self, stage, owner: "PipelinedModel", feed: list):
+        super().__init__()
+        self.graph_module = stage.graph_module
+        self.inputs = list(stage.inputs)
+        self.params = nn.ParameterDict({key: owner.shards[key] for kind, key in feed if kind == "param"})
+        self._feed = feed
+        self._owner = [owner]  # not a submodule: the owner's parameters are not this module's children twice
+
+    def forward(self, *received, **inputs):
+        missing = [n for n in self.inputs if n not in inputs]
+        if missing:
+            raise CompileError(f"stage inputs {missing} were not passed to the schedule")
+        owner = self._owner[0]
+        feed = [self.params[key] if kind == "param" else getattr(owner, key) for kind, key in self._feed]
+        return self.graph_module(*received, *(inputs[n] for n in self.inputs), *feed)
+
+
+class PipelinedModel(CompiledModel):
+    """This rank's stages of a pipelined plan.  `train_step(*inputs)` runs one step of the
+    plan's schedule on the global batch and returns the loss on every rank; `cm(*inputs)`
+    runs the forward passes only and returns the loss.  build_optimizer, full_state_dict,
+    full_grads, load_full_state_dict and memory_report work as for unpipelined plans
+    (whole tensors are gathered from the device group that holds them)."""
+
+    def _setup(self, dm, group: int, stages: list, readers: dict, device) -> None:
+        from torch.distributed.pipelining import PipelineStage
+        info = self.plan.pipeline
+        self._dm = dm
+        self._group = group
+        self._n_groups = info["groups"]
+        self._n_stages = len(stages)
+        self._n_mb = info["microbatches"]
+        self._schedule_name = info["schedule"]
+        self._pp_group = dm.get_group(STAGE_AXIS)
+        self._last_group = (self._n_stages - 1) % self._n_groups
+        self._device = device
+        self._loss_index = None
+        self._owner = {name: min(gs) for name, gs in readers.items()}
+        params = {n: p for n, p in self._model_params.items()}
+        self._meta = {name: (tuple(params[name].shape), self._compute_dtype_of(params[name].dtype))
+                      for name in self._owner}
+        self._tied = self._tied_groups(readers)
+        self.stage_modules = []
+        pipeline_stages = []
+        for st in stages:
+            if st.index % self._n_groups != group:
+                continue
+            feed = []
+            for ph in st.params:
+                if ph in self._traced_params:
+                    feed.append(("param", _key(self._traced_params[ph])))
+                else:
+                    feed.append(("buffer", _key(self._traced_buffers[ph])))
+            module = _StageModule(st, self, feed)
+            self.stage_modules.append(module)
+            pipeline_stages.append(PipelineStage(module, st.index, self._n_stages, device, group=self._pp_group))
+        self.pipeline_stages = pipeline_stages
+        cls = _schedules()[self._schedule_name]
+        target = pipeline_stages if self._schedule_name in MULTI_STAGE else pipeline_stages[0]
+        if self._schedule_name not in MULTI_STAGE and len(pipeline_stages) != 1:
+            raise CompileError(f"{self._schedule_name} runs one stage per device group; the plan puts "
+                               f"{len(pipeline_stages)} on group {group}")
+        self.schedule = cls(target, self._n_mb, loss_fn=self._microbatch_loss, scale_grads=False)
+        log.info("pipelined %d stages (%s, %d microbatches); this rank holds stages %s of device group %d",
+                 self._n_stages, self._schedule_name, self._n_mb, [s.index for s in stages
+                                                                   if s.index % self._n_groups == group], group)
+
+    def _tied_groups(self, readers: dict) -> dict:
+        """name -> process group of this rank and its peers in the other device groups that
+        read the same weight (every rank creates every such group, in the same order)."""
+        out = {}
+        flat = self._dm.mesh.reshape(self._n_groups, -1)
+        mine = int((flat[self._group] == dist.get_rank()).nonzero()[0, 0])
+        made: dict = {}
+        for name in sorted(readers):
+            gs = tuple(sorted(readers[name]))
+            if len(gs) < 2:
+                continue
+            if gs not in made:
+                made[gs] = [dist.new_group([int(flat[g, c]) for g in gs]) for c in range(flat.shape[1])]
+            if self._group in gs:
+                out[_key(name)] = made[gs][mine]
+        return out
+
+    def _compute_dtype_of(self, dtype):
+        return self.precision.param_dtype if self.precision is not None and dtype == torch.float32 else dtype
+
+    # --- running -----------------------------------------------------------------------------
+    def _microbatch_loss(self, output, _target):
+        flat = list(output) if isinstance(output, tuple) else [output]
+        loss = _loss_of(self._structure(flat))
+        if self._loss_index is None:
+            self._loss_index = next((i for i, t in enumerate(flat) if t is loss), None)
+        return loss / self._n_mb
+
+    def _inputs(self, args, kwargs) -> dict:
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        if self._in_spec is not None and spec != self._in_spec:
+            raise CompileError(f"inputs do not match the example inputs the model was compiled with "
+                               f"(expected structure {self._in_spec}, got {spec})")
+        names = [t for kind, t in zip((k for k, _ in self._order), self._placeholders) if kind == "input"]
+        return {n: (t.to(self._device) if isinstance(t, torch.Tensor) else t) for n, t in zip(names, flat)}
+
+    def _run_schedule(self, args, kwargs, train: bool) -> torch.Tensor:
+        inputs = self._inputs(args, kwargs)
+        last = any(st.is_last for st in self.pipeline_stages)
+        losses: list = []
+        extra = {"target": torch.zeros(self._n_mb, device=self._device), "losses": losses} if last else {}
+        if train:
+            with self._grad_sync.no_sync():
+                self.schedule.step(return_outputs=False, **extra, **inputs)
+        else:
+            with torch.no_grad():
+                self.schedule.eval(**extra, **inputs)
+        total = torch.zeros((), device=self._device)
+        if last:
+            total = torch.stack([t.detach().float().reshape(()) for t in losses]).sum()
+            m = self._output_reduce.get(self._loss_index)
+            if m is not None:  # the loss is a Partial sum over some sub-mesh axes
+                total = move(total, m, self.groups)
+        dist.broadcast(total, group_src=self._last_group, group=self._pp_group)
+        return total
+
+    def train_step(self, *args, **kwargs) -> torch.Tensor:
+        """One step of the plan's schedule on the global batch: forward and backward of every
+        microbatch, gradient synchronisation; returns the batch's loss on every rank."""
+        loss = self._run_schedule(args, kwargs, train=True)
+        self._grad_sync.finish()
+        self._sum_tied_grads()
+        return loss
+
+    def forward(self, *args, **kwargs):
+        """The loss of the global batch (forward passes only), on every rank."""
+        return self._run_schedule(args, kwargs, train=False)
+
+    def _sum_tied_grads(self) -> None:
+        for key, pg in self._tied.items():
+            grad = self._grad_sync.zero_grads.get(key)
+            if grad is None:
+                grad = self.shards[key].grad
+            if grad is not None:
+                dist.all_reduce(grad, group=pg)
+
+    def backward(self, loss):
+        raise CompileError("a pipelined model runs backward inside its schedule: call cm.train_step(*inputs)")
+
+    def no_sync(self):
+        raise CompileError("a pipelined model accumulates over its microbatches itself: raise the plan's "
+                           "microbatch count (autopar.Pipeline(microbatches=...)) instead of no_sync")
+
+    # --- whole tensors ----------------------------------------------------------------------
+    def _across_groups(self, local: dict, dtype=None) -> dict:
+        """Whole tensors held by each parameter's owning device group, broadcast to every rank."""
+        out = {}
+        for name in sorted(self._owner):
+            if name not in self._meta:
+                continue
+            shape, dt = self._meta[name]
+            t = local.get(name) if self._group == self._owner[name] else None
+            t = torch.empty(shape, dtype=dtype or dt, device=self._device) if t is None else t.to(self._device)
+            dist.broadcast(t, group_src=self._owner[name], group=self._pp_group)
+            out[name] = t.cpu()
+        return out
+
+    def full_state_dict(self, master: bool = False) -> dict:
+        return self._across_groups(super().full_state_dict(master), torch.float32 if master and self.masters
+                                   else None)
+
+    def full_grads(self) -> dict:
+        mine = super().full_grads()
+        flags = torch.tensor([len(mine)], device=self._device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+        if int(flags) == 0:
+            return {}
+        trainable = {n for n, p in self._model_params.items() if p.requires_grad}
+        got = self._across_groups({n: g for n, g in mine.items()})
+        return {n: g for n, g in got.items() if n in trainable}
