@@ -3,8 +3,11 @@
 Which nodes carry activations.  A node that depends both on a user input and on a
 parameter computes on activations; it gets a stage.  Inside repeated layer k (module path
 `<layer_prefix>.k...`) that is the stage holding layer k (plan.pipeline["stages"]); any
-other such node goes to the latest stage of its inputs, so embeddings land on stage 0 and
-the final norm, head and loss on the last.  Every other node reads no activation: a
+other such node runs as late as its readers allow (the earliest stage among them; the
+graph's outputs count as the last stage).  So embeddings land on stage 0, the final norm,
+head and loss on the last, and a collective between two layers (the all-gather of a
+sharded residual stream before a LayerNorm) runs on the stage that reads its result:
+what crosses the cut is the smaller, unmoved tensor, once.  Every other node reads no activation: a
 parameter's gather or cast, a table built from buffers, a mask or the targets' reshape
 built from the inputs alone.  It has no stage of its own; each stage that reads it
 computes its own copy.  So a tied weight is gathered where it is read, and no constant or
@@ -64,6 +67,7 @@ def assign_stages(gm: fx.GraphModule, user_inputs, layer_prefix: str, stage_of_l
     user_inputs = set(user_inputs)
     reads_input, reads_param = set(), set()
     stage: dict = {}
+    hinted: dict = {}
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             (reads_input if node.target in user_inputs else reads_param).add(node)
@@ -78,8 +82,14 @@ def assign_stages(gm: fx.GraphModule, user_inputs, layer_prefix: str, stage_of_l
         if node not in reads_input or node not in reads_param:
             continue
         m = pattern.match(module_path(node))
+        hinted[node] = m is not None
         hint = stage_of_layer.get(int(m.group(1)), 0) if m else 0
-        stage[node] = max([hint] + [stage[a] for a in ins if a in stage])
+        stage[node] = max([hint] + [stage[a] for a in ins if a in stage])  # the earliest it can run
+    last = max(stage_of_layer.values(), default=0)
+    for node in reversed(list(stage)):  # a node outside the layers runs as late as its readers allow
+        if not hinted[node]:
+            later = [last if u.op == "output" else stage[u] for u in node.users if u.op == "output" or u in stage]
+            stage[node] = min(later, default=stage[node])
     return stage
 
 

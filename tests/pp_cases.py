@@ -77,3 +77,20 @@ def measured_bubble(schedule_name: str, n_microbatches: int, steps: int = 3, war
     if rank == N_STAGES - 1:
         out["losses"] = [loss.item() for loss in losses]
     return out
+
+
+def compiled_pipeline_events(spec: tuple, plan_dict: dict, warmup: int = 1):
+    """Compile a pipelined plan, run `warmup` train steps, then time one: the Timeline of
+    every rank's passes (EventRecorder on the compiled model's PipelineStages)."""
+    import autopar
+    from autopar.plan import Plan
+    from rt_cases import build_case
+
+    plan = Plan.from_dict(plan_dict)
+    model, args, kwargs = build_case(spec)
+    cm = autopar.compile(model, plan.device_mesh(), args, example_kwargs=kwargs or None, plan=plan)
+    for _ in range(warmup):
+        cm.train_step(*args, **kwargs)
+    with EventRecorder(*cm.pipeline_stages) as recorder:
+        cm.train_step(*args, **kwargs)
+        return gather_timeline(recorder, plan.pipeline["schedule"], group=None)

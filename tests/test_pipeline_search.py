@@ -49,9 +49,54 @@ def test_fast_uniform_network_and_small_model_use_no_pipeline():
     assert plan.mesh["shape"] == [8]
 
 
-def test_pipeline_plans_round_trip_and_do_not_compile_yet(slow_network_plan, tmp_path):
+def test_pipeline_plans_round_trip(slow_network_plan, tmp_path):
     plan, _ = slow_network_plan
     path = tmp_path / "pp.json"
     plan.save(path)
     assert autopar.Plan.load(path) == plan
     assert "stages over node" in str(plan)
+    assert plan.device_mesh().shape == (8, 8) and plan.mesh["shape"] == [1, 8]
+
+
+def test_split_pass_cuts_the_planned_graph_at_the_stage_boundaries(slow_network_plan):
+    """The per-stage graph of the gpt2-1.5b plan, cut as the plan says: each stage computes
+    exactly its layers, one tensor (the residual stream) crosses each cut, the embeddings
+    run on the first stage and the head and loss on the last, and the tied embedding
+    matrix is read by both of them (each gathers its own copy)."""
+    import re
+    from types import SimpleNamespace
+
+    from autopar.passes.annotate import annotate
+    from autopar.passes.collectives import insert_collectives
+    from autopar.passes.localize import localize
+    from autopar.passes.pipeline_split import assign_stages, layer_stages, split_stages
+    from autopar.pipeline.search import _microbatch
+    from autopar.problem import module_path
+    from autopar.runtime.compiled import _param_placeholders
+    from autopar.trace import trace
+
+    plan, _ = slow_network_plan
+    pp = plan.pipeline
+    model, example = build("gpt2-1.5b", device="meta", batch=16)
+    (args, _) = _microbatch((tuple(example), None), 16, 16 // pp["microbatches"])
+    traced = trace(model, args)
+    gm = traced.graph
+    annotate(gm, plan, traced.params, traced.tied)
+    insert_collectives(gm, plan, SimpleNamespace(), defer=_param_placeholders(traced))  # groups: never run here
+    localize(gm, plan)
+    stage_of = assign_stages(gm, traced.user_inputs, pp["layer_prefix"],
+                             layer_stages(pp["stages"], pp["layer_indices"]))
+    stages = split_stages(gm, traced.user_inputs, stage_of, len(pp["stages"]))
+    assert len(stages) == len(pp["stages"]) >= 2
+    name_of = _param_placeholders(traced)
+    for st, (a, b) in zip(stages, pp["stages"]):
+        layers = {int(m.group(1)) for n in st.graph_module.graph.nodes
+                  if (m := re.match(r"blocks\.(\d+)\.", module_path(n)))}
+        assert layers == set(range(a, b)), (st.index, sorted(layers))
+        if st.index:
+            assert len(st.received) == 1, st.received
+        params = {name_of[p] for p in st.params if p in name_of}
+        assert ("wte.weight" in params) == (st.index in (0, len(stages) - 1))
+        assert ("wpe.weight" in params) == (st.index == 0)
+        assert ("ln_f.weight" in params) == (st.index == len(stages) - 1)
+    assert len(stages[-1].sent) == 1  # the loss
