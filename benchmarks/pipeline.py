@@ -1,0 +1,166 @@
+"""Pipelined training: autopar's compiled stages against hand-written torch.distributed.pipelining.
+
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 4 benchmarks/pipeline.py [--steps 10] [--microbatches 8]
+
+Model: GPT (vocab 128, untied embeddings so that the hand-written split needs no weight
+sharing) with hidden 256, 8 heads, 8 layers; global batch 16 x 64 tokens; 4 stages of 2
+layers, one per gloo rank.
+
+Two sides per schedule (GPipe, 1F1B), timed in the same run on copies of one model:
+
+    hand-written  four nn.Modules cut by hand (embeddings + blocks 0-1 | blocks 2-3 |
+                  blocks 4-5 | blocks 6-7 + final norm + head), PipelineStage each, the
+                  schedule with loss_fn = cross-entropy, AdamW per stage
+    autopar       autopar.plan(..., pipeline=autopar.Pipeline(axis="pp", groups=4,
+                  schedule=..., microbatches=...)), autopar.compile, cm.train_step,
+                  cm.build_optimizer(AdamW)
+
+A step is the schedule's step (forward and backward of every microbatch) + AdamW step +
+zero_grad, between two barriers, timed on rank 0; after `--warmup` untimed steps the two
+sides alternate for `--steps` steps each and the median is reported.  The step-0 losses
+must agree (same weights, same batch).  For autopar's last step the measured passes give
+the measured bubble fraction, and the simulator run with the measured per-stage pass
+times gives the predicted one (autopar.pipeline.pass_times).
+
+Ratio printed (target <= 1.05, not asserted): autopar / hand-written step time.
+Timings are noisy: 4 ranks share this machine's cores.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autopar
+from autopar.models import build
+
+
+class HandStage(nn.Module):
+    """Stage s of 4 cut by hand from a GPT: layers [a, b), the first with the embeddings,
+    the last with the final norm and head (the loss is the schedule's loss_fn)."""
+
+    def __init__(self, gpt, s: int, n_stages: int):
+        super().__init__()
+        per = len(gpt.blocks) // n_stages
+        self.first, self.last = s == 0, s == n_stages - 1
+        if self.first:
+            self.wte, self.wpe, self.drop = gpt.wte, gpt.wpe, gpt.drop
+        self.blocks = nn.ModuleList(gpt.blocks[s * per:(s + 1) * per])
+        if self.last:
+            self.ln_f, self.lm_head = gpt.ln_f, gpt.lm_head
+
+    def forward(self, x):
+        if self.first:
+            pos = torch.arange(x.shape[1], device=x.device)
+            x = self.drop(self.wte(x) + self.wpe(pos))
+        for block in self.blocks:
+            x = block(x)
+        if self.last:
+            x = self.lm_head(self.ln_f(x))
+        return x
+
+
+def hand_written(gpt, schedule: str, n_mb: int, lr: float):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    rank, world = dist.get_rank(), dist.get_world_size()
+    module = HandStage(gpt, rank, world)
+    stage = PipelineStage(module, rank, world, torch.device("cpu"))
+    vocab = gpt.config.vocab
+
+    def loss_fn(logits, target):
+        return F.cross_entropy(logits.reshape(-1, vocab), target.reshape(-1))
+
+    sched = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](stage, n_mb, loss_fn=loss_fn)
+    opt = torch.optim.AdamW(module.parameters(), lr=lr)
+
+    def step(idx, targets):
+        losses = []
+        sched.step(*([idx] if rank == 0 else []),
+                   **({"target": targets, "losses": losses} if rank == world - 1 else {}))
+        opt.step()
+        opt.zero_grad()
+        loss = torch.stack(losses).mean() if losses else torch.zeros(())
+        dist.broadcast(loss, src=world - 1)
+        return loss
+    return step
+
+
+def compiled(gpt, batch, schedule: str, n_mb: int, lr: float):
+    mesh = autopar.Mesh((dist.get_world_size(),), ("pp",), device="cpu")
+    fixed = autopar.Pipeline(axis="pp", groups=mesh.size, schedule=schedule, microbatches=n_mb)
+    plan = autopar.plan(gpt, mesh, batch, compare=False, pipeline=fixed)
+    cm = autopar.compile(gpt, mesh, batch, plan=plan)
+    opt = cm.build_optimizer(torch.optim.AdamW, lr=lr)
+
+    def step(idx, targets):
+        loss = cm.train_step(idx, targets)
+        opt.step()
+        opt.zero_grad()
+        return loss
+    return step, cm, plan
+
+
+def timed(step, batch) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    step(*batch)
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=8)
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    gpt, batch = build("gpt-tiny", hidden=256, n_heads=8, n_layers=args.layers, tie_embeddings=False,
+                       batch=16, seq=64)
+    rows = []
+    for schedule in ("gpipe", "1f1b"):
+        hand = hand_written(copy.deepcopy(gpt), schedule, args.microbatches, 1e-4)
+        mine, cm, plan = compiled(copy.deepcopy(gpt), batch, schedule, args.microbatches, 1e-4)
+        first = (hand(*batch).item(), mine(*batch).item())
+        for _ in range(args.warmup - 1):
+            hand(*batch)
+            mine(*batch)
+        times = {"hand": [], "autopar": []}
+        for _ in range(args.steps):
+            times["hand"].append(timed(hand, batch))
+            times["autopar"].append(timed(mine, batch))
+        from autopar.pipeline import EventRecorder, gather_timeline, pass_times
+        with EventRecorder(*cm.pipeline_stages) as recorder:
+            mine(*batch)
+            timeline = gather_timeline(recorder, schedule)
+        simulated = pass_times(timeline).simulate(schedule, args.microbatches)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        rows.append((schedule, plan.pipeline["stages"], med, first, timeline.bubble_fraction,
+                     simulated.bubble_fraction))
+    if rank == 0:
+        print(f"GPT hidden 256 x {args.layers} layers, batch 16x64, 4 stages on 4 gloo ranks, "
+              f"{args.microbatches} microbatches; median of {args.steps} steps")
+        print(f"{'schedule':10} {'hand-written ms':>16} {'autopar ms':>11} {'ratio':>6} {'step-0 loss diff':>17} "
+              f"{'bubble measured':>16} {'simulated':>10}  autopar's cuts")
+        for schedule, stages, med, first, measured, sim in rows:
+            print(f"{schedule:10} {med['hand'] * 1e3:16.1f} {med['autopar'] * 1e3:11.1f} "
+                  f"{med['autopar'] / med['hand']:6.3f} {abs(first[0] - first[1]):17.1e} {measured:16.1%} "
+                  f"{sim:10.1%}  {stages}")
+        print("target: autopar / hand-written <= 1.05")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
