@@ -35,8 +35,8 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 import autopar
 from autopar.models import build

@@ -28,7 +28,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-import torch.fx as fx
+from torch import fx
 
 from autopar.problem import module_path
 

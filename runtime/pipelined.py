@@ -34,7 +34,7 @@ import logging
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
+from torch import nn
 from torch.utils import _pytree as pytree
 
 from autopar.mesh import Mesh
@@ -54,8 +54,12 @@ STAGE_AXIS = "_stage"  # the device-group dimension added in front of the mesh's
 
 
 def _schedules() -> dict:
-    from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                              ScheduleInterleavedZeroBubble)
+    from torch.distributed.pipelining import (
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+    )
     return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
             "zero-bubble": ScheduleInterleavedZeroBubble}
 
@@ -81,7 +85,7 @@ def group_mesh(device_type: str, mesh: Mesh, axis: str, groups: int):
 
 
 def compile_pipelined(model, mesh: Mesh, example_inputs, example_kwargs, plan, *, on_meta: bool, seed,
-                      bucket_mb: float, precision, device_type: str) -> "PipelinedModel":
+                      bucket_mb: float, precision, device_type: str) -> PipelinedModel:
     """compile() for a plan with pipeline stages (see the module docstring)."""
     from autopar.pipeline.search import _batch_size, _microbatch
     info = plan.pipeline
@@ -138,7 +142,7 @@ def compile_pipelined(model, mesh: Mesh, example_inputs, example_kwargs, plan, *
 class _StageModule(nn.Module):
     """One stage's graph over this rank's shards: forward(*received, **user_inputs)."""
 
-    def __init__(self, stage, owner: "PipelinedModel", feed: list):
+    def __init__(self, stage, owner: PipelinedModel, feed: list):
         super().__init__()
         self.graph_module = stage.graph_module
         self.inputs = list(stage.inputs)
