@@ -128,12 +128,13 @@ def compile_pipelined(model, mesh: Mesh, example_inputs, example_kwargs, plan, *
         for ph in st.params:
             if ph in name_of:
                 readers.setdefault(name_of[ph], set()).add(st.index % n_groups)
-    mine = {name for name, gs in readers.items() if group in gs}
+    # only the weights this rank's stages read are sliced (or initialised: the RNG still runs
+    # through every module, so the values equal the whole model's)
+    mine = {name: pl for name, pl in plan.param_placements.items() if group in readers.get(name, ())}
     if on_meta:
-        shards = init_sharded(model, plan.param_placements, groups, seed)
+        shards = init_sharded(model, mine, groups, seed)
     else:
-        shards = shard_full_model(model, plan.param_placements, groups)
-    shards = {name: t for name, t in shards.items() if name in mine}
+        shards = shard_full_model(model, mine, groups)
     cm = PipelinedModel(gm, traced, plan, groups, shards, model, device_type, bucket_mb, precision)
     cm._setup(dm, group, stages, readers, device)
     return cm
@@ -291,6 +292,14 @@ class PipelinedModel(CompiledModel):
     def no_sync(self):
         raise CompileError("a pipelined model accumulates over its microbatches itself: raise the plan's "
                            "microbatch count (autopar.Pipeline(microbatches=...)) instead of no_sync")
+
+    def memory_report(self) -> dict:
+        """As for unpipelined plans, measured over this rank's stages; "predicted" is the
+        pipeline search's bytes per device for this device group (model states plus the
+        activations of the microbatches its schedule holds in flight)."""
+        report = super().memory_report()
+        report["predicted"] = {"total": self.plan.pipeline["memory"][self._group]}
+        return report
 
     # --- whole tensors ----------------------------------------------------------------------
     def _across_groups(self, local: dict, dtype=None) -> dict:

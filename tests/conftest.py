@@ -30,3 +30,13 @@ def _pool_fixture(world_size: int):
 
 pool4 = _pool_fixture(4)
 pool2 = _pool_fixture(2)
+
+
+@pytest.fixture(scope="module")
+def pool8():
+    """A WorkerPool of 8 gloo ranks for one test module (3-D layouts), closed after it."""
+    p = WorkerPool(8)
+    try:
+        yield p
+    finally:
+        p.close()

@@ -62,6 +62,21 @@ def test_every_schedule_trains_like_one_device(request, model, layout):
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.parametrize("model,schedule,intra", [
+    ("gpt-tiny", "1f1b", "megatron-tp x dp"),
+    ("gpt-tiny", "interleaved-1f1b", "megatron-tp x zero2"),
+])
+def test_three_dimensional_layouts_train_like_one_device(pool8, model, schedule, intra):
+    """Pipeline x data x tensor parallelism on a (2, 2, 2) mesh: 2 device groups, each a
+    2 x 2 sub-mesh running Megatron with data parallelism (or ZeRO-2) inside the stage."""
+    spec = ("autopar", model, (("n_layers", 4), ("batch", 8)))
+    plan = pipelined_plan(spec, (2, 2, 2), ("pp", "dp", "tp"), 2, schedule, intra, microbatches=2)
+    assert plan.mesh["shape"] == [1, 2, 2]
+    results = pool8.run(train_and_compare, spec, plan.to_dict())
+    assert all(r["ok"] for r in results), [r for r in results if not r["ok"]][:1]
+    assert all(r["synced_by_buckets"] > 0 for r in results)
+
+
 def test_random_stage_plans_train_like_one_device(pool4):
     """Random valid per-stage plans (every node's strategy drawn from its menu, ZeRO
     included) inside 2 pipelined stages on a (2, 2) mesh go through the same check."""
