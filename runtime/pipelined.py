@@ -256,7 +256,7 @@ class PipelinedModel(CompiledModel):
                 self.schedule.step(return_outputs=False, **extra, **inputs)
         else:
             with torch.no_grad():
-                self.schedule.eval(**extra, **inputs)
+                self.schedule.eval(return_outputs=False, **extra, **inputs)
         total = torch.zeros((), device=self._device)
         if last:
             total = torch.stack([t.detach().float().reshape(()) for t in losses]).sum()

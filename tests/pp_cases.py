@@ -94,3 +94,16 @@ def compiled_pipeline_events(spec: tuple, plan_dict: dict, warmup: int = 1):
     with EventRecorder(*cm.pipeline_stages) as recorder:
         cm.train_step(*args, **kwargs)
         return gather_timeline(recorder, plan.pipeline["schedule"], group=None)
+
+
+def pipelined_forward_loss(spec: tuple, plan_dict: dict) -> tuple:
+    """(compiled forward's loss, the plain model's loss) on the example batch, before any step."""
+    import autopar
+    from autopar.plan import Plan
+    from rt_cases import build_case
+
+    plan = Plan.from_dict(plan_dict)
+    model, args, kwargs = build_case(spec)
+    expected = model(*args, **kwargs).item()
+    cm = autopar.compile(model, plan.device_mesh(), args, example_kwargs=kwargs or None, plan=plan)
+    return cm(*args, **kwargs).item(), expected

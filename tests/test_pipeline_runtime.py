@@ -8,7 +8,7 @@ the plain model on one device (rtol 1e-5)."""
 from __future__ import annotations
 
 import pytest
-from pp_cases import compiled_pipeline_events
+from pp_cases import compiled_pipeline_events, pipelined_forward_loss
 from rt_cases import build_case, train_and_compare
 
 import autopar
@@ -118,3 +118,5 @@ def test_pipelined_plans_save_load_and_refuse_bad_input(pool2, tmp_path):
         pipelined_plan(spec, (2,), ("pp",), 3, "gpipe")
     result = pool2.run(train_and_compare, spec, again.to_dict())[0]
     assert result["ok"], result
+    for got, expected in pool2.run(pipelined_forward_loss, spec, again.to_dict()):  # forward alone: the loss
+        assert abs(got - expected) <= 1e-6 + 1e-5 * abs(expected), (got, expected)
