@@ -92,23 +92,23 @@ def _plan_with_pipeline(model, mesh, example_inputs, example_kwargs, memory_budg
     import dataclasses
 
     from .pipeline.search import _batch_size, _microbatch, search
-    if mixed_precision is not None:
-        raise ValueError("pipeline search does not take mixed_precision yet; plan without one of them")
     start = time.perf_counter()
     if random_seed is not None and not isinstance(random_seed, int):
         raise ValueError("with pipeline=..., random_seed takes one seed, not a list")
     choice = search(model, mesh, example_inputs, example_kwargs, memory_budget=memory_budget,
-                    time_limit=time_limit, fixed=fixed)
+                    time_limit=time_limit, fixed=fixed, mixed_precision=mixed_precision)
     if choice.axis is None:
         result = plan(model, mesh, example_inputs, example_kwargs=example_kwargs, memory_budget=memory_budget,
-                      compare=compare, time_limit=time_limit, layout=layout, random_seed=random_seed)
+                      compare=compare, time_limit=time_limit, layout=layout, random_seed=random_seed,
+                      mixed_precision=mixed_precision)
     else:
         sub = Mesh(choice.submesh, mesh.axis_names, device=mesh.device, bandwidth=mesh.bandwidth,
                    latency=mesh.latency)
         batch = _batch_size(example_inputs, example_kwargs)
         args, kwargs = _microbatch((tuple(example_inputs), example_kwargs), batch, batch // choice.n_microbatches)
         result = plan(model, sub, args, example_kwargs=kwargs, memory_budget=memory_budget, compare=compare,
-                      time_limit=time_limit, layout=layout, random_seed=random_seed)
+                      time_limit=time_limit, layout=layout, random_seed=random_seed,
+                      mixed_precision=mixed_precision)
     info = {"axis": choice.axis, "groups": choice.n_groups, "submesh": list(choice.submesh),
             "stages": [list(s) for s in choice.stages], "schedule": choice.schedule,
             "microbatches": choice.n_microbatches, "virtual": choice.n_virtual, "step_s": choice.step_s,

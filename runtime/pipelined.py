@@ -44,6 +44,7 @@ from autopar.passes.localize import localize, place_on
 from autopar.passes.pipeline_split import assign_stages, layer_stages, split_stages
 from autopar.passes.redistribute import MeshGroups
 from autopar.passes.shard_params import init_sharded, shard_full_model
+from autopar.precision import cast_for_trace, meta_inputs
 from autopar.trace import trace
 
 from .compiled import CompiledModel, CompileError, _key, _loss_of, _param_placeholders
@@ -89,8 +90,6 @@ def compile_pipelined(model, mesh: Mesh, example_inputs, example_kwargs, plan, *
     """compile() for a plan with pipeline stages (see the module docstring)."""
     from autopar.pipeline.search import _batch_size, _microbatch
     info = plan.pipeline
-    if precision is not None:
-        raise CompileError("pipelined plans run in full precision for now; plan without mixed_precision")
     full = Mesh.from_dict(info["full_mesh"])
     if full.shape != mesh.shape or full.axis_names != mesh.axis_names:
         raise CompileError(f"the plan was made for mesh {full.shape} {full.axis_names}, not {mesh.shape} "
@@ -112,7 +111,11 @@ def compile_pipelined(model, mesh: Mesh, example_inputs, example_kwargs, plan, *
     groups = MeshGroups(sub)
     group = dm.get_coordinate()[0]
     args, kwargs = _microbatch((tuple(example_inputs), example_kwargs), batch, batch // n_mb)
-    traced = trace(model, args, kwargs)
+    if precision is not None:  # the stages compute in param_dtype (see CompiledModel for the masters)
+        args, kwargs = meta_inputs((args, kwargs))
+        traced = trace(cast_for_trace(model, precision.param_dtype), args, kwargs)
+    else:
+        traced = trace(model, args, kwargs)
     gm = traced.graph
     annotate(gm, plan, traced.params, traced.tied)
     insert_collectives(gm, plan, groups, defer=_param_placeholders(traced))

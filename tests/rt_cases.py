@@ -242,7 +242,7 @@ def mixed_precision_vs_reference(spec: tuple, plan_dict: dict, steps: int = 3) -
             for n, p in compute.named_parameters():
                 p.copy_(masters[n])
                 p.grad = None
-    cm = autopar.compile(model, Mesh.from_dict(plan.mesh), args, example_kwargs=kwargs or None, plan=plan)
+    cm = autopar.compile(model, plan.device_mesh(), args, example_kwargs=kwargs or None, plan=plan)
     copt = cm.build_optimizer(torch.optim.AdamW, **OPTIM)
     worst_loss = 0.0
     for step in range(steps):

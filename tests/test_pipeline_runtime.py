@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 from pp_cases import compiled_pipeline_events, pipelined_forward_loss
-from rt_cases import build_case, train_and_compare
+from rt_cases import build_case, mixed_precision_vs_reference, train_and_compare
 
 import autopar
 
@@ -27,13 +27,15 @@ def _spec(model: str, layers: int) -> tuple:
     return ("autopar", model, (("n_layers", layers),))
 
 
-def pipelined_plan(spec, shape, names, groups, schedule, layout=None, microbatches=None, random_seed=None):
+def pipelined_plan(spec, shape, names, groups, schedule, layout=None, microbatches=None, random_seed=None,
+                   mixed_precision=None):
     model, args, kwargs = build_case(spec)
     virtual = 2 if schedule == "interleaved-1f1b" else None
     fixed = autopar.Pipeline(axis=names[0], groups=groups, schedule=schedule, virtual=virtual,
                              microbatches=microbatches)
     return autopar.plan(model, autopar.Mesh(shape, names, device="cpu"), args, example_kwargs=kwargs or None,
-                        compare=False, layout=layout, random_seed=random_seed, pipeline=fixed)
+                        compare=False, layout=layout, random_seed=random_seed, pipeline=fixed,
+                        mixed_precision=mixed_precision)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -75,6 +77,21 @@ def test_three_dimensional_layouts_train_like_one_device(pool8, model, schedule,
     results = pool8.run(train_and_compare, spec, plan.to_dict())
     assert all(r["ok"] for r in results), [r for r in results if not r["ok"]][:1]
     assert all(r["synced_by_buckets"] > 0 for r in results)
+
+
+@pytest.mark.parametrize("model", ["gpt-tiny", "llama-tiny"])
+def test_mixed_precision_pipeline_equals_one_device_under_the_same_policy(pool4, model):
+    """bfloat16 stages with float32 master weights (ZeRO-2 inside the stages, gradients
+    reduced in float32), 2 stages x dp 2, 1F1B: as one device under the same policy."""
+    spec = _spec(model, 4)
+    plan = pipelined_plan(spec, (2, 2), ("pp", "dp"), 2, "1f1b", "zero2", microbatches=2,
+                          mixed_precision=autopar.MixedPrecision())
+    assert plan.precision is not None
+    result = pool4.run(mixed_precision_vs_reference, spec, plan.to_dict())[0]
+    assert result["dtypes"] == ["torch.bfloat16"]
+    assert result["loss"] < 2e-2, result     # a few bf16 roundings (2^-8 each) of the loss
+    assert result["moved"] > 1e-3             # the steps changed the weights (norm) ...
+    assert result["param"] < 0.1, result      # ... and the two runs alike (relative norm)
 
 
 def test_random_stage_plans_train_like_one_device(pool4):

@@ -133,9 +133,11 @@ class PipelineChoice:
 
 
 def search(model, mesh, example_inputs, example_kwargs=None, *, memory_budget=None, schedules=SCHEDULE_CHOICES,
-           microbatches=None, time_limit: float = 60.0, fixed: Pipeline | None = None) -> PipelineChoice:
+           microbatches=None, time_limit: float = 60.0, fixed: Pipeline | None = None,
+           mixed_precision=None) -> PipelineChoice:
     """The fastest pipeline layout (or none) for `model` on `mesh`; see the module docstring.
-    fixed: a Pipeline whose set fields the result must have (then never "no pipeline")."""
+    fixed: a Pipeline whose set fields the result must have (then never "no pipeline");
+    mixed_precision: an autopar.MixedPrecision the stages are costed under."""
     from autopar.mesh import Mesh, parse_bytes
     start = time.perf_counter()
     limit = parse_bytes(memory_budget) if memory_budget is not None else mesh.device.memory
@@ -149,7 +151,7 @@ def search(model, mesh, example_inputs, example_kwargs=None, *, memory_budget=No
         if key not in cost_cache:
             sub = Mesh(sub_shape, mesh.axis_names, device=mesh.device, bandwidth=mesh.bandwidth, latency=mesh.latency)
             args, kwargs = _microbatch((tuple(example_inputs), example_kwargs), batch, mb_size)
-            cost_cache[key] = _layer_costs(model, sub, args, kwargs, time_limit)
+            cost_cache[key] = _layer_costs(model, sub, args, kwargs, time_limit, mixed_precision)
         return cost_cache[key]
 
     if fixed is not None:
@@ -300,7 +302,7 @@ def _microbatch(tree, batch: int, size: int):
     return pytree.tree_map(cut, tree)
 
 
-def _layer_costs(model, mesh, args, kwargs, time_limit):
+def _layer_costs(model, mesh, args, kwargs, time_limit, mixed_precision=None):
     """Plan `model` on `mesh` for inputs (args, kwargs) and split the plan's costs per
     repeated layer: (layers, prefix, suffix, boundary bytes), or None when nothing fits."""
     from autopar.planner import _assemble, _solve
@@ -308,8 +310,13 @@ def _layer_costs(model, mesh, args, kwargs, time_limit):
     from autopar.solver import InfeasibleError
     from autopar.trace import trace
 
-    traced = trace(model, args, kwargs)
-    problem = Problem(traced, mesh)
+    if mixed_precision is not None:  # cost what runs: the model in param_dtype
+        from autopar.precision import cast_for_trace, meta_inputs
+        args, kwargs = meta_inputs((args, kwargs))
+        traced = trace(cast_for_trace(model, mixed_precision.param_dtype), args, kwargs)
+    else:
+        traced = trace(model, args, kwargs)
+    problem = Problem(traced, mesh, mixed_precision)
     try:
         choice, _, _ = _solve(problem, None, None, time_limit)
     except InfeasibleError:
