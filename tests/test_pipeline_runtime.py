@@ -94,6 +94,19 @@ def test_mixed_precision_pipeline_equals_one_device_under_the_same_policy(pool4,
     assert result["param"] < 0.1, result      # ... and the two runs alike (relative norm)
 
 
+@pytest.mark.parametrize("kind", ["hf-gpt2", "hf-llama"])
+def test_hugging_face_models_pipeline_like_one_device(pool2, kind):
+    """Hugging Face GPT-2 (lm_head tied to wte) and Llama (rotary tables and causal mask
+    built from the inputs, recomputed per stage), inputs as keyword arguments, 2 stages."""
+    model, args, kwargs = build_case((kind,))
+    plan = autopar.plan(model, autopar.Mesh((2,), ("pp",), device="cpu"), args, example_kwargs=kwargs,
+                        compare=False, pipeline=autopar.Pipeline(axis="pp", groups=2, schedule="1f1b",
+                                                                 microbatches=2))
+    assert plan.pipeline["layer_prefix"] in ("transformer.h", "model.layers")
+    result = pool2.run(train_and_compare, (kind,), plan.to_dict())[0]
+    assert result["ok"], result
+
+
 def test_random_stage_plans_train_like_one_device(pool4):
     """Random valid per-stage plans (every node's strategy drawn from its menu, ZeRO
     included) inside 2 pipelined stages on a (2, 2) mesh go through the same check."""
