@@ -31,6 +31,8 @@ class GradSync:
         """sync_axes: parameter key in module.shards -> mesh axes to all-reduce its gradient over;
         groups: the MeshGroups; zero_layouts: key -> ZeroLayout of ZeRO-1/2 parameters (stage-2
         ones are reduce-scattered over their layout's reduce axes instead)."""
+        self.hold: set = set()  # keys whose hooks never launch (finish() reduces them)
+        self.hooked = 0
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.first_bytes = int(min(bucket_mb, self.FIRST_BUCKET_MB) * 2**20)
         self.pending_bytes: dict[tuple, int] = {}
@@ -52,7 +54,7 @@ class GradSync:
 
     def _hook(self, key):
         def ready(param: torch.Tensor) -> None:
-            if not self.enabled or key in self.done:
+            if not self.enabled or key in self.done or key in self.hold:
                 return
             self.done.add(key)
             axes = self.axes[key]
@@ -82,6 +84,7 @@ class GradSync:
         """After backward: reduce what is left, wait for everything, write the sums back."""
         if not self.enabled:
             return
+        self.hooked = len(self.done)  # gradients whose reduction started during backward
         missing = [k for k in self.params if k not in self.done and self.params[k].grad is not None]
         for key in missing:  # gradients that never fired a hook (e.g. accumulated under no_sync only)
             self.pending.setdefault(self.axes[key], []).append(self.params[key])

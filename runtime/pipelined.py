@@ -17,16 +17,20 @@ keyword arguments, split into microbatches by the schedule.
 A step.  `train_step(*inputs)` runs the schedule on the global batch: each microbatch's
 loss is divided by the number of microbatches before its backward, so the accumulated
 gradients are those of the whole batch's mean loss.  Gradients accumulate over the
-microbatches unreduced; after the schedule the sub-mesh's gradient synchronisation runs
-once (GradSync), then the gradients of weights read by stages on several device groups
+microbatches unreduced and are reduced over the sub-mesh once (GradSync, see below), then
+the gradients of weights read by stages on several device groups
 (a tied input embedding and output head) are summed between those groups, so every copy
 takes the same optimizer step.  The loss (the sum of the microbatches' shares, reduced
 over the sub-mesh where the plan leaves it Partial) is broadcast from the last stage to
 every rank and returned.
 
+Gradient buckets stay closed while the microbatches accumulate and open during each
+stage's last backward, so the reduction overlaps the end of the schedule; what is left
+(weights two local stages read, gradients a zero-bubble weight pass writes without
+autograd's hooks) is reduced after the schedule.
+
 Not here yet: ZeRO-3 weights keep their gathered copies from forward to backward
-(reshard_after_forward is not applied inside stages), and the gradient synchronisation
-waits for the schedule to end instead of overlapping the last microbatch's backward.
+(reshard_after_forward is not applied inside stages).
 """
 from __future__ import annotations
 
@@ -183,6 +187,8 @@ class PipelinedModel(CompiledModel):
         self._last_group = (self._n_stages - 1) % self._n_groups
         self._device = device
         self._loss_index = None
+        self._overlap = False  # inside a training step's schedule
+        self.overlap_grad_sync = True  # False: reduce all gradients after the schedule
         self._owner = {name: min(gs) for name, gs in readers.items()}
         params = {n: p for n, p in self._model_params.items()}
         self._meta = {name: (tuple(params[name].shape), self._compute_dtype_of(params[name].dtype))
@@ -203,6 +209,16 @@ class PipelinedModel(CompiledModel):
             self.stage_modules.append(module)
             pipeline_stages.append(PipelineStage(module, st.index, self._n_stages, device, group=self._pp_group))
         self.pipeline_stages = pipeline_stages
+        # gradient buckets start during each stage's last backward; a weight that two of this
+        # rank's stages read is complete only after both, so finish() reduces it
+        readers_here: dict = {}
+        for module in self.stage_modules:
+            for key in module.params:
+                readers_here[key] = readers_here.get(key, 0) + 1
+        self._grad_sync.hold = {key for key, n in readers_here.items() if n > 1}
+        for stage in pipeline_stages:
+            for name in ("backward_one_chunk", "backward_weight_one_chunk"):
+                setattr(stage, name, self._sync_on_last(getattr(stage, name)))
         cls = _schedules()[self._schedule_name]
         target = pipeline_stages if self._schedule_name in MULTI_STAGE else pipeline_stages[0]
         if self._schedule_name not in MULTI_STAGE and len(pipeline_stages) != 1:
@@ -212,6 +228,21 @@ class PipelinedModel(CompiledModel):
         log.info("pipelined %d stages (%s, %d microbatches); this rank holds stages %s of device group %d",
                  self._n_stages, self._schedule_name, self._n_mb, [s.index for s in stages
                                                                    if s.index % self._n_groups == group], group)
+
+    def _sync_on_last(self, method):
+        """`method` with gradient synchronisation on while the schedule runs a stage's last
+        (full or weight) backward, so its buckets go out while backward goes on."""
+        sync = self._grad_sync
+
+        def run(mb_index, *args, **kwargs):
+            if not kwargs.get("last_backward") or not self._overlap or not self.overlap_grad_sync:
+                return method(mb_index, *args, **kwargs)
+            sync.enabled = True
+            try:
+                return method(mb_index, *args, **kwargs)
+            finally:
+                sync.enabled = False
+        return run
 
     def _tied_groups(self, readers: dict) -> dict:
         """name -> process group of this rank and its peers in the other device groups that
@@ -256,7 +287,11 @@ class PipelinedModel(CompiledModel):
         extra = {"target": torch.zeros(self._n_mb, device=self._device), "losses": losses} if last else {}
         if train:
             with self._grad_sync.no_sync():
-                self.schedule.step(return_outputs=False, **extra, **inputs)
+                self._overlap = True
+                try:
+                    self.schedule.step(return_outputs=False, **extra, **inputs)
+                finally:
+                    self._overlap = False
         else:
             with torch.no_grad():
                 self.schedule.eval(return_outputs=False, **extra, **inputs)

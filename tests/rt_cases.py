@@ -98,6 +98,7 @@ def train_and_compare(spec: tuple, plan_dict: dict, steps: int = 3) -> dict:
             worst["param"] = (e, name)
     worst["ok"] = worst["loss"] <= 0 and worst["grad"][0] <= 0 and worst["param"][0] <= 0
     worst["synced_by_buckets"] = len(cm._grad_sync.params)
+    worst["reduced_during_backward"] = cm._grad_sync.hooked
     return worst
 
 

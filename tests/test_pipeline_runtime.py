@@ -56,8 +56,10 @@ def test_every_schedule_trains_like_one_device(request, model, layout):
         if intra == "megatron-tp":   # the block matrices really are split inside each stage
             assert sum(any(type(p).__name__ == "Shard" for p in pl) for pl in plan.param_placements.values()) >= 8
         results = pool.run(train_and_compare, spec, plan.to_dict())
-        if intra == "data-parallel":  # the batch really is split: gradients go through the buckets
+        if intra == "data-parallel":  # the batch really is split: gradients go through the buckets,
             assert all(r["synced_by_buckets"] > 0 for r in results), results
+            if schedule != "zero-bubble":  # most of them while the last microbatch's backward runs
+                assert all(r["reduced_during_backward"] >= r["synced_by_buckets"] // 2 for r in results), results
         bad = [r for r in results if not r["ok"]]
         if bad:
             failures.append(f"{schedule}: {bad[0]}")
