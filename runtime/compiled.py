@@ -106,7 +106,8 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=N
     if pipelined:
         from .pipelined import compile_pipelined
         cm = compile_pipelined(model, mesh, example_inputs, example_kwargs, plan, on_meta=on_meta, seed=seed,
-                               bucket_mb=bucket_mb, precision=precision, device_type=device_type)
+                               bucket_mb=bucket_mb, precision=precision, device_type=device_type,
+                               reshard_after_forward=reshard_after_forward)
         log.info("compiled %s for %s on rank %d in %.2fs", type(model).__name__, mesh, dist.get_rank(),
                  time.perf_counter() - start)
         return cm
@@ -274,6 +275,12 @@ class CompiledModel(nn.Module):
         if self._out_spec is not None:
             return pytree.tree_unflatten(list(flat), self._out_spec)
         return flat[0] if len(flat) == 1 else tuple(flat)
+
+    def gather_counts(self) -> dict:
+        """ZeRO-3 weight gathers since compile: "gathered" in forward, of which
+        "prefetched", and "regathered" in backward (reshard_after_forward)."""
+        regather = getattr(self, "_regather", None)
+        return dict(regather.counts) if regather is not None else {"gathered": 0, "prefetched": 0, "regathered": 0}
 
     def shard_inputs(self, *args, **kwargs):
         """This rank's shards of global inputs, for a module compiled with local_inputs=True."""

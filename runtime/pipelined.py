@@ -29,8 +29,10 @@ stage's last backward, so the reduction overlaps the end of the schedule; what i
 (weights two local stages read, gradients a zero-bubble weight pass writes without
 autograd's hooks) is reduced after the schedule.
 
-Not here yet: ZeRO-3 weights keep their gathered copies from forward to backward
-(reshard_after_forward is not applied inside stages).
+ZeRO-3 inside a stage works as without stages (runtime/reshard.py), per stage and
+microbatch: the next weight's gather is prefetched, and with reshard_after_forward (the
+default) a gathered weight is not kept from a microbatch's forward to its backward but
+gathered again there.
 """
 from __future__ import annotations
 
@@ -52,6 +54,7 @@ from autopar.precision import cast_for_trace, meta_inputs
 from autopar.trace import trace
 
 from .compiled import CompiledModel, CompileError, _key, _loss_of, _param_placeholders
+from .reshard import Regather
 
 log = logging.getLogger("autopar")
 
@@ -90,7 +93,8 @@ def group_mesh(device_type: str, mesh: Mesh, axis: str, groups: int):
 
 
 def compile_pipelined(model, mesh: Mesh, example_inputs, example_kwargs, plan, *, on_meta: bool, seed,
-                      bucket_mb: float, precision, device_type: str) -> PipelinedModel:
+                      bucket_mb: float, precision, device_type: str,
+                      reshard_after_forward: bool = True) -> PipelinedModel:
     """compile() for a plan with pipeline stages (see the module docstring)."""
     from autopar.pipeline.search import _batch_size, _microbatch
     info = plan.pipeline
@@ -143,7 +147,7 @@ def compile_pipelined(model, mesh: Mesh, example_inputs, example_kwargs, plan, *
     else:
         shards = shard_full_model(model, mine, groups)
     cm = PipelinedModel(gm, traced, plan, groups, shards, model, device_type, bucket_mb, precision)
-    cm._setup(dm, group, stages, readers, device)
+    cm._setup(dm, group, stages, readers, device, reshard_after_forward)
     return cm
 
 
@@ -154,6 +158,8 @@ class _StageModule(nn.Module):
         super().__init__()
         self.graph_module = stage.graph_module
         self.inputs = list(stage.inputs)
+        self.placeholders = [n.target for n in stage.graph_module.graph.nodes if n.op == "placeholder"]
+        self.regather = None  # a Regather of this stage's ZeRO-3 gathers (set by PipelinedModel)
         self.params = nn.ParameterDict({key: owner.shards[key] for kind, key in feed if kind == "param"})
         self._feed = feed
         self._owner = [owner]  # not a submodule: the owner's parameters are not this module's children twice
@@ -164,7 +170,11 @@ class _StageModule(nn.Module):
             raise CompileError(f"stage inputs {missing} were not passed to the schedule")
         owner = self._owner[0]
         feed = [self.params[key] if kind == "param" else getattr(owner, key) for kind, key in self._feed]
-        return self.graph_module(*received, *(inputs[n] for n in self.inputs), *feed)
+        args = [*received, *(inputs[n] for n in self.inputs), *feed]
+        if not self.regather:
+            return self.graph_module(*args)
+        with self.regather.forward(dict(zip(self.placeholders, args))):
+            return self.graph_module(*args)
 
 
 class PipelinedModel(CompiledModel):
@@ -174,7 +184,7 @@ class PipelinedModel(CompiledModel):
     full_grads, load_full_state_dict and memory_report work as for unpipelined plans
     (whole tensors are gathered from the device group that holds them)."""
 
-    def _setup(self, dm, group: int, stages: list, readers: dict, device) -> None:
+    def _setup(self, dm, group: int, stages: list, readers: dict, device, reshard_after_forward: bool) -> None:
         from torch.distributed.pipelining import PipelineStage
         info = self.plan.pipeline
         self._dm = dm
@@ -206,6 +216,7 @@ class PipelinedModel(CompiledModel):
                 else:
                     feed.append(("buffer", _key(self._traced_buffers[ph])))
             module = _StageModule(st, self, feed)
+            module.regather = Regather(module.graph_module, set(st.params), reshard_after_forward, self.groups)
             self.stage_modules.append(module)
             pipeline_stages.append(PipelineStage(module, st.index, self._n_stages, device, group=self._pp_group))
         self.pipeline_stages = pipeline_stages
@@ -228,6 +239,15 @@ class PipelinedModel(CompiledModel):
         log.info("pipelined %d stages (%s, %d microbatches); this rank holds stages %s of device group %d",
                  self._n_stages, self._schedule_name, self._n_mb, [s.index for s in stages
                                                                    if s.index % self._n_groups == group], group)
+
+    def gather_counts(self) -> dict:
+        """ZeRO-3 weight gathers since compile, over this rank's stages: "gathered" in
+        forward, of which "prefetched", and "regathered" in backward."""
+        out = {"gathered": 0, "prefetched": 0, "regathered": 0}
+        for module in self.stage_modules:
+            for k, v in module.regather.counts.items():
+                out[k] += v
+        return out
 
     def _sync_on_last(self, method):
         """`method` with gradient synchronisation on while the schedule runs a stage's last

@@ -263,17 +263,18 @@ def mixed_precision_vs_reference(spec: tuple, plan_dict: dict, steps: int = 3) -
             "memory": cm.memory_report()}
 
 
-def zero3_regather_counts(plan_dict: dict, reshard: bool) -> dict:
+def zero3_regather_counts(plan_dict: dict, reshard: bool, spec: tuple = ("autopar", "gpt-tiny", ())) -> dict:
     """One training step of a ZeRO-3 plan: how many weights were gathered in forward,
     prefetched, and gathered again in backward; and whether the gradients match one device."""
-    spec = ("autopar", "gpt-tiny", ())
     plan = Plan.from_dict(plan_dict)
     model, args, _ = build_case(spec)
     _, grads, _ = reference(spec, 1)
-    cm = autopar.compile(model, Mesh.from_dict(plan.mesh), args, plan=plan, reshard_after_forward=reshard)
+    cm = autopar.compile(model, plan.device_mesh(), args, plan=plan, reshard_after_forward=reshard)
     cm.train_step(*args)
     worst = max(excess(g, grads[0][n]) for n, g in cm.full_grads().items())
-    return dict(cm._regather.counts, gathers=len(cm._regather.order), worst=worst)
+    gathers = sum(len(m.regather.order) for m in cm.stage_modules) if hasattr(cm, "stage_modules") \
+        else len(cm._regather.order)
+    return dict(cm.gather_counts(), gathers=gathers, worst=worst)
 
 
 def scheduler_on_sharded_optimizer(plan_dict: dict) -> dict:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 from pp_cases import compiled_pipeline_events, pipelined_forward_loss
-from rt_cases import build_case, mixed_precision_vs_reference, train_and_compare
+from rt_cases import build_case, mixed_precision_vs_reference, train_and_compare, zero3_regather_counts
 
 import autopar
 
@@ -107,6 +107,27 @@ def test_hugging_face_models_pipeline_like_one_device(pool2, kind):
     assert plan.pipeline["layer_prefix"] in ("transformer.h", "model.layers")
     result = pool2.run(train_and_compare, (kind,), plan.to_dict())[0]
     assert result["ok"], result
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_zero3_inside_stages_prefetches_and_regathers_per_microbatch(pool4, reshard):
+    """ZeRO-3 over dp inside 2 stages (1F1B, 2 microbatches): every weight of a rank's
+    stage is gathered once per microbatch's forward, all but the first of each forward by a
+    prefetch; with reshard_after_forward the weights backward needs are gathered again,
+    without it never; gradients equal one device."""
+    spec = ("autopar", "gpt-tiny", ())
+    plan = pipelined_plan(spec, (2, 2), ("pp", "dp"), 2, "1f1b", "zero3", microbatches=2)
+    for counts in pool4.run(zero3_regather_counts, plan.to_dict(), reshard, spec):
+        # forwards: 2 microbatches, plus the schedule's metadata forward on its first step
+        forwards = counts["gathered"] // max(counts["gathers"], 1)
+        assert counts["gathers"] > 0 and counts["gathered"] == forwards * counts["gathers"], counts
+        assert forwards in (2, 3), counts
+        assert counts["prefetched"] == forwards * (counts["gathers"] - 1), counts
+        if reshard:
+            assert counts["regathered"] >= counts["gathers"], counts
+        else:
+            assert counts["regathered"] == 0, counts
+        assert counts["worst"] <= 0, counts
 
 
 def test_random_stage_plans_train_like_one_device(pool4):
