@@ -45,6 +45,7 @@ from torch import nn
 
 import autopar
 from autopar.models import build
+from runtime_overhead import init_gloo
 
 
 class HandStage(nn.Module):
@@ -135,7 +136,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    init_gloo(4, __file__)  # four hand-written stages
     rank = dist.get_rank()
     torch.manual_seed(0)
     gpt, batch = build("gpt-tiny", hidden=256, n_heads=8, n_layers=args.layers, tie_embeddings=False,

@@ -139,6 +139,15 @@ class Result:
         return self.compiled.ms[0] / self.baseline.ms[0]
 
 
+def init_gloo(world: int, script: str) -> None:
+    """Join torchrun's gloo process group of exactly `world` ranks, or exit saying how to launch."""
+    if "RANK" not in os.environ:
+        raise SystemExit(f"run under torchrun: torchrun --nproc_per_node {world} {script}")
+    dist.init_process_group("gloo")
+    if dist.get_world_size() != world:
+        raise SystemExit(f"this benchmark wants {world} ranks; launch with --nproc_per_node {world}")
+
+
 def log0(*args) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(*args, flush=True)
@@ -222,10 +231,10 @@ def time_pair(steps: dict, warmup: int, n: int, profile_name: str | None = None)
         stats.sort_stats("cumulative").print_stats(25)
         print(out.getvalue(), flush=True)
     comm = {name: count_collectives(fn) for name, fn in steps.items()}
-    return {name: Side(name, _summary(times[name]), loss0[name], comm[name]) for name in steps}
+    return {name: Side(name, summary(times[name]), loss0[name], comm[name]) for name in steps}
 
 
-def _summary(seconds: list) -> tuple:
+def summary(seconds: list) -> tuple:
     q1, _, q3 = statistics.quantiles(seconds, n=4)
     return statistics.median(seconds) * 1e3, q1 * 1e3, q3 * 1e3
 
@@ -374,11 +383,7 @@ def main() -> None:
     cfg = Config.from_args(args)
     if cfg.batch % WORLD or cfg.n_heads % WORLD:
         raise SystemExit(f"batch ({cfg.batch}) and n_heads ({cfg.n_heads}) must divide by {WORLD}")
-    if "RANK" not in os.environ:
-        raise SystemExit(f"run under torchrun: torchrun --nproc_per_node {WORLD} {__file__}")
-    dist.init_process_group("gloo")
-    if dist.get_world_size() != WORLD:
-        raise SystemExit(f"this benchmark wants {WORLD} ranks; launch with --nproc_per_node {WORLD}")
+    init_gloo(WORLD, __file__)
     rank = dist.get_rank()
     results = []
     for case in (data_parallel, tensor_parallel):

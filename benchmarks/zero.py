@@ -83,7 +83,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported (torch
 
 import torch
 import torch.distributed as dist
-from runtime_overhead import Config, _summary, count_collectives, log0
+from runtime_overhead import Config, count_collectives, init_gloo, log0, summary
 from torch.distributed.tensor import DTensor
 
 import autopar
@@ -275,7 +275,7 @@ def measure(sides: list[Side], warmup: int, n: int) -> list[Row]:
         for r, ns in enumerate(gathered_notes):
             for m in ns:
                 ranks_of.setdefault(m, []).append(r)
-        rows.append(Row(side.label, _summary(times[side.label]), loss0[side.label], held, {}, predicted,
+        rows.append(Row(side.label, summary(times[side.label]), loss0[side.label], held, {}, predicted,
                         [f"{m} (rank {', '.join(map(str, rs))})" for m, rs in ranks_of.items()]))
     for row, side in zip(rows, sides):
         row.collectives = count_collectives(side.step)
@@ -397,11 +397,7 @@ def main() -> None:
         raise SystemExit(f"--stages takes ZeRO stages among {sorted(LAYOUTS)}, got {args.stages!r}")
     if cfg.batch % WORLD:
         raise SystemExit(f"batch ({cfg.batch}) must divide by {WORLD}")
-    if "RANK" not in os.environ:
-        raise SystemExit(f"run under torchrun: torchrun --nproc_per_node {WORLD} {__file__}")
-    dist.init_process_group("gloo")
-    if dist.get_world_size() != WORLD:
-        raise SystemExit(f"this benchmark wants {WORLD} ranks; launch with --nproc_per_node {WORLD}")
+    init_gloo(WORLD, __file__)
     rank = dist.get_rank()
     model, example = cfg.build()
     share = cfg.batch // WORLD

@@ -182,10 +182,6 @@ class CompiledModel(nn.Module):
         device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
         self.graph_module = gm.to(device)
         self._names = {_key(k): k for k in shards}
-        self._model_params = {n: torch.empty(0).new_empty(p.shape, dtype=p.dtype, device="meta").requires_grad_(
-            p.requires_grad and p.is_floating_point()) for n, p in model.named_parameters()}  # shapes only
-        self._traced_params = {ph: traced.tied.get(n, n) for ph, n in traced.params.items()}
-        self._traced_buffers = dict(traced.buffers)
         sync = {_key(name): axes for name, axes in gm._autopar_grad_sync.items() if name in shards}
         self.zero_layouts = {}   # key -> ZeroLayout of ZeRO-1/2 parameters
         self.masters = {}        # key -> float32 master (or offloaded copy) the optimizer updates
@@ -233,10 +229,12 @@ class CompiledModel(nn.Module):
         self._grad_sync = GradSync(self, sync, groups, bucket_mb, self.zero_layouts,
                                    precision.reduce_dtype if precision is not None else None)
 
+    def _compute_dtype_of(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a parameter or buffer of `dtype` computes in (param_dtype under mixed precision)."""
+        return self.precision.param_dtype if self.precision is not None and dtype == torch.float32 else dtype
+
     def _compute_dtype(self, t: torch.Tensor) -> torch.Tensor:
-        if self.precision is not None and t.dtype == torch.float32:
-            return t.detach().to(self.precision.param_dtype)
-        return t.detach()
+        return t.detach().to(self._compute_dtype_of(t.dtype))
 
     # --- running -----------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -277,10 +275,10 @@ class CompiledModel(nn.Module):
         return flat[0] if len(flat) == 1 else tuple(flat)
 
     def gather_counts(self) -> dict:
-        """ZeRO-3 weight gathers since compile: "gathered" in forward, of which
-        "prefetched", and "regathered" in backward (reshard_after_forward)."""
-        regather = getattr(self, "_regather", None)
-        return dict(regather.counts) if regather is not None else {"gathered": 0, "prefetched": 0, "regathered": 0}
+        """ZeRO-3 weight gathers: "sites", the gathers one forward runs; since compile,
+        "gathered" in forward, of which "prefetched", and "regathered" in backward
+        (reshard_after_forward)."""
+        return _gather_counts([getattr(self, "_regather", None)])
 
     def shard_inputs(self, *args, **kwargs):
         """This rank's shards of global inputs, for a module compiled with local_inputs=True."""
@@ -425,6 +423,16 @@ class CompiledModel(nn.Module):
             for k, p in self.shards.items():
                 name = self._names[k]
                 p.copy_(shard_of(state[name].to(p.device, p.dtype), self.plan.param_placements[name], self.groups))
+
+
+def _gather_counts(regathers) -> dict:
+    out = {"sites": 0, "gathered": 0, "prefetched": 0, "regathered": 0}
+    for r in regathers:
+        if r is not None:
+            out["sites"] += len(r.order)
+            for k, v in r.counts.items():
+                out[k] += v
+    return out
 
 
 def _loss_of(out) -> torch.Tensor:

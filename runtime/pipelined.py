@@ -53,7 +53,7 @@ from autopar.passes.shard_params import init_sharded, shard_full_model
 from autopar.precision import cast_for_trace, meta_inputs
 from autopar.trace import trace
 
-from .compiled import CompiledModel, CompileError, _key, _loss_of, _param_placeholders
+from .compiled import CompiledModel, CompileError, _gather_counts, _key, _loss_of, _param_placeholders
 from .reshard import Regather
 
 log = logging.getLogger("autopar")
@@ -147,7 +147,8 @@ def compile_pipelined(model, mesh: Mesh, example_inputs, example_kwargs, plan, *
     else:
         shards = shard_full_model(model, mine, groups)
     cm = PipelinedModel(gm, traced, plan, groups, shards, model, device_type, bucket_mb, precision)
-    cm._setup(dm, group, stages, readers, device, reshard_after_forward)
+    params = {name: (tuple(p.shape), p.dtype, p.requires_grad) for name, p in model.named_parameters()}
+    cm._setup(dm, group, stages, readers, device, reshard_after_forward, params, name_of, traced.buffers)
     return cm
 
 
@@ -184,7 +185,10 @@ class PipelinedModel(CompiledModel):
     full_grads, load_full_state_dict and memory_report work as for unpipelined plans
     (whole tensors are gathered from the device group that holds them)."""
 
-    def _setup(self, dm, group: int, stages: list, readers: dict, device, reshard_after_forward: bool) -> None:
+    def _setup(self, dm, group: int, stages: list, readers: dict, device, reshard_after_forward: bool,
+               params: dict, param_of: dict, buffer_of: dict) -> None:
+        """params: name -> (shape, dtype, requires_grad) of the model's parameters;
+        param_of / buffer_of: placeholder -> parameter (tied: the owner's name) / buffer name."""
         from torch.distributed.pipelining import PipelineStage
         info = self.plan.pipeline
         self._dm = dm
@@ -197,12 +201,10 @@ class PipelinedModel(CompiledModel):
         self._last_group = (self._n_stages - 1) % self._n_groups
         self._device = device
         self._loss_index = None
-        self._overlap = False  # inside a training step's schedule
         self.overlap_grad_sync = True  # False: reduce all gradients after the schedule
         self._owner = {name: min(gs) for name, gs in readers.items()}
-        params = {n: p for n, p in self._model_params.items()}
-        self._meta = {name: (tuple(params[name].shape), self._compute_dtype_of(params[name].dtype))
-                      for name in self._owner}
+        self._meta = {name: (params[name][0], self._compute_dtype_of(params[name][1])) for name in self._owner}
+        self._trainable = {name for name, (_, _, grad) in params.items() if grad}
         self._tied = self._tied_groups(readers)
         self.stage_modules = []
         pipeline_stages = []
@@ -211,10 +213,10 @@ class PipelinedModel(CompiledModel):
                 continue
             feed = []
             for ph in st.params:
-                if ph in self._traced_params:
-                    feed.append(("param", _key(self._traced_params[ph])))
+                if ph in param_of:
+                    feed.append(("param", _key(param_of[ph])))
                 else:
-                    feed.append(("buffer", _key(self._traced_buffers[ph])))
+                    feed.append(("buffer", _key(buffer_of[ph])))
             module = _StageModule(st, self, feed)
             module.regather = Regather(module.graph_module, set(st.params), reshard_after_forward, self.groups)
             self.stage_modules.append(module)
@@ -241,13 +243,8 @@ class PipelinedModel(CompiledModel):
                                                                    if s.index % self._n_groups == group], group)
 
     def gather_counts(self) -> dict:
-        """ZeRO-3 weight gathers since compile, over this rank's stages: "gathered" in
-        forward, of which "prefetched", and "regathered" in backward."""
-        out = {"gathered": 0, "prefetched": 0, "regathered": 0}
-        for module in self.stage_modules:
-            for k, v in module.regather.counts.items():
-                out[k] += v
-        return out
+        """As CompiledModel.gather_counts, over this rank's stages (per microbatch forward)."""
+        return _gather_counts(m.regather for m in self.stage_modules)
 
     def _sync_on_last(self, method):
         """`method` with gradient synchronisation on while the schedule runs a stage's last
@@ -255,7 +252,7 @@ class PipelinedModel(CompiledModel):
         sync = self._grad_sync
 
         def run(mb_index, *args, **kwargs):
-            if not kwargs.get("last_backward") or not self._overlap or not self.overlap_grad_sync:
+            if not kwargs.get("last_backward") or not self.overlap_grad_sync:
                 return method(mb_index, *args, **kwargs)
             sync.enabled = True
             try:
@@ -281,9 +278,6 @@ class PipelinedModel(CompiledModel):
                 out[_key(name)] = made[gs][mine]
         return out
 
-    def _compute_dtype_of(self, dtype):
-        return self.precision.param_dtype if self.precision is not None and dtype == torch.float32 else dtype
-
     # --- running -----------------------------------------------------------------------------
     def _microbatch_loss(self, output, _target):
         flat = list(output) if isinstance(output, tuple) else [output]
@@ -306,12 +300,8 @@ class PipelinedModel(CompiledModel):
         losses: list = []
         extra = {"target": torch.zeros(self._n_mb, device=self._device), "losses": losses} if last else {}
         if train:
-            with self._grad_sync.no_sync():
-                self._overlap = True
-                try:
-                    self.schedule.step(return_outputs=False, **extra, **inputs)
-                finally:
-                    self._overlap = False
+            with self._grad_sync.no_sync():  # (the last backward of each stage opens it: _sync_on_last)
+                self.schedule.step(return_outputs=False, **extra, **inputs)
         else:
             with torch.no_grad():
                 self.schedule.eval(return_outputs=False, **extra, **inputs)
@@ -364,8 +354,6 @@ class PipelinedModel(CompiledModel):
         """Whole tensors held by each parameter's owning device group, broadcast to every rank."""
         out = {}
         for name in sorted(self._owner):
-            if name not in self._meta:
-                continue
             shape, dt = self._meta[name]
             t = local.get(name) if self._group == self._owner[name] else None
             t = torch.empty(shape, dtype=dtype or dt, device=self._device) if t is None else t.to(self._device)
@@ -379,10 +367,6 @@ class PipelinedModel(CompiledModel):
 
     def full_grads(self) -> dict:
         mine = super().full_grads()
-        flags = torch.tensor([len(mine)], device=self._device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
-        if int(flags) == 0:
+        if not mine:  # no backward yet (the same on every rank)
             return {}
-        trainable = {n for n, p in self._model_params.items() if p.requires_grad}
-        got = self._across_groups({n: g for n, g in mine.items()})
-        return {n: g for n, g in got.items() if n in trainable}
+        return {n: g for n, g in self._across_groups(mine).items() if n in self._trainable}
