@@ -108,11 +108,25 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=N
         cm = compile_pipelined(model, mesh, example_inputs, example_kwargs, plan, on_meta=on_meta, seed=seed,
                                bucket_mb=bucket_mb, precision=precision, device_type=device_type,
                                reshard_after_forward=reshard_after_forward)
-        log.info("compiled %s for %s on rank %d in %.2fs", type(model).__name__, mesh, dist.get_rank(),
-                 time.perf_counter() - start)
-        return cm
-    device_mesh = _device_mesh(device_type, mesh)
-    groups = MeshGroups(device_mesh)
+    else:
+        groups = MeshGroups(_device_mesh(device_type, mesh))
+        traced, gm, input_layouts = rewrite(model, plan, groups, example_inputs, example_kwargs, precision,
+                                            device_type, local_inputs)
+        shards = initial_shards(model, plan.param_placements, groups, on_meta, seed)
+        regather = Regather(gm, set(traced.params), reshard_after_forward, groups)
+        cm = CompiledModel(gm, traced, plan, groups, shards, model, device_type, bucket_mb, precision)
+        cm._regather = regather
+        cm.input_layouts = input_layouts
+    log.info("compiled %s for %s on rank %d in %.2fs", type(model).__name__, mesh, dist.get_rank(),
+             time.perf_counter() - start)
+    return cm
+
+
+def rewrite(model, plan: Plan, groups, example_inputs, example_kwargs, precision, device_type: str,
+            local_inputs: bool = False):
+    """Trace `model` (cast to param_dtype under mixed precision) and run the passes: the
+    plan written into the graph, collectives between layouts, local shapes, the device.
+    Returns (traced, graph module, input layouts or None)."""
     if precision is not None:
         example_inputs, example_kwargs = meta_inputs((tuple(example_inputs), example_kwargs))
         traced = trace(cast_for_trace(model, precision.param_dtype), example_inputs, example_kwargs)
@@ -123,18 +137,20 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=N
     input_layouts = local_input_layouts(gm, set(traced.user_inputs)) if local_inputs else None
     insert_collectives(gm, plan, groups, defer=_param_placeholders(traced))
     localize(gm, plan)
-    place_on(gm, torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu"))
+    place_on(gm, _device(device_type))
+    return traced, gm, input_layouts
+
+
+def initial_shards(model, placements: dict, groups, on_meta: bool, seed) -> dict:
+    """This rank's shards of the parameters in `placements`: initialised shard by shard
+    from a meta model, else sliced."""
     if on_meta:
-        shards = init_sharded(model, plan.param_placements, groups, seed)
-    else:
-        shards = shard_full_model(model, plan.param_placements, groups)
-    regather = Regather(gm, set(traced.params), reshard_after_forward, groups)
-    cm = CompiledModel(gm, traced, plan, groups, shards, model, device_type, bucket_mb, precision)
-    cm._regather = regather
-    cm.input_layouts = input_layouts
-    log.info("compiled %s for %s on rank %d in %.2fs", type(model).__name__, mesh, dist.get_rank(),
-             time.perf_counter() - start)
-    return cm
+        return init_sharded(model, placements, groups, seed)
+    return shard_full_model(model, placements, groups)
+
+
+def _device(device_type: str) -> torch.device:
+    return torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
 
 
 _MESHES: dict = {}
@@ -179,7 +195,7 @@ class CompiledModel(nn.Module):
         self.input_layouts = None  # set by compile(local_inputs=True)
         self._optimizers: list = []
         self.device_type = device_type
-        device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+        device = _device(device_type)
         self.graph_module = gm.to(device)
         self._names = {_key(k): k for k in shards}
         sync = {_key(name): axes for name, axes in gm._autopar_grad_sync.items() if name in shards}

@@ -44,16 +44,21 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from autopar.mesh import Mesh
-from autopar.passes.annotate import annotate
-from autopar.passes.collectives import insert_collectives, move
-from autopar.passes.localize import localize, place_on
+from autopar.passes.collectives import move
 from autopar.passes.pipeline_split import assign_stages, layer_stages, split_stages
 from autopar.passes.redistribute import MeshGroups
-from autopar.passes.shard_params import init_sharded, shard_full_model
-from autopar.precision import cast_for_trace, meta_inputs
-from autopar.trace import trace
 
-from .compiled import CompiledModel, CompileError, _gather_counts, _key, _loss_of, _param_placeholders
+from .compiled import (
+    CompiledModel,
+    CompileError,
+    _device,
+    _gather_counts,
+    _key,
+    _loss_of,
+    _param_placeholders,
+    initial_shards,
+    rewrite,
+)
 from .reshard import Regather
 
 log = logging.getLogger("autopar")
@@ -119,17 +124,8 @@ def compile_pipelined(model, mesh: Mesh, example_inputs, example_kwargs, plan, *
     groups = MeshGroups(sub)
     group = dm.get_coordinate()[0]
     args, kwargs = _microbatch((tuple(example_inputs), example_kwargs), batch, batch // n_mb)
-    if precision is not None:  # the stages compute in param_dtype (see CompiledModel for the masters)
-        args, kwargs = meta_inputs((args, kwargs))
-        traced = trace(cast_for_trace(model, precision.param_dtype), args, kwargs)
-    else:
-        traced = trace(model, args, kwargs)
-    gm = traced.graph
-    annotate(gm, plan, traced.params, traced.tied)
-    insert_collectives(gm, plan, groups, defer=_param_placeholders(traced))
-    localize(gm, plan)
-    device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
-    place_on(gm, device)
+    traced, gm, _ = rewrite(model, plan, groups, args, kwargs, precision, device_type)
+    device = _device(device_type)
     stage_of = assign_stages(gm, traced.user_inputs, info["layer_prefix"],
                              layer_stages(info["stages"], info["layer_indices"]))
     stages = split_stages(gm, traced.user_inputs, stage_of, n_stages)
@@ -142,10 +138,7 @@ def compile_pipelined(model, mesh: Mesh, example_inputs, example_kwargs, plan, *
     # only the weights this rank's stages read are sliced (or initialised: the RNG still runs
     # through every module, so the values equal the whole model's)
     mine = {name: pl for name, pl in plan.param_placements.items() if group in readers.get(name, ())}
-    if on_meta:
-        shards = init_sharded(model, mine, groups, seed)
-    else:
-        shards = shard_full_model(model, mine, groups)
+    shards = initial_shards(model, mine, groups, on_meta, seed)
     cm = PipelinedModel(gm, traced, plan, groups, shards, model, device_type, bucket_mb, precision)
     params = {name: (tuple(p.shape), p.dtype, p.requires_grad) for name, p in model.named_parameters()}
     cm._setup(dm, group, stages, readers, device, reshard_after_forward, params, name_of, traced.buffers)
