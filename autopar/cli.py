@@ -17,6 +17,8 @@ import math
 import os
 import sys
 
+from .mesh import parse_shape
+
 log = logging.getLogger("autopar")
 
 
@@ -27,16 +29,12 @@ class UsageError(Exception):
 # --- parsing helpers ---------------------------------------------------------------------
 
 def parse_mesh(text: str) -> tuple[int, ...]:
-    """'2x4' -> (2, 4); '8' -> (8,)."""
-    parts = text.lower().replace("×", "x").split("x")
+    """'2x4' -> (2, 4); '8' -> (8,).  The spelling is autopar.Mesh's (autopar.mesh.parse_shape)."""
     try:
-        shape = tuple(int(p) for p in parts)
+        return parse_shape(text)
     except ValueError:
-        raise UsageError(f"cannot read mesh {text!r}; write the axis sizes joined by 'x', e.g. --mesh 8x8 "
-                         f"or --mesh 64") from None
-    if any(s < 1 for s in shape):
-        raise UsageError(f"mesh {text!r} has an axis of size < 1; every axis size must be a positive integer")
-    return shape
+        raise UsageError(f"cannot read --mesh {text!r}; write the positive axis sizes joined by 'x', "
+                         f"e.g. --mesh 8x8 or --mesh 64") from None
 
 
 def parse_axes(text: str | None, shape: tuple[int, ...]) -> tuple[str, ...]:
@@ -110,7 +108,7 @@ def _cmd_plan(args) -> int:
             overrides[key] = getattr(args, key)
     if args.budget is not None:
         try:
-            autopar.mesh.parse_bytes(args.budget)
+            autopar.mesh.parse_bytes(args.budget, "--budget")
         except ValueError as exc:
             raise UsageError(str(exc)) from None
     try:

@@ -32,5 +32,5 @@ def max_trainable_params(device_memory_bytes, n_devices: int, zero_stage: int, p
                          grad_bytes: float = 2, optimizer_bytes: float = 12) -> float:
     """The most parameters whose model states fit in `device_memory_bytes` per device
     ('80GB' works), activations and buffers not counted."""
-    memory = parse_bytes(device_memory_bytes)
+    memory = parse_bytes(device_memory_bytes, "device_memory_bytes")
     return memory / state_bytes_per_param(n_devices, zero_stage, param_bytes, grad_bytes, optimizer_bytes)

@@ -6,6 +6,8 @@ the runtime turns it into a torch `DeviceMesh` of the same shape and axis names.
 from __future__ import annotations
 
 import math
+import numbers
+import re
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -67,17 +69,75 @@ PRESETS: dict[str, DeviceSpec] = {
 }
 
 
-def parse_bytes(value: int | float | str | None) -> float | None:
-    """'70GiB' -> 75161927680.0; numbers pass through; None stays None."""
-    if value is None or isinstance(value, (int, float)):
-        return None if value is None else float(value)
-    text = value.strip().replace(" ", "")
-    units = {"KiB": 1024, "MiB": 1024**2, "GiB": 1024**3, "TiB": 1024**4,
-             "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "B": 1}
-    for unit, scale in sorted(units.items(), key=lambda kv: -len(kv[0])):
-        if text.endswith(unit):
-            return float(text[: -len(unit)]) * scale
-    raise ValueError(f"cannot read memory size {value!r}; write e.g. '70GiB', '80GB' or a number of bytes")
+# Longest suffix first, so "70GiB" is read as GiB and not as B.
+_UNITS = {"KiB": 1024, "MiB": 1024**2, "GiB": 1024**3, "TiB": 1024**4,
+          "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "B": 1}
+
+
+def parse_bytes(value: int | float | str | None, name: str = "memory size") -> float | None:
+    """'70GiB' -> 75161927680.0, '80GB' -> 8e10, 1e9 or '1e9' -> 1e9 bytes; None stays None.
+
+    `name` is the argument the value came from (e.g. "memory_budget"), for the error."""
+    if value is None:
+        return None
+    fix = "write a positive size such as '70GiB', '80GB' or a number of bytes"
+    if isinstance(value, str):
+        text = value.replace(" ", "")
+        unit = next((u for u in _UNITS if text.endswith(u)), None)
+        try:
+            number = float(text[: len(text) - len(unit)] if unit else text) * _UNITS.get(unit, 1)
+        except ValueError:
+            raise ValueError(f"cannot read {name} {value!r}; {fix}") from None
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+        number = float(value)
+    else:
+        raise ValueError(f"{name} {value!r} is not a size; {fix}")
+    if not (math.isfinite(number) and number > 0):
+        raise ValueError(f"{name} {value!r} is not a positive, finite number of bytes; {fix}")
+    return number
+
+
+def _is_size(value) -> bool:
+    """A positive integer: an int or a numpy integer, not a bool or a float such as 2.0."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
+
+
+def parse_shape(shape) -> tuple[int, ...]:
+    """A mesh shape as the user spells it: (2, 4), [2, 4], '2x4' -> (2, 4); 8 or '8' -> (8,)."""
+    fix = "sizes must be positive integers, e.g. (2, 4), 8 or '2x4'"
+    if isinstance(shape, str):
+        text = shape.lower().replace(" ", "").replace("\u00d7", "x")
+        if not re.fullmatch(r"[0-9]+(x[0-9]+)*", text):
+            raise ValueError(f"cannot read mesh shape {shape!r}; write the axis sizes joined by 'x', "
+                             f"e.g. '2x4' or '8', or pass a tuple such as (2, 4)")
+        sizes = tuple(int(s) for s in text.split("x"))
+    elif isinstance(shape, numbers.Integral) and not isinstance(shape, bool):
+        sizes = (shape,)
+    elif isinstance(shape, (tuple, list)):
+        sizes = tuple(shape)
+    else:
+        raise ValueError(f"mesh shape {shape!r}: {fix}")
+    if not sizes or not all(_is_size(s) for s in sizes):
+        raise ValueError(f"mesh shape {shape!r}: {fix}")
+    return tuple(int(s) for s in sizes)
+
+
+def parse_axis_names(axis_names, shape: tuple[int, ...]) -> tuple[str, ...]:
+    """'tp' -> ('tp',); ('dp', 'tp') stays; None -> ('ax0', 'ax1', ...), one per axis of `shape`."""
+    default = tuple(f"ax{i}" for i in range(len(shape)))
+    if axis_names is None:
+        return default
+    names = (axis_names,) if isinstance(axis_names, str) else axis_names
+    fix = f"give one name per axis, distinct non-empty strings, or leave axis_names out for {default}"
+    if not isinstance(names, (tuple, list)) or not all(isinstance(n, str) and n for n in names):
+        raise ValueError(f"mesh axis_names {axis_names!r}: names must be non-empty strings; {fix}")
+    names = tuple(names)
+    if len(names) != len(shape):
+        raise ValueError(f"mesh axis_names {axis_names!r}: {len(names)} names for the {len(shape)} axes "
+                         f"of shape {shape}; {fix}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"mesh axis_names {axis_names!r}: names repeat; {fix}")
+    return names
 
 
 @dataclass(frozen=True)
@@ -98,26 +158,19 @@ class Mesh:
 
     def __init__(self, shape, axis_names=None, device: str | DeviceSpec = "h100", bandwidth=None,
                  latency=None, devices_per_node: int | None = None, memory=None):
-        shape = (int(shape),) if isinstance(shape, int) else tuple(int(s) for s in shape)
-        if not shape or any(s < 1 for s in shape):
-            raise ValueError(f"mesh shape {shape} must be a non-empty tuple of positive sizes")
-        if axis_names is None:
-            axis_names = tuple(f"ax{i}" for i in range(len(shape)))
-        axis_names = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
-        if len(axis_names) != len(shape):
-            raise ValueError(f"mesh shape {shape} has {len(shape)} axes but {len(axis_names)} "
-                             f"names {axis_names}; give one name per axis")
-        if len(set(axis_names)) != len(axis_names):
-            raise ValueError(f"mesh axis names {axis_names} must be distinct")
+        shape = parse_shape(shape)
+        axis_names = parse_axis_names(axis_names, shape)
         if isinstance(device, str):
             if device not in PRESETS:
                 raise ValueError(f"unknown device {device!r}; presets are {sorted(PRESETS)} "
                                  f"or pass an autopar.mesh.DeviceSpec")
             device = PRESETS[device]
         if devices_per_node is not None:
+            if not _is_size(devices_per_node):
+                raise ValueError(f"mesh devices_per_node {devices_per_node!r}: must be a positive integer, e.g. 8")
             device = replace(device, devices_per_node=int(devices_per_node))
         if memory is not None:
-            device = replace(device, memory=parse_bytes(memory))
+            device = replace(device, memory=parse_bytes(memory, "mesh memory"))
         inside = self._inside_node(shape, device.devices_per_node)
         default_bw = tuple(device.intra_bandwidth if i else device.inter_bandwidth for i in inside)
         default_lat = tuple(device.intra_latency if i else device.inter_latency for i in inside)

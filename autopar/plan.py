@@ -128,6 +128,7 @@ class Plan:
     param_states: dict = field(default_factory=dict)  # parameter name -> ParamState (ZeRO-1/2, offload)
     precision: dict | None = None                   # MixedPrecision.to_dict(), None: the model's dtypes
     pipeline: dict | None = None                    # stages, schedule, microbatches (autopar.pipeline.search)
+    frozen: tuple = ()                              # parameters planned without gradient (requires_grad=False)
 
     def device_mesh(self):
         """The Mesh to compile this plan on: the whole mesh of a pipelined plan (whose `mesh`
@@ -194,7 +195,7 @@ class Plan:
             "origin": self.origin, "timing": self.timing,
             "param_states": {k: {"stage": v.stage, "axes": list(v.axes), "offload": v.offload}
                              for k, v in self.param_states.items()},
-            "precision": self.precision, "pipeline": self.pipeline,
+            "precision": self.precision, "pipeline": self.pipeline, "frozen": list(self.frozen),
         }
 
     def to_json(self) -> str:
@@ -226,7 +227,7 @@ class Plan:
                    timing=d.get("timing", {}),
                    param_states={k: ParamState(v["stage"], tuple(v["axes"]), v["offload"])
                                  for k, v in d.get("param_states", {}).items()},
-                   precision=d.get("precision"), pipeline=d.get("pipeline"))
+                   precision=d.get("precision"), pipeline=d.get("pipeline"), frozen=tuple(d.get("frozen", ())))
 
     def save(self, path) -> None:
         with open(path, "w") as f:

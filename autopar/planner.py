@@ -45,7 +45,7 @@ def plan(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, example_kwarg
                                    time_limit, mixed_precision, None if pipeline is True else pipeline,
                                    layout, random_seed)
     start = time.perf_counter()
-    budget = parse_bytes(memory_budget) if memory_budget is not None else None
+    budget = parse_bytes(memory_budget, "memory_budget") if memory_budget is not None else None
     if mixed_precision is not None:  # plan what runs: the model in param_dtype
         from .precision import cast_for_trace, meta_inputs
         example_inputs, example_kwargs = meta_inputs((tuple(example_inputs), example_kwargs))
@@ -166,7 +166,8 @@ def _make_plan(problem, model, mesh, choice, sol, origin, compared, budget, timi
                 memory_budget=budget, fallback_ops=tuple(problem.fallback_ops),
                 layers=tuple((p, tuple(ix)) for p, ix in problem.layer_groups), grad_sums=grad_sums,
                 origin=origin, timing=timing, param_states={k: states[k] for k in _order_params(model, states)},
-                precision=problem.precision.to_dict() if problem.precision is not None else None)
+                precision=problem.precision.to_dict() if problem.precision is not None else None,
+                frozen=tuple(n for n, p in model.named_parameters() if not p.requires_grad))
 
 
 def _order_params(model, params: dict) -> dict:

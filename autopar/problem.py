@@ -144,7 +144,7 @@ class Problem:
                            (pname.rsplit(".", 1)[0] if pname and "." in pname else ""),
                            from_input=not is_param and node.target in self.traced.user_inputs,
                            out_shapes=[tuple(val.shape)], out_dtypes=[val.dtype],
-                           requires_grad=is_param and val.dtype.is_floating_point,
+                           requires_grad=is_param and val.dtype.is_floating_point and val.requires_grad,
                            param_name=pname if is_param else None)
             elif node.op == "call_function":
                 if node.target.__class__.__name__ == "builtin_function_or_method" and op_name(node) == "getitem":

@@ -7,6 +7,7 @@ weights exist is never run.  Shapes land in `node.meta["val"]`, module paths in
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import time
@@ -61,7 +62,7 @@ def _fingerprint(model: torch.nn.Module, example_inputs, example_kwargs) -> str:
     for name, mod in model.named_modules(remove_duplicate=False):
         attrs = sorted((k, repr(v)) for k, v in vars(mod).items()
                        if k not in _MODULE_INTERNALS and not isinstance(v, (torch.Tensor, torch.nn.Module)))
-        parts.append((name, type(mod).__module__, type(mod).__qualname__, attrs))
+        parts.append((name, type(mod).__module__, type(mod).__qualname__, mod.training, attrs))
     first: dict[int, str] = {}
     for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):
         parts.append((name, first.setdefault(id(t), name), tuple(t.shape), str(t.dtype), str(t.device), t.requires_grad))
@@ -71,14 +72,41 @@ def _fingerprint(model: torch.nn.Module, example_inputs, example_kwargs) -> str:
     return repr(parts)
 
 
-def trace(model: torch.nn.Module | fx.GraphModule, example_inputs: tuple, example_kwargs: dict | None = None,
-          cache: bool = True) -> Traced:
-    """The training-IR graph of `model(*example_inputs, **example_kwargs)`.
+@contextlib.contextmanager
+def in_mode(model: torch.nn.Module, mode: str):
+    """Run the body with `model` in `mode`, then give every submodule its own flag back.
 
-    Traces are cached in the process by a fingerprint of the model's structure and the
-    inputs' shapes (see _fingerprint), so planning and compiling the same model, or
-    compiling it with several plans, traces once; each caller gets its own copy of the
-    graph.  cache=False always traces."""
+    "train": the model's training graph: as it is when `model.training` (submodules the
+    user keeps in eval, such as a frozen backbone's batch norms, stay so), else as after
+    `model.train()`.  "eval": as after `model.eval()`."""
+    if mode not in ("train", "eval"):
+        raise ValueError(f"mode must be 'train' or 'eval', not {mode!r}")
+    flags = [(m, m.training) for m in model.modules()]
+    try:
+        if mode == "eval":
+            model.eval()
+        elif not model.training:
+            model.train()
+        yield model
+    finally:
+        for m, flag in flags:
+            m.training = flag
+
+
+def trace(model: torch.nn.Module | fx.GraphModule, example_inputs: tuple, example_kwargs: dict | None = None,
+          cache: bool = True, mode: str = "train") -> Traced:
+    """The training-IR graph of `model(*example_inputs, **example_kwargs)` in `mode` (see
+    in_mode: plans are made on the training graph; the runtime derives eval from both).
+
+    Traces are cached in the process by a fingerprint of the model's structure, its modules'
+    train/eval flags and the inputs' shapes (see _fingerprint), so planning and compiling the
+    same model, or compiling it with several plans, traces once; each caller gets its own
+    copy of the graph.  cache=False always traces."""
+    with in_mode(model, mode):
+        return _trace_cached(model, example_inputs, example_kwargs, cache)
+
+
+def _trace_cached(model, example_inputs, example_kwargs, cache: bool) -> Traced:
     key = _fingerprint(model, example_inputs, example_kwargs or {}) if cache else None
     if key is not None and key in _CACHE:
         hit = _CACHE[key]

@@ -21,9 +21,10 @@ def shard_of(full: torch.Tensor, placements, groups) -> torch.Tensor:
     return redistribute_local(full, tuple(Replicate() for _ in placements), tuple(placements), groups)
 
 
-def shard_full_model(model: nn.Module, placements: dict, groups) -> dict[str, torch.Tensor]:
-    """name -> local shard, for every parameter named in `placements`."""
-    params = dict(model.named_parameters())
+def shard_full_model(model: nn.Module, placements: dict, groups, values: dict | None = None) -> dict[str, torch.Tensor]:
+    """name -> local shard, for every parameter named in `placements`; `values` overrides
+    the model's value of some parameters."""
+    params = {**dict(model.named_parameters()), **(values or {})}
     return {name: shard_of(params[name].detach(), pl, groups).clone() for name, pl in placements.items()}
 
 

@@ -15,6 +15,7 @@ import logging
 import os
 import time
 import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,7 @@ from autopar.mesh import Mesh
 from autopar.passes.annotate import annotate
 from autopar.passes.collectives import insert_collectives, local_input_layouts, move
 from autopar.passes.localize import localize, place_on
+from autopar.passes.modes import ModeSwitch, mode_switch
 from autopar.passes.redistribute import MeshGroups, redistribute_local
 from autopar.passes.shard_params import init_sharded, shard_full_model
 from autopar.plan import Plan
@@ -35,6 +37,7 @@ from autopar.trace import trace
 
 from .grad_sync import GradSync
 from .reshard import Regather
+from .rng import RandomStreams
 from .zero import ShardedOptimizer, all_gather_chunks, zero_layout
 
 log = logging.getLogger("autopar")
@@ -83,8 +86,7 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=N
         example_inputs, example_kwargs = pytree.tree_map(
             lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, (tuple(example_inputs), example_kwargs))
     if plan is None:
-        plan = autopar.plan(model, mesh, example_inputs, example_kwargs=example_kwargs,
-                            memory_budget=memory_budget, compare=False, mixed_precision=mixed_precision)
+        plan = _plan_once(model, mesh, example_inputs, example_kwargs, memory_budget, mixed_precision)
     elif not isinstance(plan, Plan):
         plan = Plan.load(plan)
     pipelined = bool(plan.pipeline and plan.pipeline.get("axis"))
@@ -99,7 +101,8 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=N
                           tuple(plan.mesh["axis_names"]) != mesh.axis_names):
         raise CompileError(f"the plan was made for mesh {plan.mesh['shape']} {plan.mesh['axis_names']}, "
                            f"not {mesh.shape} {mesh.axis_names}; plan again for this mesh")
-    _check_same_plan(plan)
+    _check_frozen(model, plan)
+    seed_of_job = _agree(plan, seed)
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if device_type == "cuda":
         torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
@@ -107,38 +110,56 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=N
         from .pipelined import compile_pipelined
         cm = compile_pipelined(model, mesh, example_inputs, example_kwargs, plan, on_meta=on_meta, seed=seed,
                                bucket_mb=bucket_mb, precision=precision, device_type=device_type,
-                               reshard_after_forward=reshard_after_forward)
+                               reshard_after_forward=reshard_after_forward, seed_of_job=seed_of_job)
     else:
         groups = MeshGroups(_device_mesh(device_type, mesh))
-        traced, gm, input_layouts = rewrite(model, plan, groups, example_inputs, example_kwargs, precision,
-                                            device_type, local_inputs)
+        rewritten = rewrite(model, plan, groups, example_inputs, example_kwargs, precision, device_type,
+                            seed_of_job, local_inputs)
         shards = initial_shards(model, plan.param_placements, groups, on_meta, seed)
-        regather = Regather(gm, set(traced.params), reshard_after_forward, groups)
-        cm = CompiledModel(gm, traced, plan, groups, shards, model, device_type, bucket_mb, precision)
+        regather = Regather(rewritten.graph, set(rewritten.traced.params), reshard_after_forward, groups)
+        cm = CompiledModel(rewritten, plan, groups, shards, model, device_type, bucket_mb, precision)
         cm._regather = regather
-        cm.input_layouts = input_layouts
+        cm.input_layouts = rewritten.input_layouts
+    cm.train(model.training)
     log.info("compiled %s for %s on rank %d in %.2fs", type(model).__name__, mesh, dist.get_rank(),
              time.perf_counter() - start)
     return cm
 
 
+@dataclass
+class Rewritten:
+    """What `rewrite` makes of a model and a plan: the traced training graph, the per-rank
+    graph the passes made of it, how it switches to eval mode, its random streams, and
+    (local_inputs) the layout of each user input."""
+
+    traced: object
+    graph: object
+    modes: ModeSwitch
+    streams: RandomStreams
+    input_layouts: list | None = None
+
+
 def rewrite(model, plan: Plan, groups, example_inputs, example_kwargs, precision, device_type: str,
-            local_inputs: bool = False):
-    """Trace `model` (cast to param_dtype under mixed precision) and run the passes: the
-    plan written into the graph, collectives between layouts, local shapes, the device.
-    Returns (traced, graph module, input layouts or None)."""
+            seed_of_job: int, local_inputs: bool = False) -> Rewritten:
+    """Trace `model` (cast to param_dtype under mixed precision) in train and eval mode and
+    run the passes on the training graph: the plan written into it, collectives between
+    layouts, local shapes, the device, random ops on their streams (runtime/rng.py)."""
     if precision is not None:
         example_inputs, example_kwargs = meta_inputs((tuple(example_inputs), example_kwargs))
-        traced = trace(cast_for_trace(model, precision.param_dtype), example_inputs, example_kwargs)
-    else:
-        traced = trace(model, tuple(example_inputs), example_kwargs)
+        model = cast_for_trace(model, precision.param_dtype)
+    traced = trace(model, tuple(example_inputs), example_kwargs)
+    evaluated = trace(model, tuple(example_inputs), example_kwargs, mode="eval")
+    modes = mode_switch(traced.graph, evaluated.graph, traced.buffers)
     gm = traced.graph
     annotate(gm, plan, traced.params, traced.tied)
     input_layouts = local_input_layouts(gm, set(traced.user_inputs)) if local_inputs else None
     insert_collectives(gm, plan, groups, defer=_param_placeholders(traced))
     localize(gm, plan)
-    place_on(gm, _device(device_type))
-    return traced, gm, input_layouts
+    device = _device(device_type)
+    place_on(gm, device)
+    streams = RandomStreams(seed_of_job, groups, device)
+    streams.install(gm)
+    return Rewritten(traced, gm, modes, streams, input_layouts)
 
 
 def initial_shards(model, placements: dict, groups, on_meta: bool, seed) -> dict:
@@ -146,7 +167,33 @@ def initial_shards(model, placements: dict, groups, on_meta: bool, seed) -> dict
     from a meta model, else sliced."""
     if on_meta:
         return init_sharded(model, placements, groups, seed)
-    return shard_full_model(model, placements, groups)
+    return shard_full_model(model, placements, groups, _rank0_values(model))
+
+
+def _rank0_values(model) -> dict:
+    """Parameters whose values differ between the ranks' models (built unseeded, or after
+    seeding each rank differently), as rank 0 holds them; DDP starts from rank 0's weights
+    for the same reason.  The user's model is left as it is.  One all-gather of two sums per
+    parameter finds them; only those are broadcast."""
+    params = dict(model.named_parameters())
+    names = list(params)
+    device = _device("cuda" if dist.get_backend() == "nccl" else "cpu")
+    local = torch.tensor([[params[n].detach().double().sum().item(), params[n].detach().double().abs().sum().item()]
+                          for n in names], dtype=torch.float64, device=device).reshape(len(names), 2)
+    every = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, local)
+    odd = [n for i, n in enumerate(names) if any(not torch.equal(e[i], every[0][i]) for e in every[1:])]
+    if not odd:
+        return {}
+    if dist.get_rank() == 0:
+        log.warning("the ranks' models hold different values in %d parameters (e.g. %s): every rank starts from "
+                    "rank 0's (seed every rank alike before building the model to avoid this)", len(odd), odd[0])
+    out = {}
+    for n in odd:
+        t = params[n].detach().to(device, copy=True).contiguous()
+        dist.broadcast(t, src=0)
+        out[n] = t.cpu()
+    return out
 
 
 def _device(device_type: str) -> torch.device:
@@ -170,24 +217,65 @@ def _device_mesh(device_type: str, mesh: Mesh):
     return _MESHES[key]
 
 
-def _check_same_plan(plan: Plan) -> None:
-    mine = plan.hash()
-    hashes = [None] * dist.get_world_size()
-    dist.all_gather_object(hashes, mine)
+def _plan_once(model, mesh: Mesh, example_inputs, example_kwargs, memory_budget, mixed_precision) -> Plan:
+    """The plan for compile(plan=None): made on rank 0 and sent to every rank, so a slow
+    plan is paid once per job.  Rank 0's failure (an infeasible budget, say) is raised on
+    every rank."""
+    made = [None]
+    if dist.get_rank() == 0:
+        try:
+            made = [autopar.plan(model, mesh, example_inputs, example_kwargs=example_kwargs,
+                                 memory_budget=memory_budget, compare=False,
+                                 mixed_precision=mixed_precision).to_dict()]
+        except Exception as exc:  # every rank must leave the broadcast below
+            made = [f"{type(exc).__name__}: {exc}"]
+            dist.broadcast_object_list(made, src=0)
+            raise
+        log.info("rank 0 planned %s; sending the plan to %d ranks", type(model).__name__, dist.get_world_size())
+    dist.broadcast_object_list(made, src=0)
+    if isinstance(made[0], str):
+        raise CompileError(f"planning failed on rank 0: {made[0]}")
+    return Plan.from_dict(made[0])
+
+
+def _check_frozen(model, plan: Plan) -> None:
+    """The plan's frozen parameters are the model's: a plan made with a parameter trained
+    has no gradient path for it frozen, and the other way round."""
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    planned = set(plan.frozen)
+    if frozen != planned:
+        now, was = sorted(frozen - planned), sorted(planned - frozen)
+        parts = ([f"frozen now but trained when planned: {now[:4]}"] if now else []) + (
+            [f"trained now but frozen when planned: {was[:4]}"] if was else [])
+        raise CompileError(f"the plan was made with other parameters frozen (requires_grad=False) than the model "
+                           f"has ({'; '.join(parts)}); plan again after freezing, or freeze as when planning")
+
+
+def _agree(plan: Plan, seed) -> int:
+    """Check every rank holds the same plan; return the job's random seed (rank 0's: `seed`
+    if given, else its torch.initial_seed(); see runtime/rng.py)."""
+    mine = (plan.hash(), int(seed) if seed is not None else torch.initial_seed())
+    told = [None] * dist.get_world_size()
+    dist.all_gather_object(told, mine)
+    hashes = [h for h, _ in told]
     if len(set(hashes)) > 1:
         odd = [r for r, h in enumerate(hashes) if h != hashes[0]]
         raise CompileError(f"ranks hold different plans (plan hash by rank: {hashes}; ranks {odd} differ from "
                            f"rank 0). Give every rank the same plan file, or let every rank plan with the same "
                            f"model, mesh and inputs.")
+    return told[0][1]
 
 
 class CompiledModel(nn.Module):
     """One rank's part of the model.  Parameters are this rank's shards, named as in the
     original model (dots become '__' in the module's own attribute names)."""
 
-    def __init__(self, gm, traced, plan: Plan, groups, shards: dict, model: nn.Module, device_type: str,
+    def __init__(self, rewritten: Rewritten, plan: Plan, groups, shards: dict, model: nn.Module, device_type: str,
                  bucket_mb: float, precision: MixedPrecision | None = None):
         super().__init__()
+        gm, traced = rewritten.graph, rewritten.traced
+        self._modes = rewritten.modes
+        self._streams = rewritten.streams
         self.precision = precision
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.plan = plan
@@ -198,16 +286,16 @@ class CompiledModel(nn.Module):
         device = _device(device_type)
         self.graph_module = gm.to(device)
         self._names = {_key(k): k for k in shards}
-        sync = {_key(name): axes for name, axes in gm._autopar_grad_sync.items() if name in shards}
+        trainable = {n: p.requires_grad for n, p in model.named_parameters()}
+        sync = {_key(name): axes for name, axes in gm._autopar_grad_sync.items() if name in shards and trainable[name]}
         self.zero_layouts = {}   # key -> ZeroLayout of ZeRO-1/2 parameters
         self.masters = {}        # key -> float32 master (or offloaded copy) the optimizer updates
         for name, state in plan.param_states.items():
-            if state.stage and name in shards:  # (a pipeline stage holds some of the parameters)
+            if state.stage and name in shards and trainable[name]:  # (a stage holds some of the parameters)
                 k = _key(name)
                 axes = tuple(plan.mesh["axis_names"].index(a) for a in state.axes)
                 self.zero_layouts[k] = zero_layout(state.stage, axes, sync.get(k, ()), shards[name].numel(), groups,
                                                    state.offload)
-        trainable = {n: p.requires_grad for n, p in model.named_parameters()}
         for name, value in shards.items():
             k = _key(name)
             state = plan.param_states.get(name)
@@ -218,7 +306,8 @@ class CompiledModel(nn.Module):
                 home = torch.device("cpu") if offload else device
                 dtype = torch.float32 if precision is not None else value.dtype
                 self.masters[k] = nn.Parameter(part.to(home, dtype, copy=True))
-        self.shards = nn.ParameterDict({_key(k): nn.Parameter(self._compute_dtype(v).to(device))
+        self.shards = nn.ParameterDict({_key(k): nn.Parameter(self._compute_dtype(v).to(device),
+                                                              requires_grad=trainable[k])
                                         for k, v in shards.items()})
         buffers = dict(model.named_buffers())
         order = []  # what each placeholder is fed with
@@ -253,6 +342,19 @@ class CompiledModel(nn.Module):
         return t.detach().to(self._compute_dtype_of(t.dtype))
 
     # --- running -----------------------------------------------------------------------------
+    def graphs(self) -> list:
+        """The graph modules this rank runs (one, or one per pipeline stage held here)."""
+        return [self.graph_module]
+
+    def train(self, mode: bool = True):
+        """Switch dropout, batch norm and the other mode-dependent ops of the compiled graph
+        as `model.train(mode)` / `model.eval()` switch the plain model (passes/modes.py)."""
+        if mode != self.training or not hasattr(self, "_mode_applied"):
+            for gm in self.graphs():
+                self._modes.apply(gm, mode)
+            self._mode_applied = True
+        return super().train(mode)
+
     def forward(self, *args, **kwargs):
         """Forward on the global batch (every rank passes the same full inputs), or on this
         rank's shards when compiled with local_inputs=True."""
@@ -277,6 +379,7 @@ class CompiledModel(nn.Module):
                 feed.append(getattr(self, key))
             else:
                 feed.append(next(inputs))
+        self._streams.calls += 1
         regather = getattr(self, "_regather", None)
         if regather:
             with regather.forward(dict(zip(self._placeholders, feed))):
@@ -349,7 +452,11 @@ class CompiledModel(nn.Module):
         optimizers such as Adam then behave exactly as on the whole model.  The result has
         step, zero_grad, param_groups, state_dict and load_state_dict."""
         if not self.zero_layouts and not self.masters:
-            optimizer = cls(self.shards.values(), **kwargs)
+            trained = [p for p in self.shards.values() if p.requires_grad]
+            if not trained:
+                raise CompileError("every parameter of the model is frozen (requires_grad=False): there is "
+                                   "nothing to optimise")
+            optimizer = cls(trained, **kwargs)
         else:
             optimizer = ShardedOptimizer(self, cls, self.bucket_bytes, **kwargs)
         self._optimizers.append(weakref.ref(optimizer))

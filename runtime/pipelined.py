@@ -98,7 +98,7 @@ def group_mesh(device_type: str, mesh: Mesh, axis: str, groups: int):
 
 
 def compile_pipelined(model, mesh: Mesh, example_inputs, example_kwargs, plan, *, on_meta: bool, seed,
-                      bucket_mb: float, precision, device_type: str,
+                      bucket_mb: float, precision, device_type: str, seed_of_job: int,
                       reshard_after_forward: bool = True) -> PipelinedModel:
     """compile() for a plan with pipeline stages (see the module docstring)."""
     from autopar.pipeline.search import _batch_size, _microbatch
@@ -124,7 +124,8 @@ def compile_pipelined(model, mesh: Mesh, example_inputs, example_kwargs, plan, *
     groups = MeshGroups(sub)
     group = dm.get_coordinate()[0]
     args, kwargs = _microbatch((tuple(example_inputs), example_kwargs), batch, batch // n_mb)
-    traced, gm, _ = rewrite(model, plan, groups, args, kwargs, precision, device_type)
+    rewritten = rewrite(model, plan, groups, args, kwargs, precision, device_type, seed_of_job)
+    traced, gm = rewritten.traced, rewritten.graph
     device = _device(device_type)
     stage_of = assign_stages(gm, traced.user_inputs, info["layer_prefix"],
                              layer_stages(info["stages"], info["layer_indices"]))
@@ -139,7 +140,7 @@ def compile_pipelined(model, mesh: Mesh, example_inputs, example_kwargs, plan, *
     # through every module, so the values equal the whole model's)
     mine = {name: pl for name, pl in plan.param_placements.items() if group in readers.get(name, ())}
     shards = initial_shards(model, mine, groups, on_meta, seed)
-    cm = PipelinedModel(gm, traced, plan, groups, shards, model, device_type, bucket_mb, precision)
+    cm = PipelinedModel(rewritten, plan, groups, shards, model, device_type, bucket_mb, precision)
     params = {name: (tuple(p.shape), p.dtype, p.requires_grad) for name, p in model.named_parameters()}
     cm._setup(dm, group, stages, readers, device, reshard_after_forward, params, name_of, traced.buffers)
     return cm
@@ -163,6 +164,7 @@ class _StageModule(nn.Module):
         if missing:
             raise CompileError(f"stage inputs {missing} were not passed to the schedule")
         owner = self._owner[0]
+        owner._streams.calls += 1
         feed = [self.params[key] if kind == "param" else getattr(owner, key) for kind, key in self._feed]
         args = [*received, *(inputs[n] for n in self.inputs), *feed]
         if not self.regather:
@@ -234,6 +236,9 @@ class PipelinedModel(CompiledModel):
         log.info("pipelined %d stages (%s, %d microbatches); this rank holds stages %s of device group %d",
                  self._n_stages, self._schedule_name, self._n_mb, [s.index for s in stages
                                                                    if s.index % self._n_groups == group], group)
+
+    def graphs(self) -> list:
+        return [self.graph_module] + [m.graph_module for m in getattr(self, "stage_modules", [])]
 
     def gather_counts(self) -> dict:
         """As CompiledModel.gather_counts, over this rank's stages (per microbatch forward)."""

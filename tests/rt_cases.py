@@ -24,6 +24,12 @@ MODELS_ZERO = {"gpt-tiny": ("autopar", "gpt-tiny", ()), "llama-tiny": ("autopar"
 def build_case(spec: tuple):
     """spec -> (model, args, kwargs), the same on every call (seed 0)."""
     kind = spec[0]
+    if kind == "frozen":  # ("frozen", spec, name prefixes): the model of `spec` with those parameters frozen
+        model, args, kwargs = build_case(spec[1])
+        for name, p in model.named_parameters():
+            if name.startswith(tuple(spec[2])):
+                p.requires_grad_(False)
+        return model, args, kwargs
     torch.manual_seed(0)
     if kind == "autopar":
         from autopar.models import build
@@ -64,7 +70,7 @@ def reference(spec: tuple, steps: int):
             loss = _loss(model(*args, **kwargs))
             loss.backward()
             losses.append(loss.item())
-            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
             opt.step()
             opt.zero_grad()
         _REFERENCE[key] = (losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()})
@@ -92,11 +98,18 @@ def train_and_compare(spec: tuple, plan_dict: dict, steps: int = 3) -> dict:
                 worst["grad"] = (e, f"step {step} {name}")
         opt.step()
         opt.zero_grad()
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    worst["frozen_moved"] = 0.0  # frozen weights must come back bit-identical
     for name, p in cm.full_state_dict().items():
         e = excess(p, params[name])
         if e > worst["param"][0]:
             worst["param"] = (e, name)
-    worst["ok"] = worst["loss"] <= 0 and worst["grad"][0] <= 0 and worst["param"][0] <= 0
+        if name in frozen:
+            worst["frozen_moved"] = max(worst["frozen_moved"], float((p - params[name]).abs().max()))
+    worst["optimized"] = sum(len(g["params"]) for g in opt.param_groups)
+    worst["grads_of_frozen"] = sorted(frozen & set(cm.full_grads()))
+    worst["ok"] = (worst["loss"] <= 0 and worst["grad"][0] <= 0 and worst["param"][0] <= 0
+                   and worst["frozen_moved"] == 0.0 and not worst["grads_of_frozen"])
     worst["synced_by_buckets"] = len(cm._grad_sync.params)
     worst["reduced_during_backward"] = cm._grad_sync.hooked
     return worst

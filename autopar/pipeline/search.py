@@ -140,7 +140,7 @@ def search(model, mesh, example_inputs, example_kwargs=None, *, memory_budget=No
     mixed_precision: an autopar.MixedPrecision the stages are costed under."""
     from autopar.mesh import Mesh, parse_bytes
     start = time.perf_counter()
-    limit = parse_bytes(memory_budget) if memory_budget is not None else mesh.device.memory
+    limit = parse_bytes(memory_budget, "memory_budget") if memory_budget is not None else mesh.device.memory
     batch = _batch_size(example_inputs, example_kwargs)
     results = []
     rejected: dict = {}
