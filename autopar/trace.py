@@ -120,6 +120,26 @@ def _trace_cached(model, example_inputs, example_kwargs, cache: bool) -> Traced:
     return traced
 
 
+@contextlib.contextmanager
+def _checkpoints_inline():
+    """Trace `torch.utils.checkpoint(..., use_reentrant=True)` regions as plain code.
+
+    The reentrant form runs its function under no_grad inside an autograd.Function, so
+    export records the region as gradient-free and the compiled model could not train.
+    Its non-reentrant form is traced inline already; this makes both the same (recomputing
+    activations is the planner's choice, not the trace's)."""
+    fn = torch.utils.checkpoint.CheckpointFunction
+    own = fn.__dict__.get("apply")
+    fn.apply = staticmethod(lambda function, preserve_rng_state, *args: function(*args))
+    try:
+        yield
+    finally:
+        if own is None:
+            del fn.apply
+        else:
+            fn.apply = own
+
+
 def _trace(model: torch.nn.Module | fx.GraphModule, example_inputs: tuple, example_kwargs: dict | None = None) -> Traced:
     """Export `model(*example_inputs, **example_kwargs)` to ATen training IR on fake tensors.
 
@@ -128,7 +148,8 @@ def _trace(model: torch.nn.Module | fx.GraphModule, example_inputs: tuple, examp
     example_kwargs = example_kwargs or {}
     start = time.perf_counter()
     try:
-        ep = torch.export.export(model, tuple(example_inputs), example_kwargs, strict=False)
+        with _checkpoints_inline():
+            ep = torch.export.export(model, tuple(example_inputs), example_kwargs, strict=False)
     except Exception as exc:  # name the module that failed and why
         where = _module_of_error(exc, model)
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

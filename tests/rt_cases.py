@@ -30,6 +30,15 @@ def build_case(spec: tuple):
             if name.startswith(tuple(spec[2])):
                 p.requires_grad_(False)
         return model, args, kwargs
+    if kind == "checkpointed":  # ("checkpointed", spec): each of its blocks under reentrant checkpointing
+        import functools
+
+        from torch.utils.checkpoint import checkpoint
+        model, args, kwargs = build_case(spec[1])
+        for name, module in model.named_modules():
+            if name.count(".") == 1 and name.split(".")[1].isdigit():
+                module.forward = functools.partial(checkpoint, module.forward, use_reentrant=True)
+        return model, args, kwargs
     torch.manual_seed(0)
     if kind == "autopar":
         from autopar.models import build

@@ -124,3 +124,72 @@ def unseeded_models(spec: tuple, plan_dict: dict) -> dict:
     cm = autopar.compile(model, plan.device_mesh(), args, example_kwargs=kwargs or None, plan=plan)
     full = cm.full_state_dict()
     return {"max_diff_from_rank0": max(float((full[n] - expected[n]).abs().max()) for n in full)}
+
+
+class BNNet(nn.Module):
+    """x: [batch, 16] -> MSE of fc2(relu(bn(fc1(x)))) against 0: batch statistics in train
+    mode, running statistics in eval mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.bn = nn.BatchNorm1d(32)
+        self.fc2 = nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.bn(self.fc1(x)))).pow(2).mean()
+
+
+def bn_case():
+    torch.manual_seed(0)
+    return BNNet(), torch.randn(32, 16)
+
+
+def batch_norm_train_eval(plan_dict: dict, steps: int = 2) -> dict:
+    """Train BNNet `steps` SGD steps compiled and plain, then evaluate both: train losses,
+    eval losses and the running statistics side by side."""
+    plan = Plan.from_dict(plan_dict)
+    model, x = bn_case()
+    plain, _ = bn_case()
+    cm = autopar.compile(model, plan.device_mesh(), (x,), plan=plan)
+    opt = cm.build_optimizer(torch.optim.SGD, lr=0.1)
+    ref = torch.optim.SGD(plain.parameters(), lr=0.1)
+    out = {"train": [], "plain_train": []}
+    for _ in range(steps):
+        out["train"].append(cm.train_step(x).item())
+        opt.step()
+        opt.zero_grad()
+        loss = plain(x)
+        loss.backward()
+        out["plain_train"].append(loss.item())
+        ref.step()
+        ref.zero_grad()
+    cm.eval()
+    plain.eval()
+    out["eval"], out["plain_eval"] = cm(x).item(), plain(x).item()
+    buffers = {n: b for n, b in cm.named_buffers()}
+    out["running_mean"] = float((buffers["bn__running_mean"] - plain.bn.running_mean).abs().max())
+    out["batches_tracked"] = (int(buffers["bn__num_batches_tracked"]), int(plain.bn.num_batches_tracked))
+    return out
+
+
+def plan_once(spec: tuple) -> dict:
+    """compile(plan=None) with planning broken on every rank but 0: the plan made on rank 0
+    reaches every rank."""
+    model, args, kwargs = build_case(spec)
+    mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="cpu")
+    planned = []
+    original = autopar.plan
+
+    def plan(*a, **k):
+        if dist.get_rank() != 0:
+            raise AssertionError("only rank 0 plans")
+        planned.append(1)
+        return original(*a, **k)
+
+    autopar.plan = plan
+    try:
+        cm = autopar.compile(model, mesh, args, example_kwargs=kwargs or None)
+    finally:
+        autopar.plan = original
+    return {"planned": len(planned), "hashes": _all(cm.plan.hash()), "loss": cm.train_step(*args, **kwargs).item()}

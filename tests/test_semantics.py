@@ -12,7 +12,8 @@ from torch.distributed.tensor import Replicate
 
 import autopar
 from rt_cases import build_case, train_and_compare
-from sem_cases import dropnet_case, dropout_masks, eval_then_train, per_rank_seeds, unseeded_models
+from sem_cases import (batch_norm_train_eval, bn_case, dropnet_case, dropout_masks, eval_then_train, per_rank_seeds,
+                       plan_once, unseeded_models)
 
 GPT = ("autopar", "gpt-tiny", ())
 GPT_DROPOUT = ("autopar", "gpt-tiny", (("dropout", 0.1),))
@@ -156,3 +157,32 @@ def test_eval_then_train_in_one_process(pool4, layout):
         assert value == pytest.approx(r["plain_eval"], rel=1e-5, abs=1e-6)
     assert all(abs(t - r["plain_eval"]) > 1e-4 for t in r["train"]), "dropout is off in train mode"
     assert r["train"][0] != r["train"][1]
+
+
+@pytest.mark.parametrize("layout", ["data-parallel", "megatron-tp x dp"])
+def test_reentrant_checkpointing_in_the_model_trains(pool4, layout):
+    """Blocks under torch.utils.checkpoint(use_reentrant=True): traced as plain code, the
+    compiled model trains like the plain one (which recomputes) on one device."""
+    spec = ("checkpointed", GPT)
+    r = pool4.run(train_and_compare, spec, _plan(spec, layout))[0]
+    assert r["ok"], r
+
+
+@pytest.mark.parametrize("layout", [None, "data-parallel", "megatron-tp x dp"])
+def test_batch_norm_statistics_in_train_and_eval(pool4, layout):
+    """BatchNorm trained 2 steps, then eval: losses in both modes, running mean and the
+    batch counter equal the plain model's (the counter does not move in eval)."""
+    model, x = bn_case()
+    plan = autopar.plan(model, autopar.Mesh(*MESH, device="cpu"), (x,), compare=False, layout=layout)
+    r = pool4.run(batch_norm_train_eval, plan.to_dict())[0]
+    assert r["train"] == pytest.approx(r["plain_train"], rel=1e-5)
+    assert r["eval"] == pytest.approx(r["plain_eval"], rel=1e-5)
+    assert r["running_mean"] < 1e-6
+    assert r["batches_tracked"] == (2, 2)
+
+
+def test_rank0_plans_once_per_job(pool4):
+    results = pool4.run(plan_once, GPT)
+    assert [r["planned"] for r in results] == [1, 0, 0, 0]
+    assert len(set(results[0]["hashes"])) == 1
+    assert all(r["loss"] == results[0]["loss"] for r in results)
