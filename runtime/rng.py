@@ -77,6 +77,7 @@ class RandomStreams:
                 key = _mix(key ^ _mix((a << 32) | self.groups.coordinate(a)))
             k = len(self.sites)
             self.sites.append((node.target, key))
+            node.meta["aten_target"] = node.target
             node.target = self.draw
             node.kwargs = {**node.kwargs, "_autopar_site": k}
             found += 1

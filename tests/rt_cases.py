@@ -55,6 +55,25 @@ def build_case(spec: tuple):
         cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, use_cache=False)
         model = LlamaForCausalLM(cfg)
+    elif kind == "hf-dropout":  # ("hf-dropout", family): a small model of that family with dropout 0.1 everywhere
+        import transformers as tf
+        family = spec[1]
+        common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, use_cache=False)
+        if family == "gpt2":
+            model = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=128, n_positions=64, n_embd=64, n_layer=2, n_head=4,
+                                                     use_cache=False, resid_pdrop=0.1, embd_pdrop=0.1,
+                                                     attn_pdrop=0.1))
+        elif family == "bert":
+            model = tf.BertForMaskedLM(tf.BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2,
+                                                     num_attention_heads=4, intermediate_size=128,
+                                                     hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1))
+        elif family == "llama":
+            model = tf.LlamaForCausalLM(tf.LlamaConfig(num_key_value_heads=2, attention_dropout=0.1, **common))
+        elif family == "qwen2":
+            model = tf.Qwen2ForCausalLM(tf.Qwen2Config(num_key_value_heads=2, attention_dropout=0.1, **common))
+        else:
+            raise ValueError(family)
     else:
         raise ValueError(kind)
     return model, (), {"input_ids": ids, "labels": ids}

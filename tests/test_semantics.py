@@ -186,3 +186,63 @@ def test_rank0_plans_once_per_job(pool4):
     assert [r["planned"] for r in results] == [1, 0, 0, 0]
     assert len(set(results[0]["hashes"])) == 1
     assert all(r["loss"] == results[0]["loss"] for r in results)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert", "qwen2"])
+def test_hugging_face_dropout_train_eval_and_per_rank_seeds(pool4, family):
+    """Hugging Face models with dropout 0.1 (hidden, attention, embeddings) under Megatron x DP:
+    eval equals the plain model, train draws masks, and per-rank seeds leave every replica
+    identical after 3 steps."""
+    spec = ("hf-dropout", family)
+    r = pool4.run(eval_then_train, spec, "megatron-tp x dp", MESH[0])[0]
+    for value in r["eval"] + [r["train_then_eval"], r["no_grad"], r["inference_mode"]]:
+        assert value == pytest.approx(r["plain_eval"], rel=1e-5, abs=1e-6)
+    assert r["train"][0] != r["train"][1]
+    plan = _plan(spec, "megatron-tp x dp")
+    s = pool4.run(per_rank_seeds, spec, plan)[0]
+    assert all(l == s["losses"][0] for l in s["losses"])
+    for name, placements in autopar.Plan.from_dict(plan).param_placements.items():
+        by_piece: dict = {}
+        for coord, shards in zip(s["coord"], s["shards"]):
+            by_piece.setdefault(tuple(c for c, p in zip(coord, placements) if hasattr(p, "dim")), set()).add(
+                shards[name])
+        assert all(len(d) == 1 for d in by_piece.values()), f"{name} diverged across replicas"
+
+
+class _TrainOnly(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.fc(x)
+        if self.training:
+            y = y + 1.0
+        return y.sum()
+
+
+def test_eval_graph_with_other_ops_is_named():
+    from autopar.passes.modes import ModeError, mode_switch
+    from autopar.trace import trace
+    model, x = _TrainOnly(), torch.randn(2, 4)
+    train, evaluated = trace(model, (x,)), trace(model, (x,), mode="eval")
+    switch = mode_switch(train.graph, evaluated.graph, train.buffers)
+    assert "module 'fc'" in switch.reason or "add" in switch.reason
+    with pytest.raises(ModeError, match="cannot run the compiled model in eval mode"):
+        switch.apply(train.graph, training=False)
+    switch.apply(train.graph, training=True)  # the training graph is always available
+
+
+def test_mode_switch_records_flags_and_buffer_updates():
+    from autopar.passes.modes import mode_switch
+    from autopar.trace import trace
+    model, x = bn_case()
+    model.drop = torch.nn.Dropout(0.2)
+    model.forward = lambda x: model.fc2(model.drop(torch.relu(model.bn(model.fc1(x))))).sum()
+    train, evaluated = trace(model, (x,), cache=False), trace(model, (x,), cache=False, mode="eval")
+    switch = mode_switch(train.graph, evaluated.graph, train.buffers)
+    assert switch.reason == ""
+    flags = sorted((w, t, e) for sw in switch.switches.values() for w, t, e in sw.args)
+    assert flags == [("train", True, False), ("training", True, False)]
+    assert sum(sw.skip for sw in switch.switches.values()) == 1   # num_batches_tracked += 1
+    assert model.training  # tracing in eval mode gave every module its flag back
