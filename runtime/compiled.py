@@ -12,6 +12,7 @@ local shards.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 import weakref
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Replicate, Shard
 from torch.utils import _pytree as pytree
 
 import autopar
@@ -440,6 +441,59 @@ class CompiledModel(nn.Module):
         """
         _loss_of(loss).backward()
         self._grad_sync.finish()
+
+    # --- gradient norms ------------------------------------------------------------------------
+    def _local_grads(self):
+        """(key, this rank's reduced gradient piece) of every trainable parameter that has one:
+        the local gradient, or the ZeRO-2 chunk."""
+        for key, p in self.shards.items():
+            if p.requires_grad:
+                g = self._grad_sync.zero_grads.get(key)
+                g = p.grad if g is None else g
+                if g is not None:
+                    yield key, g
+
+    def _copies(self, key: str) -> int:
+        """How many ranks hold the same piece of parameter `key`'s gradient as this rank: the
+        sizes of the mesh axes it is whole on, less those a ZeRO-2 chunk splits."""
+        lay = self.zero_layouts.get(key)
+        chunked = set(lay.reduce_axes + lay.rest_axes) if lay is not None and lay.stage == 2 else set()
+        placements = self.plan.param_placements[self._names[key]]
+        return math.prod(self.groups.size(a) for a, p in enumerate(placements)
+                         if not isinstance(p, Shard) and a not in chunked)
+
+    @torch.no_grad()
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The norm of the whole model's gradient, as torch.nn.utils.get_total_norm computes
+        it on one device: every shard counted once (pieces held by several ranks divided by
+        their number of copies), one all-reduce over all ranks.  Call after train_step."""
+        norm_type = float(norm_type)
+        device = _device(self.device_type)
+        grads = list(self._local_grads())
+        if math.isinf(norm_type):
+            local = torch.stack([g.detach().abs().max().double() for _, g in grads]).max() if grads else \
+                torch.zeros((), dtype=torch.float64)
+            local = local.to(device)
+            dist.all_reduce(local, op=dist.ReduceOp.MAX)
+            return local.float()
+        local = torch.zeros((), dtype=torch.float64, device=device)
+        for key, g in grads:
+            local += g.detach().double().norm(norm_type).pow(norm_type).to(device) / self._copies(key)
+        dist.all_reduce(local)
+        return local.pow(1.0 / norm_type).float()
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ for the compiled model: the whole gradient's norm
+        (grad_norm), and every gradient piece scaled by min(1, max_norm / (norm + 1e-6)).
+        Returns the norm before clipping.  (torch's own function over cm.parameters() sees
+        only this rank's shards: its norm is not the model's.)"""
+        total = self.grad_norm(norm_type)
+        scale = (float(max_norm) / (total.item() + 1e-6))
+        if scale < 1.0:
+            for _, g in self._local_grads():
+                g.mul_(scale)
+        return total
 
     def no_sync(self):
         """Micro-steps inside `with cm.no_sync():` accumulate gradients without reducing them;

@@ -201,6 +201,7 @@ class PipelinedModel(CompiledModel):
         self._meta = {name: (params[name][0], self._compute_dtype_of(params[name][1])) for name in self._owner}
         self._trainable = {name for name, (_, _, grad) in params.items() if grad}
         self._tied = self._tied_groups(readers)
+        self._groups_reading = {_key(name): len(gs) for name, gs in readers.items()}
         self.stage_modules = []
         pipeline_stages = []
         for st in stages:
@@ -236,6 +237,10 @@ class PipelinedModel(CompiledModel):
         log.info("pipelined %d stages (%s, %d microbatches); this rank holds stages %s of device group %d",
                  self._n_stages, self._schedule_name, self._n_mb, [s.index for s in stages
                                                                    if s.index % self._n_groups == group], group)
+
+    def _copies(self, key: str) -> int:
+        """As CompiledModel._copies, times the device groups holding the weight (tied ones)."""
+        return super()._copies(key) * self._groups_reading.get(key, 1)
 
     def graphs(self) -> list:
         return [self.graph_module] + [m.graph_module for m in getattr(self, "stage_modules", [])]

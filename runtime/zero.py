@@ -222,6 +222,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         return f"ShardedOptimizer({self.optimizer!r})"
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """The compiled model's clip_grad_norm_ (every shard and ZeRO chunk counted once)."""
+        return self.cm.clip_grad_norm_(max_norm, norm_type)
+
     def _grad_of(self, key, p, lay):
         if lay is None:
             return p.grad

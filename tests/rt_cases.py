@@ -87,21 +87,24 @@ def _loss(out):
 _REFERENCE: dict = {}
 
 
-def reference(spec: tuple, steps: int):
-    """Single-device run: loss and gradients at every step, parameters at the end."""
-    key = (spec, steps)
+def reference(spec: tuple, steps: int, clip: float | None = None):
+    """Single-device run: loss and gradients at every step, parameters at the end; with
+    `clip`, gradients clipped to that norm before each step (their norms are in "norms")."""
+    key = (spec, steps, clip)
     if key not in _REFERENCE:
         model, args, kwargs = build_case(spec)
         opt = torch.optim.AdamW(model.parameters(), **OPTIM)
-        losses, grads = [], []
+        losses, grads, norms = [], [], []
         for _ in range(steps):
             loss = _loss(model(*args, **kwargs))
             loss.backward()
+            if clip is not None:
+                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
             losses.append(loss.item())
             grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
             opt.step()
             opt.zero_grad()
-        _REFERENCE[key] = (losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()})
+        _REFERENCE[key] = (losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}, norms)
     return _REFERENCE[key]
 
 
@@ -110,15 +113,21 @@ def excess(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(((a - b).abs() - (ATOL + RTOL * b.abs())).max())
 
 
-def train_and_compare(spec: tuple, plan_dict: dict, steps: int = 3) -> dict:
+def train_and_compare(spec: tuple, plan_dict: dict, steps: int = 3, clip: float | None = None) -> dict:
+    """Train `steps` AdamW steps under the plan and on one device; the worst differences.
+    clip: both clip gradients to that norm (cm.clip_grad_norm_ against torch's); the
+    gradients compared are the clipped ones, the norms in "norms" (compiled, one device)."""
     plan = Plan.from_dict(plan_dict)
-    losses, grads, params = reference(spec, steps)
+    losses, grads, params, norms = reference(spec, steps, clip)
     model, args, kwargs = build_case(spec)
     cm = autopar.compile(model, plan.device_mesh(), args, example_kwargs=kwargs or None, plan=plan)
     opt = cm.build_optimizer(torch.optim.AdamW, **OPTIM)
     worst = {"loss": 0.0, "grad": (-1.0, ""), "param": (-1.0, "")}
+    worst["norms"] = []
     for step in range(steps):
         loss = cm.train_step(*args, **kwargs)
+        if clip is not None:
+            worst["norms"].append((float(cm.clip_grad_norm_(clip)), norms[step]))
         worst["loss"] = max(worst["loss"], abs(loss.item() - losses[step]) - (ATOL + RTOL * abs(losses[step])))
         for name, g in cm.full_grads().items():
             e = excess(g, grads[step][name])
@@ -317,7 +326,7 @@ def zero3_regather_counts(plan_dict: dict, reshard: bool, spec: tuple = ("autopa
     prefetched, and gathered again in backward; and whether the gradients match one device."""
     plan = Plan.from_dict(plan_dict)
     model, args, _ = build_case(spec)
-    _, grads, _ = reference(spec, 1)
+    _, grads, _, _ = reference(spec, 1)
     cm = autopar.compile(model, plan.device_mesh(), args, plan=plan, reshard_after_forward=reshard)
     cm.train_step(*args)
     worst = max(excess(g, grads[0][n]) for n, g in cm.full_grads().items())
