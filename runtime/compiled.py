@@ -37,6 +37,7 @@ from autopar.precision import MixedPrecision, cast_for_trace, meta_inputs
 from autopar.trace import trace
 
 from .grad_sync import GradSync
+from .inputs import InputCheck, expected_inputs
 from .reshard import Regather
 from .rng import RandomStreams
 from .zero import ShardedOptimizer, all_gather_chunks, zero_layout
@@ -121,6 +122,7 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=N
         cm = CompiledModel(rewritten, plan, groups, shards, model, device_type, bucket_mb, precision)
         cm._regather = regather
         cm.input_layouts = rewritten.input_layouts
+        cm._check_inputs.layouts = rewritten.input_layouts
     cm.train(model.training)
     log.info("compiled %s for %s on rank %d in %.2fs", type(model).__name__, mesh, dist.get_rank(),
              time.perf_counter() - start)
@@ -137,6 +139,7 @@ class Rewritten:
     graph: object
     modes: ModeSwitch
     streams: RandomStreams
+    inputs: list          # runtime.inputs.Expected per user input
     input_layouts: list | None = None
 
 
@@ -151,6 +154,7 @@ def rewrite(model, plan: Plan, groups, example_inputs, example_kwargs, precision
     traced = trace(model, tuple(example_inputs), example_kwargs)
     evaluated = trace(model, tuple(example_inputs), example_kwargs, mode="eval")
     modes = mode_switch(traced.graph, evaluated.graph, traced.buffers)
+    expected = expected_inputs(traced.graph, traced.user_inputs)
     gm = traced.graph
     annotate(gm, plan, traced.params, traced.tied)
     input_layouts = local_input_layouts(gm, set(traced.user_inputs)) if local_inputs else None
@@ -160,7 +164,7 @@ def rewrite(model, plan: Plan, groups, example_inputs, example_kwargs, precision
     place_on(gm, device)
     streams = RandomStreams(seed_of_job, groups, device)
     streams.install(gm)
-    return Rewritten(traced, gm, modes, streams, input_layouts)
+    return Rewritten(traced, gm, modes, streams, expected, input_layouts)
 
 
 def initial_shards(model, placements: dict, groups, on_meta: bool, seed) -> dict:
@@ -277,6 +281,7 @@ class CompiledModel(nn.Module):
         gm, traced = rewritten.graph, rewritten.traced
         self._modes = rewritten.modes
         self._streams = rewritten.streams
+        self._check_inputs = InputCheck(rewritten.inputs, groups)
         self.precision = precision
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.plan = plan
@@ -370,6 +375,7 @@ class CompiledModel(nn.Module):
         if self._in_spec is not None and spec != self._in_spec:
             raise CompileError(f"inputs do not match the example inputs the model was compiled with "
                                f"(expected structure {self._in_spec}, got {spec})")
+        self._check_inputs(flat)
         device = next(iter(self.shards.values())).device if len(self.shards) else torch.device("cpu")
         inputs = iter(t.to(device) if isinstance(t, torch.Tensor) else t for t in flat)
         feed = []

@@ -191,6 +191,7 @@ class PipelinedModel(CompiledModel):
         self._n_groups = info["groups"]
         self._n_stages = len(stages)
         self._n_mb = info["microbatches"]
+        self._check_inputs.batch_scale = self._n_mb  # traced for one microbatch, called with the batch
         self._schedule_name = info["schedule"]
         self._pp_group = dm.get_group(STAGE_AXIS)
         self._last_group = (self._n_stages - 1) % self._n_groups
@@ -295,6 +296,7 @@ class PipelinedModel(CompiledModel):
             raise CompileError(f"inputs do not match the example inputs the model was compiled with "
                                f"(expected structure {self._in_spec}, got {spec})")
         names = [t for kind, t in zip((k for k, _ in self._order), self._placeholders) if kind == "input"]
+        self._check_inputs(flat)
         return {n: (t.to(self._device) if isinstance(t, torch.Tensor) else t) for n, t in zip(names, flat)}
 
     def _run_schedule(self, args, kwargs, train: bool) -> torch.Tensor:

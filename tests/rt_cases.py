@@ -348,3 +348,30 @@ def scheduler_on_sharded_optimizer(plan_dict: dict) -> dict:
         sched.step()
     return {"lr": opt.param_groups[0]["lr"], "is_optimizer": isinstance(opt, torch.optim.Optimizer),
             "states": len(opt.state_dict()["state"])}
+
+
+def bad_inputs(spec: tuple, plan_dict: dict, case: str) -> str:
+    """Compile, then feed inputs broken as `case` says; the error this rank raised ('' if none)."""
+    plan = Plan.from_dict(plan_dict)
+    model, args, kwargs = build_case(spec)
+    cm = autopar.compile(model, plan.device_mesh(), args, example_kwargs=kwargs or None, plan=plan)
+    rank = torch.distributed.get_rank()
+    ids, rest = args[0], args[1:]
+    if case == "per-rank batch":           # the DDP habit: each rank its own batch
+        ids = torch.randint(0, 128, ids.shape, generator=torch.Generator().manual_seed(10 + rank))
+    elif case == "shape":                   # a batch other than the compiled one
+        ids = ids[:2]
+    elif case == "shape on one rank":
+        ids = ids[:2] if rank == 3 else ids
+    elif case == "token out of range":
+        ids = ids.clone()
+        ids[0, 0] = 1000
+    elif case == "nan on one rank":         # a float input (the mlp's x) poisoned on rank 1
+        ids = ids.clone()
+        if rank == 1:
+            ids[0, 0] = float("nan")
+    try:
+        cm.train_step(ids, *rest)
+    except Exception as exc:  # noqa: BLE001 (the test reads the message)
+        return f"{type(exc).__name__}: {exc}"
+    return ""

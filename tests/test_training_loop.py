@@ -7,7 +7,7 @@ import functools
 import pytest
 
 import autopar
-from rt_cases import build_case, train_and_compare
+from rt_cases import bad_inputs, build_case, train_and_compare
 
 GPT = ("autopar", "gpt-tiny", ())
 MESH = ((2, 2), ("dp", "tp"))
@@ -46,3 +46,23 @@ def test_clip_grad_norm_with_pipeline_stages(pool4):
     assert r["ok"], r
     for mine, theirs in r["norms"]:
         assert mine == pytest.approx(theirs, rel=1e-5)
+
+
+@pytest.mark.parametrize("case,layout,expected", [
+    ("per-rank batch", "data-parallel", "InputError: rank 1 passed a different input .*local_inputs=True"),
+    ("shape", "megatron-tp x dp", r"InputError: input '\w+' has shape \(2, 16\) torch.int64; the model was "
+                                  r"compiled for \(4, 16\)"),
+    ("shape on one rank", "data-parallel", "InputError: rank 3 passed a different input"),
+    ("token out of range", "megatron-tp (all axes)", "IndexError: index out of range in self: input 'idx' holds "
+                                                     "id 1000, outside the 128 rows of the embedding in 'wte'"),
+])
+def test_bad_inputs_fail_on_every_rank_with_their_name(pool4, case, layout, expected):
+    import re
+    errors = pool4.run(bad_inputs, GPT, _plan(GPT, layout), case)
+    assert all(re.search(expected, e) for e in errors), errors
+
+
+def test_nan_on_one_rank_is_caught(pool4):
+    spec = ("autopar", "mlp", (("hidden", 32), ("batch", 16)))
+    errors = pool4.run(bad_inputs, spec, _plan(spec, None), "nan on one rank")
+    assert all("rank 1 passed a different input" in e for e in errors), errors
