@@ -11,6 +11,7 @@ local shards.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -47,6 +48,12 @@ log = logging.getLogger("autopar")
 
 class CompileError(RuntimeError):
     """The model, mesh, plan or process group do not fit together; the message says how."""
+
+
+class UnevenInputs(RuntimeError):
+    """Inside `cm.join()`, some rank ran out of batches while this one still had some: every
+    rank with batches left stops at the same step with this error (instead of waiting
+    forever in a collective its finished peer never enters)."""
 
 
 def ensure_process_group() -> None:
@@ -417,11 +424,54 @@ class CompiledModel(nn.Module):
                if isinstance(t, torch.Tensor) and (layout := next(tensors)) is not None else t for t in flat]
         return pytree.tree_unflatten(out, spec)
 
+    # --- uneven data ----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def join(self):
+        """For loops whose ranks may have different numbers of batches:
+
+            with cm.join():
+                for batch in loader:         # some ranks may run out first
+                    cm.train_step(*batch); opt.step(); opt.zero_grad()
+
+        Inside, every train_step first sums one flag over all ranks.  A rank that leaves the
+        loop answers its peers' next flag with 0; the ranks that still have batches then
+        raise UnevenInputs at that step, all of them, and the finished ranks end cleanly.
+        (Every rank computes part of every step, so a rank without data cannot stand in for
+        one; give all ranks the same number of batches, e.g. drop_last=True, to use them all.)"""
+        self._steps_in_join = 0
+        self._joined = True
+        try:
+            yield self
+        except BaseException:
+            self._joined = False
+            raise
+        self._joined = False
+        flag = torch.zeros((), dtype=torch.int64, device=_device(self.device_type))
+        dist.all_reduce(flag)  # pairs with the flag of a peer's next step (0: they are done too)
+        if flag.item():
+            log.warning("rank %d ran out of batches after %d steps; %d rank(s) had more and stopped",
+                        dist.get_rank(), self._steps_in_join, flag.item())
+
+    def _check_joined(self) -> None:
+        if not getattr(self, "_joined", False):
+            return
+        flag = torch.ones((), dtype=torch.int64, device=_device(self.device_type))
+        dist.all_reduce(flag)
+        if flag.item() < dist.get_world_size():
+            self._joined = False
+            raise UnevenInputs(f"{dist.get_world_size() - flag.item()} rank(s) ran out of batches before step "
+                               f"{self._steps_in_join} of this cm.join() block while rank {dist.get_rank()} had "
+                               f"more; every rank with batches left stopped here. Catch "
+                               f"autopar.runtime.compiled.UnevenInputs to end the epoch, or give every rank the "
+                               f"same number of batches (DistributedSampler(..., drop_last=True))")
+        self._steps_in_join += 1
+
     def train_step(self, *args, **kwargs) -> torch.Tensor:
         """Forward, backward and gradient synchronisation; returns the loss (detached).
 
         When the loss leaves the graph as a Partial sum over ranks, its all-reduce runs
         asynchronously while backward runs (backward only needs this rank's part)."""
+        self._check_joined()
         flat = self._run(args, kwargs)
         loss = _loss_of(self._structure(flat))
         k = next((i for i, t in enumerate(flat) if t is loss), None)

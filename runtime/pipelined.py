@@ -322,6 +322,7 @@ class PipelinedModel(CompiledModel):
     def train_step(self, *args, **kwargs) -> torch.Tensor:
         """One step of the plan's schedule on the global batch: forward and backward of every
         microbatch, gradient synchronisation; returns the batch's loss on every rank."""
+        self._check_joined()
         loss = self._run_schedule(args, kwargs, train=True)
         self._grad_sync.finish()
         self._sum_tied_grads()

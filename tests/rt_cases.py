@@ -375,3 +375,26 @@ def bad_inputs(spec: tuple, plan_dict: dict, case: str) -> str:
     except Exception as exc:  # noqa: BLE001 (the test reads the message)
         return f"{type(exc).__name__}: {exc}"
     return ""
+
+
+def uneven_batches(spec: tuple, plan_dict: dict) -> dict:
+    """Rank 3 has 2 batches, the others 3, inside cm.join(): what each rank saw."""
+    from autopar.runtime.compiled import UnevenInputs
+    plan = Plan.from_dict(plan_dict)
+    model, args, kwargs = build_case(spec)
+    cm = autopar.compile(model, plan.device_mesh(), args, example_kwargs=kwargs or None, plan=plan)
+    opt = cm.build_optimizer(torch.optim.AdamW, **OPTIM)
+    n = 2 if torch.distributed.get_rank() == 3 else 3
+    done, error = 0, ""
+    try:
+        with cm.join():
+            for _ in range(n):
+                cm.train_step(*args, **kwargs)
+                opt.step()
+                opt.zero_grad()
+                done += 1
+    except UnevenInputs as exc:
+        error = str(exc)
+    # the job goes on afterwards: one more step together (nobody is stuck in a collective)
+    after = cm.train_step(*args, **kwargs).item()
+    return {"steps": done, "error": error, "after": after}

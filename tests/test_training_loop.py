@@ -7,7 +7,7 @@ import functools
 import pytest
 
 import autopar
-from rt_cases import bad_inputs, build_case, train_and_compare
+from rt_cases import bad_inputs, build_case, train_and_compare, uneven_batches
 
 GPT = ("autopar", "gpt-tiny", ())
 MESH = ((2, 2), ("dp", "tp"))
@@ -66,3 +66,15 @@ def test_nan_on_one_rank_is_caught(pool4):
     spec = ("autopar", "mlp", (("hidden", 32), ("batch", 16)))
     errors = pool4.run(bad_inputs, spec, _plan(spec, None), "nan on one rank")
     assert all("rank 1 passed a different input" in e for e in errors), errors
+
+
+@pytest.mark.parametrize("layout", ["data-parallel", "megatron-tp x dp"])
+def test_uneven_batches_end_cleanly_inside_join(pool4, layout):
+    import time
+    start = time.perf_counter()
+    results = pool4.run(uneven_batches, GPT, _plan(GPT, layout))
+    assert time.perf_counter() - start < 60
+    assert [r["steps"] for r in results] == [2, 2, 2, 2]
+    assert [bool(r["error"]) for r in results] == [True, True, True, False]
+    assert "1 rank(s) ran out of batches before step 2" in results[0]["error"]
+    assert len({r["after"] for r in results}) == 1
