@@ -16,6 +16,10 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 FORMAT_VERSION = 1
 
 
+class PlanFileError(ValueError):
+    """A plan file that cannot be used; the message names the file and the problem."""
+
+
 def placement_str(p) -> str:
     if isinstance(p, Shard):
         return f"S({p.dim})"
@@ -129,6 +133,7 @@ class Plan:
     precision: dict | None = None                   # MixedPrecision.to_dict(), None: the model's dtypes
     pipeline: dict | None = None                    # stages, schedule, microbatches (autopar.pipeline.search)
     frozen: tuple = ()                              # parameters planned without gradient (requires_grad=False)
+    graph: str = ""                                 # autopar.trace.graph_signature of the graph planned
 
     def device_mesh(self):
         """The Mesh to compile this plan on: the whole mesh of a pipelined plan (whose `mesh`
@@ -196,6 +201,7 @@ class Plan:
             "param_states": {k: {"stage": v.stage, "axes": list(v.axes), "offload": v.offload}
                              for k, v in self.param_states.items()},
             "precision": self.precision, "pipeline": self.pipeline, "frozen": list(self.frozen),
+            "graph": self.graph,
         }
 
     def to_json(self) -> str:
@@ -227,16 +233,38 @@ class Plan:
                    timing=d.get("timing", {}),
                    param_states={k: ParamState(v["stage"], tuple(v["axes"]), v["offload"])
                                  for k, v in d.get("param_states", {}).items()},
-                   precision=d.get("precision"), pipeline=d.get("pipeline"), frozen=tuple(d.get("frozen", ())))
+                   precision=d.get("precision"), pipeline=d.get("pipeline"), frozen=tuple(d.get("frozen", ())),
+                   graph=d.get("graph", ""))
 
     def save(self, path) -> None:
+        """JSON with a checksum of the plan, so that a file edited by hand is refused at load."""
         with open(path, "w") as f:
-            f.write(self.to_json())
+            f.write(json.dumps(dict(self.to_dict(), checksum=self.hash()), indent=1))
 
     @classmethod
     def load(cls, path) -> "Plan":
+        """A plan saved by Plan.save; PlanFileError names the file and what is wrong with it."""
         with open(path) as f:
-            return cls.from_dict(json.load(f))
+            text = f.read()
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PlanFileError(f"plan file {path} is not valid JSON (line {exc.lineno}, column {exc.colno}: "
+                                f"{exc.msg}); save plans with plan.save(path), or plan again") from None
+        if not isinstance(d, dict):
+            raise PlanFileError(f"plan file {path} holds a {type(d).__name__}, not a plan; plan again")
+        checksum = d.pop("checksum", None)
+        try:
+            plan = cls.from_dict(d)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PlanFileError(f"plan file {path} is not a plan this autopar can read ({type(exc).__name__}: "
+                                f"{exc}); plan again with this version") from None
+        if checksum is not None and checksum != plan.hash():
+            raise PlanFileError(f"plan file {path} was changed after it was saved (its checksum {checksum} does "
+                                f"not match its contents {plan.hash()}): a hand-edited placement or strategy can "
+                                f"make the passes produce wrong shapes. Fix the choice with autopar.plan(..., "
+                                f"layout=...) or memory_budget instead, or plan again")
+        return plan
 
     # --- printing ---------------------------------------------------------------------------
     def __str__(self) -> str:

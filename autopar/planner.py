@@ -12,7 +12,7 @@ from .mesh import Mesh, parse_bytes
 from .plan import Collective, NodeChoice, ParamState, Plan, Prediction
 from .problem import Problem, reduce_problem
 from .solver import InfeasibleError, solve
-from .trace import trace
+from .trace import graph_signature, trace
 
 log = logging.getLogger("autopar")
 
@@ -167,7 +167,8 @@ def _make_plan(problem, model, mesh, choice, sol, origin, compared, budget, timi
                 layers=tuple((p, tuple(ix)) for p, ix in problem.layer_groups), grad_sums=grad_sums,
                 origin=origin, timing=timing, param_states={k: states[k] for k in _order_params(model, states)},
                 precision=problem.precision.to_dict() if problem.precision is not None else None,
-                frozen=tuple(n for n, p in model.named_parameters() if not p.requires_grad))
+                frozen=tuple(n for n, p in model.named_parameters() if not p.requires_grad),
+                graph=graph_signature(problem.traced.graph))
 
 
 def _order_params(model, params: dict) -> dict:

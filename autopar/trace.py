@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import logging
 import time
 from dataclasses import dataclass
@@ -169,3 +170,14 @@ def _trace(model: torch.nn.Module | fx.GraphModule, example_inputs: tuple, examp
     for name, p in model.named_parameters(remove_duplicate=False):
         tied[name] = first.setdefault(id(p), name)
     return Traced(gm, params, buffers, list(sig.user_inputs), tied, ep.call_spec.in_spec, ep.call_spec.out_spec)
+
+
+def graph_signature(gm: fx.GraphModule) -> str:
+    """A short digest of a traced graph's nodes, ops and tensor shapes: a plan records it,
+    and compile refuses a plan whose model traces to another graph (another size, say)."""
+    parts = []
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None
+        parts.append((node.op, node.name, str(node.target), shape, str(getattr(val, "dtype", ""))))
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]

@@ -27,7 +27,7 @@ from torch.utils import _pytree as pytree
 
 import autopar
 from autopar.mesh import Mesh
-from autopar.passes.annotate import annotate
+from autopar.passes.annotate import PlanMismatch, annotate
 from autopar.passes.collectives import insert_collectives, local_input_layouts, move
 from autopar.passes.localize import localize, place_on
 from autopar.passes.modes import ModeSwitch, mode_switch
@@ -35,7 +35,7 @@ from autopar.passes.redistribute import MeshGroups, redistribute_local
 from autopar.passes.shard_params import init_sharded, shard_full_model
 from autopar.plan import Plan
 from autopar.precision import MixedPrecision, cast_for_trace, meta_inputs
-from autopar.trace import trace
+from autopar.trace import graph_signature, trace
 
 from .grad_sync import GradSync
 from .inputs import InputCheck, expected_inputs
@@ -159,6 +159,10 @@ def rewrite(model, plan: Plan, groups, example_inputs, example_kwargs, precision
         example_inputs, example_kwargs = meta_inputs((tuple(example_inputs), example_kwargs))
         model = cast_for_trace(model, precision.param_dtype)
     traced = trace(model, tuple(example_inputs), example_kwargs)
+    if plan.graph and plan.graph != graph_signature(traced.graph):
+        raise PlanMismatch(f"the plan was made for another graph than this model traces to (graph signature "
+                           f"{plan.graph}, this model's {graph_signature(traced.graph)}): another model, size, "
+                           f"input shape or dtype. Plan again for this model and these inputs")
     evaluated = trace(model, tuple(example_inputs), example_kwargs, mode="eval")
     modes = mode_switch(traced.graph, evaluated.graph, traced.buffers)
     expected = expected_inputs(traced.graph, traced.user_inputs)

@@ -398,3 +398,14 @@ def uneven_batches(spec: tuple, plan_dict: dict) -> dict:
     # the job goes on afterwards: one more step together (nobody is stuck in a collective)
     after = cm.train_step(*args, **kwargs).item()
     return {"steps": done, "error": error, "after": after}
+
+
+def compile_other_size(spec_planned: tuple, plan_dict: dict, spec_model: tuple) -> str:
+    """Compile the model of `spec_model` with a plan made for `spec_planned`; the error."""
+    plan = Plan.from_dict(plan_dict)
+    model, args, kwargs = build_case(spec_model)
+    try:
+        autopar.compile(model, plan.device_mesh(), args, example_kwargs=kwargs or None, plan=plan)
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+    return ""

@@ -7,7 +7,7 @@ import functools
 import pytest
 
 import autopar
-from rt_cases import bad_inputs, build_case, train_and_compare, uneven_batches
+from rt_cases import bad_inputs, build_case, compile_other_size, train_and_compare, uneven_batches
 
 GPT = ("autopar", "gpt-tiny", ())
 MESH = ((2, 2), ("dp", "tp"))
@@ -78,3 +78,31 @@ def test_uneven_batches_end_cleanly_inside_join(pool4, layout):
     assert [bool(r["error"]) for r in results] == [True, True, True, False]
     assert "1 rank(s) ran out of batches before step 2" in results[0]["error"]
     assert len({r["after"] for r in results}) == 1
+
+
+def test_plan_files_name_their_problem(tmp_path):
+    from autopar.plan import PlanFileError
+    plan = autopar.Plan.from_dict(_plan(GPT, "megatron-tp x dp"))
+    good = tmp_path / "plan.json"
+    plan.save(good)
+    assert autopar.Plan.load(good) == plan
+    corrupt = tmp_path / "corrupt.json"
+    corrupt.write_text(good.read_text()[:-40])
+    with pytest.raises(PlanFileError, match=f"plan file {corrupt} is not valid JSON"):
+        autopar.Plan.load(corrupt)
+    import json
+    edited = json.loads(good.read_text())  # a parameter's shard changed by hand
+    edited["param_placements"]["blocks.0.attn.q.weight"] = ["R", "S(1)"]
+    (tmp_path / "edited.json").write_text(json.dumps(edited))
+    with pytest.raises(PlanFileError, match="was changed after it was saved"):
+        autopar.Plan.load(tmp_path / "edited.json")
+    del edited["nodes"]
+    (tmp_path / "broken.json").write_text(json.dumps(edited))
+    with pytest.raises(PlanFileError, match="is not a plan this autopar can read"):
+        autopar.Plan.load(tmp_path / "broken.json")
+
+
+def test_plan_for_another_size_is_refused_before_building(pool4):
+    wide = ("autopar", "gpt-tiny", (("hidden", 128),))
+    errors = pool4.run(compile_other_size, wide, _plan(wide, "megatron-tp x dp"), GPT)
+    assert all(e.startswith("PlanMismatch: the plan was made for another graph") for e in errors), errors
