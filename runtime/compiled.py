@@ -41,6 +41,7 @@ from .grad_sync import GradSync
 from .inputs import InputCheck, expected_inputs
 from .reshard import Regather
 from .rng import RandomStreams
+from .whole_params import ELEMENTWISE, WholeParamOptimizer
 from .zero import ShardedOptimizer, all_gather_chunks, zero_layout
 
 log = logging.getLogger("autopar")
@@ -560,11 +561,30 @@ class CompiledModel(nn.Module):
         the next `train_step` outside reduces the sum."""
         return self._grad_sync.no_sync()
 
-    def build_optimizer(self, cls=torch.optim.AdamW, **kwargs):
-        """Any torch optimizer over what this rank owns of the parameters: its shards, their
-        ZeRO-1/2 chunks, or their float32 master weights (runtime/zero.py).  Elementwise
-        optimizers such as Adam then behave exactly as on the whole model.  The result has
-        step, zero_grad, param_groups, state_dict and load_state_dict."""
+    def build_optimizer(self, cls=torch.optim.AdamW, elementwise: bool | None = None, **kwargs):
+        """Any torch optimizer over what this rank owns of the parameters.  An elementwise
+        one (runtime/whole_params.ELEMENTWISE, or elementwise=True) runs on this rank's
+        shards, their ZeRO-1/2 chunks or their float32 master weights (runtime/zero.py) and
+        computes exactly what it computes on the whole model.  Any other (Adafactor, ...)
+        runs on whole parameters, each on one owner rank (runtime/whole_params.py), unless
+        every parameter is whole here anyway.  The result has step, zero_grad, param_groups,
+        state_dict and load_state_dict."""
+        if elementwise is None:
+            elementwise = cls in ELEMENTWISE
+        pieces = bool(self.zero_layouts) or any(
+            isinstance(p, Shard) for k, q in self.shards.items() if q.requires_grad
+            for p in self.plan.param_placements[self._names[k]])
+        if not elementwise and pieces:
+            if self.masters or getattr(self, "pipeline_stages", None):
+                raise CompileError(f"{cls.__name__} reads whole parameters (it is not in autopar's list of "
+                                   f"elementwise optimizers), and this plan splits them; running it on whole "
+                                   f"parameters is not supported with mixed precision, offload or pipeline "
+                                   f"stages yet. Use an elementwise optimizer (e.g. AdamW), a plan that keeps "
+                                   f"weights whole, or pass elementwise=True if {cls.__name__} is elementwise")
+            optimizer = WholeParamOptimizer(self, cls, **kwargs)
+            self._optimizers.append(weakref.ref(optimizer))
+            log.info("%s runs on whole parameters (%s)", cls.__name__, optimizer)
+            return optimizer
         if not self.zero_layouts and not self.masters:
             trained = [p for p in self.shards.values() if p.requires_grad]
             if not trained:
@@ -617,38 +637,56 @@ class CompiledModel(nn.Module):
         return redistribute_local(local.detach(), tuple(placements), tuple(Replicate() for _ in placements),
                                   self.groups)
 
+    def full_shape(self, key: str) -> tuple:
+        """The whole shape of parameter `key` (a key of self.shards)."""
+        shape = list(self.shards[key].shape)
+        for axis, p in enumerate(self.plan.param_placements[self._names[key]]):
+            if isinstance(p, Shard):
+                shape[p.dim] *= self.groups.size(axis)
+        return tuple(shape)
+
+    def whole_value(self, key: str, master: bool = False) -> torch.Tensor:
+        """Parameter `key` whole on every rank (collectives on every rank).  master=True: the
+        float32 master weights where the optimizer keeps them, gathered from their chunks."""
+        p = self.shards[key]
+        local = p
+        if master and key in self.masters:
+            lay = self.zero_layouts.get(key)
+            m = self.masters[key].detach().to(p.device)
+            if lay is None:
+                local = m
+            else:
+                local = torch.zeros(p.shape, dtype=m.dtype, device=p.device)
+                local.view(-1)[lay.start: lay.end] = m
+                all_gather_chunks([local], [lay], self.groups)
+        return self._full(self._names[key], local)
+
+    def whole_grad(self, key: str) -> torch.Tensor | None:
+        """Parameter `key`'s reduced gradient whole on every rank (ZeRO-2 chunks gathered);
+        None before any backward."""
+        p = self.shards[key]
+        grad = p.grad
+        chunk = self._grad_sync.zero_grads.get(key)
+        if chunk is not None:
+            lay = self.zero_layouts[key]
+            grad = torch.zeros_like(p, dtype=chunk.dtype)
+            grad.view(-1)[lay.start: lay.end] = chunk
+            all_gather_chunks([grad], [lay], self.groups)
+        return None if grad is None else self._full(self._names[key], grad)
+
     def full_state_dict(self, master: bool = False) -> dict[str, torch.Tensor]:
         """Every parameter whole, under its name in the original model (on every rank).
         master=True: the float32 master weights where the optimizer keeps them (mixed
         precision, offload), gathered from their ZeRO chunks."""
-        out = {}
-        for k, p in self.shards.items():
-            local = p
-            if master and k in self.masters:
-                lay = self.zero_layouts.get(k)
-                m = self.masters[k].detach().to(p.device)
-                if lay is None:
-                    local = m
-                else:
-                    local = torch.zeros(p.shape, dtype=m.dtype, device=p.device)
-                    local.view(-1)[lay.start: lay.end] = m
-                    all_gather_chunks([local], [lay], self.groups)
-            out[self._names[k]] = self._full(self._names[k], local).cpu()
-        return out
+        return {self._names[k]: self.whole_value(k, master).cpu() for k in self.shards}
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Every parameter's reduced gradient whole (ZeRO-2 chunks gathered), on every rank."""
         out = {}
-        for k, p in self.shards.items():
-            grad = p.grad
-            chunk = self._grad_sync.zero_grads.get(k)
-            if chunk is not None:
-                lay = self.zero_layouts[k]
-                grad = torch.zeros_like(p, dtype=chunk.dtype)
-                grad.view(-1)[lay.start: lay.end] = chunk
-                all_gather_chunks([grad], [lay], self.groups)
+        for k in self.shards:
+            grad = self.whole_grad(k)
             if grad is not None:
-                out[self._names[k]] = self._full(self._names[k], grad).cpu()
+                out[self._names[k]] = grad.cpu()
         return out
 
     def load_full_state_dict(self, state: dict) -> None:

@@ -87,13 +87,17 @@ def _loss(out):
 _REFERENCE: dict = {}
 
 
-def reference(spec: tuple, steps: int, clip: float | None = None):
+OPTIMIZERS = {"adamw": (torch.optim.AdamW, OPTIM), "adafactor": (torch.optim.Adafactor, dict(lr=1e-3))}
+
+
+def reference(spec: tuple, steps: int, clip: float | None = None, optim: str = "adamw"):
     """Single-device run: loss and gradients at every step, parameters at the end; with
     `clip`, gradients clipped to that norm before each step (their norms are in "norms")."""
-    key = (spec, steps, clip)
+    key = (spec, steps, clip, optim)
     if key not in _REFERENCE:
         model, args, kwargs = build_case(spec)
-        opt = torch.optim.AdamW(model.parameters(), **OPTIM)
+        cls, options = OPTIMIZERS[optim]
+        opt = cls(model.parameters(), **options)
         losses, grads, norms = [], [], []
         for _ in range(steps):
             loss = _loss(model(*args, **kwargs))
@@ -113,16 +117,18 @@ def excess(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(((a - b).abs() - (ATOL + RTOL * b.abs())).max())
 
 
-def train_and_compare(spec: tuple, plan_dict: dict, steps: int = 3, clip: float | None = None) -> dict:
+def train_and_compare(spec: tuple, plan_dict: dict, steps: int = 3, clip: float | None = None,
+                      optim: str = "adamw") -> dict:
     """Train `steps` AdamW steps under the plan and on one device; the worst differences.
     clip: both clip gradients to that norm (cm.clip_grad_norm_ against torch's); the
     gradients compared are the clipped ones, the norms in "norms" (compiled, one device)."""
     plan = Plan.from_dict(plan_dict)
-    losses, grads, params, norms = reference(spec, steps, clip)
+    losses, grads, params, norms = reference(spec, steps, clip, optim)
     model, args, kwargs = build_case(spec)
     cm = autopar.compile(model, plan.device_mesh(), args, example_kwargs=kwargs or None, plan=plan)
-    opt = cm.build_optimizer(torch.optim.AdamW, **OPTIM)
-    worst = {"loss": 0.0, "grad": (-1.0, ""), "param": (-1.0, "")}
+    cls, options = OPTIMIZERS[optim]
+    opt = cm.build_optimizer(cls, **options)
+    worst = {"loss": 0.0, "grad": (-1.0, ""), "param": (-1.0, ""), "optimizer": type(opt).__name__}
     worst["norms"] = []
     for step in range(steps):
         loss = cm.train_step(*args, **kwargs)

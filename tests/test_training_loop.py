@@ -106,3 +106,17 @@ def test_plan_for_another_size_is_refused_before_building(pool4):
     wide = ("autopar", "gpt-tiny", (("hidden", 128),))
     errors = pool4.run(compile_other_size, wide, _plan(wide, "megatron-tp x dp"), GPT)
     assert all(e.startswith("PlanMismatch: the plan was made for another graph") for e in errors), errors
+
+
+def test_adafactor_runs_on_whole_parameters(pool4):
+    """Adafactor factors its second moment over a matrix's rows and columns: on shards or
+    ZeRO chunks it would compute something else.  It runs on whole parameters (one owner
+    rank each) and 3 steps equal one device under ZeRO-2, ZeRO-3 and Megatron x DP."""
+    failures = []
+    for layout in ["zero2", "zero3", "megatron-tp x dp", None]:
+        r = pool4.run(train_and_compare, GPT, _plan(GPT, layout), 3, None, "adafactor")[0]
+        if not r["ok"]:
+            failures.append(f"{layout}: loss {r['loss']:.2e} grad {r['grad']} param {r['param']}")
+        if layout != None:
+            assert r["optimizer"] == "WholeParamOptimizer", layout
+    assert not failures, "\n".join(failures)
