@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils import _pytree as pytree
 
 import autopar
@@ -32,7 +32,7 @@ from autopar.passes.collectives import insert_collectives, local_input_layouts, 
 from autopar.passes.localize import localize, place_on
 from autopar.passes.modes import ModeSwitch, mode_switch
 from autopar.passes.redistribute import MeshGroups, redistribute_local
-from autopar.passes.shard_params import init_sharded, shard_full_model
+from autopar.passes.shard_params import init_sharded, shard_full_model, shard_of
 from autopar.plan import Plan
 from autopar.precision import MixedPrecision, cast_for_trace, meta_inputs
 from autopar.trace import graph_signature, trace
@@ -344,6 +344,20 @@ class CompiledModel(nn.Module):
                 order.append(("buffer", _key(name)))
             else:
                 order.append(("input", None))
+        # names the plain model's state_dict() has: tied aliases and persistent buffers (those the
+        # graph does not read are kept as they are, so a state dict is complete)
+        self._aliases = {n: traced.tied[n] for n, _ in model.named_parameters(remove_duplicate=False)
+                         if traced.tied.get(n, n) != n}
+        persistent = set(model.state_dict(keep_vars=True))
+        self._buffer_names = {}
+        for name, buf in model.named_buffers():
+            if name not in persistent:
+                continue
+            if not hasattr(self, _key(name)):
+                if buf.is_meta:
+                    continue
+                self.register_buffer(_key(name), buf.detach().clone().to(device), persistent=False)
+            self._buffer_names[name] = _key(name)
         self._order = order
         self._placeholders = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
         self._output_reduce = dict(gm._autopar_output_reduce)
@@ -675,10 +689,88 @@ class CompiledModel(nn.Module):
         return None if grad is None else self._full(self._names[key], grad)
 
     def full_state_dict(self, master: bool = False) -> dict[str, torch.Tensor]:
-        """Every parameter whole, under its name in the original model (on every rank).
+        """The plain model's state_dict(), whole, on every rank: every parameter (tied ones
+        under each of their names) and the persistent buffers (batch-norm statistics ...).
         master=True: the float32 master weights where the optimizer keeps them (mixed
         precision, offload), gathered from their ZeRO chunks."""
-        return {self._names[k]: self.whole_value(k, master).cpu() for k in self.shards}
+        out = {self._names[k]: self.whole_value(k, master).cpu() for k in self.shards}
+        return self._with_aliases_and_buffers(out)
+
+    def _with_aliases_and_buffers(self, params: dict) -> dict:
+        out = dict(params)
+        out.update({alias: params[name] for alias, name in self._aliases.items() if name in params})
+        out.update({name: getattr(self, key).detach().cpu() for name, key in self._buffer_names.items()})
+        return out
+
+    # --- sharded state (torch.distributed.checkpoint) -------------------------------------------
+    def state_dict(self, *args, **kwargs) -> dict:
+        """This rank's state under the plain model's names, for torch.distributed.checkpoint:
+        parameters as DTensors (this rank's shard, the plan's placements on the mesh),
+        persistent buffers as tensors (replicated).  The usual pattern works, and a
+        checkpoint saved under one plan or mesh loads under another:
+
+            dcp.save(cm.state_dict(), checkpoint_id=path)
+            state = cm.state_dict(); dcp.load(state, checkpoint_id=path); cm.load_state_dict(state)
+        """
+        self._sharded_state_supported()
+        out = {}
+        for k, p in self.shards.items():
+            name = self._names[k]
+            shape = self.full_shape(k)
+            out[name] = DTensor.from_local(p.detach(), self.groups.mesh, tuple(self.plan.param_placements[name]),
+                                           run_check=False, shape=torch.Size(shape),
+                                           stride=torch.empty(shape, device="meta").stride())
+        out.update({name: getattr(self, key).detach() for name, key in self._buffer_names.items()})
+        return out
+
+    def _sharded_state_supported(self) -> None:
+        if self.masters:
+            raise CompileError("state_dict() of a model with float32 master weights (mixed precision or "
+                               "offload) would save the low-precision compute copy; save "
+                               "full_state_dict(master=True) and load it with load_full_state_dict")
+
+    def load_state_dict(self, state: dict, strict: bool = True, assign: bool = False):
+        """Load a state dict under the plain model's names: DTensors (from state_dict() and
+        torch.distributed.checkpoint, any plan or mesh) or whole tensors (the plain model's
+        state_dict(), full_state_dict()).  strict: every parameter and buffer must be there
+        and nothing else."""
+        params = {self._names[k]: k for k in self.shards}
+        known = set(params) | set(self._aliases) | set(self._buffer_names)
+        missing = [n for n in list(params) + list(self._buffer_names) if n not in state and not any(
+            a in state for a, c in self._aliases.items() if c == n)]
+        unexpected = [n for n in state if n not in known]
+        if strict and (missing or unexpected):
+            raise KeyError(f"state dict does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        by_owner = {c: a for a, c in self._aliases.items()}
+        with torch.no_grad():
+            for name, k in params.items():
+                value = state.get(name, state.get(by_owner.get(name, ""), None))
+                if value is not None:
+                    self._load_param(k, value)
+            for name, key in self._buffer_names.items():
+                if name in state:
+                    value = state[name]
+                    value = value.full_tensor() if isinstance(value, DTensor) else value
+                    getattr(self, key).copy_(value.to(getattr(self, key).device))
+        return nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+    def _load_param(self, key: str, value) -> None:
+        """Parameter `key` set from a DTensor or a whole tensor (its master weights too)."""
+        p = self.shards[key]
+        placements = tuple(self.plan.param_placements[self._names[key]])
+        if isinstance(value, DTensor) and value.device_mesh == self.groups.mesh:
+            local = value.redistribute(self.groups.mesh, placements).to_local()
+        elif isinstance(value, DTensor):
+            local = shard_of(value.full_tensor().to(p.device), placements, self.groups)
+        else:
+            local = shard_of(value.to(p.device), placements, self.groups)
+        if local.data_ptr() != p.data_ptr():
+            p.copy_(local.to(p.device, p.dtype))
+        if key in self.masters:
+            m = self.masters[key]
+            lay = self.zero_layouts.get(key)
+            src = local.detach().reshape(-1)[lay.start: lay.end] if lay is not None else local.detach()
+            m.copy_(src.to(m.device, m.dtype).view_as(m))
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Every parameter's reduced gradient whole (ZeRO-2 chunks gathered), on every rank."""
@@ -690,15 +782,13 @@ class CompiledModel(nn.Module):
         return out
 
     def load_full_state_dict(self, state: dict) -> None:
-        from autopar.passes.shard_params import shard_of
-        missing = set(self._names.values()) - set(state)
+        """Load whole tensors (full_state_dict(), the plain model's state_dict()) into the
+        shards, master weights and buffers."""
+        self.load_state_dict(state, strict=False)
+        missing = [n for n in set(self._names.values()) if n not in state and not any(
+            a in state for a, c in self._aliases.items() if c == n)]
         if missing:
             raise KeyError(f"state dict lacks parameters {sorted(missing)[:5]}")
-        with torch.no_grad():
-            for k, p in self.shards.items():
-                name = self._names[k]
-                p.copy_(shard_of(state[name].to(p.device, p.dtype), self.plan.param_placements[name], self.groups))
-
 
 def _gather_counts(regathers) -> dict:
     out = {"sites": 0, "gathered": 0, "prefetched": 0, "regathered": 0}

@@ -368,8 +368,13 @@ class PipelinedModel(CompiledModel):
         return out
 
     def full_state_dict(self, master: bool = False) -> dict:
-        return self._across_groups(super().full_state_dict(master), torch.float32 if master and self.masters
-                                   else None)
+        mine = {self._names[k]: self.whole_value(k, master) for k in self.shards}
+        whole = self._across_groups(mine, torch.float32 if master and self.masters else None)
+        return self._with_aliases_and_buffers(whole)
+
+    def _sharded_state_supported(self) -> None:
+        raise CompileError("state_dict() of a pipelined model (DTensors over each device group's sub-mesh) is not "
+                           "supported yet; save full_state_dict() and load it with load_full_state_dict")
 
     def full_grads(self) -> dict:
         mine = super().full_grads()

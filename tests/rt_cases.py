@@ -30,6 +30,10 @@ def build_case(spec: tuple):
             if name.startswith(tuple(spec[2])):
                 p.requires_grad_(False)
         return model, args, kwargs
+    if kind == "bn":  # ("bn",): a Linear-BatchNorm-Linear net (tests/sem_cases.BNNet) on one batch
+        from sem_cases import bn_case
+        model, x = bn_case()
+        return model, (x,), {}
     if kind == "checkpointed":  # ("checkpointed", spec): each of its blocks under reentrant checkpointing
         import functools
 
@@ -237,8 +241,9 @@ def state_dict_round_trip(plan_dict: dict) -> float:
     new = {n: torch.randn_like(p) for n, p in cm.full_state_dict().items()}
     cm.load_full_state_dict(new)
     back = cm.full_state_dict()
-    assert set(back) == set(new) == {n for n, _ in model.named_parameters()}
-    return max(float((back[n] - new[n]).abs().max()) for n in new)
+    assert set(back) == set(new) == set(model.state_dict())  # tied aliases and buffers included
+    tied = {n: name for n, name in cm._aliases.items()}  # an alias takes its owner's value
+    return max(float((back[n] - new[tied.get(n, n)]).abs().max()) for n in new)
 
 
 def accumulate_vs_whole_batch(plan_dict: dict, micro: int = 4) -> dict:
@@ -415,3 +420,31 @@ def compile_other_size(spec_planned: tuple, plan_dict: dict, spec_model: tuple) 
     except Exception as exc:  # noqa: BLE001
         return f"{type(exc).__name__}: {exc}"
     return ""
+
+
+def checkpoint_round_trip(spec: tuple, plan_dict: dict, other_dict: dict, path: str) -> dict:
+    """Train one step under `plan_dict`, save cm.state_dict() with torch.distributed.checkpoint,
+    load it into the same model compiled under `other_dict` (another layout) and under the
+    same plan again; full state dicts compared with what was saved, and with the plain
+    model's keys."""
+    import torch.distributed.checkpoint as dcp
+    plan, other = Plan.from_dict(plan_dict), Plan.from_dict(other_dict)
+    model, args, kwargs = build_case(spec)
+    cm = autopar.compile(model, plan.device_mesh(), args, example_kwargs=kwargs or None, plan=plan)
+    opt = cm.build_optimizer(torch.optim.SGD, lr=0.1)
+    cm.train_step(*args, **kwargs)
+    opt.step()
+    saved = cm.full_state_dict()
+    dcp.save(cm.state_dict(), checkpoint_id=path)
+    out = {"keys_equal_plain": sorted(saved) == sorted(model.state_dict()), "worst": 0.0}
+    for target in (other, plan):
+        fresh, _, _ = build_case(spec)
+        cm2 = autopar.compile(fresh, target.device_mesh(), args, example_kwargs=kwargs or None, plan=target)
+        state = cm2.state_dict()
+        dcp.load(state, checkpoint_id=path)
+        cm2.load_state_dict(state)
+        back = cm2.full_state_dict()
+        out["worst"] = max([out["worst"]] + [float((back[n].float() - saved[n].float()).abs().max()) for n in saved])
+    fresh, _, _ = build_case(spec)
+    fresh.load_state_dict(saved, strict=True)  # the whole state dict fits the plain model
+    return out
