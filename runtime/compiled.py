@@ -37,6 +37,7 @@ from autopar.plan import Plan
 from autopar.precision import MixedPrecision, cast_for_trace, meta_inputs
 from autopar.trace import graph_signature, trace
 
+from .checkpoint import load_optimizer_state_dict, optimizer_state_dict
 from .grad_sync import GradSync
 from .inputs import InputCheck, expected_inputs
 from .reshard import Regather
@@ -722,6 +723,17 @@ class CompiledModel(nn.Module):
                                            stride=torch.empty(shape, device="meta").stride())
         out.update({name: getattr(self, key).detach() for name, key in self._buffer_names.items()})
         return out
+
+    def optimizer_state_dict(self, optimizer) -> dict:
+        """The state of an optimizer from build_optimizer under parameter names, per-element
+        state as DTensors (runtime/checkpoint.py): saved with torch.distributed.checkpoint
+        beside state(), it loads into another plan or mesh with load_optimizer_state_dict."""
+        self._sharded_state_supported()
+        return optimizer_state_dict(self, optimizer)
+
+    def load_optimizer_state_dict(self, optimizer, state: dict) -> None:
+        self._sharded_state_supported()
+        load_optimizer_state_dict(self, optimizer, state)
 
     def _sharded_state_supported(self) -> None:
         if self.masters:

@@ -448,3 +448,33 @@ def checkpoint_round_trip(spec: tuple, plan_dict: dict, other_dict: dict, path: 
     fresh, _, _ = build_case(spec)
     fresh.load_state_dict(saved, strict=True)  # the whole state dict fits the plain model
     return out
+
+
+def resume_across_layouts(spec: tuple, plan_dict: dict, other_dict: dict, path: str, steps: int = 3) -> dict:
+    """One AdamW step under `plan_dict`, model and optimizer saved with
+    torch.distributed.checkpoint, loaded under `other_dict`, the remaining steps there;
+    the worst difference from `steps` uninterrupted steps on one device."""
+    import torch.distributed.checkpoint as dcp
+    plan, other = Plan.from_dict(plan_dict), Plan.from_dict(other_dict)
+    losses, _, params, _ = reference(spec, steps)
+    model, args, kwargs = build_case(spec)
+    cm = autopar.compile(model, plan.device_mesh(), args, example_kwargs=kwargs or None, plan=plan)
+    opt = cm.build_optimizer(torch.optim.AdamW, **OPTIM)
+    seen = [cm.train_step(*args, **kwargs).item()]
+    opt.step()
+    opt.zero_grad()
+    dcp.save({"model": cm.state_dict(), "optim": cm.optimizer_state_dict(opt)}, checkpoint_id=path)
+    fresh, _, _ = build_case(spec)
+    cm2 = autopar.compile(fresh, other.device_mesh(), args, example_kwargs=kwargs or None, plan=other)
+    opt2 = cm2.build_optimizer(torch.optim.AdamW, **OPTIM)
+    state = {"model": cm2.state_dict(), "optim": cm2.optimizer_state_dict(opt2)}
+    dcp.load(state, checkpoint_id=path)
+    cm2.load_state_dict(state["model"])
+    cm2.load_optimizer_state_dict(opt2, state["optim"])
+    for _ in range(steps - 1):
+        seen.append(cm2.train_step(*args, **kwargs).item())
+        opt2.step()
+        opt2.zero_grad()
+    full = cm2.full_state_dict()
+    return {"param": max(excess(full[n], params[n]) for n in params),
+            "loss": max(abs(a - b) - (ATOL + RTOL * abs(b)) for a, b in zip(seen, losses))}

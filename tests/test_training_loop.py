@@ -8,7 +8,7 @@ import pytest
 
 import autopar
 from rt_cases import (bad_inputs, build_case, checkpoint_round_trip, compile_other_size, train_and_compare,
-                      uneven_batches)
+                      resume_across_layouts, uneven_batches)
 
 GPT = ("autopar", "gpt-tiny", ())
 MESH = ((2, 2), ("dp", "tp"))
@@ -145,3 +145,12 @@ def test_batch_norm_statistics_survive_checkpoints(pool4, tmp_path):
     r = pool4.run(checkpoint_round_trip, ("bn",), a, b, str(tmp_path / "ckpt"))[0]
     assert r["keys_equal_plain"]
     assert r["worst"] == 0.0
+
+
+@pytest.mark.parametrize("saved,loaded", [("zero2", "megatron-tp x dp"), ("megatron-tp x zero3", "zero1"),
+                                          ("data-parallel", "megatron-tp x zero2")])
+def test_training_resumes_under_another_layout(pool4, tmp_path, saved, loaded):
+    """Model and AdamW state saved with torch.distributed.checkpoint after one step under one
+    layout, loaded under another, two more steps: equal to three steps on one device."""
+    r = pool4.run(resume_across_layouts, GPT, _plan(GPT, saved), _plan(GPT, loaded), str(tmp_path / "ckpt"))[0]
+    assert r["param"] <= 0 and r["loss"] <= 0, r
