@@ -63,6 +63,29 @@ def local_numel(shape, placements, mesh_shape) -> float:
     return numel
 
 
+REPLICATE, PARTIAL = -1, -2  # layout codes: Shard(d) is d (see layout_code)
+_KIND_OF_TYPE: dict = {}
+
+
+def placement_code(p) -> int:
+    """Shard(d) -> d, Replicate() -> -1, Partial() -> -2: all the cost model reads of a
+    placement (a strided shard costs what a plain one does).  isinstance on torch's
+    placement classes is slow, so the answer is kept per placement type."""
+    kind = _KIND_OF_TYPE.get(type(p))
+    if kind is None:
+        kind = ("shard" if isinstance(p, Shard) else "partial" if isinstance(p, Partial)
+                else "replicate" if isinstance(p, Replicate) else None)
+        if kind is None:
+            raise ValueError(f"unsupported placement {p!r}: use Shard(d), Replicate() or Partial()")
+        _KIND_OF_TYPE[type(p)] = kind
+    return p.dim if kind == "shard" else PARTIAL if kind == "partial" else REPLICATE
+
+
+def layout_code(placements) -> tuple:
+    """One placement code per mesh axis: a small, fast-hashing key for cost tables."""
+    return tuple(placement_code(p) for p in placements)
+
+
 def redistribute(shape, itemsize: int, src, dst, mesh: Mesh) -> tuple[CommStep, ...]:
     """The collectives that turn a tensor of global `shape` from placements `src` into `dst`.
 
@@ -70,54 +93,98 @@ def redistribute(shape, itemsize: int, src, dst, mesh: Mesh) -> tuple[CommStep, 
     Partial -> Shard: reduce-scatter; Shard -> Replicate: all-gather; Shard(i) -> Shard(j):
     all-to-all; Replicate -> Shard or Partial, Shard -> Partial: local, free.
     """
+    return redistribute_codes(shape, itemsize, layout_code(src), layout_code(dst), mesh)
+
+
+def redistribute_codes(shape, itemsize: int, src: tuple, dst: tuple, mesh: Mesh) -> tuple[CommStep, ...]:
+    """`redistribute` on layout codes (`layout_code`)."""
     if src == dst:
         return ()
-    cur = list(src)
-    steps: list[CommStep] = []
+    whole = (math.prod(shape) if shape else 1) * itemsize
+    launch = mesh.device.launch_latency
+    steps = []
+    for kind, a, share, reduce_share in route(src, dst, mesh):
+        nbytes = whole * share
+        if kind == "all_reduce":
+            t = (collective_time("reduce_scatter", whole * reduce_share, a, mesh)
+                 + collective_time("all_gather", nbytes, a, mesh) - launch)
+        else:
+            t = collective_time(kind, nbytes, a, mesh)
+        steps.append(CommStep(kind, a, nbytes, t))
+    return tuple(steps)
 
-    def bytes_now():
-        return local_numel(shape, cur, mesh.shape) * itemsize
+
+def route(src: tuple, dst: tuple, mesh: Mesh) -> tuple:
+    """The steps of a redistribution between layout codes, without sizes: (kind, axis,
+    share, reduce_share), share being the fraction of the whole tensor a rank holds when the
+    step runs (an all-reduce's all-gather half; reduce_share: its reduce-scatter half)."""
+    cur = list(src)
+    steps = []
+
+    def share_now():
+        share = 1.0
+        for c, n in zip(cur, mesh.shape):
+            if c >= 0:
+                share /= n
+        return share
 
     # 1. free local steps: slicing a replicated tensor shrinks it; a replicated or sharded
     #    tensor is already a valid Partial one (zeros elsewhere) for sums
     for a, (s, d) in enumerate(zip(src, dst)):
-        if (isinstance(s, Replicate) and not isinstance(d, Replicate)) or (
-                isinstance(s, Shard) and isinstance(d, Partial)):
+        if (s == REPLICATE and d != REPLICATE) or (s >= 0 and d == PARTIAL):
             cur[a] = d
     # 2. reductions: reduce-scatter (the all-reduce's second half is an all-gather in step 4)
-    pending_gather = []
+    pending_gather = {}
     fast_first = sorted(range(len(src)), key=lambda a: -mesh.bandwidth[a])
     for a in fast_first:
         s, d = src[a], dst[a]
-        if isinstance(s, Partial) and not isinstance(d, Partial):
-            nbytes = bytes_now()
-            if isinstance(d, Replicate):
-                pending_gather.append((a, nbytes))
-                cur[a] = Shard(0)  # stands for "scattered": any dim, only the size matters
+        if s == PARTIAL and d != PARTIAL:
+            if d == REPLICATE:
+                pending_gather[a] = share_now()
+                cur[a] = 0  # stands for "scattered": any dim, only the size matters
             else:
-                steps.append(CommStep("reduce_scatter", a, nbytes, collective_time("reduce_scatter", nbytes, a, mesh)))
+                steps.append(("reduce_scatter", a, share_now(), 0.0))
                 cur[a] = d
     # 3. all-to-all between shard dims
     for a, (s, d) in enumerate(zip(src, dst)):
-        if isinstance(s, Shard) and isinstance(d, Shard) and s.dim != d.dim:
-            nbytes = bytes_now()
-            steps.append(CommStep("all_to_all", a, nbytes, collective_time("all_to_all", nbytes, a, mesh)))
+        if s >= 0 and d >= 0 and s != d:
+            steps.append(("all_to_all", a, share_now(), 0.0))
             cur[a] = d
     # 4. gathers grow the tensor last
-    reduce_axes = {a for a, _ in pending_gather}
     for a in reversed(fast_first):
         s, d = src[a], dst[a]
-        if (isinstance(s, Shard) and not isinstance(d, Shard)) or a in reduce_axes:
-            cur[a] = Replicate() if a in reduce_axes else d
-            nbytes = bytes_now()
-            if a in reduce_axes:
-                rs_bytes = dict(pending_gather)[a]
-                t = (collective_time("reduce_scatter", rs_bytes, a, mesh)
-                     + collective_time("all_gather", nbytes, a, mesh) - mesh.device.launch_latency)
-                steps.append(CommStep("all_reduce", a, nbytes, t))
+        if (s >= 0 and d < 0) or a in pending_gather:
+            cur[a] = REPLICATE if a in pending_gather else d
+            if a in pending_gather:
+                steps.append(("all_reduce", a, share_now(), pending_gather[a]))
             else:
-                steps.append(CommStep("all_gather", a, nbytes, collective_time("all_gather", nbytes, a, mesh)))
+                steps.append(("all_gather", a, share_now(), 0.0))
     return tuple(steps)
+
+
+def redistribute_price(src: tuple, dst: tuple, mesh: Mesh) -> tuple[float, float, float, float]:
+    """`redistribute_codes` as a straight line in the tensor's bytes B > 0: seconds =
+    fixed + per_byte * B, and the same two numbers for its all-gathers alone (the ones a
+    parameter repeats in backward).  Lets a whole table of layout pairs be priced once and
+    scaled to every tensor size."""
+    launch = mesh.device.launch_latency
+    fixed = per_byte = gather_fixed = gather_per_byte = 0.0
+    for kind, a, share, reduce_share in (route(src, dst, mesh) if src != dst else ()):
+        n = mesh.shape[a]
+        if n == 1:  # collective_time is 0 on a size-1 axis (an all-reduce keeps its -launch)
+            fixed -= launch if kind == "all_reduce" else 0.0
+            continue
+        bw, lat, frac = mesh.bandwidth[a], mesh.latency[a], (n - 1) / n
+        if kind == "all_reduce":  # a reduce-scatter and an all-gather in one call
+            fixed += launch + 2 * (n - 1) * lat
+            per_byte += frac * (reduce_share + share) / bw
+        else:
+            fixed += launch + (n - 1) * lat
+            per_byte += frac * share / bw
+            if kind == "all_gather":
+                gather_fixed += launch + (n - 1) * lat
+                gather_per_byte += frac * share / bw
+    return fixed, per_byte, gather_fixed, gather_per_byte
 
 
 def grad_target(placement):

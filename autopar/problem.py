@@ -417,9 +417,14 @@ class Problem:
             target = zero_layout(target, s.zero_axes)
         return target
 
-    @functools.lru_cache(maxsize=None)
     def _redistribute(self, shape, itemsize, src, dst):
-        return C.redistribute(shape, itemsize, src, dst, self.mesh)
+        """C.redistribute, remembered per problem (a cache on the method itself would keep
+        every problem ever built alive)."""
+        cache = self.__dict__.setdefault("_redistributions", {})
+        key = (shape, itemsize, src, dst)
+        if key not in cache:
+            cache[key] = C.redistribute(shape, itemsize, src, dst, self.mesh)
+        return cache[key]
 
     def edge_steps(self, e: EdgeKey, i: int, j: int):
         """Forward and backward collectives on edge `e` (between representatives) when its
@@ -454,20 +459,85 @@ class Problem:
         return {(self.nodes[src].rep, out) for src, out in self.gradsum_of}
 
     def _edge_matrix(self, e: EdgeKey) -> np.ndarray:
+        """Seconds of edge `e` for every pair of choices (rows: e.a's, columns: e.b's): what
+        `edge_steps` prices, computed once per distinct pair of layouts and spread by index
+        arrays (a 3-axis mesh gives menus of ~125 choices, so edges of ~15,000 pairs)."""
         a, b = self.nodes[e.a], self.nodes[e.b]
-        m = np.zeros((len(a.strategies), len(b.strategies)))
-        seen: dict = {}
-        for i, sa in enumerate(a.strategies):
-            for j, sb in enumerate(b.strategies):
-                key = (_edge_view(e, sa, "a"), _edge_view(e, sb, "b"))
-                if key not in seen:
-                    fwd, bwd = self.edge_steps(e, i, j)
-                    seen[key] = sum(st.seconds for st in fwd) + sum(st.seconds for st in bwd)
-                    if e.kind == "grad_out" and not same_local_shape(sa.outputs[0], sb.outputs[e.out]):
-                        seen[key] += UNUSABLE
+        code = C.layout_code
+        if e.kind == "grad_in":   # consumer a's gradient (None: none) joins the sum b
+            shape, item = b.out_shapes[0], b.out_dtypes[0].itemsize
+            grads = [s.grads[e.operand] for s in a.strategies]
+            has = np.array([g is not None for g in grads])
+            src = _codes([code(g) if g is not None else None for g in grads])
+            dst = _codes([code(s.outputs[0]) for s in b.strategies])
+            return np.where(has[:, None], self._seconds_table(shape, item, src, dst), 0.0)
+        if e.kind == "grad_out":  # the sum a reaches the layout of tensor b[out]
+            shape, item = a.out_shapes[0], a.out_dtypes[0].itemsize
+            src = _codes([code(s.outputs[0]) for s in a.strategies])
+            dst = _codes([code(self.grad_destination(b, s, e.out)) for s in b.strategies])
+            m = self._seconds_table(shape, item, src, dst)
+            own = _codes([_shape_key(code(s.outputs[0])) for s in a.strategies])
+            theirs = _codes([_shape_key(code(s.outputs[e.out])) for s in b.strategies])
+            return np.where(own[1][:, None] == theirs[1][None, :], m, m + UNUSABLE)
+        shape, item = a.out_shapes[e.out], a.out_dtypes[e.out].itemsize
+        p = _codes([code(s.outputs[e.out]) for s in a.strategies])
+        q = _codes([code(s.inputs[e.operand]) for s in b.strategies])
+        m = self._seconds_table(shape, item, p, q)
+        if not a.requires_grad:
+            return m
+        grads = [s.grads[e.operand] for s in b.strategies]
+        has = np.array([g is not None for g in grads])
+        bwd = np.zeros_like(m)
+        if (e.a, e.out) not in self._summed:
+            g = _codes([code(x) if x is not None else None for x in grads])
+            dest = _codes([code(self.grad_destination(a, s, e.out)) for s in a.strategies])
+            bwd = self._seconds_table(shape, item, dest, g, reverse=True)
+        if a.kind == "param":  # gathered for use, dropped after forward: gather again for backward
+            bwd = bwd + self._seconds_table(shape, item, p, q, gathers=True)
+        return m + np.where(has[None, :], bwd, 0.0)
 
-                m[i, j] = seen[key]
-        return m
+    def _seconds_table(self, shape, item, src, dst, reverse=False, gathers=False) -> np.ndarray:
+        """[choices of src, choices of dst] seconds of redistributing a tensor of `shape` from
+        each row's layout to each column's (`reverse`: from each column's to each row's);
+        `gathers`: only the all-gathers among those steps.  src, dst: `_codes` pairs, a None
+        code standing for no tensor (0 s).  Each pair of layouts is priced once per problem,
+        as a line in the tensor's bytes (cost.redistribute_price), and scaled to this tensor."""
+        (su, si), (du, di) = src, dst
+        whole = (math.prod(shape) if shape else 1) * item
+        if whole == 0:
+            return np.zeros((len(si), len(di)))
+        rows, cols = self._layout_ids(su), self._layout_ids(du)
+        lines = self._prices(cols, rows).transpose(0, 2, 1) if reverse else self._prices(rows, cols)
+        fixed, per_byte = (lines[2], lines[3]) if gathers else (lines[0], lines[1])
+        return (fixed + per_byte * whole)[np.ix_(si, di)]
+
+    def _layout_ids(self, codes) -> np.ndarray:
+        ids = self._price_book["ids"]
+        return np.array([ids.setdefault(c, len(ids)) for c in codes], dtype=int)
+
+    def _prices(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+        """[4, len(src), len(dst)]: redistribute_price between layouts by id, each computed once."""
+        book = self._price_book
+        table = book["table"]
+        size = len(book["ids"])
+        if size > table.shape[1]:  # grow, unknown prices NaN
+            grown = np.full((4, 2 * size, 2 * size), np.nan)
+            grown[:, :table.shape[1], :table.shape[2]] = table
+            book["table"] = table = grown
+        sub = table[:, src[:, None], dst[None, :]]
+        missing = np.isnan(sub[0])
+        if missing.any():
+            code = list(book["ids"])
+            for x, y in zip(*np.nonzero(missing)):
+                s, d = code[src[x]], code[dst[y]]
+                table[:, src[x], dst[y]] = 0.0 if s is None or d is None else C.redistribute_price(s, d, self.mesh)
+            sub = table[:, src[:, None], dst[None, :]]
+        return sub
+
+    @functools.cached_property
+    def _price_book(self) -> dict:
+        """Layout code -> id (None: no tensor, priced 0), and [4, id, id] redistribute_price."""
+        return {"ids": {}, "table": np.full((4, 0, 0), np.nan)}
 
     # --- queries ----------------------------------------------------------------------------
     def node_cost(self, rep: int) -> np.ndarray:
@@ -555,13 +625,17 @@ def same_local_shape(a, b) -> bool:
                or (not isinstance(x, Shard) and not isinstance(y, Shard)) for x, y in zip(a, b))
 
 
-def _edge_view(e: EdgeKey, s: Strategy, end: str):
-    """The part of a strategy an edge's cost depends on (for caching)."""
-    if e.kind == "data":
-        return (s.outputs[e.out], s.zero == 2) if end == "a" else (s.inputs[e.operand], s.grads[e.operand])
-    if e.kind == "grad_in":
-        return s.grads[e.operand] if end == "a" else s.outputs[0]
-    return s.outputs[0] if end == "a" else (s.outputs[e.out], s.zero == 2)
+def _codes(keys: list):
+    """(distinct keys in first-seen order, index of each key among them): a menu's layouts
+    grouped so a cost is computed once per distinct layout."""
+    distinct: dict = {}
+    ids = np.array([distinct.setdefault(k, len(distinct)) for k in keys], dtype=int)
+    return list(distinct), ids
+
+
+def _shape_key(code: tuple) -> tuple:
+    """What `same_local_shape` compares: the shard dim per axis, Replicate and Partial alike."""
+    return tuple(c if c >= 0 else -1 for c in code)
 
 
 def _pass_through(src: PNode, src_map, out: int, pn: PNode, operand: int, mask):

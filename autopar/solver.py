@@ -2,11 +2,15 @@
 
 Alpa's formulation, solved with OR-Tools CP-SAT: a one-hot choice per node, and per edge a
 one-hot choice over pairs (source layout class, destination layout class) tied to the two
-node choices.  Before any variable is made, each edge matrix is shrunk to its distinct rows
-and columns, and a matrix that splits into a row part plus a column part is folded into the
-node costs, so only edges whose cost really couples two choices cost variables.
-Costs are scaled to integers; the search is single-threaded and stopped by deterministic
-time, so the same inputs always give the same plan.
+node choices.  Costs are scaled to integers first.  Before any variable is made, an exact
+presolve (_Presolve) folds what no ILP is needed for into node costs: separable and
+single-choice edges, dominated and duplicate choices, nodes that dynamic programming
+eliminates (chains, leaves, pairs of nodes joined into one).  Without a binding memory
+budget that usually leaves nothing: a transformer graph is solved by elimination alone,
+and a 3-axis mesh (menus of ~125 layouts, edges of ~15,000 pairs) costs no ILP.  What it
+leaves goes to CP-SAT, each edge shrunk to its distinct rows and columns.  The search is
+single-threaded and stopped by deterministic time, so the same inputs always give the
+same plan.
 """
 from __future__ import annotations
 
@@ -47,6 +51,104 @@ class Solution:
                 f"solved in {self.seconds:.2f}s")
 
 
+# Internal switch, for tests: off, the ILP is built over every allowed choice (separable edges
+# folded, the rest shrunk to distinct rows and columns), as before the presolve existed, so
+# a test can check that the presolve keeps the optimum.
+PRESOLVE = True
+
+
+def solve(costs, edges, memory=None, budget=None, allowed=None, *, time_limit=60.0, tiebreak=None) -> Solution:
+    """costs[n][i]: seconds of node n under choice i.  edges: (u, v, matrix[i][j]) seconds.
+    memory[n][i]: bytes; the sum over nodes of the chosen memory must stay <= budget.
+    allowed[n]: a boolean mask of the choices node n may take (None: all).
+    tiebreak[n][i]: the bytes the memory tie-break weighs (default: memory); ZeRO variants
+    weigh as their stage-0 layout, so states are sharded only when the budget needs it.
+
+    Times are solved in integers (the sum of the nodes' largest costs and edges' largest
+    entries scaled to 1e9), memory in units of budget / 1e9 rounded up per term."""
+    start = time.perf_counter()
+    n_nodes = len(costs)
+    if memory is not None:
+        weigh = memory if tiebreak is None else tiebreak
+        costs = [np.asarray(c, float) + MEMORY_TIE_BREAK * np.asarray(m, float) for c, m in zip(costs, weigh)]
+    costs = [np.asarray(c, dtype=float) for c in costs]
+    allowed = [np.ones(len(c), bool) if allowed is None or allowed[n] is None else np.asarray(allowed[n], bool)
+               for n, c in enumerate(costs)]
+    for n in range(n_nodes):
+        if not allowed[n].any():
+            raise InfeasibleError(f"node {n} has no allowed strategy")
+    edges = [(u, v, np.asarray(m, dtype=float)) for u, v, m in edges]
+    cap = mem_units = None
+    if budget is not None and memory is not None:
+        # memory in units of budget / 1e9; each term rounded up, so the constraint is never
+        # looser than the budget and at most ~1e-9 of it stricter per node
+        unit = max(float(budget), 1.0) / 1e9
+        mem_units = [np.ceil(np.asarray(m, float) / unit - 1e-9) for m in memory]
+        cap = int(budget / unit)
+    if PRESOLVE:
+        scale = _scale([np.where(a, c, 0.0) for a, c in zip(allowed, costs)], [m for _, _, m in edges])
+        choice, *ilp = _solve_presolved([np.round(c * scale) for c in costs],
+                                        [(u, v, np.round(m * scale)) for u, v, m in edges], mem_units, cap, allowed,
+                                        time_limit)
+        obj, bound = ilp[0] / scale, ilp[1] / scale
+    else:
+        folded, kept = _fold_edges(costs, edges)
+        finite = [np.where(allowed[n], folded[n], 0.0) for n in range(n_nodes)]
+        scale = _scale(finite, [m for _, _, m, _, _ in kept])
+        ilp = _solve_ilp([np.round(c * scale) for c in folded],
+                         [(u, v, np.round(m * scale), r, c) for u, v, m, r, c in kept], mem_units, cap, allowed,
+                         time_limit)
+        choice, *ilp = ilp
+        obj, bound = ilp[0] / scale, ilp[1] / scale
+    optimal = ilp[2]
+    sol = Solution(tuple(int(i) for i in choice), obj, bound, optimal,
+                   0.0 if optimal or obj == 0 else max(0.0, (obj - bound) / obj),
+                   ilp[3], ilp[4], time.perf_counter() - start)
+    log.info("%s", sol)
+    return sol
+
+
+def _solve_presolved(costs, edges, memory, cap, allowed, time_limit):
+    """solve() on integer costs through _Presolve: (choice, objective, bound, optimal,
+    variables, constraints), objective and bound in integer units.
+
+    Under a memory budget the problem is first presolved without it: when the fastest
+    plan ignoring memory fits anyway, it is the answer (no plan under the budget can be
+    faster), and the budget costs no ILP."""
+    start = time.perf_counter()
+    if memory is not None:
+        free = _Presolve(costs, edges, None, None, allowed)
+        free.run()
+        if not free.cost:
+            choice = free.expand({})
+            if sum(memory[n][i] for n, i in enumerate(choice)) <= cap:
+                log.info("presolve: %s; the fastest plan fits the memory budget (%.2fs)", free,
+                         time.perf_counter() - start)
+                return choice, free.offset, free.offset, True, 0, 0
+    pre = _Presolve(costs, edges, memory, cap, allowed)
+    pre.run()
+    log.info("presolve: %s (%.2fs)", pre, time.perf_counter() - start)
+    nodes = sorted(pre.cost)
+    index = {n: k for k, n in enumerate(nodes)}
+    kept = []
+    for (u, v), m in pre.edges.items():
+        rows, row_of = _distinct(m, 0)
+        cols, col_of = _distinct(rows, 1)
+        kept.append((index[u], index[v], cols, row_of, col_of))
+    binding = pre.mem is not None
+    choice, obj, bound, optimal, variables, constraints = _solve_ilp(
+        [pre.cost[n] for n in nodes], kept, [pre.mem[n] for n in nodes] if binding else None,
+        cap - pre.mem_offset if binding else None, None, time_limit)
+    choice = pre.expand({n: int(pre.keep[n][i]) for n, i in zip(nodes, choice)})
+    return choice, obj + pre.offset, bound + pre.offset, optimal, variables, constraints
+
+
+def _scale(costs, matrices) -> float:
+    """Seconds -> integer objective units: the largest conceivable total maps to ~1e9."""
+    ref = sum(float(c.max(initial=0)) for c in costs) + sum(float(m[np.isfinite(m)].max(initial=0)) for m in matrices)
+    return 1e9 / ref if ref > 0 else 1.0
+
+
 def _fold_edges(costs, edges):
     """Fold separable edge matrices into node costs; keep the rest shrunk to distinct rows/cols."""
     costs = [np.asarray(c, dtype=float).copy() for c in costs]
@@ -72,48 +174,26 @@ def _fold_edges(costs, edges):
     return costs, kept
 
 
-def solve(costs, edges, memory=None, budget=None, allowed=None, *, time_limit=60.0, tiebreak=None) -> Solution:
-    """costs[n][i]: seconds of node n under choice i.  edges: (u, v, matrix[i][j]) seconds.
-    memory[n][i]: bytes; the sum over nodes of the chosen memory must stay <= budget.
-    allowed[n]: a boolean mask of the choices node n may take (None: all).
-    tiebreak[n][i]: the bytes the memory tie-break weighs (default: memory); ZeRO variants
-    weigh as their stage-0 layout, so states are sharded only when the budget needs it."""
+def _solve_ilp(costs, kept, memory, cap, allowed, time_limit):
+    """The CP-SAT model over integer costs: a one-hot per node, a one-hot over (row class,
+    column class) pairs per kept edge tied to the two nodes' choices, the memory knapsack.
+    Returns (choice per node, objective, bound, optimal, variables, constraints); an empty
+    problem is solved without CP-SAT."""
+    if not costs:
+        return [], 0.0, 0.0, True, 0, 0
     from ortools.sat.python import cp_model
-
-    start = time.perf_counter()
-    n_nodes = len(costs)
-    if memory is not None:
-        weigh = memory if tiebreak is None else tiebreak
-        costs = [np.asarray(c, float) + MEMORY_TIE_BREAK * np.asarray(m, float) for c, m in zip(costs, weigh)]
-    costs, kept = _fold_edges(costs, edges)
-    allowed = [np.ones(len(c), bool) if allowed is None or allowed[n] is None else np.asarray(allowed[n], bool)
-               for n, c in enumerate(costs)]
-    for n in range(n_nodes):
-        if not allowed[n].any():
-            raise InfeasibleError(f"node {n} has no allowed strategy")
-    finite = [np.where(allowed[n], costs[n], 0.0) for n in range(n_nodes)]
-    scale_ref = sum(float(f.max(initial=0)) for f in finite) + sum(
-        float(m[np.isfinite(m)].max(initial=0)) for _, _, m, _, _ in kept)
-    scale = 1e9 / scale_ref if scale_ref > 0 else 1.0  # keep the integer objective below ~1e9·a few
 
     model = cp_model.CpModel()
     x = []
-    for n in range(n_nodes):
-        vs = []
-        for i in range(len(costs[n])):
-            if allowed[n][i]:
-                vs.append(model.NewBoolVar(f"x{n}_{i}"))
-            else:
-                vs.append(None)
+    for n, c in enumerate(costs):
+        vs = [model.NewBoolVar(f"x{n}_{i}") if allowed is None or allowed[n][i] else None for i in range(len(c))]
         model.AddExactlyOne([v for v in vs if v is not None])
         x.append(vs)
     objective = []
-    for n in range(n_nodes):
+    for n, c in enumerate(costs):
         for i, v in enumerate(x[n]):
-            if v is not None:
-                c = int(round(costs[n][i] * scale))
-                if c:
-                    objective.append(c * v)
+            if v is not None and int(c[i]):
+                objective.append(int(c[i]) * v)
     for u, v, m, row_of, col_of in kept:
         pairs = {}
         row_members = {}
@@ -130,25 +210,16 @@ def solve(costs, edges, memory=None, budget=None, allowed=None, *, time_limit=60
                     continue
                 e = model.NewBoolVar(f"e{u}_{v}_{r}_{c}")
                 pairs[(r, c)] = e
-                w = int(round(m[r, c] * scale))
-                if w:
-                    objective.append(w * e)
+                if int(m[r, c]):
+                    objective.append(int(m[r, c]) * e)
         for r, members in row_members.items():
             model.Add(sum(pairs[(r, c)] for c in col_members if (r, c) in pairs) == sum(members))
         for c, members in col_members.items():
             model.Add(sum(pairs[(r, c)] for r in row_members if (r, c) in pairs) == sum(members))
-    if budget is not None and memory is not None:
-        # memory in units of budget / 1e9; each term rounded up, so the constraint is never
-        # looser than the budget and at most ~1e-9 of it stricter per node
-        unit = max(float(budget), 1.0) / 1e9
-        terms = []
-        for n in range(n_nodes):
-            for i, v in enumerate(x[n]):
-                if v is not None:
-                    b = int(np.ceil(memory[n][i] / unit - 1e-9))
-                    if b:
-                        terms.append(b * v)
-        model.Add(sum(terms) <= int(budget / unit))
+    if cap is not None:
+        terms = [int(memory[n][i]) * v for n in range(len(costs)) for i, v in enumerate(x[n])
+                 if v is not None and int(memory[n][i])]
+        model.Add(sum(terms) <= int(cap))
     model.Minimize(sum(objective))
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
@@ -162,18 +233,359 @@ def solve(costs, edges, memory=None, budget=None, allowed=None, *, time_limit=60
     status = solver.Solve(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise InfeasibleError("no assignment of strategies fits the memory budget")
-    choice = []
-    for n in range(n_nodes):
-        choice.append(next(i for i, v in enumerate(x[n]) if v is not None and solver.Value(v)))
+    choice = [next(i for i, v in enumerate(xs) if v is not None and solver.Value(v)) for xs in x]
     proto = model.Proto()
-    obj = solver.ObjectiveValue() / scale
-    bound = solver.BestObjectiveBound() / scale
-    optimal = status == cp_model.OPTIMAL
-    sol = Solution(tuple(choice), obj, bound, optimal,
-                   0.0 if optimal or obj == 0 else max(0.0, (obj - bound) / obj),
-                   len(proto.variables), len(proto.constraints), time.perf_counter() - start)
-    log.info("%s", sol)
-    return sol
+    return (choice, solver.ObjectiveValue(), solver.BestObjectiveBound(), status == cp_model.OPTIMAL,
+            len(proto.variables), len(proto.constraints))
+
+
+_CHUNK = 1 << 22  # elements of one temporary [choices, choices, choices] array
+
+
+def _distinct(m: np.ndarray, axis: int = 0):
+    """(m's distinct rows (axis 0) or columns (axis 1) in first-seen order, the index of
+    each row or column among them): np.unique(axis=...) without its sort, several times
+    faster on the small matrices here."""
+    m = np.ascontiguousarray(m if axis == 0 else m.T)
+    first: dict = {}
+    of = np.fromiter((first.setdefault(row.tobytes(), k) for k, row in enumerate(m)), dtype=int, count=len(m))
+    keys = np.unique(of)
+    index = np.empty(len(m), dtype=int)
+    index[keys] = np.arange(len(keys))
+    picked = m[keys]
+    return (picked if axis == 0 else picked.T), index[of]
+
+
+def _distinct_pairs(m: np.ndarray) -> int:
+    """The pair variables an edge matrix costs: distinct rows x distinct columns."""
+    rows, _ = _distinct(m, 0)
+    return rows.shape[0] * _distinct(rows, 1)[0].shape[1]
+
+
+class _Presolve:
+    """Exact reductions of the integer problem before any ILP variable is made.  Each keeps
+    the optimal objective (some optimal assignment survives every step), so the plan is as
+    good as the ILP over every choice would give; among equally good choices the lowest
+    index (menu order) is kept, and that is the one the plan reports.
+
+    - an edge matrix loses its row minima and then its column minima to the node costs
+      (m = a[i] + b[j] + rest); a matrix then all zero (no coupling, as a separable or
+      single-choice edge) is gone; a choice with no usable partner (a row or column all
+      UNUSABLE) is dropped;
+    - memory: a choice that cannot fit even with every other node at its smallest is
+      dropped, and a budget that every assignment fits is no constraint at all;
+    - elimination (variable elimination, as in dynamic programming over a chain): a node
+      with one neighbour folds into it (its cost becomes min over its own choices); a node
+      with two becomes one edge between them (min over its choices of the two edges plus
+      its cost) when that edge costs no more pair variables than the two it replaces.
+      Exact when the node's memory does not depend on its choice (views, gradient sums,
+      every node when the budget does not bind); its choice is recovered from its
+      neighbours' afterwards;
+    - dominance (Goldstein's dead-end elimination): choice i of a node goes when some
+      choice j is never worse whatever the neighbours choose,
+      cost[j] - cost[i] + sum over edges of max_c (m[j, c] - m[i, c]) <= 0, and needs no
+      more memory; identical choices (same cost, memory and edge rows) are the special
+      case of equality, and keep the lowest index;
+    - joining (when nothing above applies): two neighbours become one node over their
+      compatible pairs of choices (_merge), and under a binding budget a leaf whose memory
+      varies joins its neighbour keeping only its cost/memory Pareto-optimal choices
+      (_fold_leaf).  Both are exact with any budget, and free further eliminations.
+
+    No merging by mesh symmetry: a layout and its image under swapping two alike axes cost
+    the same alone, but not against a neighbour that keeps the first, so they are not one
+    choice (symmetry holds only for the whole plan at once)."""
+
+    def __init__(self, costs, edges, memory, cap, allowed):
+        self.n_nodes = len(costs)
+        self.keep = {n: np.flatnonzero(a) for n, a in enumerate(allowed)}
+        self.cost = {n: np.asarray(c, float)[self.keep[n]] for n, c in enumerate(costs)}
+        self.mem = None if memory is None else {n: np.asarray(m, float)[self.keep[n]] for n, m in enumerate(memory)}
+        self.cap = cap
+        self.mem_offset = 0.0
+        self.offset = 0.0
+        self.edges: dict[tuple, np.ndarray] = {}   # (u, v), u < v -> [u's choices, v's choices]
+        self.adj = {n: set() for n in self.cost}
+        self.history = []      # eliminations and merges, in order (see expand)
+        self.next_id = self.n_nodes
+        self.dirty = set(self.cost)   # nodes whose dominance may have changed
+        self.kept_back = set()        # nodes whose elimination was declined, unchanged since
+        for u, v, m in edges:
+            m = np.asarray(m, float)[np.ix_(self.keep[u], self.keep[v])]
+            if u == v:
+                self.cost[u] = self.cost[u] + np.diag(m)
+            else:
+                self._add_edge(u, v, m)
+        self.before = self._size()
+
+    def _size(self):
+        return len(self.cost), sum(len(c) for c in self.cost.values()), len(self.edges), \
+            sum(m.size for m in self.edges.values())
+
+    def __str__(self) -> str:
+        (n0, c0, e0, p0), (n1, c1, e1, p1) = self.before, self._size()
+        done = [h[0] for h in self.history]
+        budget = "binding" if self.mem is not None else "slack or none"
+        return (f"{n0} nodes, {c0} choices, {e0} edges ({p0} choice pairs) -> {n1} nodes, {c1} choices, "
+                f"{e1} edges ({p1} choice pairs); {done.count('eliminate')} nodes eliminated, "
+                f"{done.count('merge')} joins, memory budget {budget}")
+
+    # --- graph ------------------------------------------------------------------------------
+    def _mat(self, u, v) -> np.ndarray:
+        return self.edges[(u, v)] if u < v else self.edges[(v, u)].T
+
+    def _add_edge(self, u, v, m):
+        if u > v:
+            u, v, m = v, u, m.T
+        old = self.edges.get((u, v))
+        self.edges[(u, v)] = m if old is None else old + m
+        self.adj[u].add(v)
+        self.adj[v].add(u)
+        self._touch(u, v)
+
+    def _del_edge(self, u, v):
+        del self.edges[(min(u, v), max(u, v))]
+        self.adj[u].discard(v)
+        self.adj[v].discard(u)
+        self._touch(u, v)
+
+    def _touch(self, *nodes):
+        self.dirty.update(nodes)
+        self.kept_back.difference_update(nodes)
+
+    def _drop_node(self, g):
+        self._touch(*self.adj[g])
+        del self.cost[g], self.adj[g]
+        if self.mem is not None:
+            del self.mem[g]
+        self.dirty.discard(g)
+
+    def _restrict(self, n, sel) -> bool:
+        if sel.all():
+            return False
+        if not sel.any():
+            raise InfeasibleError("no assignment of strategies fits the memory budget")
+        self.keep[n], self.cost[n] = self.keep[n][sel], self.cost[n][sel]
+        if self.mem is not None:
+            self.mem[n] = self.mem[n][sel]
+        for w in self.adj[n]:
+            key = (min(n, w), max(n, w))
+            self.edges[key] = self.edges[key][sel, :] if n < w else self.edges[key][:, sel]
+        self._touch(n, *self.adj[n])
+        return True
+
+    # --- reductions -------------------------------------------------------------------------
+    def run(self):
+        while True:
+            changed = self._fit_memory()
+            changed |= self._normalise()
+            changed |= self._eliminate()
+            if not changed and not self._dominate() and not self._merge():
+                return
+
+    def _fit_memory(self) -> bool:
+        if self.mem is None:
+            return False
+        left = self.cap - self.mem_offset
+        low = {n: m.min() for n, m in self.mem.items()}
+        floor = sum(low.values())
+        if floor > left:
+            raise InfeasibleError("no assignment of strategies fits the memory budget")
+        changed = False
+        for n in list(self.mem):
+            changed |= self._restrict(n, self.mem[n] + (floor - low[n]) <= left)
+        if sum(m.max() for m in self.mem.values()) <= left:
+            self.mem = None  # every assignment fits
+            self._touch(*self.cost)
+            changed = True
+        return changed
+
+    def _normalise(self) -> bool:
+        changed = False
+        for n, c in self.cost.items():
+            changed |= self._restrict(n, np.isfinite(c))
+        for (u, v) in list(self.edges):
+            m = self.edges[(u, v)]
+            changed |= self._restrict(u, np.isfinite(m.min(axis=1)))
+            changed |= self._restrict(v, np.isfinite(self.edges[(u, v)].min(axis=0)))
+            m = self.edges[(u, v)]
+            for n, axis in ((u, 1), (v, 0)):
+                low = m.min(axis=axis)
+                if low.any():
+                    m = m - np.expand_dims(low, axis)
+                    self.cost[n] = self.cost[n] + low
+                    self._touch(u, v)
+            if not m.any():
+                self._del_edge(u, v)
+                changed = True
+            else:
+                self.edges[(u, v)] = m
+        return changed
+
+    def _eliminate(self) -> bool:
+        changed = False
+        for g in sorted(self.cost):
+            if g not in self.cost or len(self.adj[g]) > 2 or g in self.kept_back:
+                continue
+            near = sorted(self.adj[g])
+            if self.mem is not None and self.mem[g].min() != self.mem[g].max():
+                if len(near) == 1 and self._fold_leaf(g, near[0]):
+                    changed = True
+                else:
+                    self.kept_back.add(g)
+                continue
+            if not near:
+                pick, snap = np.array(int(np.argmin(self.cost[g]))), ()
+                self.offset += float(self.cost[g][pick])
+            elif len(near) == 1:
+                (a,) = near
+                t = self._mat(a, g) + self.cost[g][None, :]
+                pick = t.argmin(axis=1)
+                self.cost[a] = self.cost[a] + t[np.arange(len(pick)), pick]
+                snap = (self.keep[a].copy(),)
+            else:
+                a, b = near
+                ma, mb = self._mat(a, g), self._mat(g, b)
+                pick, through = _min_through(ma, self.cost[g], mb)
+                direct = self._mat(a, b) if b in self.adj[a] else None
+                old = _distinct_pairs(ma) + _distinct_pairs(mb) + (0 if direct is None else _distinct_pairs(direct))
+                if _distinct_pairs(through if direct is None else through + direct) > old:
+                    self.kept_back.add(g)
+                    continue
+                snap = (self.keep[a].copy(), self.keep[b].copy())
+            if self.mem is not None:
+                self.mem_offset += float(self.mem[g][0])
+            self.history.append(("eliminate", g, tuple(near), snap, self.keep[g][pick]))
+            for w in near:
+                self._del_edge(g, w)
+            if len(near) == 2:
+                self._add_edge(near[0], near[1], through)
+            self._drop_node(g)
+            changed = True
+        return changed
+
+    def _dominate(self) -> bool:
+        changed = False
+        for n in sorted(self.dirty):
+            if n not in self.cost or len(self.cost[n]) < 2:
+                continue
+            c = self.cost[n]
+            k = len(c)
+            worse = c[:, None] - c[None, :]   # [j, i]: what switching from i to j can cost
+            for w in self.adj[n]:
+                worse = worse + _max_increase(self._mat(n, w))
+            order = np.arange(k)
+            kill = (worse < 0) | ((worse == 0) & (order[:, None] < order[None, :]))
+            if self.mem is not None:
+                kill &= self.mem[n][:, None] <= self.mem[n][None, :]
+            np.fill_diagonal(kill, False)
+            changed |= self._restrict(n, ~kill.any(axis=0))
+        self.dirty.clear()
+        return changed
+
+    def _merge(self) -> bool:
+        """Join two neighbours into one node whose choices are their compatible pairs (the
+        finite entries of their edge), when that is no bigger than the largest menu and
+        costs no more pair variables: a tensor and the sum of its gradients, whose layouts
+        must agree, are the typical pair.  It leaves their other neighbours with fewer
+        neighbours to eliminate.  Exact with any budget (memory adds up)."""
+        limit = max((len(c) for c in self.cost.values()), default=0)
+        sizes = sorted((int(np.isfinite(m).sum()), u, w) for (u, w), m in self.edges.items())
+        for size, u, w in sizes:
+            if size > limit:
+                return False
+            m = self.edges[(u, w)]
+            iu, iw = np.nonzero(np.isfinite(m))
+            around = sorted((self.adj[u] | self.adj[w]) - {u, w})
+            old = sum(_distinct_pairs(self._mat(n, x)) for n in (u, w) for x in self.adj[n] if (n, x) != (w, u))
+            joined = {}
+            for x in around:
+                joined[x] = sum(self._mat(n, x)[i] for n, i in ((u, iu), (w, iw)) if x in self.adj[n])
+            if sum(_distinct_pairs(j) for j in joined.values()) > old:
+                continue
+            self._join(u, w, iu, iw, joined)
+            return True
+        return False
+
+    def _fold_leaf(self, g, a) -> bool:
+        """A node g whose only neighbour is a, under a binding budget and with memory that
+        depends on its choice, cannot be eliminated (the cheapest choice may not be the one
+        that fits).  It joins a instead, keeping for each choice of a only g's choices on
+        the cost/memory Pareto front (cheaper, or else smaller): a parameter next to the op
+        that reads it keeps its plain layout and the ZeRO variants that save memory.  a's
+        other edges keep their distinct rows, so they cost no new pair variables."""
+        m = self._mat(a, g) + self.cost[g][None, :]
+        mem = np.broadcast_to(self.mem[g], m.shape)
+        order = np.lexsort((np.broadcast_to(np.arange(m.shape[1]), m.shape), mem, m), axis=1)  # cost, memory, index
+        cost, mem = np.take_along_axis(m, order, axis=1), np.take_along_axis(mem, order, axis=1)
+        before = np.minimum.accumulate(np.concatenate([np.full((len(m), 1), np.inf), mem[:, :-1]], axis=1), axis=1)
+        iu, at = np.nonzero((mem < before) & np.isfinite(cost))   # each smaller than every cheaper one
+        if len(iu) > len(self.cost[a]) + m.shape[1] + _distinct_pairs(self._mat(a, g)):
+            return False
+        joined = {x: self._mat(a, x)[iu] for x in self.adj[a] if x != g}
+        self._join(a, g, iu, order[iu, at], joined)
+        return True
+
+    def _join(self, u, w, iu, iw, joined):
+        """Replace u and w by one node whose choices are the pairs (iu[k], iw[k]); joined:
+        its edge matrix to each of their other neighbours."""
+        new = self.next_id
+        self.next_id += 1
+        self.history.append(("merge", new, u, w, self.keep[u][iu], self.keep[w][iw]))
+        m = self._mat(u, w)
+        self.cost[new] = self.cost[u][iu] + self.cost[w][iw] + m[iu, iw]
+        if self.mem is not None:
+            self.mem[new] = self.mem[u][iu] + self.mem[w][iw]
+        self.keep[new] = np.arange(len(iu))
+        self.adj[new] = set()
+        for n in (u, w):
+            for x in list(self.adj[n]):
+                self._del_edge(n, x)
+            self._drop_node(n)
+        for x, j in joined.items():
+            self._add_edge(new, x, j)
+
+    def expand(self, choice: dict) -> list:
+        """The choice (original index) of every node from those of the nodes left to the ILP."""
+        choice = dict(choice)
+        for step in reversed(self.history):
+            if step[0] == "eliminate":
+                _, g, near, snap, pick = step
+                at = tuple(int(np.searchsorted(k, choice[w])) for w, k in zip(near, snap))
+                assert all(k[i] == choice[w] for i, w, k in zip(at, near, snap)), "a choice the presolve dropped"
+                choice[g] = int(pick[at])
+            else:
+                _, new, u, w, at_u, at_w = step
+                choice[u], choice[w] = int(at_u[choice[new]]), int(at_w[choice[new]])
+        return [choice[n] for n in range(self.n_nodes)]
+
+
+def _min_through(ma: np.ndarray, cost: np.ndarray, mb: np.ndarray):
+    """Eliminating a middle node: for each pair (i of a, k of b), the middle choice j that
+    minimises ma[i, j] + cost[j] + mb[j, k], and that minimum."""
+    rows = max(1, _CHUNK // max(1, ma.shape[1] * mb.shape[1]))
+    pick = np.empty((ma.shape[0], mb.shape[1]), dtype=int)
+    best = np.empty((ma.shape[0], mb.shape[1]))
+    for lo in range(0, ma.shape[0], rows):
+        t = (ma[lo:lo + rows] + cost[None, :])[:, :, None] + mb[None, :, :]
+        pick[lo:lo + rows] = t.argmin(axis=1)
+        best[lo:lo + rows] = np.take_along_axis(t, pick[lo:lo + rows, None, :], axis=1)[:, 0, :]
+    return pick, best
+
+
+def _max_increase(m: np.ndarray) -> np.ndarray:
+    """[j, i]: max over the neighbour's choices c of m[j, c] - m[i, c], leaving out the c
+    that row i cannot meet (UNUSABLE there: that pair never happens)."""
+    m, row_of = _distinct(m, 0)   # equal rows, equal columns: once
+    m = _distinct(m, 1)[0]
+    k = m.shape[0]
+    rows = max(1, _CHUNK // max(1, k * m.shape[1]))
+    out = np.empty((k, k))
+    for lo in range(0, k, rows):
+        with np.errstate(invalid="ignore"):
+            d = m[lo:lo + rows, None, :] - m[None, :, :]
+        d[np.isnan(d)] = -np.inf   # both UNUSABLE
+        out[lo:lo + rows] = d.max(axis=2)
+    return out[np.ix_(row_of, row_of)]
 
 
 def evaluate(costs, edges, choice) -> float:

@@ -154,3 +154,24 @@ def test_training_resumes_under_another_layout(pool4, tmp_path, saved, loaded):
     layout, loaded under another, two more steps: equal to three steps on one device."""
     r = pool4.run(resume_across_layouts, GPT, _plan(GPT, saved), _plan(GPT, loaded), str(tmp_path / "ckpt"))[0]
     assert r["param"] <= 0 and r["loss"] <= 0, r
+
+
+def test_repeated_planning_does_not_grow_memory():
+    """20 plans of one model in one process: what Python holds grows by < 1 MiB per plan
+    after the first (each plan's problem, menus and costs are freed)."""
+    import gc
+    import tracemalloc
+    model, args, _ = build_case(GPT)
+    mesh = autopar.Mesh(*MESH, device="cpu")
+    autopar.plan(model, mesh, args, compare=False)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(20):
+            autopar.plan(model, mesh, args, compare=False)
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown / 20 < 2**20, f"{grown / 20 / 2**10:.0f} KiB per plan"

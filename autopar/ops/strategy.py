@@ -107,42 +107,42 @@ def enumerate_strategies(ann: Annotation, in_shapes, out_shapes, mesh_shape, axi
         candidates.append(letter)
     menu = [None] + candidates + ([PASS] if ann.linear else [])
     alias = dict(ann.alias)
+    # a placement depends on one operand and one letter only: work each out once per letter
+    operand_of = [{letter: _operand_placement(ann, i, letters, letter, out_letters) for letter in menu}
+                  for i, letters in enumerate(ann.inputs)]
+    output_of = [{letter: Partial() if (letter == PASS or (letter is not None and letter not in out_letters))
+                  else _placement(letters, letter, False, False) for letter in menu} for letters in ann.outputs]
     result = []
     for split in itertools.product(menu, repeat=len(mesh_shape)):
+        if any(n == 1 and l is not None for l, n in zip(split, mesh_shape)):
+            continue  # a size-1 axis never splits: one strategy stands for all its choices
         factors: dict[str, int] = {}
         for letter, n in zip(split, mesh_shape):
             if letter is not None and n > 1:
                 factors[letter] = factors.get(letter, 1) * n
-        if any(n == 1 and l is not None for l, n in zip(split, mesh_shape)):
-            continue  # a size-1 axis never splits: one strategy stands for all its choices
         if any(l != PASS and any(s % f for s in sizes.get(l, [1])) for l, f in factors.items()):
             continue
-        inputs, grads = [], []
-        for i, letters in enumerate(ann.inputs):
-            place, grad = [], []
-            for letter in split:
-                contracted = letter is not None and letter != PASS and letter not in out_letters
-                lookup = letter in ann.lookup
-                p = _placement(letters, letter, contracted and not lookup, i in ann.partial_inputs)
-                place.append(p)
-                if isinstance(p, Shard):
-                    grad.append(p)
-                elif isinstance(p, Partial) or letter is None or lookup:
-                    grad.append(Replicate())
-                else:
-                    grad.append(Partial())  # broadcast along a split: gradient sums over ranks
-            inputs.append(tuple(place))
-            grads.append(tuple(grad) if needs_grad[i] else None)
-        outputs = []
-        for letters in ann.outputs:
-            outputs.append(tuple(
-                Partial() if (letter == PASS or (letter is not None and letter not in out_letters))
-                else _placement(letters, letter, False, False) for letter in split))
+        inputs = tuple(tuple(table[l][0] for l in split) for table in operand_of)
+        grads = tuple(tuple(table[l][1] for l in split) if needs_grad[i] else None
+                      for i, table in enumerate(operand_of))
+        outputs = tuple(tuple(table[l] for l in split) for table in output_of)
         name = " ".join(f"{ax}={alias.get(l, l)}" for ax, l in zip(axis_names, split)
                         if l is not None) or "replicate"
-        result.append(Strategy(tuple(split), tuple(inputs), tuple(outputs), tuple(grads),
+        result.append(Strategy(tuple(split), inputs, outputs, grads,
                                math.prod(factors.get(l, 1) for l in factors if l != PASS), name))
     return result
+
+
+def _operand_placement(ann: Annotation, i: int, letters, letter, out_letters):
+    """(placement, gradient placement) of operand i on an axis that splits `letter`."""
+    contracted = letter is not None and letter != PASS and letter not in out_letters
+    lookup = letter in ann.lookup
+    p = _placement(letters, letter, contracted and not lookup, i in ann.partial_inputs)
+    if isinstance(p, Shard):
+        return p, p
+    if isinstance(p, Partial) or letter is None or lookup:
+        return p, Replicate()
+    return p, Partial()  # broadcast along a split: gradient sums over ranks
 
 
 def replicated(n_inputs: int, n_outputs: int, ndim: int, needs_grad) -> Strategy:
