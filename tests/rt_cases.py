@@ -147,7 +147,9 @@ def train_and_compare(spec: tuple, plan_dict: dict, steps: int = 3, clip: float 
         opt.zero_grad()
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     worst["frozen_moved"] = 0.0  # frozen weights must come back bit-identical
-    for name, p in cm.full_state_dict().items():
+    full = cm.full_state_dict()
+    for name in params:
+        p = full[name]
         e = excess(p, params[name])
         if e > worst["param"][0]:
             worst["param"] = (e, name)
@@ -316,7 +318,7 @@ def mixed_precision_vs_reference(spec: tuple, plan_dict: dict, steps: int = 3) -
     # Adam turns bf16 rounding noise in near-zero gradients into sign flips of whole
     # updates, so compare the runs by the norm of their difference against the norm of the
     # change the steps made, over all master weights
-    diff = math.sqrt(sum(float((got[n] - masters[n].detach()).pow(2).sum()) for n in got))
+    diff = math.sqrt(sum(float((got[n] - masters[n].detach()).pow(2).sum()) for n in masters))
     moved = math.sqrt(sum(float((masters[n].detach() - p.detach()).pow(2).sum()) for n, p in model.named_parameters()))
     worst_param = diff / moved
     dtypes = {str(p.dtype) for p in cm.shards.values()}
