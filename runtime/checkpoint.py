@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from autopar.passes.shard_params import shard_of
 
-from .zero import ShardedOptimizer, all_gather_chunks
+from .zero import ShardedOptimizer, WrappedOptimizer, all_gather_chunks
 
 
 class CheckpointError(RuntimeError):
@@ -32,7 +32,7 @@ def _entries(cm, opt) -> list:
     """(key, parameter shard, ZeroLayout or None, tensor the optimizer updates) per trainable parameter."""
     if isinstance(opt, ShardedOptimizer):
         return list(opt.entries)
-    if not isinstance(opt, torch.optim.Optimizer) or type(opt).__name__ == "WholeParamOptimizer":
+    if not isinstance(opt, torch.optim.Optimizer) or isinstance(opt, WrappedOptimizer):
         raise CheckpointError(f"optimizer_state_dict takes an optimizer from cm.build_optimizer with an elementwise "
                               f"optimizer (got {type(opt).__name__}); save whole-parameter optimizers' "
                               f"state_dict() per rank")

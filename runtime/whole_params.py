@@ -25,6 +25,8 @@ import torch.nn as nn
 
 from autopar.passes.shard_params import shard_of
 
+from .zero import WrappedOptimizer
+
 ELEMENTWISE = frozenset({torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax,
                          torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Adagrad,
                          torch.optim.Adadelta, torch.optim.Rprop, torch.optim.ASGD})
@@ -41,14 +43,10 @@ def owners(sizes: dict, world: int) -> dict:
     return out
 
 
-class WholeParamOptimizer(torch.optim.Optimizer):
+class WholeParamOptimizer(WrappedOptimizer):
     """`cls` on whole parameters, each on its owner rank (see the module docstring)."""
 
-    def __init__(self, cm, cls, **kwargs):  # noqa: D107 (no Optimizer.__init__: the wrapped one owns the state)
-        self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = {}, {}
-        self._optimizer_state_dict_pre_hooks, self._optimizer_state_dict_post_hooks = {}, {}
-        self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = {}, {}
-        self.cm = cm
+    def __init__(self, cm, cls, **kwargs):  # noqa: D107
         self.keys = [k for k, p in cm.shards.items() if p.requires_grad]
         shapes = {k: cm.full_shape(k) for k in self.keys}
         self.owner = owners({k: torch.Size(s).numel() for k, s in shapes.items()}, dist.get_world_size())
@@ -58,36 +56,10 @@ class WholeParamOptimizer(torch.optim.Optimizer):
                       for k in self.keys if self.owner[k] == me}
         # a rank that owns nothing still has param_groups (for LR schedulers)
         params = list(self.whole.values()) or [nn.Parameter(torch.zeros(0, device=device))]
-        self.optimizer = cls(params, **kwargs)
-        self.defaults = self.optimizer.defaults
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value):
-        self.optimizer.param_groups = value
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, value):
-        self.optimizer.state = value
-
-    def state_dict(self):
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state):
-        self.optimizer.load_state_dict(state)
+        super().__init__(cm, cls(params, **kwargs))
 
     def __repr__(self) -> str:
         return f"WholeParamOptimizer({self.optimizer!r}, {len(self.whole)} of {len(self.keys)} parameters here)"
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        return self.cm.clip_grad_norm_(max_norm, norm_type)
 
     @torch.no_grad()
     def step(self, closure=None):

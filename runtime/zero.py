@@ -164,39 +164,21 @@ def buckets(keys: list, layouts: dict, sizes: dict, limit_bytes: int) -> list:
     return out
 
 
-class ShardedOptimizer(torch.optim.Optimizer):
-    """Any torch optimizer, run on what this rank owns of every parameter.
+class WrappedOptimizer(torch.optim.Optimizer):
+    """A torch optimizer (`self.optimizer`) that runs on tensors the compiled model `cm`
+    derives from its shards; param_groups, state, state_dict and load_state_dict are the
+    wrapped optimizer's, so LR schedulers work.  Subclasses set up `optimizer` and define
+    step and zero_grad."""
 
-    For a parameter without ZeRO-1/2 it updates the local shard itself (or its float32
-    master under mixed precision); for a ZeRO-1/2 parameter only the owned chunk of the flat
-    local tensor (a view into the parameter, or its master chunk), after which the chunks are
-    all-gathered.  Elementwise optimizers (SGD, Adam, AdamW, ...) therefore compute exactly
-    what they compute on the whole model.  zero_grad, state_dict, load_state_dict and
-    param_groups are the wrapped optimizer's (its state is this rank's part)."""
-
-    def __init__(self, cm, cls, bucket_bytes: int, **kwargs):  # noqa: D107 (no Optimizer.__init__: it
-        # would register the parameters a second time; the wrapped optimizer owns them)
+    def __init__(self, cm, optimizer):  # noqa: D107 (no Optimizer.__init__: it would register the
+        # parameters a second time; the wrapped optimizer owns them)
         self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = {}, {}
         self._optimizer_state_dict_pre_hooks, self._optimizer_state_dict_post_hooks = {}, {}
         self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = {}, {}
         self.cm = cm
-        self.bucket_bytes = bucket_bytes
-        self.entries = []  # (key, parameter, layout or None, target the optimizer updates)
-        targets = []
-        for key, p in cm.shards.items():
-            if not p.requires_grad:
-                continue
-            lay = cm.zero_layouts.get(key)
-            target = cm.masters.get(key)
-            if target is None:
-                target = p if lay is None else nn.Parameter(p.detach().view(-1)[lay.start: lay.end])
-            self.entries.append((key, p, lay, target))
-            targets.append(target)
-        self.optimizer = cls(targets, **kwargs)
-        self.defaults = self.optimizer.defaults
-        self.gathered = [k for k, _, lay, _ in self.entries if lay is not None]
+        self.optimizer = optimizer
+        self.defaults = optimizer.defaults
 
-    # the wrapped optimizer's interface
     @property
     def param_groups(self):
         return self.optimizer.param_groups
@@ -220,11 +202,38 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.optimizer.load_state_dict(state)
 
     def __repr__(self) -> str:
-        return f"ShardedOptimizer({self.optimizer!r})"
+        return f"{type(self).__name__}({self.optimizer!r})"
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """The compiled model's clip_grad_norm_ (every shard and ZeRO chunk counted once)."""
         return self.cm.clip_grad_norm_(max_norm, norm_type)
+
+
+class ShardedOptimizer(WrappedOptimizer):
+    """Any torch optimizer, run on what this rank owns of every parameter.
+
+    For a parameter without ZeRO-1/2 it updates the local shard itself (or its float32
+    master under mixed precision); for a ZeRO-1/2 parameter only the owned chunk of the flat
+    local tensor (a view into the parameter, or its master chunk), after which the chunks are
+    all-gathered.  Elementwise optimizers (SGD, Adam, AdamW, ...) therefore compute exactly
+    what they compute on the whole model.  zero_grad, state_dict, load_state_dict and
+    param_groups are the wrapped optimizer's (its state is this rank's part)."""
+
+    def __init__(self, cm, cls, bucket_bytes: int, **kwargs):  # noqa: D107
+        self.bucket_bytes = bucket_bytes
+        self.entries = []  # (key, parameter, layout or None, target the optimizer updates)
+        targets = []
+        for key, p in cm.shards.items():
+            if not p.requires_grad:
+                continue
+            lay = cm.zero_layouts.get(key)
+            target = cm.masters.get(key)
+            if target is None:
+                target = p if lay is None else nn.Parameter(p.detach().view(-1)[lay.start: lay.end])
+            self.entries.append((key, p, lay, target))
+            targets.append(target)
+        super().__init__(cm, cls(targets, **kwargs))
+        self.gathered = [k for k, _, lay, _ in self.entries if lay is not None]
 
     def _grad_of(self, key, p, lay):
         if lay is None:

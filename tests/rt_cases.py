@@ -3,6 +3,7 @@ plan, train a few AdamW steps and compare with the same model trained on one dev
 from __future__ import annotations
 
 import copy
+import functools
 import math
 
 import torch
@@ -480,3 +481,13 @@ def resume_across_layouts(spec: tuple, plan_dict: dict, other_dict: dict, path: 
     full = cm2.full_state_dict()
     return {"param": max(excess(full[n], params[n]) for n in params),
             "loss": max(abs(a - b) - (ATOL + RTOL * abs(b)) for a, b in zip(seen, losses))}
+
+
+@functools.lru_cache(maxsize=None)
+def plan_for(spec: tuple, layout: str | None, shape=(2, 2), names=("dp", "tp"), pipeline=None) -> dict:
+    """The plan (as a dict) of the model of `spec` on a cpu mesh: the solver's (layout None)
+    or a hand-written layout's, optionally with pipeline stages; cached per test session."""
+    model, args, kwargs = build_case(spec)
+    mesh = autopar.Mesh(shape, names, device="cpu")
+    return autopar.plan(model, mesh, args, example_kwargs=kwargs or None, compare=False, layout=layout,
+                        pipeline=pipeline or False).to_dict()

@@ -4,14 +4,12 @@ streams that make any plan a valid dropout model (runtime/rng.py), per-rank seed
 nothing, and forward works under no_grad and inference_mode."""
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 from torch.distributed.tensor import Replicate
 
 import autopar
-from rt_cases import build_case, train_and_compare
+from rt_cases import plan_for, build_case, train_and_compare
 from sem_cases import (batch_norm_train_eval, bn_case, dropnet_case, dropout_masks, eval_then_train, per_rank_seeds,
                        plan_once, unseeded_models)
 
@@ -26,12 +24,7 @@ FROZEN = {  # which parameters are frozen: first layer, middle, embedding, one o
 MESH = ((2, 2), ("dp", "tp"))
 
 
-@functools.lru_cache(maxsize=None)
-def _plan(spec: tuple, layout: str | None, shape=MESH[0], names=MESH[1], pipeline=None) -> dict:
-    model, args, kwargs = build_case(spec)
-    mesh = autopar.Mesh(shape, names, device="cpu")
-    return autopar.plan(model, mesh, args, example_kwargs=kwargs or None, compare=False, layout=layout,
-                        pipeline=pipeline or False).to_dict()
+_plan = plan_for
 
 
 def _trainable(spec) -> int:

@@ -2,12 +2,10 @@
 clipping over sharded gradients, per-rank batches, input checks."""
 from __future__ import annotations
 
-import functools
-
 import pytest
 
 import autopar
-from rt_cases import (bad_inputs, build_case, checkpoint_round_trip, compile_other_size, train_and_compare,
+from rt_cases import (plan_for, bad_inputs, build_case, checkpoint_round_trip, compile_other_size, train_and_compare,
                       resume_across_layouts, uneven_batches)
 
 GPT = ("autopar", "gpt-tiny", ())
@@ -16,12 +14,7 @@ LAYOUTS = [None, "data-parallel", "zero1", "zero2", "zero3", "megatron-tp x dp",
            "megatron-tp x zero3"]
 
 
-@functools.lru_cache(maxsize=None)
-def _plan(spec: tuple, layout: str | None, shape=MESH[0], names=MESH[1], pipeline=None) -> dict:
-    model, args, kwargs = build_case(spec)
-    mesh = autopar.Mesh(shape, names, device="cpu")
-    return autopar.plan(model, mesh, args, example_kwargs=kwargs or None, compare=False, layout=layout,
-                        pipeline=pipeline or False).to_dict()
+_plan = plan_for
 
 
 def test_clip_grad_norm_equals_one_device(pool4):
