@@ -32,12 +32,13 @@ def _trainable(spec) -> int:
     return sum(p.requires_grad for p in model.parameters())
 
 
-LAYOUTS = [None, "data-parallel", "zero1", "zero2", "zero3", "megatron-tp x dp", "megatron-tp x zero3"]
+LAYOUTS = [None] + sorted(autopar.baselines.layouts(autopar.Mesh(*MESH, device="cpu"), every=True))
 
 
 @pytest.mark.parametrize("which", sorted(FROZEN))
 def test_frozen_parameters_stay_frozen(pool4, which):
-    """Under the solver's plan, every hand-written layout and ZeRO-1/2/3: frozen weights
+    """Under the solver's plan and every hand-written layout (ZeRO-1/2/3, Megatron, their
+    products): frozen weights
     bit-identical after 3 AdamW steps, no gradient for them, not in the optimizer; the
     rest equal one device."""
     spec = ("frozen", GPT, FROZEN[which])
