@@ -35,7 +35,7 @@ from autopar.passes.redistribute import MeshGroups, redistribute_local
 from autopar.passes.shard_params import init_sharded, shard_full_model, shard_of
 from autopar.plan import Plan
 from autopar.precision import MixedPrecision, cast_for_trace, meta_inputs
-from autopar.trace import graph_signature, trace
+from autopar.trace import TraceError, graph_signature, trace
 
 from .checkpoint import load_optimizer_state_dict, optimizer_state_dict
 from .grad_sync import GradSync
@@ -165,8 +165,11 @@ def rewrite(model, plan: Plan, groups, example_inputs, example_kwargs, precision
         raise PlanMismatch(f"the plan was made for another graph than this model traces to (graph signature "
                            f"{plan.graph}, this model's {graph_signature(traced.graph)}): another model, size, "
                            f"input shape or dtype. Plan again for this model and these inputs")
-    evaluated = trace(model, tuple(example_inputs), example_kwargs, mode="eval")
-    modes = mode_switch(traced.graph, evaluated.graph, traced.buffers)
+    try:
+        evaluated = trace(model, tuple(example_inputs), example_kwargs, mode="eval")
+        modes = mode_switch(traced.graph, evaluated.graph, traced.buffers)
+    except TraceError as exc:  # training needs only the training graph; eval mode says why it is missing
+        modes = ModeSwitch(reason=f"the model could not be traced in eval mode ({exc})")
     expected = expected_inputs(traced.graph, traced.user_inputs)
     gm = traced.graph
     annotate(gm, plan, traced.params, traced.tied)

@@ -193,3 +193,27 @@ def plan_once(spec: tuple) -> dict:
     finally:
         autopar.plan = original
     return {"planned": len(planned), "hashes": _all(cm.plan.hash()), "loss": cm.train_step(*args, **kwargs).item()}
+
+
+def train_then_eval_error(module_name: str) -> dict:
+    """A model whose eval forward cannot be traced: it trains; cm.eval() names why not."""
+    import importlib
+    cls = importlib.import_module(module_name)._EvalUntraceable
+    torch.manual_seed(0)
+    model, x = cls(), torch.randn(8, 4)
+    mesh = autopar.Mesh((2,), ("dp",), device="cpu")
+    cm = autopar.compile(model, mesh, (x,), plan=autopar.plan(model, mesh, (x,), compare=False,
+                                                              layout="data-parallel"))
+    opt = cm.build_optimizer(torch.optim.SGD, lr=0.1)
+    steps = 0
+    for _ in range(2):
+        cm.train_step(x)
+        opt.step()
+        opt.zero_grad()
+        steps += 1
+    try:
+        cm.eval()
+        error = ""
+    except Exception as exc:  # noqa: BLE001
+        error = str(exc)
+    return {"steps": steps, "eval_error": error}

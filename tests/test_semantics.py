@@ -11,7 +11,7 @@ from torch.distributed.tensor import Replicate
 import autopar
 from rt_cases import plan_for, build_case, train_and_compare
 from sem_cases import (batch_norm_train_eval, bn_case, dropnet_case, dropout_masks, eval_then_train, per_rank_seeds,
-                       plan_once, unseeded_models)
+                       plan_once, train_then_eval_error, unseeded_models)
 
 GPT = ("autopar", "gpt-tiny", ())
 GPT_DROPOUT = ("autopar", "gpt-tiny", (("dropout", 0.1),))
@@ -240,3 +240,21 @@ def test_mode_switch_records_flags_and_buffer_updates():
     assert flags == [("train", True, False), ("training", True, False)]
     assert sum(sw.skip for sw in switch.switches.values()) == 1   # num_batches_tracked += 1
     assert model.training  # tracing in eval mode gave every module its flag back
+
+
+class _EvalUntraceable(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.fc(x)
+        if not self.training and y.sum() > 0:  # data-dependent control flow: export cannot trace it
+            y = y + 1.0
+        return y.sum()
+
+
+def test_model_untraceable_in_eval_still_trains(pool2):
+    r = pool2.run(train_then_eval_error, _EvalUntraceable.__module__)[0]
+    assert r["steps"] == 2
+    assert "could not be traced in eval mode" in r["eval_error"]
