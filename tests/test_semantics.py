@@ -127,10 +127,15 @@ def test_per_rank_seeds_keep_replicas_identical(pool4, layout):
     """torch.manual_seed(base + rank) after building the model, dropout 0.1, 3 AdamW steps:
     ranks that hold the same shard of a parameter hold the same values, and every rank
     reports the same loss."""
-    r = pool4.run(per_rank_seeds, GPT_DROPOUT, _plan(GPT_DROPOUT, layout))[0]
+    _assert_replicas_identical(pool4.run(per_rank_seeds, GPT_DROPOUT, _plan(GPT_DROPOUT, layout))[0],
+                               _plan(GPT_DROPOUT, layout))
+
+
+def _assert_replicas_identical(r: dict, plan_dict: dict) -> None:
+    """A per_rank_seeds result: every rank saw the same losses, and ranks holding the same
+    piece of a parameter (same coordinates on the axes it is split over) hold the same values."""
     assert all(l == r["losses"][0] for l in r["losses"])
-    plan = autopar.Plan.from_dict(_plan(GPT_DROPOUT, layout))
-    for name, placements in plan.param_placements.items():
+    for name, placements in autopar.Plan.from_dict(plan_dict).param_placements.items():
         by_piece: dict = {}
         for coord, shards in zip(r["coord"], r["shards"]):
             piece = tuple(c for c, p in zip(coord, placements) if hasattr(p, "dim"))
@@ -193,14 +198,7 @@ def test_hugging_face_dropout_train_eval_and_per_rank_seeds(pool4, family):
         assert value == pytest.approx(r["plain_eval"], rel=1e-5, abs=1e-6)
     assert r["train"][0] != r["train"][1]
     plan = _plan(spec, "megatron-tp x dp")
-    s = pool4.run(per_rank_seeds, spec, plan)[0]
-    assert all(l == s["losses"][0] for l in s["losses"])
-    for name, placements in autopar.Plan.from_dict(plan).param_placements.items():
-        by_piece: dict = {}
-        for coord, shards in zip(s["coord"], s["shards"]):
-            by_piece.setdefault(tuple(c for c, p in zip(coord, placements) if hasattr(p, "dim")), set()).add(
-                shards[name])
-        assert all(len(d) == 1 for d in by_piece.values()), f"{name} diverged across replicas"
+    _assert_replicas_identical(pool4.run(per_rank_seeds, spec, plan)[0], plan)
 
 
 class _TrainOnly(torch.nn.Module):
