@@ -38,6 +38,7 @@ from autopar.precision import MixedPrecision, cast_for_trace, meta_inputs
 from autopar.trace import TraceError, graph_signature, trace
 
 from .checkpoint import load_optimizer_state_dict, optimizer_state_dict
+from .grad_pieces import is_absent
 from .grad_sync import GradSync
 from .inputs import InputCheck, expected_inputs
 from .reshard import Regather
@@ -369,6 +370,26 @@ class CompiledModel(nn.Module):
         self._out_spec = traced.out_spec
         self._grad_sync = GradSync(self, sync, groups, bucket_mb, self.zero_layouts,
                                    precision.reduce_dtype if precision is not None else None)
+        self._grad_sync.pieces = self._grad_pieces()
+
+    def _grad_pieces(self) -> dict:
+        """key -> why this rank's gradient of it is only a piece of the whole (runtime/grad_pieces.py):
+        parameters split over some mesh axis and ZeRO-2 ones; replicated ones are whole."""
+        axes = self.plan.mesh["axis_names"]
+        out = {}
+        for key, p in self.shards.items():
+            if not p.requires_grad:
+                continue
+            name = self._names[key]
+            split = [f"{axes[a]} ({pl})" for a, pl in enumerate(self.plan.param_placements[name])
+                     if isinstance(pl, Shard)]
+            lay = self.zero_layouts.get(key)
+            if lay is not None and lay.stage == 2:
+                out[key] = (f"the gradient of {name!r} is reduce-scattered into ZeRO-2 chunks over "
+                            f"{[axes[a] for a in lay.reduce_axes + lay.rest_axes]}")
+            elif split:
+                out[key] = f"this rank holds a shard of the gradient of {name!r}, split over {', '.join(split)}"
+        return out
 
     def _compute_dtype_of(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype a parameter or buffer of `dtype` computes in (param_dtype under mixed precision)."""
@@ -406,6 +427,7 @@ class CompiledModel(nn.Module):
             raise CompileError(f"inputs do not match the example inputs the model was compiled with "
                                f"(expected structure {self._in_spec}, got {spec})")
         self._check_inputs(flat)
+        self._grad_sync.begin()
         device = next(iter(self.shards.values())).device if len(self.shards) else torch.device("cpu")
         inputs = iter(t.to(device) if isinstance(t, torch.Tensor) else t for t in flat)
         feed = []
@@ -626,7 +648,7 @@ class CompiledModel(nn.Module):
         params = [p for p in self.shards.values()]
         measured = {
             "params": sum(_nbytes(p) for p in params),
-            "grads": sum(_nbytes(p.grad) for p in params if p.grad is not None)
+            "grads": sum(_nbytes(p.grad) for p in params if p.grad is not None and not is_absent(p.grad))
                      + sum(_nbytes(g) for g in self._grad_sync.zero_grads.values()),
             "optimizer": 0, "optimizer_scalars": 0, "offloaded": 0,
         }

@@ -21,6 +21,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from .grad_pieces import drop_absent, is_absent, mark, mark_absent
 from .zero import reduce_scatter_finish, reduce_scatter_start
 
 
@@ -49,6 +50,8 @@ class GradSync:
         self.in_flight: list = []
         self.done: set = set()
         self.key_of = {id(p): key for key, p in self.params.items()}
+        self.module = module
+        self.pieces: dict = {}  # key -> why its gradient here is only a piece (runtime/grad_pieces.py)
         for key, p in self.params.items():
             p.register_post_accumulate_grad_hook(self._hook(key))
 
@@ -85,7 +88,8 @@ class GradSync:
         if not self.enabled:
             return
         self.hooked = len(self.done)  # gradients whose reduction started during backward
-        missing = [k for k in self.params if k not in self.done and self.params[k].grad is not None]
+        missing = [k for k in self.params if k not in self.done and self.params[k].grad is not None
+                   and not is_absent(self.params[k].grad)]
         for key in missing:  # gradients that never fired a hook (e.g. accumulated under no_sync only)
             self.pending.setdefault(self.axes[key], []).append(self.params[key])
         for axes in list(self.pending):
@@ -96,6 +100,8 @@ class GradSync:
                     held = self.zero_grads.get(key)
                     self.zero_grads[key] = chunk if held is None else held.add_(chunk)
                     self.params[key].grad = None
+                    if key in self.pieces:
+                        mark_absent(self.params[key], self.pieces[key])
                 continue
             work.wait()
             offset = 0
@@ -105,6 +111,13 @@ class GradSync:
                 offset += n
         self.in_flight.clear()
         self.done.clear()
+        shards = self.module.shards
+        for key, what in self.pieces.items():
+            mark(shards[key], what)
+
+    def begin(self) -> None:
+        """Before a forward: ZeRO-2 stand-in gradients go, so backward accumulates afresh."""
+        drop_absent(self.params[k] for k in self.layouts)
 
     @contextlib.contextmanager
     def no_sync(self):

@@ -226,6 +226,11 @@ class PipelinedModel(CompiledModel):
             for key in module.params:
                 readers_here[key] = readers_here.get(key, 0) + 1
         self._grad_sync.hold = {key for key, n in readers_here.items() if n > 1}
+        for key in readers_here:  # every gradient here is one device group's part of the model's
+            if self.shards[key].requires_grad:
+                self._grad_sync.pieces.setdefault(
+                    key, f"device group {group} holds the gradient of {self._names[key]!r} for its pipeline "
+                         f"stages only")
         for stage in pipeline_stages:
             for name in ("backward_one_chunk", "backward_weight_one_chunk"):
                 setattr(stage, name, self._sync_on_last(getattr(stage, name)))
@@ -301,6 +306,7 @@ class PipelinedModel(CompiledModel):
 
     def _run_schedule(self, args, kwargs, train: bool) -> torch.Tensor:
         inputs = self._inputs(args, kwargs)
+        self._grad_sync.begin()
         last = any(st.is_last for st in self.pipeline_stages)
         losses: list = []
         extra = {"target": torch.zeros(self._n_mb, device=self._device), "losses": losses} if last else {}

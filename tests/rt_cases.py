@@ -165,6 +165,28 @@ def train_and_compare(spec: tuple, plan_dict: dict, steps: int = 3, clip: float 
     return worst
 
 
+def torch_clip_over_parameters(spec: tuple, plan_dict: dict) -> dict:
+    """torch.nn.utils.clip_grad_norm_(cm.parameters(), 0.5) after one train_step: its norm,
+    or the error it raised; then one AdamW step and the next loss against one device."""
+    plan = Plan.from_dict(plan_dict)
+    losses, _, _, norms = reference(spec, 2, 0.5)
+    model, args, kwargs = build_case(spec)
+    cm = autopar.compile(model, plan.device_mesh(), args, example_kwargs=kwargs or None, plan=plan)
+    cls, options = OPTIMIZERS["adamw"]
+    opt = cm.build_optimizer(cls, **options)
+    out = {"one_device": norms[0]}
+    cm.train_step(*args, **kwargs)
+    try:
+        out["norm"] = float(torch.nn.utils.clip_grad_norm_(cm.parameters(), 0.5))
+    except Exception as e:  # noqa: BLE001 (the error is the result)
+        out["error"] = f"{type(e).__name__}: {e}"
+        cm.clip_grad_norm_(0.5)
+    opt.step()
+    opt.zero_grad()
+    out["loss_excess"] = abs(cm.train_step(*args, **kwargs).item() - losses[1]) - (ATOL + RTOL * abs(losses[1]))
+    return out
+
+
 def forward_collectives(spec: tuple, plan_dict: dict) -> list:
     """(kind, mesh axis, module of the reading op) of every forward collective the compiled
     graph runs in its moves."""

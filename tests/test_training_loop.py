@@ -2,11 +2,13 @@
 clipping over sharded gradients, per-rank batches, input checks."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 import autopar
 from rt_cases import (plan_for, bad_inputs, build_case, checkpoint_round_trip, compile_other_size, train_and_compare,
-                      resume_across_layouts, uneven_batches)
+                      resume_across_layouts, torch_clip_over_parameters, uneven_batches)
 
 GPT = ("autopar", "gpt-tiny", ())
 MESH = ((2, 2), ("dp", "tp"))
@@ -40,6 +42,35 @@ def test_clip_grad_norm_with_pipeline_stages(pool4):
     assert r["ok"], r
     for mine, theirs in r["norms"]:
         assert mine == pytest.approx(theirs, rel=1e-5)
+
+
+@pytest.mark.parametrize("layout,refused", [
+    ("data-parallel", None), ("zero1", None),
+    ("megatron-tp x dp", r"this rank holds a shard of the gradient of '[\w.]+', split over tp \(S\(\d\)\)"),
+    ("zero2", r"'[\w.]+' is reduce-scattered into ZeRO-2 chunks over \['dp', 'tp'\]"),
+    ("zero3", r"'[\w.]+', split over dp \(S\(\d\)\)"),
+    ("pipeline", r"holds the gradient of '[\w.]+' for its pipeline stages only"),
+])
+def test_torch_clip_grad_norm_over_parameters(pool4, layout, refused):
+    """torch.nn.utils.clip_grad_norm_(cm.parameters()) is one device's norm where every rank's
+    gradients are whole (data parallel, ZeRO-1) and raises, pointing to cm.clip_grad_norm_,
+    where they are pieces (shards, ZeRO-2 chunks, pipeline stages); training goes on right."""
+    spec = GPT
+    if layout == "pipeline":
+        spec = ("autopar", "gpt-tiny", (("n_layers", 4),))
+        plan = _plan(spec, "data-parallel", (2, 2), ("pp", "dp"),
+                     autopar.Pipeline(axis="pp", groups=2, schedule="1f1b", microbatches=2))
+    else:
+        plan = _plan(spec, layout)
+    results = pool4.run(torch_clip_over_parameters, spec, plan)
+    for r in results:
+        assert r["loss_excess"] <= 0, r
+        if refused is None:
+            assert r["norm"] == pytest.approx(r["one_device"], rel=1e-5)
+        else:
+            assert r["error"].startswith("GradPieceError"), r
+            assert re.search(refused, r["error"]) and "use cm.clip_grad_norm_(max_norm)" in r["error"], r["error"]
+    assert results[0]["one_device"] > 0.5
 
 
 @pytest.mark.parametrize("case,layout,expected", [
