@@ -17,7 +17,10 @@ import math
 import os
 import sys
 
+import autopar
+
 from .mesh import parse_shape
+from .models import PRESETS, build, list_models
 
 log = logging.getLogger("autopar")
 
@@ -84,7 +87,6 @@ def parse_overrides(items: list[str]) -> dict:
 # --- subcommands -------------------------------------------------------------------------
 
 def _cmd_models(args) -> int:
-    from .models import PRESETS, list_models
 
     for name in list_models():
         p = PRESETS[name]
@@ -94,8 +96,6 @@ def _cmd_models(args) -> int:
 
 
 def _cmd_plan(args) -> int:
-    import autopar
-    from .models import build, list_models
 
     if args.model not in list_models():
         raise UsageError(f"unknown model {args.model!r}; choose one of {', '.join(list_models())} "

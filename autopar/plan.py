@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, field
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from .mesh import Mesh
+
 FORMAT_VERSION = 1
 
 
@@ -138,7 +140,6 @@ class Plan:
     def device_mesh(self):
         """The Mesh to compile this plan on: the whole mesh of a pipelined plan (whose `mesh`
         is one stage's sub-mesh), else `mesh`."""
-        from .mesh import Mesh
         if self.pipeline and self.pipeline.get("axis"):
             return Mesh.from_dict(self.pipeline["full_mesh"])
         return Mesh.from_dict(self.mesh)

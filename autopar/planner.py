@@ -1,23 +1,26 @@
 """autopar.plan: trace, build the strategy menus and costs, solve the ILP, return a Plan."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
+import random
 import time
 
 import torch
 
 from . import baselines as B
 from .mesh import Mesh, parse_bytes
-from .plan import Collective, NodeChoice, ParamState, Plan, Prediction
-from .problem import Problem, reduce_problem
-from .solver import InfeasibleError, solve
+from .batching import batch_size, first_microbatch
+from .pipeline.search import search
+from .plan import ParamState, Plan
+from .precision import cast_for_trace, meta_inputs
+from .problem import Problem, same_local_shape
+from .solution import assemble, solve_problem
+from .solver import InfeasibleError
 from .trace import graph_signature, trace
 
 log = logging.getLogger("autopar")
-
-CATEGORIES = ("params", "grads", "optimizer", "activations")
-
 
 def plan(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=None,
          memory_budget=None, compare: bool = True, time_limit: float = 60.0, layout: str | None = None,
@@ -47,7 +50,6 @@ def plan(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, example_kwarg
     start = time.perf_counter()
     budget = parse_bytes(memory_budget, "memory_budget") if memory_budget is not None else None
     if mixed_precision is not None:  # plan what runs: the model in param_dtype
-        from .precision import cast_for_trace, meta_inputs
         example_inputs, example_kwargs = meta_inputs((tuple(example_inputs), example_kwargs))
         traced = trace(cast_for_trace(model, mixed_precision.param_dtype), example_inputs, example_kwargs)
     else:
@@ -69,15 +71,15 @@ def plan(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, example_kwarg
                             "total_s": time.perf_counter() - start}) for s in seeds]
         return made[0] if isinstance(random_seed, int) else made
     try:
-        best, sol, _ = _solve(problem, every.get(layout), None if layout else limit, time_limit)
+        best, sol, _ = solve_problem(problem, every.get(layout), None if layout else limit, time_limit)
     except InfeasibleError:
         raise _infeasible(problem, model, mesh, limit, time_limit) from None
     compared = {}
     if compare:
         for name, rule in rules.items():
             try:
-                c, _, _ = _solve(problem, rule, None, time_limit)
-                compared[name] = _assemble(problem, c)[2]
+                c, _, _ = solve_problem(problem, rule, None, time_limit)
+                compared[name] = assemble(problem, c)[2]
             except InfeasibleError as exc:
                 compared[name] = str(exc)
     timing = {"trace_s": t_trace, "costs_s": t_build, "solve_s": sol.seconds,
@@ -89,9 +91,6 @@ def plan(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, example_kwarg
 
 def _plan_with_pipeline(model, mesh, example_inputs, example_kwargs, memory_budget, compare, time_limit,
                         mixed_precision, fixed=None, layout=None, random_seed=None) -> Plan:
-    import dataclasses
-
-    from .pipeline.search import _batch_size, _microbatch, search
     start = time.perf_counter()
     if random_seed is not None and not isinstance(random_seed, int):
         raise ValueError("with pipeline=..., random_seed takes one seed, not a list")
@@ -104,8 +103,8 @@ def _plan_with_pipeline(model, mesh, example_inputs, example_kwargs, memory_budg
     else:
         sub = Mesh(choice.submesh, mesh.axis_names, device=mesh.device, bandwidth=mesh.bandwidth,
                    latency=mesh.latency)
-        batch = _batch_size(example_inputs, example_kwargs)
-        args, kwargs = _microbatch((tuple(example_inputs), example_kwargs), batch, batch // choice.n_microbatches)
+        batch = batch_size(example_inputs, example_kwargs)
+        args, kwargs = first_microbatch((tuple(example_inputs), example_kwargs), batch, batch // choice.n_microbatches)
         result = plan(model, sub, args, example_kwargs=kwargs, memory_budget=memory_budget, compare=compare,
                       time_limit=time_limit, layout=layout, random_seed=random_seed,
                       mixed_precision=mixed_precision)
@@ -122,8 +121,8 @@ def _plan_with_pipeline(model, mesh, example_inputs, example_kwargs, memory_budg
 def _infeasible(problem, model, mesh, limit, time_limit) -> InfeasibleError:
     """The error for a budget no plan fits: the least memory any plan needs, what it is made
     of, and what would make the model fit."""
-    choice, _, floor = _solve(problem, None, None, time_limit, minimise_memory=True)
-    memory = _assemble(problem, choice)[2].memory
+    choice, _, floor = solve_problem(problem, None, None, time_limit, minimise_memory=True)
+    memory = assemble(problem, choice)[2].memory
     gib = 2**30
     parts = ", ".join(f"{k} {v / gib:.2f}" for k, v in memory.items())
     states = floor - memory["activations"]
@@ -148,7 +147,7 @@ def _infeasible(problem, model, mesh, limit, time_limit) -> InfeasibleError:
 
 
 def _make_plan(problem, model, mesh, choice, sol, origin, compared, budget, timing) -> Plan:
-    nodes, collectives, predicted, grad_sums = _assemble(problem, choice)
+    nodes, collectives, predicted, grad_sums = assemble(problem, choice)
     params, states = {}, {}
     for pn in problem.nodes:
         if pn.kind == "param":
@@ -182,42 +181,8 @@ def _order_params(model, params: dict) -> dict:
     return out
 
 
-def _solve(problem: Problem, rule, budget, time_limit, minimise_memory=False):
-    """Solve with every identical layer alike (period 1); when the answer moves data between
-    consecutive layers, try alternating layouts (period 2) too and keep the faster plan."""
-    best = None
-    for period in (1, 2):
-        red = reduce_problem(problem, rule, period)
-        try:
-            if minimise_memory:
-                sol = solve(red.memory, [], None, None, red.allowed, time_limit=time_limit)
-            else:
-                sol = solve(red.costs, red.edges, red.memory, budget, red.allowed, time_limit=time_limit,
-                            tiebreak=red.plain_memory)
-        except InfeasibleError:
-            if period == 2 and best is not None:
-                break
-            if period == 1 and problem.tie:
-                continue
-            raise
-        root_choice = dict(zip(red.roots, sol.choice))
-        choice = {}
-        for pn in problem.nodes:
-            r = red.canon(pn.rep)
-            choice[pn.index] = int(red.follow[r][root_choice[red.root_of[r]]])
-        floor = sum(float(red.memory[i][c]) for i, c in enumerate(sol.choice))
-        if best is None or sol.objective < best[1].objective * (1 - 1e-9):
-            best = (choice, sol, floor)
-        if not problem.tie or not _moves_between_layers(problem, choice):
-            break
-    return best
-
-
 def _random_choice(problem: Problem, seed: int) -> dict:
     """Every node (each layer on its own) takes a strategy drawn uniformly from its menu."""
-    import random
-
-    from .problem import same_local_shape
     rng = random.Random(seed)
     choice = {}
     for pn in problem.nodes:
@@ -230,78 +195,3 @@ def _random_choice(problem: Problem, seed: int) -> dict:
         else:
             choice[pn.index] = rng.randrange(len(menu))
     return choice
-
-
-def _moves_between_layers(problem: Problem, choice: dict) -> bool:
-    """Whether a tensor travelling from one repeated layer to the next is resharded on the
-    way (directly, or through ops that sit between the layers)."""
-    spans = {}
-    for n, (prefix, _) in problem.block.items():
-        if problem.nodes[n].kind == "op":
-            lo, hi = spans.get(prefix, (n, n))
-            spans[prefix] = (min(lo, n), max(hi, n))
-
-    def inside(n):
-        return any(lo <= n <= hi for lo, hi in spans.values())
-
-    for e in problem.edges:
-        if e.kind != "data" or problem.nodes[e.a].kind != "op":
-            continue
-        a, b = problem.block.get(e.a), problem.block.get(e.b)
-        if (a or b) and a != b and inside(e.a) and inside(e.b) and \
-                problem.edge_costs[problem.rep_edge(e)][choice[e.a], choice[e.b]] > 0:
-            return True
-    return False
-
-
-def _assemble(problem: Problem, choice: dict):
-    """Per-node choices, the collectives they imply and the predicted step time and memory."""
-    mesh = problem.mesh
-    nodes: dict[int, NodeChoice] = {}
-    collectives = []
-    compute = 0.0
-    comm = [0.0] * mesh.ndim
-    memory = dict.fromkeys(CATEGORIES, 0.0)
-    grad_sums = {}
-    edges_into: dict = {}
-    for e in problem.edges:  # a data edge belongs to its consumer, a gradient edge to its tensor's producer
-        owner = e.b if e.kind == "data" else (e.b if e.kind == "grad_out" else problem.nodes[e.b].source[0])
-        edges_into.setdefault(owner, []).append(e)
-    for pn in problem.nodes:
-        i = choice[pn.index]
-        s = problem.nodes[pn.rep].strategies[i]
-        c = problem.choices[pn.rep][i]
-        compute += c.compute
-        if pn.kind == "param" and s.zero:  # ZeRO-1/2: updated weights all-gathered after the step
-            for st in problem.zero_gather_steps(pn, s):
-                comm[st.axis] += st.seconds
-                collectives.append(Collective("all_gather", (mesh.axis_names[st.axis],), st.nbytes, "step",
-                                              pn.param_name, pn.param_name, st.seconds))
-        else:
-            for a, t in enumerate(c.comm):
-                comm[a] += t
-                if t:
-                    collectives.append(Collective("all_reduce", (mesh.axis_names[a],), 0.0, "forward", pn.name,
-                                                  pn.name, t))
-        for k, v in c.memory.items():
-            memory[k] += v
-        edge_comm = 0.0
-        for e in edges_into.get(pn.index, ()):
-            fwd, bwd = problem.edge_steps(problem.rep_edge(e), choice[e.a], choice[e.b])
-            src = problem.nodes[e.a] if e.kind == "data" else problem.nodes[e.b]
-            for phase, steps in (("forward", fwd), ("backward", bwd)):
-                for st in steps:
-                    comm[st.axis] += st.seconds
-                    edge_comm += st.seconds
-                    collectives.append(Collective(st.kind, (mesh.axis_names[st.axis],), st.nbytes, phase,
-                                                  pn.name, src.param_name or src.name, st.seconds))
-        if pn.kind == "gradsum":
-            src, out = pn.source
-            grad_sums[f"{problem.nodes[src].name}:{out}"] = s.outputs[0]
-            continue
-        nodes[pn.index] = NodeChoice(pn.name, pn.op, pn.module if pn.kind != "param" else pn.param_name,
-                                     s.name, tuple(s.split), tuple(s.inputs), tuple(s.outputs), tuple(s.grads),
-                                     c.compute, sum(c.comm) + edge_comm, sum(c.memory.values()))
-    comm_by_axis = {mesh.axis_names[a]: comm[a] for a in range(mesh.ndim)}
-    predicted = Prediction(compute + sum(comm), compute, comm_by_axis, memory)
-    return nodes, collectives, predicted, grad_sums

@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import _init
+from . import initialise
 
 IGNORE_INDEX = -100  # target value of the positions that do not count in the loss
 
@@ -174,13 +174,13 @@ class Bert(nn.Module):
         so no depth scaling is needed. The tied `head.decoder.weight` is
         `embeddings.word_embeddings.weight` and is drawn once, as the latter.
         """
-        _init.init_weights(self)
+        initialise.init_weights(self)
 
     @torch.no_grad()
     def init_module(self, name: str, module: nn.Module) -> None:
-        """`_init.init_module` with BERT's rules; a tied `head.decoder` re-ties its weight
+        """`initialise.init_module` with BERT's rules; a tied `head.decoder` re-ties its weight
         (no draw) and zeroes its bias."""
-        _init.init_module(
+        initialise.init_module(
             name,
             module,
             model=self,

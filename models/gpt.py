@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import _init
+from . import initialise
 
 
 @dataclass
@@ -129,12 +129,12 @@ class GPT(nn.Module):
         residual stream does not grow with depth. The tied `lm_head.weight` is
         `wte.weight` and is drawn once, as `wte.weight`.
         """
-        _init.init_weights(self)
+        initialise.init_weights(self)
 
     @torch.no_grad()
     def init_module(self, name: str, module: nn.Module) -> None:
-        """`_init.init_module` with GPT's rules; a tied `lm_head` draws nothing, it re-ties."""
-        _init.init_module(
+        """`initialise.init_module` with GPT's rules; a tied `lm_head` draws nothing, it re-ties."""
+        initialise.init_module(
             name,
             module,
             model=self,

@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import _init
+from . import initialise
 
 
 @dataclass
@@ -227,11 +227,11 @@ class Llama(nn.Module):
         `output.weight` is `tok_embeddings.weight` and is drawn once, as
         `tok_embeddings.weight`. The RoPE tables are recomputed.
         """
-        _init.init_weights(self)
+        initialise.init_weights(self)
 
     @torch.no_grad()
     def init_module(self, name: str, module: nn.Module) -> None:
-        """`_init.init_module` with Llama's rules, plus the model itself (""), which owns
+        """`initialise.init_module` with Llama's rules, plus the model itself (""), which owns
         the non-persistent RoPE tables: computed, no RNG. A tied `output` re-ties, no draw."""
         if module is self:
             head_dim = self.config.dim // self.config.n_heads
@@ -239,7 +239,7 @@ class Llama(nn.Module):
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
             return
-        _init.init_module(
+        initialise.init_module(
             name,
             module,
             model=self,

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import _init
+from . import initialise
 
 
 @dataclass
@@ -42,12 +42,12 @@ class MLP(nn.Module):
     @torch.no_grad()
     def init_weights(self) -> None:
         """GPT-2 style init: weights ~ normal(0, 0.02), biases zero."""
-        _init.init_weights(self)
+        initialise.init_weights(self)
 
     @torch.no_grad()
     def init_module(self, name: str, module: nn.Module) -> None:
-        """`_init.init_module` for the MLP: only its Linear layers own tensors."""
-        _init.init_module(name, module, embeddings=())
+        """`initialise.init_module` for the MLP: only its Linear layers own tensors."""
+        initialise.init_module(name, module, embeddings=())
 
     def forward(self, x: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
         """

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from autopar.ops import NO_OUTPUT, op_name, outputs_of
 from autopar.plan import Plan
 
 
@@ -40,6 +41,5 @@ def annotate(gm: fx.GraphModule, plan: Plan, params: dict, tied: dict) -> fx.Gra
 
 
 def _planned_kind(node: fx.Node) -> bool:
-    from autopar.ops import NO_OUTPUT, op_name, outputs_of
     name = op_name(node)
     return name != "getitem" and name not in NO_OUTPUT and bool(outputs_of(node))

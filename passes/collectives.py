@@ -14,6 +14,8 @@ move hands its gradient back in w: autograd adds them, then one reduction runs.
 """
 from __future__ import annotations
 
+import operator
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +24,7 @@ from torch.distributed.tensor import Partial, Replicate
 from torch.utils import _pytree as pytree
 
 from autopar.ops import tensor_args
+from autopar.problem import same_local_shape
 
 from .redistribute import redistribute
 
@@ -69,7 +72,6 @@ def local_input_layouts(gm: fx.GraphModule, user_inputs) -> list:
 def get_attr(graph: fx.Graph, name: str) -> fx.Node:
     """A get_attr node for a plain (non-tensor, non-module) attribute of the GraphModule;
     fx warns about those, but they work and keep the generated code readable."""
-    import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         return graph.get_attr(name)
@@ -81,7 +83,6 @@ def grad_target(placements) -> tuple:
 
 def layout_of(node: fx.Node, index: int = 0, ndim: int = 1) -> tuple:
     """The layout of tensor `node[index]` as the plan produces it."""
-    import operator
     if node.op == "call_function" and node.target is operator.getitem:
         return layout_of(node.args[0], node.args[1], ndim)
     alias = node.meta.get("autopar_alias")
@@ -97,7 +98,6 @@ def layout_of(node: fx.Node, index: int = 0, ndim: int = 1) -> tuple:
 
 def tensor_key(node: fx.Node) -> tuple[fx.Node, int]:
     """(producer, output index) of the tensor a node stands for (through getitem and aliases)."""
-    import operator
     if node.op == "call_function" and node.target is operator.getitem:
         return node.args[0], node.args[1]
     alias = node.meta.get("autopar_alias")
@@ -240,7 +240,6 @@ def _deferrable(gm: fx.GraphModule, plan, defer: dict, ndim: int) -> dict:
 
 
 def _same_local_shape(a, b) -> bool:
-    from autopar.problem import same_local_shape
     return same_local_shape(a, b)
 
 

@@ -13,13 +13,14 @@ import math
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 
 from autopar.ops import annotate as annotate_op
 from autopar.ops import op_name, outputs_of, tensor_args
 from autopar.ops.strategy import PASS
 
 from . import local_ops
+from .collectives import get_attr, move
 
 SIZE_ARG = {"aten.view": 1, "aten.reshape": 1, "aten._unsafe_view": 1, "aten.expand": 1}
 MEANS = {"aten.mean"}
@@ -133,9 +134,7 @@ def _whole_before_move(gm, node, axes):
     """The tensor a move sliced `node` from, when that tensor is whole on every rank
     (targets arrive whole and are sliced), else None: the mean's global count of counted
     targets can then be read locally instead of all-reduced over `axes`."""
-    from torch.distributed.tensor import Replicate
 
-    from .collectives import move
     if node.op == "call_function" and node.target is move:
         m = getattr(gm, node.args[1].target)
         if axes and all(isinstance(p, Replicate) for p in m.src):
@@ -149,6 +148,5 @@ def _global_shape(node, k):
 
 
 def _groups_node(node):
-    from .collectives import get_attr
     with node.graph.inserting_before(node):
         return get_attr(node.graph, "_autopar_groups")

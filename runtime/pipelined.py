@@ -43,22 +43,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from autopar.batching import batch_size, first_microbatch
 from autopar.mesh import Mesh
 from autopar.passes.collectives import move
 from autopar.passes.pipeline_split import assign_stages, layer_stages, split_stages
 from autopar.passes.redistribute import MeshGroups
 
-from .compiled import (
-    CompiledModel,
-    CompileError,
-    _device,
-    _gather_counts,
-    _key,
-    _loss_of,
-    _param_placeholders,
-    initial_shards,
-    rewrite,
-)
+from .build import initial_shards, param_names, rewrite
+from .model import CompiledModel, gather_counts_of, loss_of, param_key
+from .process import CompileError, device_of
 from .reshard import Regather
 
 log = logging.getLogger("autopar")
@@ -101,7 +94,6 @@ def compile_pipelined(model, mesh: Mesh, example_inputs, example_kwargs, plan, *
                       bucket_mb: float, precision, device_type: str, seed_of_job: int,
                       reshard_after_forward: bool = True) -> PipelinedModel:
     """compile() for a plan with pipeline stages (see the module docstring)."""
-    from autopar.pipeline.search import _batch_size, _microbatch
     info = plan.pipeline
     full = Mesh.from_dict(info["full_mesh"])
     if full.shape != mesh.shape or full.axis_names != mesh.axis_names:
@@ -115,7 +107,7 @@ def compile_pipelined(model, mesh: Mesh, example_inputs, example_kwargs, plan, *
                            "with this version of autopar")
     n_groups, n_mb = info["groups"], info["microbatches"]
     n_stages = len(info["stages"])
-    batch = _batch_size(example_inputs, example_kwargs)
+    batch = batch_size(example_inputs, example_kwargs)
     if batch % n_mb:
         raise CompileError(f"the plan splits the batch into {n_mb} microbatches; the inputs' batch of {batch} "
                            f"rows does not divide")
@@ -123,14 +115,14 @@ def compile_pipelined(model, mesh: Mesh, example_inputs, example_kwargs, plan, *
     sub = dm[mesh.axis_names] if len(mesh.axis_names) > 1 else dm[mesh.axis_names[0]]
     groups = MeshGroups(sub)
     group = dm.get_coordinate()[0]
-    args, kwargs = _microbatch((tuple(example_inputs), example_kwargs), batch, batch // n_mb)
+    args, kwargs = first_microbatch((tuple(example_inputs), example_kwargs), batch, batch // n_mb)
     rewritten = rewrite(model, plan, groups, args, kwargs, precision, device_type, seed_of_job)
     traced, gm = rewritten.traced, rewritten.graph
-    device = _device(device_type)
+    device = device_of(device_type)
     stage_of = assign_stages(gm, traced.user_inputs, info["layer_prefix"],
                              layer_stages(info["stages"], info["layer_indices"]))
     stages = split_stages(gm, traced.user_inputs, stage_of, n_stages)
-    name_of = _param_placeholders(traced)
+    name_of = param_names(traced)
     readers: dict = {}   # parameter name -> device groups whose stages read it
     for st in stages:
         for ph in st.params:
@@ -202,7 +194,7 @@ class PipelinedModel(CompiledModel):
         self._meta = {name: (params[name][0], self._compute_dtype_of(params[name][1])) for name in self._owner}
         self._trainable = {name for name, (_, _, grad) in params.items() if grad}
         self._tied = self._tied_groups(readers)
-        self._groups_reading = {_key(name): len(gs) for name, gs in readers.items()}
+        self._groups_reading = {param_key(name): len(gs) for name, gs in readers.items()}
         self.stage_modules = []
         pipeline_stages = []
         for st in stages:
@@ -211,9 +203,9 @@ class PipelinedModel(CompiledModel):
             feed = []
             for ph in st.params:
                 if ph in param_of:
-                    feed.append(("param", _key(param_of[ph])))
+                    feed.append(("param", param_key(param_of[ph])))
                 else:
-                    feed.append(("buffer", _key(buffer_of[ph])))
+                    feed.append(("buffer", param_key(buffer_of[ph])))
             module = _StageModule(st, self, feed)
             module.regather = Regather(module.graph_module, set(st.params), reshard_after_forward, self.groups)
             self.stage_modules.append(module)
@@ -253,7 +245,7 @@ class PipelinedModel(CompiledModel):
 
     def gather_counts(self) -> dict:
         """As CompiledModel.gather_counts, over this rank's stages (per microbatch forward)."""
-        return _gather_counts(m.regather for m in self.stage_modules)
+        return gather_counts_of(m.regather for m in self.stage_modules)
 
     def _sync_on_last(self, method):
         """`method` with gradient synchronisation on while the schedule runs a stage's last
@@ -284,13 +276,13 @@ class PipelinedModel(CompiledModel):
             if gs not in made:
                 made[gs] = [dist.new_group([int(flat[g, c]) for g in gs]) for c in range(flat.shape[1])]
             if self._group in gs:
-                out[_key(name)] = made[gs][mine]
+                out[param_key(name)] = made[gs][mine]
         return out
 
     # --- running -----------------------------------------------------------------------------
     def _microbatch_loss(self, output, _target):
         flat = list(output) if isinstance(output, tuple) else [output]
-        loss = _loss_of(self._structure(flat))
+        loss = loss_of(self._structure(flat))
         if self._loss_index is None:
             self._loss_index = next((i for i, t in enumerate(flat) if t is loss), None)
         return loss / self._n_mb

@@ -85,8 +85,8 @@ def build_case(spec: tuple):
 
 
 def _loss(out):
-    from autopar.runtime.compiled import _loss_of
-    return _loss_of(out)
+    from autopar.runtime.model import loss_of
+    return loss_of(out)
 
 
 _REFERENCE: dict = {}

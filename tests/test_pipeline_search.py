@@ -70,25 +70,25 @@ def test_split_pass_cuts_the_planned_graph_at_the_stage_boundaries(slow_network_
     from autopar.passes.collectives import insert_collectives
     from autopar.passes.localize import localize
     from autopar.passes.pipeline_split import assign_stages, layer_stages, split_stages
-    from autopar.pipeline.search import _microbatch
+    from autopar.batching import first_microbatch
     from autopar.problem import module_path
-    from autopar.runtime.compiled import _param_placeholders
+    from autopar.runtime.build import param_names
     from autopar.trace import trace
 
     plan, _ = slow_network_plan
     pp = plan.pipeline
     model, example = build("gpt2-1.5b", device="meta", batch=16)
-    (args, _) = _microbatch((tuple(example), None), 16, 16 // pp["microbatches"])
+    (args, _) = first_microbatch((tuple(example), None), 16, 16 // pp["microbatches"])
     traced = trace(model, args)
     gm = traced.graph
     annotate(gm, plan, traced.params, traced.tied)
-    insert_collectives(gm, plan, SimpleNamespace(), defer=_param_placeholders(traced))  # groups: never run here
+    insert_collectives(gm, plan, SimpleNamespace(), defer=param_names(traced))  # groups: never run here
     localize(gm, plan)
     stage_of = assign_stages(gm, traced.user_inputs, pp["layer_prefix"],
                              layer_stages(pp["stages"], pp["layer_indices"]))
     stages = split_stages(gm, traced.user_inputs, stage_of, len(pp["stages"]))
     assert len(stages) == len(pp["stages"]) >= 2
-    name_of = _param_placeholders(traced)
+    name_of = param_names(traced)
     for st, (a, b) in zip(stages, pp["stages"]):
         layers = {int(m.group(1)) for n in st.graph_module.graph.nodes
                   if (m := re.match(r"blocks\.(\d+)\.", module_path(n)))}

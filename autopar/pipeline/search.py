@@ -28,14 +28,20 @@ them; 1F1B: S - s), which must fit the budget.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import time
 from dataclasses import dataclass, field
 
-import torch
-from torch.utils import _pytree as pytree
-
+from ..batching import batch_size, first_microbatch
+from ..cost import local_numel
+from ..mesh import Mesh, parse_bytes
+from ..precision import cast_for_trace, meta_inputs
+from ..problem import VIEWS, Problem
+from ..solution import assemble, solve_problem
+from ..solver import InfeasibleError
+from ..trace import trace
 from .simulate import simulate
 
 log = logging.getLogger("autopar")
@@ -138,10 +144,9 @@ def search(model, mesh, example_inputs, example_kwargs=None, *, memory_budget=No
     """The fastest pipeline layout (or none) for `model` on `mesh`; see the module docstring.
     fixed: a Pipeline whose set fields the result must have (then never "no pipeline");
     mixed_precision: an autopar.MixedPrecision the stages are costed under."""
-    from autopar.mesh import Mesh, parse_bytes
     start = time.perf_counter()
     limit = parse_bytes(memory_budget, "memory_budget") if memory_budget is not None else mesh.device.memory
-    batch = _batch_size(example_inputs, example_kwargs)
+    batch = batch_size(example_inputs, example_kwargs)
     results = []
     rejected: dict = {}
     cost_cache: dict = {}
@@ -150,7 +155,7 @@ def search(model, mesh, example_inputs, example_kwargs=None, *, memory_budget=No
         key = (sub_shape, mb_size)
         if key not in cost_cache:
             sub = Mesh(sub_shape, mesh.axis_names, device=mesh.device, bandwidth=mesh.bandwidth, latency=mesh.latency)
-            args, kwargs = _microbatch((tuple(example_inputs), example_kwargs), batch, mb_size)
+            args, kwargs = first_microbatch((tuple(example_inputs), example_kwargs), batch, mb_size)
             cost_cache[key] = _layer_costs(model, sub, args, kwargs, time_limit, mixed_precision)
         return cost_cache[key]
 
@@ -210,7 +215,6 @@ def search(model, mesh, example_inputs, example_kwargs=None, *, memory_budget=No
 
 
 def _replace(c: PipelineChoice, **kw) -> PipelineChoice:
-    import dataclasses
     return dataclasses.replace(c, **kw)
 
 
@@ -285,43 +289,20 @@ def _microbatch_counts(batch: int, p: int, wanted) -> list:
     return counts or ([p] if batch % p == 0 else [])
 
 
-def _batch_size(example_inputs, example_kwargs) -> int:
-    sizes = {t.shape[0] for t in pytree.tree_leaves((tuple(example_inputs), example_kwargs or {}))
-             if isinstance(t, torch.Tensor) and t.dim() > 0}
-    if len(sizes) != 1:
-        raise ValueError(f"pipeline search splits the batch (dim 0 of every input) into microbatches; the "
-                         f"inputs' first dims {sorted(sizes)} differ")
-    return sizes.pop()
-
-
-def _microbatch(tree, batch: int, size: int):
-    def cut(t):
-        if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch:
-            return t[:size]  # the first microbatch: real rows for a real model, shapes for a meta one
-        return t
-    return pytree.tree_map(cut, tree)
-
-
 def _layer_costs(model, mesh, args, kwargs, time_limit, mixed_precision=None):
     """Plan `model` on `mesh` for inputs (args, kwargs) and split the plan's costs per
     repeated layer: (layers, prefix, suffix, boundary bytes), or None when nothing fits."""
-    from autopar.planner import _assemble, _solve
-    from autopar.problem import VIEWS, Problem
-    from autopar.solver import InfeasibleError
-    from autopar.trace import trace
-
     if mixed_precision is not None:  # cost what runs: the model in param_dtype
-        from autopar.precision import cast_for_trace, meta_inputs
         args, kwargs = meta_inputs((args, kwargs))
         traced = trace(cast_for_trace(model, mixed_precision.param_dtype), args, kwargs)
     else:
         traced = trace(model, args, kwargs)
     problem = Problem(traced, mesh, mixed_precision)
     try:
-        choice, _, _ = _solve(problem, None, None, time_limit)
+        choice, _, _ = solve_problem(problem, None, None, time_limit)
     except InfeasibleError:
         return None
-    nodes, collectives, _, _ = _assemble(problem, choice)
+    nodes, collectives, _, _ = assemble(problem, choice)
     if not problem.layer_groups:
         raise ValueError(f"{type(model).__name__} has no repeated layers (modules named like blocks.0, "
                          f"blocks.1, ...) to cut into pipeline stages")
@@ -382,7 +363,6 @@ def _first_reader_before_layers(problem, pn, pattern) -> bool:
 def _boundary_bytes(problem, choice, position, pattern) -> float:
     """Bytes per device of the tensor that flows from one layer into the next (the largest
     such tensor: the residual stream)."""
-    from autopar.cost import local_numel
     best = 0.0
     for pn in problem.nodes:
         m = pattern.match(pn.module or "")

@@ -1,0 +1,120 @@
+"""From a solved problem to the plan's facts: solve a Problem (identical layers alike, or
+alternating when that is faster) and assemble a choice into per-node records, the
+collectives it implies and the predicted step time and memory.
+
+The planner (autopar.planner) and the pipeline search (autopar.pipeline.search) both call
+these two; neither imports the other's internals.
+"""
+from __future__ import annotations
+
+from .plan import Collective, NodeChoice, Prediction
+from .problem import Problem, reduce_problem
+from .solver import InfeasibleError, solve
+
+CATEGORIES = ("params", "grads", "optimizer", "activations")
+
+
+def solve_problem(problem: Problem, rule, budget, time_limit, minimise_memory=False):
+    """Solve with every identical layer alike (period 1); when the answer moves data between
+    consecutive layers, try alternating layouts (period 2) too and keep the faster plan."""
+    best = None
+    for period in (1, 2):
+        red = reduce_problem(problem, rule, period)
+        try:
+            if minimise_memory:
+                sol = solve(red.memory, [], None, None, red.allowed, time_limit=time_limit)
+            else:
+                sol = solve(red.costs, red.edges, red.memory, budget, red.allowed, time_limit=time_limit,
+                            tiebreak=red.plain_memory)
+        except InfeasibleError:
+            if period == 2 and best is not None:
+                break
+            if period == 1 and problem.tie:
+                continue
+            raise
+        root_choice = dict(zip(red.roots, sol.choice))
+        choice = {}
+        for pn in problem.nodes:
+            r = red.canon(pn.rep)
+            choice[pn.index] = int(red.follow[r][root_choice[red.root_of[r]]])
+        floor = sum(float(red.memory[i][c]) for i, c in enumerate(sol.choice))
+        if best is None or sol.objective < best[1].objective * (1 - 1e-9):
+            best = (choice, sol, floor)
+        if not problem.tie or not moves_between_layers(problem, choice):
+            break
+    return best
+
+
+def moves_between_layers(problem: Problem, choice: dict) -> bool:
+    """Whether a tensor travelling from one repeated layer to the next is resharded on the
+    way (directly, or through ops that sit between the layers)."""
+    spans = {}
+    for n, (prefix, _) in problem.block.items():
+        if problem.nodes[n].kind == "op":
+            lo, hi = spans.get(prefix, (n, n))
+            spans[prefix] = (min(lo, n), max(hi, n))
+
+    def inside(n):
+        return any(lo <= n <= hi for lo, hi in spans.values())
+
+    for e in problem.edges:
+        if e.kind != "data" or problem.nodes[e.a].kind != "op":
+            continue
+        a, b = problem.block.get(e.a), problem.block.get(e.b)
+        if (a or b) and a != b and inside(e.a) and inside(e.b) and \
+                problem.edge_costs[problem.rep_edge(e)][choice[e.a], choice[e.b]] > 0:
+            return True
+    return False
+
+
+def assemble(problem: Problem, choice: dict):
+    """Per-node choices, the collectives they imply and the predicted step time and memory."""
+    mesh = problem.mesh
+    nodes: dict[int, NodeChoice] = {}
+    collectives = []
+    compute = 0.0
+    comm = [0.0] * mesh.ndim
+    memory = dict.fromkeys(CATEGORIES, 0.0)
+    grad_sums = {}
+    edges_into: dict = {}
+    for e in problem.edges:  # a data edge belongs to its consumer, a gradient edge to its tensor's producer
+        owner = e.b if e.kind == "data" else (e.b if e.kind == "grad_out" else problem.nodes[e.b].source[0])
+        edges_into.setdefault(owner, []).append(e)
+    for pn in problem.nodes:
+        i = choice[pn.index]
+        s = problem.nodes[pn.rep].strategies[i]
+        c = problem.choices[pn.rep][i]
+        compute += c.compute
+        if pn.kind == "param" and s.zero:  # ZeRO-1/2: updated weights all-gathered after the step
+            for st in problem.zero_gather_steps(pn, s):
+                comm[st.axis] += st.seconds
+                collectives.append(Collective("all_gather", (mesh.axis_names[st.axis],), st.nbytes, "step",
+                                              pn.param_name, pn.param_name, st.seconds))
+        else:
+            for a, t in enumerate(c.comm):
+                comm[a] += t
+                if t:
+                    collectives.append(Collective("all_reduce", (mesh.axis_names[a],), 0.0, "forward", pn.name,
+                                                  pn.name, t))
+        for k, v in c.memory.items():
+            memory[k] += v
+        edge_comm = 0.0
+        for e in edges_into.get(pn.index, ()):
+            fwd, bwd = problem.edge_steps(problem.rep_edge(e), choice[e.a], choice[e.b])
+            src = problem.nodes[e.a] if e.kind == "data" else problem.nodes[e.b]
+            for phase, steps in (("forward", fwd), ("backward", bwd)):
+                for st in steps:
+                    comm[st.axis] += st.seconds
+                    edge_comm += st.seconds
+                    collectives.append(Collective(st.kind, (mesh.axis_names[st.axis],), st.nbytes, phase,
+                                                  pn.name, src.param_name or src.name, st.seconds))
+        if pn.kind == "gradsum":
+            src, out = pn.source
+            grad_sums[f"{problem.nodes[src].name}:{out}"] = s.outputs[0]
+            continue
+        nodes[pn.index] = NodeChoice(pn.name, pn.op, pn.module if pn.kind != "param" else pn.param_name,
+                                     s.name, tuple(s.split), tuple(s.inputs), tuple(s.outputs), tuple(s.grads),
+                                     c.compute, sum(c.comm) + edge_comm, sum(c.memory.values()))
+    comm_by_axis = {mesh.axis_names[a]: comm[a] for a in range(mesh.ndim)}
+    predicted = Prediction(compute + sum(comm), compute, comm_by_axis, memory)
+    return nodes, collectives, predicted, grad_sums

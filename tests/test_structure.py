@@ -1,0 +1,24 @@
+"""The flow stays straight: no import cycles among library files, no private names taken
+from other modules, no library imports hidden in functions (tests/structure.py)."""
+from structure import findings
+
+
+def test_no_cycles_private_imports_or_deferred_imports():
+    found = findings()
+    assert found == {"cycles": [], "private": [], "deferred": []}, found
+
+
+def test_the_checker_sees_a_cycle(tmp_path, monkeypatch):
+    """The checker is not blind: two modules importing each other are one cycle."""
+    import structure
+    pkg = tmp_path / "autopar"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from .b import f\n")
+    (pkg / "b.py").write_text("def f():\n    from .a import _g\n")
+    monkeypatch.setattr(structure, "ROOT", tmp_path)
+    monkeypatch.setattr(structure, "PACKAGES", {"autopar": "autopar"})
+    found = structure.findings()
+    assert found["cycles"] == [["autopar.a", "autopar.b"]]
+    assert found["private"] == ["autopar.b imports _g from autopar.a"]
+    assert found["deferred"] == ["autopar.b imports autopar.a inside a function"]
