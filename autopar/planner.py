@@ -13,12 +13,11 @@ from . import baselines as B
 from .mesh import Mesh, parse_bytes
 from .batching import batch_size, first_microbatch
 from .pipeline.search import search
-from .plan import ParamState, Plan
-from .precision import cast_for_trace, meta_inputs
+from .plan import ParamState, PipelineLayout, Plan, SolverStats, Timing
 from .problem import Problem, same_local_shape
-from .solution import assemble, solve_problem
+from .solution import Built, assemble, build_problem, solve_problem
 from .solver import InfeasibleError
-from .trace import graph_signature, trace
+from .trace import graph_signature
 
 log = logging.getLogger("autopar")
 
@@ -49,15 +48,13 @@ def plan(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, example_kwarg
                                    layout, random_seed)
     start = time.perf_counter()
     budget = parse_bytes(memory_budget, "memory_budget") if memory_budget is not None else None
-    if mixed_precision is not None:  # plan what runs: the model in param_dtype
-        example_inputs, example_kwargs = meta_inputs((tuple(example_inputs), example_kwargs))
-        traced = trace(cast_for_trace(model, mixed_precision.param_dtype), example_inputs, example_kwargs)
-    else:
-        traced = trace(model, tuple(example_inputs), example_kwargs)
-    t_trace = time.perf_counter() - start
-    problem = Problem(traced, mesh, mixed_precision)
-    t_build = time.perf_counter() - start - t_trace
-    log.info("built strategy menus and costs in %.2fs", t_build)
+    built = build_problem(model, mesh, example_inputs, example_kwargs, mixed_precision)
+    return _plan_built(built, model, mesh, budget, compare, time_limit, layout, random_seed, start)
+
+
+def _plan_built(built: Built, model, mesh: Mesh, budget, compare, time_limit, layout, random_seed, start):
+    """plan() from a traced and costed problem (the pipeline search's, when it made one)."""
+    problem, t_trace, t_build = built.problem, built.trace_s, built.costs_s
     limit = budget if budget is not None else mesh.device.memory
     rules = B.layouts(mesh)
     every = B.layouts(mesh, every=True)
@@ -67,11 +64,14 @@ def plan(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, example_kwarg
     if random_seed is not None:
         seeds = [random_seed] if isinstance(random_seed, int) else list(random_seed)
         made = [_make_plan(problem, model, mesh, _random_choice(problem, s), None, f"random:{s}", {}, budget,
-                           {"trace_s": t_trace, "costs_s": t_build, "solve_s": 0.0,
-                            "total_s": time.perf_counter() - start}) for s in seeds]
+                           Timing(trace_s=t_trace, costs_s=t_build, total_s=time.perf_counter() - start))
+                for s in seeds]
         return made[0] if isinstance(random_seed, int) else made
     try:
-        best, sol, _ = solve_problem(problem, every.get(layout), None if layout else limit, time_limit)
+        if layout is None and built.solved is not None and built.solved[2] <= limit:
+            best, sol, _ = built.solved  # the unbudgeted optimum fits: the budgeted one is the same
+        else:
+            best, sol, _ = solve_problem(problem, every.get(layout), None if layout else limit, time_limit)
     except InfeasibleError:
         raise _infeasible(problem, model, mesh, limit, time_limit) from None
     compared = {}
@@ -82,8 +82,7 @@ def plan(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, example_kwarg
                 compared[name] = assemble(problem, c)[2]
             except InfeasibleError as exc:
                 compared[name] = str(exc)
-    timing = {"trace_s": t_trace, "costs_s": t_build, "solve_s": sol.seconds,
-              "total_s": time.perf_counter() - start}
+    timing = Timing(trace_s=t_trace, costs_s=t_build, solve_s=sol.seconds, total_s=time.perf_counter() - start)
     result = _make_plan(problem, model, mesh, best, sol, origin, compared, budget, timing)
     log.info("planned %s on %s in %.2fs (trace %.2fs)", type(model).__name__, mesh, time.perf_counter() - start, t_trace)
     return result
@@ -96,25 +95,25 @@ def _plan_with_pipeline(model, mesh, example_inputs, example_kwargs, memory_budg
         raise ValueError("with pipeline=..., random_seed takes one seed, not a list")
     choice = search(model, mesh, example_inputs, example_kwargs, memory_budget=memory_budget,
                     time_limit=time_limit, fixed=fixed, mixed_precision=mixed_precision)
-    if choice.axis is None:
-        result = plan(model, mesh, example_inputs, example_kwargs=example_kwargs, memory_budget=memory_budget,
-                      compare=compare, time_limit=time_limit, layout=layout, random_seed=random_seed,
-                      mixed_precision=mixed_precision)
-    else:
+    budget = parse_bytes(memory_budget, "memory_budget") if memory_budget is not None else None
+    built = choice.built  # the winner's problem, as the search traced, costed and solved it
+    if built is None:  # (a candidate whose problem was dropped while a better one led)
         sub = Mesh(choice.submesh, mesh.axis_names, device=mesh.device, bandwidth=mesh.bandwidth,
                    latency=mesh.latency)
         batch = batch_size(example_inputs, example_kwargs)
-        args, kwargs = first_microbatch((tuple(example_inputs), example_kwargs), batch, batch // choice.n_microbatches)
-        result = plan(model, sub, args, example_kwargs=kwargs, memory_budget=memory_budget, compare=compare,
-                      time_limit=time_limit, layout=layout, random_seed=random_seed,
-                      mixed_precision=mixed_precision)
-    info = {"axis": choice.axis, "groups": choice.n_groups, "submesh": list(choice.submesh),
-            "stages": [list(s) for s in choice.stages], "schedule": choice.schedule,
-            "microbatches": choice.n_microbatches, "virtual": choice.n_virtual, "step_s": choice.step_s,
-            "no_pipeline_step_s": choice.no_pipeline_s, "bubble": choice.bubble, "stage_s": list(choice.stage_s),
-            "memory": list(choice.memory), "full_mesh": mesh.to_dict(), "summary": str(choice),
-            "layer_prefix": choice.layer_prefix, "layer_indices": list(choice.layer_indices)}
-    timing = dict(result.timing, pipeline_search_s=choice.seconds, total_s=time.perf_counter() - start)
+        args, kwargs = first_microbatch((tuple(example_inputs), example_kwargs), batch,
+                                        batch // choice.n_microbatches)
+        built = build_problem(model, sub, args, kwargs, mixed_precision)
+    result = _plan_built(built, model, built.problem.mesh, budget, compare, time_limit, layout, random_seed,
+                         time.perf_counter())
+    info = PipelineLayout(axis=choice.axis, groups=choice.n_groups, submesh=tuple(choice.submesh),
+                          stages=tuple(tuple(s) for s in choice.stages), schedule=choice.schedule,
+                          microbatches=choice.n_microbatches, virtual=choice.n_virtual, step_s=choice.step_s,
+                          no_pipeline_step_s=choice.no_pipeline_s, bubble=choice.bubble,
+                          stage_s=tuple(choice.stage_s), memory=tuple(choice.memory), full_mesh=mesh,
+                          summary=str(choice), layer_prefix=choice.layer_prefix,
+                          layer_indices=tuple(choice.layer_indices), group_memory=tuple(choice.group_memory))
+    timing = dataclasses.replace(result.timing, pipeline_search_s=choice.seconds, total_s=time.perf_counter() - start)
     return dataclasses.replace(result, pipeline=info, timing=timing)
 
 
@@ -155,17 +154,17 @@ def _make_plan(problem, model, mesh, choice, sol, origin, compared, budget, timi
             s = problem.nodes[pn.rep].strategies[choice[pn.index]]
             if s.zero or s.offload:
                 states[pn.param_name] = ParamState(s.zero, tuple(mesh.axis_names[a] for a in s.zero_axes), s.offload)
-    solver = {"graph_nodes": len(problem.nodes), "choice_nodes": len(problem.choices)}
+    solver = SolverStats(len(problem.nodes), len(problem.choices))
     if sol is not None:
-        solver.update({"optimal": sol.optimal, "gap": sol.gap, "objective_s": sol.objective, "bound_s": sol.bound,
-                       "variables": sol.variables, "constraints": sol.constraints})
-    return Plan(mesh=mesh.to_dict(), model=type(model).__name__,
+        solver = dataclasses.replace(solver, optimal=sol.optimal, gap=sol.gap, objective_s=sol.objective,
+                                     bound_s=sol.bound, variables=sol.variables, constraints=sol.constraints)
+    return Plan(mesh=mesh, model=type(model).__name__,
                 param_placements=_order_params(model, params), nodes=tuple(nodes[i] for i in sorted(nodes)),
                 collectives=tuple(collectives), predicted=predicted, solver=solver, baselines=compared,
                 memory_budget=budget, fallback_ops=tuple(problem.fallback_ops),
                 layers=tuple((p, tuple(ix)) for p, ix in problem.layer_groups), grad_sums=grad_sums,
                 origin=origin, timing=timing, param_states={k: states[k] for k in _order_params(model, states)},
-                precision=problem.precision.to_dict() if problem.precision is not None else None,
+                precision=problem.precision,
                 frozen=tuple(n for n, p in model.named_parameters() if not p.requires_grad),
                 graph=graph_signature(problem.traced.graph))
 

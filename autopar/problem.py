@@ -665,7 +665,8 @@ def _with_internal(s: Strategy, internal) -> Strategy:
                     steps.append((kind, axis, per_row))
     if not steps:
         return s
-    return Strategy(s.split, s.inputs, s.outputs, s.grads, s.factor, s.name + " (vocab-parallel)", tuple(steps))
+    return Strategy(s.split, s.inputs, s.outputs, s.grads, s.factor, s.name + " (vocab-parallel)", tuple(steps),
+                    reduced=s.reduced)
 
 
 @dataclass

@@ -7,11 +7,54 @@ these two; neither imports the other's internals.
 """
 from __future__ import annotations
 
+import logging
+import time
+from dataclasses import dataclass
+
 from .plan import Collective, NodeChoice, Prediction
+from .precision import cast_for_trace, meta_inputs
 from .problem import Problem, reduce_problem
 from .solver import InfeasibleError, solve
+from .trace import trace
+
+log = logging.getLogger("autopar")
 
 CATEGORIES = ("params", "grads", "optimizer", "activations")
+
+
+@dataclass
+class Built:
+    """A traced and costed problem, with how long each took; `solved` keeps the result of
+    solve_problem(problem, None, None, ...) once someone ran it (the pipeline search does),
+    so the planner does not solve the same problem again."""
+
+    problem: Problem
+    trace_s: float
+    costs_s: float
+    solved: tuple | None = None   # (choice, solution, memory of the choice)
+
+
+def build_problem(model, mesh, args, kwargs, mixed_precision=None) -> Built:
+    """Trace `model` on (args, kwargs) and build its strategy menus and costs on `mesh`.
+    Under mixed precision what runs is traced: the model cast to param_dtype on meta inputs."""
+    start = time.perf_counter()
+    if mixed_precision is not None:
+        args, kwargs = meta_inputs((tuple(args), kwargs))
+        traced = trace(cast_for_trace(model, mixed_precision.param_dtype), args, kwargs)
+    else:
+        traced = trace(model, tuple(args), kwargs)
+    t_trace = time.perf_counter() - start
+    problem = Problem(traced, mesh, mixed_precision)
+    t_build = time.perf_counter() - start - t_trace
+    log.info("built strategy menus and costs in %.2fs", t_build)
+    return Built(problem, t_trace, t_build)
+
+
+def solve_unbudgeted(built: Built, time_limit: float) -> tuple:
+    """solve_problem(built.problem) with no layout rule and no budget, once per Built."""
+    if built.solved is None:
+        built.solved = solve_problem(built.problem, None, None, time_limit)
+    return built.solved
 
 
 def solve_problem(problem: Problem, rule, budget, time_limit, minimise_memory=False):
@@ -114,7 +157,7 @@ def assemble(problem: Problem, choice: dict):
             continue
         nodes[pn.index] = NodeChoice(pn.name, pn.op, pn.module if pn.kind != "param" else pn.param_name,
                                      s.name, tuple(s.split), tuple(s.inputs), tuple(s.outputs), tuple(s.grads),
-                                     c.compute, sum(c.comm) + edge_comm, sum(c.memory.values()))
+                                     c.compute, sum(c.comm) + edge_comm, sum(c.memory.values()), tuple(s.reduced))
     comm_by_axis = {mesh.axis_names[a]: comm[a] for a in range(mesh.ndim)}
     predicted = Prediction(compute + sum(comm), compute, comm_by_axis, memory)
     return nodes, collectives, predicted, grad_sums

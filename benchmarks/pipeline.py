@@ -159,7 +159,7 @@ def main() -> None:
             timeline = gather_timeline(recorder, schedule)
         simulated = pass_times(timeline).simulate(schedule, args.microbatches)
         med = {k: statistics.median(v) for k, v in times.items()}
-        rows.append((schedule, plan.pipeline["stages"], med, first, timeline.bubble_fraction,
+        rows.append((schedule, plan.pipeline.stages, med, first, timeline.bubble_fraction,
                      simulated.bubble_fraction))
     step, cm, _ = compiled(copy.deepcopy(gpt), batch, "1f1b", args.microbatches // 2, 1e-4, data_parallel=True)
     for _ in range(args.warmup):

@@ -107,7 +107,7 @@ def main(argv=None) -> None:
             print(line, flush=True)
     if recorder is not None:
         from autopar.pipeline import gantt_svg, gather_timeline
-        timeline = gather_timeline(recorder, plan.pipeline["schedule"])
+        timeline = gather_timeline(recorder, plan.pipeline.schedule)
         if rank == 0:
             pp = plan.pipeline
             path = gantt_svg(timeline, args.gantt, title=f"{args.model}: {len(pp['stages'])} stages, {pp['schedule']}")

@@ -104,18 +104,29 @@ def tensor_key(node: fx.Node) -> tuple[fx.Node, int]:
     return (alias if alias is not None else node), 0
 
 
-def insert_collectives(gm: fx.GraphModule, plan, groups, defer: dict | None = None) -> fx.GraphModule:
+@dataclass(frozen=True)
+class Inserted:
+    """What insert_collectives leaves to the runtime.  grad_sync: parameter name -> mesh axes
+    its gradient is still Partial on (the runtime all-reduces it, bucketed); output_reduce:
+    output index -> the Move of a Partial scalar (the loss) the runtime sums itself."""
+
+    graph: fx.GraphModule
+    grad_sync: dict
+    output_reduce: dict
+
+
+def insert_collectives(gm: fx.GraphModule, plan, groups, defer: dict | None = None) -> Inserted:
     """Rewrite gm in place; `groups` (an AxisGroups) is stored on gm and read at run time.
 
     defer: placeholder name -> parameter name for parameters whose gradient all-reduce the
     runtime runs itself (bucketed, overlapped with backward).  For those, a move that would
-    end the gradient's journey with Partial -> Replicate leaves it Partial instead, and
-    gm._autopar_grad_sync[parameter] lists the mesh axes still to reduce."""
-    ndim = len(plan.mesh["shape"])
+    end the gradient's journey with Partial -> Replicate leaves it Partial instead, and the
+    result's grad_sync[parameter] lists the mesh axes still to reduce."""
+    ndim = plan.mesh.ndim
     graph = gm.graph
     gm._autopar_groups = groups
-    gm._autopar_grad_sync = {}
-    gm._autopar_output_reduce = {}
+    grad_sync: dict = {}
+    output_reduce: dict = {}
     defer = defer or {}
     count = [0]
 
@@ -126,7 +137,7 @@ def insert_collectives(gm: fx.GraphModule, plan, groups, defer: dict | None = No
         axes = decided.get(x.target) if x.op == "placeholder" else None
         if axes is None:
             return back_to
-        gm._autopar_grad_sync[defer[x.target]] = axes
+        grad_sync[defer[x.target]] = axes
         return back_from
 
     def attr(value) -> fx.Node:
@@ -179,8 +190,8 @@ def insert_collectives(gm: fx.GraphModule, plan, groups, defer: dict | None = No
                 continue
             if node.op == "output" and _scalar_sum(x, m):
                 # a Partial scalar (the loss) leaves the graph as it is: the runtime sums it
-                # asynchronously while backward runs (see gm._autopar_output_reduce)
-                gm._autopar_output_reduce[k] = m
+                # asynchronously while backward runs (see Inserted.output_reduce)
+                output_reduce[k] = m
                 replacement.append(src)
                 continue
             with graph.inserting_before(node):
@@ -191,7 +202,7 @@ def insert_collectives(gm: fx.GraphModule, plan, groups, defer: dict | None = No
         _replace_operands(node, replacement)
     graph.lint()
     gm.recompile()
-    return gm
+    return Inserted(gm, grad_sync, output_reduce)
 
 
 def _scalar_sum(x: fx.Node, m: Move) -> bool:

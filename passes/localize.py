@@ -15,7 +15,6 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
 
-from autopar.ops import annotate as annotate_op
 from autopar.ops import op_name, outputs_of, tensor_args
 from autopar.ops.strategy import PASS
 
@@ -50,7 +49,7 @@ def place_on(gm: fx.GraphModule, device: torch.device) -> fx.GraphModule:
 
 
 def localize(gm: fx.GraphModule, plan) -> fx.GraphModule:
-    mesh_shape = tuple(plan.mesh["shape"])
+    mesh_shape = plan.mesh.shape
     graph = gm.graph
     for node in list(graph.nodes):
         choice = node.meta.get("autopar")
@@ -68,7 +67,7 @@ def localize(gm: fx.GraphModule, plan) -> fx.GraphModule:
             size = local_shape(outs[0].shape, choice.outputs[0], mesh_shape)
             d = dim % len(node.args[0].meta["val"].shape)
             node.args = (node.args[0], dim, size[d:d + len(sizes)])
-        split_reduced = _split_reduced_axes(node, choice)
+        split_reduced = tuple(choice.reduced)
         if name == "aten.embedding" and split_reduced:
             _to_vocab_parallel_embedding(node, choice, split_reduced)
         elif name in ("aten.cross_entropy_loss",):
@@ -88,19 +87,6 @@ def _arg(node, index, name, default):
     if len(node.args) > index:
         return node.args[index]
     return node.kwargs.get(name, default)
-
-
-def _split_reduced_axes(node: fx.Node, choice) -> tuple:
-    """Mesh axes on which the node splits a letter that does not reach its output."""
-    if all(l in (None, PASS) for l in choice.split):
-        return ()
-    in_shapes = [tuple(a.meta["val"].shape) for a in tensor_args(node)]
-    out_shapes = [tuple(o.shape) for o in outputs_of(node)]
-    ann = annotate_op(node, in_shapes, out_shapes)
-    if ann is None:
-        return ()
-    out_letters = {l for o in ann.outputs for l in o if l is not None}
-    return tuple(a for a, l in enumerate(choice.split) if l not in (None, PASS) and l not in out_letters)
 
 
 def _to_vocab_parallel_embedding(node, choice, axes):

@@ -2,7 +2,7 @@
 
 Which nodes carry activations.  A node that depends both on a user input and on a
 parameter computes on activations; it gets a stage.  Inside repeated layer k (module path
-`<layer_prefix>.k...`) that is the stage holding layer k (plan.pipeline["stages"]); any
+`<layer_prefix>.k...`) that is the stage holding layer k (plan.pipeline.stages); any
 other such node runs as late as its readers allow (the earliest stage among them; the
 graph's outputs count as the last stage).  So embeddings land on stage 0, the final norm,
 head and loss on the last, and a collective between two layers (the all-gather of a

@@ -36,6 +36,8 @@ class Rewritten:
     modes: ModeSwitch
     streams: RandomStreams
     inputs: list          # runtime.inputs.Expected per user input
+    grad_sync: dict       # parameter name -> mesh axes the runtime all-reduces its gradient over
+    output_reduce: dict   # output index -> Move of a Partial scalar the runtime sums (the loss)
     input_layouts: list | None = None
 
 
@@ -61,13 +63,13 @@ def rewrite(model, plan: Plan, groups, example_inputs, example_kwargs, precision
     gm = traced.graph
     annotate(gm, plan, traced.params, traced.tied)
     input_layouts = local_input_layouts(gm, set(traced.user_inputs)) if local_inputs else None
-    insert_collectives(gm, plan, groups, defer=param_names(traced))
+    inserted = insert_collectives(gm, plan, groups, defer=param_names(traced))
     localize(gm, plan)
     device = device_of(device_type)
     place_on(gm, device)
     streams = RandomStreams(seed_of_job, groups, device)
     streams.install(gm)
-    return Rewritten(traced, gm, modes, streams, expected, input_layouts)
+    return Rewritten(traced, gm, modes, streams, expected, inserted.grad_sync, inserted.output_reduce, input_layouts)
 
 
 def initial_shards(model, placements: dict, groups, on_meta: bool, seed) -> dict:

@@ -77,7 +77,7 @@ def optimizer_state_dict(cm, opt) -> dict:
     names = {}
     state = {}
     for key, p, lay, target in entries:
-        name = cm._names[key]
+        name = cm.name_of[key]
         names[id(target)] = name
         placements = tuple(cm.plan.param_placements[name])
         shape = torch.Size(cm.full_shape(key))
@@ -108,11 +108,11 @@ def load_optimizer_state_dict(cm, opt, saved: dict) -> None:
     entries = _entries(cm, opt)
     _ensure_state(opt, entries)
     inner = _inner(opt)
-    missing = [cm._names[k] for k, _, _, _ in entries if cm._names[k] not in saved["state"]]
+    missing = [cm.name_of[k] for k, _, _, _ in entries if cm.name_of[k] not in saved["state"]]
     if missing:
         raise CheckpointError(f"optimizer state lacks parameters {missing[:5]}; it was saved for another model")
     for key, p, lay, target in entries:
-        name = cm._names[key]
+        name = cm.name_of[key]
         placements = tuple(cm.plan.param_placements[name])
         mine = inner.state[target]
         for k, v in saved["state"][name].items():

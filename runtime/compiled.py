@@ -23,7 +23,6 @@ import autopar
 from autopar.mesh import Mesh
 from autopar.passes.redistribute import MeshGroups
 from autopar.plan import Plan
-from autopar.precision import MixedPrecision
 
 from .build import initial_shards, rewrite
 from .model import CompiledModel, UnevenInputs
@@ -68,17 +67,16 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=N
         plan = _plan_once(model, mesh, example_inputs, example_kwargs, memory_budget, mixed_precision)
     elif not isinstance(plan, Plan):
         plan = Plan.load(plan)
-    pipelined = bool(plan.pipeline and plan.pipeline.get("axis"))
-    precision = MixedPrecision.from_dict(plan.precision)
+    pipelined = plan.pipeline is not None and plan.pipeline.pipelined
+    precision = plan.precision
     if mixed_precision is not None and precision != mixed_precision:
         raise CompileError(f"the plan was made for {precision or 'full precision'}, not {mixed_precision}; "
                            f"plan with mixed_precision={mixed_precision!r} or compile without it")
     if pipelined and local_inputs:
         raise CompileError("a pipelined plan takes the global batch (its schedule splits it into microbatches); "
                            "compile it without local_inputs=True")
-    if not pipelined and (tuple(plan.mesh["shape"]) != mesh.shape or
-                          tuple(plan.mesh["axis_names"]) != mesh.axis_names):
-        raise CompileError(f"the plan was made for mesh {plan.mesh['shape']} {plan.mesh['axis_names']}, "
+    if not pipelined and (plan.mesh.shape != mesh.shape or plan.mesh.axis_names != mesh.axis_names):
+        raise CompileError(f"the plan was made for mesh {plan.mesh.shape} {plan.mesh.axis_names}, "
                            f"not {mesh.shape} {mesh.axis_names}; plan again for this mesh")
     _check_frozen(model, plan)
     seed_of_job = _agree(plan, seed)
@@ -95,10 +93,7 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=N
                             seed_of_job, local_inputs)
         shards = initial_shards(model, plan.param_placements, groups, on_meta, seed)
         regather = Regather(rewritten.graph, set(rewritten.traced.params), reshard_after_forward, groups)
-        cm = CompiledModel(rewritten, plan, groups, shards, model, device_type, bucket_mb, precision)
-        cm._regather = regather
-        cm.input_layouts = rewritten.input_layouts
-        cm._check_inputs.layouts = rewritten.input_layouts
+        cm = CompiledModel(rewritten, plan, groups, shards, model, device_type, bucket_mb, precision, regather)
     cm.train(model.training)
     log.info("compiled %s for %s on rank %d in %.2fs", type(model).__name__, mesh, dist.get_rank(),
              time.perf_counter() - start)

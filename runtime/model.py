@@ -51,7 +51,9 @@ class CompiledModel(nn.Module):
     original model (dots become '__' in the module's own attribute names)."""
 
     def __init__(self, rewritten: Rewritten, plan: Plan, groups, shards: dict, model: nn.Module, device_type: str,
-                 bucket_mb: float, precision: MixedPrecision | None = None):
+                 bucket_mb: float, precision: MixedPrecision | None = None, regather=None):
+        """regather: the runtime.reshard.Regather of the graph's ZeRO-3 gathers (None: none,
+        or a pipelined model's, per stage)."""
         super().__init__()
         gm, traced = rewritten.graph, rewritten.traced
         self._modes = rewritten.modes
@@ -61,20 +63,22 @@ class CompiledModel(nn.Module):
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.plan = plan
         self.groups = groups
-        self.input_layouts = None  # set by compile(local_inputs=True)
+        self.input_layouts = rewritten.input_layouts  # compile(local_inputs=True): each input's layout
+        self._check_inputs.layouts = rewritten.input_layouts
+        self._regather = regather
         self._optimizers: list = []
         self.device_type = device_type
         device = device_of(device_type)
         self.graph_module = gm.to(device)
-        self._names = {param_key(k): k for k in shards}
+        self.name_of = {param_key(k): k for k in shards}
         trainable = {n: p.requires_grad for n, p in model.named_parameters()}
-        sync = {param_key(name): axes for name, axes in gm._autopar_grad_sync.items() if name in shards and trainable[name]}
+        sync = {param_key(name): axes for name, axes in rewritten.grad_sync.items() if name in shards and trainable[name]}
         self.zero_layouts = {}   # key -> ZeroLayout of ZeRO-1/2 parameters
         self.masters = {}        # key -> float32 master (or offloaded copy) the optimizer updates
         for name, state in plan.param_states.items():
             if state.stage and name in shards and trainable[name]:  # (a stage holds some of the parameters)
                 k = param_key(name)
-                axes = tuple(plan.mesh["axis_names"].index(a) for a in state.axes)
+                axes = tuple(plan.mesh.axis_names.index(a) for a in state.axes)
                 self.zero_layouts[k] = zero_layout(state.stage, axes, sync.get(k, ()), shards[name].numel(), groups,
                                                    state.offload)
         for name, value in shards.items():
@@ -123,7 +127,7 @@ class CompiledModel(nn.Module):
             self._buffer_names[name] = param_key(name)
         self._order = order
         self._placeholders = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
-        self._output_reduce = dict(gm._autopar_output_reduce)
+        self._output_reduce = dict(rewritten.output_reduce)
         self._in_spec = traced.in_spec
         self._out_spec = traced.out_spec
         self._grad_sync = GradSync(self, sync, groups, bucket_mb, self.zero_layouts,
@@ -133,12 +137,12 @@ class CompiledModel(nn.Module):
     def _grad_pieces(self) -> dict:
         """key -> why this rank's gradient of it is only a piece of the whole (runtime/grad_pieces.py):
         parameters split over some mesh axis and ZeRO-2 ones; replicated ones are whole."""
-        axes = self.plan.mesh["axis_names"]
+        axes = self.plan.mesh.axis_names
         out = {}
         for key, p in self.shards.items():
             if not p.requires_grad:
                 continue
-            name = self._names[key]
+            name = self.name_of[key]
             split = [f"{axes[a]} ({pl})" for a, pl in enumerate(self.plan.param_placements[name])
                      if isinstance(pl, Shard)]
             lay = self.zero_layouts.get(key)
@@ -197,7 +201,7 @@ class CompiledModel(nn.Module):
             else:
                 feed.append(next(inputs))
         self._streams.calls += 1
-        regather = getattr(self, "_regather", None)
+        regather = self._regather
         if regather:
             with regather.forward(dict(zip(self._placeholders, feed))):
                 out = self.graph_module(*feed)
@@ -214,7 +218,7 @@ class CompiledModel(nn.Module):
         """ZeRO-3 weight gathers: "sites", the gathers one forward runs; since compile,
         "gathered" in forward, of which "prefetched", and "regathered" in backward
         (reshard_after_forward)."""
-        return gather_counts_of([getattr(self, "_regather", None)])
+        return gather_counts_of([self._regather])
 
     def shard_inputs(self, *args, **kwargs):
         """This rank's shards of global inputs, for a module compiled with local_inputs=True."""
@@ -317,7 +321,7 @@ class CompiledModel(nn.Module):
         sizes of the mesh axes it is whole on, less those a ZeRO-2 chunk splits."""
         lay = self.zero_layouts.get(key)
         chunked = set(lay.reduce_axes + lay.rest_axes) if lay is not None and lay.stage == 2 else set()
-        placements = self.plan.param_placements[self._names[key]]
+        placements = self.plan.param_placements[self.name_of[key]]
         return math.prod(self.groups.size(a) for a, p in enumerate(placements)
                          if not isinstance(p, Shard) and a not in chunked)
 
@@ -371,7 +375,7 @@ class CompiledModel(nn.Module):
             elementwise = cls in ELEMENTWISE
         pieces = bool(self.zero_layouts) or any(
             isinstance(p, Shard) for k, q in self.shards.items() if q.requires_grad
-            for p in self.plan.param_placements[self._names[k]])
+            for p in self.plan.param_placements[self.name_of[k]])
         if not elementwise and pieces:
             if self.masters or getattr(self, "pipeline_stages", None):
                 raise CompileError(f"{cls.__name__} reads whole parameters (it is not in autopar's list of "
@@ -411,7 +415,7 @@ class CompiledModel(nn.Module):
             "optimizer": 0, "optimizer_scalars": 0, "offloaded": 0,
         }
         host = {id(m) for k, m in self.masters.items() if m.device.type == "cpu" and
-                self.plan.param_states.get(self._names[k]) is not None and self.plan.param_states[self._names[k]].offload}
+                self.plan.param_states.get(self.name_of[k]) is not None and self.plan.param_states[self.name_of[k]].offload}
         for m in self.masters.values():
             measured["offloaded" if id(m) in host else "optimizer"] += nbytes(m)
         for ref in self._optimizers:
@@ -424,10 +428,20 @@ class CompiledModel(nn.Module):
                         per_element = value.dim() > 0 and value.shape == p.shape
                         key = ("offloaded" if id(p) in host else "optimizer") if per_element else "optimizer_scalars"
                         measured[key] += nbytes(value)
-        report = {"measured": measured, "predicted": dict(self.plan.predicted.memory)}
+        report = {"measured": measured, "predicted": self.predicted_memory()}
         if self.device_type == "cuda":
             report["peak_allocated"] = torch.cuda.max_memory_allocated()
         return report
+
+    @property
+    def zero_grad_chunks(self) -> dict:
+        """key -> this rank's chunk of a ZeRO-2 parameter's summed gradient (runtime/grad_sync.py)."""
+        return self._grad_sync.zero_grads
+
+    def predicted_memory(self) -> dict:
+        """The plan's bytes per device of this rank: params, grads, optimizer, activations, total."""
+        parts = dict(self.plan.predicted.memory)
+        return dict(parts, total=sum(parts.values()))
 
     # --- whole tensors ----------------------------------------------------------------------
     def _full(self, name: str, local: torch.Tensor) -> torch.Tensor:
@@ -438,7 +452,7 @@ class CompiledModel(nn.Module):
     def full_shape(self, key: str) -> tuple:
         """The whole shape of parameter `key` (a key of self.shards)."""
         shape = list(self.shards[key].shape)
-        for axis, p in enumerate(self.plan.param_placements[self._names[key]]):
+        for axis, p in enumerate(self.plan.param_placements[self.name_of[key]]):
             if isinstance(p, Shard):
                 shape[p.dim] *= self.groups.size(axis)
         return tuple(shape)
@@ -457,7 +471,7 @@ class CompiledModel(nn.Module):
                 local = torch.zeros(p.shape, dtype=m.dtype, device=p.device)
                 local.view(-1)[lay.start: lay.end] = m
                 all_gather_chunks([local], [lay], self.groups)
-        return self._full(self._names[key], local)
+        return self._full(self.name_of[key], local)
 
     def whole_grad(self, key: str) -> torch.Tensor | None:
         """Parameter `key`'s reduced gradient whole on every rank (ZeRO-2 chunks gathered);
@@ -470,14 +484,14 @@ class CompiledModel(nn.Module):
             grad = torch.zeros_like(p, dtype=chunk.dtype)
             grad.view(-1)[lay.start: lay.end] = chunk
             all_gather_chunks([grad], [lay], self.groups)
-        return None if grad is None else self._full(self._names[key], grad)
+        return None if grad is None else self._full(self.name_of[key], grad)
 
     def full_state_dict(self, master: bool = False) -> dict[str, torch.Tensor]:
         """The plain model's state_dict(), whole, on every rank: every parameter (tied ones
         under each of their names) and the persistent buffers (batch-norm statistics ...).
         master=True: the float32 master weights where the optimizer keeps them (mixed
         precision, offload), gathered from their ZeRO chunks."""
-        out = {self._names[k]: self.whole_value(k, master).cpu() for k in self.shards}
+        out = {self.name_of[k]: self.whole_value(k, master).cpu() for k in self.shards}
         return self._with_aliases_and_buffers(out)
 
     def _with_aliases_and_buffers(self, params: dict) -> dict:
@@ -499,7 +513,7 @@ class CompiledModel(nn.Module):
         self._sharded_state_supported()
         out = {}
         for k, p in self.shards.items():
-            name = self._names[k]
+            name = self.name_of[k]
             shape = self.full_shape(k)
             out[name] = DTensor.from_local(p.detach(), self.groups.mesh, tuple(self.plan.param_placements[name]),
                                            run_check=False, shape=torch.Size(shape),
@@ -529,7 +543,7 @@ class CompiledModel(nn.Module):
         torch.distributed.checkpoint, any plan or mesh) or whole tensors (the plain model's
         state_dict(), full_state_dict()).  strict: every parameter and buffer must be there
         and nothing else."""
-        params = {self._names[k]: k for k in self.shards}
+        params = {self.name_of[k]: k for k in self.shards}
         known = set(params) | set(self._aliases) | set(self._buffer_names)
         missing = [n for n in list(params) + list(self._buffer_names) if n not in state and not any(
             a in state for a, c in self._aliases.items() if c == n)]
@@ -552,7 +566,7 @@ class CompiledModel(nn.Module):
     def _load_param(self, key: str, value) -> None:
         """Parameter `key` set from a DTensor or a whole tensor (its master weights too)."""
         p = self.shards[key]
-        placements = tuple(self.plan.param_placements[self._names[key]])
+        placements = tuple(self.plan.param_placements[self.name_of[key]])
         if isinstance(value, DTensor) and value.device_mesh == self.groups.mesh:
             local = value.redistribute(self.groups.mesh, placements).to_local()
         elif isinstance(value, DTensor):
@@ -573,14 +587,14 @@ class CompiledModel(nn.Module):
         for k in self.shards:
             grad = self.whole_grad(k)
             if grad is not None:
-                out[self._names[k]] = grad.cpu()
+                out[self.name_of[k]] = grad.cpu()
         return out
 
     def load_full_state_dict(self, state: dict) -> None:
         """Load whole tensors (full_state_dict(), the plain model's state_dict()) into the
         shards, master weights and buffers."""
         self.load_state_dict(state, strict=False)
-        missing = [n for n in set(self._names.values()) if n not in state and not any(
+        missing = [n for n in set(self.name_of.values()) if n not in state and not any(
             a in state for a, c in self._aliases.items() if c == n)]
         if missing:
             raise KeyError(f"state dict lacks parameters {sorted(missing)[:5]}")

@@ -95,23 +95,23 @@ def compile_pipelined(model, mesh: Mesh, example_inputs, example_kwargs, plan, *
                       reshard_after_forward: bool = True) -> PipelinedModel:
     """compile() for a plan with pipeline stages (see the module docstring)."""
     info = plan.pipeline
-    full = Mesh.from_dict(info["full_mesh"])
+    full = info.full_mesh
     if full.shape != mesh.shape or full.axis_names != mesh.axis_names:
         raise CompileError(f"the plan was made for mesh {full.shape} {full.axis_names}, not {mesh.shape} "
                            f"{mesh.axis_names}; plan again for this mesh")
-    if tuple(plan.mesh["shape"]) != tuple(info["submesh"]):
-        raise CompileError(f"the plan's per-stage mesh {plan.mesh['shape']} is not its pipeline's sub-mesh "
-                           f"{info['submesh']}; the plan file is inconsistent, plan again")
-    if not info.get("layer_prefix"):
+    if plan.mesh.shape != info.submesh:
+        raise CompileError(f"the plan's per-stage mesh {plan.mesh.shape} is not its pipeline's sub-mesh "
+                           f"{info.submesh}; the plan file is inconsistent, plan again")
+    if not info.layer_prefix:
         raise CompileError("the plan does not name the repeated layers its stages cut between; plan again "
                            "with this version of autopar")
-    n_groups, n_mb = info["groups"], info["microbatches"]
-    n_stages = len(info["stages"])
+    n_groups, n_mb = info.groups, info.microbatches
+    n_stages = len(info.stages)
     batch = batch_size(example_inputs, example_kwargs)
     if batch % n_mb:
         raise CompileError(f"the plan splits the batch into {n_mb} microbatches; the inputs' batch of {batch} "
                            f"rows does not divide")
-    dm = group_mesh(device_type, mesh, info["axis"], n_groups)
+    dm = group_mesh(device_type, mesh, info.axis, n_groups)
     sub = dm[mesh.axis_names] if len(mesh.axis_names) > 1 else dm[mesh.axis_names[0]]
     groups = MeshGroups(sub)
     group = dm.get_coordinate()[0]
@@ -119,8 +119,8 @@ def compile_pipelined(model, mesh: Mesh, example_inputs, example_kwargs, plan, *
     rewritten = rewrite(model, plan, groups, args, kwargs, precision, device_type, seed_of_job)
     traced, gm = rewritten.traced, rewritten.graph
     device = device_of(device_type)
-    stage_of = assign_stages(gm, traced.user_inputs, info["layer_prefix"],
-                             layer_stages(info["stages"], info["layer_indices"]))
+    stage_of = assign_stages(gm, traced.user_inputs, info.layer_prefix,
+                             layer_stages(info.stages, info.layer_indices))
     stages = split_stages(gm, traced.user_inputs, stage_of, n_stages)
     name_of = param_names(traced)
     readers: dict = {}   # parameter name -> device groups whose stages read it
@@ -180,11 +180,11 @@ class PipelinedModel(CompiledModel):
         info = self.plan.pipeline
         self._dm = dm
         self._group = group
-        self._n_groups = info["groups"]
+        self._n_groups = info.groups
         self._n_stages = len(stages)
-        self._n_mb = info["microbatches"]
+        self._n_mb = info.microbatches
         self._check_inputs.batch_scale = self._n_mb  # traced for one microbatch, called with the batch
-        self._schedule_name = info["schedule"]
+        self._schedule_name = info.schedule
         self._pp_group = dm.get_group(STAGE_AXIS)
         self._last_group = (self._n_stages - 1) % self._n_groups
         self._device = device
@@ -221,7 +221,7 @@ class PipelinedModel(CompiledModel):
         for key in readers_here:  # every gradient here is one device group's part of the model's
             if self.shards[key].requires_grad:
                 self._grad_sync.pieces.setdefault(
-                    key, f"device group {group} holds the gradient of {self._names[key]!r} for its pipeline "
+                    key, f"device group {group} holds the gradient of {self.name_of[key]!r} for its pipeline "
                          f"stages only")
         for stage in pipeline_stages:
             for name in ("backward_one_chunk", "backward_weight_one_chunk"):
@@ -345,13 +345,12 @@ class PipelinedModel(CompiledModel):
         raise CompileError("a pipelined model accumulates over its microbatches itself: raise the plan's "
                            "microbatch count (autopar.Pipeline(microbatches=...)) instead of no_sync")
 
-    def memory_report(self) -> dict:
-        """As for unpipelined plans, measured over this rank's stages; "predicted" is the
-        pipeline search's bytes per device for this device group (model states plus the
-        activations of the microbatches its schedule holds in flight)."""
-        report = super().memory_report()
-        report["predicted"] = {"total": self.plan.pipeline["memory"][self._group]}
-        return report
+    def predicted_memory(self) -> dict:
+        """The pipeline search's bytes per device for this rank's device group: its stages'
+        model states plus the activations of the microbatches its schedule holds in flight."""
+        info = self.plan.pipeline
+        parts = dict(info.group_memory[self._group]) if info.group_memory else {}
+        return dict(parts, total=info.memory[self._group])
 
     # --- whole tensors ----------------------------------------------------------------------
     def _across_groups(self, local: dict, dtype=None) -> dict:
@@ -366,7 +365,7 @@ class PipelinedModel(CompiledModel):
         return out
 
     def full_state_dict(self, master: bool = False) -> dict:
-        mine = {self._names[k]: self.whole_value(k, master) for k in self.shards}
+        mine = {self.name_of[k]: self.whole_value(k, master) for k in self.shards}
         whole = self._across_groups(mine, torch.float32 if master and self.masters else None)
         return self._with_aliases_and_buffers(whole)
 

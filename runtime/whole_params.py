@@ -77,7 +77,7 @@ class WholeParamOptimizer(WrappedOptimizer):
             value = self.whole[key].detach() if key in self.whole else torch.empty(
                 cm.full_shape(key), dtype=p.dtype, device=p.device)
             dist.broadcast(value, src=self.owner[key])
-            p.copy_(shard_of(value, cm.plan.param_placements[cm._names[key]], cm.groups))
+            p.copy_(shard_of(value, cm.plan.param_placements[cm.name_of[key]], cm.groups))
         for w in self.whole.values():
             w.grad = None
 
@@ -85,5 +85,5 @@ class WholeParamOptimizer(WrappedOptimizer):
         self.optimizer.zero_grad(set_to_none=set_to_none)
         for key in self.keys:
             self.cm.shards[key].grad = None
-        self.cm._grad_sync.zero_grads.clear()
+        self.cm.zero_grad_chunks.clear()
 

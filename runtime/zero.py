@@ -239,7 +239,7 @@ class ShardedOptimizer(WrappedOptimizer):
         if lay is None:
             return p.grad
         if lay.stage == 2:
-            return self.cm._grad_sync.zero_grads.get(key)
+            return self.cm.zero_grad_chunks.get(key)
         return None if p.grad is None else p.grad.view(-1)[lay.start: lay.end]
 
     @torch.no_grad()
@@ -271,4 +271,4 @@ class ShardedOptimizer(WrappedOptimizer):
         self.optimizer.zero_grad(set_to_none=set_to_none)
         for _, p, _, _ in self.entries:
             p.grad = None
-        self.cm._grad_sync.zero_grads.clear()
+        self.cm.zero_grad_chunks.clear()

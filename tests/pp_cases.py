@@ -93,7 +93,7 @@ def compiled_pipeline_events(spec: tuple, plan_dict: dict, warmup: int = 1):
         cm.train_step(*args, **kwargs)
     with EventRecorder(*cm.pipeline_stages) as recorder:
         cm.train_step(*args, **kwargs)
-        return gather_timeline(recorder, plan.pipeline["schedule"], group=None)
+        return gather_timeline(recorder, plan.pipeline.schedule, group=None)
 
 
 def pipelined_forward_loss(spec: tuple, plan_dict: dict) -> tuple:

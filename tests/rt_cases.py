@@ -195,9 +195,9 @@ def forward_collectives(spec: tuple, plan_dict: dict) -> list:
     from autopar.passes.redistribute import plan_redistribute
     plan = Plan.from_dict(plan_dict)
     model, args, kwargs = build_case(spec)
-    cm = autopar.compile(model, Mesh.from_dict(plan.mesh), args, example_kwargs=kwargs or None, plan=plan)
+    cm = autopar.compile(model, plan.mesh, args, example_kwargs=kwargs or None, plan=plan)
     gm = cm.graph_module
-    sizes = tuple(plan.mesh["shape"])
+    sizes = tuple(plan.mesh.shape)
     found = []
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is move:
@@ -237,7 +237,7 @@ def meta_init_matches_whole(name: str, plan_dict: dict) -> float:
     torch.manual_seed(0)
     whole, example = build(name)
     meta, _ = build(name, device="meta")
-    cm = autopar.compile(meta, Mesh.from_dict(plan.mesh), example, plan=plan, seed=0)
+    cm = autopar.compile(meta, plan.mesh, example, plan=plan, seed=0)
     full = cm.full_state_dict()
     return max(float((full[n] - p.detach()).abs().max()) for n, p in whole.named_parameters())
 
@@ -246,7 +246,7 @@ def local_inputs_match_global(plan_dict: dict) -> tuple:
     """Loss of one step with global inputs and with each rank's own shards."""
     from autopar.models import build
     plan = Plan.from_dict(plan_dict)
-    mesh = Mesh.from_dict(plan.mesh)
+    mesh = plan.mesh
     torch.manual_seed(0)
     model, example = build("gpt-tiny")
     a = autopar.compile(copy.deepcopy(model), mesh, example, plan=plan)
@@ -261,7 +261,7 @@ def state_dict_round_trip(plan_dict: dict) -> float:
     plan = Plan.from_dict(plan_dict)
     torch.manual_seed(0)
     model, example = build("gpt-tiny")
-    cm = autopar.compile(model, Mesh.from_dict(plan.mesh), example, plan=plan)
+    cm = autopar.compile(model, plan.mesh, example, plan=plan)
     torch.manual_seed(5)
     new = {n: torch.randn_like(p) for n, p in cm.full_state_dict().items()}
     cm.load_full_state_dict(new)
@@ -276,7 +276,7 @@ def accumulate_vs_whole_batch(plan_dict: dict, micro: int = 4) -> dict:
     whole batch (the loss is a mean, so each micro-batch's loss is divided by `micro`)."""
     from autopar.models import build
     plan = Plan.from_dict(plan_dict)
-    mesh = Mesh.from_dict(plan.mesh)
+    mesh = plan.mesh
     torch.manual_seed(0)
     model, (idx, targets) = build("gpt-tiny", batch=16)
     whole = autopar.compile(copy.deepcopy(model), mesh, (idx, targets), plan=plan)
@@ -299,7 +299,7 @@ def accumulate_vs_whole_batch(plan_dict: dict, micro: int = 4) -> dict:
 def memory_after_step(plan_dict: dict, spec=("autopar", "gpt-tiny", (("hidden", 128),))) -> dict:
     plan = Plan.from_dict(plan_dict)
     model, example, _ = build_case(spec)
-    cm = autopar.compile(model, Mesh.from_dict(plan.mesh), example, plan=plan)
+    cm = autopar.compile(model, plan.device_mesh(), example, plan=plan)
     opt = cm.build_optimizer(torch.optim.AdamW, lr=1e-4)
     cm.train_step(*example)
     opt.step()
@@ -374,7 +374,7 @@ def scheduler_on_sharded_optimizer(plan_dict: dict) -> dict:
     """A torch LR scheduler drives the optimizer build_optimizer returns under ZeRO."""
     plan = Plan.from_dict(plan_dict)
     model, args, _ = build_case(("autopar", "gpt-tiny", ()))
-    cm = autopar.compile(model, Mesh.from_dict(plan.mesh), args, plan=plan)
+    cm = autopar.compile(model, plan.mesh, args, plan=plan)
     opt = cm.build_optimizer(torch.optim.AdamW, lr=1e-3)
     sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
     for _ in range(3):

@@ -107,7 +107,7 @@ def per_rank_seeds(spec: tuple, plan_dict: dict, steps: int = 3) -> dict:
         opt.step()
         opt.zero_grad()
     coord = cm.groups.mesh.get_coordinate()
-    shards = {cm._names[k]: _digest(p) for k, p in cm.shards.items()}
+    shards = {cm.name_of[k]: _digest(p) for k, p in cm.shards.items()}
     return {"coord": _all(list(coord)), "shards": _all(shards), "losses": _all(losses)}
 
 

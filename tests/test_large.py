@@ -39,5 +39,5 @@ def test_a_mesh_of_1024_devices_plans_in_one_process():
     model, example = build("gpt2-124m", device="meta", batch=64)
     mesh = autopar.Mesh((128, 8), ("dp", "tp"), device="h100")
     plan = autopar.plan(model, mesh, example, compare=False)
-    assert mesh.size == 1024 and plan.solver["optimal"]
+    assert mesh.size == 1024 and plan.solver.optimal
     assert plan.predicted.memory_total < mesh.device.memory

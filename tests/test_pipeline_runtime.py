@@ -57,8 +57,8 @@ def test_every_schedule_trains_like_one_device(request, model, layout):
         # 1F1B-like schedules want at least as many microbatches as groups; the tiny batch has 4 rows
         plan = pipelined_plan(spec, shape, names, groups, schedule, intra, microbatches=4 if groups == 4 else 2)
         pp = plan.pipeline
-        assert pp["axis"] == names[0] and pp["groups"] == groups and pp["schedule"] == schedule
-        assert len(pp["stages"]) == groups * (2 if schedule == "interleaved-1f1b" else 1)
+        assert pp.axis == names[0] and pp.groups == groups and pp.schedule == schedule
+        assert len(pp.stages) == groups * (2 if schedule == "interleaved-1f1b" else 1)
         if intra == "megatron-tp":   # the block matrices really are split inside each stage
             assert sum(any(type(p).__name__ == "Shard" for p in pl) for pl in plan.param_placements.values()) >= 8
         results = pool.run(train_and_compare, spec, plan.to_dict())
@@ -81,7 +81,7 @@ def test_three_dimensional_layouts_train_like_one_device(pool8, model, schedule,
     2 x 2 sub-mesh running Megatron with data parallelism (or ZeRO-2) inside the stage."""
     spec = ("autopar", model, (("n_layers", 4), ("batch", 8)))
     plan = pipelined_plan(spec, (2, 2, 2), ("pp", "dp", "tp"), 2, schedule, intra, microbatches=2)
-    assert plan.mesh["shape"] == [1, 2, 2]
+    assert plan.mesh.shape == (1, 2, 2)
     results = pool8.run(train_and_compare, spec, plan.to_dict())
     assert all(r["ok"] for r in results), [r for r in results if not r["ok"]][:1]
     assert all(r["synced_by_buckets"] > 0 for r in results)
@@ -107,7 +107,7 @@ def test_hugging_face_models_pipeline_like_one_device(pool2, kind):
     plan = autopar.plan(model, autopar.Mesh((2,), ("pp",), device="cpu"), args, example_kwargs=kwargs,
                         compare=False, pipeline=autopar.Pipeline(axis="pp", groups=2, schedule="1f1b",
                                                                  microbatches=2))
-    assert plan.pipeline["layer_prefix"] in ("transformer.h", "model.layers")
+    assert plan.pipeline.layer_prefix in ("transformer.h", "model.layers")
     result = pool2.run(train_and_compare, (kind,), plan.to_dict())[0]
     assert result["ok"], result
 
@@ -176,3 +176,22 @@ def test_pipelined_plans_save_load_and_refuse_bad_input(pool2, tmp_path):
     assert result["ok"], result
     for got, expected in pool2.run(pipelined_forward_loss, spec, again.to_dict()):  # forward alone: the loss
         assert abs(got - expected) <= 1e-6 + 1e-5 * abs(expected), (got, expected)
+
+
+def test_memory_report_has_one_shape(pool4):
+    """memory_report() of a pipelined model has the keys of an unpipelined one; its
+    prediction is this device group's (the search's categories sum to its total), and the
+    parameter bytes each rank holds are the ones predicted for its group."""
+    from rt_cases import memory_after_step, plan_for
+    spec = ("autopar", "gpt-tiny", (("n_layers", 4),))
+    flat = pool4.run(memory_after_step, plan_for(spec, "data-parallel", (4,), ("dp",)), spec)
+    piped = pool4.run(memory_after_step, plan_for(spec, "data-parallel", (2, 2), ("pp", "dp"),
+                                                  autopar.Pipeline(axis="pp", groups=2, schedule="1f1b",
+                                                                   microbatches=2)), spec)
+    for report in flat + piped:
+        assert set(report) == set(flat[0]) and set(report["measured"]) == set(flat[0]["measured"])
+        predicted = report["predicted"]
+        assert set(predicted) == {"params", "grads", "optimizer", "activations", "total"}
+        assert sum(v for k, v in predicted.items() if k != "total") == pytest.approx(predicted["total"])
+    for report in piped:
+        assert report["measured"]["params"] == report["predicted"]["params"], report

@@ -31,11 +31,11 @@ def slow_network_plan():
 def test_slow_network_gets_stages_across_nodes_and_tensor_parallelism_inside(slow_network_plan):
     plan, _ = slow_network_plan
     pp = plan.pipeline
-    assert pp["axis"] == "node" and pp["groups"] > 1            # stages across nodes
-    assert pp["submesh"][1] == 8                                # each stage keeps the whole node
-    assert pp["step_s"] < pp["no_pipeline_step_s"]
-    assert sum(b - a for a, b in pp["stages"]) == 48 and pp["stages"][0][0] == 0
-    gpu = plan.mesh["axis_names"].index("gpu")
+    assert pp.axis == "node" and pp.groups > 1            # stages across nodes
+    assert pp.submesh[1] == 8                                # each stage keeps the whole node
+    assert pp.step_s < pp.no_pipeline_step_s
+    assert sum(b - a for a, b in pp.stages) == 48 and pp.stages[0][0] == 0
+    gpu = plan.mesh.axis_names.index("gpu")
     matrices = [n for n, pl in plan.param_placements.items() if n.startswith("blocks.") and n.endswith("weight")
                 and isinstance(pl[gpu], Shard)]
     assert len(matrices) >= 4 * 48 * 0.9, matrices[:5]           # q/k/v/o/fc1/fc2 split on gpu: TP in the node
@@ -45,8 +45,8 @@ def test_fast_uniform_network_and_small_model_use_no_pipeline():
     model, example = build("gpt2-124m", device="meta", batch=8)
     mesh = autopar.Mesh((8,), ("dp",), device="h100", bandwidth=450e9)
     plan = autopar.plan(model, mesh, example, compare=False, pipeline=True)
-    assert plan.pipeline["axis"] is None
-    assert plan.mesh["shape"] == [8]
+    assert plan.pipeline.axis is None
+    assert plan.mesh.shape == (8,)
 
 
 def test_pipeline_plans_round_trip(slow_network_plan, tmp_path):
@@ -55,7 +55,7 @@ def test_pipeline_plans_round_trip(slow_network_plan, tmp_path):
     plan.save(path)
     assert autopar.Plan.load(path) == plan
     assert "stages over node" in str(plan)
-    assert plan.device_mesh().shape == (8, 8) and plan.mesh["shape"] == [1, 8]
+    assert plan.device_mesh().shape == (8, 8) and plan.mesh.shape == (1, 8)
 
 
 def test_split_pass_cuts_the_planned_graph_at_the_stage_boundaries(slow_network_plan):
@@ -78,18 +78,18 @@ def test_split_pass_cuts_the_planned_graph_at_the_stage_boundaries(slow_network_
     plan, _ = slow_network_plan
     pp = plan.pipeline
     model, example = build("gpt2-1.5b", device="meta", batch=16)
-    (args, _) = first_microbatch((tuple(example), None), 16, 16 // pp["microbatches"])
+    (args, _) = first_microbatch((tuple(example), None), 16, 16 // pp.microbatches)
     traced = trace(model, args)
     gm = traced.graph
     annotate(gm, plan, traced.params, traced.tied)
     insert_collectives(gm, plan, SimpleNamespace(), defer=param_names(traced))  # groups: never run here
     localize(gm, plan)
-    stage_of = assign_stages(gm, traced.user_inputs, pp["layer_prefix"],
-                             layer_stages(pp["stages"], pp["layer_indices"]))
-    stages = split_stages(gm, traced.user_inputs, stage_of, len(pp["stages"]))
-    assert len(stages) == len(pp["stages"]) >= 2
+    stage_of = assign_stages(gm, traced.user_inputs, pp.layer_prefix,
+                             layer_stages(pp.stages, pp.layer_indices))
+    stages = split_stages(gm, traced.user_inputs, stage_of, len(pp.stages))
+    assert len(stages) == len(pp.stages) >= 2
     name_of = param_names(traced)
-    for st, (a, b) in zip(stages, pp["stages"]):
+    for st, (a, b) in zip(stages, pp.stages):
         layers = {int(m.group(1)) for n in st.graph_module.graph.nodes
                   if (m := re.match(r"blocks\.(\d+)\.", module_path(n)))}
         assert layers == set(range(a, b)), (st.index, sorted(layers))
@@ -100,3 +100,26 @@ def test_split_pass_cuts_the_planned_graph_at_the_stage_boundaries(slow_network_
         assert ("wpe.weight" in params) == (st.index == 0)
         assert ("ln_f.weight" in params) == (st.index == len(stages) - 1)
     assert len(stages[-1].sent) == 1  # the loss
+
+
+@pytest.mark.parametrize("fixed", [autopar.Pipeline(axis="node", groups=2, schedule="1f1b", microbatches=4), None])
+def test_search_builds_each_problem_once(monkeypatch, fixed):
+    """The planner reuses the problem the search built (and solved) for the winner: one
+    Problem per (sub-mesh, microbatch) candidate plus the unpipelined one, none rebuilt."""
+    import autopar.solution as solution
+    built = []
+    original = solution.Problem
+
+    def counting(traced, mesh, precision=None):
+        inputs = tuple(tuple(n.meta["val"].shape) for n in traced.graph.graph.nodes
+                       if n.op == "placeholder" and n.target in traced.user_inputs)
+        built.append((mesh.shape, inputs))
+        return original(traced, mesh, precision)
+
+    monkeypatch.setattr(solution, "Problem", counting)
+    model, example = build("gpt-tiny", device="meta", batch=8)
+    mesh = autopar.Mesh((2, 2), ("node", "gpu"), device="h100", bandwidth=(2e9, 300e9))
+    plan = autopar.plan(model, mesh, example, compare=False, pipeline=fixed or True)
+    assert len(built) == len(set(built)), built
+    if fixed is not None:
+        assert plan.pipeline.pipelined and len(built) == 2   # the whole mesh and the one fixed candidate

@@ -54,18 +54,18 @@ def test_three_axes_plan_small_and_fast(name):
     two_before = plan_with(model, example, mesh_of(MESH_2), presolve=False, compare=False)
     two = plan_with(model, example, mesh_of(MESH_2))
     three = plan_with(model, example, mesh_of(MESH_3))
-    assert three.solver["optimal"]
-    assert three.solver["variables"] <= 5 * two_before.solver["variables"]
-    assert three.solver["variables"] == 0 and two.solver["variables"] == 0
-    assert three.timing["total_s"] <= max(6 * two.timing["total_s"], 1.0)
-    assert three.timing["total_s"] < 20.0
+    assert three.solver.optimal
+    assert three.solver.variables <= 5 * two_before.solver.variables
+    assert three.solver.variables == 0 and two.solver.variables == 0
+    assert three.timing.total_s <= max(6 * two.timing.total_s, 1.0)
+    assert three.timing.total_s < 20.0
 
 
 def _same_prediction(a, b):
     assert a.predicted.step_s == pytest.approx(b.predicted.step_s, rel=1e-9)
     # objectives are solved in integers (~1e-9 of the largest conceivable total), scaled
     # from slightly different totals with and without the presolve
-    assert a.solver["objective_s"] == pytest.approx(b.solver["objective_s"], rel=1e-6)
+    assert a.solver.objective_s == pytest.approx(b.solver.objective_s, rel=1e-6)
     assert set(a.baselines) == set(b.baselines)
     for name, pred in a.baselines.items():
         assert isinstance(pred, Prediction), (name, pred)
@@ -85,10 +85,10 @@ def test_presolve_keeps_the_optimum(name, shape_axes, budget):
     full = plan_with(model, example, mesh, presolve=False, memory_budget=budget)
     fast = plan_with(model, example, mesh, memory_budget=budget)
     _same_prediction(fast, full)
-    assert fast.solver["variables"] < full.solver["variables"]
+    assert fast.solver.variables < full.solver.variables
     if budget is not None:
         assert fast.predicted.memory_total <= autopar.mesh.parse_bytes(budget)
-        assert fast.solver["variables"] > 0   # the budget binds: the ILP decides what fits
+        assert fast.solver.variables > 0   # the budget binds: the ILP decides what fits
 
 
 def _random_graph(rng, n_nodes, max_choices, edge_p):
@@ -152,7 +152,7 @@ def test_hand_written_layouts_plan_on_three_axes():
     for name in names:
         plan = autopar.plan(model, mesh, example, layout=name, compare=False)
         assert plan.origin == f"layout:{name}"
-        assert plan.solver["optimal"]
+        assert plan.solver.optimal
         assert best.predicted.step_s <= plan.predicted.step_s * (1 + 1e-9), name
         weights = {k: v for k, v in plan.param_placements.items() if k.endswith(".weight") and ".mlp." in k}
         assert weights, name

@@ -35,7 +35,7 @@ def test_weights_dominate_gives_megatron_column_row():
     assert kinds(plan, "backward") == [("all_reduce", b * h * 4)]
     linears = [n for n in plan.nodes if n.op == "aten.linear"]
     assert [n.strategy for n in linears] == ["tp=col", "tp=row", "tp=col", "tp=row"]
-    assert plan.solver["optimal"]
+    assert plan.solver.optimal
 
 
 def test_activations_dominate_gives_data_parallel():

@@ -58,7 +58,7 @@ def test_each_stage_alone_and_with_tensor_parallelism_trains_like_one_device(poo
     for plan in plans:
         result = pool4.run(train_and_compare, spec, plan.to_dict())[0]
         if not result["ok"]:
-            failures.append(f"{plan.origin} on {plan.mesh['shape']}: {result}")
+            failures.append(f"{plan.origin} on {plan.mesh.shape}: {result}")
     assert not failures, "\n".join(failures)
 
 

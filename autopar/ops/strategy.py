@@ -51,6 +51,7 @@ class Strategy:
     zero: int = 0
     zero_axes: tuple = ()
     offload: bool = False
+    reduced: tuple = ()   # mesh axes whose split letter does not reach the output (summed over ranks)
 
     def __str__(self) -> str:
         return self.name
@@ -128,8 +129,9 @@ def enumerate_strategies(ann: Annotation, in_shapes, out_shapes, mesh_shape, axi
         outputs = tuple(tuple(table[l] for l in split) for table in output_of)
         name = " ".join(f"{ax}={alias.get(l, l)}" for ax, l in zip(axis_names, split)
                         if l is not None) or "replicate"
+        reduced = tuple(a for a, l in enumerate(split) if l not in (None, PASS) and l not in out_letters)
         result.append(Strategy(tuple(split), inputs, outputs, grads,
-                               math.prod(factors.get(l, 1) for l in factors if l != PASS), name))
+                               math.prod(factors.get(l, 1) for l in factors if l != PASS), name, reduced=reduced))
     return result
 
 

@@ -37,11 +37,9 @@ from dataclasses import dataclass, field
 from ..batching import batch_size, first_microbatch
 from ..cost import local_numel
 from ..mesh import Mesh, parse_bytes
-from ..precision import cast_for_trace, meta_inputs
-from ..problem import VIEWS, Problem
-from ..solution import assemble, solve_problem
+from ..problem import VIEWS
+from ..solution import Built, assemble, build_problem, solve_unbudgeted
 from ..solver import InfeasibleError
-from ..trace import trace
 from .simulate import simulate
 
 log = logging.getLogger("autopar")
@@ -56,8 +54,14 @@ class StageCost:
     forward_s: float
     backward_s: float
     once_s: float        # per step: gradient synchronisation, optimizer all-gathers
-    states: float        # bytes of parameters, gradients, optimizer states
+    params: float        # bytes of parameters,
+    grads: float         # ... of gradients
+    optimizer: float     # ... and of optimizer states (with master weights)
     activations: float   # bytes kept for backward per microbatch
+
+    @property
+    def states(self) -> float:
+        return self.params + self.grads + self.optimizer
 
 
 @dataclass(frozen=True)
@@ -114,13 +118,15 @@ class PipelineChoice:
     step_s: float
     bubble: float
     stage_s: tuple
-    memory: tuple          # bytes per device of each stage
+    memory: tuple          # bytes per device of each device group
     candidates: int = 0
     seconds: float = 0.0
     no_pipeline_s: float = 0.0
     rejected: dict = field(default_factory=dict)   # reason -> count
     layer_prefix: str = ""  # module path of the repeated layers ("blocks" for blocks.0, blocks.1, ...)
     layer_indices: tuple = ()  # their indices in order; stages count positions in this list
+    group_memory: tuple = ()   # per device group: {params, grads, optimizer, activations} bytes per device
+    built: Built | None = field(default=None, compare=False, repr=False)  # the problem of one stage's plan
 
     @property
     def n_stages(self) -> int:
@@ -150,14 +156,24 @@ def search(model, mesh, example_inputs, example_kwargs=None, *, memory_budget=No
     results = []
     rejected: dict = {}
     cost_cache: dict = {}
+    problems: dict = {}  # (sub-mesh shape, microbatch rows) -> Built, kept only for the best candidate so far
 
     def costs_for(sub_shape, mb_size):
         key = (sub_shape, mb_size)
         if key not in cost_cache:
             sub = Mesh(sub_shape, mesh.axis_names, device=mesh.device, bandwidth=mesh.bandwidth, latency=mesh.latency)
             args, kwargs = first_microbatch((tuple(example_inputs), example_kwargs), batch, mb_size)
-            cost_cache[key] = _layer_costs(model, sub, args, kwargs, time_limit, mixed_precision)
+            problems[key] = build_problem(model, sub, args, kwargs, mixed_precision)
+            cost_cache[key] = _layer_costs(problems[key], model, time_limit)
         return cost_cache[key]
+
+    def keep_best_problem():
+        """Only the best candidate's problem stays alive (the planner reuses it)."""
+        if results:
+            best = min(results, key=lambda c: (c.step_s, c.n_stages)).built
+            results[:] = [c if c.built is best else _replace(c, built=None) for c in results]
+            for key in [k for k, b in problems.items() if b is not best]:
+                del problems[key]
 
     if fixed is not None:
         fixed.check(mesh)
@@ -168,10 +184,13 @@ def search(model, mesh, example_inputs, example_kwargs=None, *, memory_budget=No
     # no pipeline: the plain plan of the whole batch
     base = costs_for(mesh.shape, batch)
     if base is not None:
-        layers, prefix, suffix, boundary, _ = base
+        layers, prefix, suffix, boundary, _, _ = base
         step = sum(c.forward_s + c.backward_s + c.once_s for c in [prefix, *layers, suffix])
         mem = sum(c.states + c.activations for c in [prefix, *layers, suffix])
-        none = PipelineChoice(None, 1, mesh.shape, ((0, len(layers)),), "none", 1, 1, step, 0.0, (step,), (mem,))
+        parts = {k: sum(getattr(c, k) for c in [prefix, *layers, suffix])
+                 for k in ("params", "grads", "optimizer", "activations")}
+        none = PipelineChoice(None, 1, mesh.shape, ((0, len(layers)),), "none", 1, 1, step, 0.0, (step,), (mem,),
+                              group_memory=(parts,), built=problems.get((mesh.shape, batch)))
         if mem <= limit and fixed is None:
             results.append(none)
     for axis, size in enumerate(mesh.shape):
@@ -184,7 +203,7 @@ def search(model, mesh, example_inputs, example_kwargs=None, *, memory_budget=No
                 if got is None:
                     rejected["no plan fits a stage"] = rejected.get("no plan fits a stage", 0) + 1
                     continue
-                layers, prefix, suffix, boundary, names = got
+                layers, prefix, suffix, boundary, names, copies = got
                 send = boundary / mesh.bandwidth[axis] + mesh.latency[axis]  # one activation (or gradient) across a cut
                 for schedule in schedules:
                     virtuals = (fixed.virtual,) if fixed is not None and fixed.virtual else (1, 2)
@@ -194,11 +213,13 @@ def search(model, mesh, example_inputs, example_kwargs=None, *, memory_budget=No
                             continue
                         if fixed is not None and not fixed.allows(mesh.axis_names[axis], p, schedule, n_mb, v):
                             continue
-                        choice = _evaluate(layers, prefix, suffix, send, n_stages, p, v, schedule, n_mb, limit,
-                                           rejected)
+                        choice = _evaluate(layers, prefix, suffix, copies, send, n_stages, p, v, schedule, n_mb,
+                                           limit, rejected)
                         if choice is not None:
                             results.append(_replace(_with_place(choice, mesh.axis_names[axis], p, sub_shape),
-                                                    layer_prefix=names[0], layer_indices=tuple(names[1])))
+                                                    layer_prefix=names[0], layer_indices=tuple(names[1]),
+                                                    built=problems.get((sub_shape, batch // n_mb))))
+                keep_best_problem()
     if not results and fixed is not None:
         raise ValueError(f"no pipeline layout of {type(model).__name__} on {mesh} satisfies {fixed} within "
                          f"{limit / 2**30:.2f} GiB per device (rejected: {rejected or 'none'}); the model has "
@@ -222,18 +243,21 @@ def _with_place(c: PipelineChoice, axis: str, p: int, sub_shape) -> PipelineChoi
     return _replace(c, axis=axis, n_groups=p, submesh=tuple(sub_shape))
 
 
-def _evaluate(layers, prefix, suffix, send, n_stages, p, v, schedule, n_mb, limit, rejected):
-    """Cut the layers into n_stages, simulate the schedule, check memory."""
+def _evaluate(layers, prefix, suffix, copies, send, n_stages, p, v, schedule, n_mb, limit, rejected):
+    """Cut the layers into n_stages, simulate the schedule, check memory.  copies: the model
+    states the last stage holds again (weights tied to the first stage's)."""
     units = [c.forward_s + c.backward_s for c in layers]
     cuts = _balanced_cuts(units, n_stages, units and (prefix.forward_s + prefix.backward_s),
                           suffix.forward_s + suffix.backward_s)
-    fwd, bwd, once, states, acts = [], [], [], [], []
+    fwd, bwd, once, acts = [], [], [], []
+    held_states = {k: [] for k in ("params", "grads", "optimizer")}
     for s, (a, b) in enumerate(cuts):
-        members = layers[a:b] + ([prefix] if s == 0 else []) + ([suffix] if s == n_stages - 1 else [])
+        members = layers[a:b] + ([prefix] if s == 0 else []) + ([suffix, copies] if s == n_stages - 1 else [])
         fwd.append(sum(c.forward_s for c in members) + (send if s < n_stages - 1 else 0.0))
         bwd.append(sum(c.backward_s for c in members) + (send if s > 0 else 0.0))
         once.append(sum(c.once_s for c in members))
-        states.append(sum(c.states for c in members))
+        for k, kept in held_states.items():
+            kept.append(sum(getattr(c, k) for c in members))
         acts.append(sum(c.activations for c in members))
     ratio = sum(bwd) / max(sum(fwd), 1e-30)
     if v > 1:  # group g holds stages g, g + p, ...: its chunks' times add up
@@ -241,19 +265,21 @@ def _evaluate(layers, prefix, suffix, send, n_stages, p, v, schedule, n_mb, limi
         tl = simulate(schedule, p, n_mb, stage_times=group_f, backward_ratio=ratio, n_virtual=v)
     else:
         tl = simulate(schedule, n_stages, n_mb, stage_times=fwd, backward_ratio=ratio)
-    memory = []
+    memory, group_memory = [], []
     for g in range(p):
         held = tl.max_in_flight(g)
         mine = range(g, n_stages, p)
-        per_chunk = max(acts[s] for s in mine)
-        memory.append(sum(states[s] for s in mine) + per_chunk * held)
+        parts = {k: sum(kept[s] for s in mine) for k, kept in held_states.items()}
+        parts["activations"] = max(acts[s] for s in mine) * held
+        group_memory.append(parts)
+        memory.append(sum(parts.values()))
     if max(memory) > limit:
         rejected["over the memory budget"] = rejected.get("over the memory budget", 0) + 1
         return None
     group_once = [sum(once[s] for s in range(g, n_stages, p)) for g in range(p)]
     step = tl.makespan + max(group_once)
     return PipelineChoice(None, p, (), tuple(cuts), schedule, n_mb, v, step, tl.bubble_fraction,
-                          tuple(f + b for f, b in zip(fwd, bwd)), tuple(memory))
+                          tuple(f + b for f, b in zip(fwd, bwd)), tuple(memory), group_memory=tuple(group_memory))
 
 
 def _balanced_cuts(units, n_stages, head, tail):
@@ -289,17 +315,14 @@ def _microbatch_counts(batch: int, p: int, wanted) -> list:
     return counts or ([p] if batch % p == 0 else [])
 
 
-def _layer_costs(model, mesh, args, kwargs, time_limit, mixed_precision=None):
-    """Plan `model` on `mesh` for inputs (args, kwargs) and split the plan's costs per
-    repeated layer: (layers, prefix, suffix, boundary bytes), or None when nothing fits."""
-    if mixed_precision is not None:  # cost what runs: the model in param_dtype
-        args, kwargs = meta_inputs((args, kwargs))
-        traced = trace(cast_for_trace(model, mixed_precision.param_dtype), args, kwargs)
-    else:
-        traced = trace(model, args, kwargs)
-    problem = Problem(traced, mesh, mixed_precision)
+def _layer_costs(built: Built, model, time_limit):
+    """Plan the built problem (its choice is kept in `built.solved`) and split the plan's
+    costs per repeated layer: (layers, prefix, suffix, boundary bytes, (layer prefix,
+    indices), tied copies), or None when nothing fits."""
+    problem = built.problem
+    mesh = problem.mesh
     try:
-        choice, _, _ = solve_problem(problem, None, None, time_limit)
+        choice, _, _ = solve_unbudgeted(built, time_limit)
     except InfeasibleError:
         return None
     nodes, collectives, _, _ = assemble(problem, choice)
@@ -315,7 +338,7 @@ def _layer_costs(model, mesh, args, kwargs, time_limit, mixed_precision=None):
             once[c.node] = once.get(c.node, 0.0) + c.seconds
     n_layers = len(indices)
     launch = mesh.device.launch_latency
-    buckets = {k: [0.0, 0.0, 0.0, 0.0, 0.0] for k in ["prefix", "suffix", *range(n_layers)]}
+    buckets = {k: [0.0] * 7 for k in ["prefix", "suffix", "copies", *range(n_layers)]}
     position = {i: k for k, i in enumerate(sorted(indices))}
     seen_layer = False
     for idx in sorted(nodes):
@@ -341,12 +364,17 @@ def _layer_costs(model, mesh, args, kwargs, time_limit, mixed_precision=None):
             b[0] += launch
             b[1] += 2 * launch if pn.requires_grad else 0.0
         b[2] += o
-        b[3] += c.memory["params"] + c.memory["grads"] + c.memory["optimizer"]
-        b[4] += c.memory["activations"]
+        b[3] += c.memory["params"]
+        b[4] += c.memory["grads"]
+        b[5] += c.memory["optimizer"]
+        b[6] += c.memory["activations"]
+        if key == "prefix" and pn.kind == "param" and _read_after_layers(problem, pn, pattern):
+            for k, kind in ((3, "params"), (4, "grads"), (5, "optimizer")):  # a tied head: the last
+                buckets["copies"][k] += c.memory[kind]                       # stage holds it too
     boundary = _boundary_bytes(problem, choice, position, pattern)
     layers = [StageCost(*buckets[k]) for k in range(n_layers)]
     return (layers, StageCost(*buckets["prefix"]), StageCost(*buckets["suffix"]), boundary,
-            (prefix_name, sorted(indices)))
+            (prefix_name, sorted(indices)), StageCost(*buckets["copies"]))
 
 
 def _first_reader_before_layers(problem, pn, pattern) -> bool:
@@ -358,6 +386,14 @@ def _first_reader_before_layers(problem, pn, pattern) -> bool:
     first = min(readers)
     return not any(problem.nodes[r].kind == "op" and pattern.match(problem.nodes[r].module or "")
                    for r in range(first))
+
+
+def _read_after_layers(problem, pn, pattern) -> bool:
+    """Whether a parameter is also read after the last repeated layer (a head tied to the
+    input embedding): the last stage then holds a copy of it."""
+    readers = [r for r, _ in problem.readers.get((pn.index, 0), [])]
+    layer_ops = [i for i, n in enumerate(problem.nodes) if n.kind == "op" and pattern.match(n.module or "")]
+    return bool(readers and layer_ops) and max(readers) > max(layer_ops)
 
 
 def _boundary_bytes(problem, choice, position, pattern) -> float:

@@ -1,0 +1,128 @@
+"""The plan as text a person reads in a terminal: a summary (prediction, solver, budget,
+pipeline, precision, model states, hand-written layouts, collectives) and a per-module
+table whose identical repeated layers collapse into one row."""
+from __future__ import annotations
+
+import re
+from collections import Counter, defaultdict
+
+from .records import format_bytes, format_seconds, show
+
+
+def plan_text(plan) -> str:
+    """The printed plan: prediction, solver, budget, pipeline, precision, model states, the
+    hand-written layouts beside it, the collectives per step and the per-module table."""
+    axes = plan.mesh.axis_names
+    shape = plan.mesh.shape
+    lines = [f"autopar plan ({plan.origin}) for {plan.model} on mesh "
+             + " x ".join(f"{a}={s}" for a, s in zip(axes, shape))
+             + f" ({plan.mesh.device.name})",
+             f"predicted: {plan.predicted}"]
+    s = plan.solver
+    if not s.solved:
+        state = "not solved (" + plan.origin + ")"
+    else:
+        state = "optimal" if s.optimal else f"feasible (gap {s.gap or 0:.2%})"
+    t = plan.timing
+    size = f", {s.variables} variables, {s.constraints} constraints" if s.variables is not None else ""
+    lines.append(f"solver: {state}{size}; planned in {t.total_s:.2f}s (trace {t.trace_s:.2f}s, "
+                 f"menus and costs {t.costs_s:.2f}s, ILP {t.solve_s:.2f}s)")
+    if plan.memory_budget:
+        lines.append(f"memory budget: {format_bytes(plan.memory_budget)} per device")
+    if plan.pipeline is not None:
+        lines.append(plan.pipeline.summary + ("; the table below is one stage's plan for one microbatch"
+                                              if plan.pipeline.pipelined else ""))
+    if plan.precision is not None:
+        p = plan.precision.to_dict()
+        lines.append(f"precision: compute {p['param_dtype']}, float32 master weights, "
+                     f"gradients reduced in {p['reduce_dtype']}")
+    states = Counter()
+    for name in plan.param_placements:
+        st = plan.param_states.get(name)
+        label = f"zero-{plan.zero_stage(name)}" + (", offload" if st is not None and st.offload else "")
+        states[label] += 1
+    if states:
+        lines.append("model states: " + "; ".join(f"{k}: {v} parameters" for k, v in sorted(states.items())))
+    if plan.fallback_ops:
+        lines.append(f"replicated (no sharding rule): {', '.join(plan.fallback_ops)}")
+    if plan.baselines:
+        lines.append("")
+        lines.append("hand-written layouts on the same mesh (predicted):")
+        lines.append(f"  {'layout':<22}{'step':>12}{'memory':>12}{'vs plan':>10}")
+        lines.append(f"  {'autopar':<22}{format_seconds(plan.predicted.step_s):>12}{format_bytes(plan.predicted.memory_total):>12}{'1.00x':>10}")
+        limit = plan.memory_budget or plan.mesh.device.memory
+        for name, p in plan.baselines.items():
+            if not isinstance(p, str):
+                ratio = p.step_s / plan.predicted.step_s if plan.predicted.step_s else float("nan")
+                fits = "" if p.memory_total <= limit else f"  does not fit {format_bytes(limit)}"
+                lines.append(f"  {name:<22}{format_seconds(p.step_s):>12}{format_bytes(p.memory_total):>12}{ratio:>9.2f}x{fits}")
+            else:
+                lines.append(f"  {name:<22}  not possible: {p}")
+    lines.append("")
+    lines.append("collectives per step:")
+    tally = Counter()
+    vol = defaultdict(float)
+    for c in plan.collectives:
+        key = (c.phase, c.kind, "+".join(c.axes))
+        tally[key] += 1
+        vol[key] += c.nbytes
+    for key in sorted(tally):
+        lines.append(f"  {key[0]:<9}{key[1]:<15} on {key[2]:<8}{tally[key]:>6} x, {format_bytes(vol[key])} total")
+    if not tally:
+        lines.append("  none")
+    lines.append("")
+    lines.append(plan_table(plan))
+    return "\n".join(lines)
+
+def plan_table(plan) -> str:
+    """One row per parameter and compute node; identical repeated layers collapse to one row."""
+    groups: dict = {}
+    order = []
+    for n in plan.nodes:
+        if n.op in _HIDDEN_OPS:
+            continue
+        generic, idx = _generic(n.module, plan.layers)
+        key = (generic, n.op, n.strategy, _layout(n))
+        if key not in groups:
+            groups[key] = [set(), 0, 0.0, 0.0]
+            order.append(key)
+        g = groups[key]
+        g[0].add(idx)
+        g[1] += 1
+        g[2] += n.compute_s + n.comm_s
+        g[3] += n.memory
+    header = f"{'module':<40} {'op':<30} {'layout':<34} {'time':>10} {'memory':>10}"
+    rows = [header, "-" * len(header)]
+    for key in order:
+        generic, op, strategy, layout = key
+        idxs, count, t, m = groups[key]
+        label = generic
+        if idxs != {None}:
+            ix = sorted(i for i in idxs if i is not None)
+            span = f"{ix[0]}-{ix[-1]}" if len(ix) > 1 else str(ix[0])
+            label = generic.replace("{}", span, 1)
+        if count > 1:
+            label += f" x{count}"
+        rows.append(f"{label[:40]:<40} {op.replace('aten.', '')[:30]:<30} {(strategy + ' ' + layout)[:34]:<34} "
+                    f"{format_seconds(t):>10} {format_bytes(m):>10}")
+    return "\n".join(rows)
+
+
+
+
+_HIDDEN_OPS = {"input", "output"}
+
+
+def _layout(n) -> str:
+    if n.op == "parameter":
+        return ""
+    return "-> " + " ".join(show(p) for p in n.outputs)
+
+
+def _generic(module: str, layers) -> tuple[str, int | None]:
+    for prefix, indices in layers:
+        m = re.match(re.escape(prefix) + r"\.(\d+)(\.|$)(.*)", module)
+        if m and int(m.group(1)) in indices:
+            rest = (m.group(2) + m.group(3)) if m.group(3) else ""
+            return f"{prefix}.{{}}{rest}", int(m.group(1))
+    return module or "(model)", None
