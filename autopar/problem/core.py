@@ -1,0 +1,299 @@
+"""The planning problem: every graph node with its strategy menu and costs, every edge with
+its resharding costs, identical layers folded into one set of choices.
+
+Built once per (graph, mesh) from the graph walk (graph.py), the layer sharing
+(layers.py) and the menus (menus.py); solved for the best plan and for the hand-written
+layouts (the same problem with menus restricted; reduce.py folds it for the ILP).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+from .. import cost as C
+from ..mesh import Mesh
+from ..ops import Strategy
+from ..trace import Traced
+from .graph import SAVES_NOTHING, VIEWS, Choice, EdgeKey, PNode, add_gradient_sums, build_nodes
+from .layers import share_layers
+from .menus import build_menus, zero_layout
+
+UNUSABLE = float("inf")  # a choice pair the runtime cannot run as planned: the ILP never picks it
+
+
+class Problem:
+    def __init__(self, traced: Traced, mesh: Mesh, precision=None):
+        """precision: an autopar.MixedPrecision (the graph is then traced from the model cast
+        to its param_dtype, see autopar.precision.cast_for_trace), or None."""
+        self.traced = traced
+        self.mesh = mesh
+        self.precision = precision
+        self.nodes, self.by_fx = build_nodes(traced)
+        self.readers, self.gradsum_of = add_gradient_sums(self.nodes)
+        shared = share_layers(self.nodes, self.readers, self.gradsum_of)
+        self.layer_groups, self.tie, self.block = shared.layer_groups, shared.tie, shared.block
+        self.fallback_ops, self.warnings = build_menus(self.nodes, self.readers, mesh)
+        self._build_costs()
+
+    # --- costs ------------------------------------------------------------------------------
+    def _build_costs(self):
+        self.choices: dict[int, list[Choice]] = {}
+        for pn in self.nodes:
+            if pn.rep != pn.index:
+                continue
+            work = (C.measure_flops(pn.node, [self.nodes[src].requires_grad for src, _ in pn.inputs])
+                    if pn.kind == "op" else C.OpWork(0.0, 0.0))
+            self.choices[pn.index] = [self._choice(pn, s, work) for s in pn.strategies]
+        self.edges: list[EdgeKey] = []   # every concrete edge
+        for pn in self.nodes:
+            for k, (src, out) in enumerate(pn.inputs):
+                self.edges.append(EdgeKey("data", src, pn.index, out, k))
+                gs = self.gradsum_of.get((src, out))
+                if gs is not None:
+                    self.edges.append(EdgeKey("grad_in", pn.index, gs, out, k))
+        for (src, out), gs in self.gradsum_of.items():
+            self.edges.append(EdgeKey("grad_out", gs, src, out, 0))
+        self.edge_classes: dict[EdgeKey, int] = {}
+        for e in self.edges:
+            key = self.rep_edge(e)
+            self.edge_classes[key] = self.edge_classes.get(key, 0) + 1
+        self.counts: dict[int, int] = {}
+        for pn in self.nodes:
+            self.counts[pn.rep] = self.counts.get(pn.rep, 0) + 1
+        self.edge_costs = {key: self._edge_matrix(key) for key in self.edge_classes}
+
+    def rep_edge(self, e: EdgeKey) -> EdgeKey:
+        return e._replace(a=self.nodes[e.a].rep, b=self.nodes[e.b].rep)
+
+    def _choice(self, pn: PNode, s: Strategy, work: C.OpWork) -> Choice:
+        mesh = self.mesh
+        mem = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0}
+        comm = [0.0] * mesh.ndim
+        if pn.kind == "param":
+            return self._param_choice(pn, s)
+        if pn.kind != "op":
+            return Choice(0.0, tuple(comm), mem)
+        in_bytes = sum(C.local_numel(self.nodes[src].out_shapes[o], p, mesh.shape) *
+                       self.nodes[src].out_dtypes[o].itemsize
+                       for (src, o), p in zip(pn.inputs, s.inputs))
+        out_bytes = sum(C.local_numel(shape, p, mesh.shape) * d.itemsize
+                        for shape, d, p in zip(pn.out_shapes, pn.out_dtypes, s.outputs))
+        dtype = pn.out_dtypes[0] if pn.out_dtypes else torch.float32
+        if pn.op in VIEWS:
+            compute = 0.0
+        else:
+            compute = C.roofline(work.fwd_flops / s.factor, in_bytes + out_bytes, dtype, mesh)
+            if pn.requires_grad:
+                compute += C.roofline(work.bwd_flops / s.factor, 2 * (in_bytes + out_bytes), dtype, mesh)
+        if pn.requires_grad and pn.op not in SAVES_NOTHING:
+            # saved for backward: the op's activation operands, in the layout the op reads them
+            mem["activations"] = sum(
+                C.local_numel(self.nodes[src].out_shapes[o], p, mesh.shape) * self.nodes[src].out_dtypes[o].itemsize
+                for (src, o), p in zip(pn.inputs, s.inputs) if self.nodes[src].kind == "op")
+        if s.comm:  # per-row collectives of a named strategy, on the rows this rank holds
+            rows_shape = self.nodes[pn.inputs[0][0]].out_shapes[pn.inputs[0][1]][:1]
+            rows = C.local_numel(rows_shape, [p if isinstance(p, Shard) and p.dim == 0 else Replicate()
+                                              for p in s.inputs[0]], mesh.shape)
+            for kind, axis, per_row in s.comm:
+                comm[axis] += C.collective_time(kind, per_row * 4 * rows, axis, mesh)
+        return Choice(compute, tuple(comm), mem)
+
+    def _param_choice(self, pn: PNode, s: Strategy) -> Choice:
+        """Model states of a parameter stored in layout s.outputs[0] (ZeRO, Rajbhandari et al.
+        2020): weights `item` bytes per local element, gradients `item`, optimizer states
+        C.state_bytes (Adam's two moments, plus float32 master weights under mixed
+        precision).  ZeRO-1/2 over axes Z of n ranks: each rank keeps ceil(local / n)
+        elements of the optimizer state (and, stage 2, of the gradient), and after the
+        optimizer step the updated parameter is all-gathered over Z.  Offload moves the
+        optimizer state to host memory and pays the host link for the gradient going down
+        and the weights coming up, plus the host's optimizer step."""
+        mesh = self.mesh
+        comm = [0.0] * mesh.ndim
+        mem = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0}
+        layout = s.outputs[0]
+        numel = C.local_numel(pn.out_shapes[0], layout, mesh.shape)
+        item = pn.out_dtypes[0].itemsize
+        mem["params"] = numel * item
+        if not pn.requires_grad:
+            return Choice(0.0, tuple(comm), mem, numel * item)
+        state = C.state_bytes(item, self.precision is not None)
+        n = math.prod(mesh.shape[a] for a in s.zero_axes)
+        owned = math.ceil(numel / n) if s.zero else numel
+        mem["grads"] = (owned if s.zero == 2 else numel) * item
+        mem["optimizer"] = 0.0 if s.offload else owned * state
+        compute = 0.0
+        for st in self.zero_gather_steps(pn, s):
+            comm[st.axis] += st.seconds
+        if s.offload:
+            dev = mesh.device
+            compute = 2 * owned * item / dev.host_bandwidth + owned / dev.host_optimizer_rate
+        return Choice(compute, tuple(comm), mem, numel * (2 * item + state))
+
+    def zero_gather_steps(self, pn: PNode, s: Strategy) -> tuple:
+        """The all-gathers that spread a ZeRO-1/2 parameter's updated chunks after the step."""
+        if not s.zero:
+            return ()
+        layout = s.outputs[0]
+        return self._redistribute(pn.out_shapes[0], pn.out_dtypes[0].itemsize, zero_layout(layout, s.zero_axes), layout)
+
+    def grad_destination(self, pn: PNode, s: Strategy, out: int = 0) -> tuple:
+        """The layout the gradient of tensor pn[out] must reach when pn takes strategy s:
+        its own layout with Partial made Replicate, and for a ZeRO-2 parameter split over
+        the ZeRO axes (reduce-scattered, not all-reduced)."""
+        target = tuple(C.grad_target(x) for x in s.outputs[out])
+        if pn.kind == "param" and s.zero == 2:
+            target = zero_layout(target, s.zero_axes)
+        return target
+
+    def _redistribute(self, shape, itemsize, src, dst):
+        """C.redistribute, remembered per problem (a cache on the method itself would keep
+        every problem ever built alive)."""
+        cache = self.__dict__.setdefault("_redistributions", {})
+        key = (shape, itemsize, src, dst)
+        if key not in cache:
+            cache[key] = C.redistribute(shape, itemsize, src, dst, self.mesh)
+        return cache[key]
+
+    def edge_steps(self, e: EdgeKey, i: int, j: int):
+        """Forward and backward collectives on edge `e` (between representatives) when its
+        ends take choices i (of e.a) and j (of e.b)."""
+        a, b = self.nodes[e.a], self.nodes[e.b]
+        if e.kind == "grad_in":   # consumer a's gradient joins the sum b
+            g = a.strategies[i].grads[e.operand]
+            if g is None:
+                return (), ()
+            shape, item = b.out_shapes[0], b.out_dtypes[0].itemsize
+            return (), self._redistribute(shape, item, tuple(g), b.strategies[j].outputs[0])
+        if e.kind == "grad_out":  # the sum a reaches the layout of tensor b[out]
+            shape, item = a.out_shapes[0], a.out_dtypes[0].itemsize
+            target = self.grad_destination(b, b.strategies[j], e.out)
+            return (), self._redistribute(shape, item, a.strategies[i].outputs[0], target)
+        p = a.strategies[i].outputs[e.out]
+        q = b.strategies[j].inputs[e.operand]
+        g = b.strategies[j].grads[e.operand]
+        shape, item = a.out_shapes[e.out], a.out_dtypes[e.out].itemsize
+        fwd = self._redistribute(shape, item, p, q)
+        bwd = ()
+        if a.requires_grad and g is not None:
+            if (e.a, e.out) not in self._summed:
+                bwd = self._redistribute(shape, item, g, self.grad_destination(a, a.strategies[i], e.out))
+            if a.kind == "param":  # gathered for use, dropped after forward: gather again for backward
+                bwd = bwd + tuple(st for st in fwd if st.kind == "all_gather")
+        return fwd, bwd
+
+    @functools.cached_property
+    def _summed(self) -> set:
+        """Tensors (by representative) whose gradient goes through a gradient-sum node."""
+        return {(self.nodes[src].rep, out) for src, out in self.gradsum_of}
+
+    def _edge_matrix(self, e: EdgeKey) -> np.ndarray:
+        """Seconds of edge `e` for every pair of choices (rows: e.a's, columns: e.b's): what
+        `edge_steps` prices, computed once per distinct pair of layouts and spread by index
+        arrays (a 3-axis mesh gives menus of ~125 choices, so edges of ~15,000 pairs)."""
+        a, b = self.nodes[e.a], self.nodes[e.b]
+        code = C.layout_code
+        if e.kind == "grad_in":   # consumer a's gradient (None: none) joins the sum b
+            shape, item = b.out_shapes[0], b.out_dtypes[0].itemsize
+            grads = [s.grads[e.operand] for s in a.strategies]
+            has = np.array([g is not None for g in grads])
+            src = _codes([code(g) if g is not None else None for g in grads])
+            dst = _codes([code(s.outputs[0]) for s in b.strategies])
+            return np.where(has[:, None], self._seconds_table(shape, item, src, dst), 0.0)
+        if e.kind == "grad_out":  # the sum a reaches the layout of tensor b[out]
+            shape, item = a.out_shapes[0], a.out_dtypes[0].itemsize
+            src = _codes([code(s.outputs[0]) for s in a.strategies])
+            dst = _codes([code(self.grad_destination(b, s, e.out)) for s in b.strategies])
+            m = self._seconds_table(shape, item, src, dst)
+            own = _codes([_shape_key(code(s.outputs[0])) for s in a.strategies])
+            theirs = _codes([_shape_key(code(s.outputs[e.out])) for s in b.strategies])
+            return np.where(own[1][:, None] == theirs[1][None, :], m, m + UNUSABLE)
+        shape, item = a.out_shapes[e.out], a.out_dtypes[e.out].itemsize
+        p = _codes([code(s.outputs[e.out]) for s in a.strategies])
+        q = _codes([code(s.inputs[e.operand]) for s in b.strategies])
+        m = self._seconds_table(shape, item, p, q)
+        if not a.requires_grad:
+            return m
+        grads = [s.grads[e.operand] for s in b.strategies]
+        has = np.array([g is not None for g in grads])
+        bwd = np.zeros_like(m)
+        if (e.a, e.out) not in self._summed:
+            g = _codes([code(x) if x is not None else None for x in grads])
+            dest = _codes([code(self.grad_destination(a, s, e.out)) for s in a.strategies])
+            bwd = self._seconds_table(shape, item, dest, g, reverse=True)
+        if a.kind == "param":  # gathered for use, dropped after forward: gather again for backward
+            bwd = bwd + self._seconds_table(shape, item, p, q, gathers=True)
+        return m + np.where(has[None, :], bwd, 0.0)
+
+    def _seconds_table(self, shape, item, src, dst, reverse=False, gathers=False) -> np.ndarray:
+        """[choices of src, choices of dst] seconds of redistributing a tensor of `shape` from
+        each row's layout to each column's (`reverse`: from each column's to each row's);
+        `gathers`: only the all-gathers among those steps.  src, dst: `_codes` pairs, a None
+        code standing for no tensor (0 s).  Each pair of layouts is priced once per problem,
+        as a line in the tensor's bytes (cost.redistribute_price), and scaled to this tensor."""
+        (su, si), (du, di) = src, dst
+        whole = (math.prod(shape) if shape else 1) * item
+        if whole == 0:
+            return np.zeros((len(si), len(di)))
+        rows, cols = self._layout_ids(su), self._layout_ids(du)
+        lines = self._prices(cols, rows).transpose(0, 2, 1) if reverse else self._prices(rows, cols)
+        fixed, per_byte = (lines[2], lines[3]) if gathers else (lines[0], lines[1])
+        return (fixed + per_byte * whole)[np.ix_(si, di)]
+
+    def _layout_ids(self, codes) -> np.ndarray:
+        ids = self._price_book["ids"]
+        return np.array([ids.setdefault(c, len(ids)) for c in codes], dtype=int)
+
+    def _prices(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+        """[4, len(src), len(dst)]: redistribute_price between layouts by id, each computed once."""
+        book = self._price_book
+        table = book["table"]
+        size = len(book["ids"])
+        if size > table.shape[1]:  # grow, unknown prices NaN
+            grown = np.full((4, 2 * size, 2 * size), np.nan)
+            grown[:, :table.shape[1], :table.shape[2]] = table
+            book["table"] = table = grown
+        sub = table[:, src[:, None], dst[None, :]]
+        missing = np.isnan(sub[0])
+        if missing.any():
+            code = list(book["ids"])
+            for x, y in zip(*np.nonzero(missing)):
+                s, d = code[src[x]], code[dst[y]]
+                table[:, src[x], dst[y]] = 0.0 if s is None or d is None else C.redistribute_price(s, d, self.mesh)
+            sub = table[:, src[:, None], dst[None, :]]
+        return sub
+
+    @functools.cached_property
+    def _price_book(self) -> dict:
+        """Layout code -> id (None: no tensor, priced 0), and [4, id, id] redistribute_price."""
+        return {"ids": {}, "table": np.full((4, 0, 0), np.nan)}
+
+    # --- queries ----------------------------------------------------------------------------
+    def node_cost(self, rep: int) -> np.ndarray:
+        return np.array([c.time for c in self.choices[rep]])
+
+    def node_memory(self, rep: int) -> np.ndarray:
+        return np.array([sum(c.memory.values()) for c in self.choices[rep]])
+
+    def node_plain_memory(self, rep: int) -> np.ndarray:
+        return np.array([sum(c.memory.values()) if c.plain_memory is None else c.plain_memory
+                         for c in self.choices[rep]])
+
+
+
+def _codes(keys: list):
+    """(distinct keys in first-seen order, index of each key among them): a menu's layouts
+    grouped so a cost is computed once per distinct layout."""
+    distinct: dict = {}
+    ids = np.array([distinct.setdefault(k, len(distinct)) for k in keys], dtype=int)
+    return list(distinct), ids
+
+
+def _shape_key(code: tuple) -> tuple:
+    """What `same_local_shape` compares: the shard dim per axis, Replicate and Partial alike."""
+    return tuple(c if c >= 0 else -1 for c in code)
+
+
