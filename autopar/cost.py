@@ -25,7 +25,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from .mesh import Mesh
-from .redistribution import COLLECTIVES, PARTIAL, REPLICATE, layout_code, placement_code, plan_rows  # noqa: F401
+from .redistribution import COLLECTIVES, layout_code, plan_rows
 
 
 def state_bytes(param_itemsize: int, mixed_precision: bool) -> float:

@@ -54,7 +54,6 @@ step acts on `whole_bytes * share` bytes (an all-gather returns n times that).
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 from typing import Sequence
 
