@@ -11,9 +11,10 @@ Collectives on an axis of n ranks with bandwidth B (bytes/s, one direction) and 
 
 L is the fixed cost of one collective call (launch and synchronisation).
 
-A redistribution over several axes runs axis by axis, shrinking steps (local slices,
-reduce-scatters) before growing ones (all-gathers), so an all-reduce over two axes costs
-what a hierarchical all-reduce costs.
+A redistribution costs exactly the steps the runtime runs: `autopar.redistribution`
+plans them (axis by axis, shrinking steps before growing ones, an all-to-all where a shard
+moves to another dim on one axis) and this module prices each collective among them on the
+bytes a rank holds when it runs.
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from .mesh import Mesh
+from .redistribution import COLLECTIVES, layout_code, plan_rows
+
 
 def state_bytes(param_itemsize: int, mixed_precision: bool) -> float:
     """Optimizer bytes per trainable parameter element (Adam): two moments in the
@@ -34,7 +37,8 @@ def state_bytes(param_itemsize: int, mixed_precision: bool) -> float:
 
 @dataclass(frozen=True)
 class CommStep:
-    """One collective: kind on mesh axis `axis` moving `nbytes` (the local tensor it acts on)."""
+    """One collective of a redistribution: kind on mesh axis `axis`; nbytes: the bytes its
+    formula in `collective_time` reads (an all-gather's output, any other's input)."""
 
     kind: str
     axis: int
@@ -63,36 +67,10 @@ def local_numel(shape, placements, mesh_shape) -> float:
     return numel
 
 
-REPLICATE, PARTIAL = -1, -2  # layout codes: Shard(d) is d (see layout_code)
-_KIND_OF_TYPE: dict = {}
-
-
-def placement_code(p) -> int:
-    """Shard(d) -> d, Replicate() -> -1, Partial() -> -2: all the cost model reads of a
-    placement (a strided shard costs what a plain one does).  isinstance on torch's
-    placement classes is slow, so the answer is kept per placement type."""
-    kind = _KIND_OF_TYPE.get(type(p))
-    if kind is None:
-        kind = ("shard" if isinstance(p, Shard) else "partial" if isinstance(p, Partial)
-                else "replicate" if isinstance(p, Replicate) else None)
-        if kind is None:
-            raise ValueError(f"unsupported placement {p!r}: use Shard(d), Replicate() or Partial()")
-        _KIND_OF_TYPE[type(p)] = kind
-    return p.dim if kind == "shard" else PARTIAL if kind == "partial" else REPLICATE
-
-
-def layout_code(placements) -> tuple:
-    """One placement code per mesh axis: a small, fast-hashing key for cost tables."""
-    return tuple(placement_code(p) for p in placements)
-
-
 def redistribute(shape, itemsize: int, src, dst, mesh: Mesh) -> tuple[CommStep, ...]:
-    """The collectives that turn a tensor of global `shape` from placements `src` into `dst`.
-
-    Partial -> Replicate: reduce-scatter then all-gather (an all-reduce, reported as one);
-    Partial -> Shard: reduce-scatter; Shard -> Replicate: all-gather; Shard(i) -> Shard(j):
-    all-to-all; Replicate -> Shard or Partial, Shard -> Partial: local, free.
-    """
+    """The collectives that turn a tensor of global `shape` from placements `src` into `dst`,
+    in the order they run (`autopar.redistribution`; its local steps are free).  An
+    all-reduce over several axes is one call, listed per axis (`_price_rows`)."""
     return redistribute_codes(shape, itemsize, layout_code(src), layout_code(dst), mesh)
 
 
@@ -101,65 +79,8 @@ def redistribute_codes(shape, itemsize: int, src: tuple, dst: tuple, mesh: Mesh)
     if src == dst:
         return ()
     whole = (math.prod(shape) if shape else 1) * itemsize
-    launch = mesh.device.launch_latency
-    steps = []
-    for kind, a, share, reduce_share in route(src, dst, mesh):
-        nbytes = whole * share
-        if kind == "all_reduce":
-            t = (collective_time("reduce_scatter", whole * reduce_share, a, mesh)
-                 + collective_time("all_gather", nbytes, a, mesh) - launch)
-        else:
-            t = collective_time(kind, nbytes, a, mesh)
-        steps.append(CommStep(kind, a, nbytes, t))
-    return tuple(steps)
-
-
-def route(src: tuple, dst: tuple, mesh: Mesh) -> tuple:
-    """The steps of a redistribution between layout codes, without sizes: (kind, axis,
-    share, reduce_share), share being the fraction of the whole tensor a rank holds when the
-    step runs (an all-reduce's all-gather half; reduce_share: its reduce-scatter half)."""
-    cur = list(src)
-    steps = []
-
-    def share_now():
-        share = 1.0
-        for c, n in zip(cur, mesh.shape):
-            if c >= 0:
-                share /= n
-        return share
-
-    # 1. free local steps: slicing a replicated tensor shrinks it; a replicated or sharded
-    #    tensor is already a valid Partial one (zeros elsewhere) for sums
-    for a, (s, d) in enumerate(zip(src, dst)):
-        if (s == REPLICATE and d != REPLICATE) or (s >= 0 and d == PARTIAL):
-            cur[a] = d
-    # 2. reductions: reduce-scatter (the all-reduce's second half is an all-gather in step 4)
-    pending_gather = {}
-    fast_first = sorted(range(len(src)), key=lambda a: -mesh.bandwidth[a])
-    for a in fast_first:
-        s, d = src[a], dst[a]
-        if s == PARTIAL and d != PARTIAL:
-            if d == REPLICATE:
-                pending_gather[a] = share_now()
-                cur[a] = 0  # stands for "scattered": any dim, only the size matters
-            else:
-                steps.append(("reduce_scatter", a, share_now(), 0.0))
-                cur[a] = d
-    # 3. all-to-all between shard dims
-    for a, (s, d) in enumerate(zip(src, dst)):
-        if s >= 0 and d >= 0 and s != d:
-            steps.append(("all_to_all", a, share_now(), 0.0))
-            cur[a] = d
-    # 4. gathers grow the tensor last
-    for a in reversed(fast_first):
-        s, d = src[a], dst[a]
-        if (s >= 0 and d < 0) or a in pending_gather:
-            cur[a] = REPLICATE if a in pending_gather else d
-            if a in pending_gather:
-                steps.append(("all_reduce", a, share_now(), pending_gather[a]))
-            else:
-                steps.append(("all_gather", a, share_now(), 0.0))
-    return tuple(steps)
+    return tuple(CommStep(kind, a, whole * share, fixed + per_byte * whole)
+                 for kind, a, share, fixed, per_byte in _price_rows(src, dst, mesh))
 
 
 def redistribute_price(src: tuple, dst: tuple, mesh: Mesh) -> tuple[float, float, float, float]:
@@ -167,24 +88,45 @@ def redistribute_price(src: tuple, dst: tuple, mesh: Mesh) -> tuple[float, float
     fixed + per_byte * B, and the same two numbers for its all-gathers alone (the ones a
     parameter repeats in backward).  Lets a whole table of layout pairs be priced once and
     scaled to every tensor size."""
-    launch = mesh.device.launch_latency
     fixed = per_byte = gather_fixed = gather_per_byte = 0.0
-    for kind, a, share, reduce_share in (route(src, dst, mesh) if src != dst else ()):
-        n = mesh.shape[a]
-        if n == 1:  # collective_time is 0 on a size-1 axis (an all-reduce keeps its -launch)
-            fixed -= launch if kind == "all_reduce" else 0.0
-            continue
-        bw, lat, frac = mesh.bandwidth[a], mesh.latency[a], (n - 1) / n
-        if kind == "all_reduce":  # a reduce-scatter and an all-gather in one call
-            fixed += launch + 2 * (n - 1) * lat
-            per_byte += frac * (reduce_share + share) / bw
-        else:
-            fixed += launch + (n - 1) * lat
-            per_byte += frac * share / bw
-            if kind == "all_gather":
-                gather_fixed += launch + (n - 1) * lat
-                gather_per_byte += frac * share / bw
+    if src == dst:
+        return fixed, per_byte, gather_fixed, gather_per_byte
+    for kind, _, _, f, b in _price_rows(src, dst, mesh):
+        fixed += f
+        per_byte += b
+        if kind == "all_gather":
+            gather_fixed += f
+            gather_per_byte += b
     return fixed, per_byte, gather_fixed, gather_per_byte
+
+
+def _price_rows(src: tuple, dst: tuple, mesh: Mesh) -> list:
+    """(kind, axis, share, fixed s, s per byte of the whole tensor) per collective of the
+    planned steps, share being the fraction of the whole tensor `collective_time` reads
+    (an all-gather's output, any other's input); the same formulas as `collective_time`.
+
+    An all-reduce over several axes is one call, priced as a hierarchical one and listed
+    per axis, fastest axis first: that axis reduce-scatters and all-gathers the whole
+    local tensor, the next one all-reduces the 1/n left, and so on; one launch in all."""
+    launch = mesh.device.launch_latency
+    rows = []
+    for kind, a, _, _, share, span in plan_rows(src, dst, mesh.shape):
+        if kind not in COLLECTIVES:
+            continue
+        if kind == "all_reduce":
+            levels = sorted((a,) + span, key=lambda x: -mesh.bandwidth[x]) if span else (a,)
+            first = launch
+            for x in levels:
+                n = mesh.shape[x]
+                rows.append((kind, x, share, first + 2 * (n - 1) * mesh.latency[x],
+                             2 * (n - 1) / n * share / mesh.bandwidth[x]))
+                share, first = share / n, 0.0
+            continue
+        n = mesh.shape[a]  # > 1: the planner gives axes of size 1 no step
+        if kind == "all_gather":
+            share *= n
+        rows.append((kind, a, share, launch + (n - 1) * mesh.latency[a], (n - 1) / n * share / mesh.bandwidth[a]))
+    return rows
 
 
 def grad_target(placement):

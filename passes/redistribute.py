@@ -1,38 +1,26 @@
 """Move a tensor between placements on a device mesh, on local tensors with plain collectives.
 
-Placements are torch's (`Shard(d)`, `Replicate()`, `Partial()`), one per mesh axis. When
-several mesh axes shard the same tensor dim the earlier axis splits it first and each piece
-is split again by the later one: with (Shard(0), Shard(0)) on a (2, 4) mesh the rank at
-(i0, i1) holds chunk i0*4 + i1 of 8 equal chunks of dim 0. `Partial()` means the true value
-is the sum over that axis of the local values. Shards are always even.
+Placements are torch's (`Shard(d)`, `Replicate()`, `Partial()`), one per mesh axis, nested
+in mesh order: with (Shard(0), Shard(0)) on a (2, 4) mesh the rank at (i0, i1) holds chunk
+i0*4 + i1 of 8 equal chunks of dim 0.  `Partial()` means the true value is the sum over
+that axis of the local values.  Shards are always even.
 
-`plan_redistribute(src, dst, sizes)` lists the steps, `redistribute_local` runs them, and
-`Redistribute` / `redistribute` wrap them for autograd (the gradient travels with its own
-pair of layouts, e.g. forward Shard(0) -> Replicate, backward Partial -> Shard(0)).
-
-The steps, for each tensor dim d:
-  1. axes that shard d in both layouts, as a common prefix in mesh order, are kept;
-  2. src's other axes on d are undone innermost first (reverse mesh order): all-gather, or,
-     when dst is Partial on that axis, the local piece placed in zeros of the gathered size;
-  3. dst's other axes on d are applied outermost first (mesh order): a local chunk, or a
-     reduce-scatter when src is Partial on that axis;
-  4. Partial -> Replicate axes are all-reduced where the tensor is smallest (before step 2 if
-     src's local tensor is smaller than dst's, else after step 3): gathers and chunks on
-     other axes are linear and act alike on every peer of the reduced axis, so they commute;
-  5. Replicate -> Partial axes keep the value on coordinate 0 and zeros elsewhere (exact).
-Axes of size 1 take no step.
+The steps come from the one redistribution planner, `autopar.redistribution` (its module
+docstring has the rules); the cost model prices the same steps.  `redistribute_local`
+runs them, and `Redistribute` / `redistribute` wrap them for autograd (the gradient
+travels with its own pair of layouts, e.g. forward Shard(0) -> Replicate, backward
+Partial -> Shard(0); an all-to-all's gradient is the inverse all-to-all).
 """
 from __future__ import annotations
 
-import functools
-import math
-from dataclasses import dataclass
 from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import Placement, Shard
+
+from autopar.redistribution import Step, placement_code, plan_redistribute
 
 __all__ = ["AxisGroups", "MeshGroups", "Step", "plan_redistribute", "redistribute_local", "reduce_scatter_rows",
            "Redistribute", "redistribute"]
@@ -51,6 +39,9 @@ class AxisGroups(Protocol):
     def coordinate(self, axis: int) -> int: ...
 
     def group(self, axis: int): ...
+
+    def group_of(self, axes: tuple):
+        """One process group over several mesh axes (an all-reduce over all of them)."""
 
 
 class MeshGroups:
@@ -91,7 +82,8 @@ class MeshGroups:
         if axes not in cache:
             names = self.mesh.mesh_dim_names
             if names is None:
-                raise ValueError("a process group over several mesh axes needs a DeviceMesh with axis names")
+                raise ValueError(f"a process group over mesh axes {axes} (one all-reduce over them) needs "
+                                 f"a DeviceMesh with axis names: init_device_mesh(..., mesh_dim_names=...)")
             cache[axes] = self.mesh[tuple(names[a] for a in axes)]._flatten().get_group()
         return cache[axes]
 
@@ -99,107 +91,22 @@ class MeshGroups:
         return f"MeshGroups(sizes={self._sizes}, coordinate={self._coord})"
 
 
-# ---------------------------------------------------------------- plan
-
-@dataclass(frozen=True)
-class Step:
-    """One action on one mesh axis. `dim` is the tensor dim for gathers, pads and splits.
-
-    all_gather: Shard(dim) -> Replicate; zero_pad: Shard(dim) -> Partial (own piece in
-    zeros); chunk: Replicate -> Shard(dim); reduce_scatter: Partial -> Shard(dim);
-    all_reduce: Partial -> Replicate; keep_on_first: Replicate -> Partial.
-    """
-
-    kind: str
-    axis: int
-    dim: int | None = None
-
-    def __str__(self) -> str:
-        return f"{self.kind}(axis {self.axis})" if self.dim is None else \
-            f"{self.kind}(dim {self.dim}, axis {self.axis})"
-
-    @property
-    def is_collective(self) -> bool:
-        return self.kind in ("all_reduce", "all_gather", "reduce_scatter")
-
-
-def _kind(p: Placement) -> str:
-    if isinstance(p, Shard):
-        return "S"
-    if p.is_replicate():
-        return "R"
-    if p.is_partial():
-        op = getattr(p, "reduce_op", "sum")
-        if op != "sum":
-            raise ValueError(f"Partial({op!r}) is not supported; only sum partials redistribute")
-        return "P"
-    raise ValueError(f"unsupported placement {p!r}: use Shard(d), Replicate() or Partial()")
-
+# ---------------------------------------------------------------- placements
 
 def _normalize(placements: Sequence[Placement], ndim: int | None, name: str) -> tuple:
+    """Placements with Shard dims made non-negative against a tensor of rank `ndim`,
+    checked (an unsupported placement or reduce op raises, naming it)."""
     out = []
     for axis, p in enumerate(placements):
-        _kind(p)
         if isinstance(p, Shard) and ndim is not None:
             d = p.dim + ndim if p.dim < 0 else p.dim
             if not 0 <= d < ndim:
                 raise ValueError(f"{name}[{axis}] = {p} names a dim of a {ndim}-d tensor that "
                                  f"does not exist")
             p = Shard(d)
+        placement_code(p)
         out.append(p)
     return tuple(out)
-
-
-def _shard_axes(placements: tuple) -> dict[int, list[int]]:
-    """tensor dim -> mesh axes sharding it, in mesh order (outer split first)."""
-    axes: dict[int, list[int]] = {}
-    for a, p in enumerate(placements):
-        if isinstance(p, Shard):
-            axes.setdefault(p.dim, []).append(a)
-    return axes
-
-
-def plan_redistribute(src: Sequence[Placement], dst: Sequence[Placement],
-                      sizes: Sequence[int]) -> tuple[Step, ...]:
-    """The steps that take a tensor from `src` to `dst` on a mesh of axis `sizes`, in order.
-
-    Shard dims must be non-negative here (`redistribute_local` normalizes them).  Cached:
-    a compiled model runs the same few moves every step.
-    """
-    return _plan_redistribute(tuple(src), tuple(dst), tuple(sizes))
-
-
-@functools.lru_cache(maxsize=4096)
-def _plan_redistribute(src: tuple, dst: tuple, sizes: tuple) -> tuple[Step, ...]:
-    if not len(src) == len(dst) == len(sizes):
-        raise ValueError(f"placements {src} -> {dst} do not match a mesh of {len(sizes)} axes "
-                         f"{tuple(sizes)}: give one placement per mesh axis")
-    sk = [_kind(p) for p in src]
-    dk = [_kind(p) for p in dst]
-    src_axes, dst_axes = _shard_axes(src), _shard_axes(dst)
-    undo: list[Step] = []   # src shards to remove, any order here; sorted below
-    apply: list[Step] = []  # dst shards to add
-    for d in set(src_axes) | set(dst_axes):
-        s_ax, d_ax = src_axes.get(d, []), dst_axes.get(d, [])
-        keep = 0
-        while keep < min(len(s_ax), len(d_ax)) and s_ax[keep] == d_ax[keep]:
-            keep += 1
-        for a in s_ax[keep:]:
-            undo.append(Step("zero_pad" if dk[a] == "P" else "all_gather", a, d))
-        for a in d_ax[keep:]:
-            apply.append(Step("reduce_scatter" if sk[a] == "P" else "chunk", a, d))
-    undo.sort(key=lambda s: -s.axis)
-    apply.sort(key=lambda s: s.axis)
-    reduce = [Step("all_reduce", a) for a in range(len(sk)) if sk[a] == "P" and dk[a] == "R"]
-    to_partial = [Step("keep_on_first", a) for a in range(len(sk)) if sk[a] == "R" and dk[a] == "P"]
-
-    def split(placements):
-        return math.prod(sizes[a] for a, p in enumerate(placements) if isinstance(p, Shard))
-
-    # the local tensor is numel/split(src) before and numel/split(dst) after the reshaping
-    reduce_first = split(src) >= split(dst)
-    steps = (reduce + undo + apply if reduce_first else undo + apply + reduce) + to_partial
-    return tuple(s for s in steps if sizes[s.axis] > 1)
 
 
 # ---------------------------------------------------------------- execution
@@ -217,6 +124,26 @@ def _chunk(t: Tensor, dim: int, n: int, coord: int, axis: int) -> Tensor:
                          f"{tuple(t.shape)}) evenly over mesh axis {axis} of size {n}: the plan "
                          f"must only split dims that divide, or the tensor must be padded")
     return t.narrow(dim, coord * (t.size(dim) // n), t.size(dim) // n)
+
+
+def _all_to_all(t: Tensor, dim: int, to_dim: int, group, n: int, axis: int) -> Tensor:
+    """Shard(dim) -> Shard(to_dim) on one mesh axis of n ranks: t [.., s, .., m, ..] (s on
+    dim, m on to_dim) is cut into n pieces along to_dim, piece r goes to the group's rank r,
+    and the n pieces received are joined along dim in rank order: [.., n*s, .., m/n, ..].
+    One `all_to_all_single` (gloo and NCCL both run it) on a to_dim-first copy."""
+    _chunk(t, to_dim, n, 0, axis)  # divisibility check with a clear message
+    send = t.unflatten(to_dim, (n, t.size(to_dim) // n)).movedim(to_dim, 0).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return recv.movedim(0, dim).flatten(dim, dim + 1)
+
+
+def _all_reduce(t: Tensor, group, owned: bool) -> Tensor:
+    """Partial -> Replicate, in place on a contiguous buffer of our own (`owned`: t is one)."""
+    if not (owned and t.is_contiguous()):
+        t = t.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(t, group=group)
+    return t
 
 
 def _zero_pad(t: Tensor, dim: int, n: int, coord: int) -> Tensor:
@@ -264,7 +191,7 @@ def redistribute_local(x: Tensor, src: Sequence[Placement], dst: Sequence[Placem
     src = _normalize(src, x.dim(), "src")
     dst = _normalize(dst, x.dim(), "dst")
     sizes = [groups.size(a) for a in range(len(src))]
-    t, owned = x, False
+    t, owned = x, False  # owned: t is a buffer of ours (not x, not a view of it)
     for step in plan_redistribute(src, dst, sizes):
         a, d, n = step.axis, step.dim, sizes[step.axis]
         c = groups.coordinate(a)
@@ -277,11 +204,11 @@ def redistribute_local(x: Tensor, src: Sequence[Placement], dst: Sequence[Placem
             owned = False  # a view: a later in-place all-reduce must copy first
         elif step.kind == "reduce_scatter":
             t, owned = _reduce_scatter(t, d, groups.group(a), n, c, a), True
-        elif step.kind == "all_reduce":
-            if not (owned and t.is_contiguous()):  # in place, on a buffer of our own
-                t = t.clone(memory_format=torch.contiguous_format)
-            dist.all_reduce(t, group=groups.group(a))
-            owned = True
+        elif step.kind == "all_to_all":
+            t, owned = _all_to_all(t, d, step.to_dim, groups.group(a), n, a), True
+        elif step.kind == "all_reduce":  # one call over all its axes
+            group = groups.group_of(step.axes) if step.span else groups.group(a)
+            t, owned = _all_reduce(t, group, owned), True
         elif step.kind == "keep_on_first":
             if c != 0:
                 t, owned = torch.zeros_like(t, memory_format=torch.contiguous_format), True

@@ -160,9 +160,20 @@ def train_and_compare(spec: tuple, plan_dict: dict, steps: int = 3, clip: float 
     worst["grads_of_frozen"] = sorted(frozen & set(cm.full_grads()))
     worst["ok"] = (worst["loss"] <= 0 and worst["grad"][0] <= 0 and worst["param"][0] <= 0
                    and worst["frozen_moved"] == 0.0 and not worst["grads_of_frozen"])
+    worst["all_to_all_moves"] = all_to_all_moves(cm.graphs(), tuple(plan.mesh["shape"]))
     worst["synced_by_buckets"] = len(cm._grad_sync.params)
     worst["reduced_during_backward"] = cm._grad_sync.hooked
     return worst
+
+
+def all_to_all_moves(graphs, sizes: tuple) -> int:
+    """How many moves of the compiled graphs (on a mesh of axis `sizes`) run an all-to-all,
+    forward or backward."""
+    from autopar.passes.collectives import Move
+    from autopar.passes.redistribute import plan_redistribute
+    moves = {id(m): m for gm in graphs for m in vars(gm).values() if isinstance(m, Move)}
+    return sum(any(s.kind == "all_to_all" for s in plan_redistribute(m.src, m.dst, sizes)
+                   + plan_redistribute(m.grad_src, m.grad_dst, sizes)) for m in moves.values())
 
 
 def torch_clip_over_parameters(spec: tuple, plan_dict: dict) -> dict:

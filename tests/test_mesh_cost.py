@@ -47,21 +47,29 @@ def test_alpha_beta_formulas():
 
 
 def test_redistribution_paths_over_two_axes():
+    """The cost model prices the steps the runtime runs (autopar.redistribution)."""
     mesh = autopar.Mesh((2, 4), ("dp", "tp"), bandwidth=(1e9, 4e9), latency=0.0)
     shape, item = (1024, 1024), 4
     full = math.prod(shape) * item
+    launch = mesh.device.launch_latency
     assert redistribute(shape, item, (R, R), (Shard(0), Shard(1)), mesh) == ()       # slicing is free
     steps = redistribute(shape, item, (Shard(0), Shard(0)), (R, R), mesh)
-    assert [(s.kind, s.axis) for s in steps] == [("all_gather", 0), ("all_gather", 1)]
-    # gathers grow the tensor: the slow axis gathers the smaller piece first
-    assert steps[0].nbytes == full / 4 and steps[1].nbytes == full
+    # nested shards come off innermost first: tp gathers an eighth into a half, then dp
+    # gathers the halves into the whole tensor
+    assert [(s.kind, s.axis, s.nbytes) for s in steps] == [("all_gather", 1, full / 2), ("all_gather", 0, full)]
+    # different dims: the slice comes first, so the gather moves a quarter
+    steps = redistribute(shape, item, (Shard(0), R), (R, Shard(1)), mesh)
+    assert [(s.kind, s.axis, s.nbytes) for s in steps] == [("all_gather", 0, full / 4)]
+    # one all-reduce call over both axes, priced hierarchically and listed per axis: the
+    # fast axis reduce-scatters and all-gathers the whole tensor, the slow one all-reduces
+    # a quarter; one launch in all
     steps = redistribute(shape, item, (P, P), (R, R), mesh)
-    assert sorted(s.kind for s in steps) == ["all_reduce", "all_reduce"]
-    # hierarchical: reduce-scatter on the fast axis first, so the slow axis moves a quarter
-    slow = [s for s in steps if s.axis == 0][0]
-    assert slow.seconds == pytest.approx(mesh.device.launch_latency + 2 * 0.5 * (full / 4) / 1e9)
+    assert [(s.kind, s.axis, s.nbytes) for s in steps] == [("all_reduce", 1, full), ("all_reduce", 0, full / 4)]
+    assert steps[0].seconds == pytest.approx(launch + 2 * 0.75 * full / 4e9)
+    assert steps[1].seconds == pytest.approx(2 * 0.5 * (full / 4) / 1e9)
     steps = redistribute(shape, item, (Shard(0), R), (Shard(1), R), mesh)
-    assert [(s.kind, s.axis) for s in steps] == [("all_to_all", 0)]
+    assert [(s.kind, s.axis, s.nbytes) for s in steps] == [("all_to_all", 0, full / 2)]
+    assert steps[0].seconds == pytest.approx(launch + 0.5 * (full / 2) / 1e9)
     steps = redistribute(shape, item, (P, R), (Shard(0), R), mesh)
     assert [(s.kind, s.axis, s.nbytes) for s in steps] == [("reduce_scatter", 0, full)]
 

@@ -13,81 +13,18 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from autopar.passes.redistribute import (
     MeshGroups, Step, _reduce_scatter, plan_redistribute, redistribute, redistribute_local)
 from distributed import WorkerError, device_mesh
+from reference_layouts import SHAPE, check_layout, global_tensor, local_of, shard_slot
 
 R, P = Replicate(), Partial()
 S0, S1, S2 = Shard(0), Shard(1), Shard(2)
 PER_AXIS = (R, P, S0, S1, S2)
-SHAPE = (8, 12, 4)  # every dim divides by 4, so every layout below is even
 MESHES = [(4,), (2, 2), (1, 4), (4, 1)]
 
 
-# ---------------------------------------------------------------- reference
-
-def global_tensor(seed: int, shape=SHAPE) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(-100, 100, shape, generator=g).double()
-
-
-def _shard_slot(placements, coords, sizes, dim):
-    """(index, count): which of `count` equal pieces of `dim` this rank holds (nesting rule)."""
-    index, count = 0, 1
-    for a, p in enumerate(placements):
-        if isinstance(p, Shard) and p.dim == dim:
-            index, count = index * sizes[a] + coords[a], count * sizes[a]
-    return index, count
-
-
-def local_of(glob, placements, coords, sizes, seed=7):
-    """This rank's local tensor of `glob` laid out as `placements`. A Partial axis of size n
-    splits the value into n integer summands: random ones on coordinates < n-1, the rest last."""
-    t = glob
-    for d in range(glob.dim()):
-        index, count = _shard_slot(placements, coords, sizes, d)
-        piece = t.size(d) // count
-        t = t.narrow(d, index * piece, piece)
-    for a, p in enumerate(placements):
-        if p.is_partial() and sizes[a] > 1:
-            g = torch.Generator().manual_seed(1000 * seed + a)
-            noise = torch.randint(-50, 50, (sizes[a] - 1, *t.shape), generator=g).double()
-            c = coords[a]
-            t = noise[c] if c < sizes[a] - 1 else t - noise.sum(0)
-    return t.clone()
-
-
-def global_of(locals_, placements, sizes, replica):
-    """The global tensor from every rank's local tensor (`locals_`: coords -> tensor), summing
-    over Partial axes and reading the ranks whose Replicate-axis coordinates are `replica`."""
-    any_local = next(iter(locals_.values()))
-    shape = [any_local.size(d) * _shard_slot(placements, [0] * len(sizes), sizes, d)[1]
-             for d in range(any_local.dim())]
-    out = torch.zeros(shape, dtype=any_local.dtype)
-    for coords, t in locals_.items():
-        if any(coords[a] != replica[a] for a, p in enumerate(placements) if p.is_replicate()):
-            continue
-        region = out
-        for d in range(t.dim()):
-            index, _ = _shard_slot(placements, coords, sizes, d)
-            region = region.narrow(d, index * t.size(d), t.size(d))
-        region += t
-    return out
-
-
-def check_layout(glob, per_rank, placements, sizes):
-    """Problems with `per_rank` [(coords, local)] as the layout `placements` of `glob`."""
-    problems = []
-    locals_ = {tuple(c): t for c, t in per_rank}
-    if not any(p.is_partial() for p in placements):
-        for c, t in locals_.items():
-            if not torch.equal(t, local_of(glob, placements, c, sizes)):
-                problems.append(f"rank at {c}: wrong local tensor")
-    r_axes = [a for a, p in enumerate(placements) if p.is_replicate()]
-    for choice in itertools.product(*(range(sizes[a]) for a in r_axes)):
-        replica = [0] * len(sizes)
-        for a, c in zip(r_axes, choice):
-            replica[a] = c
-        if not torch.equal(global_of(locals_, placements, sizes, replica), glob):
-            problems.append(f"replica {replica}: sum/assembly differs from the global tensor")
-    return problems
+def named_mesh(shape):
+    """The pool's DeviceMesh of `shape`, with axis names: an all-reduce over several axes
+    runs on one process group over them, which needs names."""
+    return device_mesh(shape, ("a", "b", "c")[:len(shape)])
 
 
 def test_reference_roundtrips():
@@ -106,8 +43,9 @@ def test_reference_roundtrips():
     ((S0, S0), (R, S0), ["all_gather(dim 0, axis 1)", "all_gather(dim 0, axis 0)",
                          "chunk(dim 0, axis 1)"]),
     ((S0, S0), (S0, R), ["all_gather(dim 0, axis 1)"]),
-    ((S0, S1), (S1, S0), ["all_gather(dim 1, axis 1)", "all_gather(dim 0, axis 0)",
-                          "chunk(dim 1, axis 0)", "chunk(dim 0, axis 1)"]),
+    # two all-to-alls would wait on each other: axis 1 gathers, axis 0 swaps, axis 1 chunks
+    ((S0, S1), (S1, S0), ["all_gather(dim 1, axis 1)", "all_to_all(dim 0 -> 1, axis 0)",
+                          "chunk(dim 0, axis 1)"]),
     ((P, S0), (S0, R), ["all_gather(dim 0, axis 1)", "reduce_scatter(dim 0, axis 0)"]),
     # the all-reduce runs on the half-size tensor, before the gather
     ((S1, P), (R, R), ["all_reduce(axis 1)", "all_gather(dim 1, axis 0)"]),
@@ -178,7 +116,7 @@ def test_redistribute_short_circuits():
 
 def _redistribute_pairs(mesh_shape, pairs, seed):
     """Job: every (src, dst) on `mesh_shape`; returns (coords, [local result per pair], untouched)."""
-    mesh = device_mesh(mesh_shape)
+    mesh = named_mesh(mesh_shape)
     groups, coords = MeshGroups(mesh), tuple(mesh.get_coordinate())
     glob, out, untouched = global_tensor(seed), [], True
     for src, dst in pairs:
@@ -221,7 +159,7 @@ def test_two_ranks(pool2):
 
 def _reduce_scatter_both_ways(seed):
     """Job: Partial -> Shard(1) on axis 1 of (2, 2), native reduce_scatter vs all-reduce + chunk."""
-    mesh = device_mesh((2, 2))
+    mesh = named_mesh((2, 2))
     x = global_tensor(seed + mesh.get_rank())
     c = mesh.get_coordinate()[1]
     return [_reduce_scatter(x, 1, mesh.get_group(1), 2, c, 1, native=n) for n in (True, False)]
@@ -238,7 +176,7 @@ def test_native_reduce_scatter_matches_fallback(pool4):
 
 def _autograd_cases(mesh_shape, cases, seed):
     """Job: y = redistribute(x) and y.backward(dy) per case; returns (coords, [(y, x.grad)])."""
-    mesh = device_mesh(mesh_shape)
+    mesh = named_mesh(mesh_shape)
     groups, coords = MeshGroups(mesh), tuple(mesh.get_coordinate())
     xs, dys = global_tensor(seed), global_tensor(seed + 1)
     out = []
@@ -251,7 +189,7 @@ def _autograd_cases(mesh_shape, cases, seed):
 
 
 def _local_shape(placements, sizes):
-    return tuple(n // _shard_slot(placements, [0] * len(sizes), sizes, d)[1]
+    return tuple(n // shard_slot(placements, [0] * len(sizes), sizes, d)[1]
                  for d, n in enumerate(SHAPE))
 
 

@@ -42,12 +42,18 @@ CASES = [(m, s) for m in MODELS for s in MESHES]
 
 
 @pytest.mark.parametrize("model_key,shape", CASES, ids=[f"{m}-{'x'.join(map(str, s))}" for m, s in CASES])
-def test_training_matches_one_device(pool4, model_key, shape):
-    failures = []
+def test_training_matches_one_device(pool4, model_key, shape, record_property):
+    failures, random_plans, with_all_to_all = [], 0, 0
     for label, plan in plans_for(model_key, shape).items():
         result = pool4.run(train_and_compare, MODELS[model_key], plan)[0]
         if not result["ok"]:
             failures.append(f"{label}: loss {result['loss']:.2e} grad {result['grad']} param {result['param']}")
+        if label.startswith("random:"):
+            random_plans += 1
+            with_all_to_all += result["all_to_all_moves"] > 0
+    # how often the random plans exercise the all-to-all (a shard moving to another dim)
+    record_property("random_plans_with_all_to_all", f"{with_all_to_all}/{random_plans}")
+    print(f"{model_key} on {shape}: {with_all_to_all} of {random_plans} random plans run an all-to-all")
     assert not failures, "\n".join(failures)
 
 
