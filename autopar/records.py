@@ -126,7 +126,7 @@ class SolverStats:
         return self.optimal is not None
 
     def to_dict(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        return _flat_dict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "SolverStats":
@@ -144,11 +144,16 @@ class Timing:
     pipeline_search_s: float | None = None
 
     def to_dict(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        return _flat_dict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "Timing":
         return cls(**d)
+
+
+def _flat_dict(record) -> dict:
+    """A record of plain fields as JSON: fields left None (not known) are left out."""
+    return {k: v for k, v in asdict(record).items() if v is not None}
 
 
 @dataclass(frozen=True)

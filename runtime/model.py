@@ -1,13 +1,10 @@
 """CompiledModel: one rank's part of a compiled model, an nn.Module that trains like the plain one.
 
-Under torchrun every rank calls `autopar.compile(model, mesh, example_inputs, plan=...)`
-with the same arguments.  The model is traced again, the plan's choices written into the
-graph (passes.annotate), moves inserted between layouts (passes.collectives), shapes made
-local (passes.localize), and each rank keeps only its shards of the parameters
-(passes.shard_params).  The result is an nn.Module: `cm(*inputs)` runs forward on the
-global batch, `cm.train_step(*inputs)` runs forward and backward and synchronises
-gradients, `cm.build_optimizer(torch.optim.AdamW, lr=...)` builds any optimizer over the
-local shards.
+It runs the per-rank graph that runtime/build.py made (forward on the global batch, or on
+this rank's shards with local_inputs=True), synchronises gradients (runtime/grad_sync.py),
+builds optimizers over what this rank owns (runtime/zero.py, runtime/whole_params.py),
+measures gradient norms over every shard once, and gives the model's state whole or as
+DTensors for torch.distributed.checkpoint.
 """
 from __future__ import annotations
 
