@@ -160,7 +160,7 @@ def train_and_compare(spec: tuple, plan_dict: dict, steps: int = 3, clip: float 
     worst["grads_of_frozen"] = sorted(frozen & set(cm.full_grads()))
     worst["ok"] = (worst["loss"] <= 0 and worst["grad"][0] <= 0 and worst["param"][0] <= 0
                    and worst["frozen_moved"] == 0.0 and not worst["grads_of_frozen"])
-    worst["all_to_all_moves"] = all_to_all_moves(cm.graphs(), tuple(plan.mesh["shape"]))
+    worst["all_to_all_moves"] = all_to_all_moves(cm.graphs(), plan.mesh.shape)
     worst["synced_by_buckets"] = len(cm._grad_sync.params)
     worst["reduced_during_backward"] = cm._grad_sync.hooked
     return worst
