@@ -41,6 +41,9 @@ import logging
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                         ScheduleInterleavedZeroBubble)
 from torch.utils import _pytree as pytree
 
 from autopar.batching import batch_size, first_microbatch
@@ -59,15 +62,8 @@ log = logging.getLogger("autopar")
 STAGE_AXIS = "_stage"  # the device-group dimension added in front of the mesh's own axes
 
 
-def _schedules() -> dict:
-    from torch.distributed.pipelining import (
-        Schedule1F1B,
-        ScheduleGPipe,
-        ScheduleInterleaved1F1B,
-        ScheduleInterleavedZeroBubble,
-    )
-    return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
-            "zero-bubble": ScheduleInterleavedZeroBubble}
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
+             "zero-bubble": ScheduleInterleavedZeroBubble}
 
 
 MULTI_STAGE = {"interleaved-1f1b", "zero-bubble"}  # schedules that take a list of this rank's stages
@@ -79,7 +75,6 @@ def group_mesh(device_type: str, mesh: Mesh, axis: str, groups: int):
     """A DeviceMesh of shape (groups, *per-stage shape) named (STAGE_AXIS, *mesh.axis_names):
     device group g holds the ranks whose coordinate on `axis` lies in [g*q, (g+1)*q),
     q = shape[axis] / groups."""
-    from torch.distributed.device_mesh import DeviceMesh
     key = (device_type, mesh.shape, mesh.axis_names, axis, groups)
     if key not in _MESHES:
         a = mesh.axis_names.index(axis)
@@ -176,7 +171,6 @@ class PipelinedModel(CompiledModel):
                params: dict, param_of: dict, buffer_of: dict) -> None:
         """params: name -> (shape, dtype, requires_grad) of the model's parameters;
         param_of / buffer_of: placeholder -> parameter (tied: the owner's name) / buffer name."""
-        from torch.distributed.pipelining import PipelineStage
         info = self.plan.pipeline
         self._dm = dm
         self._group = group
@@ -226,7 +220,7 @@ class PipelinedModel(CompiledModel):
         for stage in pipeline_stages:
             for name in ("backward_one_chunk", "backward_weight_one_chunk"):
                 setattr(stage, name, self._sync_on_last(getattr(stage, name)))
-        cls = _schedules()[self._schedule_name]
+        cls = SCHEDULES[self._schedule_name]
         target = pipeline_stages if self._schedule_name in MULTI_STAGE else pipeline_stages[0]
         if self._schedule_name not in MULTI_STAGE and len(pipeline_stages) != 1:
             raise CompileError(f"{self._schedule_name} runs one stage per device group; the plan puts "

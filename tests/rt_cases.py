@@ -215,7 +215,8 @@ def forward_collectives(spec: tuple, plan_dict: dict) -> list:
             m = getattr(gm, node.args[1].target)
             reader = next(iter(node.users))
             where = module_path(reader) if reader.op == "call_function" else "output"
-            found.extend((s.kind, s.axis, where) for s in plan_redistribute(m.src, m.dst, sizes) if s.is_collective)
+            found.extend((s.kind, s.axes if s.span else s.axis, where)
+                         for s in plan_redistribute(m.src, m.dst, sizes) if s.is_collective)
     return found
 
 
