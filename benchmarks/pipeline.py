@@ -24,7 +24,7 @@ times gives the predicted one (autopar.pipeline.pass_times).
 
 Then 2 stages x data parallel 2 on a (2, 2) mesh, 1F1B: autopar with the gradient
 reduction overlapped with each stage's last backward (the default) against the same
-compiled model with `cm.overlap_grad_sync = False` (reduced after the schedule).
+compiled model with `cm.runner.overlap_grad_sync = False` (reduced after the schedule).
 
 Ratios printed (target <= 1.05, not asserted): autopar / hand-written step time; and
 overlapped / after-the-schedule (target < 1).
@@ -154,7 +154,7 @@ def main() -> None:
             times["hand"].append(timed(hand, batch))
             times["autopar"].append(timed(mine, batch))
         from autopar.pipeline import EventRecorder, gather_timeline, pass_times
-        with EventRecorder(*cm.pipeline_stages) as recorder:
+        with EventRecorder(*cm.runner.pipeline_stages) as recorder:
             mine(*batch)
             timeline = gather_timeline(recorder, schedule)
         simulated = pass_times(timeline).simulate(schedule, args.microbatches)
@@ -167,7 +167,7 @@ def main() -> None:
     overlap = {True: [], False: []}
     for _ in range(args.steps):
         for on in (True, False):
-            cm.overlap_grad_sync = on
+            cm.runner.overlap_grad_sync = on
             overlap[on].append(timed(step, batch))
     if rank == 0:
         print(f"GPT hidden 256 x {args.layers} layers, batch 16x64, 4 stages on 4 gloo ranks, "

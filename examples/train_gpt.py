@@ -88,9 +88,9 @@ def main(argv=None) -> None:
 
     recorder = None
     for step in range(args.steps):
-        if args.gantt and step == args.steps - 1 and hasattr(cm, "pipeline_stages"):
+        if args.gantt and step == args.steps - 1 and cm.runner.pipelined:
             from autopar.pipeline import EventRecorder
-            recorder = EventRecorder(*cm.pipeline_stages)
+            recorder = EventRecorder(*cm.runner.pipeline_stages)
         start = time.perf_counter()
         loss = cm.train_step(*batch)
         opt.step()

@@ -29,6 +29,7 @@ from .model import CompiledModel, UnevenInputs
 from .pipelined import compile_pipelined
 from .process import CompileError, device_mesh, ensure_process_group
 from .reshard import Regather
+from .runner import GraphRunner
 
 __all__ = ["compile", "CompiledModel", "CompileError", "UnevenInputs"]
 
@@ -93,7 +94,8 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=N
                             seed_of_job, local_inputs)
         shards = initial_shards(model, plan.param_placements, groups, on_meta, seed)
         regather = Regather(rewritten.graph, set(rewritten.traced.params), reshard_after_forward, groups)
-        cm = CompiledModel(rewritten, plan, groups, shards, model, device_type, bucket_mb, precision, regather)
+        cm = CompiledModel(rewritten, plan, groups, shards, model, device_type, bucket_mb, precision,
+                           lambda m: GraphRunner(m, m.graph_module, regather))
     cm.train(model.training)
     log.info("compiled %s for %s on rank %d in %.2fs", type(model).__name__, mesh, dist.get_rank(),
              time.perf_counter() - start)

@@ -1,10 +1,14 @@
 """CompiledModel: one rank's part of a compiled model, an nn.Module that trains like the plain one.
 
-It runs the per-rank graph that runtime/build.py made (forward on the global batch, or on
-this rank's shards with local_inputs=True), synchronises gradients (runtime/grad_sync.py),
-builds optimizers over what this rank owns (runtime/zero.py, runtime/whole_params.py),
-measures gradient norms over every shard once, and gives the model's state whole or as
-DTensors for torch.distributed.checkpoint.
+It holds what every plan shares: this rank's parameter shards and buffers, the feed of the
+graph's placeholders (runtime/runner.GraphIO) and the gradient synchronisation
+(runtime/grad_sync.py).  How a step runs is its runner's: runtime/runner.GraphRunner runs
+the per-rank graph that runtime/build.py made (forward on the global batch, or on this
+rank's shards with local_inputs=True), runtime/pipelined.PipelineRunner this rank's
+pipeline stages under the plan's schedule.  The model itself builds optimizers over what
+this rank owns (runtime/zero.py, runtime/whole_params.py), measures gradient norms over
+every shard once, and gives the model's state whole or as DTensors for
+torch.distributed.checkpoint.
 """
 from __future__ import annotations
 
@@ -19,7 +23,6 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils import _pytree as pytree
 
-from autopar.passes.collectives import move
 from autopar.passes.redistribute import redistribute_local
 from autopar.passes.shard_params import shard_of
 from autopar.plan import Plan
@@ -30,6 +33,7 @@ from .checkpoint import load_optimizer_state_dict, optimizer_state_dict
 from .grad_pieces import is_absent
 from .grad_sync import GradSync
 from .inputs import InputCheck
+from .runner import GraphIO
 from .process import CompileError, device_of
 from .whole_params import ELEMENTWISE, WholeParamOptimizer
 from .zero import ShardedOptimizer, all_gather_chunks, zero_layout
@@ -48,27 +52,25 @@ class CompiledModel(nn.Module):
     original model (dots become '__' in the module's own attribute names)."""
 
     def __init__(self, rewritten: Rewritten, plan: Plan, groups, shards: dict, model: nn.Module, device_type: str,
-                 bucket_mb: float, precision: MixedPrecision | None = None, regather=None):
-        """regather: the runtime.reshard.Regather of the graph's ZeRO-3 gathers (None: none,
-        or a pipelined model's, per stage)."""
+                 bucket_mb: float, precision: MixedPrecision | None, runner):
+        """runner: makes the runner from this model (runtime/runner.py: GraphRunner, or
+        runtime/pipelined.py's PipelineRunner), called once the shared parts are built."""
         super().__init__()
         gm, traced = rewritten.graph, rewritten.traced
-        self._modes = rewritten.modes
-        self._streams = rewritten.streams
-        self._check_inputs = InputCheck(rewritten.inputs, groups)
+        self.modes = rewritten.modes
+        self.streams = rewritten.streams
         self.precision = precision
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.plan = plan
         self.groups = groups
         self.input_layouts = rewritten.input_layouts  # compile(local_inputs=True): each input's layout
-        self._check_inputs.layouts = rewritten.input_layouts
-        self._regather = regather
         self._optimizers: list = []
         self.device_type = device_type
-        device = device_of(device_type)
-        self.graph_module = gm.to(device)
+        self.device = device_of(device_type)
+        self.graph_module = gm.to(self.device)
         self.name_of = {param_key(k): k for k in shards}
         trainable = {n: p.requires_grad for n, p in model.named_parameters()}
+        self.trained = {n for n, grad in trainable.items() if grad}  # the model's trained parameters' names
         sync = {param_key(name): axes for name, axes in rewritten.grad_sync.items() if name in shards and trainable[name]}
         self.zero_layouts = {}   # key -> ZeroLayout of ZeRO-1/2 parameters
         self.masters = {}        # key -> float32 master (or offloaded copy) the optimizer updates
@@ -85,10 +87,10 @@ class CompiledModel(nn.Module):
             if trainable.get(name, False) and value.is_floating_point() and (precision is not None or offload):
                 lay = self.zero_layouts.get(k)
                 part = value.detach().reshape(-1)[lay.start: lay.end] if lay is not None else value.detach()
-                home = torch.device("cpu") if offload else device
+                home = torch.device("cpu") if offload else self.device
                 dtype = torch.float32 if precision is not None else value.dtype
                 self.masters[k] = nn.Parameter(part.to(home, dtype, copy=True))
-        self.shards = nn.ParameterDict({param_key(k): nn.Parameter(self._compute_dtype(v).to(device),
+        self.shards = nn.ParameterDict({param_key(k): nn.Parameter(self._compute_dtype(v).to(self.device),
                                                               requires_grad=trainable[k])
                                         for k, v in shards.items()})
         buffers = dict(model.named_buffers())
@@ -104,14 +106,14 @@ class CompiledModel(nn.Module):
                 buf = buffers.get(name)
                 if buf is None or buf.is_meta:
                     raise CompileError(f"buffer {name} has no value; initialise it before compiling")
-                self.register_buffer(param_key(name), self._compute_dtype(buf).to(device), persistent=False)
+                self.register_buffer(param_key(name), self._compute_dtype(buf).to(self.device), persistent=False)
                 order.append(("buffer", param_key(name)))
             else:
                 order.append(("input", None))
         # names the plain model's state_dict() has: tied aliases and persistent buffers (those the
         # graph does not read are kept as they are, so a state dict is complete)
-        self._aliases = {n: traced.tied[n] for n, _ in model.named_parameters(remove_duplicate=False)
-                         if traced.tied.get(n, n) != n}
+        self.aliases = {n: traced.tied[n] for n, _ in model.named_parameters(remove_duplicate=False)
+                        if traced.tied.get(n, n) != n}
         persistent = set(model.state_dict(keep_vars=True))
         self._buffer_names = {}
         for name, buf in model.named_buffers():
@@ -120,16 +122,16 @@ class CompiledModel(nn.Module):
             if not hasattr(self, param_key(name)):
                 if buf.is_meta:
                     continue
-                self.register_buffer(param_key(name), buf.detach().clone().to(device), persistent=False)
+                self.register_buffer(param_key(name), buf.detach().clone().to(self.device), persistent=False)
             self._buffer_names[name] = param_key(name)
-        self._order = order
-        self._placeholders = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
-        self._output_reduce = dict(rewritten.output_reduce)
-        self._in_spec = traced.in_spec
-        self._out_spec = traced.out_spec
-        self._grad_sync = GradSync(self, sync, groups, bucket_mb, self.zero_layouts,
-                                   precision.reduce_dtype if precision is not None else None)
-        self._grad_sync.pieces = self._grad_pieces()
+        check = InputCheck(rewritten.inputs, groups)
+        check.layouts = rewritten.input_layouts
+        self.io = GraphIO(order, [n.target for n in gm.graph.nodes if n.op == "placeholder"], traced.in_spec,
+                          traced.out_spec, rewritten.output_reduce, check)
+        self.grad_sync = GradSync(self, sync, groups, bucket_mb, self.zero_layouts,
+                                  precision.reduce_dtype if precision is not None else None)
+        self.grad_sync.pieces = self._grad_pieces()
+        self.runner = runner(self)
 
     def _grad_pieces(self) -> dict:
         """key -> why this rank's gradient of it is only a piece of the whole (runtime/grad_pieces.py):
@@ -150,72 +152,38 @@ class CompiledModel(nn.Module):
                 out[key] = f"this rank holds a shard of the gradient of {name!r}, split over {', '.join(split)}"
         return out
 
-    def _compute_dtype_of(self, dtype: torch.dtype) -> torch.dtype:
+    def compute_dtype_of(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype a parameter or buffer of `dtype` computes in (param_dtype under mixed precision)."""
         return self.precision.param_dtype if self.precision is not None and dtype == torch.float32 else dtype
 
     def _compute_dtype(self, t: torch.Tensor) -> torch.Tensor:
-        return t.detach().to(self._compute_dtype_of(t.dtype))
+        return t.detach().to(self.compute_dtype_of(t.dtype))
 
-    # --- running -----------------------------------------------------------------------------
+    # --- running (the runner's) ----------------------------------------------------------------
     def graphs(self) -> list:
         """The graph modules this rank runs (one, or one per pipeline stage held here)."""
-        return [self.graph_module]
+        return self.runner.graphs()
 
     def train(self, mode: bool = True):
         """Switch dropout, batch norm and the other mode-dependent ops of the compiled graph
         as `model.train(mode)` / `model.eval()` switch the plain model (passes/modes.py)."""
         if mode != self.training or not hasattr(self, "_mode_applied"):
             for gm in self.graphs():
-                self._modes.apply(gm, mode)
+                self.modes.apply(gm, mode)
             self._mode_applied = True
         return super().train(mode)
 
     def forward(self, *args, **kwargs):
         """Forward on the global batch (every rank passes the same full inputs), or on this
-        rank's shards when compiled with local_inputs=True."""
-        flat = self._run(args, kwargs)
-        for k, m in self._output_reduce.items():  # Partial scalars summed here (autograd-aware)
-            flat[k] = move(flat[k], m, self.groups)
-        return self._structure(flat)
-
-    def _run(self, args, kwargs) -> list:
-        """The graph's outputs as it returns them (a deferred loss still Partial)."""
-        flat, spec = pytree.tree_flatten((args, kwargs))
-        if self._in_spec is not None and spec != self._in_spec:
-            raise CompileError(f"inputs do not match the example inputs the model was compiled with "
-                               f"(expected structure {self._in_spec}, got {spec})")
-        self._check_inputs(flat)
-        self._grad_sync.begin()
-        device = next(iter(self.shards.values())).device if len(self.shards) else torch.device("cpu")
-        inputs = iter(t.to(device) if isinstance(t, torch.Tensor) else t for t in flat)
-        feed = []
-        for kind, key in self._order:
-            if kind == "param":
-                feed.append(self.shards[key])
-            elif kind == "buffer":
-                feed.append(getattr(self, key))
-            else:
-                feed.append(next(inputs))
-        self._streams.calls += 1
-        regather = self._regather
-        if regather:
-            with regather.forward(dict(zip(self._placeholders, feed))):
-                out = self.graph_module(*feed)
-        else:
-            out = self.graph_module(*feed)
-        return list(out) if isinstance(out, (tuple, list)) else [out]
-
-    def _structure(self, flat: list):
-        if self._out_spec is not None:
-            return pytree.tree_unflatten(list(flat), self._out_spec)
-        return flat[0] if len(flat) == 1 else tuple(flat)
+        rank's shards when compiled with local_inputs=True.  A pipelined plan returns the
+        batch's loss on every rank (its stages' forward passes only)."""
+        return self.runner.forward(args, kwargs)
 
     def gather_counts(self) -> dict:
         """ZeRO-3 weight gathers: "sites", the gathers one forward runs; since compile,
         "gathered" in forward, of which "prefetched", and "regathered" in backward
-        (reshard_after_forward)."""
-        return gather_counts_of([self._regather])
+        (reshard_after_forward).  Pipelined: over this rank's stages, per microbatch."""
+        return self.runner.gather_counts()
 
     def shard_inputs(self, *args, **kwargs):
         """This rank's shards of global inputs, for a module compiled with local_inputs=True."""
@@ -272,23 +240,9 @@ class CompiledModel(nn.Module):
 
     def train_step(self, *args, **kwargs) -> torch.Tensor:
         """Forward, backward and gradient synchronisation; returns the loss (detached).
-
-        When the loss leaves the graph as a Partial sum over ranks, its all-reduce runs
-        asynchronously while backward runs (backward only needs this rank's part)."""
+        A pipelined plan runs one step of its schedule on the global batch."""
         self._check_joined()
-        flat = self._run(args, kwargs)
-        loss = loss_of(self._structure(flat))
-        k = next((i for i, t in enumerate(flat) if t is loss), None)
-        m = self._output_reduce.get(k)
-        if m is None:
-            self.backward(loss)
-            return loss.detach()
-        total = loss.detach().clone()
-        axes = tuple(a for a, (s, d) in enumerate(zip(m.src, m.dst)) if s != d)
-        work = dist.all_reduce(total, group=self.groups.group_of(axes), async_op=True)
-        self.backward(loss)
-        work.wait()
-        return total
+        return self.runner.train_step(args, kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
         """loss.backward() and the gradient synchronisation that train_step runs after it.
@@ -299,8 +253,7 @@ class CompiledModel(nn.Module):
                     cm.backward(cm(*micro) / k)
             cm.backward(cm(*batches[-1]) / k)     # reduces the accumulated sum once
         """
-        loss_of(loss).backward()
-        self._grad_sync.finish()
+        self.runner.backward(loss)
 
     # --- gradient norms ------------------------------------------------------------------------
     def _local_grads(self):
@@ -308,19 +261,20 @@ class CompiledModel(nn.Module):
         the local gradient, or the ZeRO-2 chunk."""
         for key, p in self.shards.items():
             if p.requires_grad:
-                g = self._grad_sync.zero_grads.get(key)
+                g = self.grad_sync.zero_grads.get(key)
                 g = p.grad if g is None else g
                 if g is not None:
                     yield key, g
 
     def _copies(self, key: str) -> int:
         """How many ranks hold the same piece of parameter `key`'s gradient as this rank: the
-        sizes of the mesh axes it is whole on, less those a ZeRO-2 chunk splits."""
+        sizes of the mesh axes it is whole on, less those a ZeRO-2 chunk splits, times the
+        device groups holding a copy (a tied weight read by two pipeline groups)."""
         lay = self.zero_layouts.get(key)
         chunked = set(lay.reduce_axes + lay.rest_axes) if lay is not None and lay.stage == 2 else set()
         placements = self.plan.param_placements[self.name_of[key]]
         return math.prod(self.groups.size(a) for a, p in enumerate(placements)
-                         if not isinstance(p, Shard) and a not in chunked)
+                         if not isinstance(p, Shard) and a not in chunked) * self.runner.groups_holding(key)
 
     @torch.no_grad()
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
@@ -358,7 +312,7 @@ class CompiledModel(nn.Module):
     def no_sync(self):
         """Micro-steps inside `with cm.no_sync():` accumulate gradients without reducing them;
         the next `train_step` outside reduces the sum."""
-        return self._grad_sync.no_sync()
+        return self.runner.no_sync()
 
     def build_optimizer(self, cls=torch.optim.AdamW, elementwise: bool | None = None, **kwargs):
         """Any torch optimizer over what this rank owns of the parameters.  An elementwise
@@ -374,7 +328,7 @@ class CompiledModel(nn.Module):
             isinstance(p, Shard) for k, q in self.shards.items() if q.requires_grad
             for p in self.plan.param_placements[self.name_of[k]])
         if not elementwise and pieces:
-            if self.masters or getattr(self, "pipeline_stages", None):
+            if self.masters or self.runner.pipelined:
                 raise CompileError(f"{cls.__name__} reads whole parameters (it is not in autopar's list of "
                                    f"elementwise optimizers), and this plan splits them; running it on whole "
                                    f"parameters is not supported with mixed precision, offload or pipeline "
@@ -408,7 +362,7 @@ class CompiledModel(nn.Module):
         measured = {
             "params": sum(nbytes(p) for p in params),
             "grads": sum(nbytes(p.grad) for p in params if p.grad is not None and not is_absent(p.grad))
-                     + sum(nbytes(g) for g in self._grad_sync.zero_grads.values()),
+                     + sum(nbytes(g) for g in self.grad_sync.zero_grads.values()),
             "optimizer": 0, "optimizer_scalars": 0, "offloaded": 0,
         }
         host = {id(m) for k, m in self.masters.items() if m.device.type == "cpu" and
@@ -433,12 +387,12 @@ class CompiledModel(nn.Module):
     @property
     def zero_grad_chunks(self) -> dict:
         """key -> this rank's chunk of a ZeRO-2 parameter's summed gradient (runtime/grad_sync.py)."""
-        return self._grad_sync.zero_grads
+        return self.grad_sync.zero_grads
 
     def predicted_memory(self) -> dict:
-        """The plan's bytes per device of this rank: params, grads, optimizer, activations, total."""
-        parts = dict(self.plan.predicted.memory)
-        return dict(parts, total=sum(parts.values()))
+        """The plan's bytes per device of this rank: params, grads, optimizer, activations, total
+        (pipelined: its device group's, from the pipeline search)."""
+        return self.runner.predicted_memory()
 
     # --- whole tensors ----------------------------------------------------------------------
     def _full(self, name: str, local: torch.Tensor) -> torch.Tensor:
@@ -475,7 +429,7 @@ class CompiledModel(nn.Module):
         None before any backward."""
         p = self.shards[key]
         grad = p.grad
-        chunk = self._grad_sync.zero_grads.get(key)
+        chunk = self.grad_sync.zero_grads.get(key)
         if chunk is not None:
             lay = self.zero_layouts[key]
             grad = torch.zeros_like(p, dtype=chunk.dtype)
@@ -488,12 +442,13 @@ class CompiledModel(nn.Module):
         under each of their names) and the persistent buffers (batch-norm statistics ...).
         master=True: the float32 master weights where the optimizer keeps them (mixed
         precision, offload), gathered from their ZeRO chunks."""
-        out = {self.name_of[k]: self.whole_value(k, master).cpu() for k in self.shards}
-        return self._with_aliases_and_buffers(out)
+        mine = {self.name_of[k]: self.whole_value(k, master) for k in self.shards}
+        out = self.runner.whole(mine, torch.float32 if master and self.masters else None)
+        return self._with_aliases_and_buffers({n: t.cpu() for n, t in out.items()})
 
     def _with_aliases_and_buffers(self, params: dict) -> dict:
         out = dict(params)
-        out.update({alias: params[name] for alias, name in self._aliases.items() if name in params})
+        out.update({alias: params[name] for alias, name in self.aliases.items() if name in params})
         out.update({name: getattr(self, key).detach().cpu() for name, key in self._buffer_names.items()})
         return out
 
@@ -530,6 +485,9 @@ class CompiledModel(nn.Module):
         load_optimizer_state_dict(self, optimizer, state)
 
     def _sharded_state_supported(self) -> None:
+        error = self.runner.sharded_state_error()
+        if error:
+            raise CompileError(error)
         if self.masters:
             raise CompileError("state_dict() of a model with float32 master weights (mixed precision or "
                                "offload) would save the low-precision compute copy; save "
@@ -541,13 +499,13 @@ class CompiledModel(nn.Module):
         state_dict(), full_state_dict()).  strict: every parameter and buffer must be there
         and nothing else."""
         params = {self.name_of[k]: k for k in self.shards}
-        known = set(params) | set(self._aliases) | set(self._buffer_names)
+        known = set(params) | set(self.aliases) | set(self._buffer_names)
         missing = [n for n in list(params) + list(self._buffer_names) if n not in state and not any(
-            a in state for a, c in self._aliases.items() if c == n)]
+            a in state for a, c in self.aliases.items() if c == n)]
         unexpected = [n for n in state if n not in known]
         if strict and (missing or unexpected):
             raise KeyError(f"state dict does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
-        by_owner = {c: a for a, c in self._aliases.items()}
+        by_owner = {c: a for a, c in self.aliases.items()}
         with torch.no_grad():
             for name, k in params.items():
                 value = state.get(name, state.get(by_owner.get(name, ""), None))
@@ -580,48 +538,23 @@ class CompiledModel(nn.Module):
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Every parameter's reduced gradient whole (ZeRO-2 chunks gathered), on every rank."""
-        out = {}
+        mine = {}
         for k in self.shards:
             grad = self.whole_grad(k)
             if grad is not None:
-                out[self.name_of[k]] = grad.cpu()
-        return out
+                mine[self.name_of[k]] = grad
+        if not mine:  # no backward yet (the same on every rank)
+            return {}
+        return {n: g.cpu() for n, g in self.runner.whole(mine).items() if n in self.trained}
 
     def load_full_state_dict(self, state: dict) -> None:
         """Load whole tensors (full_state_dict(), the plain model's state_dict()) into the
         shards, master weights and buffers."""
         self.load_state_dict(state, strict=False)
         missing = [n for n in set(self.name_of.values()) if n not in state and not any(
-            a in state for a, c in self._aliases.items() if c == n)]
+            a in state for a, c in self.aliases.items() if c == n)]
         if missing:
             raise KeyError(f"state dict lacks parameters {sorted(missing)[:5]}")
-
-def gather_counts_of(regathers) -> dict:
-    out = {"sites": 0, "gathered": 0, "prefetched": 0, "regathered": 0}
-    for r in regathers:
-        if r is not None:
-            out["sites"] += len(r.order)
-            for k, v in r.counts.items():
-                out[k] += v
-    return out
-
-
-def loss_of(out) -> torch.Tensor:
-    """The scalar to differentiate: the output itself, its `.loss` (Hugging Face) or its first."""
-    if isinstance(out, torch.Tensor):
-        loss = out
-    elif getattr(out, "loss", None) is not None:
-        loss = out.loss
-    elif isinstance(out, dict) and "loss" in out:
-        loss = out["loss"]
-    elif isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
-        loss = out[0]
-    else:
-        raise CompileError(f"train_step needs the model to return a loss; it returned {type(out).__name__}")
-    if loss.numel() != 1:
-        raise CompileError(f"train_step needs a scalar loss; the model returned shape {tuple(loss.shape)}")
-    return loss
-
 
 def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()

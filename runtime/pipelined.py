@@ -44,7 +44,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                          ScheduleInterleavedZeroBubble)
-from torch.utils import _pytree as pytree
 
 from autopar.batching import batch_size, first_microbatch
 from autopar.mesh import Mesh
@@ -53,9 +52,10 @@ from autopar.passes.pipeline_split import assign_stages, layer_stages, split_sta
 from autopar.passes.redistribute import MeshGroups
 
 from .build import initial_shards, param_names, rewrite
-from .model import CompiledModel, gather_counts_of, loss_of, param_key
-from .process import CompileError, device_of
+from .model import CompiledModel, param_key
+from .process import CompileError
 from .reshard import Regather
+from .runner import gather_counts_of, loss_of
 
 log = logging.getLogger("autopar")
 
@@ -87,8 +87,9 @@ def group_mesh(device_type: str, mesh: Mesh, axis: str, groups: int):
 
 def compile_pipelined(model, mesh: Mesh, example_inputs, example_kwargs, plan, *, on_meta: bool, seed,
                       bucket_mb: float, precision, device_type: str, seed_of_job: int,
-                      reshard_after_forward: bool = True) -> PipelinedModel:
-    """compile() for a plan with pipeline stages (see the module docstring)."""
+                      reshard_after_forward: bool = True) -> CompiledModel:
+    """compile() for a plan with pipeline stages (see the module docstring): a CompiledModel
+    whose runner is a PipelineRunner over this rank's stages."""
     info = plan.pipeline
     full = info.full_mesh
     if full.shape != mesh.shape or full.axis_names != mesh.axis_names:
@@ -113,7 +114,6 @@ def compile_pipelined(model, mesh: Mesh, example_inputs, example_kwargs, plan, *
     args, kwargs = first_microbatch((tuple(example_inputs), example_kwargs), batch, batch // n_mb)
     rewritten = rewrite(model, plan, groups, args, kwargs, precision, device_type, seed_of_job)
     traced, gm = rewritten.traced, rewritten.graph
-    device = device_of(device_type)
     stage_of = assign_stages(gm, traced.user_inputs, info.layer_prefix,
                              layer_stages(info.stages, info.layer_indices))
     stages = split_stages(gm, traced.user_inputs, stage_of, n_stages)
@@ -127,32 +127,36 @@ def compile_pipelined(model, mesh: Mesh, example_inputs, example_kwargs, plan, *
     # through every module, so the values equal the whole model's)
     mine = {name: pl for name, pl in plan.param_placements.items() if group in readers.get(name, ())}
     shards = initial_shards(model, mine, groups, on_meta, seed)
-    cm = PipelinedModel(rewritten, plan, groups, shards, model, device_type, bucket_mb, precision)
-    params = {name: (tuple(p.shape), p.dtype, p.requires_grad) for name, p in model.named_parameters()}
-    cm._setup(dm, group, stages, readers, device, reshard_after_forward, params, name_of, traced.buffers)
-    return cm
+    params = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    dtypes = {name: p.dtype for name, p in model.named_parameters()}
+
+    def runner(cm: CompiledModel) -> PipelineRunner:
+        meta = {name: (params[name], cm.compute_dtype_of(dtypes[name])) for name in readers}
+        return PipelineRunner(cm, dm, group, stages, readers, meta, reshard_after_forward, name_of, traced.buffers)
+
+    return CompiledModel(rewritten, plan, groups, shards, model, device_type, bucket_mb, precision, runner)
 
 
 class _StageModule(nn.Module):
     """One stage's graph over this rank's shards: forward(*received, **user_inputs)."""
 
-    def __init__(self, stage, owner: PipelinedModel, feed: list):
+    def __init__(self, stage, model: CompiledModel, feed: list, regather: Regather):
         super().__init__()
         self.graph_module = stage.graph_module
         self.inputs = list(stage.inputs)
         self.placeholders = [n.target for n in stage.graph_module.graph.nodes if n.op == "placeholder"]
-        self.regather = None  # a Regather of this stage's ZeRO-3 gathers (set by PipelinedModel)
-        self.params = nn.ParameterDict({key: owner.shards[key] for kind, key in feed if kind == "param"})
-        self._feed = feed
-        self._owner = [owner]  # not a submodule: the owner's parameters are not this module's children twice
+        self.regather = regather
+        self.params = nn.ParameterDict({key: model.shards[key] for kind, key in feed if kind == "param"})
+        self.feed = feed
+        self.model = [model]  # not a submodule: the model's parameters are not this module's children twice
 
     def forward(self, *received, **inputs):
         missing = [n for n in self.inputs if n not in inputs]
         if missing:
             raise CompileError(f"stage inputs {missing} were not passed to the schedule")
-        owner = self._owner[0]
-        owner._streams.calls += 1
-        feed = [self.params[key] if kind == "param" else getattr(owner, key) for kind, key in self._feed]
+        model = self.model[0]
+        model.streams.calls += 1
+        feed = [self.params[key] if kind == "param" else model.get_buffer(key) for kind, key in self.feed]
         args = [*received, *(inputs[n] for n in self.inputs), *feed]
         if not self.regather:
             return self.graph_module(*args)
@@ -160,50 +164,47 @@ class _StageModule(nn.Module):
             return self.graph_module(*args)
 
 
-class PipelinedModel(CompiledModel):
-    """This rank's stages of a pipelined plan.  `train_step(*inputs)` runs one step of the
-    plan's schedule on the global batch and returns the loss on every rank; `cm(*inputs)`
-    runs the forward passes only and returns the loss.  build_optimizer, full_state_dict,
-    full_grads, load_full_state_dict and memory_report work as for unpipelined plans
-    (whole tensors are gathered from the device group that holds them)."""
+class PipelineRunner:
+    """Runs this rank's stages of a pipelined plan (the model's runner, runtime/runner.py).
+    `train_step` runs one step of the plan's schedule on the global batch and returns the
+    loss on every rank; `forward` runs the forward passes only and returns the loss.  Whole
+    tensors are gathered from the device group that holds them."""
 
-    def _setup(self, dm, group: int, stages: list, readers: dict, device, reshard_after_forward: bool,
-               params: dict, param_of: dict, buffer_of: dict) -> None:
-        """params: name -> (shape, dtype, requires_grad) of the model's parameters;
-        param_of / buffer_of: placeholder -> parameter (tied: the owner's name) / buffer name."""
-        info = self.plan.pipeline
-        self._dm = dm
-        self._group = group
-        self._n_groups = info.groups
-        self._n_stages = len(stages)
-        self._n_mb = info.microbatches
-        self._check_inputs.batch_scale = self._n_mb  # traced for one microbatch, called with the batch
-        self._schedule_name = info.schedule
-        self._pp_group = dm.get_group(STAGE_AXIS)
-        self._last_group = (self._n_stages - 1) % self._n_groups
-        self._device = device
-        self._loss_index = None
+    pipelined = True
+
+    def __init__(self, model: CompiledModel, dm, group: int, stages: list, readers: dict, meta: dict,
+                 reshard_after_forward: bool, param_of: dict, buffer_of: dict):
+        """readers: parameter name -> device groups whose stages read it; meta: name -> (whole
+        shape, compute dtype); param_of / buffer_of: placeholder -> parameter (tied: the
+        owner's name) / buffer name."""
+        info = model.plan.pipeline
+        self.model = model
+        self.dm = dm
+        self.group = group
+        self.n_groups = info.groups
+        self.n_stages = len(stages)
+        self.n_mb = info.microbatches
+        model.io.check.batch_scale = self.n_mb  # traced for one microbatch, called with the batch
+        self.schedule_name = info.schedule
+        self.pp_group = dm.get_group(STAGE_AXIS)
+        self.last_group = (self.n_stages - 1) % self.n_groups
+        self.loss_index = None
         self.overlap_grad_sync = True  # False: reduce all gradients after the schedule
-        self._owner = {name: min(gs) for name, gs in readers.items()}
-        self._meta = {name: (params[name][0], self._compute_dtype_of(params[name][1])) for name in self._owner}
-        self._trainable = {name for name, (_, _, grad) in params.items() if grad}
-        self._tied = self._tied_groups(readers)
-        self._groups_reading = {param_key(name): len(gs) for name, gs in readers.items()}
+        self.owner = {name: min(gs) for name, gs in readers.items()}
+        self.meta = meta
+        self.tied = self._tied_groups(readers)
+        self.groups_reading = {param_key(name): len(gs) for name, gs in readers.items()}
         self.stage_modules = []
         pipeline_stages = []
         for st in stages:
-            if st.index % self._n_groups != group:
+            if st.index % self.n_groups != group:
                 continue
-            feed = []
-            for ph in st.params:
-                if ph in param_of:
-                    feed.append(("param", param_key(param_of[ph])))
-                else:
-                    feed.append(("buffer", param_key(buffer_of[ph])))
-            module = _StageModule(st, self, feed)
-            module.regather = Regather(module.graph_module, set(st.params), reshard_after_forward, self.groups)
+            feed = [("param", param_key(param_of[ph])) if ph in param_of else ("buffer", param_key(buffer_of[ph]))
+                    for ph in st.params]
+            regather = Regather(st.graph_module, set(st.params), reshard_after_forward, model.groups)
+            module = _StageModule(st, model, feed, regather)
             self.stage_modules.append(module)
-            pipeline_stages.append(PipelineStage(module, st.index, self._n_stages, device, group=self._pp_group))
+            pipeline_stages.append(PipelineStage(module, st.index, self.n_stages, model.device, group=self.pp_group))
         self.pipeline_stages = pipeline_stages
         # gradient buckets start during each stage's last backward; a weight that two of this
         # rank's stages read is complete only after both, so finish() reduces it
@@ -211,40 +212,39 @@ class PipelinedModel(CompiledModel):
         for module in self.stage_modules:
             for key in module.params:
                 readers_here[key] = readers_here.get(key, 0) + 1
-        self._grad_sync.hold = {key for key, n in readers_here.items() if n > 1}
+        sync = model.grad_sync
+        sync.hold = {key for key, n in readers_here.items() if n > 1}
         for key in readers_here:  # every gradient here is one device group's part of the model's
-            if self.shards[key].requires_grad:
-                self._grad_sync.pieces.setdefault(
-                    key, f"device group {group} holds the gradient of {self.name_of[key]!r} for its pipeline "
-                         f"stages only")
+            if model.shards[key].requires_grad:
+                sync.pieces.setdefault(key, f"device group {group} holds the gradient of {model.name_of[key]!r} "
+                                            f"for its pipeline stages only")
         for stage in pipeline_stages:
             for name in ("backward_one_chunk", "backward_weight_one_chunk"):
                 setattr(stage, name, self._sync_on_last(getattr(stage, name)))
-        cls = SCHEDULES[self._schedule_name]
-        target = pipeline_stages if self._schedule_name in MULTI_STAGE else pipeline_stages[0]
-        if self._schedule_name not in MULTI_STAGE and len(pipeline_stages) != 1:
-            raise CompileError(f"{self._schedule_name} runs one stage per device group; the plan puts "
+        cls = SCHEDULES[self.schedule_name]
+        target = pipeline_stages if self.schedule_name in MULTI_STAGE else pipeline_stages[0]
+        if self.schedule_name not in MULTI_STAGE and len(pipeline_stages) != 1:
+            raise CompileError(f"{self.schedule_name} runs one stage per device group; the plan puts "
                                f"{len(pipeline_stages)} on group {group}")
-        self.schedule = cls(target, self._n_mb, loss_fn=self._microbatch_loss, scale_grads=False)
+        self.schedule = cls(target, self.n_mb, loss_fn=self._microbatch_loss, scale_grads=False)
         log.info("pipelined %d stages (%s, %d microbatches); this rank holds stages %s of device group %d",
-                 self._n_stages, self._schedule_name, self._n_mb, [s.index for s in stages
-                                                                   if s.index % self._n_groups == group], group)
+                 self.n_stages, self.schedule_name, self.n_mb, [s.index for s in stages
+                                                                if s.index % self.n_groups == group], group)
 
-    def _copies(self, key: str) -> int:
-        """As CompiledModel._copies, times the device groups holding the weight (tied ones)."""
-        return super()._copies(key) * self._groups_reading.get(key, 1)
+    def groups_holding(self, key: str) -> int:
+        """Device groups holding a copy of weight `key` (2 for a tied embedding and head)."""
+        return self.groups_reading.get(key, 1)
 
     def graphs(self) -> list:
-        return [self.graph_module] + [m.graph_module for m in getattr(self, "stage_modules", [])]
+        return [m.graph_module for m in self.stage_modules]
 
     def gather_counts(self) -> dict:
-        """As CompiledModel.gather_counts, over this rank's stages (per microbatch forward)."""
         return gather_counts_of(m.regather for m in self.stage_modules)
 
     def _sync_on_last(self, method):
         """`method` with gradient synchronisation on while the schedule runs a stage's last
         (full or weight) backward, so its buckets go out while backward goes on."""
-        sync = self._grad_sync
+        sync = self.model.grad_sync
 
         def run(mb_index, *args, **kwargs):
             if not kwargs.get("last_backward") or not self.overlap_grad_sync:
@@ -260,8 +260,8 @@ class PipelinedModel(CompiledModel):
         """name -> process group of this rank and its peers in the other device groups that
         read the same weight (every rank creates every such group, in the same order)."""
         out = {}
-        flat = self._dm.mesh.reshape(self._n_groups, -1)
-        mine = int((flat[self._group] == dist.get_rank()).nonzero()[0, 0])
+        flat = self.dm.mesh.reshape(self.n_groups, -1)
+        mine = int((flat[self.group] == dist.get_rank()).nonzero()[0, 0])
         made: dict = {}
         for name in sorted(readers):
             gs = tuple(sorted(readers[name]))
@@ -269,66 +269,62 @@ class PipelinedModel(CompiledModel):
                 continue
             if gs not in made:
                 made[gs] = [dist.new_group([int(flat[g, c]) for g in gs]) for c in range(flat.shape[1])]
-            if self._group in gs:
+            if self.group in gs:
                 out[param_key(name)] = made[gs][mine]
         return out
 
     # --- running -----------------------------------------------------------------------------
     def _microbatch_loss(self, output, _target):
         flat = list(output) if isinstance(output, tuple) else [output]
-        loss = loss_of(self._structure(flat))
-        if self._loss_index is None:
-            self._loss_index = next((i for i, t in enumerate(flat) if t is loss), None)
-        return loss / self._n_mb
-
-    def _inputs(self, args, kwargs) -> dict:
-        flat, spec = pytree.tree_flatten((args, kwargs))
-        if self._in_spec is not None and spec != self._in_spec:
-            raise CompileError(f"inputs do not match the example inputs the model was compiled with "
-                               f"(expected structure {self._in_spec}, got {spec})")
-        names = [t for kind, t in zip((k for k, _ in self._order), self._placeholders) if kind == "input"]
-        self._check_inputs(flat)
-        return {n: (t.to(self._device) if isinstance(t, torch.Tensor) else t) for n, t in zip(names, flat)}
+        loss = loss_of(self.model.io.structure(flat))
+        if self.loss_index is None:
+            self.loss_index = next((i for i, t in enumerate(flat) if t is loss), None)
+        return loss / self.n_mb
 
     def _run_schedule(self, args, kwargs, train: bool) -> torch.Tensor:
-        inputs = self._inputs(args, kwargs)
-        self._grad_sync.begin()
+        model = self.model
+        flat = model.io.flatten(args, kwargs)
+        device = model.device
+        inputs = {n: (t.to(device) if isinstance(t, torch.Tensor) else t)
+                  for n, t in zip(model.io.input_names(), flat)}
+        sync = model.grad_sync
+        sync.begin()
         last = any(st.is_last for st in self.pipeline_stages)
         losses: list = []
-        extra = {"target": torch.zeros(self._n_mb, device=self._device), "losses": losses} if last else {}
+        extra = {"target": torch.zeros(self.n_mb, device=device), "losses": losses} if last else {}
         if train:
-            with self._grad_sync.no_sync():  # (the last backward of each stage opens it: _sync_on_last)
+            with sync.no_sync():  # (the last backward of each stage opens it: _sync_on_last)
                 self.schedule.step(return_outputs=False, **extra, **inputs)
         else:
             with torch.no_grad():
                 self.schedule.eval(return_outputs=False, **extra, **inputs)
-        total = torch.zeros((), device=self._device)
+        total = torch.zeros((), device=device)
         if last:
             total = torch.stack([t.detach().float().reshape(()) for t in losses]).sum()
-            m = self._output_reduce.get(self._loss_index)
+            m = model.io.output_reduce.get(self.loss_index)
             if m is not None:  # the loss is a Partial sum over some sub-mesh axes
-                total = move(total, m, self.groups)
-        dist.broadcast(total, group_src=self._last_group, group=self._pp_group)
+                total = move(total, m, model.groups)
+        dist.broadcast(total, group_src=self.last_group, group=self.pp_group)
         return total
 
-    def train_step(self, *args, **kwargs) -> torch.Tensor:
+    def train_step(self, args, kwargs) -> torch.Tensor:
         """One step of the plan's schedule on the global batch: forward and backward of every
-        microbatch, gradient synchronisation; returns the batch's loss on every rank."""
-        self._check_joined()
+        microbatch, gradient synchronisation; the batch's loss on every rank."""
         loss = self._run_schedule(args, kwargs, train=True)
-        self._grad_sync.finish()
+        self.model.grad_sync.finish()
         self._sum_tied_grads()
         return loss
 
-    def forward(self, *args, **kwargs):
+    def forward(self, args, kwargs):
         """The loss of the global batch (forward passes only), on every rank."""
         return self._run_schedule(args, kwargs, train=False)
 
     def _sum_tied_grads(self) -> None:
-        for key, pg in self._tied.items():
-            grad = self._grad_sync.zero_grads.get(key)
+        model = self.model
+        for key, pg in self.tied.items():
+            grad = model.grad_sync.zero_grads.get(key)
             if grad is None:
-                grad = self.shards[key].grad
+                grad = model.shards[key].grad
             if grad is not None:
                 dist.all_reduce(grad, group=pg)
 
@@ -342,33 +338,23 @@ class PipelinedModel(CompiledModel):
     def predicted_memory(self) -> dict:
         """The pipeline search's bytes per device for this rank's device group: its stages'
         model states plus the activations of the microbatches its schedule holds in flight."""
-        info = self.plan.pipeline
-        parts = dict(info.group_memory[self._group]) if info.group_memory else {}
-        return dict(parts, total=info.memory[self._group])
+        info = self.model.plan.pipeline
+        parts = dict(info.group_memory[self.group]) if info.group_memory else {}
+        return dict(parts, total=info.memory[self.group])
 
-    # --- whole tensors ----------------------------------------------------------------------
-    def _across_groups(self, local: dict, dtype=None) -> dict:
-        """Whole tensors held by each parameter's owning device group, broadcast to every rank."""
+    def whole(self, local: dict, dtype=None) -> dict:
+        """Whole tensors held by each parameter's owning device group, broadcast to every rank
+        (`local`: this rank's whole tensors by name)."""
         out = {}
-        for name in sorted(self._owner):
-            shape, dt = self._meta[name]
-            t = local.get(name) if self._group == self._owner[name] else None
-            t = torch.empty(shape, dtype=dtype or dt, device=self._device) if t is None else t.to(self._device)
-            dist.broadcast(t, group_src=self._owner[name], group=self._pp_group)
-            out[name] = t.cpu()
+        device = self.model.device
+        for name in sorted(self.owner):
+            shape, dt = self.meta[name]
+            t = local.get(name) if self.group == self.owner[name] else None
+            t = torch.empty(shape, dtype=dtype or dt, device=device) if t is None else t.to(device)
+            dist.broadcast(t, group_src=self.owner[name], group=self.pp_group)
+            out[name] = t
         return out
 
-    def full_state_dict(self, master: bool = False) -> dict:
-        mine = {self.name_of[k]: self.whole_value(k, master) for k in self.shards}
-        whole = self._across_groups(mine, torch.float32 if master and self.masters else None)
-        return self._with_aliases_and_buffers(whole)
-
-    def _sharded_state_supported(self) -> None:
-        raise CompileError("state_dict() of a pipelined model (DTensors over each device group's sub-mesh) is not "
-                           "supported yet; save full_state_dict() and load it with load_full_state_dict")
-
-    def full_grads(self) -> dict:
-        mine = super().full_grads()
-        if not mine:  # no backward yet (the same on every rank)
-            return {}
-        return {n: g for n, g in self._across_groups(mine).items() if n in self._trainable}
+    def sharded_state_error(self) -> str | None:
+        return ("state_dict() of a pipelined model (DTensors over each device group's sub-mesh) is not "
+                "supported yet; save full_state_dict() and load it with load_full_state_dict")

@@ -91,7 +91,7 @@ def compiled_pipeline_events(spec: tuple, plan_dict: dict, warmup: int = 1):
     cm = autopar.compile(model, plan.device_mesh(), args, example_kwargs=kwargs or None, plan=plan)
     for _ in range(warmup):
         cm.train_step(*args, **kwargs)
-    with EventRecorder(*cm.pipeline_stages) as recorder:
+    with EventRecorder(*cm.runner.pipeline_stages) as recorder:
         cm.train_step(*args, **kwargs)
         return gather_timeline(recorder, plan.pipeline.schedule, group=None)
 

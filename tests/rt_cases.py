@@ -9,7 +9,6 @@ import math
 import torch
 
 import autopar
-from autopar.mesh import Mesh
 from autopar.plan import Plan
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -85,7 +84,7 @@ def build_case(spec: tuple):
 
 
 def _loss(out):
-    from autopar.runtime.model import loss_of
+    from autopar.runtime.runner import loss_of
     return loss_of(out)
 
 
@@ -161,8 +160,8 @@ def train_and_compare(spec: tuple, plan_dict: dict, steps: int = 3, clip: float 
     worst["ok"] = (worst["loss"] <= 0 and worst["grad"][0] <= 0 and worst["param"][0] <= 0
                    and worst["frozen_moved"] == 0.0 and not worst["grads_of_frozen"])
     worst["all_to_all_moves"] = all_to_all_moves(cm.graphs(), plan.mesh.shape)
-    worst["synced_by_buckets"] = len(cm._grad_sync.params)
-    worst["reduced_during_backward"] = cm._grad_sync.hooked
+    worst["synced_by_buckets"] = len(cm.grad_sync.params)
+    worst["reduced_during_backward"] = cm.grad_sync.hooked
     return worst
 
 
@@ -279,7 +278,7 @@ def state_dict_round_trip(plan_dict: dict) -> float:
     cm.load_full_state_dict(new)
     back = cm.full_state_dict()
     assert set(back) == set(new) == set(model.state_dict())  # tied aliases and buffers included
-    tied = {n: name for n, name in cm._aliases.items()}  # an alias takes its owner's value
+    tied = {n: name for n, name in cm.aliases.items()}  # an alias takes its owner's value
     return max(float((back[n] - new[tied.get(n, n)]).abs().max()) for n in new)
 
 
@@ -305,7 +304,7 @@ def accumulate_vs_whole_batch(plan_dict: dict, micro: int = 4) -> dict:
         else:
             acc.backward(acc(x, y) / micro)
     a, b = whole.full_grads(), acc.full_grads()
-    return {"worst": max(excess(b[n], a[n]) for n in a), "bucketed": len(acc._grad_sync.params)}
+    return {"worst": max(excess(b[n], a[n]) for n in a), "bucketed": len(acc.grad_sync.params)}
 
 
 def memory_after_step(plan_dict: dict, spec=("autopar", "gpt-tiny", (("hidden", 128),))) -> dict:
