@@ -10,6 +10,9 @@ module graph; a package's __init__ re-exporting its own modules does not count).
 private name is one starting with "_" (not a dunder) taken from another module by
 `from x import _name`.  A deferred import is a library import inside a function body;
 the only one allowed is `autopar.compile` reaching the runtime, the last stage, on use.
+A reach-in is `obj._name` where `_name` is a private attribute or method that library code
+defines on `self` (`self._name = ...`, `def _name`) and `obj` is not `self` or `cls`: one
+object using another's privates instead of its public parts.
 """
 from __future__ import annotations
 
@@ -74,6 +77,40 @@ def imports_of(module: str, path: Path, known: set) -> list:
     return found
 
 
+def private_members(trees: dict) -> set:
+    """Private names library classes define on themselves: `self._x = ...` and `def _x`."""
+    out = set()
+    for tree in trees.values():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and _private(item.name):
+                        out.add(item.name)
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, (ast.AnnAssign, ast.AugAssign)) else []
+            for t in targets:
+                if (isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"
+                        and _private(t.attr)):
+                    out.add(t.attr)
+    return out
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def reach_ins(files: dict) -> list:
+    trees = {module: ast.parse(path.read_text(), str(path)) for module, path in files.items()}
+    members = private_members(trees)
+    out = []
+    for module, tree in trees.items():
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and node.attr in members
+                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+                out.append(f"{module}:{node.lineno} reads {ast.unparse(node)}")
+    return out
+
+
 def findings() -> dict:
     files = module_files()
     known = set(files)
@@ -97,7 +134,7 @@ def findings() -> dict:
             if in_function and (module, target) not in ALLOWED_DEFERRED:
                 deferred.append(f"{module} imports {target} inside a function")
     cycles = [sorted(c) for c in nx.strongly_connected_components(graph) if len(c) > 1]
-    return {"cycles": cycles, "private": private, "deferred": deferred}
+    return {"cycles": cycles, "private": private, "deferred": deferred, "reach_ins": reach_ins(files)}
 
 
 def main() -> int:

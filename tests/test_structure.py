@@ -1,11 +1,12 @@
 """The flow stays straight: no import cycles among library files, no private names taken
-from other modules, no library imports hidden in functions (tests/structure.py)."""
+from other modules, no library imports hidden in functions, no object reading another's
+private attributes (tests/structure.py)."""
 from structure import findings
 
 
-def test_no_cycles_private_imports_or_deferred_imports():
+def test_no_cycles_private_imports_deferred_imports_or_reach_ins():
     found = findings()
-    assert found == {"cycles": [], "private": [], "deferred": []}, found
+    assert found == {"cycles": [], "private": [], "deferred": [], "reach_ins": []}, found
 
 
 def test_the_checker_sees_a_cycle(tmp_path, monkeypatch):
@@ -15,10 +16,12 @@ def test_the_checker_sees_a_cycle(tmp_path, monkeypatch):
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
     (pkg / "a.py").write_text("from .b import f\n")
-    (pkg / "b.py").write_text("def f():\n    from .a import _g\n")
+    (pkg / "b.py").write_text("def f():\n    from .a import _g\n\n\nclass Owner:\n    def __init__(self):\n"
+                              "        self._parts = []\n\n\ndef peek(owner):\n    return owner._parts\n")
     monkeypatch.setattr(structure, "ROOT", tmp_path)
     monkeypatch.setattr(structure, "PACKAGES", {"autopar": "autopar"})
     found = structure.findings()
     assert found["cycles"] == [["autopar.a", "autopar.b"]]
     assert found["private"] == ["autopar.b imports _g from autopar.a"]
     assert found["deferred"] == ["autopar.b imports autopar.a inside a function"]
+    assert found["reach_ins"] == ["autopar.b:11 reads owner._parts"]
