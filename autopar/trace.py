@@ -165,11 +165,56 @@ def _trace(model: torch.nn.Module | fx.GraphModule, example_inputs: tuple, examp
     buffers.update(getattr(sig, "inputs_to_lifted_tensor_constants", {}) or {})
     log.info("traced %s in %.2fs: %d nodes", type(model).__name__, time.perf_counter() - start,
              len(gm.graph.nodes))
+    share_reads(gm)
     first: dict[int, str] = {}
     tied = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         tied[name] = first.setdefault(id(p), name)
     return Traced(gm, params, buffers, list(sig.user_inputs), tied, ep.call_spec.in_spec, ep.call_spec.out_spec)
+
+
+SHARED_SUFFIX = "_shared"
+
+
+def share_reads(gm: fx.GraphModule) -> None:
+    """Give every op result that several nodes read one `aten.alias` node its readers read
+    instead ("<producer>_shared").  The alias is where the plan moves the tensor once for
+    all its readers: a Partial attention output read by a norm's pow, mul and cast is
+    all-reduced once, not three times (the planner prices the alias's layout change once,
+    and the collectives pass inserts one move before it).  Parameters and user inputs are
+    left alone (a tied weight is one parameter read in two places, each in its own layout)."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function" or not isinstance(node.meta.get("val"), torch.Tensor):
+            continue
+        readers = list(node.users)
+        if len(readers) < 2:
+            continue
+        with graph.inserting_after(node):
+            shared = graph.create_node("call_function", torch.ops.aten.alias.default, (node,), {},
+                                       name=f"{node.name}{SHARED_SUFFIX}")
+        shared.meta = {k: v for k, v in node.meta.items() if k in ("val", "nn_module_stack", "stack_trace")}
+        stack = _common_stack(readers)
+        if stack is not None:  # the readers' module: a layer's input shared inside the layer belongs to it
+            shared.meta["nn_module_stack"] = stack
+        for reader in readers:
+            reader.replace_input_with(node, shared)
+    graph.lint()
+    gm.recompile()
+
+
+def _common_stack(readers: list):
+    """The module stack every reader is inside (the longest common prefix), or None when
+    some reader has none (the graph's output)."""
+    stacks = [r.meta.get("nn_module_stack") for r in readers]
+    if any(not st for st in stacks):
+        return None
+    common = []
+    for entries in zip(*(list(st.items()) for st in stacks)):
+        if any(e[0] != entries[0][0] for e in entries):
+            break
+        common.append(entries[0])
+    return dict(common)
 
 
 def graph_signature(gm: fx.GraphModule) -> str:

@@ -48,6 +48,10 @@ def build_case(spec: tuple):
         from autopar.models import build
         model, example = build(spec[1], **dict(spec[2]))
         return model, tuple(example), {}
+    if kind == "hf-arch":  # ("hf-arch", family): tests/hf_archs.py
+        from hf_archs import build
+        model, kwargs = build(spec[1])
+        return model, (), kwargs
     ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
     if kind == "hf-gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel

@@ -1,4 +1,5 @@
 """Hugging Face models plan with a rule for every op of their training-IR graphs."""
+import re
 import warnings
 
 import pytest
@@ -36,3 +37,56 @@ def test_every_op_has_a_rule(name, model):
     assert plan.predicted.step_s == pytest.approx(
         sum(n.compute_s + n.comm_s for n in plan.nodes) + sum(
             c.seconds for c in plan.collectives if c.node not in {n.name for n in plan.nodes}), rel=1e-9)
+
+
+# --- architecture families: Megatron's closed form and one-device numerics ---------------------
+
+from hf_archs import FAMILIES, HIDDEN, block_class, build  # noqa: E402
+from rt_cases import train_and_compare  # noqa: E402
+
+PER_BLOCK = {"sequential": 2, "post-norm": 2, "parallel": 1}  # large forward all-reduces per block
+_IN_BLOCK = re.compile(r"\.\d+(\.|$)")
+
+
+def forward_in_blocks(plan) -> list:
+    """The plan's forward collectives of activation size on tensors the repeated blocks
+    produce (wherever the move lands: a parallel block's sum is all-reduced where the next
+    block or the final norm reads it)."""
+    module = {n.name: n.module or "" for n in plan.nodes}
+    whole = 4 * 16 * HIDDEN * 4  # one [batch, seq, hidden] float32 activation
+    return [c for c in plan.collectives if c.phase == "forward" and c.nbytes >= whole / 4
+            and _IN_BLOCK.search(module.get(c.tensor, ""))]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_megatron_meets_its_closed_form(family):
+    """Under megatron-tp on 4 ranks: 2 large forward all-reduces per sequential block (a
+    post-norm's ops share one: the row-parallel output is moved once for all its readers),
+    1 per parallel block (attention and MLP partial sums added before one all-reduce), and no
+    other large forward collective inside the blocks."""
+    model, kwargs = build(family)
+    mesh = autopar.Mesh((4,), ("tp",), device="cpu")
+    plan = autopar.plan(model, mesh, example_kwargs=kwargs, compare=False, layout="megatron-tp")
+    found = sorted((c.kind, c.tensor) for c in forward_in_blocks(plan))
+    kinds = [k for k, _ in found]
+    assert kinds == ["all_reduce"] * (PER_BLOCK[block_class(family)] * 2), found
+    assert plan.fallback_ops == ()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_trains_like_one_device(pool4, family):
+    """Loss, gradients and parameters after 3 AdamW steps on 4 gloo ranks equal one device
+    (float32), under the solver's plan and Megatron's layout on (4,), and the solver's on (2, 2)."""
+    model, kwargs = build(family)
+    plans = {}
+    for shape, names in (((4,), ("tp",)), ((2, 2), ("dp", "tp"))):
+        mesh = autopar.Mesh(shape, names, device="cpu")
+        plans[f"ilp {shape}"] = autopar.plan(model, mesh, example_kwargs=kwargs, compare=False)
+    mesh = autopar.Mesh((4,), ("tp",), device="cpu")
+    plans["megatron-tp (4,)"] = autopar.plan(model, mesh, example_kwargs=kwargs, compare=False, layout="megatron-tp")
+    failures = []
+    for label, plan in plans.items():
+        result = pool4.run(train_and_compare, ("hf-arch", family), plan.to_dict())[0]
+        if not result["ok"]:
+            failures.append(f"{label}: loss {result['loss']:.2e} grad {result['grad']} param {result['param']}")
+    assert not failures, "\n".join(failures)

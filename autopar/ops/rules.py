@@ -73,6 +73,10 @@ def _is_linear_elementwise(name: str, node: fx.Node, n_tensors: int) -> bool:
         return n_tensors == 2
     if name in ("aten.mul", "aten.div"):
         return n_tensors == 1
+    if name in ("aten.dropout", "aten.native_dropout"):  # p = 0 (or not training): the identity
+        p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+        return p == 0 or train is False
     return False
 
 

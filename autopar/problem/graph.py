@@ -14,8 +14,9 @@ from ..ops import NO_OUTPUT, TRIVIAL, op_name, outputs_of, tensor_args
 from ..ops.rules import ELEMENTWISE, LINEAR_ELEMENTWISE
 from ..trace import Traced
 
-# Views cost neither time nor memory; linear elementwise ops and views save nothing for backward.
-VIEWS = TRIVIAL - ELEMENTWISE
+# Views cost neither time nor memory (an alias is where a tensor's readers share one move,
+# trace.share_reads); linear elementwise ops and views save nothing for backward.
+VIEWS = (TRIVIAL - ELEMENTWISE) | {"aten.alias"}
 SAVES_NOTHING = VIEWS | LINEAR_ELEMENTWISE | {"aten.add", "aten.sub", "aten.embedding"}
 
 

@@ -11,6 +11,10 @@ from .core import Problem
 from .graph import EdgeKey, PNode
 from .layers import SHARE_PERIOD
 
+# Ops folded into their producer's choice (they take the layout it offers); not the alias
+# a shared tensor's readers read (trace.share_reads), whose layout change is its point.
+FOLLOWERS = TRIVIAL - {"aten.alias"}
+
 
 @dataclass
 class Reduced:
@@ -69,7 +73,7 @@ def reduce_problem(problem: Problem, allowed_fn=None, period: int = SHARE_PERIOD
         pn = nodes[r]
         keys = incoming.get(r, [])
         this_map = None
-        if (pn.kind == "op" and pn.op in TRIVIAL and len(keys) == 1 and len(pn.strategies) > 1
+        if (pn.kind == "op" and pn.op in FOLLOWERS and len(keys) == 1 and len(pn.strategies) > 1
                 and edge_classes[keys[0]] == counts[r] and keys[0].a != r
                 and len(nodes[keys[0].a].strategies) > 1):
             key = keys[0]
