@@ -76,6 +76,18 @@ def zero3(problem, pn, strategy) -> bool:
     return data_parallel(problem, pn, strategy)
 
 
+def _splits_heads(problem, pn, strategy, axis) -> bool:
+    """Whether an activation operand of rank 3 or more is split on `axis` along a dim after
+    batch and sequence: attention heads (a per-head norm's weight covers head_dim only, so
+    splitting heads splits no weight dim, yet it is Megatron's layout)."""
+    for (src, out), placements in zip(pn.inputs, strategy.inputs):
+        node = problem.nodes[src]
+        p = placements[axis]
+        if node.kind != "param" and len(node.out_shapes[out]) >= 3 and isinstance(p, Shard) and p.dim >= 2:
+            return True
+    return False
+
+
 def megatron(axes_tp):
     """Megatron on the axes in `axes_tp`, data parallel on the others."""
     def matrix(problem, pn) -> bool:
@@ -108,10 +120,11 @@ def megatron(axes_tp):
                 if a in axes_tp and matrix(problem, src) and isinstance(p, Replicate):
                     return False
         if any(True for _ in _param_operands(problem, pn, strategy)):
-            for a in axes_tp:  # a layer with weights splits a weight dim on tp, never the batch
+            for a in axes_tp:  # a layer with weights splits a weight dim or heads on tp, never the batch
                 letter = strategy.split[a]
                 if letter not in (None, PASS) and not any(
-                        isinstance(p[a], Shard) for _, p in _param_operands(problem, pn, strategy)):
+                        isinstance(p[a], Shard) for _, p in _param_operands(problem, pn, strategy)) \
+                        and not _splits_heads(problem, pn, strategy, a):
                     return False
         return True
     return allowed

@@ -4,8 +4,10 @@ block they have (what the planner must get right for each):
 - sequential: pre-norm attention then MLP (Llama and its kin, sliding windows, GQA);
 - post-norm: norms on the attention and MLP outputs before the residual add, so the
   row-parallel output is read by several ops (Gemma-2);
+- qk-norm: an RMSNorm over head_dim on every query and key head after the head view
+  (Qwen3): heads are independent, so it runs on this rank's heads;
 - parallel: attention and MLP read the same normed input and are summed once
-  (GPT-J, GPT-NeoX, Phi-2).
+  (GPT-J, GPT-NeoX, Phi-2, Cohere).
 
 Every config has hidden 64, 8 heads (4 key-value heads where the family groups them; head
 dim 8), 2 layers and a vocabulary of 128, so a
@@ -38,6 +40,10 @@ def _configs():
                        lambda: tf.Starcoder2Config(**_common(num_key_value_heads=KV_HEADS))),
         "gemma2": ("post-norm", tf.Gemma2ForCausalLM,
                    lambda: tf.Gemma2Config(**_common(num_key_value_heads=KV_HEADS, head_dim=HIDDEN // HEADS))),
+        "qwen3": ("qk-norm", tf.Qwen3ForCausalLM,
+                  lambda: tf.Qwen3Config(**_common(num_key_value_heads=KV_HEADS, head_dim=HIDDEN // HEADS))),
+        "cohere": ("parallel", tf.CohereForCausalLM,
+                   lambda: tf.CohereConfig(**_common(num_key_value_heads=KV_HEADS, pad_token_id=0))),
         "gptj": ("parallel", tf.GPTJForCausalLM,
                  lambda: tf.GPTJConfig(vocab_size=VOCAB, n_positions=64, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
                                        rotary_dim=8, use_cache=False)),
@@ -46,7 +52,8 @@ def _configs():
     }
 
 
-FAMILIES = ["llama", "qwen2", "mistral", "gemma", "stablelm", "starcoder2", "gemma2", "gptj", "gpt_neox", "phi"]
+FAMILIES = ["llama", "qwen2", "mistral", "gemma", "stablelm", "starcoder2", "gemma2", "qwen3", "gptj", "gpt_neox",
+            "phi", "cohere"]
 
 
 def block_class(family: str) -> str:

@@ -44,7 +44,7 @@ def test_every_op_has_a_rule(name, model):
 from hf_archs import FAMILIES, HIDDEN, block_class, build  # noqa: E402
 from rt_cases import train_and_compare  # noqa: E402
 
-PER_BLOCK = {"sequential": 2, "post-norm": 2, "parallel": 1}  # large forward all-reduces per block
+PER_BLOCK = {"sequential": 2, "post-norm": 2, "qk-norm": 2, "parallel": 1}  # large forward all-reduces per block
 _IN_BLOCK = re.compile(r"\.\d+(\.|$)")
 
 

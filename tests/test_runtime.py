@@ -70,9 +70,11 @@ def test_data_parallel_gradients_go_through_buckets(pool4):
 
 
 def test_megatron_gpt_has_two_forward_all_reduces_per_block(pool4):
-    """L blocks of Megatron on a 1-D mesh: exactly 2L forward all-reduces (after the
-    attention and MLP row-parallel projections of every block), no other forward collective
-    (the small embeddings and head stay whole, as the cost model prefers)."""
+    """L blocks of Megatron on a 1-D mesh: exactly 2L forward all-reduces, two in every
+    block (of the attention and MLP row-parallel outputs; with dropout 0 the Partial sum
+    passes the dropout and the residual add and is reduced once where the residual stream
+    is read next), no other forward collective (the small embeddings and head stay whole,
+    as the cost model prefers)."""
     layers = 3
     spec = ("autopar", "gpt-tiny", (("n_layers", layers), ("hidden", 128)))
     model, args, _ = build_case(spec)
@@ -82,8 +84,7 @@ def test_megatron_gpt_has_two_forward_all_reduces_per_block(pool4):
     assert [k for k, _, _ in found] == ["all_reduce"] * (2 * layers), found
     in_blocks = [(kind, where) for kind, _, where in found if where.startswith("blocks.")]
     for i in range(layers):  # one after attention, one after the MLP, in every block
-        assert sorted(w for _, w in in_blocks if w.startswith(f"blocks.{i}.")) == [
-            f"blocks.{i}.attn.resid_dropout", f"blocks.{i}.mlp.dropout"], in_blocks
+        assert len([w for _, w in in_blocks if w == f"blocks.{i}" or w.startswith(f"blocks.{i}.")]) == 2, in_blocks
 
 
 def test_wrong_world_size_fails_fast(pool4):
