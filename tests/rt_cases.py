@@ -223,6 +223,23 @@ def forward_collectives(spec: tuple, plan_dict: dict) -> list:
     return found
 
 
+def collective_moves_per_tensor(spec: tuple, plan_dict: dict) -> dict:
+    """tensor name -> how many moves of the compiled graph run a forward collective on it."""
+    from autopar.passes.collectives import move
+    from autopar.passes.redistribute import plan_redistribute
+    plan = Plan.from_dict(plan_dict)
+    model, args, kwargs = build_case(spec)
+    cm = autopar.compile(model, plan.mesh, args, example_kwargs=kwargs or None, plan=plan)
+    gm = cm.graph_module
+    out: dict = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is move:
+            m = getattr(gm, node.args[1].target)
+            if any(s.is_collective for s in plan_redistribute(m.src, m.dst, tuple(plan.mesh.shape))):
+                out[node.args[0].name] = out.get(node.args[0].name, 0) + 1
+    return out
+
+
 def compile_error(kind: str) -> str:
     """Compile something that must fail fast; return the error message (or '' if none)."""
     import torch.distributed as dist

@@ -90,3 +90,19 @@ def test_family_trains_like_one_device(pool4, family):
         if not result["ok"]:
             failures.append(f"{label}: loss {result['loss']:.2e} grad {result['grad']} param {result['param']}")
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gptj"])
+def test_compiled_graph_runs_the_moves_the_plan_prices(pool4, family):
+    """The forward collectives the compiled graph's moves run are the plan's, one for one:
+    a post-norm's Partial output read by several ops is moved once, not once per reader;
+    a parallel block's two Partial outputs are summed before their one all-reduce."""
+    from rt_cases import collective_moves_per_tensor, forward_collectives
+    model, kwargs = build(family)
+    mesh = autopar.Mesh((4,), ("tp",), device="cpu")
+    plan = autopar.plan(model, mesh, example_kwargs=kwargs, compare=False, layout="megatron-tp")
+    ran = sorted(kind for kind, _, _ in pool4.run(forward_collectives, ("hf-arch", family), plan.to_dict())[0])
+    priced = sorted(c.kind for c in plan.collectives if c.phase == "forward" and c.nbytes > 0)
+    assert ran == priced
+    per_tensor = pool4.run(collective_moves_per_tensor, ("hf-arch", family), plan.to_dict())[0]
+    assert per_tensor and max(per_tensor.values()) == 1, per_tensor  # one move per tensor, shared by its readers
