@@ -188,8 +188,8 @@ def share_reads(gm: fx.GraphModule) -> None:
         if node.op != "call_function" or not isinstance(node.meta.get("val"), torch.Tensor):
             continue
         readers = list(node.users)
-        if len(readers) < 2:
-            continue
+        if len(readers) < 2 or any(_mutates(r) for r in readers):
+            continue  # (a reader that writes into the tensor must write into the one the others read)
         with graph.inserting_after(node):
             shared = graph.create_node("call_function", torch.ops.aten.alias.default, (node,), {},
                                        name=f"{node.name}{SHARED_SUFFIX}")
@@ -201,6 +201,12 @@ def share_reads(gm: fx.GraphModule) -> None:
             reader.replace_input_with(node, shared)
     graph.lint()
     gm.recompile()
+
+
+def _mutates(node: fx.Node) -> bool:
+    """Whether the node writes into one of its operands (an in-place op such as div_)."""
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
 
 
 def _common_stack(readers: list):

@@ -44,6 +44,13 @@ def _configs():
                   lambda: tf.Qwen3Config(**_common(num_key_value_heads=KV_HEADS, head_dim=HIDDEN // HEADS))),
         "cohere": ("parallel", tf.CohereForCausalLM,
                    lambda: tf.CohereConfig(**_common(num_key_value_heads=KV_HEADS, pad_token_id=0))),
+        "mixtral": ("moe", tf.MixtralForCausalLM,
+                    lambda: tf.MixtralConfig(**_common(num_key_value_heads=KV_HEADS, num_local_experts=4,
+                                                       num_experts_per_tok=2))),
+        "qwen2_moe": ("moe", tf.Qwen2MoeForCausalLM,
+                      lambda: tf.Qwen2MoeConfig(**_common(num_key_value_heads=KV_HEADS, num_experts=4,
+                                                          num_experts_per_tok=2, moe_intermediate_size=HIDDEN,
+                                                          shared_expert_intermediate_size=HIDDEN))),
         "gptj": ("parallel", tf.GPTJForCausalLM,
                  lambda: tf.GPTJConfig(vocab_size=VOCAB, n_positions=64, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
                                        rotary_dim=8, use_cache=False)),
@@ -52,6 +59,7 @@ def _configs():
     }
 
 
+MOE = ["mixtral", "qwen2_moe"]  # experts still replicated (no expert parallelism yet); router planned
 FAMILIES = ["llama", "qwen2", "mistral", "gemma", "stablelm", "starcoder2", "gemma2", "qwen3", "gptj", "gpt_neox",
             "phi", "cohere"]
 

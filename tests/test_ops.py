@@ -185,3 +185,40 @@ def test_compute_cost_is_a_roofline_over_the_local_shard():
     peak = mesh.device.peak_flops(torch.float32)
     for s, c in zip(pn.strategies, problem.choices[pn.index]):
         assert c.compute == pytest.approx(flops / s.factor / peak, rel=1e-6), s.name
+
+
+class _Router(nn.Module):
+    """A top-k router: softmax, top-k, renormalised in place (x.div_), as MoE models write it."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(16, 8)
+
+    def forward(self, x):
+        probs = F.softmax(self.gate(x), dim=-1)
+        top, idx = torch.topk(probs, 2, dim=-1)
+        return top.div_(top.sum(dim=-1, keepdim=True)), idx
+
+
+def test_topk_and_in_place_ops_have_rules():
+    """topk splits every dim but its own; an in-place elementwise op is planned as its
+    out-of-place form when nothing reads the written tensor afterwards, and has no rule
+    (runs replicated, with the warning) when something does."""
+    from autopar.ops import annotate
+    from autopar.trace import trace
+    torch.manual_seed(0)
+    gm = trace(_Router(), (torch.randn(32, 16),)).graph
+    ops = {str(n.target): n for n in gm.graph.nodes if n.op == "call_function"}
+    topk, div_ = ops["aten.topk.default"], ops["aten.div_.Tensor"]
+    shapes = [tuple(a.meta["val"].shape) for a in (topk.args[0],)]
+    outs = [tuple(v.shape) for v in topk.meta["val"]]
+    menu = by_name(enumerate_strategies(annotate(topk, shapes, outs), shapes, outs, (4,), ("dp",), [True]))
+    assert set(menu) == {"replicate", "dp=d0"}  # rows split; the top-k dim never does
+    assert menu["dp=d0"].outputs == ((Shard(0),), (Shard(0),))
+    ins = [tuple(a.meta["val"].shape) for a in div_.args]
+    assert annotate(div_, ins, [tuple(div_.meta["val"].shape)]) is not None
+    # the same op with a later reader of the tensor it wrote: no rule
+    with gm.graph.inserting_after(div_):
+        later = gm.graph.call_function(torch.ops.aten.add.Tensor, (div_.args[0], 1))
+    later.meta["val"] = div_.meta["val"]
+    assert annotate(div_, ins, [tuple(div_.meta["val"].shape)]) is None

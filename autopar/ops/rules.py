@@ -82,11 +82,36 @@ def _is_linear_elementwise(name: str, node: fx.Node, n_tensors: int) -> bool:
 
 def _elementwise_rule(node, ins, outs):
     name = _packet(node)
+    if name.endswith("_") and not name.endswith("__"):  # in-place (x.div_(y)): as out of place
+        if not _written_then_unread(node):
+            return None
+        name = name[:-1]
     if name in ("aten.tril", "aten.triu"):
         rank = len(ins[0])
         letters = [f"e{i}" for i in range(rank - 2)] + ["r^", "c^"]
         return parse(f"{' '.join(letters)} -> {' '.join(letters)}", ins, outs)
     return elementwise(ins, outs[0], linear=_is_linear_elementwise(name, node, len(ins)))
+
+
+def _written_then_unread(node) -> bool:
+    """An in-place op may run on a moved copy of the tensor it writes when nothing reads that
+    tensor after it (later ops read the op's result): the write is then seen by all it must be."""
+    target = node.args[0]
+    later = set()
+    n = node.next
+    while n.op != "root":
+        later.add(n)
+        n = n.next
+    return not any(u in later for u in target.users if u is not node)
+
+
+def _topk_rule(node, ins, outs):
+    """values and indices of the k largest along `dim`: that dim never splits, the others may."""
+    rank = len(ins[0])
+    dim = _dim(_arg(node, 2, "dim", -1), rank)
+    src = [f"d{i}" if i != dim else "x^" for i in range(rank)]
+    out = [l if i != dim else "k^" for i, l in enumerate(src)]
+    return parse(f"{' '.join(src)} -> {', '.join(' '.join(out) for _ in outs)}", ins, outs)
 
 
 # --- views -------------------------------------------------------------------------------
@@ -400,7 +425,7 @@ RULES = {
     "aten.var": _reduction_rule(False), "aten.std": _reduction_rule(False),
     "aten.argmax": _reduction_rule(False), "aten.argmin": _reduction_rule(False),
     "aten.all": _reduction_rule(False), "aten.any": _reduction_rule(False),
-    "aten.max": _multi_reduction_rule, "aten.min": _multi_reduction_rule,
+    "aten.max": _multi_reduction_rule, "aten.min": _multi_reduction_rule, "aten.topk": _topk_rule,
     "aten.mse_loss": _pointwise_loss_rule, "aten.l1_loss": _pointwise_loss_rule,
     "aten.smooth_l1_loss": _pointwise_loss_rule, "aten.huber_loss": _pointwise_loss_rule,
     "aten.binary_cross_entropy": _pointwise_loss_rule,
@@ -417,6 +442,7 @@ RULES = {
 }
 for _name in ELEMENTWISE:
     RULES.setdefault(_name, _elementwise_rule)
+    RULES.setdefault(_name + "_", _elementwise_rule)  # in-place forms, when nothing reads the old value after
 
 # Ops with no output tensors: they do nothing to plan.
 NO_OUTPUT = {"aten._assert_tensor_metadata", "aten._assert_scalar", "aten.sym_constrain_range_for_size",
