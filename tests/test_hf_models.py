@@ -127,3 +127,30 @@ def test_mixture_of_experts_trains_like_one_device(pool4, family):
         if not result["ok"]:
             failures.append(f"{shape}: loss {result['loss']:.2e} grad {result['grad']} param {result['param']}")
     assert not failures, "\n".join(failures)
+
+
+def test_head_count_that_does_not_divide_is_explained(caplog):
+    """2 key/value heads on a 4-way axis: a plan still comes out (attention's projections
+    gathered or kept whole there), and one log line says why and which axis sizes would
+    split heads."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, use_cache=False))
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0))
+    with caplog.at_level("WARNING", logger="autopar"):
+        plan = autopar.plan(model, autopar.Mesh((4,), ("tp",), device="cpu"),
+                            example_kwargs={"input_ids": ids, "labels": ids}, compare=False, layout="megatron-tp")
+    said = [r.getMessage() for r in caplog.records if "key/value heads" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "4 query and 2 key/value heads" in said[0] and "axis 'tp' of 4" in said[0] and "divides 2" in said[0]
+    k_proj = next(n for n in plan.nodes if (n.module or "").endswith("layers.0.self_attn.k_proj"))
+    assert plan.predicted.step_s > 0 and k_proj.strategy
+    # 4 heads on the same axis divide: nothing to explain
+    caplog.clear()
+    even = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=4, use_cache=False))
+    with caplog.at_level("WARNING", logger="autopar"):
+        autopar.plan(even, autopar.Mesh((4,), ("tp",), device="cpu"),
+                     example_kwargs={"input_ids": ids, "labels": ids}, compare=False)
+    assert not [r for r in caplog.records if "key/value heads" in r.getMessage()]

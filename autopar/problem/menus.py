@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import logging
 import warnings
 
@@ -53,6 +54,8 @@ def build_menus(nodes: list, readers: dict, mesh: Mesh) -> tuple[list, list]:
             else:
                 pn.strategies = enumerate_strategies(ann, in_shapes, pn.out_shapes, mesh.shape,
                                                      mesh.axis_names, needs)
+                if pn.op == "aten.scaled_dot_product_attention":
+                    _say_why_heads_stay_whole(pn, in_shapes, mesh, messages)
                 internal = [(l, INTERNAL_COMM[(pn.op, l)]) for l in ann.letters() if (pn.op, l) in INTERNAL_COMM]
                 if internal:
                     pn.strategies = [with_internal(s, internal) for s in pn.strategies]
@@ -66,6 +69,38 @@ def build_menus(nodes: list, readers: dict, mesh: Mesh) -> tuple[list, list]:
         warnings.warn(msg, stacklevel=3)
     return sorted(fallback_ops), messages
 
+
+
+def _say_why_heads_stay_whole(pn: PNode, in_shapes, mesh: Mesh, messages: list) -> None:
+    """One log line per head count and mesh axis that cannot split attention heads."""
+    heads = _heads_before_view(pn.node.args[0]) or in_shapes[0][1]
+    kv = (_heads_before_view(pn.node.args[1]) or in_shapes[1][1]) if len(in_shapes) > 1 else heads
+    for name, n in zip(mesh.axis_names, mesh.shape):
+        if n > 1 and (heads % n or kv % n):
+            msg = (f"autopar: attention in {pn.module or pn.name} has {heads} query and {kv} key/value heads, "
+                   f"which do not divide over mesh axis {name!r} of {n}: its projections cannot be split by heads "
+                   f"on that axis (a rank would hold part of a head), so the plan gathers them there, splits "
+                   f"the batch, or keeps attention whole. For tensor parallelism over heads use an axis whose "
+                   f"size divides {math.gcd(heads, kv)}")
+            if msg.split(" has ", 1)[1] not in {m.split(" has ", 1)[-1] for m in messages}:
+                messages.append(msg)
+                log.warning(msg)
+
+
+def _heads_before_view(node, depth: int = 12):
+    """The head count where a projection's output [..., heads * head_dim] is viewed as
+    [..., heads, head_dim], found walking back from an attention operand through the
+    transposes, repeats (grouped-query attention's repeat_kv) and casts; None if not found."""
+    for _ in range(depth):
+        if not hasattr(node, "args") or not node.args or not hasattr(node.args[0], "meta"):
+            return None
+        src = node.args[0]
+        out, inp = node.meta.get("val"), src.meta.get("val")
+        if str(node.target).split(".")[1] in ("view", "reshape", "_unsafe_view") and out is not None \
+                and inp is not None and out.dim() == inp.dim() + 1 and out.shape[-2] * out.shape[-1] == inp.shape[-1]:
+            return int(out.shape[-2])
+        node = src
+    return None
 
 
 def gradsum_menu(nodes: list, readers: dict, gs: PNode) -> list[Strategy]:
