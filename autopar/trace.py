@@ -12,7 +12,7 @@ import copy
 import hashlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
@@ -35,6 +35,7 @@ class Traced:
     tied: dict   # parameter name -> the name `named_parameters()` lists it under (tied weights)
     in_spec: object = None  # pytree structure of (args, kwargs) the graph's user inputs flatten from
     out_spec: object = None  # pytree structure the graph's outputs unflatten into
+    constants: dict = field(default_factory=dict)  # name in `buffers` -> value of a tensor the forward creates
 
 
 def _module_of_error(exc: BaseException, model: torch.nn.Module) -> str:
@@ -112,12 +113,13 @@ def _trace_cached(model, example_inputs, example_kwargs, cache: bool) -> Traced:
     if key is not None and key in _CACHE:
         hit = _CACHE[key]
         return Traced(copy.deepcopy(hit.graph), dict(hit.params), dict(hit.buffers), list(hit.user_inputs),
-                      dict(hit.tied), hit.in_spec, hit.out_spec)
+                      dict(hit.tied), hit.in_spec, hit.out_spec, dict(hit.constants))
     traced = _trace(model, example_inputs, example_kwargs)
     if key is not None:
         _CACHE[key] = traced
         return Traced(copy.deepcopy(traced.graph), dict(traced.params), dict(traced.buffers),
-                      list(traced.user_inputs), dict(traced.tied), traced.in_spec, traced.out_spec)
+                      list(traced.user_inputs), dict(traced.tied), traced.in_spec, traced.out_spec,
+                      dict(traced.constants))
     return traced
 
 
@@ -170,7 +172,11 @@ def _trace(model: torch.nn.Module | fx.GraphModule, example_inputs: tuple, examp
     tied = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         tied[name] = first.setdefault(id(p), name)
-    return Traced(gm, params, buffers, list(sig.user_inputs), tied, ep.call_spec.in_spec, ep.call_spec.out_spec)
+    lifted = set((getattr(sig, "inputs_to_lifted_tensor_constants", {}) or {}).values())
+    constants = {name: value.detach().clone() for name, value in ep.constants.items()
+                 if name in lifted and isinstance(value, torch.Tensor) and not value.is_meta}
+    return Traced(gm, params, buffers, list(sig.user_inputs), tied, ep.call_spec.in_spec, ep.call_spec.out_spec,
+                  constants)
 
 
 SHARED_SUFFIX = "_shared"

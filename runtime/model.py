@@ -103,7 +103,7 @@ class CompiledModel(nn.Module):
                 order.append(("param", param_key(name)))
             elif node.target in traced.buffers:
                 name = traced.buffers[node.target]
-                buf = buffers.get(name)
+                buf = buffers.get(name, traced.constants.get(name))  # (a constant the forward creates)
                 if buf is None or buf.is_meta:
                     raise CompileError(f"buffer {name} has no value; initialise it before compiling")
                 self.register_buffer(param_key(name), self._compute_dtype(buf).to(self.device), persistent=False)

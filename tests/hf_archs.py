@@ -51,6 +51,9 @@ def _configs():
                       lambda: tf.Qwen2MoeConfig(**_common(num_key_value_heads=KV_HEADS, num_experts=4,
                                                           num_experts_per_tok=2, moe_intermediate_size=HIDDEN,
                                                           shared_expert_intermediate_size=HIDDEN))),
+        "falcon": ("fused", tf.FalconForCausalLM,
+                   lambda: tf.FalconConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                                           num_attention_heads=HEADS, use_cache=False)),
         "gptj": ("parallel", tf.GPTJForCausalLM,
                  lambda: tf.GPTJConfig(vocab_size=VOCAB, n_positions=64, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
                                        rotary_dim=8, use_cache=False)),
@@ -59,6 +62,7 @@ def _configs():
     }
 
 
+FUSED = ["falcon"]  # fused projections split after the matmul: trained, closed form not yet met
 MOE = ["mixtral", "qwen2_moe"]  # experts still replicated (no expert parallelism yet); router planned
 FAMILIES = ["llama", "qwen2", "mistral", "gemma", "stablelm", "starcoder2", "gemma2", "qwen3", "gptj", "gpt_neox",
             "phi", "cohere"]

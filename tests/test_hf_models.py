@@ -21,6 +21,9 @@ def hf_models():
         num_key_value_heads=2, use_cache=False))
     yield "BertForMaskedLM", BertForMaskedLM(BertConfig(
         vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128))
+    from transformers import FalconConfig, FalconForCausalLM  # multi-query: x[:, :, idx] picks k and v, W.T
+    yield "FalconForCausalLM", FalconForCausalLM(FalconConfig(
+        vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=8, use_cache=False))
 
 
 @pytest.mark.parametrize("name,model", list(hf_models()), ids=lambda x: x if isinstance(x, str) else "")
@@ -41,7 +44,7 @@ def test_every_op_has_a_rule(name, model):
 
 # --- architecture families: Megatron's closed form and one-device numerics ---------------------
 
-from hf_archs import FAMILIES, HIDDEN, MOE, block_class, build  # noqa: E402
+from hf_archs import FAMILIES, FUSED, HIDDEN, MOE, block_class, build  # noqa: E402
 from rt_cases import train_and_compare  # noqa: E402
 
 PER_BLOCK = {"sequential": 2, "post-norm": 2, "qk-norm": 2, "parallel": 1}  # large forward all-reduces per block
@@ -73,7 +76,7 @@ def test_megatron_meets_its_closed_form(family):
     assert plan.fallback_ops == ()
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + FUSED)
 def test_family_trains_like_one_device(pool4, family):
     """Loss, gradients and parameters after 3 AdamW steps on 4 gloo ranks equal one device
     (float32), under the solver's plan and Megatron's layout on (4,), and the solver's on (2, 2)."""

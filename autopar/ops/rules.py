@@ -122,7 +122,7 @@ def _view_rule(node, ins, outs):
 
 def _transpose_rule(node, ins, outs):
     rank = len(ins[0])
-    if _packet(node) == "aten.t":
+    if _packet(node) in ("aten.t", "aten.numpy_T"):
         perm = list(range(rank))[::-1]
     elif _packet(node) == "aten.permute":
         perm = [_dim(d, rank) for d in node.args[1]]
@@ -333,20 +333,27 @@ def _nll_rule(node, ins, outs):
 
 
 def _index_rule(node, ins, outs):
-    """x[i0, i1, ...] with index tensors on the leading dims: the indexed dims never split,
-    the remaining dims of x and the broadcast dims of the indices pass to the output."""
-    indices = node.args[1]
+    """x[:, ..., i0, i1, ...] with index tensors on adjacent dims after `p` whole ones (None
+    entries): the indexed dims never split; the dims before and after them and the broadcast
+    dims of the indices pass to the output, which puts the indices' dims where the indexed
+    dims were."""
+    indices = list(node.args[1])
     x = ins[0]
-    if any(i is None for i in indices):
+    p = 0
+    while p < len(indices) and indices[p] is None:
+        p += 1
+    if p == len(indices) or any(i is None for i in indices[p:]):
         return None
-    k = len(indices)
+    k = len(indices) - p
     idx_rank = len(outs[0]) - (len(x) - k)
-    src = [f"x{i}^" for i in range(k)] + [f"t{i}" for i in range(len(x) - k)]
+    before = [f"t{i}" for i in range(p)]
+    after = [f"t{i}" for i in range(p + k, len(x))]
+    src = before + [f"x{i}^" for i in range(p, p + k)] + after
     lead = [f"i{i}" for i in range(idx_rank)]
     specs = [" ".join(src)]
     for shape in ins[1:]:
         specs.append(" ".join(lead[idx_rank - len(shape):]))
-    return parse(f"{', '.join(specs)} -> {' '.join(lead + src[k:])}", ins, outs)
+    return parse(f"{', '.join(specs)} -> {' '.join(before + lead + after)}", ins, outs)
 
 
 def _gather_rule(node, ins, outs):
@@ -409,6 +416,7 @@ RULES = {
     "aten.view": _view_rule, "aten.reshape": _view_rule, "aten._unsafe_view": _view_rule,
     "aten.flatten": _view_rule, "aten.unflatten": _view_rule,
     "aten.transpose": _transpose_rule, "aten.permute": _transpose_rule, "aten.t": _transpose_rule,
+    "aten.numpy_T": _transpose_rule,
     "aten.unsqueeze": _unsqueeze_squeeze_rule, "aten.squeeze": _unsqueeze_squeeze_rule,
     "aten.expand": _expand_rule,
     "aten.slice": _slice_rule, "aten.select": _select_rule, "aten.narrow": _slice_rule,
@@ -450,7 +458,7 @@ NO_OUTPUT = {"aten._assert_tensor_metadata", "aten._assert_scalar", "aten.sym_co
 
 # Views and unary elementwise ops: cheap, so they take the layout their producer offers.
 TRIVIAL = {"aten.view", "aten.reshape", "aten._unsafe_view", "aten.transpose", "aten.permute",
-           "aten.t", "aten.unsqueeze", "aten.squeeze", "aten.expand", "aten.flatten",
+           "aten.t", "aten.numpy_T", "aten.unsqueeze", "aten.squeeze", "aten.expand", "aten.flatten",
            "aten.unflatten"} | ELEMENTWISE
 
 # Collectives a named strategy runs inside the op when a letter splits:
