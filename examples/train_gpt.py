@@ -110,7 +110,7 @@ def main(argv=None) -> None:
         timeline = gather_timeline(recorder, plan.pipeline.schedule)
         if rank == 0:
             pp = plan.pipeline
-            path = gantt_svg(timeline, args.gantt, title=f"{args.model}: {len(pp['stages'])} stages, {pp['schedule']}")
+            path = gantt_svg(timeline, args.gantt, title=f"{args.model}: {len(pp.stages)} stages, {pp.schedule}")
             print(f"measured bubble {timeline.bubble_fraction:.1%}; Gantt chart of the last step: {path}")
     elif args.gantt and rank == 0:
         print("--gantt draws pipelined runs only; this plan has no pipeline stages")
