@@ -95,7 +95,7 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=N
         shards = initial_shards(model, plan.param_placements, groups, on_meta, seed)
         regather = Regather(rewritten.graph, set(rewritten.traced.params), reshard_after_forward, groups)
         cm = CompiledModel(rewritten, plan, groups, shards, model, device_type, bucket_mb, precision,
-                           lambda m: GraphRunner(m, m.graph_module, regather))
+                           lambda m: GraphRunner(m, regather))
     cm.train(model.training)
     log.info("compiled %s for %s on rank %d in %.2fs", type(model).__name__, mesh, dist.get_rank(),
              time.perf_counter() - start)

@@ -83,11 +83,11 @@ class GraphRunner:
 
     pipelined = False
 
-    def __init__(self, model, graph_module, regather=None):
-        """model: the CompiledModel whose shards, buffers, io and grad_sync it runs on;
+    def __init__(self, model, regather=None):
+        """model: the CompiledModel whose graph, shards, buffers, io and grad_sync it runs on;
         regather: the runtime.reshard.Regather of the graph's ZeRO-3 gathers (None: none)."""
         self.model = model
-        self.graph_module = graph_module
+        self.graph_module = model.graph_module
         self.regather = regather
 
     def graphs(self) -> list:

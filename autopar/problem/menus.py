@@ -3,15 +3,17 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 import logging
+import math
 import warnings
 
+import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from .. import cost as C
 from ..mesh import Mesh
-from ..ops import INTERNAL_COMM, Strategy, annotate, enumerate_strategies, replicated, show_placements
+from ..ops import (INTERNAL_COMM, Strategy, annotate, enumerate_strategies, op_name, replicated,
+                   show_placements)
 from .graph import PNode
 
 log = logging.getLogger("autopar")
@@ -96,8 +98,9 @@ def _heads_before_view(node, depth: int = 12):
             return None
         src = node.args[0]
         out, inp = node.meta.get("val"), src.meta.get("val")
-        if str(node.target).split(".")[1] in ("view", "reshape", "_unsafe_view") and out is not None \
-                and inp is not None and out.dim() == inp.dim() + 1 and out.shape[-2] * out.shape[-1] == inp.shape[-1]:
+        if node.op == "call_function" and op_name(node) in ("aten.view", "aten.reshape", "aten._unsafe_view") \
+                and isinstance(out, torch.Tensor) and isinstance(inp, torch.Tensor) and out.dim() == inp.dim() + 1 \
+                and out.dim() >= 2 and out.shape[-2] * out.shape[-1] == inp.shape[-1]:
             return int(out.shape[-2])
         node = src
     return None
