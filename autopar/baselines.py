@@ -18,6 +18,7 @@ comparison with autopar's own plan is like for like:
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from torch.distributed.tensor import Replicate, Shard
 
@@ -88,12 +89,30 @@ def _splits_heads(problem, pn, strategy, axis) -> bool:
     return False
 
 
+def _head_dim(problem) -> int | None:
+    """The smallest head dim of the model's attention (the query's last dim), or None."""
+    dims = [pn.node.meta["val"].shape[-1] for pn in problem.nodes
+            if pn.kind == "op" and pn.op == "aten.scaled_dot_product_attention"]
+    return int(min(dims)) if dims else None
+
+
 def megatron(axes_tp):
     """Megatron on the axes in `axes_tp`, data parallel on the others."""
+    head_dims: dict = {}
+
     def matrix(problem, pn) -> bool:
         """A weight Megatron shards: a matrix inside the repeated layers (embeddings and the
-        output head are left to the cost model), or any matrix if the model has no layers."""
-        return len(pn.out_shapes[0]) >= 2 and (not problem.layer_groups or pn.index in problem.block)
+        output head are left to the cost model), or any matrix if the model has no layers.
+        A key/value projection with fewer heads than the tensor-parallel ranks (multi-query
+        attention: one head of head_dim rows) is not one: Megatron keeps it whole."""
+        shape = pn.out_shapes[0]
+        if len(shape) < 2 or (problem.layer_groups and pn.index not in problem.block):
+            return False
+        if id(problem) not in head_dims:
+            head_dims[id(problem)] = _head_dim(problem)
+        hd = head_dims[id(problem)]
+        tp = math.prod(problem.mesh.shape[a] for a in axes_tp)
+        return hd is None or min(shape) >= tp * hd
 
     def allowed(problem, pn, strategy) -> bool:
         n = problem.mesh.shape

@@ -147,6 +147,7 @@ def _infeasible(problem, model, mesh, limit, time_limit) -> InfeasibleError:
 
 def _make_plan(problem, model, mesh, choice, sol, origin, compared, budget, timing) -> Plan:
     nodes, collectives, predicted, grad_sums = assemble(problem, choice)
+    parts = problem.traced.parts
     params, states = {}, {}
     for pn in problem.nodes:
         if pn.kind == "param":
@@ -159,20 +160,21 @@ def _make_plan(problem, model, mesh, choice, sol, origin, compared, budget, timi
         solver = dataclasses.replace(solver, optimal=sol.optimal, gap=sol.gap, objective_s=sol.objective,
                                      bound_s=sol.bound, variables=sol.variables, constraints=sol.constraints)
     return Plan(mesh=mesh, model=type(model).__name__,
-                param_placements=_order_params(model, params), nodes=tuple(nodes[i] for i in sorted(nodes)),
+                param_placements=_order_params(model, params, parts), nodes=tuple(nodes[i] for i in sorted(nodes)),
                 collectives=tuple(collectives), predicted=predicted, solver=solver, baselines=compared,
                 memory_budget=budget, fallback_ops=tuple(problem.fallback_ops),
                 layers=tuple((p, tuple(ix)) for p, ix in problem.layer_groups), grad_sums=grad_sums,
-                origin=origin, timing=timing, param_states={k: states[k] for k in _order_params(model, states)},
+                origin=origin, timing=timing, param_states={k: states[k] for k in _order_params(model, states, parts)},
                 precision=problem.precision,
                 frozen=tuple(n for n, p in model.named_parameters() if not p.requires_grad),
                 graph=graph_signature(problem.traced.graph))
 
 
-def _order_params(model, params: dict) -> dict:
-    """Parameter names in `model.named_parameters()` order; tied weights appear once, as there."""
+def _order_params(model, params: dict, parts) -> dict:
+    """Parameter names in `model.named_parameters()` order (a fused weight's parts in its
+    place); tied weights appear once, as there."""
     out = {}
-    for name, _ in model.named_parameters():
+    for name in parts.named_parameters(model):
         if name in params:
             out[name] = params[name]
     for name, p in params.items():

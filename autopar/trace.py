@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from .fused import Parts, as_linear, split_fused
+
 log = logging.getLogger("autopar")
 
 
@@ -36,6 +38,11 @@ class Traced:
     in_spec: object = None  # pytree structure of (args, kwargs) the graph's user inputs flatten from
     out_spec: object = None  # pytree structure the graph's outputs unflatten into
     constants: dict = field(default_factory=dict)  # name in `buffers` -> value of a tensor the forward creates
+    parts: Parts = field(default_factory=Parts)  # fused weights planned as parts (autopar/fused.py)
+
+    def copy(self) -> "Traced":
+        return Traced(copy.deepcopy(self.graph), dict(self.params), dict(self.buffers), list(self.user_inputs),
+                      dict(self.tied), self.in_spec, self.out_spec, dict(self.constants), self.parts)
 
 
 def _module_of_error(exc: BaseException, model: torch.nn.Module) -> str:
@@ -111,15 +118,11 @@ def trace(model: torch.nn.Module | fx.GraphModule, example_inputs: tuple, exampl
 def _trace_cached(model, example_inputs, example_kwargs, cache: bool) -> Traced:
     key = _fingerprint(model, example_inputs, example_kwargs or {}) if cache else None
     if key is not None and key in _CACHE:
-        hit = _CACHE[key]
-        return Traced(copy.deepcopy(hit.graph), dict(hit.params), dict(hit.buffers), list(hit.user_inputs),
-                      dict(hit.tied), hit.in_spec, hit.out_spec, dict(hit.constants))
+        return _CACHE[key].copy()
     traced = _trace(model, example_inputs, example_kwargs)
     if key is not None:
         _CACHE[key] = traced
-        return Traced(copy.deepcopy(traced.graph), dict(traced.params), dict(traced.buffers),
-                      list(traced.user_inputs), dict(traced.tied), traced.in_spec, traced.out_spec,
-                      dict(traced.constants))
+        return traced.copy()
     return traced
 
 
@@ -167,16 +170,21 @@ def _trace(model: torch.nn.Module | fx.GraphModule, example_inputs: tuple, examp
     buffers.update(getattr(sig, "inputs_to_lifted_tensor_constants", {}) or {})
     log.info("traced %s in %.2fs: %d nodes", type(model).__name__, time.perf_counter() - start,
              len(gm.graph.nodes))
-    share_reads(gm)
     first: dict[int, str] = {}
     tied = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         tied[name] = first.setdefault(id(p), name)
+    lifted = getattr(sig, "inputs_to_lifted_tensor_constants", {}) or {}
+    known = {ph: ep.constants[name] for ph, name in lifted.items()
+             if isinstance(ep.constants.get(name), torch.Tensor) and not ep.constants[name].is_meta}
+    as_linear(gm, params)
+    parts = split_fused(gm, params, tied, known)
+    share_reads(gm)
     lifted = set((getattr(sig, "inputs_to_lifted_tensor_constants", {}) or {}).values())
     constants = {name: value.detach().clone() for name, value in ep.constants.items()
                  if name in lifted and isinstance(value, torch.Tensor) and not value.is_meta}
     return Traced(gm, params, buffers, list(sig.user_inputs), tied, ep.call_spec.in_spec, ep.call_spec.out_spec,
-                  constants)
+                  constants, parts)
 
 
 SHARED_SUFFIX = "_shared"

@@ -3,7 +3,7 @@
 Read top to bottom:
 
     GPTConfig            the hyper-parameters
-    CausalSelfAttention  multi-head attention with separate q, k, v projections
+    CausalSelfAttention  multi-head attention: separate q, k, v projections, or one fused (fused_qkv)
     FeedForward          hidden -> 4*hidden -> hidden with GELU
     Block                pre-LayerNorm residual block: attention, then feed-forward
     GPT                  embeddings, a stack of Blocks, final LayerNorm, LM head
@@ -36,6 +36,7 @@ class GPTConfig:
     bias: bool = True  # biases in the linear layers and LayerNorms
     dropout: float = 0.0
     tie_embeddings: bool = True  # lm_head shares its weight with wte
+    fused_qkv: bool = False  # one [3 * hidden, hidden] projection chunked into q, k, v (as GPT-2 ships it)
 
 
 class CausalSelfAttention(nn.Module):
@@ -48,9 +49,12 @@ class CausalSelfAttention(nn.Module):
         self.n_heads = config.n_heads
         self.head_dim = config.hidden // config.n_heads
         self.dropout = config.dropout
-        self.q = nn.Linear(config.hidden, config.hidden, bias=config.bias)
-        self.k = nn.Linear(config.hidden, config.hidden, bias=config.bias)
-        self.v = nn.Linear(config.hidden, config.hidden, bias=config.bias)
+        if config.fused_qkv:
+            self.qkv = nn.Linear(config.hidden, 3 * config.hidden, bias=config.bias)
+        else:
+            self.q = nn.Linear(config.hidden, config.hidden, bias=config.bias)
+            self.k = nn.Linear(config.hidden, config.hidden, bias=config.bias)
+            self.v = nn.Linear(config.hidden, config.hidden, bias=config.bias)
         self.o = nn.Linear(config.hidden, config.hidden, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
@@ -58,9 +62,10 @@ class CausalSelfAttention(nn.Module):
         """x: [batch, seq, hidden] -> [batch, seq, hidden]"""
         batch, seq, hidden = x.shape
         # [batch, seq, hidden] -> [batch, seq, heads, head_dim] -> [batch, heads, seq, head_dim]
-        q = self.q(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
-        v = self.v(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
+        q, k, v = self.qkv(x).chunk(3, dim=-1) if hasattr(self, "qkv") else (self.q(x), self.k(x), self.v(x))
+        q = q.view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
+        v = v.view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
         )  # [batch, heads, seq, head_dim]

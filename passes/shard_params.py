@@ -13,6 +13,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import Replicate
 
+from autopar.fused import Parts
+
 from .redistribute import redistribute_local
 
 
@@ -21,16 +23,21 @@ def shard_of(full: torch.Tensor, placements, groups) -> torch.Tensor:
     return redistribute_local(full, tuple(Replicate() for _ in placements), tuple(placements), groups)
 
 
-def shard_full_model(model: nn.Module, placements: dict, groups, values: dict | None = None) -> dict[str, torch.Tensor]:
-    """name -> local shard, for every parameter named in `placements`; `values` overrides
-    the model's value of some parameters."""
-    params = {**dict(model.named_parameters()), **(values or {})}
+def shard_full_model(model: nn.Module, placements: dict, groups, values: dict | None = None,
+                     parts: Parts | None = None) -> dict[str, torch.Tensor]:
+    """name -> local shard, for every parameter (or part of a fused one) named in
+    `placements`; `values` overrides the model's value of some parameters."""
+    parts = parts or Parts()
+    params = parts.split({**dict(model.named_parameters()), **(values or {})})
     return {name: shard_of(params[name].detach(), pl, groups).clone() for name, pl in placements.items()}
 
 
-def init_sharded(model: nn.Module, placements: dict, groups, seed: int | None = None) -> dict[str, torch.Tensor]:
+def init_sharded(model: nn.Module, placements: dict, groups, seed: int | None = None,
+                 parts: Parts | None = None) -> dict[str, torch.Tensor]:
     """Initialise a meta-device model shard by shard; returns name -> local shard for every
-    parameter in `placements` and materialises the (replicated) buffers in place on CPU."""
+    parameter (or part of a fused one) in `placements` and materialises the (replicated)
+    buffers in place on CPU."""
+    parts = parts or Parts()
     if seed is not None:
         torch.manual_seed(seed)
     owner = {}  # id(parameter) -> first name (tied weights are one parameter)
@@ -54,8 +61,11 @@ def init_sharded(model: nn.Module, placements: dict, groups, seed: int | None = 
         for k, p in module.named_parameters(recurse=False):
             full_name = names.get(k)
             expected = f"{mod_name}.{k}" if mod_name else k
-            if full_name == expected and full_name in placements:
-                shards[full_name] = shard_of(p.detach(), placements[full_name], groups).clone()
+            if full_name != expected:
+                continue
+            for name, value in parts.split({full_name: p.detach()}).items():
+                if name in placements:
+                    shards[name] = shard_of(value, placements[name], groups).clone()
         # drop the full parameters again; buffers stay (they are replicated and small)
         for k, p in list(module.named_parameters(recurse=False)):
             setattr(module, k, nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad))

@@ -72,12 +72,12 @@ def rewrite(model, plan: Plan, groups, example_inputs, example_kwargs, precision
     return Rewritten(traced, gm, modes, streams, expected, inserted.grad_sync, inserted.output_reduce, input_layouts)
 
 
-def initial_shards(model, placements: dict, groups, on_meta: bool, seed) -> dict:
-    """This rank's shards of the parameters in `placements`: initialised shard by shard
-    from a meta model, else sliced."""
+def initial_shards(model, placements: dict, groups, on_meta: bool, seed, parts) -> dict:
+    """This rank's shards of the parameters (and parts of fused ones) in `placements`:
+    initialised shard by shard from a meta model, else sliced."""
     if on_meta:
-        return init_sharded(model, placements, groups, seed)
-    return shard_full_model(model, placements, groups, _rank0_values(model))
+        return init_sharded(model, placements, groups, seed, parts)
+    return shard_full_model(model, placements, groups, _rank0_values(model), parts)
 
 
 def _rank0_values(model) -> dict:

@@ -92,7 +92,7 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=N
         groups = MeshGroups(device_mesh(device_type, mesh))
         rewritten = rewrite(model, plan, groups, example_inputs, example_kwargs, precision, device_type,
                             seed_of_job, local_inputs)
-        shards = initial_shards(model, plan.param_placements, groups, on_meta, seed)
+        shards = initial_shards(model, plan.param_placements, groups, on_meta, seed, rewritten.traced.parts)
         regather = Regather(rewritten.graph, set(rewritten.traced.params), reshard_after_forward, groups)
         cm = CompiledModel(rewritten, plan, groups, shards, model, device_type, bucket_mb, precision,
                            lambda m: GraphRunner(m, regather))

@@ -69,8 +69,9 @@ class CompiledModel(nn.Module):
         self.device = device_of(device_type)
         self.graph_module = gm.to(self.device)
         self.name_of = {param_key(k): k for k in shards}
-        trainable = {n: p.requires_grad for n, p in model.named_parameters()}
-        self.trained = {n for n, grad in trainable.items() if grad}  # the model's trained parameters' names
+        self.parts = traced.parts  # fused weights planned as parts: the shards hold parts, the user sees wholes
+        trainable = {n: p.requires_grad for n, p in self.parts.named_parameters(model).items()}
+        self.trained = {n for n, p in model.named_parameters() if p.requires_grad}  # the model's trained parameters
         sync = {param_key(name): axes for name, axes in rewritten.grad_sync.items() if name in shards and trainable[name]}
         self.zero_layouts = {}   # key -> ZeroLayout of ZeRO-1/2 parameters
         self.masters = {}        # key -> float32 master (or offloaded copy) the optimizer updates
@@ -443,7 +444,7 @@ class CompiledModel(nn.Module):
         master=True: the float32 master weights where the optimizer keeps them (mixed
         precision, offload), gathered from their ZeRO chunks."""
         mine = {self.name_of[k]: self.whole_value(k, master) for k in self.shards}
-        out = self.runner.whole(mine, torch.float32 if master and self.masters else None)
+        out = self.parts.join(self.runner.whole(mine, torch.float32 if master and self.masters else None))
         return self._with_aliases_and_buffers({n: t.cpu() for n, t in out.items()})
 
     def _with_aliases_and_buffers(self, params: dict) -> dict:
@@ -455,7 +456,8 @@ class CompiledModel(nn.Module):
     # --- sharded state (torch.distributed.checkpoint) -------------------------------------------
     def state_dict(self, *args, **kwargs) -> dict:
         """This rank's state under the plain model's names, for torch.distributed.checkpoint:
-        parameters as DTensors (this rank's shard, the plan's placements on the mesh),
+        parameters as DTensors (this rank's shard, the plan's placements on the mesh; a
+        fused weight as its parts, `name[a:b]`, the same under every plan of the model),
         persistent buffers as tensors (replicated).  The usual pattern works, and a
         checkpoint saved under one plan or mesh loads under another:
 
@@ -545,11 +547,12 @@ class CompiledModel(nn.Module):
                 mine[self.name_of[k]] = grad
         if not mine:  # no backward yet (the same on every rank)
             return {}
-        return {n: g.cpu() for n, g in self.runner.whole(mine).items() if n in self.trained}
+        return {n: g.cpu() for n, g in self.parts.join(self.runner.whole(mine)).items() if n in self.trained}
 
     def load_full_state_dict(self, state: dict) -> None:
         """Load whole tensors (full_state_dict(), the plain model's state_dict()) into the
         shards, master weights and buffers."""
+        state = self.parts.split(state)
         self.load_state_dict(state, strict=False)
         missing = [n for n in set(self.name_of.values()) if n not in state and not any(
             a in state for a, c in self.aliases.items() if c == n)]

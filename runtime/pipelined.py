@@ -126,9 +126,10 @@ def compile_pipelined(model, mesh: Mesh, example_inputs, example_kwargs, plan, *
     # only the weights this rank's stages read are sliced (or initialised: the RNG still runs
     # through every module, so the values equal the whole model's)
     mine = {name: pl for name, pl in plan.param_placements.items() if group in readers.get(name, ())}
-    shards = initial_shards(model, mine, groups, on_meta, seed)
-    params = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    dtypes = {name: p.dtype for name, p in model.named_parameters()}
+    shards = initial_shards(model, mine, groups, on_meta, seed, traced.parts)
+    planned = traced.parts.named_parameters(model)
+    params = {name: tuple(p.shape) for name, p in planned.items()}
+    dtypes = {name: p.dtype for name, p in planned.items()}
 
     def runner(cm: CompiledModel) -> PipelineRunner:
         meta = {name: (params[name], cm.compute_dtype_of(dtypes[name])) for name in readers}

@@ -7,7 +7,11 @@ block they have (what the planner must get right for each):
 - qk-norm: an RMSNorm over head_dim on every query and key head after the head view
   (Qwen3): heads are independent, so it runs on this rank's heads;
 - parallel: attention and MLP read the same normed input and are summed once
-  (GPT-J, GPT-NeoX, Phi-2, Cohere).
+  (GPT-J, GPT-NeoX, Phi-2, Cohere);
+- fused: one projection computes q, k and v (or gate and up) and its output is split,
+  sliced, chunked or indexed by head (GPT-2, Phi-3, GPTBigCode's multi-query c_attn,
+  autopar's own GPT with fused_qkv): planned as one matmul per part;
+- fused-parallel: a fused multi-query projection in a parallel block (Falcon).
 
 Every config has hidden 64, 8 heads (4 key-value heads where the family groups them; head
 dim 8), 2 layers and a vocabulary of 128, so a
@@ -51,7 +55,16 @@ def _configs():
                       lambda: tf.Qwen2MoeConfig(**_common(num_key_value_heads=KV_HEADS, num_experts=4,
                                                           num_experts_per_tok=2, moe_intermediate_size=HIDDEN,
                                                           shared_expert_intermediate_size=HIDDEN))),
-        "falcon": ("fused", tf.FalconForCausalLM,
+        "gpt2": ("fused", tf.GPT2LMHeadModel,
+                 lambda: tf.GPT2Config(vocab_size=VOCAB, n_positions=512, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
+                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)),
+        "phi3": ("fused", tf.Phi3ForCausalLM,
+                 lambda: tf.Phi3Config(**_common(num_key_value_heads=KV_HEADS, pad_token_id=0))),
+        "gpt_bigcode": ("fused", tf.GPTBigCodeForCausalLM,
+                        lambda: tf.GPTBigCodeConfig(vocab_size=VOCAB, n_positions=512, n_embd=HIDDEN, n_layer=LAYERS,
+                                                    n_head=HEADS, multi_query=True, resid_pdrop=0.0, embd_pdrop=0.0,
+                                                    attn_pdrop=0.0, use_cache=False)),
+        "falcon": ("fused-parallel", tf.FalconForCausalLM,
                    lambda: tf.FalconConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
                                            num_attention_heads=HEADS, use_cache=False)),
         "gptj": ("parallel", tf.GPTJForCausalLM,
@@ -62,21 +75,25 @@ def _configs():
     }
 
 
-FUSED = ["falcon"]  # fused projections split after the matmul: trained, closed form not yet met
+FUSED = ["gpt2", "phi3", "gpt_bigcode", "gpt_fused", "falcon"]
 MOE = ["mixtral", "qwen2_moe"]  # experts still replicated (no expert parallelism yet); router planned
 FAMILIES = ["llama", "qwen2", "mistral", "gemma", "stablelm", "starcoder2", "gemma2", "qwen3", "gptj", "gpt_neox",
             "phi", "cohere"]
 
 
 def block_class(family: str) -> str:
-    return _configs()[family][0]
+    return "fused" if family == "gpt_fused" else _configs()[family][0]
 
 
-def build(family: str):
+def build(family: str, seq: int = 16):
     """(model, kwargs) of `family`, the same on every call (seed 0): input_ids and labels of
-    a batch of 4 sequences of 16 tokens."""
-    _, cls, config = _configs()[family]
+    a batch of 4 sequences of `seq` tokens (`idx` and `targets` for autopar's own GPT)."""
+    ids = torch.randint(0, VOCAB, (4, seq), generator=torch.Generator().manual_seed(1))
     torch.manual_seed(0)
+    if family == "gpt_fused":
+        from autopar.models import GPT, GPTConfig
+        model = GPT(GPTConfig(vocab=VOCAB, max_seq=512, hidden=HIDDEN, n_layers=LAYERS, n_heads=HEADS, fused_qkv=True))
+        return model, {"idx": ids, "targets": ids}
+    _, cls, config = _configs()[family]
     model = cls(config())
-    ids = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(1))
     return model, {"input_ids": ids, "labels": ids}

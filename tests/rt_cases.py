@@ -261,14 +261,14 @@ def compile_error(kind: str) -> str:
     return ""
 
 
-def meta_init_matches_whole(name: str, plan_dict: dict) -> float:
+def meta_init_matches_whole(name: str, plan_dict: dict, overrides: tuple = ()) -> float:
     """Largest difference between a meta model initialised shard by shard under a plan and
     the same model built whole on CPU from the same seed."""
     from autopar.models import build
     plan = Plan.from_dict(plan_dict)
     torch.manual_seed(0)
-    whole, example = build(name)
-    meta, _ = build(name, device="meta")
+    whole, example = build(name, **dict(overrides))
+    meta, _ = build(name, device="meta", **dict(overrides))
     cm = autopar.compile(meta, plan.mesh, example, plan=plan, seed=0)
     full = cm.full_state_dict()
     return max(float((full[n] - p.detach()).abs().max()) for n, p in whole.named_parameters())
