@@ -14,6 +14,8 @@ comparison with autopar's own plan is like for like:
   head as the cost model prefers);
   other axes data parallel.  On a 1-D mesh it is plain "megatron-tp"; on a larger mesh
   "megatron-tp (all axes)" is tensor parallelism over every device.
+- expert-parallel: mixture-of-experts weights split over the tensor-parallel axis, tokens
+  dispatched to them by all-to-all; the rest data parallel.
 """
 from __future__ import annotations
 
@@ -169,12 +171,41 @@ def megatron_zero(tp: int, stage: int):
     return allowed
 
 
+def _expert_weights(problem) -> set:
+    """Indices of the parameters a mixture-of-experts op reads as expert weights."""
+    return {problem.nodes[src].index for pn in problem.nodes if pn.kind == "op" and pn.op == "autopar.experts"
+            for src, _ in pn.inputs[3:6] if problem.nodes[src].kind == "param"}
+
+
+def expert_parallel(mesh):
+    """Experts split over the tensor-parallel axis with their tokens dispatched by all-to-all
+    (each rank holds E / n experts), tokens split on every axis; everything else data
+    parallel (DeepSpeed-MoE and torchtitan's expert parallelism without tensor parallelism)."""
+    ep = tp_axis(mesh)
+    weights: dict = {}
+
+    def allowed(problem, pn, strategy) -> bool:
+        if id(problem) not in weights:
+            weights[id(problem)] = _expert_weights(problem)
+        n = problem.mesh.shape
+        if pn.kind == "param" and pn.index in weights[id(problem)]:
+            return _plain(strategy) and all(
+                (isinstance(p, Shard) and p.dim == 0) if a == ep else isinstance(p, Replicate)
+                for a, p in enumerate(strategy.outputs[0]) if n[a] > 1)
+        if pn.kind == "op" and pn.op == "autopar.experts":
+            return all(kind == ("te" if a == ep else "t") for a, kind in enumerate(strategy.split) if n[a] > 1)
+        return data_parallel(problem, pn, strategy)
+    return allowed
+
+
 def layouts(mesh, every: bool = False) -> dict:
     """name -> restriction for the hand-written layouts that make sense on this mesh: those
     a plan is compared with, and with every=True also Megatron combined with ZeRO-1/2/3
     ("megatron-tp x zero2", ...) on meshes of two or more axes."""
     tp = tp_axis(mesh)
     out = {"data-parallel": data_parallel, "zero1": zero_stage(1), "zero2": zero_stage(2), "zero3": zero3}
+    if every:
+        out["expert-parallel"] = expert_parallel(mesh)
     if sum(1 for s in mesh.shape if s > 1) > 1:
         out["megatron-tp (all axes)"] = megatron(set(range(mesh.ndim)))
         out["megatron-tp x dp"] = megatron({tp})

@@ -157,6 +157,8 @@ def split_fused(gm: fx.GraphModule, params: dict, tied: dict, constants: dict | 
         owners[name] = owners.get(name, 0) + 1
     made: dict[str, Part] = {}
     for node in list(graph.nodes):
+        if node.op == "placeholder" and _param(node, params, tied, owners) is not None:
+            made.update(_split_weight(graph, node, params))
         if node.op != "call_function" or node.target not in _MATMULS:
             continue
         found = _fused_split(node, params, tied, owners, constants or {})
@@ -170,6 +172,28 @@ def split_fused(gm: fx.GraphModule, params: dict, tied: dict, constants: dict | 
         log.info("fused projections planned as parts: %d weights (e.g. %s into %d parts)", len(wholes), wholes[0],
                  sum(1 for p in made.values() if p.whole == wholes[0]))
     return Parts(made)
+
+
+def _split_weight(graph: fx.Graph, weight: fx.Node, params: dict) -> dict:
+    """A weight split itself (an experts module's stacked gate_up_proj chunked into gate and
+    up): each piece becomes a part placeholder."""
+    (split,) = weight.users
+    val = weight.meta["val"]
+    if split.target not in _SPLITS or not isinstance(val, torch.Tensor):
+        return {}
+    ndim = val.dim()
+    dim = (split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)) % ndim
+    found = _split_parts(split, ndim, dim, int(val.shape[dim]), [])
+    if found is None:
+        return {}
+    _, readers, bounds = found
+    name = params.pop(weight.target)
+    made = {}
+    for reader, (lo, hi) in zip(readers, bounds):
+        reader.replace_all_uses_with(_part_placeholder(graph, weight, Part(name, dim, lo, hi), params, made))
+    for node in list(readers) + [split, weight]:
+        graph.erase_node(node)
+    return made
 
 
 def _param(node, params: dict, tied: dict, owners: dict) -> str | None:

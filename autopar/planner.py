@@ -58,6 +58,8 @@ def _plan_built(built: Built, model, mesh: Mesh, budget, compare, time_limit, la
     limit = budget if budget is not None else mesh.device.memory
     rules = B.layouts(mesh)
     every = B.layouts(mesh, every=True)
+    if any(pn.op == "autopar.experts" for pn in problem.nodes):
+        rules["expert-parallel"] = every["expert-parallel"]
     if layout is not None and layout not in every:
         raise ValueError(f"unknown layout {layout!r} for mesh {mesh}; choose one of {sorted(every)}")
     origin = "ilp" if layout is None else f"layout:{layout}"

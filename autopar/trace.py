@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from .experts import experts_as_op
 from .fused import Parts, as_linear, split_fused
 
 log = logging.getLogger("autopar")
@@ -154,7 +155,7 @@ def _trace(model: torch.nn.Module | fx.GraphModule, example_inputs: tuple, examp
     example_kwargs = example_kwargs or {}
     start = time.perf_counter()
     try:
-        with _checkpoints_inline():
+        with _checkpoints_inline(), experts_as_op(model):
             ep = torch.export.export(model, tuple(example_inputs), example_kwargs, strict=False)
     except Exception as exc:  # name the module that failed and why
         where = _module_of_error(exc, model)

@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from autopar.experts import expert_parallel, experts
+
 
 def shard_offset(global_size: int, placements, dim: int, groups) -> tuple[int, int]:
     """(start, length) along `dim` of this rank's shard, following the nesting of axes."""
@@ -21,6 +23,17 @@ def shard_offset(global_size: int, placements, dim: int, groups) -> tuple[int, i
             length //= groups.size(axis)
             start += groups.coordinate(axis) * length
     return start, length
+
+
+def experts_of_this_rank(x, index, weight, gate, up, down, act: str, n_experts: int, axis: int, groups):
+    """The experts op with experts split over `axis` and tokens whole: this rank runs the
+    rows routed to its experts; the output is a Partial sum over the axis."""
+    return experts(x, index, weight, gate, up, down, act, groups.coordinate(axis) * gate.shape[0])
+
+
+def expert_parallel_on_axis(x, index, weight, gate, up, down, act: str, n_experts: int, axis: int, groups):
+    """The experts op with tokens and experts split over `axis`: all-to-all dispatch and combine."""
+    return expert_parallel(x, index, weight, gate, up, down, act, n_experts, groups.group(axis))
 
 
 def vocab_parallel_embedding(weight, indices, vocab: int, weight_placements, axes: tuple, groups):

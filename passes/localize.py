@@ -68,7 +68,10 @@ def localize(gm: fx.GraphModule, plan) -> fx.GraphModule:
             d = dim % len(node.args[0].meta["val"].shape)
             node.args = (node.args[0], dim, size[d:d + len(sizes)])
         split_reduced = tuple(choice.reduced)
-        if name == "aten.embedding" and split_reduced:
+        _out_of_place_on_moves(node)
+        if name == "autopar.experts":
+            _to_local_experts(node, choice)
+        elif name == "aten.embedding" and split_reduced:
             _to_vocab_parallel_embedding(node, choice, split_reduced)
         elif name in ("aten.cross_entropy_loss",):
             _to_local_cross_entropy(gm, node, choice, split_reduced)
@@ -87,6 +90,35 @@ def _arg(node, index, name, default):
     if len(node.args) > index:
         return node.args[index]
     return node.kwargs.get(name, default)
+
+
+def _out_of_place_on_moves(node) -> None:
+    """An in-place op (a router's div_) whose operand was moved writes into the move's
+    result, which autograd forbids; the rule admits such an op only when nothing reads the
+    written tensor afterwards, so its out-of-place form computes the same."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or not node.args or not isinstance(node.args[0], fx.Node) \
+            or node.args[0].target is not move:
+        return
+    packet = target.overloadpacket.__name__
+    if not packet.endswith("_") or packet.startswith("_"):
+        return
+    plain = getattr(getattr(torch.ops.aten, packet[:-1], None), target._overloadname, None)
+    if plain is not None:
+        node.target = plain
+
+
+def _to_local_experts(node, choice):
+    """Experts split over an axis ("e": this rank's share of the experts, tokens whole; "te":
+    expert parallelism with all-to-all dispatch); tokens or the inner dim split need nothing."""
+    n_experts = _global_shape(node, 3)[0]
+    axes = {kind: axis for axis, kind in enumerate(choice.split) if kind in ("e", "te")}
+    if "e" in axes:
+        node.target = local_ops.experts_of_this_rank
+        node.args = tuple(node.args[:7]) + (n_experts, axes["e"], _groups_node(node))
+    elif "te" in axes:
+        node.target = local_ops.expert_parallel_on_axis
+        node.args = tuple(node.args[:7]) + (n_experts, axes["te"], _groups_node(node))
 
 
 def _to_vocab_parallel_embedding(node, choice, axes):

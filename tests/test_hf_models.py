@@ -4,6 +4,7 @@ import warnings
 
 import pytest
 import torch
+from torch.distributed.tensor import Shard
 
 import autopar
 
@@ -121,23 +122,35 @@ def test_compiled_graph_runs_the_moves_the_plan_prices(pool4, family):
 
 @pytest.mark.parametrize("family", MOE)
 def test_mixture_of_experts_trains_like_one_device(pool4, family):
-    """Mixture-of-experts models (stacked expert weights, top-k router, grouped matmul): the
-    router's softmax, top-k and in-place renormalisation are planned like any op; the
-    grouped expert matmul has no rule yet and runs replicated with one warning.  Trained
-    on 4 ranks under the solver's plan on (4,) and (2, 2) they equal one device."""
+    """Mixture-of-experts models (stacked expert weights, top-k router): the experts run as
+    one planned op (autopar/experts.py), dropless.  Trained on 4 ranks they equal one
+    device under the solver's plan on (4,) and (2, 2), the expert-parallel layout (experts
+    split over tp, tokens dispatched by all-to-all) on (4,) and (2, 2), and random valid
+    plans, which also split experts with tokens whole and the experts' inner dim."""
     model, kwargs = build(family)
-    failures = []
+    plans = {}
     for shape, names in (((4,), ("tp",)), ((2, 2), ("dp", "tp"))):
         mesh = autopar.Mesh(shape, names, device="cpu")
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            plan = autopar.plan(model, mesh, example_kwargs=kwargs, compare=False)
-        assert plan.fallback_ops == ("transformers.grouped_mm_fallback",), plan.fallback_ops
-        assert sum("no sharding rule" in str(w.message) for w in caught) == 1
+            plans[f"ilp {shape}"] = autopar.plan(model, mesh, example_kwargs=kwargs, compare=False)
+        assert plans[f"ilp {shape}"].fallback_ops == () and not [w for w in caught if "no sharding rule" in str(w.message)]
+        plans[f"expert-parallel {shape}"] = ep = autopar.plan(model, mesh, example_kwargs=kwargs, compare=False,
+                                                              layout="expert-parallel")
+        kinds = {n.strategy for n in ep.nodes if n.op == "autopar.experts"}
+        assert kinds == {"tp=expert-parallel" if shape == (4,) else "dp=tokens tp=expert-parallel"}, kinds
+        experts = {n: p for n, p in ep.param_placements.items() if ".experts." in n}
+        assert experts and all(p[-1] == Shard(0) for p in experts.values()), experts
+    mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="cpu")
+    for seed in (1, 2, 3):
+        plans[f"random {seed}"] = autopar.plan(model, mesh, example_kwargs=kwargs, compare=False, random_seed=seed)
+    seen = {n.strategy for p in plans.values() for n in p.nodes if n.op == "autopar.experts"}
+    failures = []
+    for label, plan in plans.items():
         result = pool4.run(train_and_compare, ("hf-arch", family), plan.to_dict())[0]
         if not result["ok"]:
-            failures.append(f"{shape}: loss {result['loss']:.2e} grad {result['grad']} param {result['param']}")
-    assert not failures, "\n".join(failures)
+            failures.append(f"{label}: loss {result['loss']:.2e} grad {result['grad']} param {result['param']}")
+    assert not failures, "\n".join(failures) + f"\nexperts ran as {sorted(seen)}"
 
 
 def test_head_count_that_does_not_divide_is_explained(caplog):

@@ -14,6 +14,7 @@ from .. import cost as C
 from ..mesh import Mesh
 from ..ops import (INTERNAL_COMM, Strategy, annotate, enumerate_strategies, op_name, replicated,
                    show_placements)
+from ..ops.experts_rule import experts_strategies
 from .graph import PNode
 
 log = logging.getLogger("autopar")
@@ -43,6 +44,8 @@ def build_menus(nodes: list, readers: dict, mesh: Mesh) -> tuple[list, list]:
             # they are made whole on every rank and each consumer slices what it needs
             # (free); planning them would only grow the ILP
             pn.strategies = [replicated(len(pn.inputs), len(pn.out_shapes), mesh.ndim, needs)]
+        elif pn.op == "autopar.experts":
+            pn.strategies = experts_strategies(in_shapes, mesh.shape, mesh.axis_names, needs)
         else:
             try:
                 ann = annotate(pn.node, in_shapes, pn.out_shapes)

@@ -1,0 +1,248 @@
+"""Mixture-of-experts layers as one planned op: `autopar::experts`.
+
+A Hugging Face experts module (transformers 5: stacked weights `gate_up_proj
+[experts, 2 * inner, hidden]` and `down_proj [experts, hidden, inner]`, called with the
+router's choices) traces to a sort, a histogram and grouped matmuls whose row counts
+depend on the routing: no sharding rule can say which rows a rank holds.  While tracing,
+autopar calls such a module through one op instead:
+
+    experts(x [tokens, hidden], index [tokens, k], weight [tokens, k],
+            gate [E, inner, hidden], up [E, inner, hidden], down [E, hidden, inner], act)
+        -> [tokens, hidden]:  sum_s weight[t, s] * down[e] @ (act(gate[e] @ x[t]) * (up[e] @ x[t])),
+                              e = index[t, s]
+
+Every token reaches all k experts it picked (dropless: no capacity, nothing dropped).
+The op's strategies (autopar/ops/experts_rule.py) split tokens (data parallel), experts
+with tokens whole (each rank its experts' share, a Partial sum), the inner dim (tensor
+parallelism inside every expert, a Partial sum) or tokens and experts on one axis
+(expert parallelism: each rank sends its tokens' rows to the ranks holding their experts
+with an all-to-all and takes the results back with another; see `expert_parallel`).
+
+The op's own implementation is the one-device reference: a loop over experts, exact.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+log = logging.getLogger("autopar")
+
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+               "relu": F.relu}
+
+
+def experts_math(x, index, weight, gate, up, down, act: str, first: int = 0):
+    """The experts' output (differentiable): experts [first, first + gate.shape[0]) of the
+    model's, given as local weights; rows routed to other experts contribute zero."""
+    tokens, k = index.shape
+    flat = index.reshape(-1)
+    rows = []
+    out = x.new_zeros(tokens * k, x.shape[-1])
+    f = ACTIVATIONS[act]
+    for e in range(gate.shape[0]):
+        rows = (flat == first + e).nonzero().squeeze(-1)
+        if rows.numel() == 0:
+            continue
+        h = x[rows // k]
+        y = (f(h @ gate[e].T) * (h @ up[e].T)) @ down[e].T
+        out = out.index_put((rows,), y)
+    return (out * weight.reshape(-1, 1).to(out.dtype)).view(tokens, k, -1).sum(1)
+
+
+@torch.library.custom_op("autopar::experts", mutates_args=())
+def experts(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+            down: torch.Tensor, act: str, first: int = 0) -> torch.Tensor:
+    """first: the model's index of the first expert whose weights are given (a rank holding
+    some of the experts: rows routed elsewhere contribute zero)."""
+    return experts_math(x, index, weight, gate, up, down, act, first)
+
+
+@experts.register_fake
+def _(x, index, weight, gate, up, down, act, first=0):
+    return x.new_empty(x.shape)
+
+
+def _recomputed_grads(grad, x, index, weight, gate, up, down, act, first):
+    """Gradients of x, weight, gate, up, down: the forward run again under autograd."""
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_(True) for t in (x, weight, gate, up, down)]
+        out = experts_math(leaves[0], index, leaves[1], leaves[2], leaves[3], leaves[4], act, first)
+        grads = torch.autograd.grad(out, leaves, grad, allow_unused=True)
+    return tuple(g if g is not None else torch.zeros_like(t) for g, t in zip(grads, leaves))
+
+
+@torch.library.custom_op("autopar::experts_backward", mutates_args=())
+def experts_backward(grad: torch.Tensor, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor,
+                     gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, act: str,
+                     first: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward as one op, for shapes and the FLOP count on meta tensors (the real
+    backward recomputes under autograd, see _backward)."""
+    raise NotImplementedError("autopar::experts_backward runs on meta tensors only")
+
+
+@experts_backward.register_fake
+def _(grad, x, index, weight, gate, up, down, act, first=0):
+    return (x.new_empty(x.shape), weight.new_empty(weight.shape), gate.new_empty(gate.shape),
+            up.new_empty(up.shape), down.new_empty(down.shape))
+
+
+def _setup(ctx, inputs, output):
+    x, index, weight, gate, up, down, act, first = inputs
+    ctx.save_for_backward(x, index, weight, gate, up, down)
+    ctx.act, ctx.first = act, first
+
+
+def _backward(ctx, grad):
+    x, index, weight, gate, up, down = ctx.saved_tensors
+    if x.device.type == "meta":
+        gx, gw, gg, gu, gd = experts_backward(grad, x, index, weight, gate, up, down, ctx.act, ctx.first)
+    else:
+        gx, gw, gg, gu, gd = _recomputed_grads(grad, x, index, weight, gate, up, down, ctx.act, ctx.first)
+    return gx, None, gw, gg, gu, gd, None, None
+
+
+experts.register_autograd(_backward, setup_context=_setup)
+
+
+def _flops(x_shape, index_shape, gate_shape) -> int:
+    """Three matmuls of inner x hidden per routed row (tokens x k rows)."""
+    rows = index_shape[0] * index_shape[1]
+    return 2 * rows * gate_shape[1] * gate_shape[2] * 3
+
+
+try:  # the FLOP counter the cost model reads
+    from torch.utils.flop_counter import register_flop_formula
+
+    @register_flop_formula(torch.ops.autopar.experts)
+    def _experts_flops(x_shape, index_shape, weight_shape, gate_shape, up_shape, down_shape, *args, out_shape=None,
+                       **kwargs) -> int:
+        return _flops(x_shape, index_shape, gate_shape)
+
+    @register_flop_formula(torch.ops.autopar.experts_backward)
+    def _experts_backward_flops(grad_shape, x_shape, index_shape, weight_shape, gate_shape, *args, out_shape=None,
+                                **kwargs) -> int:
+        return 3 * _flops(x_shape, index_shape, gate_shape)  # the forward again, then twice its work
+except (ImportError, TypeError):  # pragma: no cover - an older torch without custom formulas
+    pass
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows exchanged between the ranks of `group`: `send[j]` rows to rank j, `recv[j]` rows
+    from it.  The gradient travels the reverse way."""
+
+    @staticmethod
+    def forward(ctx, rows, recv: list, send: list, group):
+        ctx.recv, ctx.send, ctx.group = recv, send, group
+        out = rows.new_empty(sum(recv), *rows.shape[1:])
+        dist.all_to_all_single(out, rows.contiguous(), recv, send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        back = grad.new_empty(sum(ctx.send), *grad.shape[1:])
+        dist.all_to_all_single(back, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
+        return back, None, None, None
+
+
+def expert_parallel(x, index, weight, gate, up, down, act: str, n_experts: int, group):
+    """The op on one rank of an expert-parallel axis (`group`, n ranks): x [tokens / n, hidden]
+    this rank's tokens; gate, up, down the weights of experts [r * E / n, (r + 1) * E / n).
+
+    Dispatch: the (token, slot) rows, ordered by expert, go to the rank holding their expert
+    (one all-to-all of the row counts, one of the rows and one of their expert ids); each
+    rank runs its experts on what it received; combine: the results travel back the same
+    way (the reverse all-to-all).  Both all-to-alls are differentiable: their backward is
+    the all-to-all the other way round."""
+    n = dist.get_world_size(group)
+    local = n_experts // n
+    tokens, k = index.shape
+    flat = index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    owner = flat[order] // local
+    send = torch.bincount(owner, minlength=n)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    send_sizes, recv_sizes = send.tolist(), recv.tolist()
+    rows = x[order // k]
+    ids = flat[order].contiguous()
+    got_ids = ids.new_empty(sum(recv_sizes))
+    dist.all_to_all_single(got_ids, ids, recv_sizes, send_sizes, group=group)
+    got = _AllToAll.apply(rows, recv_sizes, send_sizes, group)
+    first = dist.get_rank(group) * local
+    ones = torch.ones(got.shape[0], 1, dtype=got.dtype, device=got.device)
+    done = experts(got, got_ids.unsqueeze(-1), ones, gate, up, down, act, first)
+    back = _AllToAll.apply(done, send_sizes, recv_sizes, group)
+    out = torch.empty_like(back).index_copy(0, order, back)  # rows in (token, slot) order again
+    return (out * weight.reshape(-1, 1).to(out.dtype)).view(tokens, k, -1).sum(1)
+
+
+# --- tracing Hugging Face experts modules through the op ----------------------------------------
+
+_ACT_NAMES = {"SiLUActivation": "silu", "SiLU": "silu", "GELUActivation": "gelu", "GELU": "gelu",
+              "NewGELUActivation": "gelu_tanh", "GELUTanh": "gelu_tanh", "PytorchGELUTanh": "gelu_tanh",
+              "ReLU": "relu"}
+
+
+def _activation(module) -> str | None:
+    act = getattr(module, "act_fn", None)
+    name = _ACT_NAMES.get(type(act).__name__)
+    if name == "gelu" and getattr(act, "approximate", "none") == "tanh":
+        name = "gelu_tanh"
+    return name
+
+
+def why_not(module) -> str | None:
+    """Why an experts module cannot be traced as the op (None: it can)."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor) or gate_up.dim() != 3:
+        return "no stacked gate_up_proj / down_proj weights"
+    for flag, want in (("has_gate", True), ("has_bias", False), ("has_post_expert_norm", False),
+                       ("is_concatenated", True)):
+        if getattr(module, flag, want) != want:
+            return f"{flag}={not want}"
+    apply_gate = getattr(type(module), "_apply_gate", None)
+    if apply_gate is not None and getattr(apply_gate, "__name__", "") != "_default_apply_gate":
+        return "a custom gate"
+    if _activation(module) is None:
+        return f"activation {type(getattr(module, 'act_fn', None)).__name__}"
+    return None
+
+
+def _forward(module, hidden_states, top_k_index, top_k_weights):
+    transposed = bool(getattr(module, "is_transposed", False))
+    gate, up = module.gate_up_proj.chunk(2, dim=2 if transposed else 1)  # planned as two parts
+    down = module.down_proj
+    if transposed:
+        gate, up, down = gate.transpose(1, 2), up.transpose(1, 2), down.transpose(1, 2)
+    out = experts(hidden_states, top_k_index, top_k_weights.to(hidden_states.dtype), gate, up, down,
+                  _activation(module))
+    return out.to(hidden_states.dtype)
+
+
+def is_experts_module(module) -> bool:
+    return hasattr(module, "gate_up_proj") and hasattr(module, "down_proj") and hasattr(module, "has_gate")
+
+
+@contextlib.contextmanager
+def experts_as_op(model: torch.nn.Module):
+    """While tracing, every experts module the op covers runs through it; the others are
+    traced as they are (their grouped matmuls then run replicated, with the usual warning)."""
+    patched = []
+    for name, module in model.named_modules():
+        if not is_experts_module(module):
+            continue
+        reason = why_not(module)
+        if reason is not None:
+            log.warning("autopar: experts in %s traced as written (%s): they run replicated", name, reason)
+            continue
+        module.forward = _forward.__get__(module)
+        patched.append(module)
+    try:
+        yield len(patched)
+    finally:
+        for module in patched:
+            del module.forward

@@ -1,0 +1,75 @@
+"""Strategies of the mixture-of-experts op (autopar/experts.py).
+
+Operands: x [tokens, hidden], index [tokens, k], weight [tokens, k], gate and up
+[experts, inner, hidden], down [experts, hidden, inner]; output [tokens, hidden].  Each mesh
+axis does one of:
+
+- "t" tokens: x, index, weight and the output Shard(0); the expert weights whole, their
+  gradients Partial (data parallel);
+- "e" experts, tokens whole: every rank runs the rows routed to its experts (weights
+  Shard(0)); the output, and the gradients of x and weight, are Partial sums;
+- "i" the inner dim: gate and up Shard(1), down Shard(2) (Megatron inside every expert);
+  output Partial;
+- "te" expert parallelism: tokens and experts split on the same axis; each rank sends
+  the rows of its tokens to the ranks holding their experts and takes the results back
+  (two all-to-alls forward, two backward, each of tokens x k rows of hidden values
+  assuming balanced routing: (n - 1) / n of them leave the rank).
+
+At most one axis does "e", "i" or "te"; the others split tokens or nothing.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from .strategy import Strategy
+
+KINDS = (None, "t", "e", "i", "te")
+_R, _P = Replicate(), Partial()
+
+
+def _axis(kind):
+    """(inputs, outputs, grads) placements of one axis: per operand x, index, weight, gate, up, down."""
+    s0 = Shard(0)
+    if kind is None:
+        return (_R,) * 6, (_R,), (_R,) * 6
+    if kind == "t":
+        return (s0, s0, s0, _R, _R, _R), (s0,), (s0, s0, s0, _P, _P, _P)
+    if kind == "e":
+        return (_R, _R, _R, s0, s0, s0), (_P,), (_P, _R, _P, s0, s0, s0)
+    if kind == "i":
+        return (_R, _R, _R, Shard(1), Shard(1), Shard(2)), (_P,), (_P, _R, _P, Shard(1), Shard(1), Shard(2))
+    return (s0,) * 6, (s0,), (s0,) * 6  # "te"
+
+
+def experts_strategies(in_shapes, mesh_shape, axis_names, needs_grad) -> list[Strategy]:
+    tokens, k = in_shapes[1]
+    n_experts, inner = in_shapes[3][0], in_shapes[3][1]
+    hidden = in_shapes[0][-1]
+    out = []
+    for split in itertools.product(KINDS, repeat=len(mesh_shape)):
+        if any(n == 1 and kind is not None for kind, n in zip(split, mesh_shape)):
+            continue
+        if sum(1 for kind in split if kind not in (None, "t")) > 1:
+            continue
+        token_ways = math.prod(n for kind, n in zip(split, mesh_shape) if kind in ("t", "te"))
+        expert_ways = math.prod(n for kind, n in zip(split, mesh_shape) if kind in ("e", "te"))
+        inner_ways = math.prod(n for kind, n in zip(split, mesh_shape) if kind == "i")
+        if tokens % token_ways or n_experts % expert_ways or inner % inner_ways:
+            continue
+        per_axis = [_axis(kind) for kind in split]
+        inputs = tuple(tuple(ax[0][i] for ax in per_axis) for i in range(6))
+        outputs = (tuple(ax[1][0] for ax in per_axis),)
+        grads = tuple(tuple(ax[2][i] for ax in per_axis) if needs_grad[i] else None for i in range(6))
+        # dispatch and combine, forward and backward: four all-to-alls of tokens x k rows
+        comm = tuple(("all_to_all", a, 4 * k * hidden) for a, kind in enumerate(split) if kind == "te")
+        reduced = tuple(a for a, kind in enumerate(split) if kind in ("e", "i"))
+        name = " ".join(f"{ax}={_NAMES[kind]}" for ax, kind in zip(axis_names, split) if kind) or "replicate"
+        factor = math.prod(n for kind, n in zip(split, mesh_shape) if kind)  # balanced routing
+        out.append(Strategy(split, inputs, outputs, grads, factor, name, comm, reduced=reduced))
+    return out
+
+
+_NAMES = {"t": "tokens", "e": "experts", "i": "inner", "te": "expert-parallel"}
