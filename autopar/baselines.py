@@ -13,7 +13,8 @@ comparison with autopar's own plan is like for like:
   axis (column or row, Megatron-LM style; biases, norm weights, embeddings and the output
   head as the cost model prefers);
   other axes data parallel.  On a 1-D mesh it is plain "megatron-tp"; on a larger mesh
-  "megatron-tp (all axes)" is tensor parallelism over every device.
+  "megatron-tp (all axes)" is tensor parallelism over every device.  Mixture-of-experts
+  layers split every expert's inner dim on the tensor-parallel axes.
 - expert-parallel: mixture-of-experts weights split over the tensor-parallel axis, tokens
   dispatched to them by all-to-all; the rest data parallel.
 """
@@ -24,7 +25,7 @@ import math
 
 from torch.distributed.tensor import Replicate, Shard
 
-from .ops.strategy import PASS
+from .ops.strategy import passes_partial
 
 
 def tp_axis(mesh) -> int:
@@ -130,6 +131,8 @@ def megatron(axes_tp):
                 if a not in axes_tp and not isinstance(p, Replicate):
                     return False
             return True
+        if pn.op == "autopar.experts":  # tensor parallelism inside every expert, tokens split elsewhere
+            return all(kind == ("i" if a in axes_tp else "t") for a, kind in enumerate(strategy.split) if n[a] > 1)
         if not _splits_on(problem, pn, strategy, [a for a in range(len(n)) if a not in axes_tp]):
             return False
         for src, pl in _param_operands(problem, pn, strategy):
@@ -143,7 +146,7 @@ def megatron(axes_tp):
         if any(True for _ in _param_operands(problem, pn, strategy)):
             for a in axes_tp:  # a layer with weights splits a weight dim or heads on tp, never the batch
                 letter = strategy.split[a]
-                if letter not in (None, PASS) and not any(
+                if letter is not None and not passes_partial(letter) and not any(
                         isinstance(p[a], Shard) for _, p in _param_operands(problem, pn, strategy)) \
                         and not _splits_heads(problem, pn, strategy, a):
                     return False

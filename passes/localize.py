@@ -16,7 +16,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
 
 from autopar.ops import op_name, outputs_of, tensor_args
-from autopar.ops.strategy import PASS
+from autopar.ops.strategy import passes_partial
 
 from . import local_ops
 from .collectives import get_attr, move
@@ -132,7 +132,7 @@ def _to_vocab_parallel_embedding(node, choice, axes):
 def _to_local_cross_entropy(gm, node, choice, split_reduced):
     letters = choice.split
     class_axes = tuple(a for a, l in enumerate(letters) if l == "classes")
-    batch_axes = tuple(a for a, l in enumerate(letters) if l not in (None, PASS, "classes"))
+    batch_axes = tuple(a for a, l in enumerate(letters) if l not in (None, "classes") and not passes_partial(l))
     if not class_axes and not batch_axes:
         return
     args = list(node.args) + [None] * (6 - len(node.args))

@@ -11,7 +11,9 @@ block they have (what the planner must get right for each):
 - fused: one projection computes q, k and v (or gate and up) and its output is split,
   sliced, chunked or indexed by head (GPT-2, Phi-3, GPTBigCode's multi-query c_attn,
   autopar's own GPT with fused_qkv): planned as one matmul per part;
-- fused-parallel: a fused multi-query projection in a parallel block (Falcon).
+- fused-parallel: a fused multi-query projection in a parallel block (Falcon);
+- moe: a top-k router and stacked experts (Mixtral, Qwen2-MoE with a shared expert, OLMoE
+  with full-width QK norms, Qwen3-MoE with per-head QK norms, GraniteMoE).
 
 Every config has hidden 64, 8 heads (4 key-value heads where the family groups them; head
 dim 8), 2 layers and a vocabulary of 128, so a
@@ -64,6 +66,15 @@ def _configs():
                         lambda: tf.GPTBigCodeConfig(vocab_size=VOCAB, n_positions=512, n_embd=HIDDEN, n_layer=LAYERS,
                                                     n_head=HEADS, multi_query=True, resid_pdrop=0.0, embd_pdrop=0.0,
                                                     attn_pdrop=0.0, use_cache=False)),
+        "olmoe": ("moe", tf.OlmoeForCausalLM,  # full-width QK norms too
+                  lambda: tf.OlmoeConfig(**_common(num_key_value_heads=KV_HEADS, num_experts=4, num_experts_per_tok=2))),
+        "qwen3_moe": ("moe", tf.Qwen3MoeForCausalLM,
+                      lambda: tf.Qwen3MoeConfig(**_common(num_key_value_heads=KV_HEADS, num_experts=4,
+                                                          num_experts_per_tok=2, moe_intermediate_size=HIDDEN,
+                                                          head_dim=HIDDEN // HEADS))),
+        "granitemoe": ("moe", tf.GraniteMoeForCausalLM,
+                       lambda: tf.GraniteMoeConfig(**_common(num_key_value_heads=KV_HEADS, num_local_experts=4,
+                                                             num_experts_per_tok=2))),
         "falcon": ("fused-parallel", tf.FalconForCausalLM,
                    lambda: tf.FalconConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
                                            num_attention_heads=HEADS, use_cache=False)),
@@ -76,7 +87,7 @@ def _configs():
 
 
 FUSED = ["gpt2", "phi3", "gpt_bigcode", "gpt_fused", "falcon"]
-MOE = ["mixtral", "qwen2_moe"]  # experts still replicated (no expert parallelism yet); router planned
+MOE = ["mixtral", "qwen2_moe", "olmoe", "qwen3_moe", "granitemoe"]  # experts as one op (autopar/experts.py)
 FAMILIES = ["llama", "qwen2", "mistral", "gemma", "stablelm", "starcoder2", "gemma2", "qwen3", "gptj", "gpt_neox",
             "phi", "cohere"]
 

@@ -18,6 +18,8 @@ From the same annotation follow the gradient placements (see strategy.py).
 """
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass, field
 
 Letters = tuple  # tuple[str | None, ...]: one letter (or None) per dim
@@ -34,6 +36,7 @@ class Annotation:
     partial_inputs: frozenset = frozenset()   # operand indices that may come in Partial
     lookup: frozenset = frozenset()           # reducible letters whose other operands stay Replicate
     linear: bool = False                      # all-Partial inputs give a Partial output
+    partial_through: tuple = ()               # operands a Partial may pass alone, the others whole (x * gate)
     alias: tuple[tuple[str, str], ...] = field(default=())  # letter -> name shown in plans
 
     def letters(self) -> list[str]:
@@ -106,11 +109,12 @@ def parse(spec: str, in_shapes, out_shapes, *, partial_inputs=(), lookup=(), lin
                       frozenset(lookup), linear, tuple(alias))
 
 
-def elementwise(in_shapes, out_shape, *, linear=False) -> Annotation:
+def elementwise(in_shapes, out_shape, *, linear=False, partial_through=()) -> Annotation:
     """Broadcasting elementwise op: every output dim is a letter, aligned from the right."""
     letters = [f"e{i}" for i in range(len(out_shape))]
     spec = ", ".join(" ".join(letters[len(out_shape) - len(s):]) if len(s) else "" for s in in_shapes)
-    return parse(f"{spec} -> {' '.join(letters)}", in_shapes, (out_shape,), linear=linear)
+    ann = parse(f"{spec} -> {' '.join(letters)}", in_shapes, (out_shape,), linear=linear)
+    return dataclasses.replace(ann, partial_through=tuple(partial_through)) if partial_through else ann
 
 
 def reduction(in_shape, out_shape, dims, keepdim, *, partial: bool) -> Annotation:

@@ -90,7 +90,8 @@ def _elementwise_rule(node, ins, outs):
         rank = len(ins[0])
         letters = [f"e{i}" for i in range(rank - 2)] + ["r^", "c^"]
         return parse(f"{' '.join(letters)} -> {' '.join(letters)}", ins, outs)
-    return elementwise(ins, outs[0], linear=_is_linear_elementwise(name, node, len(ins)))
+    through = (0, 1) if name == "aten.mul" and len(ins) == 2 else (0,) if name == "aten.div" and len(ins) == 2 else ()
+    return elementwise(ins, outs[0], linear=_is_linear_elementwise(name, node, len(ins)), partial_through=through)
 
 
 def _written_then_unread(node) -> bool:

@@ -25,6 +25,12 @@ Placements = tuple  # one torch placement per mesh axis
 PASS = "+"  # the axis carries Partial values straight through a linear op
 
 
+def passes_partial(letter) -> bool:
+    """The axis carries Partial values through the op: every operand (PASS, a linear op) or
+    one operand "+j" with the others whole (x * gate, x / y)."""
+    return letter == PASS or (isinstance(letter, str) and letter[:1] == PASS and letter[1:].isdigit())
+
+
 @dataclass(frozen=True)
 class Strategy:
     """One way to run a node on the mesh.
@@ -106,7 +112,7 @@ def enumerate_strategies(ann: Annotation, in_shapes, out_shapes, mesh_shape, axi
                     letter not in ins and i not in ann.partial_inputs for i, ins in enumerate(ann.inputs)):
                 continue
         candidates.append(letter)
-    menu = [None] + candidates + ([PASS] if ann.linear else [])
+    menu = [None] + candidates + ([PASS] if ann.linear else []) + [f"{PASS}{j}" for j in ann.partial_through]
     alias = dict(ann.alias)
     # a placement depends on one operand and one letter only: work each out once per letter
     operand_of = [{letter: _operand_placement(ann, i, letters, letter, out_letters) for letter in menu}
@@ -121,7 +127,7 @@ def enumerate_strategies(ann: Annotation, in_shapes, out_shapes, mesh_shape, axi
         for letter, n in zip(split, mesh_shape):
             if letter is not None and n > 1:
                 factors[letter] = factors.get(letter, 1) * n
-        if any(l != PASS and any(s % f for s in sizes.get(l, [1])) for l, f in factors.items()):
+        if any(not passes_partial(l) and any(s % f for s in sizes.get(l, [1])) for l, f in factors.items()):
             continue
         inputs = tuple(tuple(table[l][0] for l in split) for table in operand_of)
         grads = tuple(tuple(table[l][1] for l in split) if needs_grad[i] else None
@@ -129,14 +135,18 @@ def enumerate_strategies(ann: Annotation, in_shapes, out_shapes, mesh_shape, axi
         outputs = tuple(tuple(table[l] for l in split) for table in output_of)
         name = " ".join(f"{ax}={alias.get(l, l)}" for ax, l in zip(axis_names, split)
                         if l is not None) or "replicate"
-        reduced = tuple(a for a, l in enumerate(split) if l not in (None, PASS) and l not in out_letters)
+        reduced = tuple(a for a, l in enumerate(split) if l is not None and not passes_partial(l)
+                        and l not in out_letters)
         result.append(Strategy(tuple(split), inputs, outputs, grads,
-                               math.prod(factors.get(l, 1) for l in factors if l != PASS), name, reduced=reduced))
+                               math.prod(factors.get(l, 1) for l in factors if not passes_partial(l)), name,
+                               reduced=reduced))
     return result
 
 
 def _operand_placement(ann: Annotation, i: int, letters, letter, out_letters):
     """(placement, gradient placement) of operand i on an axis that splits `letter`."""
+    if passes_partial(letter) and letter != PASS:  # "+j": operand j Partial, the others whole
+        return (Partial(), Replicate()) if i == int(letter[1:]) else (Replicate(), Partial())
     contracted = letter is not None and letter != PASS and letter not in out_letters
     lookup = letter in ann.lookup
     p = _placement(letters, letter, contracted and not lookup, i in ann.partial_inputs)
