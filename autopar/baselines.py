@@ -115,7 +115,7 @@ def megatron(axes_tp):
             head_dims[id(problem)] = _head_dim(problem)
         hd = head_dims[id(problem)]
         tp = math.prod(problem.mesh.shape[a] for a in axes_tp)
-        return hd is None or min(shape) >= tp * hd
+        return hd is None or len(shape) > 2 or min(shape) >= tp * hd
 
     def allowed(problem, pn, strategy) -> bool:
         n = problem.mesh.shape

@@ -5,6 +5,8 @@ Every rule returns an `Annotation` for the node's tensor operands in the order o
 """
 from __future__ import annotations
 
+import math
+
 import operator
 
 import torch
@@ -90,8 +92,17 @@ def _elementwise_rule(node, ins, outs):
         rank = len(ins[0])
         letters = [f"e{i}" for i in range(rank - 2)] + ["r^", "c^"]
         return parse(f"{' '.join(letters)} -> {' '.join(letters)}", ins, outs)
-    through = (0, 1) if name == "aten.mul" and len(ins) == 2 else (0,) if name == "aten.div" and len(ins) == 2 else ()
-    return elementwise(ins, outs[0], linear=_is_linear_elementwise(name, node, len(ins)), partial_through=through)
+    return elementwise(ins, outs[0], linear=_is_linear_elementwise(name, node, len(ins)),
+                       partial_through=_scaled_operands(name, ins, outs[0]))
+
+
+def _scaled_operands(name: str, ins, out) -> tuple:
+    """Operands of x * g (and x / g) that a Partial may pass through alone: x, when the
+    other operand is a smaller tensor broadcast over it (a per-token gate or statistic)."""
+    if len(ins) != 2 or name not in ("aten.mul", "aten.div"):
+        return ()
+    size = math.prod(out)
+    return tuple(j for j in ((0, 1) if name == "aten.mul" else (0,)) if math.prod(ins[1 - j]) < size)
 
 
 def _written_then_unread(node) -> bool:
