@@ -40,7 +40,6 @@ def experts_math(x, index, weight, gate, up, down, act: str, first: int = 0):
     model's, given as local weights; rows routed to other experts contribute zero."""
     tokens, k = index.shape
     flat = index.reshape(-1)
-    rows = []
     out = x.new_zeros(tokens * k, x.shape[-1])
     f = ACTIVATIONS[act]
     for e in range(gate.shape[0]):
@@ -50,7 +49,13 @@ def experts_math(x, index, weight, gate, up, down, act: str, first: int = 0):
         h = x[rows // k]
         y = (f(h @ gate[e].T) * (h @ up[e].T)) @ down[e].T
         out = out.index_put((rows,), y)
-    return (out * weight.reshape(-1, 1).to(out.dtype)).view(tokens, k, -1).sum(1)
+    return _combine(out, weight, tokens, k, x.dtype)
+
+
+def _combine(rows, weight, tokens: int, k: int, dtype):
+    """Each token's k expert outputs weighted and summed in slot order (the router's weights
+    keep their own dtype in the product, as the model's experts compute it)."""
+    return (rows * weight.reshape(-1, 1)).view(tokens, k, -1).sum(1).to(dtype)
 
 
 @torch.library.custom_op("autopar::experts", mutates_args=())
@@ -177,7 +182,7 @@ def expert_parallel(x, index, weight, gate, up, down, act: str, n_experts: int, 
     done = experts(got, got_ids.unsqueeze(-1), ones, gate, up, down, act, first)
     back = _AllToAll.apply(done, send_sizes, recv_sizes, group)
     out = torch.empty_like(back).index_copy(0, order, back)  # rows in (token, slot) order again
-    return (out * weight.reshape(-1, 1).to(out.dtype)).view(tokens, k, -1).sum(1)
+    return _combine(out, weight, tokens, k, x.dtype)
 
 
 # --- tracing Hugging Face experts modules through the op ----------------------------------------
@@ -218,9 +223,7 @@ def _forward(module, hidden_states, top_k_index, top_k_weights):
     down = module.down_proj
     if transposed:
         gate, up, down = gate.transpose(1, 2), up.transpose(1, 2), down.transpose(1, 2)
-    out = experts(hidden_states, top_k_index, top_k_weights.to(hidden_states.dtype), gate, up, down,
-                  _activation(module))
-    return out.to(hidden_states.dtype)
+    return experts(hidden_states, top_k_index, top_k_weights, gate, up, down, _activation(module))
 
 
 def is_experts_module(module) -> bool:

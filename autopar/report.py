@@ -45,6 +45,10 @@ def plan_text(plan) -> str:
         lines.append("model states: " + "; ".join(f"{k}: {v} parameters" for k, v in sorted(states.items())))
     if plan.fallback_ops:
         lines.append(f"replicated (no sharding rule): {', '.join(plan.fallback_ops)}")
+    experts = sorted({n.strategy for n in plan.nodes if n.op == "autopar.experts"})
+    if experts:
+        lines.append(f"mixture of experts ({', '.join(experts)}): priced assuming balanced routing (every rank's "
+                     f"experts get tokens x k / experts rows each); dropless, so an uneven router takes longer")
     if plan.baselines:
         lines.append("")
         lines.append("hand-written layouts on the same mesh (predicted):")
