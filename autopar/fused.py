@@ -246,7 +246,7 @@ def _fused_split(mm: fx.Node, params: dict, tied: dict, owners: dict, constants:
     elif users and all(u.target in (aten.slice.Tensor, aten.index.Tensor) for u in users):
         bounds = []
         for u in users:
-            b = _slice_bounds(u, ndim, at, groups, constants) if u.target == aten.slice.Tensor \
+            b = _slice_bounds(u, ndim, at, groups) if u.target == aten.slice.Tensor \
                 else _index_bounds(u, at, groups, constants)
             if b is None:
                 return None
@@ -260,7 +260,7 @@ def _fused_split(mm: fx.Node, params: dict, tied: dict, owners: dict, constants:
     return chain, readers, [(lo * unit, hi * unit) for lo, hi in bounds], unit
 
 
-def _slice_bounds(u: fx.Node, ndim: int, at: int, n: int, constants: dict):
+def _slice_bounds(u: fx.Node, ndim: int, at: int, n: int):
     dim = u.args[1] if len(u.args) > 1 else 0
     start = u.args[2] if len(u.args) > 2 else None
     end = u.args[3] if len(u.args) > 3 else None

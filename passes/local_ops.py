@@ -25,7 +25,7 @@ def shard_offset(global_size: int, placements, dim: int, groups) -> tuple[int, i
     return start, length
 
 
-def experts_of_this_rank(x, index, weight, gate, up, down, act: str, n_experts: int, axis: int, groups):
+def experts_of_this_rank(x, index, weight, gate, up, down, act: str, axis: int, groups):
     """The experts op with experts split over `axis` and tokens whole: this rank runs the
     rows routed to its experts; the output is a Partial sum over the axis."""
     return experts(x, index, weight, gate, up, down, act, groups.coordinate(axis) * gate.shape[0])

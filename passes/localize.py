@@ -115,7 +115,7 @@ def _to_local_experts(node, choice):
     axes = {kind: axis for axis, kind in enumerate(choice.split) if kind in ("e", "te")}
     if "e" in axes:
         node.target = local_ops.experts_of_this_rank
-        node.args = tuple(node.args[:7]) + (n_experts, axes["e"], _groups_node(node))
+        node.args = tuple(node.args[:7]) + (axes["e"], _groups_node(node))
     elif "te" in axes:
         node.target = local_ops.expert_parallel_on_axis
         node.args = tuple(node.args[:7]) + (n_experts, axes["te"], _groups_node(node))
