@@ -17,6 +17,15 @@ comparison with autopar's own plan is like for like:
   layers split every expert's inner dim on the tensor-parallel axes.
 - expert-parallel: mixture-of-experts weights split over the tensor-parallel axis, tokens
   dispatched to them by all-to-all; the rest data parallel.
+- megatron-sp: Megatron's tensor parallelism with sequence parallelism (Korthikanti et al.
+  2022): the activations of the residual stream between the tensor-parallel matmuls (norms,
+  residual adds, dropout) split by sequence on the tensor-parallel axis, so each block's
+  all-reduce becomes a reduce-scatter after it and an all-gather before the next.
+- context-parallel / ulysses: data parallel, with attention's sequence split over the
+  sequence axis (named 'cp', 'sp', 'context' or 'seq', else the tensor-parallel one) by ring
+  attention or by Ulysses' all-to-alls; the other ops split what the cost model prefers.
+- context-parallel x megatron-tp (every=True, 2+ axes): ring attention on the sequence
+  axis, Megatron on the tensor-parallel axis.
 """
 from __future__ import annotations
 
@@ -201,6 +210,80 @@ def expert_parallel(mesh):
     return allowed
 
 
+def _residual_shape(problem):
+    """The residual stream's shape [batch, seq, hidden]: the first embedding's output, if 3-D."""
+    for pn in problem.nodes:
+        if pn.kind == "op" and pn.op == "aten.embedding" and len(pn.out_shapes[0]) == 3:
+            return tuple(pn.out_shapes[0])
+    return None
+
+
+def megatron_sp(axes_tp):
+    """Megatron on `axes_tp` with the residual stream split by sequence there (Megatron-SP):
+    every op on the gradient path without a weight matrix whose output has the residual
+    stream's shape outputs Shard(1) on the tensor-parallel axes."""
+    tensor_parallel = megatron(axes_tp)
+    shapes: dict = {}
+
+    def allowed(problem, pn, strategy) -> bool:
+        if not tensor_parallel(problem, pn, strategy):
+            return False
+        if pn.kind != "op" or not pn.requires_grad or not pn.out_shapes:
+            return True
+        if id(problem) not in shapes:
+            shapes[id(problem)] = _residual_shape(problem)
+        if tuple(pn.out_shapes[0]) != shapes[id(problem)]:
+            return True
+        if any(len(src.out_shapes[0]) >= 2 for src, _ in _param_operands(problem, pn, strategy)):
+            return True  # matmuls and embeddings: Megatron's own rules
+        out = strategy.outputs[0]
+        return all(isinstance(out[a], Shard) and out[a].dim == 1 for a in axes_tp if problem.mesh.shape[a] > 1)
+    return allowed
+
+
+def sp_axis(mesh) -> int:
+    """The sequence axis: the one named 'cp', 'sp', 'context' or 'seq', else the tensor-parallel one."""
+    for name in ("cp", "sp", "context", "seq"):
+        if name in mesh.axis_names:
+            return mesh.axis_names.index(name)
+    return tp_axis(mesh)
+
+
+def _attention(pn) -> bool:
+    return pn.kind == "op" and pn.op == "aten.scaled_dot_product_attention"
+
+
+def sequence_split(kind: str, axis: int, inner=None):
+    """Attention split by sequence with `kind` ("ring" or "ulysses") on `axis`; the other ops
+    data parallel, or within `inner` (a layout on the other axes, e.g. Megatron) when given."""
+    def allowed(problem, pn, strategy) -> bool:
+        if problem.mesh.shape[axis] > 1 and _attention(pn) and strategy.split[axis] != kind:
+            return False
+        if inner is not None:
+            return inner(problem, pn, strategy)
+        return data_parallel(problem, pn, strategy)
+
+    def check(problem) -> str | None:
+        """Why the layout cannot be had (an attention node without the strategy), or None."""
+        if problem.mesh.shape[axis] == 1:
+            return None
+        for pn in problem.nodes:
+            if _attention(pn) and not any(s.split[axis] == kind for s in problem.nodes[pn.rep].strategies):
+                name = problem.mesh.axis_names[axis]
+                reasons = [w for w in problem.warnings if f"{kind} on {name!r}" in w and (pn.module or pn.name) in w]
+                return (reasons[0].split(": ", 2)[-1] if reasons
+                        else f"attention in {pn.module or pn.name} has no {kind} strategy on {name!r}")
+        return None
+    allowed.check = check
+    return allowed
+
+
+def unavailable(rule, problem) -> str | None:
+    """Why a layout's rule cannot be met on this problem (rules that say), or None."""
+    check = getattr(rule, "check", None)
+    return check(problem) if check is not None else None
+
+
 def layouts(mesh, every: bool = False) -> dict:
     """name -> restriction for the hand-written layouts that make sense on this mesh: those
     a plan is compared with, and with every=True also Megatron combined with ZeRO-1/2/3
@@ -209,12 +292,21 @@ def layouts(mesh, every: bool = False) -> dict:
     out = {"data-parallel": data_parallel, "zero1": zero_stage(1), "zero2": zero_stage(2), "zero3": zero3}
     if every:
         out["expert-parallel"] = expert_parallel(mesh)
+    sp = sp_axis(mesh)
     if sum(1 for s in mesh.shape if s > 1) > 1:
         out["megatron-tp (all axes)"] = megatron(set(range(mesh.ndim)))
         out["megatron-tp x dp"] = megatron({tp})
+        out["megatron-sp x dp"] = megatron_sp({tp})
+        out["context-parallel x dp"] = sequence_split("ring", sp)
+        out["ulysses x dp"] = sequence_split("ulysses", sp)
         if every:
             for stage in (1, 2, 3):
                 out[f"megatron-tp x zero{stage}"] = megatron_zero(tp, stage)
+            if sp != tp:
+                out["context-parallel x megatron-tp"] = sequence_split("ring", sp, megatron({tp}))
     else:
         out["megatron-tp"] = megatron(set(range(mesh.ndim)))
+        out["megatron-sp"] = megatron_sp(set(range(mesh.ndim)))
+        out["context-parallel"] = sequence_split("ring", sp)
+        out["ulysses"] = sequence_split("ulysses", sp)
     return out

@@ -47,6 +47,7 @@ class Plan:
     pipeline: PipelineLayout | None = None          # stages, schedule, microbatches (autopar.pipeline.search)
     frozen: tuple = ()                              # parameters planned without gradient (requires_grad=False)
     graph: str = ""                                 # autopar.trace.graph_signature of the graph planned
+    notes: tuple = ()                               # why forms were left off the menus (heads, sequence splits)
 
     def device_mesh(self):
         """The Mesh to compile this plan on: the whole mesh of a pipelined plan (whose `mesh`
@@ -114,7 +115,7 @@ class Plan:
                              for k, v in self.param_states.items()},
             "precision": None if self.precision is None else self.precision.to_dict(),
             "pipeline": None if self.pipeline is None else self.pipeline.to_dict(), "frozen": list(self.frozen),
-            "graph": self.graph,
+            "graph": self.graph, "notes": list(self.notes),
         }
 
     def to_json(self) -> str:
@@ -151,7 +152,7 @@ class Plan:
                    precision=MixedPrecision.from_dict(d.get("precision")),
                    pipeline=None if d.get("pipeline") is None else PipelineLayout.from_dict(d["pipeline"]),
                    frozen=tuple(d.get("frozen", ())),
-                   graph=d.get("graph", ""))
+                   graph=d.get("graph", ""), notes=tuple(d.get("notes", ())))
 
     def save(self, path) -> None:
         """JSON with a checksum of the plan, so that a file edited by hand is refused at load."""

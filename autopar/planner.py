@@ -63,6 +63,9 @@ def _plan_built(built: Built, model, mesh: Mesh, budget, compare, time_limit, la
     if layout is not None and layout not in every:
         raise ValueError(f"unknown layout {layout!r} for mesh {mesh}; choose one of {sorted(every)}")
     origin = "ilp" if layout is None else f"layout:{layout}"
+    if layout is not None and B.unavailable(every[layout], problem):
+        raise ValueError(f"layout {layout!r} is not possible for {type(model).__name__} on {mesh}: "
+                         f"{B.unavailable(every[layout], problem)}")
     if random_seed is not None:
         seeds = [random_seed] if isinstance(random_seed, int) else list(random_seed)
         made = [_make_plan(problem, model, mesh, _random_choice(problem, s), None, f"random:{s}", {}, budget,
@@ -79,6 +82,9 @@ def _plan_built(built: Built, model, mesh: Mesh, budget, compare, time_limit, la
     compared = {}
     if compare:
         for name, rule in rules.items():
+            if B.unavailable(rule, problem):
+                compared[name] = B.unavailable(rule, problem)
+                continue
             try:
                 c, _, _ = solve_problem(problem, rule, None, time_limit)
                 compared[name] = assemble(problem, c)[2]
@@ -169,7 +175,9 @@ def _make_plan(problem, model, mesh, choice, sol, origin, compared, budget, timi
                 origin=origin, timing=timing, param_states={k: states[k] for k in _order_params(model, states, parts)},
                 precision=problem.precision,
                 frozen=tuple(n for n, p in model.named_parameters() if not p.requires_grad),
-                graph=graph_signature(problem.traced.graph))
+                graph=graph_signature(problem.traced.graph),
+                notes=tuple(m.removeprefix("autopar: ") for m in problem.warnings
+                            if not m.startswith("autopar: no sharding rule")))
 
 
 def _order_params(model, params: dict, parts) -> dict:

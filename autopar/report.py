@@ -9,6 +9,33 @@ from collections import Counter, defaultdict
 from .records import format_bytes, format_seconds, show
 
 
+def sequence_lines(plan) -> list:
+    """How the plan splits the sequence: the attention strategies (ring, Ulysses) and
+    Megatron-SP (a tensor-parallel axis whose Partial sums are reduce-scattered into
+    sequence shards, and gathered back before the next column-parallel matmul), then the
+    notes saying why a form was left off."""
+    lines = []
+    kinds = Counter(f"{ax}={k}" for n in plan.nodes if n.op == "aten.scaled_dot_product_attention"
+                    for ax, k in zip(plan.mesh.axis_names, n.split) if k in ("ring", "ulysses"))
+    if kinds:
+        lines.append("sequence split in attention: " + ", ".join(f"{k} ({v} nodes)" for k, v in sorted(kinds.items())))
+    for ax in megatron_sp_axes(plan):
+        lines.append(f"sequence parallel (Megatron-SP) on {ax}: activations between the tensor-parallel matmuls are "
+                     f"split by sequence; reduce-scatter after each block and all-gather before it replace its all-reduce")
+    for note in plan.notes:
+        lines.append(f"note: {note}")
+    return lines
+
+
+def megatron_sp_axes(plan) -> list:
+    """Axes on which forward Partial sums are reduce-scattered (not all-reduced) and the
+    same axis all-gathers before matmuls: Megatron-SP."""
+    tally = Counter((c.kind, c.axes) for c in plan.collectives if c.phase == "forward")
+    return [ax for ax in plan.mesh.axis_names
+            if tally[("reduce_scatter", (ax,))] and tally[("all_gather", (ax,))]
+            and tally[("reduce_scatter", (ax,))] >= tally[("all_reduce", (ax,))]]
+
+
 def plan_text(plan) -> str:
     """The printed plan: prediction, solver, budget, pipeline, precision, model states, the
     hand-written layouts beside it, the collectives per step and the per-module table."""
@@ -49,6 +76,7 @@ def plan_text(plan) -> str:
     if experts:
         lines.append(f"mixture of experts ({', '.join(experts)}): priced assuming balanced routing (every rank's "
                      f"experts get tokens x k / experts rows each); dropless, so an uneven router takes longer")
+    lines.extend(sequence_lines(plan))
     if plan.baselines:
         lines.append("")
         lines.append("hand-written layouts on the same mesh (predicted):")

@@ -14,6 +14,8 @@ import torch.nn.functional as F
 
 from autopar.experts import expert_parallel, experts
 
+from .attention_ops import ring_attention, ulysses_attention
+
 
 def shard_offset(global_size: int, placements, dim: int, groups) -> tuple[int, int]:
     """(start, length) along `dim` of this rank's shard, following the nesting of axes."""
@@ -34,6 +36,16 @@ def experts_of_this_rank(x, index, weight, gate, up, down, act: str, axis: int, 
 def expert_parallel_on_axis(x, index, weight, gate, up, down, act: str, n_experts: int, axis: int, groups):
     """The experts op with tokens and experts split over `axis`: all-to-all dispatch and combine."""
     return expert_parallel(x, index, weight, gate, up, down, act, n_experts, groups.group(axis))
+
+
+def ring_attention_on_axis(q, k, v, causal: bool, scale, axis: int, groups):
+    """Attention with the sequence split over `axis`, context parallel (attention_ops.py)."""
+    return ring_attention(q, k, v, causal=causal, scale=scale, group=groups.group(axis))
+
+
+def ulysses_on_axis(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, axis: int, groups):
+    """Attention with the sequence split over `axis`, heads swapped in by all-to-all."""
+    return ulysses_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, group=groups.group(axis))
 
 
 def vocab_parallel_embedding(weight, indices, vocab: int, weight_placements, axes: tuple, groups):

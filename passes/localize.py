@@ -71,6 +71,8 @@ def localize(gm: fx.GraphModule, plan) -> fx.GraphModule:
         _out_of_place_on_moves(node)
         if name == "autopar.experts":
             _to_local_experts(node, choice)
+        elif name == "aten.scaled_dot_product_attention" and any(l in ("ring", "ulysses") for l in choice.split):
+            _to_sequence_parallel_attention(node, choice)
         elif name == "aten.embedding" and split_reduced:
             _to_vocab_parallel_embedding(node, choice, split_reduced)
         elif name in ("aten.cross_entropy_loss",):
@@ -119,6 +121,25 @@ def _to_local_experts(node, choice):
     elif "te" in axes:
         node.target = local_ops.expert_parallel_on_axis
         node.args = tuple(node.args[:7]) + (n_experts, axes["te"], _groups_node(node))
+
+
+def _to_sequence_parallel_attention(node, choice):
+    """Ring or Ulysses attention over the axis whose split is named so (attention_ops.py)."""
+    (axis, kind), = [(a, l) for a, l in enumerate(choice.split) if l in ("ring", "ulysses")]
+    q, k, v = node.args[:3]
+    mask, dropout_p, causal = (list(node.args[3:6]) + [None, 0.0, False][len(node.args[3:6]):])
+    mask = node.kwargs.get("attn_mask", mask)
+    dropout_p = node.kwargs.get("dropout_p", dropout_p)
+    causal = bool(node.kwargs.get("is_causal", causal))
+    scale = node.kwargs.get("scale")
+    if kind == "ring":
+        node.target = local_ops.ring_attention_on_axis
+        node.args = (q, k, v, causal, scale, axis, _groups_node(node))
+    else:
+        node.target = local_ops.ulysses_on_axis
+        node.args = (q, k, v, mask, dropout_p, causal, scale, bool(node.kwargs.get("enable_gqa", False)), axis,
+                     _groups_node(node))
+    node.kwargs = {}
 
 
 def _to_vocab_parallel_embedding(node, choice, axes):

@@ -95,11 +95,13 @@ class Problem:
                 C.local_numel(self.nodes[src].out_shapes[o], p, mesh.shape) * self.nodes[src].out_dtypes[o].itemsize
                 for (src, o), p in zip(pn.inputs, s.inputs) if self.nodes[src].kind == "op")
         if s.comm:  # per-row collectives of a named strategy, on the rows this rank holds
-            rows_shape = self.nodes[pn.inputs[0][0]].out_shapes[pn.inputs[0][1]][:1]
+            first = self.nodes[pn.inputs[0][0]]
+            rows_shape = first.out_shapes[pn.inputs[0][1]][:1]
+            item = first.out_dtypes[pn.inputs[0][1]].itemsize
             rows = C.local_numel(rows_shape, [p if isinstance(p, Shard) and p.dim == 0 else Replicate()
                                               for p in s.inputs[0]], mesh.shape)
             for kind, axis, per_row in s.comm:
-                comm[axis] += C.collective_time(kind, per_row * 4 * rows, axis, mesh)
+                comm[axis] += C.collective_time(kind, per_row * item * rows, axis, mesh)
         return Choice(compute, tuple(comm), mem)
 
     def _param_choice(self, pn: PNode, s: Strategy) -> Choice:

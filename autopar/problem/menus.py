@@ -14,6 +14,7 @@ from .. import cost as C
 from ..mesh import Mesh
 from ..ops import (INTERNAL_COMM, Strategy, annotate, enumerate_strategies, op_name, replicated,
                    show_placements)
+from ..ops.attention_rule import sequence_strategies
 from ..ops.experts_rule import experts_strategies
 from .graph import PNode
 
@@ -61,6 +62,7 @@ def build_menus(nodes: list, readers: dict, mesh: Mesh) -> tuple[list, list]:
                                                      mesh.axis_names, needs)
                 if pn.op == "aten.scaled_dot_product_attention":
                     _say_why_heads_stay_whole(pn, in_shapes, mesh, messages)
+                    pn.strategies = pn.strategies + _sequence_split(pn, in_shapes, mesh, messages)
                 internal = [(l, INTERNAL_COMM[(pn.op, l)]) for l in ann.letters() if (pn.op, l) in INTERNAL_COMM]
                 if internal:
                     pn.strategies = [with_internal(s, internal) for s in pn.strategies]
@@ -90,6 +92,27 @@ def _say_why_heads_stay_whole(pn: PNode, in_shapes, mesh: Mesh, messages: list) 
             if msg.split(" has ", 1)[1] not in {m.split(" has ", 1)[-1] for m in messages}:
                 messages.append(msg)
                 log.warning(msg)
+
+
+def _sequence_split(pn: PNode, in_shapes, mesh: Mesh, messages: list) -> list:
+    """Ring and Ulysses strategies of an attention node; why a form is left off goes to the
+    plan's notes (once per reason)."""
+    node = pn.node
+    causal = bool(_sdpa_arg(node, 5, "is_causal", False))
+    dropout = float(_sdpa_arg(node, 4, "dropout_p", 0.0) or 0.0) != 0.0
+    why: list = []
+    out = sequence_strategies(pn.strategies, in_shapes, pn.out_shapes[0], mesh.shape, mesh.axis_names,
+                              causal=causal, has_mask=len(in_shapes) > 3, dropout=dropout, why=why)
+    for reason in why:
+        msg = f"autopar: sequence split of attention in {pn.module or pn.name}: {reason}"
+        if msg.split(": ", 2)[-1] not in {m.split(": ", 2)[-1] for m in messages}:
+            messages.append(msg)
+            log.info(msg)
+    return out
+
+
+def _sdpa_arg(node, index, name, default):
+    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
 
 
 def _heads_before_view(node, depth: int = 12):
