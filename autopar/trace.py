@@ -11,6 +11,7 @@ import contextlib
 import copy
 import hashlib
 import logging
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -147,6 +148,32 @@ def _checkpoints_inline():
             fn.apply = own
 
 
+@contextlib.contextmanager
+def _causal_masks_as_flags(example_inputs: tuple, example_kwargs: dict):
+    """Hugging Face models build a dense causal mask when they see torch.export, where eager
+    runs pass `is_causal=True` to attention instead (no padding mask, one sequence per row,
+    query and key lengths equal).  When the user passes neither an attention mask nor
+    position ids (so positions are the model's own 0..s-1), trace them as they run eagerly:
+    attention then knows its mask is causal, which ring attention needs (a dense mask could
+    say anything).  A padding mask, packed sequences or a sliding window still build the
+    dense mask."""
+    masking = sys.modules.get("transformers.masking_utils")
+    names = ("is_torchdynamo_exporting", "find_packed_sequence_indices")
+    given = {k for k, v in example_kwargs.items() if v is not None}
+    if masking is None or not all(hasattr(masking, n) for n in names) or len(example_inputs) > 1 \
+            or given & {"attention_mask", "position_ids", "cache_position", "past_key_values"}:
+        yield
+        return
+    own = {n: getattr(masking, n) for n in names}
+    masking.is_torchdynamo_exporting = lambda: False
+    masking.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        for n, f in own.items():
+            setattr(masking, n, f)
+
+
 def _trace(model: torch.nn.Module | fx.GraphModule, example_inputs: tuple, example_kwargs: dict | None = None) -> Traced:
     """Export `model(*example_inputs, **example_kwargs)` to ATen training IR on fake tensors.
 
@@ -155,7 +182,8 @@ def _trace(model: torch.nn.Module | fx.GraphModule, example_inputs: tuple, examp
     example_kwargs = example_kwargs or {}
     start = time.perf_counter()
     try:
-        with _checkpoints_inline(), experts_as_op(model):
+        with _checkpoints_inline(), experts_as_op(model), \
+                _causal_masks_as_flags(tuple(example_inputs), example_kwargs):
             ep = torch.export.export(model, tuple(example_inputs), example_kwargs, strict=False)
     except Exception as exc:  # name the module that failed and why
         where = _module_of_error(exc, model)
