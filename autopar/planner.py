@@ -13,6 +13,7 @@ from . import baselines as B
 from .mesh import Mesh, parse_bytes
 from .batching import batch_size, first_microbatch
 from .pipeline.search import search
+from .precision import MixedPrecision
 from .plan import ParamState, PipelineLayout, Plan, SolverStats, Timing
 from .problem import Problem, same_local_shape
 from .solution import Built, assemble, build_problem, solve_problem
@@ -33,8 +34,8 @@ def plan(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, example_kwarg
     from `autopar.baselines.layouts(mesh)`, e.g. "data-parallel").  random_seed: instead,
     a random valid plan (every node's strategy drawn from its menu): for testing the passes;
     a list of seeds gives a list of plans (the model is traced and costed once).
-    mixed_precision: an autopar.MixedPrecision; costs and memory are then those of the
-    low-precision compute with float32 master weights.
+    mixed_precision: an autopar.MixedPrecision (or "bf16", "fp16", a torch dtype); costs and
+    memory are then those of the low-precision compute with float32 master weights.
     pipeline: True to also search pipeline stages (autopar.pipeline.search): when cutting
     the model into stages is faster, the plan returned is each stage's plan on its sub-mesh
     for one microbatch, and `plan.pipeline` says how many stages, where they are cut, the
@@ -42,6 +43,7 @@ def plan(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, example_kwarg
     groups, schedule, microbatches, virtual) and always pipelines; `layout` and
     `random_seed` then apply to the stages' plan.
     """
+    mixed_precision = MixedPrecision.of(mixed_precision)
     if pipeline:
         return _plan_with_pipeline(model, mesh, example_inputs, example_kwargs, memory_budget, compare,
                                    time_limit, mixed_precision, None if pipeline is True else pipeline,

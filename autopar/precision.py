@@ -30,6 +30,20 @@ class MixedPrecision:
                 "reduce_dtype": str(self.reduce_dtype).replace("torch.", "")}
 
     @classmethod
+    def of(cls, value) -> "MixedPrecision | None":
+        """A policy from what a user passes: None, a MixedPrecision, a dtype or its name
+        ("bf16", "bfloat16", "fp16", "float16")."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, torch.dtype):
+            return cls(value)
+        names = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+        if isinstance(value, str) and value.lower() in names:
+            return cls(names[value.lower()])
+        raise ValueError(f"mixed_precision={value!r}: pass autopar.MixedPrecision(...), a torch dtype, or one of "
+                         f"{sorted(names)}")
+
+    @classmethod
     def from_dict(cls, d: dict | None) -> "MixedPrecision | None":
         if d is None:
             return None

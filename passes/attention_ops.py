@@ -101,12 +101,14 @@ class _Ring(torch.autograd.Function):
         qz = _exchange(q, 2, n, rank, group, True) if causal else q
         q_chunks = zigzag_chunks(rank, n) if causal else (2 * rank, 2 * rank + 1)
         L = q.size(2) // 2
-        qs = [c.float() for c in qz.chunk(2, 2)]
+        acc = torch.promote_types(q.dtype, torch.float32)  # scores and sums in float32 at least
+        ctx.acc = acc
+        qs = [c.to(acc) for c in qz.chunk(2, 2)]
         out = [None, None]
         lse = [None, None]
         for i, kc, kind in _blocks(q_chunks, n, rank, causal):
-            kb = _expand(keys.narrow(2, kc * L, L), groups).float()
-            vb = _expand(values.narrow(2, kc * L, L), groups).float()
+            kb = _expand(keys.narrow(2, kc * L, L), groups).to(acc)
+            vb = _expand(values.narrow(2, kc * L, L), groups).to(acc)
             s = _scores(qs[i], kb, scale, kind)
             l_blk = torch.logsumexp(s, dim=-1)
             o_blk = torch.matmul(torch.exp(s - l_blk.unsqueeze(-1)), vb)
@@ -130,17 +132,18 @@ class _Ring(torch.autograd.Function):
         groups = qz.size(1) // k.size(1)
         keys = _all_gather(k, 2, group, n)
         values = _all_gather(v, 2, group, n)
-        dz = (_exchange(grad, 2, n, rank, group, True) if causal else grad).float()
+        acc = ctx.acc
+        dz = (_exchange(grad, 2, n, rank, group, True) if causal else grad).to(acc)
         L = qz.size(2) // 2
-        qs, dos, os_, ls = (t.float().chunk(2, 2) for t in (qz, dz, oz, lse_z))
+        qs, dos, os_, ls = (t.to(acc).chunk(2, 2) for t in (qz, dz, oz, lse_z))
         deltas = [(do * o).sum(-1) for do, o in zip(dos, os_)]
         dq = [torch.zeros_like(c) for c in qs]
-        dkeys = torch.zeros(keys.shape, dtype=torch.float32, device=keys.device)
+        dkeys = torch.zeros(keys.shape, dtype=acc, device=keys.device)
         dvalues = torch.zeros_like(dkeys)
         b, kv, e = k.size(0), k.size(1), k.size(3)
         for i, kc, kind in _blocks(q_chunks, n, rank, causal):
-            kb = _expand(keys.narrow(2, kc * L, L), groups).float()
-            vb = _expand(values.narrow(2, kc * L, L), groups).float()
+            kb = _expand(keys.narrow(2, kc * L, L), groups).to(acc)
+            vb = _expand(values.narrow(2, kc * L, L), groups).to(acc)
             p = torch.exp(_scores(qs[i], kb, scale, kind) - ls[i].unsqueeze(-1))
             dv = torch.matmul(p.transpose(-1, -2), dos[i])
             ds = p * (torch.matmul(dos[i], vb.transpose(-1, -2)) - deltas[i].unsqueeze(-1))

@@ -23,6 +23,7 @@ import autopar
 from autopar.mesh import Mesh
 from autopar.passes.redistribute import MeshGroups
 from autopar.plan import Plan
+from autopar.precision import MixedPrecision
 
 from .build import initial_shards, rewrite
 from .model import CompiledModel, UnevenInputs
@@ -64,6 +65,7 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=N
     if on_meta:  # trace the meta model with meta inputs of the same shapes
         example_inputs, example_kwargs = pytree.tree_map(
             lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, (tuple(example_inputs), example_kwargs))
+    mixed_precision = MixedPrecision.of(mixed_precision)
     if plan is None:
         plan = _plan_once(model, mesh, example_inputs, example_kwargs, memory_budget, mixed_precision)
     elif not isinstance(plan, Plan):

@@ -41,7 +41,7 @@ def sequence_strategies(base: list, in_shapes, out_shape, mesh_shape, axis_names
     """Strategies splitting the sequence over one axis, ring or Ulysses, for each strategy of
     `base` that leaves that axis whole; `why` collects the reasons a form is left off."""
     q, k = in_shapes[0], in_shapes[1]
-    seq, heads = q[SEQ], q[1]
+    seq = q[SEQ]
     if k[SEQ] != seq:
         why.append(f"the key sequence ({k[SEQ]}) differs from the query sequence ({seq}): cross-attention "
                    f"keeps its sequence whole")

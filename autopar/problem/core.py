@@ -90,9 +90,11 @@ class Problem:
             if pn.requires_grad:
                 compute += C.roofline(work.bwd_flops / s.factor, 2 * (in_bytes + out_bytes), dtype, mesh)
         if pn.requires_grad and pn.op not in SAVES_NOTHING:
-            # saved for backward: the op's activation operands, in the layout the op reads them
+            # saved for backward: the op's activation operands, in the layout the op reads
+            # them; a tensor several ops save is stored once, so each carries its share
             mem["activations"] = sum(
                 C.local_numel(self.nodes[src].out_shapes[o], p, mesh.shape) * self.nodes[src].out_dtypes[o].itemsize
+                / self._savers(src, o)
                 for (src, o), p in zip(pn.inputs, s.inputs) if self.nodes[src].kind == "op")
         if s.comm:  # per-row collectives of a named strategy, on the rows this rank holds
             first = self.nodes[pn.inputs[0][0]]
@@ -103,6 +105,12 @@ class Problem:
             for kind, axis, per_row in s.comm:
                 comm[axis] += C.collective_time(kind, per_row * item * rows, axis, mesh)
         return Choice(compute, tuple(comm), mem)
+
+    def _savers(self, src: int, out: int) -> int:
+        """How many ops save output `out` of node `src` for backward (at least 1)."""
+        return max(1, sum(1 for v, _ in self.readers.get((src, out), ())
+                          if self.nodes[v].kind == "op" and self.nodes[v].requires_grad
+                          and self.nodes[v].op not in SAVES_NOTHING))
 
     def _param_choice(self, pn: PNode, s: Strategy) -> Choice:
         """Model states of a parameter stored in layout s.outputs[0] (ZeRO, Rajbhandari et al.
