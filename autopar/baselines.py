@@ -278,6 +278,17 @@ def sequence_split(kind: str, axis: int, inner=None):
     return allowed
 
 
+SEQUENCE_LAYOUTS = ("megatron-sp", "context-parallel", "ulysses")
+
+
+def relevant(name: str, problem) -> bool:
+    """Whether a layout is worth comparing with: the sequence layouts only for models with
+    attention (elsewhere they are data parallelism or Megatron again)."""
+    if name.startswith(SEQUENCE_LAYOUTS):
+        return any(_attention(pn) for pn in problem.nodes)
+    return True
+
+
 def unavailable(rule, problem) -> str | None:
     """Why a layout's rule cannot be met on this problem (rules that say), or None."""
     check = getattr(rule, "check", None)

@@ -84,6 +84,8 @@ def _plan_built(built: Built, model, mesh: Mesh, budget, compare, time_limit, la
     compared = {}
     if compare:
         for name, rule in rules.items():
+            if not B.relevant(name, problem):
+                continue
             if B.unavailable(rule, problem):
                 compared[name] = B.unavailable(rule, problem)
                 continue

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .redistribute import _all_gather, _all_to_all, _reduce_scatter
+from .redistribute import all_gather_dim, all_to_all_dims, reduce_scatter_dim
 
 BLOCKS = {"computed": 0}   # score blocks (query chunk x key chunk) computed by ring attention on this rank
 
@@ -96,8 +96,8 @@ class _Ring(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal: bool, scale: float, group, n: int, rank: int):
         groups = q.size(1) // k.size(1)
-        keys = _all_gather(k, 2, group, n)
-        values = _all_gather(v, 2, group, n)
+        keys = all_gather_dim(k, 2, group, n)
+        values = all_gather_dim(v, 2, group, n)
         qz = _exchange(q, 2, n, rank, group, True) if causal else q
         q_chunks = zigzag_chunks(rank, n) if causal else (2 * rank, 2 * rank + 1)
         L = q.size(2) // 2
@@ -130,8 +130,8 @@ class _Ring(torch.autograd.Function):
         qz, k, v, oz, lse_z = ctx.saved_tensors
         causal, scale, group, n, rank, q_chunks = ctx.args
         groups = qz.size(1) // k.size(1)
-        keys = _all_gather(k, 2, group, n)
-        values = _all_gather(v, 2, group, n)
+        keys = all_gather_dim(k, 2, group, n)
+        values = all_gather_dim(v, 2, group, n)
         acc = ctx.acc
         dz = (_exchange(grad, 2, n, rank, group, True) if causal else grad).to(acc)
         L = qz.size(2) // 2
@@ -157,8 +157,8 @@ class _Ring(torch.autograd.Function):
         dqz = torch.cat(dq, dim=2).to(qz.dtype)
         dq_out = _exchange(dqz, 2, n, rank, group, False) if causal else dqz
         axis = None  # for messages only: the divisibility was checked when planning
-        dk_out = _reduce_scatter(dkeys, 2, group, n, rank, axis).to(k.dtype)
-        dv_out = _reduce_scatter(dvalues, 2, group, n, rank, axis).to(v.dtype)
+        dk_out = reduce_scatter_dim(dkeys, 2, group, n, rank, axis).to(k.dtype)
+        dv_out = reduce_scatter_dim(dvalues, 2, group, n, rank, axis).to(v.dtype)
         return dq_out, dk_out, dv_out, None, None, None, None, None
 
 
@@ -189,8 +189,8 @@ class _SeqToHeads(torch.autograd.Function):
 
 def _swap(x, group, n, back):
     if back:
-        return _all_to_all(x, 1, 2, group, n, None)
-    return _all_to_all(x, 2, 1, group, n, None)
+        return all_to_all_dims(x, 1, 2, group, n, None)
+    return all_to_all_dims(x, 2, 1, group, n, None)
 
 
 def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask=None, dropout_p: float = 0.0,

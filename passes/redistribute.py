@@ -111,7 +111,7 @@ def _normalize(placements: Sequence[Placement], ndim: int | None, name: str) -> 
 
 # ---------------------------------------------------------------- execution
 
-def _all_gather(t: Tensor, dim: int, group, n: int) -> Tensor:
+def all_gather_dim(t: Tensor, dim: int, group, n: int) -> Tensor:
     t = t.contiguous()
     parts = [torch.empty_like(t) for _ in range(n)]
     dist.all_gather(parts, t, group=group)
@@ -126,7 +126,7 @@ def _chunk(t: Tensor, dim: int, n: int, coord: int, axis: int) -> Tensor:
     return t.narrow(dim, coord * (t.size(dim) // n), t.size(dim) // n)
 
 
-def _all_to_all(t: Tensor, dim: int, to_dim: int, group, n: int, axis: int) -> Tensor:
+def all_to_all_dims(t: Tensor, dim: int, to_dim: int, group, n: int, axis: int) -> Tensor:
     """Shard(dim) -> Shard(to_dim) on one mesh axis of n ranks: t [.., s, .., m, ..] (s on
     dim, m on to_dim) is cut into n pieces along to_dim, piece r goes to the group's rank r,
     and the n pieces received are joined along dim in rank order: [.., n*s, .., m/n, ..].
@@ -171,7 +171,7 @@ def reduce_scatter_rows(table: Tensor, group, index: int, native: bool | None = 
     return work, row
 
 
-def _reduce_scatter(t: Tensor, dim: int, group, n: int, coord: int, axis: int,
+def reduce_scatter_dim(t: Tensor, dim: int, group, n: int, coord: int, axis: int,
                     native: bool | None = None) -> Tensor:
     """Partial -> Shard(dim) on one axis (reduce_scatter_rows on a dim-first copy)."""
     _chunk(t, dim, n, coord, axis)  # divisibility check with a clear message
@@ -196,16 +196,16 @@ def redistribute_local(x: Tensor, src: Sequence[Placement], dst: Sequence[Placem
         a, d, n = step.axis, step.dim, sizes[step.axis]
         c = groups.coordinate(a)
         if step.kind == "all_gather":
-            t, owned = _all_gather(t, d, groups.group(a), n), True
+            t, owned = all_gather_dim(t, d, groups.group(a), n), True
         elif step.kind == "zero_pad":
             t, owned = _zero_pad(t, d, n, c), True
         elif step.kind == "chunk":
             t = _chunk(t, d, n, c, a)
             owned = False  # a view: a later in-place all-reduce must copy first
         elif step.kind == "reduce_scatter":
-            t, owned = _reduce_scatter(t, d, groups.group(a), n, c, a), True
+            t, owned = reduce_scatter_dim(t, d, groups.group(a), n, c, a), True
         elif step.kind == "all_to_all":
-            t, owned = _all_to_all(t, d, step.to_dim, groups.group(a), n, a), True
+            t, owned = all_to_all_dims(t, d, step.to_dim, groups.group(a), n, a), True
         elif step.kind == "all_reduce":  # one call over all its axes
             group = groups.group_of(step.axes) if step.span else groups.group(a)
             t, owned = _all_reduce(t, group, owned), True

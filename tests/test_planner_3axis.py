@@ -148,7 +148,7 @@ def test_hand_written_layouts_plan_on_three_axes():
     mesh = mesh_of(MESH_3)
     best = autopar.plan(model, mesh, example, compare=False)
     names = sorted(baselines.layouts(mesh, every=True))
-    assert len(names) == 10
+    assert len(names) == 14  # 10, and Megatron-SP, ring and Ulysses x dp, ring x Megatron
     tp = mesh.axis_names.index("tp")
     for name in names:
         plan = autopar.plan(model, mesh, example, layout=name, compare=False)
@@ -161,8 +161,11 @@ def test_hand_written_layouts_plan_on_three_axes():
             assert all(p == (Replicate(),) * 3 for p in weights.values()), (name, weights)
         if name == "zero3":
             assert all(all(isinstance(x, Shard) for x in p) for p in weights.values()), (name, weights)
-        if name.startswith("megatron-tp x"):
+        if name.startswith(("megatron-tp x", "megatron-sp x", "context-parallel x megatron")):
             assert all(isinstance(p[tp], Shard) for p in weights.values()), (name, weights)
+        if name.startswith(("context-parallel", "ulysses")):
+            kind = "ring" if name.startswith("context") else "ulysses"
+            assert {n.split[2] for n in plan.nodes if n.op == "aten.scaled_dot_product_attention"} == {kind}
         if name in ("zero1", "zero2"):
             stage = int(name[-1])
             assert {s.stage for s in plan.param_states.values()} == {stage}, name

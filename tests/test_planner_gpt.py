@@ -43,7 +43,8 @@ def test_gpt2_124m_on_2x4_is_no_worse_than_hand_layouts():
     model, example = build("gpt2-124m", device="meta")
     mesh = autopar.Mesh((2, 4), ("dp", "tp"), device="h100")
     plan = autopar.plan(model, mesh, example)
-    assert set(plan.baselines) == {"data-parallel", "zero1", "zero2", "zero3", "megatron-tp (all axes)", "megatron-tp x dp"}
+    assert set(plan.baselines) == {"data-parallel", "zero1", "zero2", "zero3", "megatron-tp (all axes)", "megatron-tp x dp",
+                                   "megatron-sp x dp", "context-parallel x dp", "ulysses x dp"}
     for name, pred in plan.baselines.items():
         assert isinstance(pred, Prediction), (name, pred)
         assert plan.predicted.step_s <= pred.step_s * (1 + 1e-9), name

@@ -11,7 +11,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar.passes.redistribute import (
-    MeshGroups, Step, _reduce_scatter, plan_redistribute, redistribute, redistribute_local)
+    MeshGroups, Step, plan_redistribute, reduce_scatter_dim, redistribute, redistribute_local)
 from distributed import WorkerError, device_mesh
 from reference_layouts import SHAPE, check_layout, global_tensor, local_of, shard_slot
 
@@ -162,7 +162,7 @@ def _reduce_scatter_both_ways(seed):
     mesh = named_mesh((2, 2))
     x = global_tensor(seed + mesh.get_rank())
     c = mesh.get_coordinate()[1]
-    return [_reduce_scatter(x, 1, mesh.get_group(1), 2, c, 1, native=n) for n in (True, False)]
+    return [reduce_scatter_dim(x, 1, mesh.get_group(1), 2, c, 1, native=n) for n in (True, False)]
 
 
 def test_native_reduce_scatter_matches_fallback(pool4):

@@ -147,7 +147,7 @@ class Recorder:
 
     def __enter__(self):
         self.saved = {name: getattr(rd, name) for name in
-                      ("_all_gather", "_reduce_scatter", "_all_reduce", "_all_to_all", "dist")}
+                      ("all_gather_dim", "reduce_scatter_dim", "_all_reduce", "all_to_all_dims", "dist")}
         real, log, axes_of = self.saved, self.log_append, self.axes_of
         recorder = self
 
@@ -155,13 +155,13 @@ class Recorder:
             return t.numel() * t.element_size()
 
         def all_gather(t, dim, group, n):
-            out = real["_all_gather"](t, dim, group, n)
+            out = real["all_gather_dim"](t, dim, group, n)
             log(("all_gather", axes_of[id(group)], nbytes(out)))
             return out
 
         def reduce_scatter(t, dim, group, n, coord, axis, native=None):
             log(("reduce_scatter", axes_of[id(group)], nbytes(t)))
-            return real["_reduce_scatter"](t, dim, group, n, coord, axis, native)
+            return real["reduce_scatter_dim"](t, dim, group, n, coord, axis, native)
 
         def all_reduce(t, group, owned):
             log(("all_reduce", axes_of[id(group)], nbytes(t)))
@@ -169,7 +169,7 @@ class Recorder:
 
         def all_to_all(t, dim, to_dim, group, n, axis):
             log(("all_to_all", axes_of[id(group)], nbytes(t)))
-            return real["_all_to_all"](t, dim, to_dim, group, n, axis)
+            return real["all_to_all_dims"](t, dim, to_dim, group, n, axis)
 
         class CountingDist:
             def __getattr__(self, name):
@@ -182,7 +182,7 @@ class Recorder:
                     return fn(*args, **kwargs)
                 return counted
 
-        rd._all_gather, rd._reduce_scatter, rd._all_reduce, rd._all_to_all = (
+        rd.all_gather_dim, rd.reduce_scatter_dim, rd._all_reduce, rd.all_to_all_dims = (
             all_gather, reduce_scatter, all_reduce, all_to_all)
         rd.dist = CountingDist()
         return self

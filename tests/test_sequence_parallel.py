@@ -1,0 +1,168 @@
+"""Sequence parallelism: Megatron-SP, Ulysses and ring attention (context parallel).
+
+Numerics are the contract: each layout, on 2 and 4 gloo ranks, trains like one device
+(loss, gradients and parameters after 3 AdamW steps); ring attention itself matches
+whole-sequence attention in float64 and balances causal work (every rank computes the same
+number of score blocks); activations per rank fall as 1/N with the split and match the plan.
+"""
+import pytest
+import torch
+
+import autopar
+from autopar.models import build
+from autopar.report import megatron_sp_axes
+from rt_cases import build_case, plan_for, train_and_compare
+from seq_cases import ring_blocks_and_numerics, saved_activation_bytes
+from test_pipeline_runtime import pipelined_plan
+
+GPT = ("autopar", "gpt-tiny", ())
+LLAMA = ("autopar", "llama-tiny", ())   # 4 query heads, 2 key/value heads: enable_gqa
+HF_LLAMA = ("hf-llama",)                # transformers' LlamaForCausalLM, 4 heads, 2 key/value heads
+SPECS = {"gpt-tiny": GPT, "llama-tiny": LLAMA, "hf-llama": HF_LLAMA}
+ATTENTION = "aten.scaled_dot_product_attention"
+
+
+def _attention_kinds(plan) -> set:
+    return {k for n in plan.nodes if n.op == ATTENTION for k in n.split}
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("heads, kv, causal", [(4, 4, True), (4, 2, True), (4, 4, False)])
+def test_ring_attention_is_exact_and_balanced(request, n, heads, kv, causal):
+    """Against F.scaled_dot_product_attention on the whole sequence (float64: only round-off
+    differs).  Causal: the sequence is cut into 2n chunks and each rank computes the queries
+    of chunks r and 2n-1-r, so each computes (r + 1) + (2n - r) = 2n + 1 blocks of scores and
+    together they compute the 2n(2n + 1)/2 blocks on or below the diagonal, each once (with
+    contiguous slices rank r would compute 4r + 3: 3 against 4n - 1)."""
+    pool = request.getfixturevalue(f"pool{n}")
+    results = pool.run(ring_blocks_and_numerics, heads, kv, 32, causal)
+    for r in results:
+        assert max(r["diff"].values()) < 1e-12, r
+    blocks = [r["blocks"] for r in results]
+    if causal:
+        assert blocks == [2 * n + 1] * n
+        assert sum(blocks) == (2 * n) * (2 * n + 1) // 2
+    else:
+        assert blocks == [4 * n] * n
+
+
+CASES = [(model, layout, n) for model in SPECS for layout in ("megatron-sp", "ulysses", "context-parallel")
+         for n in (2, 4)]
+
+
+@pytest.mark.parametrize("model, layout, n", CASES)
+def test_sequence_layouts_train_like_one_device(request, model, layout, n):
+    spec = SPECS[model]
+    if layout == "ulysses" and n == 4 and model != "gpt-tiny":
+        # 2 key/value heads cannot be spread over 4 ranks: the layout is refused, saying why
+        with pytest.raises(ValueError, match="2 key/value heads on the rank do not divide by 4"):
+            plan_for(spec, layout, shape=(n,), names=("sp",))
+        return
+    plan_dict = plan_for(spec, layout, shape=(n,), names=("sp",))
+    plan = autopar.Plan.from_dict(plan_dict)
+    if layout == "megatron-sp":
+        assert megatron_sp_axes(plan) == ["sp"]
+        assert "Megatron-SP" in str(plan)
+        # every forward sum of a row-parallel matmul is reduce-scattered into sequence shards
+        forward = [c.kind for c in plan.collectives if c.phase == "forward"]
+        assert forward.count("all_reduce") == 0 and forward.count("reduce_scatter") >= 4
+    else:
+        kind = "ring" if layout == "context-parallel" else "ulysses"
+        assert _attention_kinds(plan) == {kind}
+        assert f"sp={kind}" in str(plan)
+    result = request.getfixturevalue(f"pool{n}").run(train_and_compare, spec, plan_dict)[0]
+    assert result["ok"], result
+
+
+@pytest.mark.parametrize("model", ["gpt-tiny", "hf-llama"])
+def test_context_parallel_with_tensor_parallel(pool4, model):
+    """Ring attention over 'cp' with Megatron over 'tp' on a (2, 2) mesh: heads split on tp,
+    each head's sequence on cp."""
+    plan_dict = plan_for(SPECS[model], "context-parallel x megatron-tp", shape=(2, 2), names=("cp", "tp"))
+    plan = autopar.Plan.from_dict(plan_dict)
+    attention = [n for n in plan.nodes if n.op == ATTENTION]
+    assert attention and all(n.split[0] == "ring" and n.split[1] == "heads" for n in attention)
+    result = pool4.run(train_and_compare, SPECS[model], plan_dict)[0]
+    assert result["ok"], result
+
+
+@pytest.mark.parametrize("layout", ["context-parallel", "ulysses", "megatron-sp"])
+def test_sequence_split_inside_pipeline_stages(pool4, layout):
+    spec = ("autopar", "llama-tiny", (("n_layers", 4),))
+    plan = pipelined_plan(spec, (2, 2), ("pp", "cp"), 2, "1f1b", layout, microbatches=2)
+    assert plan.pipeline.pipelined and plan.pipeline.groups == 2
+    if layout != "megatron-sp":
+        assert _attention_kinds(plan) == {"ring" if layout == "context-parallel" else "ulysses"}
+    result = pool4.run(train_and_compare, spec, plan.to_dict())[0]
+    assert result["ok"], result
+
+
+def test_random_plans_with_sequence_strategies(pool4):
+    """Random valid plans whose attention draws ring or Ulysses (on either axis of a (2, 2)
+    mesh, with whatever the other ops drew) train like one device."""
+    model, args, kwargs = build_case(GPT)
+    mesh = autopar.Mesh((2, 2), ("dp", "sp"), device="cpu")
+    plans = autopar.plan(model, mesh, args, compare=False, random_seed=list(range(40)))
+    chosen = [p for p in plans if _attention_kinds(p) & {"ring", "ulysses"}][:4]
+    assert len(chosen) == 4
+    assert {"ring", "ulysses"} <= set().union(*(_attention_kinds(p) for p in chosen))
+    for plan in chosen:
+        result = pool4.run(train_and_compare, GPT, plan.to_dict())[0]
+        assert result["ok"], (plan.origin, result)
+
+
+LONG = ("autopar", "gpt-tiny", (("seq", 128), ("batch", 1), ("max_seq", 128)))
+
+
+@pytest.mark.parametrize("layout", ["context-parallel", "ulysses"])
+def test_activation_memory_falls_with_the_split(pool2, pool4, layout):
+    """Bytes saved for backward per rank (saved_tensors_hooks, storages once, parameters
+    left out) on one 128-token sequence: N times them is the single device's bytes within
+    10 % for N = 2 and 4, and each is the plan's predicted activation memory within 10 %."""
+    model, args, _ = build_case(LONG)
+    seen: dict = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(*args).backward()
+    whole = sum(v for k, v in seen.items() if k not in params)
+    for n, pool in ((2, pool2), (4, pool4)):
+        got = pool.run(saved_activation_bytes, LONG, plan_for(LONG, layout, shape=(n,), names=("sp",)))
+        for r in got:
+            assert r["measured"] * n == pytest.approx(whole, rel=0.10), (n, r, whole)
+            assert r["predicted"] == pytest.approx(r["measured"], rel=0.10), (n, r)
+
+
+def test_why_a_sequence_split_is_left_off():
+    """A sequence that does not divide into 2 x the axis size keeps ring attention off the
+    menu, and the plan says so and how to fix it; Ulysses needs the heads to divide."""
+    model, example = build("gpt-tiny", seq=12)
+    plan = autopar.plan(model, autopar.Mesh((4,), ("sp",), device="cpu"), example, compare=True)
+    notes = " ".join(plan.notes)
+    assert "ring on 'sp': sequence 12 does not divide into 8 chunks" in notes and "pad it" in notes
+    assert "ring" not in _attention_kinds(plan)
+    assert "sequence 12 does not divide" in plan.baselines["context-parallel"]
+    assert "note: sequence split of attention in blocks.0.attn: ring on 'sp'" in str(plan)
+
+
+def test_dense_masks_keep_the_ring_off():
+    """A sliding-window model (Mistral's dense mask) cannot use the ring: the note names the node."""
+    import hf_archs
+    model, kwargs = hf_archs.build("mistral", seq=16)
+    plan = autopar.plan(model, autopar.Mesh((2,), ("sp",), device="cpu"), (), example_kwargs=kwargs, compare=False)
+    assert "ring" not in _attention_kinds(plan)
+    assert any("ring on 'sp': an explicit attention mask" in n and "self_attn" in n for n in plan.notes), plan.notes
+
+
+def test_short_sequences_large_batch_split_the_batch():
+    """llama3-8b shapes (2 layers), 64 x 8,192 tokens on 8 H100 in bf16: splitting the batch
+    costs no communication in attention, so the planner splits no sequence there."""
+    model, example = build("llama3-8b", device="meta", n_layers=2, batch=64, seq=8192)
+    plan = autopar.plan(model, autopar.Mesh((8,), ("dp",), device="h100"), example, mixed_precision="bf16",
+                        compare=False)
+    assert not _attention_kinds(plan) & {"ring", "ulysses"}
+    assert all(n.inputs[0][0] == torch.distributed.tensor.Shard(0) for n in plan.nodes if n.op == ATTENTION)
