@@ -58,9 +58,14 @@ def saved_bytes(step, params) -> float:
     seen: dict = {}
 
     def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in params:
-            seen[s.data_ptr()] = s.nbytes()
+        try:
+            s = t.untyped_storage()
+            key, size = s.data_ptr(), s.nbytes()
+        except RuntimeError:  # a tensor subclass (DTensor) without storage of its own: count its local part
+            local = getattr(t, "_local_tensor", t)
+            key, size = id(local), local.numel() * local.element_size()
+        if key not in params:
+            seen[key] = size
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
