@@ -35,6 +35,7 @@ import math
 from torch.distributed.tensor import Replicate, Shard
 
 from .ops.strategy import passes_partial
+from .problem.graph import VIEWS
 
 
 def tp_axis(mesh) -> int:
@@ -221,23 +222,25 @@ def _residual_shape(problem):
 def megatron_sp(axes_tp):
     """Megatron on `axes_tp` with the residual stream split by sequence there (Megatron-SP):
     every op on the gradient path without a weight matrix whose output has the residual
-    stream's shape outputs Shard(1) on the tensor-parallel axes."""
+    stream's shape (norms, residual adds, dropout; views follow their neighbours) outputs
+    Shard(1) on the tensor-parallel axes, its norm weights whole, the other axes data
+    parallel; matmuls and embeddings as Megatron has them."""
     tensor_parallel = megatron(axes_tp)
     shapes: dict = {}
 
     def allowed(problem, pn, strategy) -> bool:
-        if not tensor_parallel(problem, pn, strategy):
-            return False
-        if pn.kind != "op" or not pn.requires_grad or not pn.out_shapes:
-            return True
         if id(problem) not in shapes:
             shapes[id(problem)] = _residual_shape(problem)
-        if tuple(pn.out_shapes[0]) != shapes[id(problem)]:
-            return True
-        if any(len(src.out_shapes[0]) >= 2 for src, _ in _param_operands(problem, pn, strategy)):
-            return True  # matmuls and embeddings: Megatron's own rules
+        n = problem.mesh.shape
+        weights = list(_param_operands(problem, pn, strategy))
+        if (pn.kind != "op" or not pn.requires_grad or not pn.out_shapes or pn.op in VIEWS
+                or tuple(pn.out_shapes[0]) != shapes[id(problem)]
+                or any(len(src.out_shapes[0]) >= 2 for src, _ in weights)):
+            return tensor_parallel(problem, pn, strategy)
         out = strategy.outputs[0]
-        return all(isinstance(out[a], Shard) and out[a].dim == 1 for a in axes_tp if problem.mesh.shape[a] > 1)
+        return (all(isinstance(out[a], Shard) and out[a].dim == 1 for a in axes_tp if n[a] > 1)
+                and all(isinstance(p[a], Replicate) for _, p in weights for a in range(len(n)) if n[a] > 1)
+                and _splits_on(problem, pn, strategy, [a for a in range(len(n)) if a not in axes_tp]))
     return allowed
 
 
