@@ -24,8 +24,9 @@ comparison with autopar's own plan is like for like:
 - context-parallel / ulysses: data parallel, with attention's sequence split over the
   sequence axis (named 'cp', 'sp', 'context' or 'seq', else the tensor-parallel one) by ring
   attention or by Ulysses' all-to-alls; the other ops split what the cost model prefers.
-- context-parallel x megatron-tp (every=True, 2+ axes): ring attention on the sequence
-  axis, Megatron on the tensor-parallel axis.
+- context-parallel x megatron-tp and context-parallel x zero3 (every=True, 2+ axes): ring
+  attention on the sequence axis, with Megatron on the tensor-parallel axis, or with every
+  parameter stored sharded over all axes (ZeRO-3) and the batch split elsewhere.
 """
 from __future__ import annotations
 
@@ -316,6 +317,7 @@ def layouts(mesh, every: bool = False) -> dict:
         if every:
             for stage in (1, 2, 3):
                 out[f"megatron-tp x zero{stage}"] = megatron_zero(tp, stage)
+            out["context-parallel x zero3"] = sequence_split("ring", sp, zero3)
             if sp != tp:
                 out["context-parallel x megatron-tp"] = sequence_split("ring", sp, megatron({tp}))
     else:

@@ -19,6 +19,9 @@ def sequence_lines(plan) -> list:
                     for ax, k in zip(plan.mesh.axis_names, n.split) if k in ("ring", "ulysses"))
     if kinds:
         lines.append("sequence split in attention: " + ", ".join(f"{k} ({v} nodes)" for k, v in sorted(kinds.items())))
+    if any(k.endswith("=ring") for k in kinds):
+        lines.append("ring attention balances causal masks in the zigzag layout: of 2n chunks, rank r computes the "
+                     "queries of chunks r and 2n-1-r (exchanged into that order inside the op and back)")
     for ax in megatron_sp_axes(plan):
         lines.append(f"sequence parallel (Megatron-SP) on {ax}: activations between the tensor-parallel matmuls are "
                      f"split by sequence; reduce-scatter after each block and all-gather before it replace its all-reduce")

@@ -148,7 +148,7 @@ def test_hand_written_layouts_plan_on_three_axes():
     mesh = mesh_of(MESH_3)
     best = autopar.plan(model, mesh, example, compare=False)
     names = sorted(baselines.layouts(mesh, every=True))
-    assert len(names) == 14  # 10, and Megatron-SP, ring and Ulysses x dp, ring x Megatron
+    assert len(names) == 15  # 10, and Megatron-SP, ring and Ulysses x dp, ring x Megatron, ring x ZeRO-3
     tp = mesh.axis_names.index("tp")
     for name in names:
         plan = autopar.plan(model, mesh, example, layout=name, compare=False)

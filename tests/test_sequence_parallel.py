@@ -86,6 +86,21 @@ def test_context_parallel_with_tensor_parallel(pool4, model):
     assert result["ok"], result
 
 
+@pytest.mark.parametrize("layout", ["context-parallel x dp", "ulysses x dp", "context-parallel x zero3"])
+def test_sequence_split_with_data_parallel_and_zero(pool4, layout):
+    """The sequence split on 'cp' and the batch on 'dp' (2, 2); with ZeRO-3 every weight is
+    stored in quarters and gathered for use."""
+    plan_dict = plan_for(HF_LLAMA, layout, shape=(2, 2), names=("dp", "cp"))
+    plan = autopar.Plan.from_dict(plan_dict)
+    kind = "ulysses" if layout.startswith("ulysses") else "ring"
+    assert all(n.split == ("b0", kind) for n in plan.nodes if n.op == ATTENTION), \
+        [n.split for n in plan.nodes if n.op == ATTENTION]
+    if layout.endswith("zero3"):
+        assert all(plan.zero_stage(name) == 3 for name in plan.param_placements)
+    result = pool4.run(train_and_compare, HF_LLAMA, plan_dict)[0]
+    assert result["ok"], result
+
+
 @pytest.mark.parametrize("layout", ["context-parallel", "ulysses", "megatron-sp"])
 def test_sequence_split_inside_pipeline_stages(pool4, layout):
     spec = ("autopar", "llama-tiny", (("n_layers", 4),))
