@@ -35,6 +35,7 @@ import math
 
 from torch.distributed.tensor import Replicate, Shard
 
+from .ops.attention_rule import ATTENTION_OPS
 from .ops.strategy import passes_partial
 from .problem.graph import VIEWS
 
@@ -106,7 +107,7 @@ def _splits_heads(problem, pn, strategy, axis) -> bool:
 def _head_dim(problem) -> int | None:
     """The smallest head dim of the model's attention (the query's last dim), or None."""
     dims = [pn.node.meta["val"].shape[-1] for pn in problem.nodes
-            if pn.kind == "op" and pn.op == "aten.scaled_dot_product_attention"]
+            if pn.kind == "op" and pn.op in ATTENTION_OPS]
     return int(min(dims)) if dims else None
 
 
@@ -254,7 +255,7 @@ def sp_axis(mesh) -> int:
 
 
 def _attention(pn) -> bool:
-    return pn.kind == "op" and pn.op == "aten.scaled_dot_product_attention"
+    return pn.kind == "op" and pn.op in ATTENTION_OPS
 
 
 def sequence_split(kind: str, axis: int, inner=None):

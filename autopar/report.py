@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from collections import Counter, defaultdict
 
+from .ops.attention_rule import ATTENTION_OPS
 from .records import format_bytes, format_seconds, show
 
 
@@ -15,7 +16,7 @@ def sequence_lines(plan) -> list:
     sequence shards, and gathered back before the next column-parallel matmul), then the
     notes saying why a form was left off."""
     lines = []
-    kinds = Counter(f"{ax}={k}" for n in plan.nodes if n.op == "aten.scaled_dot_product_attention"
+    kinds = Counter(f"{ax}={k}" for n in plan.nodes if n.op in ATTENTION_OPS
                     for ax, k in zip(plan.mesh.axis_names, n.split) if k in ("ring", "ulysses"))
     if kinds:
         lines.append("sequence split in attention: " + ", ".join(f"{k} ({v} nodes)" for k, v in sorted(kinds.items())))

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from .attention import window_attention, window_mask
 from .experts import experts_as_op
 from .fused import Parts, as_linear, split_fused
 
@@ -149,29 +150,70 @@ def _checkpoints_inline():
 
 
 @contextlib.contextmanager
-def _causal_masks_as_flags(example_inputs: tuple, example_kwargs: dict):
+def _causal_masks_as_flags(example_inputs: tuple, example_kwargs: dict, windows: bool = True):
     """Hugging Face models build a dense causal mask when they see torch.export, where eager
     runs pass `is_causal=True` to attention instead (no padding mask, one sequence per row,
     query and key lengths equal).  When the user passes neither an attention mask nor
     position ids (so positions are the model's own 0..s-1), trace them as they run eagerly:
     attention then knows its mask is causal, which ring attention needs (a dense mask could
-    say anything).  A padding mask, packed sequences or a sliding window still build the
-    dense mask."""
+    say anything).  A padding mask or packed sequences still build the dense mask.
+
+    windows: sliding-window layers skip their dense mask too, and their attention call
+    (which gets `sliding_window=w`) runs as autopar::window_attention (autopar/attention.py).
+    Yields the counts (windowed masks skipped, windowed attention calls): a model that
+    skipped masks but made no such call must be traced again with windows=False."""
     masking = sys.modules.get("transformers.masking_utils")
-    names = ("is_torchdynamo_exporting", "find_packed_sequence_indices")
+    names = ("is_torchdynamo_exporting", "find_packed_sequence_indices", "_ignore_causal_mask_sdpa")
     given = {k for k, v in example_kwargs.items() if v is not None}
+    counts = {"skipped": 0, "calls": 0}
     if masking is None or not all(hasattr(masking, n) for n in names) or len(example_inputs) > 1 \
             or given & {"attention_mask", "position_ids", "cache_position", "past_key_values"}:
-        yield
+        yield counts
         return
     own = {n: getattr(masking, n) for n in names}
+    registry = _attention_registry() if windows else None
+    own_sdpa = registry.get("sdpa") if registry is not None else None
+
+    def ignore(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size=None):
+        if local_attention_size is None or own_sdpa is None:
+            return own["_ignore_causal_mask_sdpa"](padding_mask, q_length, kv_length, q_offset, kv_offset,
+                                                   local_attention_size)
+        skip = own["_ignore_causal_mask_sdpa"](padding_mask, q_length, kv_length, q_offset, kv_offset, None)
+        counts["skipped"] += bool(skip)
+        return skip
+
+    def sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        window = kwargs.get("sliding_window")
+        if window is not None and attention_mask is None and query.shape[2] > 1:
+            counts["calls"] += 1
+            if not dropout:
+                scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+                out = window_attention(query, key, value, int(window), scale, key.shape[1] != query.shape[1])
+                return out.transpose(1, 2).contiguous(), None
+            pos = torch.arange(query.shape[2], device=query.device)
+            attention_mask = window_mask(pos, pos, int(window))[None, None]
+        return own_sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
     masking.is_torchdynamo_exporting = lambda: False
     masking.find_packed_sequence_indices = lambda position_ids: None
+    masking._ignore_causal_mask_sdpa = ignore
+    if own_sdpa is not None:
+        registry["sdpa"] = sdpa
     try:
-        yield
+        yield counts
     finally:
         for n, f in own.items():
             setattr(masking, n, f)
+        if own_sdpa is not None:
+            registry["sdpa"] = own_sdpa
+
+
+def _attention_registry():
+    """transformers' library-wide attention functions by implementation name, or None."""
+    utils = sys.modules.get("transformers.modeling_utils")
+    interface = getattr(utils, "AttentionInterface", None)
+    mapping = getattr(interface, "_global_mapping", None)
+    return mapping if isinstance(mapping, dict) else None
 
 
 def _trace(model: torch.nn.Module | fx.GraphModule, example_inputs: tuple, example_kwargs: dict | None = None) -> Traced:
@@ -183,8 +225,12 @@ def _trace(model: torch.nn.Module | fx.GraphModule, example_inputs: tuple, examp
     start = time.perf_counter()
     try:
         with _checkpoints_inline(), experts_as_op(model), \
-                _causal_masks_as_flags(tuple(example_inputs), example_kwargs):
+                _causal_masks_as_flags(tuple(example_inputs), example_kwargs) as windows:
             ep = torch.export.export(model, tuple(example_inputs), example_kwargs, strict=False)
+        if windows["skipped"] and not windows["calls"]:  # its attention did not take the window: keep the masks
+            with _checkpoints_inline(), experts_as_op(model), \
+                    _causal_masks_as_flags(tuple(example_inputs), example_kwargs, windows=False):
+                ep = torch.export.export(model, tuple(example_inputs), example_kwargs, strict=False)
     except Exception as exc:  # name the module that failed and why
         where = _module_of_error(exc, model)
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

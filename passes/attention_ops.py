@@ -21,6 +21,8 @@ rank r computes the queries of chunks r and 2n - 1 - r (one from the front, its 
 the back), so every rank computes 2n + 1 blocks of scores, against n(n + 1) / 2 ... n blocks
 for contiguous slices.  The queries are exchanged into that order inside the op (half of
 them move, one all-to-all) and the output is exchanged back; the backward does the reverse.
+A sliding window (autopar::window_attention) skips the key blocks wholly before every
+query's window, so a window shorter than a chunk leaves each query chunk two blocks.
 
 Ulysses: one all-to-all per tensor swaps the split from the sequence to the heads (the
 query and key/value head counts must divide by n), attention runs on whole sequences for
@@ -31,6 +33,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from autopar.attention import window_mask
 
 from .redistribute import all_gather_dim, all_to_all_dims, reduce_scatter_dim
 
@@ -66,25 +70,38 @@ def _exchange(x: Tensor, dim: int, n: int, rank: int, group, to_zigzag: bool) ->
     return torch.cat([got[c] for c in wanted]).movedim(0, dim)
 
 
-def _blocks(q_chunks, n: int, rank: int, causal: bool):
-    """(query chunk position, key chunk, kind) in ring order: the key chunks of rank r - t
-    at step t; kind "full", "diagonal" (the causal triangle) or skipped."""
+def _blocks(q_chunks, n: int, rank: int, causal: bool, L: int, window):
+    """(query chunk position, key chunk, masked) in ring order: the key chunks of rank r - t
+    at step t, those no query of the chunk sees left out (causal: later chunks; a sliding
+    window: chunks wholly before it); masked when some of the block's scores are hidden."""
     for t in range(n):
         src = (rank - t) % n
         for kc in (2 * src, 2 * src + 1):
             for i, qc in enumerate(q_chunks):
-                if not causal or kc < qc:
-                    yield i, kc, "full"
-                elif kc == qc:
-                    yield i, kc, "diagonal"
+                if not causal:
+                    yield i, kc, False
+                    continue
+                if kc > qc:
+                    continue
+                nearest, farthest = (qc - kc - 1) * L + 1, (qc - kc + 1) * L - 1  # query minus key position
+                if kc < qc and window is not None and nearest >= window:
+                    continue
+                yield i, kc, kc == qc or (window is not None and farthest >= window)
 
 
-def _scores(q, k, scale, kind):
+def _scores(q, k, scale, masked: bool, qc: int, kc: int, L: int, window):
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if kind == "diagonal":
-        upper = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
-        s = s.masked_fill(upper, float("-inf"))
+    if masked:
+        q_pos = torch.arange(qc * L, (qc + 1) * L, device=s.device)
+        k_pos = torch.arange(kc * L, (kc + 1) * L, device=s.device)
+        reach = window if window is not None else (qc + 1) * L + 1  # no window: every earlier key
+        s = s.masked_fill(~window_mask(q_pos, k_pos, reach), float("-inf"))
     return s
+
+
+def _finite(lse: Tensor) -> Tensor:
+    """A log-sum-exp with the rows that saw no key (-inf) at 0, to subtract without NaN."""
+    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
 
 
 def _expand(x: Tensor, groups: int) -> Tensor:
@@ -94,7 +111,7 @@ def _expand(x: Tensor, groups: int) -> Tensor:
 
 class _Ring(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, scale: float, group, n: int, rank: int):
+    def forward(ctx, q, k, v, causal: bool, scale: float, group, n: int, rank: int, window):
         groups = q.size(1) // k.size(1)
         keys = all_gather_dim(k, 2, group, n)
         values = all_gather_dim(v, 2, group, n)
@@ -106,29 +123,29 @@ class _Ring(torch.autograd.Function):
         qs = [c.to(acc) for c in qz.chunk(2, 2)]
         out = [None, None]
         lse = [None, None]
-        for i, kc, kind in _blocks(q_chunks, n, rank, causal):
+        for i, kc, masked in _blocks(q_chunks, n, rank, causal, L, window):
             kb = _expand(keys.narrow(2, kc * L, L), groups).to(acc)
             vb = _expand(values.narrow(2, kc * L, L), groups).to(acc)
-            s = _scores(qs[i], kb, scale, kind)
-            l_blk = torch.logsumexp(s, dim=-1)
-            o_blk = torch.matmul(torch.exp(s - l_blk.unsqueeze(-1)), vb)
+            s = _scores(qs[i], kb, scale, masked, q_chunks[i], kc, L, window)
+            l_blk = torch.logsumexp(s, dim=-1)  # -inf on a row the block hides entirely (a window)
+            o_blk = torch.matmul(torch.exp(s - _finite(l_blk).unsqueeze(-1)), vb)
             BLOCKS["computed"] += 1
             if out[i] is None:
                 out[i], lse[i] = o_blk, l_blk
             else:
-                new = torch.logaddexp(lse[i], l_blk)
+                new = _finite(torch.logaddexp(lse[i], l_blk))
                 out[i] = out[i] * torch.exp(lse[i] - new).unsqueeze(-1) + o_blk * torch.exp(l_blk - new).unsqueeze(-1)
-                lse[i] = new
+                lse[i] = torch.logaddexp(lse[i], l_blk)
         oz = torch.cat(out, dim=2).to(q.dtype)
         lse_z = torch.cat(lse, dim=2)
         ctx.save_for_backward(qz, k, v, oz, lse_z)
-        ctx.args = (causal, scale, group, n, rank, q_chunks)
+        ctx.args = (causal, scale, group, n, rank, q_chunks, window)
         return _exchange(oz, 2, n, rank, group, False) if causal else oz
 
     @staticmethod
     def backward(ctx, grad):
         qz, k, v, oz, lse_z = ctx.saved_tensors
-        causal, scale, group, n, rank, q_chunks = ctx.args
+        causal, scale, group, n, rank, q_chunks, window = ctx.args
         groups = qz.size(1) // k.size(1)
         keys = all_gather_dim(k, 2, group, n)
         values = all_gather_dim(v, 2, group, n)
@@ -141,10 +158,10 @@ class _Ring(torch.autograd.Function):
         dkeys = torch.zeros(keys.shape, dtype=acc, device=keys.device)
         dvalues = torch.zeros_like(dkeys)
         b, kv, e = k.size(0), k.size(1), k.size(3)
-        for i, kc, kind in _blocks(q_chunks, n, rank, causal):
+        for i, kc, masked in _blocks(q_chunks, n, rank, causal, L, window):
             kb = _expand(keys.narrow(2, kc * L, L), groups).to(acc)
             vb = _expand(values.narrow(2, kc * L, L), groups).to(acc)
-            p = torch.exp(_scores(qs[i], kb, scale, kind) - ls[i].unsqueeze(-1))
+            p = torch.exp(_scores(qs[i], kb, scale, masked, q_chunks[i], kc, L, window) - ls[i].unsqueeze(-1))
             dv = torch.matmul(p.transpose(-1, -2), dos[i])
             ds = p * (torch.matmul(dos[i], vb.transpose(-1, -2)) - deltas[i].unsqueeze(-1))
             dq[i] += torch.matmul(ds, kb) * scale
@@ -159,17 +176,19 @@ class _Ring(torch.autograd.Function):
         axis = None  # for messages only: the divisibility was checked when planning
         dk_out = reduce_scatter_dim(dkeys, 2, group, n, rank, axis).to(k.dtype)
         dv_out = reduce_scatter_dim(dvalues, 2, group, n, rank, axis).to(v.dtype)
-        return dq_out, dk_out, dv_out, None, None, None, None, None
+        return dq_out, dk_out, dv_out, None, None, None, None, None, None
 
 
-def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float | None, group) -> Tensor:
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float | None, group,
+                   window: int | None = None) -> Tensor:
     """Attention of this rank's queries (q [b, h, s / n, e], contiguous slice r of n) against
-    the whole sequence's keys and values (k, v [b, kv, s / n, e], slice r), on `group`."""
+    the whole sequence's keys and values (k, v [b, kv, s / n, e], slice r), on `group`;
+    window (causal only): query i sees keys i - window < j <= i."""
     n = torch.distributed.get_world_size(group)
     rank = torch.distributed.get_rank(group)
     if scale is None:
         scale = q.size(-1) ** -0.5
-    return _Ring.apply(q, k, v, causal, float(scale), group, n, rank)
+    return _Ring.apply(q, k, v, causal, float(scale), group, n, rank, window)
 
 
 class _SeqToHeads(torch.autograd.Function):
@@ -194,10 +213,15 @@ def _swap(x, group, n, back):
 
 
 def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask=None, dropout_p: float = 0.0,
-                      is_causal: bool = False, scale=None, enable_gqa: bool = False, *, group) -> Tensor:
-    """q [b, h, s / n, e], k, v [b, kv, s / n, e] (contiguous sequence slices) -> [b, h, s / n, ev]."""
+                      is_causal: bool = False, scale=None, enable_gqa: bool = False, *, group, local=None) -> Tensor:
+    """q [b, h, s / n, e], k, v [b, kv, s / n, e] (contiguous sequence slices) -> [b, h, s / n, ev].
+    local: the attention to run on whole sequences (default scaled_dot_product_attention
+    with the arguments given)."""
     n = torch.distributed.get_world_size(group)
     qh, kh, vh = (_SeqToHeads.apply(t, group, n, False) for t in (q, k, v))
-    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=attn_mask, dropout_p=dropout_p,
-                                         is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    if local is not None:
+        out = local(qh, kh, vh)
+    else:
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=attn_mask, dropout_p=dropout_p,
+                                             is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     return _SeqToHeads.apply(out, group, n, True)

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from autopar.attention import window_attention
 from autopar.experts import expert_parallel, experts
 
 from .attention_ops import ring_attention, ulysses_attention
@@ -38,9 +39,16 @@ def expert_parallel_on_axis(x, index, weight, gate, up, down, act: str, n_expert
     return expert_parallel(x, index, weight, gate, up, down, act, n_experts, groups.group(axis))
 
 
-def ring_attention_on_axis(q, k, v, causal: bool, scale, axis: int, groups):
-    """Attention with the sequence split over `axis`, context parallel (attention_ops.py)."""
-    return ring_attention(q, k, v, causal=causal, scale=scale, group=groups.group(axis))
+def ring_attention_on_axis(q, k, v, causal: bool, scale, axis: int, groups, window: int | None = None):
+    """Attention with the sequence split over `axis`, context parallel (attention_ops.py);
+    window: a causal sliding window (query i sees keys i - window < j <= i)."""
+    return ring_attention(q, k, v, causal=causal, scale=scale, group=groups.group(axis), window=window)
+
+
+def ulysses_window_on_axis(q, k, v, window: int, scale: float, gqa: bool, axis: int, groups):
+    """Sliding-window attention with the sequence split over `axis`, heads swapped in."""
+    return ulysses_attention(q, k, v, group=groups.group(axis), local=lambda a, b, c: window_attention(
+        a, b, c, window, scale, gqa))
 
 
 def ulysses_on_axis(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, axis: int, groups):

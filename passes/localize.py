@@ -16,6 +16,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
 
 from autopar.ops import op_name, outputs_of, tensor_args
+from autopar.ops.attention_rule import ATTENTION_OPS
 from autopar.ops.strategy import passes_partial
 
 from . import local_ops
@@ -71,7 +72,7 @@ def localize(gm: fx.GraphModule, plan) -> fx.GraphModule:
         _out_of_place_on_moves(node)
         if name == "autopar.experts":
             _to_local_experts(node, choice)
-        elif name == "aten.scaled_dot_product_attention" and any(l in ("ring", "ulysses") for l in choice.split):
+        elif name in ATTENTION_OPS and any(l in ("ring", "ulysses") for l in choice.split):
             _to_sequence_parallel_attention(node, choice)
         elif name == "aten.embedding" and split_reduced:
             _to_vocab_parallel_embedding(node, choice, split_reduced)
@@ -127,6 +128,13 @@ def _to_sequence_parallel_attention(node, choice):
     """Ring or Ulysses attention over the axis whose split is named so (attention_ops.py)."""
     (axis, kind), = [(a, l) for a, l in enumerate(choice.split) if l in ("ring", "ulysses")]
     q, k, v = node.args[:3]
+    if op_name(node) == "autopar.window_attention":  # (q, k, v, window, scale, gqa): causal
+        window, scale, gqa = node.args[3:6]
+        node.target = local_ops.ring_attention_on_axis if kind == "ring" else local_ops.ulysses_window_on_axis
+        node.args = ((q, k, v, True, scale, axis, _groups_node(node), window) if kind == "ring"
+                     else (q, k, v, window, scale, gqa, axis, _groups_node(node)))
+        node.kwargs = {}
+        return
     mask, dropout_p, causal = (list(node.args[3:6]) + [None, 0.0, False][len(node.args[3:6]):])
     mask = node.kwargs.get("attn_mask", mask)
     dropout_p = node.kwargs.get("dropout_p", dropout_p)

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import autopar
+from autopar.attention import window_attention
 from autopar.plan import Plan
 from rt_cases import build_case
 
@@ -29,7 +30,8 @@ def saved_activation_bytes(spec: tuple, plan_dict: dict) -> dict:
     return {"measured": float(sum(seen.values())), "predicted": plan.predicted.memory["activations"]}
 
 
-def ring_blocks_and_numerics(n_heads: int, kv_heads: int, seq: int, causal: bool, seed: int = 0) -> dict:
+def ring_blocks_and_numerics(n_heads: int, kv_heads: int, seq: int, causal: bool, seed: int = 0,
+                             window: int | None = None) -> dict:
     """Ring attention on this rank's slice of a random sequence against F.scaled_dot_product_attention
     of the whole one: the largest differences of output and q, k, v gradients, and the score
     blocks this rank computed (forward)."""
@@ -43,14 +45,17 @@ def ring_blocks_and_numerics(n_heads: int, kv_heads: int, seq: int, causal: bool
     w = torch.randn(2, n_heads, seq, 8, generator=g, dtype=torch.float64)
     n, r = dist.get_world_size(), dist.get_rank()
     whole = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref = F.scaled_dot_product_attention(*whole, is_causal=causal, enable_gqa=kv_heads != n_heads)
+    if window is None:
+        ref = F.scaled_dot_product_attention(*whole, is_causal=causal, enable_gqa=kv_heads != n_heads)
+    else:
+        ref = window_attention(*whole, window, 8 ** -0.5, kv_heads != n_heads)
     (ref * w).sum().backward()
     part = [t.chunk(n, 2)[r].clone().requires_grad_() for t in (q, k, v)]
     before = A.BLOCKS["computed"]
-    out = A.ring_attention(*part, causal=causal, scale=None, group=dist.group.WORLD)
+    out = A.ring_attention(*part, causal=causal, scale=None, group=dist.group.WORLD, window=window)
     blocks = A.BLOCKS["computed"] - before
     (out * w.chunk(n, 2)[r]).sum().backward()
-    diff = {"out": float((out - ref.chunk(n, 2)[r]).abs().max())}
+    diff = {"out": float((out - ref.chunk(n, 2)[r]).detach().abs().max())}
     for name, a, b in zip("qkv", part, whole):
         diff[name] = float((a.grad - b.grad.chunk(n, 2)[r]).abs().max())
     return {"blocks": blocks, "diff": diff}

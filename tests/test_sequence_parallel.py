@@ -46,6 +46,20 @@ def test_ring_attention_is_exact_and_balanced(request, n, heads, kv, causal):
         assert blocks == [4 * n] * n
 
 
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("window", [3, 5, 12])
+def test_ring_attention_with_a_sliding_window(request, n, window):
+    """autopar::window_attention split by the ring equals the op on the whole sequence, and a
+    rank computes only the blocks some query of its chunks sees: with chunks of L = 32 / 2n
+    tokens, query chunk c meets key chunk k <= c when (c - k - 1) L + 1 < window."""
+    results = request.getfixturevalue(f"pool{n}").run(ring_blocks_and_numerics, 4, 2, 32, True, 0, window)
+    L = 32 // (2 * n)
+    for rank, r in enumerate(results):
+        assert max(r["diff"].values()) < 1e-12, r
+        seen = sum(1 for c in (rank, 2 * n - 1 - rank) for k in range(c + 1) if (c - k - 1) * L + 1 < window)
+        assert r["blocks"] == seen, (rank, r["blocks"], seen)
+
+
 CASES = [(model, layout, n) for model in SPECS for layout in ("megatron-sp", "ulysses", "context-parallel")
          for n in (2, 4)]
 
@@ -165,12 +179,31 @@ def test_why_a_sequence_split_is_left_off():
 
 
 def test_dense_masks_keep_the_ring_off():
-    """A sliding-window model (Mistral's dense mask) cannot use the ring: the note names the node."""
+    """A padding mask the user passes stays a dense mask, which the ring cannot take: the
+    note names the node; Ulysses (the mask broadcast over heads) remains."""
     import hf_archs
-    model, kwargs = hf_archs.build("mistral", seq=16)
-    plan = autopar.plan(model, autopar.Mesh((2,), ("sp",), device="cpu"), (), example_kwargs=kwargs, compare=False)
-    assert "ring" not in _attention_kinds(plan)
+    model, kwargs = hf_archs.build("llama", seq=16)
+    kwargs = dict(kwargs, attention_mask=torch.ones(4, 16, dtype=torch.long))
+    plan = autopar.plan(model, autopar.Mesh((2,), ("sp",), device="cpu"), (), example_kwargs=kwargs, compare=True)
     assert any("ring on 'sp': an explicit attention mask" in n and "self_attn" in n for n in plan.notes), plan.notes
+    assert "an explicit attention mask" in plan.baselines["context-parallel"]
+    assert not isinstance(plan.baselines["ulysses"], str)
+
+
+@pytest.mark.parametrize("layout", ["context-parallel", "ulysses", "megatron-sp"])
+def test_sliding_window_model_trains_like_one_device(pool2, layout):
+    """HF Mistral with an 8-token window on 16 tokens: traced through autopar::window_attention
+    (no dense mask), so the ring splits it (each rank's 8 tokens in chunks of 4: blocks
+    wholly outside the window skipped) and Ulysses runs the windowed op on whole sequences."""
+    spec = ("hf-arch", "mistral")
+    plan_dict = plan_for(spec, layout, shape=(2,), names=("sp",))
+    plan = autopar.Plan.from_dict(plan_dict)
+    windows = [n for n in plan.nodes if n.op == "autopar.window_attention"]
+    assert len(windows) == 2
+    if layout != "megatron-sp":
+        assert {n.split for n in windows} == {("ring",) if layout == "context-parallel" else ("ulysses",)}
+    result = pool2.run(train_and_compare, spec, plan_dict)[0]
+    assert result["ok"], result
 
 
 def test_short_sequences_large_batch_split_the_batch():

@@ -26,6 +26,7 @@ from torch.distributed.tensor import Replicate, Shard
 from .strategy import Strategy
 
 SEQ = 2  # q, k, v and the output are [b, heads, seq, head_dim]
+ATTENTION_OPS = ("aten.scaled_dot_product_attention", "autopar.window_attention")
 
 
 def _local(shape, placements, mesh_shape) -> list:

@@ -320,6 +320,11 @@ def _sdpa_rule(node, ins, outs):
     return parse(", ".join(specs[: len(ins)]) + f" -> * heads {s} ev^", ins, outs)
 
 
+def _window_attention_rule(node, ins, outs):
+    """autopar::window_attention (q, k, v): causal, so as attention with is_causal."""
+    return parse("* heads s^ e^, * heads t^ e^, * heads t^ ev^ -> * heads s^ ev^", ins, outs)
+
+
 def _cross_entropy_rule(node, ins, outs):
     """logits [n, classes, *], target [n, *]: batch splits give Partial (summed) losses;
     `classes` splits vocabulary-parallel (target stays Replicate; max and sum-exp are
@@ -421,6 +426,7 @@ RULES = {
     "aten.layer_norm": _layer_norm_rule,
     "aten.rms_norm": _layer_norm_rule,
     "aten.scaled_dot_product_attention": _sdpa_rule,
+    "autopar.window_attention": _window_attention_rule,
     "aten.cross_entropy_loss": _cross_entropy_rule,
     "aten.nll_loss": _nll_rule,
     "aten.nll_loss_nd": _nll_rule,

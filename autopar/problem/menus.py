@@ -14,7 +14,7 @@ from .. import cost as C
 from ..mesh import Mesh
 from ..ops import (INTERNAL_COMM, Strategy, annotate, enumerate_strategies, op_name, replicated,
                    show_placements)
-from ..ops.attention_rule import sequence_strategies
+from ..ops.attention_rule import ATTENTION_OPS, sequence_strategies
 from ..ops.experts_rule import experts_strategies
 from .graph import PNode
 
@@ -60,7 +60,7 @@ def build_menus(nodes: list, readers: dict, mesh: Mesh) -> tuple[list, list]:
             else:
                 pn.strategies = enumerate_strategies(ann, in_shapes, pn.out_shapes, mesh.shape,
                                                      mesh.axis_names, needs)
-                if pn.op == "aten.scaled_dot_product_attention":
+                if pn.op in ATTENTION_OPS:
                     _say_why_heads_stay_whole(pn, in_shapes, mesh, messages)
                     pn.strategies = pn.strategies + _sequence_split(pn, in_shapes, mesh, messages)
                 internal = [(l, INTERNAL_COMM[(pn.op, l)]) for l in ann.letters() if (pn.op, l) in INTERNAL_COMM]
@@ -98,8 +98,11 @@ def _sequence_split(pn: PNode, in_shapes, mesh: Mesh, messages: list) -> list:
     """Ring and Ulysses strategies of an attention node; why a form is left off goes to the
     plan's notes (once per reason)."""
     node = pn.node
-    causal = bool(_sdpa_arg(node, 5, "is_causal", False))
-    dropout = float(_sdpa_arg(node, 4, "dropout_p", 0.0) or 0.0) != 0.0
+    if pn.op == "autopar.window_attention":
+        causal, dropout = True, False
+    else:
+        causal = bool(_sdpa_arg(node, 5, "is_causal", False))
+        dropout = float(_sdpa_arg(node, 4, "dropout_p", 0.0) or 0.0) != 0.0
     why: list = []
     out = sequence_strategies(pn.strategies, in_shapes, pn.out_shapes[0], mesh.shape, mesh.axis_names,
                               causal=causal, has_mask=len(in_shapes) > 3, dropout=dropout, why=why)
