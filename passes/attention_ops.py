@@ -18,8 +18,8 @@ their owners.  Only q, k, v, the output and the log-sum-exp are kept for backwar
 
 Causal masks are load-balanced (the zigzag layout): the sequence is cut into 2n chunks and
 rank r computes the queries of chunks r and 2n - 1 - r (one from the front, its mirror from
-the back), so every rank computes 2n + 1 blocks of scores, against n(n + 1) / 2 ... n blocks
-for contiguous slices.  The queries are exchanged into that order inside the op (half of
+the back), so every rank computes 2n + 1 blocks of scores, where contiguous slices would
+give rank r 4r + 3 (3 on the first rank, 4n - 1 on the last).  The queries are exchanged into that order inside the op (half of
 them move, one all-to-all) and the output is exchanged back; the backward does the reverse.
 A sliding window (autopar::window_attention) skips the key blocks wholly before every
 query's window, so a window shorter than a chunk leaves each query chunk two blocks.
