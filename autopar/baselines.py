@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 
 from torch.distributed.tensor import Replicate, Shard
 
@@ -46,6 +47,19 @@ def tp_axis(mesh) -> int:
         if name in mesh.axis_names:
             return mesh.axis_names.index(name)
     return mesh.ndim - 1
+
+
+def per_problem(compute):
+    """compute(problem), worked out once per problem: a rule asks it for every strategy of
+    every node.  Kept with the problem object itself (weakly), not under its id, which a
+    new problem may reuse once the old one is freed."""
+    cache = weakref.WeakKeyDictionary()
+
+    def get(problem):
+        if problem not in cache:
+            cache[problem] = compute(problem)
+        return cache[problem]
+    return get
 
 
 def _param_operands(problem, pn, strategy):
@@ -113,7 +127,7 @@ def _head_dim(problem) -> int | None:
 
 def megatron(axes_tp):
     """Megatron on the axes in `axes_tp`, data parallel on the others."""
-    head_dims: dict = {}
+    head_dim = per_problem(_head_dim)
 
     def matrix(problem, pn) -> bool:
         """A weight Megatron shards: a matrix inside the repeated layers (embeddings and the
@@ -123,9 +137,7 @@ def megatron(axes_tp):
         shape = pn.out_shapes[0]
         if len(shape) < 2 or (problem.layer_groups and pn.index not in problem.block):
             return False
-        if id(problem) not in head_dims:
-            head_dims[id(problem)] = _head_dim(problem)
-        hd = head_dims[id(problem)]
+        hd = head_dim(problem)
         tp = math.prod(problem.mesh.shape[a] for a in axes_tp)
         return hd is None or len(shape) > 2 or min(shape) >= tp * hd
 
@@ -197,13 +209,11 @@ def expert_parallel(mesh):
     (each rank holds E / n experts), tokens split on every axis; everything else data
     parallel (DeepSpeed-MoE and torchtitan's expert parallelism without tensor parallelism)."""
     ep = tp_axis(mesh)
-    weights: dict = {}
+    weights = per_problem(_expert_weights)
 
     def allowed(problem, pn, strategy) -> bool:
-        if id(problem) not in weights:
-            weights[id(problem)] = _expert_weights(problem)
         n = problem.mesh.shape
-        if pn.kind == "param" and pn.index in weights[id(problem)]:
+        if pn.kind == "param" and pn.index in weights(problem):
             return _plain(strategy) and all(
                 (isinstance(p, Shard) and p.dim == 0) if a == ep else isinstance(p, Replicate)
                 for a, p in enumerate(strategy.outputs[0]) if n[a] > 1)
@@ -228,15 +238,13 @@ def megatron_sp(axes_tp):
     Shard(1) on the tensor-parallel axes, its norm weights whole, the other axes data
     parallel; matmuls and embeddings as Megatron has them."""
     tensor_parallel = megatron(axes_tp)
-    shapes: dict = {}
+    residual = per_problem(_residual_shape)
 
     def allowed(problem, pn, strategy) -> bool:
-        if id(problem) not in shapes:
-            shapes[id(problem)] = _residual_shape(problem)
         n = problem.mesh.shape
         weights = list(_param_operands(problem, pn, strategy))
         if (pn.kind != "op" or not pn.requires_grad or not pn.out_shapes or pn.op in VIEWS
-                or tuple(pn.out_shapes[0]) != shapes[id(problem)]
+                or tuple(pn.out_shapes[0]) != residual(problem)
                 or any(len(src.out_shapes[0]) >= 2 for src, _ in weights)):
             return tensor_parallel(problem, pn, strategy)
         out = strategy.outputs[0]

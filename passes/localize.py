@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
 
-from autopar.ops import op_name, outputs_of, tensor_args
+from autopar.ops import op_arg, op_name, outputs_of, tensor_args
 from autopar.ops.attention_rule import ATTENTION_OPS
 from autopar.ops.strategy import passes_partial
 
@@ -78,7 +78,7 @@ def localize(gm: fx.GraphModule, plan) -> fx.GraphModule:
             _to_vocab_parallel_embedding(node, choice, split_reduced)
         elif name in ("aten.cross_entropy_loss",):
             _to_local_cross_entropy(gm, node, choice, split_reduced)
-        elif split_reduced and (name in MEANS or (name in MEAN_LOSSES and _arg(node, 2, "reduction", 1) == 1)):
+        elif split_reduced and (name in MEANS or (name in MEAN_LOSSES and op_arg(node, 2, "reduction", 1) == 1)):
             share = 1.0 / math.prod(mesh_shape[a] for a in split_reduced)
             node.args = (node.target, share) + tuple(node.args)
             node.target = local_ops.scaled_op
@@ -87,12 +87,6 @@ def localize(gm: fx.GraphModule, plan) -> fx.GraphModule:
     graph.lint()
     gm.recompile()
     return gm
-
-
-def _arg(node, index, name, default):
-    if len(node.args) > index:
-        return node.args[index]
-    return node.kwargs.get(name, default)
 
 
 def _out_of_place_on_moves(node) -> None:
@@ -135,11 +129,8 @@ def _to_sequence_parallel_attention(node, choice):
                      else (q, k, v, window, scale, gqa, axis, _groups_node(node)))
         node.kwargs = {}
         return
-    mask, dropout_p, causal = (list(node.args[3:6]) + [None, 0.0, False][len(node.args[3:6]):])
-    mask = node.kwargs.get("attn_mask", mask)
-    dropout_p = node.kwargs.get("dropout_p", dropout_p)
-    causal = bool(node.kwargs.get("is_causal", causal))
-    scale = node.kwargs.get("scale")
+    mask, dropout_p = op_arg(node, 3, "attn_mask"), op_arg(node, 4, "dropout_p", 0.0)
+    causal, scale = bool(op_arg(node, 5, "is_causal", False)), node.kwargs.get("scale")
     if kind == "ring":
         node.target = local_ops.ring_attention_on_axis
         node.args = (q, k, v, causal, scale, axis, _groups_node(node))

@@ -34,7 +34,8 @@ def outputs_of(node: fx.Node) -> list:
     return []
 
 
-def _arg(node, index, name, default=None):
+def op_arg(node, index, name, default=None):
+    """Argument `index` of the node's call, or its keyword `name`, else `default`."""
     if len(node.args) > index:
         return node.args[index]
     return node.kwargs.get(name, default)
@@ -120,7 +121,7 @@ def _written_then_unread(node) -> bool:
 def _topk_rule(node, ins, outs):
     """values and indices of the k largest along `dim`: that dim never splits, the others may."""
     rank = len(ins[0])
-    dim = _dim(_arg(node, 2, "dim", -1), rank)
+    dim = _dim(op_arg(node, 2, "dim", -1), rank)
     src = [f"d{i}" if i != dim else "x^" for i in range(rank)]
     out = [l if i != dim else "k^" for i, l in enumerate(src)]
     return parse(f"{' '.join(src)} -> {', '.join(' '.join(out) for _ in outs)}", ins, outs)
@@ -168,7 +169,7 @@ def _expand_rule(node, ins, outs):
 
 def _slice_rule(node, ins, outs):
     rank = len(ins[0])
-    dim = _dim(_arg(node, 1, "dim", 0), rank)
+    dim = _dim(op_arg(node, 1, "dim", 0), rank)
     letters = [f"d{i}" for i in range(rank)]
     out = list(letters)
     if ins[0][dim] != outs[0][dim]:
@@ -187,7 +188,7 @@ def _select_rule(node, ins, outs):
 
 def _cat_rule(node, ins, outs):
     rank = len(outs[0])
-    dim = _dim(_arg(node, 1, "dim", 0), rank)
+    dim = _dim(op_arg(node, 1, "dim", 0), rank)
     letters = [f"d{i}" if i != dim else "x^" for i in range(rank)]
     specs = []
     for k, shape in enumerate(ins):
@@ -200,7 +201,7 @@ def _cat_rule(node, ins, outs):
 
 def _stack_rule(node, ins, outs):
     rank = len(outs[0])
-    dim = _dim(_arg(node, 1, "dim", 0), rank)
+    dim = _dim(op_arg(node, 1, "dim", 0), rank)
     letters = [f"d{i}" for i in range(rank) if i != dim]
     out = list(letters)
     out.insert(dim, "x^")
@@ -209,9 +210,9 @@ def _stack_rule(node, ins, outs):
 
 def _split_rule(node, ins, outs):
     rank = len(ins[0])
-    dim = _dim(_arg(node, 2, "dim", 0), rank)
+    dim = _dim(op_arg(node, 2, "dim", 0), rank)
     if _packet(node) == "aten.unbind":
-        dim = _dim(_arg(node, 1, "dim", 0), rank)
+        dim = _dim(op_arg(node, 1, "dim", 0), rank)
     src = [f"d{i}" if i != dim else "x^" for i in range(rank)]
     if _packet(node) == "aten.unbind":
         out = [l for i, l in enumerate(src) if i != dim]
@@ -224,7 +225,7 @@ def _along_dim_rule(dim_index, dim_name):
     """cumsum, softmax, log_softmax, diff: the op mixes values along one dim, which never splits."""
     def rule(node, ins, outs):
         rank = len(ins[0])
-        dim = _dim(_arg(node, dim_index, dim_name, -1), rank)
+        dim = _dim(op_arg(node, dim_index, dim_name, -1), rank)
         letters = [f"d{i}" if i != dim else "x^" for i in range(rank)]
         out = [f"d{i}" if i != dim else "y^" for i in range(len(outs[0]))]
         specs = []
@@ -247,10 +248,10 @@ def _pad_rule(node, ins, outs):
 
 def _reduction_rule(partial):
     def rule(node, ins, outs):
-        dims = _arg(node, 1, "dim", None)
+        dims = op_arg(node, 1, "dim", None)
         if isinstance(dims, int):
             dims = [dims]
-        keepdim = bool(_arg(node, 2, "keepdim", False))
+        keepdim = bool(op_arg(node, 2, "keepdim", False))
         if dims is not None and len(outs[0]) == len(ins[0]):
             keepdim = True
         return reduction(ins[0], outs[0], dims, keepdim, partial=partial)
@@ -260,7 +261,7 @@ def _reduction_rule(partial):
 def _multi_reduction_rule(node, ins, outs):
     """max.dim / min.dim / sort-like: values and indices, the reduced dim never splits."""
     rank = len(ins[0])
-    dim = _dim(_arg(node, 1, "dim", 0), rank)
+    dim = _dim(op_arg(node, 1, "dim", 0), rank)
     keep = len(outs[0]) == rank
     src = [f"d{i}" if i != dim else "x^" for i in range(rank)]
     out = [l if i != dim else "1" for i, l in enumerate(src) if i != dim or keep]
@@ -312,7 +313,7 @@ def _sdpa_rule(node, ins, outs):
     """q [b, heads, s, e], k/v [b, kv_heads, t, e]: split batch or heads (grouped-query
     attention splits query and key/value heads together, so both counts must divide).
     The query sequence may split only without a causal mask (its offset is not local)."""
-    causal = bool(_arg(node, 5, "is_causal", False))
+    causal = bool(op_arg(node, 5, "is_causal", False))
     s = "s^" if causal else "s"
     specs = [f"* heads {s} e^", "* heads t^ e^", "* heads t^ ev^"]
     if len(ins) > 3:
@@ -329,7 +330,7 @@ def _cross_entropy_rule(node, ins, outs):
     """logits [n, classes, *], target [n, *]: batch splits give Partial (summed) losses;
     `classes` splits vocabulary-parallel (target stays Replicate; max and sum-exp are
     all-reduced inside, see INTERNAL_COMM)."""
-    reduction_mode = _arg(node, 3, "reduction", 1)
+    reduction_mode = op_arg(node, 3, "reduction", 1)
     extra = " ".join(f"p{i}" for i in range(len(ins[0]) - 2))
     if reduction_mode == 0:
         spec = f"n classes+ {extra}, n {extra} -> n {extra}"
@@ -342,7 +343,7 @@ def _cross_entropy_rule(node, ins, outs):
 
 
 def _nll_rule(node, ins, outs):
-    reduction_mode = _arg(node, 3, "reduction", 1)
+    reduction_mode = op_arg(node, 3, "reduction", 1)
     extra = " ".join(f"p{i}" for i in range(len(ins[0]) - 2))
     if reduction_mode == 0:
         return parse(f"n classes+ {extra}, n {extra} -> n {extra}", ins, outs, lookup={"classes"})
@@ -384,7 +385,7 @@ def _gather_rule(node, ins, outs):
 def _pointwise_loss_rule(node, ins, outs):
     """mse_loss, l1_loss, binary_cross_entropy...: elementwise, then a mean or sum over all
     elements (every letter splits, giving a Partial loss) or none."""
-    reduction_mode = _arg(node, 2, "reduction", 1)
+    reduction_mode = op_arg(node, 2, "reduction", 1)
     if reduction_mode == 0:
         return elementwise(ins, outs[0])
     rank = max(len(s) for s in ins)

@@ -12,7 +12,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from .. import cost as C
 from ..mesh import Mesh
-from ..ops import (INTERNAL_COMM, Strategy, annotate, enumerate_strategies, op_name, replicated,
+from ..ops import (INTERNAL_COMM, Strategy, annotate, enumerate_strategies, op_arg, op_name, replicated,
                    show_placements)
 from ..ops.attention_rule import ATTENTION_OPS, sequence_strategies
 from ..ops.experts_rule import experts_strategies
@@ -101,8 +101,8 @@ def _sequence_split(pn: PNode, in_shapes, mesh: Mesh, messages: list) -> list:
     if pn.op == "autopar.window_attention":
         causal, dropout = True, False
     else:
-        causal = bool(_sdpa_arg(node, 5, "is_causal", False))
-        dropout = float(_sdpa_arg(node, 4, "dropout_p", 0.0) or 0.0) != 0.0
+        causal = bool(op_arg(node, 5, "is_causal", False))
+        dropout = float(op_arg(node, 4, "dropout_p", 0.0) or 0.0) != 0.0
     why: list = []
     out = sequence_strategies(pn.strategies, in_shapes, pn.out_shapes[0], mesh.shape, mesh.axis_names,
                               causal=causal, has_mask=len(in_shapes) > 3, dropout=dropout, why=why)
@@ -112,10 +112,6 @@ def _sequence_split(pn: PNode, in_shapes, mesh: Mesh, messages: list) -> list:
             messages.append(msg)
             log.info(msg)
     return out
-
-
-def _sdpa_arg(node, index, name, default):
-    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
 
 
 def _heads_before_view(node, depth: int = 12):
