@@ -12,12 +12,12 @@ from dataclasses import asdict, dataclass, field
 
 from .mesh import Mesh
 from .precision import MixedPrecision
-from .records import (Collective, NodeChoice, ParamState, PipelineLayout, Prediction, SolverStats, Timing,
+from .records import (Collective, NodeChoice, ParamState, PipelineLayout, Prediction, Recompute, SolverStats, Timing,
                       placement_from_str, placement_str, show)
 from .report import plan_table, plan_text
 
 __all__ = ["Plan", "PlanFileError", "FORMAT_VERSION", "Collective", "NodeChoice", "ParamState", "PipelineLayout",
-           "Prediction", "SolverStats", "Timing", "placement_from_str", "placement_str", "show"]
+           "Prediction", "Recompute", "SolverStats", "Timing", "placement_from_str", "placement_str", "show"]
 
 FORMAT_VERSION = 2  # 2: NodeChoice.reduced (localize reads it instead of re-running the op rules)
 
@@ -48,6 +48,7 @@ class Plan:
     frozen: tuple = ()                              # parameters planned without gradient (requires_grad=False)
     graph: str = ""                                 # autopar.trace.graph_signature of the graph planned
     notes: tuple = ()                               # why forms were left off the menus (heads, sequence splits)
+    recompute: Recompute | None = None              # layers recomputed in backward (None: none)
 
     def device_mesh(self):
         """The Mesh to compile this plan on: the whole mesh of a pipelined plan (whose `mesh`
@@ -116,6 +117,7 @@ class Plan:
             "precision": None if self.precision is None else self.precision.to_dict(),
             "pipeline": None if self.pipeline is None else self.pipeline.to_dict(), "frozen": list(self.frozen),
             "graph": self.graph, "notes": list(self.notes),
+            "recompute": None if self.recompute is None else self.recompute.to_dict(),
         }
 
     def to_json(self) -> str:
@@ -152,7 +154,8 @@ class Plan:
                    precision=MixedPrecision.from_dict(d.get("precision")),
                    pipeline=None if d.get("pipeline") is None else PipelineLayout.from_dict(d["pipeline"]),
                    frozen=tuple(d.get("frozen", ())),
-                   graph=d.get("graph", ""), notes=tuple(d.get("notes", ())))
+                   graph=d.get("graph", ""), notes=tuple(d.get("notes", ())),
+                   recompute=None if d.get("recompute") is None else Recompute.from_dict(d["recompute"]))
 
     def save(self, path) -> None:
         """JSON with a checksum of the plan, so that a file edited by hand is refused at load."""

@@ -203,6 +203,31 @@ class PipelineLayout:
                           group_memory=tuple(dict(m) for m in d.get("group_memory", ()))))
 
 
+@dataclass(frozen=True)
+class Recompute:
+    """The activation recomputation of a plan (autopar/recompute.py).  layers: layer path ->
+    "selective" or "full", for the layers that recompute (the others keep what autograd
+    saves); kept: the graph nodes whose outputs "selective" keeps (matrix products with a
+    weight, attention, experts); saved_bytes: activation bytes per device it saves against
+    keeping everything; added_s: the seconds per step the forward run again costs; forced:
+    the `recompute=` the plan was made with (None: chosen by the ILP); note: what selective
+    keeps of this model's attention."""
+
+    layers: dict
+    kept: tuple = ()
+    saved_bytes: float = 0.0
+    added_s: float = 0.0
+    forced: str | None = None
+    note: str = ""
+
+    def to_dict(self) -> dict:
+        return dict(asdict(self), layers=dict(self.layers), kept=list(self.kept))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Recompute":
+        return cls(**dict(d, layers=dict(d["layers"]), kept=tuple(d["kept"])))
+
+
 def format_seconds(seconds: float) -> str:
     if seconds >= 1:
         return f"{seconds:.3f}s"

@@ -29,6 +29,7 @@ from .build import initial_shards, rewrite
 from .model import CompiledModel, UnevenInputs
 from .pipelined import compile_pipelined
 from .process import CompileError, device_mesh, ensure_process_group
+from .recompute import apply_recompute
 from .reshard import Regather
 from .runner import GraphRunner
 
@@ -96,6 +97,7 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=N
                             seed_of_job, local_inputs)
         shards = initial_shards(model, plan.param_placements, groups, on_meta, seed, rewritten.traced.parts)
         regather = Regather(rewritten.graph, set(rewritten.traced.params), reshard_after_forward, groups)
+        apply_recompute(rewritten.graph, plan, rewritten.streams)
         cm = CompiledModel(rewritten, plan, groups, shards, model, device_type, bucket_mb, precision,
                            lambda m: GraphRunner(m, regather))
     cm.train(model.training)

@@ -25,6 +25,8 @@ import torch.fx as fx
 from autopar.passes.collectives import move
 from autopar.passes.redistribute import plan_redistribute, redistribute_local
 
+from .recompute import note_saved
+
 
 class Regather:
     """Per compiled module: which forward gathers are parameters, their prefetch and the
@@ -38,6 +40,7 @@ class Regather:
         self.order: list = []                 # (placeholder name, Move) of the gathers, in graph order
         self.pending: dict[int, tuple] = {}   # k -> (work, buffer) of a prefetched gather
         self.feed: dict = {}                  # placeholder name -> this forward's shard tensor
+        self.active = False                   # inside forward (a recomputed layer gathers in backward too)
         self.counts = {"gathered": 0, "prefetched": 0, "regathered": 0}  # since compile
         sizes = [groups.size(a) for a in range(groups.ndim)]
         for node in list(gm.graph.nodes):
@@ -70,8 +73,8 @@ class Regather:
             out = _Gathered.apply(x, m, groups, prefetched)
         else:
             out = move(x, m, groups)
-        if self.reshard:  # the entry holds `out` so its memory is not reused for another tensor before
-            self.sources[out.untyped_storage().data_ptr()] = (x, m, out)  # forward ends
+        if self.reshard and self.active:  # the entry holds `out` so its memory is not reused for another
+            self.sources[out.untyped_storage().data_ptr()] = (x, m, out)  # tensor before forward ends
         return out
 
     def _prefetch(self, k: int) -> None:
@@ -94,6 +97,7 @@ class Regather:
     def forward(self, feed: dict):
         """Around one forward: `feed` maps placeholder names to the tensors fed to them."""
         self.feed = feed
+        self.active = True
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack) if self.reshard \
             else contextlib.nullcontext()
         try:
@@ -105,6 +109,7 @@ class Regather:
             self.pending.clear()
             self.sources.clear()
             self.feed = {}
+            self.active = False
 
     # --- saved tensors ----------------------------------------------------------------------
     def _pack(self, t: torch.Tensor):
@@ -112,6 +117,7 @@ class Regather:
             return t
         source = self.sources.get(t.untyped_storage().data_ptr())
         if source is None:
+            note_saved(t)
             return t
         x, m, _ = source
         return _Recipe(x, m, self.groups, t.size(), t.stride(), t.storage_offset())

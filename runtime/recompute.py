@@ -1,0 +1,174 @@
+"""Recomputation at run time: the layers the plan recomputes run under activation
+checkpointing, and what a step keeps for backward can be measured.
+
+Each recomputed layer is a region of the per-rank graph (passes/recompute.py) called
+through `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`:
+
+- "full": forward keeps only the region's inputs; backward runs the region's forward
+  again (its collectives, a ZeRO-3 weight's gather, its random ops) and then its backward.
+- "selective": the same, except that the operations the plan names (matrix products with
+  a weight, attention, experts: plan.recompute.kept) keep their outputs from the first
+  pass (a selective-checkpoint policy, torch.utils.checkpoint.create_selective_checkpoint_contexts);
+  only the cheap operations between them run again.
+
+Random ops replay: a region records the forward call count of the random streams
+(runtime/rng.py) when it runs, and runs again under that count, so every dropout mask
+recomputed in backward is the one forward drew, even after later microbatches' forwards.
+
+`measure_saved(cm, *args, **kwargs)` runs one training step and returns the bytes kept
+for backward on this rank (storages counted once; parameters, buffers and the inputs left
+out): what autograd saves, the checkpointed regions' inputs and the outputs the selective
+policy keeps.  It is the figure the plan's predicted activation memory is checked against.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from autopar.passes.recompute import outline_layers
+
+_STATE = {"keeping": 0, "probe": None}
+
+
+def _kept(target):
+    """Wrap a graph node's target: while it runs, the selective policy keeps what it makes."""
+    @functools.wraps(target)
+    def run(*args, **kwargs):
+        _STATE["keeping"] += 1
+        try:
+            return target(*args, **kwargs)
+        finally:
+            _STATE["keeping"] -= 1
+    return run
+
+
+def _policy(ctx, func, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if _STATE["keeping"] else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class _Recorder(TorchDispatchMode):
+    """Under a measurement, the outputs the selective policy keeps in forward."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        probe = _STATE["probe"]
+        if probe is not None and _STATE["keeping"]:
+            for t in torch.utils._pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    probe.note(t)
+        return out
+
+
+def _selective_contexts():
+    fwd, again = create_selective_checkpoint_contexts(_policy, allow_cache_entry_mutation=True)
+    if _STATE["probe"] is None:
+        return fwd, again
+    @contextlib.contextmanager
+    def recording():
+        with fwd, _Recorder():
+            yield
+    return recording(), again
+
+
+class Region(nn.Module):
+    """One recomputed layer: its graph module, run under non-reentrant checkpointing."""
+
+    def __init__(self, path: str, mode: str, graph_module: fx.GraphModule, streams):
+        super().__init__()
+        self.path, self.mode = path, mode
+        self.body = graph_module
+        self.streams = streams
+
+    def _run(self, calls, *inputs):
+        streams = self.streams
+        if streams is None:
+            return self.body(*inputs)
+        now, streams.calls = streams.calls, calls
+        try:
+            return self.body(*inputs)
+        finally:
+            streams.calls = now
+
+    def forward(self, *inputs):
+        probe = _STATE["probe"]
+        if probe is not None and torch.is_grad_enabled():
+            for t in inputs:
+                if isinstance(t, torch.Tensor):
+                    probe.note(t)
+        calls = self.streams.calls if self.streams is not None else 0
+        if not torch.is_grad_enabled():
+            return self._run(calls, *inputs)
+        extra = {"context_fn": _selective_contexts} if self.mode == "selective" else {}
+        return checkpoint(self._run, calls, *inputs, use_reentrant=False, **extra)
+
+
+def apply_recompute(gm: fx.GraphModule, plan, streams) -> list:
+    """Cut the layers plan.recompute names out of `gm` into checkpointed Regions."""
+    info = plan.recompute
+    if info is None or not info.layers:
+        return []
+    kept = set(info.kept)
+
+    def make(path, mode, region_gm, nodes):
+        if mode == "selective":
+            for name, node in nodes.items():
+                if name in kept and node.op == "call_function":
+                    node.target = _kept(node.target)
+            region_gm.recompile()
+        return Region(path, mode, region_gm, streams)
+    return outline_layers(gm, dict(info.layers), make)
+
+
+class SavedProbe:
+    """Storages kept for backward during one forward (see measure_saved)."""
+
+    def __init__(self, ignore: set):
+        self.ignore = ignore
+        self.storages: dict = {}
+
+    def note(self, t: torch.Tensor) -> None:
+        if t.layout != torch.strided or t.device.type == "meta":
+            return
+        s = t.untyped_storage()
+        if s.data_ptr() not in self.ignore:
+            self.storages[s.data_ptr()] = s.nbytes()
+
+    @property
+    def bytes(self) -> int:
+        return int(sum(self.storages.values()))
+
+
+def note_saved(t: torch.Tensor) -> None:
+    """For the runtime's own saved-tensor hooks (ZeRO-3's): a tensor they keep as it is."""
+    probe = _STATE["probe"]
+    if probe is not None:
+        probe.note(t)
+
+
+def measure_saved(cm, *args, **kwargs) -> int:
+    """Bytes kept for backward on this rank by one `cm.train_step(*args, **kwargs)` (see the
+    module docstring); the step runs as usual (gradients accumulate as in train_step)."""
+    ignore = {p.untyped_storage().data_ptr() for p in cm.parameters()}
+    ignore |= {b.untyped_storage().data_ptr() for b in cm.buffers()}
+    for t in torch.utils._pytree.tree_leaves((args, kwargs)):
+        if isinstance(t, torch.Tensor):
+            ignore.add(t.untyped_storage().data_ptr())
+    probe = SavedProbe(ignore)
+
+    def pack(t):
+        probe.note(t)
+        return t
+
+    _STATE["probe"] = probe
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            cm.train_step(*args, **kwargs)
+    finally:
+        _STATE["probe"] = None
+    return probe.bytes
