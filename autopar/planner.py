@@ -16,6 +16,7 @@ from .pipeline.search import search
 from .precision import MixedPrecision
 from .plan import ParamState, PipelineLayout, Plan, SolverStats, Timing
 from .problem import Problem, same_local_shape
+from .recompute import check_mode, layer_slots, recompute_record
 from .solution import Built, assemble, build_problem, solve_problem
 from .solver import InfeasibleError
 from .trace import graph_signature
@@ -24,7 +25,7 @@ log = logging.getLogger("autopar")
 
 def plan(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=None,
          memory_budget=None, compare: bool = True, time_limit: float = 60.0, layout: str | None = None,
-         random_seed=None, mixed_precision=None, pipeline=False):
+         random_seed=None, mixed_precision=None, pipeline=False, recompute=None):
     """Choose a sharding for every node of `model` on `mesh`.
 
     example_inputs: tensors (real, fake or meta) of the global batch, as the model's forward
@@ -42,19 +43,27 @@ def plan(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, example_kwarg
     schedule and the microbatch count.  An autopar.Pipeline fixes some of those (axis,
     groups, schedule, microbatches, virtual) and always pipelines; `layout` and
     `random_seed` then apply to the stages' plan.
+    recompute: None lets the ILP choose activation recomputation per set of identical
+    layers (autopar/recompute.py) when the budget needs it; "none", "selective" or "full"
+    forces that policy on every repeated layer (for comparisons).
     """
     mixed_precision = MixedPrecision.of(mixed_precision)
+    recompute = check_mode(recompute)
     if pipeline:
+        if recompute not in (None, "none"):
+            raise ValueError(f"recompute={recompute!r} with pipeline=...: the pipeline search does not plan "
+                             f"recomputation yet; plan the stages without it (recompute=None)")
         return _plan_with_pipeline(model, mesh, example_inputs, example_kwargs, memory_budget, compare,
                                    time_limit, mixed_precision, None if pipeline is True else pipeline,
                                    layout, random_seed)
     start = time.perf_counter()
     budget = parse_bytes(memory_budget, "memory_budget") if memory_budget is not None else None
     built = build_problem(model, mesh, example_inputs, example_kwargs, mixed_precision)
-    return _plan_built(built, model, mesh, budget, compare, time_limit, layout, random_seed, start)
+    return _plan_built(built, model, mesh, budget, compare, time_limit, layout, random_seed, start, recompute)
 
 
-def _plan_built(built: Built, model, mesh: Mesh, budget, compare, time_limit, layout, random_seed, start):
+def _plan_built(built: Built, model, mesh: Mesh, budget, compare, time_limit, layout, random_seed, start,
+                recompute=None):
     """plan() from a traced and costed problem (the pipeline search's, when it made one)."""
     problem, t_trace, t_build = built.problem, built.trace_s, built.costs_s
     limit = budget if budget is not None else mesh.device.memory
@@ -75,12 +84,13 @@ def _plan_built(built: Built, model, mesh: Mesh, budget, compare, time_limit, la
                 for s in seeds]
         return made[0] if isinstance(random_seed, int) else made
     try:
-        if layout is None and built.solved is not None and built.solved[2] <= limit:
+        if layout is None and built.solved is not None and built.solved[2] <= limit and recompute in (None, "none"):
             best, sol, _ = built.solved  # the unbudgeted optimum fits: the budgeted one is the same
         else:
-            best, sol, _ = solve_problem(problem, every.get(layout), None if layout else limit, time_limit)
+            best, sol, _ = solve_problem(problem, every.get(layout), None if layout else limit, time_limit,
+                                         recompute=recompute)
     except InfeasibleError:
-        raise _infeasible(problem, model, mesh, limit, time_limit) from None
+        raise _infeasible(problem, model, mesh, limit, time_limit, recompute) from None
     compared = {}
     if compare:
         for name, rule in rules.items():
@@ -90,12 +100,12 @@ def _plan_built(built: Built, model, mesh: Mesh, budget, compare, time_limit, la
                 compared[name] = B.unavailable(rule, problem)
                 continue
             try:
-                c, _, _ = solve_problem(problem, rule, None, time_limit)
+                c, _, _ = solve_problem(problem, rule, None, time_limit, recompute=recompute)
                 compared[name] = assemble(problem, c)[2]
             except InfeasibleError as exc:
                 compared[name] = str(exc)
     timing = Timing(trace_s=t_trace, costs_s=t_build, solve_s=sol.seconds, total_s=time.perf_counter() - start)
-    result = _make_plan(problem, model, mesh, best, sol, origin, compared, budget, timing)
+    result = _make_plan(problem, model, mesh, best, sol, origin, compared, budget, timing, recompute)
     log.info("planned %s on %s in %.2fs (trace %.2fs)", type(model).__name__, mesh, time.perf_counter() - start, t_trace)
     return result
 
@@ -129,10 +139,16 @@ def _plan_with_pipeline(model, mesh, example_inputs, example_kwargs, memory_budg
     return dataclasses.replace(result, pipeline=info, timing=timing)
 
 
-def _infeasible(problem, model, mesh, limit, time_limit) -> InfeasibleError:
+def _infeasible(problem, model, mesh, limit, time_limit, recompute=None) -> InfeasibleError:
     """The error for a budget no plan fits: the least memory any plan needs, what it is made
-    of, and what would make the model fit."""
-    choice, _, floor = solve_problem(problem, None, None, time_limit, minimise_memory=True)
+    of, and what would make the model fit (recomputation among it, with what it saves)."""
+    layered = bool(layer_slots(problem))
+    keep, _, kept_floor = solve_problem(problem, None, None, time_limit, minimise_memory=True, recompute="none")
+    least = recompute if recompute in ("selective", "full") else ("full" if layered and recompute is None else "none")
+    if least != "none":
+        choice, _, floor = solve_problem(problem, None, None, time_limit, minimise_memory=True, recompute=least)
+    else:
+        choice, floor = keep, kept_floor
     memory = assemble(problem, choice)[2].memory
     gib = 2**30
     parts = ", ".join(f"{k} {v / gib:.2f}" for k, v in memory.items())
@@ -144,8 +160,21 @@ def _infeasible(problem, model, mesh, limit, time_limit) -> InfeasibleError:
              f"states and activations both shrink with the device count)"]
     if memory["activations"] > 0.2 * floor:
         hints.append(f"fewer activations: activations are {memory['activations'] / floor:.0%} of that minimum, "
-                     f"so a smaller batch per step (gradient accumulation keeps the global batch) or recomputing "
-                     f"activations in backward (activation checkpointing; autopar does not plan it yet)")
+                     f"so a smaller batch per step (gradient accumulation keeps the global batch)")
+    if layered and least == "none":
+        try:
+            full = solve_problem(problem, None, None, time_limit, minimise_memory=True, recompute="full")[2]
+            hints.append(f"recomputing activations in backward: recompute='full' (or None, to let the planner "
+                         f"choose per layer) saves {(kept_floor - full) / gib:.2f} GiB per device, for a least of "
+                         f"{full / gib:.2f} GiB")
+        except InfeasibleError:
+            pass
+    with_recompute = ""
+    if least != "none":
+        with_recompute = (f" and every repeated layer recomputed in full (which saves {(kept_floor - floor) / gib:.2f} "
+                          f"GiB against keeping every activation)" if least == "full" else
+                          f" and every repeated layer recomputed selectively (saving {(kept_floor - floor) / gib:.2f} "
+                          f"GiB; recompute='full' or None saves more)")
     if states > 0.2 * floor:
         how = "offloaded to host memory" if offloaded else "sharded"
         hints.append(f"smaller model states: weights, gradients and optimizer states are {states / floor:.0%} of "
@@ -153,12 +182,14 @@ def _infeasible(problem, model, mesh, limit, time_limit) -> InfeasibleError:
     return InfeasibleError(
         f"no plan of {type(model).__name__} on {mesh} fits {limit / gib:.2f} GiB per device; the smallest any "
         f"plan needs is {floor / gib:.2f} GiB per device (GiB: {parts}), with every parameter sharded "
-        f"(ZeRO-3 or tensor parallel) and {offloaded} parameters' optimizer states offloaded to the host. To fit: "
-        + "; or ".join(hints) + f"; or raise memory_budget to at least {floor / gib:.2f} GiB.")
+        f"(ZeRO-3 or tensor parallel), {offloaded} parameters' optimizer states offloaded to the host"
+        f"{with_recompute}. To fit: " + "; or ".join(hints) + f"; or raise memory_budget to at least "
+        f"{floor / gib:.2f} GiB.")
 
 
-def _make_plan(problem, model, mesh, choice, sol, origin, compared, budget, timing) -> Plan:
+def _make_plan(problem, model, mesh, choice, sol, origin, compared, budget, timing, recompute=None) -> Plan:
     nodes, collectives, predicted, grad_sums = assemble(problem, choice)
+    chosen = recompute_record(problem, choice, predicted, recompute)
     parts = problem.traced.parts
     params, states = {}, {}
     for pn in problem.nodes:
@@ -181,7 +212,8 @@ def _make_plan(problem, model, mesh, choice, sol, origin, compared, budget, timi
                 frozen=tuple(n for n, p in model.named_parameters() if not p.requires_grad),
                 graph=graph_signature(problem.traced.graph),
                 notes=tuple(m.removeprefix("autopar: ") for m in problem.warnings
-                            if not m.startswith("autopar: no sharding rule")))
+                            if not m.startswith("autopar: no sharding rule")),
+                recompute=chosen)
 
 
 def _order_params(model, params: dict, parts) -> dict:

@@ -21,6 +21,8 @@ tight budget half the layers can recompute and half keep everything.
 """
 from __future__ import annotations
 
+import math
+
 MODES = ("none", "selective", "full")
 
 # ops whose outputs "selective" keeps, when one operand is a weight (matrix products) or
@@ -58,3 +60,108 @@ def kept_by_selective(problem, pn) -> bool:
     if pn.op in ALWAYS_KEPT:
         return True
     return pn.op in PRODUCTS and reads_weight(problem, pn)
+
+
+class ModeCosts:
+    """What a recompute assignment (layer path -> mode) changes in a Problem, per
+    representative node (summed over the nodes it stands for): the activation bytes
+    `activations[rep][choice]` (replacing the Choice's), the seconds of forward run again
+    `extra[rep][choice]`, and per edge class the forward moves run again `edge_extra[key]`."""
+
+    def __init__(self, problem, modes: dict):
+        import numpy as np
+        self.modes = dict(modes)
+        nodes = problem.nodes
+        layer = layer_paths(problem)
+        kept = {pn.index for pn in nodes if kept_by_selective(problem, pn)}
+        entries = []     # (node index, holding)
+        holders: dict = {}
+
+        def hold(n, item):
+            entries.append((n, item))
+            if item[0] is not None:
+                holders[item[0]] = holders.get(item[0], 0) + 1
+
+        for n, held in problem.holdings.items():
+            mode = self.modes.get(layer.get(n), "none")
+            if mode == "none":
+                for item in held:
+                    hold(n, item)
+            elif mode == "selective" and n in kept:
+                pn = nodes[n]
+                for j, shape in enumerate(pn.out_shapes):
+                    hold(n, ((n, j), "out", j, math.prod(shape) * pn.out_dtypes[j].itemsize))
+        for path, mode in self.modes.items():
+            if mode == "none":
+                continue
+            seen = set()
+            for pn in nodes:
+                if layer.get(pn.index) != path or pn.kind != "op":
+                    continue
+                for src, o in pn.inputs:
+                    if layer.get(src) == path or nodes[src].kind != "op" or not nodes[src].requires_grad:
+                        continue
+                    key = problem.storage_root(src, o)
+                    if key in seen or nodes[key[0]].kind != "op":
+                        continue
+                    seen.add(key)
+                    root = nodes[key[0]]
+                    hold(src, (key, "out", o, math.prod(root.out_shapes[key[1]]) * root.out_dtypes[key[1]].itemsize))
+        self.activations: dict = {}
+        for n, item in entries:
+            pn = nodes[n]
+            rep = nodes[pn.rep]
+            share = holders[item[0]] if item[0] is not None else 1
+            arr = np.array([problem.held_bytes(pn, s, item) / share for s in rep.strategies])
+            self.activations[pn.rep] = self.activations.get(pn.rep, 0.0) + arr
+        self.extra: dict = {}
+        self.edge_extra: dict = {}
+        for pn in nodes:
+            mode = self.modes.get(layer.get(pn.index), "none")
+            if mode == "none" or pn.kind != "op":
+                continue
+            if not (mode == "selective" and pn.index in kept):
+                arr = np.array([c.forward_s for c in problem.choices[pn.rep]])
+                self.extra[pn.rep] = self.extra.get(pn.rep, 0.0) + arr
+        for e in problem.edges:
+            if e.kind != "data" or self.modes.get(layer.get(e.b), "none") == "none":
+                continue
+            key = problem.rep_edge(e)
+            fwd = problem.edge_forward.get(key)
+            if fwd is not None and fwd.any():
+                self.edge_extra[key] = self.edge_extra.get(key, 0.0) + fwd
+
+
+def layer_paths(problem) -> dict:
+    """node index -> "prefix.i" of the repeated layer it belongs to."""
+    return {n: f"{prefix}.{i}" for n, (prefix, i) in problem.block.items()}
+
+
+def layer_slots(problem) -> list:
+    """(prefix, indices) of each set of identical layers with more than one layer."""
+    return [(prefix, tuple(ix)) for prefix, ix in problem.layer_groups if len(ix) > 1]
+
+
+def recompute_record(problem, choice, predicted, forced):
+    """The plan's Recompute record for a solved choice (None: nothing recomputed and
+    nothing forced)."""
+    from .records import Recompute
+    modes = dict(getattr(choice, "modes", None) or {})
+    if not modes:
+        return None if forced is None else Recompute({}, forced=forced)
+    layer = layer_paths(problem)
+    kept = tuple(pn.name for pn in problem.nodes
+                 if modes.get(layer.get(pn.index)) == "selective" and kept_by_selective(problem, pn))
+    keeping = sum(problem.choices[pn.rep][choice[pn.index]].memory["activations"] for pn in problem.nodes
+                  if pn.rep in problem.choices)
+    costs = ModeCosts(problem, modes)
+    added = float(sum(arr[choice[rep]] for rep, arr in costs.extra.items()) +
+                  sum(m[choice[key.a], choice[key.b]] for key, m in costs.edge_extra.items()))
+    note = ""
+    if "selective" in modes.values():
+        fused = any(pn.op in ALWAYS_KEPT for pn in problem.nodes if layer.get(pn.index) in modes)
+        note = ("selective keeps the projections' and the fused attention's outputs (fused attention holds no "
+                "s x s tensors, so what it drops is the norms, activations, dropout masks and rotary tables)"
+                if fused else "selective recomputes the attention core (QK^T, softmax, dropout, x V) and the "
+                              "cheap ops, keeping the projections' outputs")
+    return Recompute(modes, kept, float(keeping - predicted.memory["activations"]), added, forced, note)

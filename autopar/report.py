@@ -40,6 +40,28 @@ def megatron_sp_axes(plan) -> list:
             and tally[("reduce_scatter", (ax,))] >= tally[("all_reduce", (ax,))]]
 
 
+def recompute_line(plan) -> str:
+    """Which layers recompute in backward, how, what it saves and what it costs."""
+    r = plan.recompute
+    how = "" if r is None or r.forced is None else f" (forced: recompute={r.forced!r})"
+    if r is None or not r.layers:
+        return "recompute: none, every layer keeps its activations" + how
+    by_mode = defaultdict(list)
+    for path, mode in r.layers.items():
+        by_mode[mode].append(path)
+    parts = []
+    for mode, paths in sorted(by_mode.items()):
+        parts.append(f"{mode} on {len(paths)} layers ({_span(paths)})")
+    text = (f"recompute: {'; '.join(parts)}{how}; saves {format_bytes(r.saved_bytes)} of activations per device, "
+            f"adds {format_seconds(r.added_s)} per step")
+    return text + (f"; {r.note}" if r.note else "")
+
+
+def _span(paths: list) -> str:
+    """'blocks.0, blocks.2, ... blocks.30' style: the first two and the last."""
+    return ", ".join(paths) if len(paths) <= 3 else f"{paths[0]}, {paths[1]}, ... {paths[-1]}"
+
+
 def plan_text(plan) -> str:
     """The printed plan: prediction, solver, budget, pipeline, precision, model states, the
     hand-written layouts beside it, the collectives per step and the per-module table."""
@@ -81,6 +103,7 @@ def plan_text(plan) -> str:
         lines.append(f"mixture of experts ({', '.join(experts)}): priced assuming balanced routing (every rank's "
                      f"experts get tokens x k / experts rows each); dropless, so an uneven router takes longer")
     lines.extend(sequence_lines(plan))
+    lines.append(recompute_line(plan))
     if plan.baselines:
         lines.append("")
         lines.append("hand-written layouts on the same mesh (predicted):")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from .plan import Collective, NodeChoice, Prediction
 from .precision import cast_for_trace, meta_inputs
 from .problem import Problem, reduce_problem
+from .recompute import MODES, ModeCosts, check_mode, layer_slots
 from .solver import InfeasibleError, solve
 from .trace import trace
 
@@ -57,12 +58,73 @@ def solve_unbudgeted(built: Built, time_limit: float) -> tuple:
     return built.solved
 
 
-def solve_problem(problem: Problem, rule, budget, time_limit, minimise_memory=False):
+class Assignment(dict):
+    """Node index -> chosen strategy index, and `modes`: the recomputed layers (path ->
+    "selective" or "full"; autopar/recompute.py)."""
+
+    modes: dict = {}
+
+
+def solve_problem(problem: Problem, rule, budget, time_limit, minimise_memory=False, recompute=None):
     """Solve with every identical layer alike (period 1); when the answer moves data between
-    consecutive layers, try alternating layouts (period 2) too and keep the faster plan."""
+    consecutive layers, try alternating layouts (period 2) too and keep the faster plan.
+
+    Recomputation (autopar/recompute.py): `recompute` forces one mode on every repeated
+    layer; None lets the solve choose per set of identical layers (all alike, or even and
+    odd layers apart).  Recomputing only adds time, so the other modes are tried only when
+    the budget binds: when no plan keeping every activation is as fast as the fastest plan
+    with no budget at all."""
+    forced = check_mode(recompute)
+    slots = layer_slots(problem)
+    if not slots or forced in (None, "none"):
+        try:
+            best = _solve_modes(problem, rule, budget, time_limit, minimise_memory, None)
+        except InfeasibleError:
+            if forced == "none" or not slots or budget is None:
+                raise
+            best = None
+        if forced == "none" or not slots or budget is None or minimise_memory:
+            return best
+        if best is not None:
+            free = _solve_modes(problem, rule, None, time_limit, False, None)
+            if best[1].objective <= free[1].objective * (1 + 1e-9):
+                return best   # the budget does not bind: recomputing could only add time
+    else:
+        best = None
+    for modes, periods in mode_assignments(problem, slots, forced):
+        try:
+            found = _solve_modes(problem, rule, budget, time_limit, minimise_memory, modes, periods)
+        except InfeasibleError:
+            continue
+        if best is None or found[1].objective < best[1].objective * (1 - 1e-9):
+            best = found
+    if best is None:
+        raise InfeasibleError("no assignment of strategies fits the memory budget, recomputing or not")
+    return best
+
+
+def mode_assignments(problem: Problem, slots: list, forced) -> list:
+    """(layer path -> mode, periods) to try: each mode on every layer (periods 1 and 2), and
+    (unless forced) every pair of modes on even and odd layers (period 2)."""
+    modes = [forced] if forced else [m for m in MODES if m != "none"]
+    out = []
+    for m in modes:
+        out.append(({f"{p}.{i}": m for p, ix in slots for i in ix}, (1, 2)))
+    if not forced:
+        for even in MODES:
+            for odd in MODES:
+                if even == odd:
+                    continue
+                out.append(({f"{p}.{i}": (even if k % 2 == 0 else odd) for p, ix in slots
+                             for k, i in enumerate(ix)}, (2,)))
+    return out
+
+
+def _solve_modes(problem: Problem, rule, budget, time_limit, minimise_memory, modes, periods=(1, 2)):
     best = None
-    for period in (1, 2):
-        red = reduce_problem(problem, rule, period)
+    costs = ModeCosts(problem, modes) if modes else None
+    for period in periods:
+        red = reduce_problem(problem, rule, period, costs)
         try:
             if minimise_memory:
                 sol = solve(red.memory, [], None, None, red.allowed, time_limit=time_limit)
@@ -70,13 +132,14 @@ def solve_problem(problem: Problem, rule, budget, time_limit, minimise_memory=Fa
                 sol = solve(red.costs, red.edges, red.memory, budget, red.allowed, time_limit=time_limit,
                             tiebreak=red.plain_memory)
         except InfeasibleError:
-            if period == 2 and best is not None:
-                break
-            if period == 1 and problem.tie:
+            if period != periods[-1] and problem.tie:
                 continue
+            if best is not None:
+                break
             raise
         root_choice = dict(zip(red.roots, sol.choice))
-        choice = {}
+        choice = Assignment()
+        choice.modes = {k: v for k, v in (modes or {}).items() if v != "none"}
         for pn in problem.nodes:
             r = red.canon(pn.rep)
             choice[pn.index] = int(red.follow[r][root_choice[red.root_of[r]]])
@@ -158,6 +221,17 @@ def assemble(problem: Problem, choice: dict):
         nodes[pn.index] = NodeChoice(pn.name, pn.op, pn.module if pn.kind != "param" else pn.param_name,
                                      s.name, tuple(s.split), tuple(s.inputs), tuple(s.outputs), tuple(s.grads),
                                      c.compute, sum(c.comm) + edge_comm, sum(c.memory.values()), tuple(s.reduced))
+    modes = getattr(choice, "modes", None)
+    if modes:  # recomputed layers: their activations as kept, their forward run again
+        costs = ModeCosts(problem, modes)
+        memory["activations"] = float(sum(arr[choice[rep]] for rep, arr in costs.activations.items()))
+        compute += recompute_seconds(costs, choice)
     comm_by_axis = {mesh.axis_names[a]: comm[a] for a in range(mesh.ndim)}
     predicted = Prediction(compute + sum(comm), compute, comm_by_axis, memory)
     return nodes, collectives, predicted, grad_sums
+
+
+def recompute_seconds(costs: ModeCosts, choice: dict) -> float:
+    """Seconds per step of the forward the recomputed layers run again."""
+    return float(sum(arr[choice[rep]] for rep, arr in costs.extra.items()) +
+                 sum(m[choice[key.a], choice[key.b]] for key, m in costs.edge_extra.items()))

@@ -3,7 +3,8 @@
 Read top to bottom:
 
     GPTConfig            the hyper-parameters
-    CausalSelfAttention  multi-head attention: separate q, k, v projections, or one fused (fused_qkv)
+    CausalSelfAttention  multi-head attention: separate q, k, v projections, or one fused (fused_qkv);
+                         one SDPA call, or (attention="eager") the explicit softmax(q k^T / sqrt(d)) v
     FeedForward          hidden -> 4*hidden -> hidden with GELU
     Block                pre-LayerNorm residual block: attention, then feed-forward
     GPT                  embeddings, a stack of Blocks, final LayerNorm, LM head
@@ -17,6 +18,7 @@ Shapes in comments use `batch`, `seq`, `hidden`, `heads`, `head_dim`
 (`hidden == heads * head_dim`) and `vocab`.
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +26,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import initialise
+
+
+ATTENTION_IMPLS = ("sdpa", "eager")  # the values of GPTConfig.attention
 
 
 @dataclass
@@ -37,6 +42,21 @@ class GPTConfig:
     dropout: float = 0.0
     tie_embeddings: bool = True  # lm_head shares its weight with wte
     fused_qkv: bool = False  # one [3 * hidden, hidden] projection chunked into q, k, v (as GPT-2 ships it)
+    # "sdpa": F.scaled_dot_product_attention; "eager": scores, mask, softmax, dropout and the
+    # product with v as separate ops, as GPT-2 and Megatron-LM compute them
+    attention: str = "sdpa"
+
+    def __post_init__(self):
+        if self.attention not in ATTENTION_IMPLS:
+            raise ValueError(
+                f"GPTConfig.attention is {self.attention!r}; choose one of "
+                f"{', '.join(map(repr, ATTENTION_IMPLS))}"
+            )
+
+
+def causal_mask(max_seq: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """[max_seq, max_seq] bool, True where query i may see key j (j <= i)."""
+    return torch.ones(max_seq, max_seq, dtype=torch.bool, device=device).tril()
 
 
 class CausalSelfAttention(nn.Module):
@@ -57,6 +77,11 @@ class CausalSelfAttention(nn.Module):
             self.v = nn.Linear(config.hidden, config.hidden, bias=config.bias)
         self.o = nn.Linear(config.hidden, config.hidden, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
+        self.eager = config.attention == "eager"
+        if self.eager:
+            self.attn_dropout = nn.Dropout(config.dropout)
+            # Derived from the config, so not saved in the state dict; sliced to seq in forward.
+            self.register_buffer("causal_mask", causal_mask(config.max_seq), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [batch, seq, hidden] -> [batch, seq, hidden]"""
@@ -66,12 +91,29 @@ class CausalSelfAttention(nn.Module):
         q = q.view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
         k = k.view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
         v = v.view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )  # [batch, heads, seq, head_dim]
+        if self.eager:
+            y = self.eager_attention(q, k, v)
+        else:
+            y = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+            )  # [batch, heads, seq, head_dim]
         # Put the heads side by side again: -> [batch, seq, hidden]
         y = y.transpose(1, 2).reshape(batch, seq, hidden)
         return self.resid_dropout(self.o(y))
+
+    def eager_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q, k, v: [batch, heads, seq, head_dim] -> [batch, heads, seq, head_dim]
+
+        Autograd keeps the tensors Korthikanti et al. 2022 count (autopar/memory.py): q and
+        k for the scores, the softmax output, the dropout mask, the dropout output and v;
+        besides them only the [seq, seq] bool mask of hidden keys. The softmax keeps the
+        input dtype (no float32 upcast).
+        """
+        seq = q.size(-2)
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))  # [batch, heads, seq, seq]
+        scores = scores.masked_fill(~self.causal_mask[:seq, :seq], float("-inf"))
+        probs = self.attn_dropout(F.softmax(scores, dim=-1))
+        return probs @ v
 
 
 class FeedForward(nn.Module):
@@ -138,7 +180,11 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_module(self, name: str, module: nn.Module) -> None:
-        """`initialise.init_module` with GPT's rules; a tied `lm_head` draws nothing, it re-ties."""
+        """`initialise.init_module` with GPT's rules; a tied `lm_head` draws nothing, it re-ties.
+        An eager attention's causal mask (a non-persistent buffer) is recomputed, no RNG."""
+        if isinstance(module, CausalSelfAttention) and module.eager:
+            module.causal_mask.copy_(causal_mask(self.config.max_seq))
+            return
         initialise.init_module(
             name,
             module,

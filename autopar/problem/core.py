@@ -18,9 +18,10 @@ from .. import cost as C
 from ..mesh import Mesh
 from ..ops import Strategy
 from ..trace import Traced
-from .graph import SAVES_NOTHING, VIEWS, Choice, EdgeKey, PNode, add_gradient_sums, build_nodes
+from .graph import VIEWS, Choice, EdgeKey, PNode, add_gradient_sums, build_nodes
 from .layers import share_layers
 from .menus import build_menus, zero_layout
+from .saved import Saved, is_alias, saved_by
 
 UNUSABLE = float("inf")  # a choice pair the runtime cannot run as planned: the ILP never picks it
 
@@ -37,7 +38,71 @@ class Problem:
         shared = share_layers(self.nodes, self.readers, self.gradsum_of)
         self.layer_groups, self.tie, self.block = shared.layer_groups, shared.tie, shared.block
         self.fallback_ops, self.warnings = build_menus(self.nodes, self.readers, mesh)
+        self._find_saved()
         self._build_costs()
+
+    # --- what ops keep for backward -------------------------------------------------------------
+    def _find_saved(self):
+        """holdings[n]: (key, kind, index, global bytes) of every tensor op n keeps for
+        backward (problem/saved.py); key names the storage (None: its own), and savers[key]
+        counts its holders, so a storage several ops keep is charged once."""
+        gpu = not self.mesh.device.name.lower().startswith("cpu")
+        self.holdings: dict[int, list] = {}
+        self.savers: dict = {}
+        for pn in self.nodes:
+            if pn.kind != "op" or not pn.requires_grad or pn.op in VIEWS:
+                continue
+            items = saved_by(pn.node, [self.nodes[src].requires_grad for src, _ in pn.inputs], gpu)
+            if items is None:  # cannot run on meta: its activation operands, as read
+                items = [Saved("in", k) for k in range(len(pn.inputs))]
+            held = []
+            for it in items:
+                if it.kind == "in":
+                    if it.index >= len(pn.inputs):
+                        continue
+                    key = self.storage_root(*pn.inputs[it.index])
+                    if self.nodes[key[0]].kind != "op":
+                        continue   # a parameter, buffer or input: not an activation
+                    root = self.nodes[key[0]]
+                    held.append((key, "in", it.index, math.prod(root.out_shapes[key[1]]) *
+                                 root.out_dtypes[key[1]].itemsize))
+                elif it.kind == "out":
+                    if it.index >= len(pn.out_shapes):
+                        continue
+                    held.append(((pn.index, it.index), "out", it.index,
+                                 math.prod(pn.out_shapes[it.index]) * pn.out_dtypes[it.index].itemsize))
+                else:
+                    held.append((None, "new", 0, it.nbytes))
+            self.holdings[pn.index] = held
+            for key, *_ in held:
+                if key is not None:
+                    self.savers[key] = self.savers.get(key, 0) + 1
+
+    def storage_root(self, src: int, out: int) -> tuple:
+        """(node, output) whose storage tensor src[out] lives in: views followed back."""
+        while True:
+            pn = self.nodes[src]
+            if pn.kind != "op" or pn.op not in VIEWS or not pn.inputs or not is_alias(pn.node):
+                return src, out
+            src, out = pn.inputs[0]
+
+    def held_bytes(self, pn: PNode, s: Strategy, item) -> float:
+        """Local bytes of one holding of op pn under strategy s (its whole storage's share
+        in the layout pn reads or makes it)."""
+        mesh = self.mesh
+        _, kind, index, nbytes = item
+        if kind == "in":
+            src, o = pn.inputs[index]
+            shape = self.nodes[src].out_shapes[o]
+            return nbytes * C.local_numel(shape, s.inputs[index], mesh.shape) / max(1, math.prod(shape))
+        if kind == "out":
+            shape = pn.out_shapes[index]
+            return nbytes * C.local_numel(shape, s.outputs[index], mesh.shape) / max(1, math.prod(shape))
+        # a new tensor: split as the op's largest operand is
+        shapes = [(self.nodes[src].out_shapes[o], p) for (src, o), p in zip(pn.inputs, s.inputs)]
+        shapes += list(zip(pn.out_shapes, s.outputs))
+        shape, p = max(shapes, key=lambda sp: math.prod(sp[0]) if sp[0] else 1)
+        return nbytes * C.local_numel(shape, p, mesh.shape) / max(1, math.prod(shape) if shape else 1)
 
     # --- costs ------------------------------------------------------------------------------
     def _build_costs(self):
@@ -64,6 +129,7 @@ class Problem:
         self.counts: dict[int, int] = {}
         for pn in self.nodes:
             self.counts[pn.rep] = self.counts.get(pn.rep, 0) + 1
+        self.edge_forward: dict[EdgeKey, np.ndarray] = {}   # data edges: the forward moves alone
         self.edge_costs = {key: self._edge_matrix(key) for key in self.edge_classes}
 
     def rep_edge(self, e: EdgeKey) -> EdgeKey:
@@ -83,19 +149,18 @@ class Problem:
         out_bytes = sum(C.local_numel(shape, p, mesh.shape) * d.itemsize
                         for shape, d, p in zip(pn.out_shapes, pn.out_dtypes, s.outputs))
         dtype = pn.out_dtypes[0] if pn.out_dtypes else torch.float32
+        forward = 0.0
         if pn.op in VIEWS:
             compute = 0.0
         else:
             compute = C.roofline(work.fwd_flops / s.factor, in_bytes + out_bytes, dtype, mesh)
+            forward = compute
             if pn.requires_grad:
                 compute += C.roofline(work.bwd_flops / s.factor, 2 * (in_bytes + out_bytes), dtype, mesh)
-        if pn.requires_grad and pn.op not in SAVES_NOTHING:
-            # saved for backward: the op's activation operands, in the layout the op reads
-            # them; a tensor several ops save is stored once, so each carries its share
-            mem["activations"] = sum(
-                C.local_numel(self.nodes[src].out_shapes[o], p, mesh.shape) * self.nodes[src].out_dtypes[o].itemsize
-                / self._savers(src, o)
-                for (src, o), p in zip(pn.inputs, s.inputs) if self.nodes[src].kind == "op")
+        # kept for backward (see _find_saved): a storage several ops keep is stored once, so
+        # each holder carries its share
+        mem["activations"] = sum(self.held_bytes(pn, s, it) / (self.savers[it[0]] if it[0] is not None else 1)
+                                 for it in self.holdings.get(pn.index, ()))
         if s.comm:  # per-row collectives of a named strategy, on the rows this rank holds
             first = self.nodes[pn.inputs[0][0]]
             rows_shape = first.out_shapes[pn.inputs[0][1]][:1]
@@ -104,13 +169,7 @@ class Problem:
                                               for p in s.inputs[0]], mesh.shape)
             for kind, axis, per_row in s.comm:
                 comm[axis] += C.collective_time(kind, per_row * item * rows, axis, mesh)
-        return Choice(compute, tuple(comm), mem)
-
-    def _savers(self, src: int, out: int) -> int:
-        """How many ops save output `out` of node `src` for backward (at least 1)."""
-        return max(1, sum(1 for v, _ in self.readers.get((src, out), ())
-                          if self.nodes[v].kind == "op" and self.nodes[v].requires_grad
-                          and self.nodes[v].op not in SAVES_NOTHING))
+        return Choice(compute, tuple(comm), mem, forward_s=forward + sum(comm) / 2)
 
     def _param_choice(self, pn: PNode, s: Strategy) -> Choice:
         """Model states of a parameter stored in layout s.outputs[0] (ZeRO, Rajbhandari et al.
@@ -225,6 +284,7 @@ class Problem:
         p = _codes([code(s.outputs[e.out]) for s in a.strategies])
         q = _codes([code(s.inputs[e.operand]) for s in b.strategies])
         m = self._seconds_table(shape, item, p, q)
+        self.edge_forward[e] = m
         if not a.requires_grad:
             return m
         grads = [s.grads[e.operand] for s in b.strategies]
@@ -287,6 +347,9 @@ class Problem:
 
     def node_memory(self, rep: int) -> np.ndarray:
         return np.array([sum(c.memory.values()) for c in self.choices[rep]])
+
+    def node_activations(self, rep: int) -> np.ndarray:
+        return np.array([c.memory["activations"] for c in self.choices[rep]])
 
     def node_plain_memory(self, rep: int) -> np.ndarray:
         return np.array([sum(c.memory.values()) if c.plain_memory is None else c.plain_memory

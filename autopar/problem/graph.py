@@ -69,6 +69,7 @@ class Choice:
     comm: tuple            # seconds per mesh axis of collectives inside the op
     memory: dict           # "params", "grads", "optimizer", "activations" -> bytes
     plain_memory: float | None = None  # what the memory tie-break sees (ZeRO savings left out)
+    forward_s: float = 0.0             # the forward alone (what recomputation runs again)
 
     @property
     def time(self) -> float:

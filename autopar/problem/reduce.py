@@ -31,12 +31,14 @@ class Reduced:
     canon: object          # rep -> the rep whose choice it takes (period 1 ties odd layers to even)
 
 
-def reduce_problem(problem: Problem, allowed_fn=None, period: int = SHARE_PERIOD) -> Reduced:
+def reduce_problem(problem: Problem, allowed_fn=None, period: int = SHARE_PERIOD, modes=None) -> Reduced:
     """Fold followers (views and unary elementwise ops take the layout their producer offers)
     into their producers and multiply every cost by the number of layers sharing it.
 
     period 1 ties odd layers to even ones too (every identical layer the same choice):
-    half the variables; period 2 lets layouts alternate from layer to layer."""
+    half the variables; period 2 lets layouts alternate from layer to layer.  modes: an
+    autopar.recompute.ModeCosts (the activation bytes and the forward run again of the
+    layers it recomputes), or None (every layer keeps its activations)."""
     nodes = problem.nodes
 
     def canon(r):
@@ -53,6 +55,11 @@ def reduce_problem(problem: Problem, allowed_fn=None, period: int = SHARE_PERIOD
         key = rep._replace(a=canon(rep.a), b=canon(rep.b))
         edge_classes[key] = edge_classes.get(key, 0) + 1
         edge_costs.setdefault(key, problem.edge_costs[rep])
+    extra_edges: dict = {}
+    if modes is not None:
+        for rep, m in modes.edge_extra.items():
+            key = rep._replace(a=canon(rep.a), b=canon(rep.b))
+            extra_edges[key] = extra_edges.get(key, 0.0) + m
     mask = {}
     for r in reps:
         pn = nodes[r]
@@ -67,6 +74,16 @@ def reduce_problem(problem: Problem, allowed_fn=None, period: int = SHARE_PERIOD
     cost = {r: problem.node_cost(r) * counts[r] for r in reps}
     mem = {r: problem.node_memory(r) * counts[r] for r in reps}
     plain = {r: problem.node_plain_memory(r) * counts[r] for r in reps}
+    if modes is not None:  # activations as the modes keep them, and the forward run again
+        for r in reps:
+            act = problem.node_activations(r) * counts[r]
+            mem[r] = mem[r] - act
+            plain[r] = plain[r] - act
+        for rep, arr in modes.activations.items():
+            mem[canon(rep)] = mem[canon(rep)] + arr
+            plain[canon(rep)] = plain[canon(rep)] + arr
+        for rep, arr in modes.extra.items():
+            cost[canon(rep)] = cost[canon(rep)] + arr
     root_of, follow = {}, {}
     used_edges = set()
     for r in reps:
@@ -81,7 +98,7 @@ def reduce_problem(problem: Problem, allowed_fn=None, period: int = SHARE_PERIOD
             this_map = pass_through(nodes[src], follow[src], key.out, pn, key.operand, mask[r])
         if this_map is not None:
             root = root_of[src]
-            edge = edge_costs[key] * edge_classes[key]
+            edge = edge_costs[key] * edge_classes[key] + extra_edges.get(key, 0.0)
             for s_root, (s_src, t) in enumerate(zip(follow[src], this_map)):
                 cost[root][s_root] += edge[s_src, t] + cost[r][t]
                 mem[root][s_root] += mem[r][t]
@@ -96,7 +113,7 @@ def reduce_problem(problem: Problem, allowed_fn=None, period: int = SHARE_PERIOD
     for key, count in edge_classes.items():
         if key in used_edges:
             continue
-        m = edge_costs[key] * count
+        m = edge_costs[key] * count + extra_edges.get(key, 0.0)
         m = m[np.ix_(follow[key.a], follow[key.b])]
         edges.append((index[root_of[key.a]], index[root_of[key.b]], m))
     allowed = [mask[r] for r in roots]

@@ -1,0 +1,167 @@
+"""What each op keeps for backward, found by running it.
+
+The activation memory of a plan is the storage autograd keeps between forward and
+backward.  Which tensors an op keeps is the op's own business (a matrix product keeps both
+operands, a GELU its input, softmax its output, a scaling by a constant nothing, dropout
+a mask, layer norm its input and two per-row statistics), so it is not written down here
+but observed: each distinct op signature runs once on meta tensors of its traced shapes
+under `torch.autograd.graph.saved_tensors_hooks`, and every tensor packed is recognised
+by its storage as one of the op's inputs, one of its outputs, or a new tensor (its bytes).
+
+Two ops behave otherwise on the devices than on meta, where they take composite paths:
+fused attention keeps q, k, v, its output and the log-sum-exp per query row (float32),
+never the s x s probabilities (unless dropout runs on a CPU, which falls back to the
+explicit path); dropout keeps a one-byte mask on a GPU and the input-sized noise on a CPU.
+
+Views are free and keep their source alive: a tensor an op saves is charged as the
+storage it lives in (`storage_root`), and a storage several ops keep counts once.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import torch.fx as fx
+
+from ..ops import op_name
+
+
+class Saved(NamedTuple):
+    """One tensor an op keeps: kind "in" (operand `index`), "out" (output `index`) or "new"
+    (`nbytes` of a tensor the op makes, at the op's whole global shapes)."""
+
+    kind: str
+    index: int
+    nbytes: float = 0.0
+
+
+FUSED_ATTENTION = "aten.scaled_dot_product_attention"
+
+
+def saved_by(node: fx.Node, requires_grad: list, gpu: bool) -> tuple | None:
+    """What op `node` keeps for backward when its tensor operands (in tensor_args order)
+    require grad as `requires_grad` says; None when the op cannot run on meta tensors."""
+    name = op_name(node)
+    if name == FUSED_ATTENTION:
+        p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
+        if gpu or not p:
+            q = node.args[0].meta["val"]
+            lse = q.shape[0] * q.shape[1] * q.shape[2] * 4
+            return (Saved("in", 0), Saved("in", 1), Saved("in", 2), Saved("out", 0), Saved("new", 0, lse))
+    if name == "aten.dropout":
+        val = node.meta.get("val")
+        p, train = (list(node.args[1:3]) + [0.0, True])[:2]
+        if not p or not train:
+            return ()   # the identity
+        if isinstance(val, torch.Tensor):
+            return (Saved("new", 0, val.numel() * (1 if gpu else val.element_size())),)
+    return _probe(node.target, _signature(node.args), _signature(node.kwargs), tuple(requires_grad))
+
+
+def _signature(value):
+    """Arguments as a hashable description: tensors by (shape, stride, dtype)."""
+    if isinstance(value, fx.Node):
+        val = value.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            return ("T", tuple(val.shape), tuple(val.stride()), val.dtype)
+        return ("V", val if isinstance(val, (int, float, bool, type(None))) else repr(val))
+    if isinstance(value, (list, tuple)):
+        return type(value).__name__, tuple(_signature(v) for v in value)
+    if isinstance(value, dict):
+        return "dict", tuple((k, _signature(v)) for k, v in value.items())
+    return ("C", value if isinstance(value, (int, float, bool, str, type(None), torch.dtype)) else repr(value))
+
+
+@functools.lru_cache(maxsize=4096)
+def _probe(target, args_sig, kwargs_sig, requires_grad):
+    tensors = []
+
+    def build(sig):
+        tag = sig[0]
+        if tag == "T":
+            _, shape, stride, dtype = sig
+            t = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+            k = len(tensors)
+            if k < len(requires_grad) and requires_grad[k] and (dtype.is_floating_point or dtype.is_complex):
+                t.requires_grad_()
+            tensors.append(t)
+            return t
+        if tag == "V" or tag == "C":
+            return sig[1]
+        if tag == "dict":
+            return {k: build(v) for k, v in sig[1]}
+        return (list if tag == "list" else tuple)(build(v) for v in sig[1])
+
+    try:
+        args, kwargs = build(args_sig), build(kwargs_sig)
+    except Exception:
+        return None
+    if not any(t.requires_grad for t in tensors):
+        return ()
+    packed = []
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+            out = target(*args, **kwargs)
+    except Exception:
+        return None
+    outs = [o for o in torch.utils._pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
+
+    def sid(t):
+        return t.untyped_storage()._cdata
+
+    ins = {}
+    for k, t in enumerate(tensors):
+        ins.setdefault(sid(t), k)
+    made = {}
+    for j, o in enumerate(outs):
+        made.setdefault(sid(o), j)
+    result, seen = [], set()
+    for t in packed:
+        s = sid(t)
+        if s in seen:
+            continue
+        seen.add(s)
+        if s in ins:
+            result.append(Saved("in", ins[s]))
+        elif s in made:
+            result.append(Saved("out", made[s]))
+        else:
+            result.append(Saved("new", 0, t.untyped_storage().nbytes()))
+    return tuple(result)
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_alias(target, args_sig, kwargs_sig) -> bool:
+    tensors = []
+
+    def build(sig):
+        tag = sig[0]
+        if tag == "T":
+            _, shape, stride, dtype = sig
+            t = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+            tensors.append(t)
+            return t
+        if tag in ("V", "C"):
+            return sig[1]
+        if tag == "dict":
+            return {k: build(v) for k, v in sig[1]}
+        return (list if tag == "list" else tuple)(build(v) for v in sig[1])
+
+    try:
+        out = target(*build(args_sig), **build(kwargs_sig))
+    except Exception:
+        return False
+    outs = [o for o in torch.utils._pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
+    return bool(tensors) and bool(outs) and all(
+        o.untyped_storage()._cdata == tensors[0].untyped_storage()._cdata for o in outs)
+
+
+def is_alias(node: fx.Node) -> bool:
+    """Whether a view-like op's output shares its first operand's storage (a reshape of a
+    non-contiguous tensor copies)."""
+    if node.op != "call_function":
+        return False
+    if op_name(node) == "aten.alias":
+        return True
+    return _is_alias(node.target, _signature(node.args), _signature(node.kwargs))

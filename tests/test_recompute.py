@@ -1,0 +1,171 @@
+"""Activation recomputation: chosen per set of identical layers by the ILP, run under
+activation checkpointing, trains like one device with every parallel form, replays
+dropout, and keeps the bytes the plan predicts."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+
+import autopar
+from autopar.models import build
+from autopar.plan import Plan, Recompute
+from autopar.recompute import kept_by_selective
+from autopar.solution import build_problem
+from rc_cases import losses_and_params, saved_bytes
+from rt_cases import build_case, train_and_compare
+
+GPT = ("autopar", "gpt-tiny", ())
+LLAMA = ("hf-llama",)
+MESH = ((2, 2), ("dp", "tp"))
+
+
+def _mesh():
+    return autopar.Mesh(*MESH, device="cpu")
+
+
+@functools.lru_cache(maxsize=None)
+def _plan(spec, layout=None, recompute=None, pipeline=False) -> dict:
+    model, args, kwargs = build_case(spec)
+    if pipeline:
+        plan = autopar.plan(model, _mesh(), args, example_kwargs=kwargs or None, compare=False,
+                            pipeline=autopar.Pipeline(axis="dp", microbatches=2))
+        if recompute:  # the pipeline search does not choose recomputation: write it into the stages' plan
+            problem = build_problem(model, plan.mesh, *_microbatch(args, kwargs)).problem
+            prefix = problem.layer_groups[0][0]
+            kept = tuple(pn.name for pn in problem.nodes if kept_by_selective(problem, pn))
+            layers = {f"{prefix}.{i}": recompute for i in problem.layer_groups[0][1]}
+            plan = dataclasses.replace(plan, recompute=Recompute(layers, kept if recompute == "selective" else ()))
+        return plan.to_dict()
+    return autopar.plan(model, _mesh(), args, example_kwargs=kwargs or None, compare=False, layout=layout,
+                        recompute=recompute).to_dict()
+
+
+def _microbatch(args, kwargs):
+    from autopar.batching import batch_size, first_microbatch
+    batch = batch_size(args, kwargs or None)
+    return first_microbatch((tuple(args), kwargs or None), batch, batch // 2)
+
+
+CASES = [(spec, layout, mode) for spec in (GPT, LLAMA) for layout in ("megatron-tp x dp", "zero3", "pipeline")
+         for mode in ("selective", "full")]
+
+
+@pytest.mark.parametrize("spec,layout,mode", CASES, ids=[f"{s[-1] if s[0] == 'hf-llama' else s[1]}-{l}-{m}"
+                                                        for s, l, m in CASES])
+def test_recomputed_training_matches_one_device(pool4, spec, layout, mode):
+    """Forced selective and full recomputation with TP x DP on (2, 2), ZeRO-3 and 2 pipeline
+    stages: 3 AdamW steps equal the plain model's on one device (float32, rtol 1e-5)."""
+    plan = _plan(spec, None if layout == "pipeline" else layout, mode, layout == "pipeline")
+    assert Plan.from_dict(plan).recompute.layers, "nothing recomputed"
+    result = pool4.run(train_and_compare, spec, plan)[0]
+    assert result["ok"], result
+    got = pool4.run(saved_bytes, spec, plan)
+    assert all(g["regions"] >= 1 for g in got), got
+
+
+def test_ilp_plan_with_forced_recompute_trains_like_one_device(pool4):
+    """autopar.plan(recompute=...) itself (no hand-set layout): the solver's plan with every
+    layer recomputed in full trains like one device."""
+    plan = _plan(GPT, None, "full")
+    assert set(Plan.from_dict(plan).recompute.layers.values()) == {"full"}
+    assert pool4.run(train_and_compare, GPT, plan)[0]["ok"]
+
+
+DROPOUT = ("autopar", "gpt-tiny", (("dropout", 0.1),))
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_dropout_masks_replayed(pool4, mode):
+    """With dropout 0.1 the recomputed forward draws the masks the first forward drew: the
+    losses and parameters after 3 steps equal those of the same plan without recomputation
+    (same seed), and differ from a run whose masks differ."""
+    base = _plan(DROPOUT, "megatron-tp x dp", "none")
+    again = _plan(DROPOUT, "megatron-tp x dp", mode)
+    a = pool4.run(losses_and_params, DROPOUT, base)
+    b = pool4.run(losses_and_params, DROPOUT, again)
+    for x, y in zip(a, b):
+        assert x["losses"] == pytest.approx(y["losses"], rel=1e-6)
+        for k in x["params"]:
+            assert (x["params"][k] - y["params"][k]).abs().max() <= 1e-6, k
+    plain = build_case(DROPOUT)[0]
+    assert plain.blocks[0].attn.dropout == 0.1
+
+
+LAYOUTS = ["data-parallel", "megatron-tp x dp", "megatron-sp x dp"]
+
+
+@pytest.mark.parametrize("spec", [GPT, LLAMA], ids=["gpt-tiny", "hf-llama"])
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+def test_predicted_activations_match_saved_bytes(pool4, spec, mode):
+    """The plan's activation bytes per rank equal what the step keeps for backward
+    (saved_tensors_hooks, the checkpointed regions' inputs, the selective policy's kept
+    outputs; storages once, parameters and inputs left out) within 5 %, for the
+    hand-written layouts with and without recomputation."""
+    rows = []
+    for layout in LAYOUTS:
+        plan = _plan(spec, layout, mode)
+        for r in pool4.run(saved_bytes, spec, plan):
+            rows.append((layout, r["measured"], r["predicted"]))
+    bad = [r for r in rows if abs(r[2] - r[1]) > 0.05 * r[1]]
+    assert not bad, bad
+
+
+def test_selective_and_full_keep_less():
+    """Per device, full < selective < none in activations, and none < selective < full in
+    step time; the printed plan names the layers, the policy, the bytes saved and the time
+    added, and the JSON keeps the choice."""
+    model, example = build("gpt-tiny")
+    plans = {m: autopar.plan(model, _mesh(), example, compare=False, recompute=m) for m in ("none", "selective", "full")}
+    act = {m: p.predicted.memory["activations"] for m, p in plans.items()}
+    step = {m: p.predicted.step_s for m, p in plans.items()}
+    assert act["full"] < act["selective"] < act["none"]
+    assert step["none"] < step["selective"] < step["full"]
+    full = plans["full"]
+    assert full.recompute.layers == {"blocks.0": "full", "blocks.1": "full"}
+    assert full.recompute.saved_bytes == pytest.approx(act["none"] - act["full"], rel=1e-9)
+    assert full.recompute.added_s == pytest.approx(step["full"] - step["none"], rel=1e-6)
+    line = [ln for ln in str(full).splitlines() if ln.startswith("recompute:")]
+    assert line and "full on 2 layers (blocks.0, blocks.1)" in line[0] and "saves" in line[0], line
+    assert Plan.from_dict(full.to_dict()) == full
+    assert "fused attention" in plans["selective"].recompute.note
+
+
+def test_recompute_argument_is_checked():
+    model, example = build("gpt-tiny")
+    with pytest.raises(ValueError, match="'none', 'selective', 'full'"):
+        autopar.plan(model, _mesh(), example, recompute="everything")
+
+
+def test_budget_sweep_is_ordered():
+    """GPT-2 small shapes on 8 H100 as the budget shrinks: memory always fits the budget,
+    the step never gets faster (a tighter budget only removes plans), recomputation appears
+    only once keeping everything no longer fits, and the infeasible error names
+    recomputation with the memory it saves."""
+    model, example = build("gpt2-124m", device="meta", batch=16, seq=1024)
+    mesh = autopar.Mesh((8,), ("dp",), device="h100")
+    free = autopar.plan(model, mesh, example, compare=False, mixed_precision="bf16", recompute="none")
+    need = free.predicted.memory_total
+    steps = []
+    for frac in (1.0, 0.8, 0.6, 0.45, 0.35):
+        plan = autopar.plan(model, mesh, example, compare=False, mixed_precision="bf16", memory_budget=need * frac)
+        assert plan.predicted.memory_total <= need * frac * (1 + 1e-6)
+        steps.append((plan.predicted.step_s, plan.recompute))
+    assert all(a[0] <= b[0] * (1 + 1e-9) for a, b in zip(steps, steps[1:])), steps
+    assert steps[0][1] is None
+    assert any(r is not None and r.layers for _, r in steps), steps
+    with pytest.raises(autopar.InfeasibleError, match="recompute"):
+        autopar.plan(model, mesh, example, compare=False, mixed_precision="bf16", memory_budget=need * 0.02,
+                     recompute="none")
+
+
+def test_llama3_8b_8k_tokens_fits_eight_h100():
+    """torchtitan's Llama-3-8B run: 8 H100, one 8,192-token sequence per GPU, bf16: a plan
+    fits 80 GiB."""
+    model, example = build("llama3-8b", device="meta", batch=8, seq=8192)
+    mesh = autopar.Mesh((8,), ("dp",), device="h100")
+    plan = autopar.plan(model, mesh, example, compare=False, mixed_precision="bf16", memory_budget="80GiB")
+    assert plan.predicted.memory_total <= 80 * 2**30
+    tokens = 8 * 8192 / plan.predicted.step_s / 8
+    print(f"llama3-8b 8x8192 on 8 H100: {tokens:.0f} tokens/s/GPU predicted, {plan.predicted}")
