@@ -204,7 +204,7 @@ class PipelineRunner:
             feed = [("param", param_key(param_of[ph])) if ph in param_of else ("buffer", param_key(buffer_of[ph]))
                     for ph in st.params]
             regather = Regather(st.graph_module, set(st.params), reshard_after_forward, model.groups)
-            apply_recompute(st.graph_module, model.plan, model.streams)
+            apply_recompute(st.graph_module, model.plan, model.streams, pipelined=True)
             module = _StageModule(st, model, feed, regather)
             self.stage_modules.append(module)
             pipeline_stages.append(PipelineStage(module, st.index, self.n_stages, model.device, group=self.pp_group))

@@ -23,7 +23,6 @@ policy keeps.  It is the figure the plan's predicted activation memory is checke
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 import torch.fx as fx
@@ -37,15 +36,16 @@ _STATE = {"keeping": 0, "probe": None}
 
 
 def _kept(target):
-    """Wrap a graph node's target: while it runs, the selective policy keeps what it makes."""
-    @functools.wraps(target)
-    def run(*args, **kwargs):
+    """Wrap a graph node's target: while it runs, the selective policy keeps what it makes.
+    (A plain function, not functools.wraps: the graph's code would call the op by its own
+    name and skip the wrapper.)"""
+    def kept_op(*args, **kwargs):
         _STATE["keeping"] += 1
         try:
             return target(*args, **kwargs)
         finally:
             _STATE["keeping"] -= 1
-    return run
+    return kept_op
 
 
 def _policy(ctx, func, *args, **kwargs):
@@ -108,11 +108,16 @@ class Region(nn.Module):
         return checkpoint(self._run, calls, *inputs, use_reentrant=False, **extra)
 
 
-def apply_recompute(gm: fx.GraphModule, plan, streams) -> list:
+def apply_recompute(gm: fx.GraphModule, plan, streams, pipelined: bool = False) -> list:
     """Cut the layers plan.recompute names out of `gm` into checkpointed Regions."""
     info = plan.recompute
     if info is None or not info.layers:
         return []
+    if pipelined and "selective" in info.layers.values():
+        from .process import CompileError
+        raise CompileError("selective recomputation does not run under pipeline schedules yet (they run backward "
+                           "of a stage in parts, which the selective checkpoint policy refuses); recompute those "
+                           "layers in full instead")
     kept = set(info.kept)
 
     def make(path, mode, region_gm, nodes):

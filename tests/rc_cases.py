@@ -35,4 +35,5 @@ def losses_and_params(spec: tuple, plan_dict: dict, steps: int = 3) -> dict:
         losses.append(float(cm.train_step(*args, **kwargs)))
         opt.step()
         opt.zero_grad()
-    return {"losses": losses, "params": {k: v.detach().clone() for k, v in cm.state_dict().items()}}
+    local = {k: (v.to_local() if hasattr(v, "to_local") else v) for k, v in cm.state_dict().items()}
+    return {"losses": losses, "params": {k: v.detach().clone() for k, v in local.items()}}
