@@ -23,6 +23,9 @@ from __future__ import annotations
 
 import math
 
+from .problem import VIEWS
+from .records import Recompute
+
 MODES = ("none", "selective", "full")
 
 # ops whose outputs "selective" keeps, when one operand is a weight (matrix products) or
@@ -42,7 +45,6 @@ def check_mode(recompute) -> str | None:
 
 def reads_weight(problem, pn) -> bool:
     """Whether op pn reads a parameter, directly or through views."""
-    from .problem import VIEWS
     todo = [src for src, _ in pn.inputs]
     while todo:
         n = problem.nodes[todo.pop()]
@@ -145,7 +147,6 @@ def layer_slots(problem) -> list:
 def recompute_record(problem, choice, predicted, forced):
     """The plan's Recompute record for a solved choice (None: nothing recomputed and
     nothing forced)."""
-    from .records import Recompute
     modes = dict(getattr(choice, "modes", None) or {})
     if not modes:
         return None if forced is None else Recompute({}, forced=forced)

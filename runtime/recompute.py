@@ -32,6 +32,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from autopar.passes.recompute import outline_layers
 
+from .process import CompileError
+
 _STATE = {"keeping": 0, "probe": None}
 
 
@@ -114,7 +116,6 @@ def apply_recompute(gm: fx.GraphModule, plan, streams, pipelined: bool = False) 
     if info is None or not info.layers:
         return []
     if pipelined and "selective" in info.layers.values():
-        from .process import CompileError
         raise CompileError("selective recomputation does not run under pipeline schedules yet (they run backward "
                            "of a stage in parts, which the selective checkpoint policy refuses); recompute those "
                            "layers in full instead")
