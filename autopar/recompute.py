@@ -133,6 +133,15 @@ class ModeCosts:
             if fwd is not None and fwd.any():
                 self.edge_extra[key] = self.edge_extra.get(key, 0.0) + fwd
 
+    def activation_bytes(self, choice: dict) -> float:
+        """Activation bytes per device of a choice under these modes."""
+        return float(sum(arr[choice[rep]] for rep, arr in self.activations.items()))
+
+    def seconds(self, choice: dict) -> float:
+        """Seconds per step of the forward the recomputed layers run again."""
+        return float(sum(arr[choice[rep]] for rep, arr in self.extra.items()) +
+                     sum(m[choice[key.a], choice[key.b]] for key, m in self.edge_extra.items()))
+
 
 def layer_paths(problem) -> dict:
     """node index -> "prefix.i" of the repeated layer it belongs to."""
@@ -155,9 +164,7 @@ def recompute_record(problem, choice, predicted, forced):
                  if modes.get(layer.get(pn.index)) == "selective" and kept_by_selective(problem, pn))
     keeping = sum(problem.choices[pn.rep][choice[pn.index]].memory["activations"] for pn in problem.nodes
                   if pn.rep in problem.choices)
-    costs = ModeCosts(problem, modes)
-    added = float(sum(arr[choice[rep]] for rep, arr in costs.extra.items()) +
-                  sum(m[choice[key.a], choice[key.b]] for key, m in costs.edge_extra.items()))
+    added = ModeCosts(problem, modes).seconds(choice)
     note = ""
     if "selective" in modes.values():
         fused = any(pn.op in ALWAYS_KEPT for pn in problem.nodes if layer.get(pn.index) in modes)

@@ -226,14 +226,9 @@ def assemble(problem: Problem, choice: dict):
     modes = getattr(choice, "modes", None)
     if modes:  # recomputed layers: their activations as kept, their forward run again
         costs = ModeCosts(problem, modes)
-        memory["activations"] = float(sum(arr[choice[rep]] for rep, arr in costs.activations.items()))
-        compute += recompute_seconds(costs, choice)
+        memory["activations"] = costs.activation_bytes(choice)
+        compute += costs.seconds(choice)
     comm_by_axis = {mesh.axis_names[a]: comm[a] for a in range(mesh.ndim)}
     predicted = Prediction(compute + sum(comm), compute, comm_by_axis, memory)
     return nodes, collectives, predicted, grad_sums
 
-
-def recompute_seconds(costs: ModeCosts, choice: dict) -> float:
-    """Seconds per step of the forward the recomputed layers run again."""
-    return float(sum(arr[choice[rep]] for rep, arr in costs.extra.items()) +
-                 sum(m[choice[key.a], choice[key.b]] for key, m in costs.edge_extra.items()))

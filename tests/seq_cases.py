@@ -11,23 +11,13 @@ from rt_cases import build_case
 
 
 def saved_activation_bytes(spec: tuple, plan_dict: dict) -> dict:
-    """Bytes this rank saves for backward in one training step of the plan (storages counted
-    once, parameters left out), and the plan's predicted activation memory."""
+    """Bytes this rank keeps for backward in one training step of the plan
+    (runtime.recompute.measure_saved), and the plan's predicted activation memory."""
+    from autopar.runtime.recompute import measure_saved
     plan = Plan.from_dict(plan_dict)
     model, args, kwargs = build_case(spec)
     cm = autopar.compile(model, plan.device_mesh(), args, example_kwargs=kwargs or None, plan=plan)
-    params = {p.untyped_storage().data_ptr() for p in cm.parameters()}
-    seen: dict = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params and storage.device.type != "meta":
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        cm.train_step(*args, **kwargs)
-    return {"measured": float(sum(seen.values())), "predicted": plan.predicted.memory["activations"]}
+    return {"measured": float(measure_saved(cm, *args, **kwargs)), "predicted": plan.predicted.memory["activations"]}
 
 
 def ring_blocks_and_numerics(n_heads: int, kv_heads: int, seq: int, causal: bool, seed: int = 0,

@@ -73,28 +73,35 @@ def _signature(value):
     return ("C", value if isinstance(value, (int, float, bool, str, type(None), torch.dtype)) else repr(value))
 
 
+def _materialise(sig, tensors: list, requires_grad: tuple = ()):
+    """Arguments from their _signature: meta tensors of those shapes, strides and dtypes
+    (appended to `tensors`; the k-th requires grad when requires_grad[k] says so)."""
+    tag = sig[0]
+    if tag == "T":
+        _, shape, stride, dtype = sig
+        t = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+        k = len(tensors)
+        if k < len(requires_grad) and requires_grad[k] and (dtype.is_floating_point or dtype.is_complex):
+            t.requires_grad_()
+        tensors.append(t)
+        return t
+    if tag in ("V", "C"):
+        return sig[1]
+    if tag == "dict":
+        return {k: _materialise(v, tensors, requires_grad) for k, v in sig[1]}
+    return (list if tag == "list" else tuple)(_materialise(v, tensors, requires_grad) for v in sig[1])
+
+
+def _sid(t: torch.Tensor) -> int:
+    """The storage a (meta) tensor lives in."""
+    return t.untyped_storage()._cdata
+
+
 @functools.lru_cache(maxsize=4096)
 def _probe(target, args_sig, kwargs_sig, requires_grad):
-    tensors = []
-
-    def build(sig):
-        tag = sig[0]
-        if tag == "T":
-            _, shape, stride, dtype = sig
-            t = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
-            k = len(tensors)
-            if k < len(requires_grad) and requires_grad[k] and (dtype.is_floating_point or dtype.is_complex):
-                t.requires_grad_()
-            tensors.append(t)
-            return t
-        if tag == "V" or tag == "C":
-            return sig[1]
-        if tag == "dict":
-            return {k: build(v) for k, v in sig[1]}
-        return (list if tag == "list" else tuple)(build(v) for v in sig[1])
-
+    tensors: list = []
     try:
-        args, kwargs = build(args_sig), build(kwargs_sig)
+        args, kwargs = _materialise(args_sig, tensors, requires_grad), _materialise(kwargs_sig, tensors, requires_grad)
     except Exception:
         return None
     if not any(t.requires_grad for t in tensors):
@@ -106,19 +113,14 @@ def _probe(target, args_sig, kwargs_sig, requires_grad):
     except Exception:
         return None
     outs = [o for o in torch.utils._pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
-
-    def sid(t):
-        return t.untyped_storage()._cdata
-
-    ins = {}
+    ins, made = {}, {}
     for k, t in enumerate(tensors):
-        ins.setdefault(sid(t), k)
-    made = {}
+        ins.setdefault(_sid(t), k)
     for j, o in enumerate(outs):
-        made.setdefault(sid(o), j)
+        made.setdefault(_sid(o), j)
     result, seen = [], set()
     for t in packed:
-        s = sid(t)
+        s = _sid(t)
         if s in seen:
             continue
         seen.add(s)
@@ -133,28 +135,13 @@ def _probe(target, args_sig, kwargs_sig, requires_grad):
 
 @functools.lru_cache(maxsize=4096)
 def _is_alias(target, args_sig, kwargs_sig) -> bool:
-    tensors = []
-
-    def build(sig):
-        tag = sig[0]
-        if tag == "T":
-            _, shape, stride, dtype = sig
-            t = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
-            tensors.append(t)
-            return t
-        if tag in ("V", "C"):
-            return sig[1]
-        if tag == "dict":
-            return {k: build(v) for k, v in sig[1]}
-        return (list if tag == "list" else tuple)(build(v) for v in sig[1])
-
+    tensors: list = []
     try:
-        out = target(*build(args_sig), **build(kwargs_sig))
+        out = target(*_materialise(args_sig, tensors), **_materialise(kwargs_sig, tensors))
     except Exception:
         return False
     outs = [o for o in torch.utils._pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
-    return bool(tensors) and bool(outs) and all(
-        o.untyped_storage()._cdata == tensors[0].untyped_storage()._cdata for o in outs)
+    return bool(tensors) and bool(outs) and all(_sid(o) == _sid(tensors[0]) for o in outs)
 
 
 def is_alias(node: fx.Node) -> bool:
