@@ -152,7 +152,7 @@ def _infeasible(problem, model, mesh, limit, time_limit, recompute=None) -> Infe
     memory = assemble(problem, choice)[2].memory
     gib = 2**30
     parts = ", ".join(f"{k} {v / gib:.2f}" for k, v in memory.items())
-    states = floor - memory["activations"]
+    states = floor - memory["activations"] - memory["working"]
     devices = math.ceil(mesh.size * floor / limit)
     offloaded = sum(1 for pn in problem.nodes if pn.kind == "param"
                     and problem.nodes[pn.rep].strategies[choice[pn.index]].offload)

@@ -15,7 +15,7 @@ three ways:
 The cost model prices each: the activation bytes a layer keeps per device and the
 forward (compute and the collectives inside the layer) that backward runs again.  Memory
 a recomputed layer needs during its own backward (its activations made again, one layer
-at a time) is not counted in the steady state.  The ILP chooses per set of identical
+at a time) is part of the plan's working memory (working_bytes), not of its activations.  The ILP chooses per set of identical
 layers (problem/layers.py: all alike, or even and odd layers apart), so that under a
 tight budget half the layers can recompute and half keep everything.
 """
@@ -89,10 +89,13 @@ class ModeCosts:
             if mode == "none":
                 for item in held:
                     hold(n, item)
-            elif mode == "selective" and n in kept:
-                pn = nodes[n]
+            elif mode == "selective" and n in kept:   # its outputs, and what else its kernel
+                pn = nodes[n]                            # returns (attention's log-sum-exp)
                 for j, shape in enumerate(pn.out_shapes):
                     hold(n, ((n, j), "out", j, math.prod(shape) * pn.out_dtypes[j].itemsize))
+                for item in held:
+                    if item[1] == "new":
+                        hold(n, item)
         for path, mode in self.modes.items():
             if mode == "none":
                 continue
@@ -101,8 +104,8 @@ class ModeCosts:
                 if layer.get(pn.index) != path or pn.kind != "op":
                     continue
                 for src, o in pn.inputs:
-                    if layer.get(src) == path or nodes[src].kind != "op" or not nodes[src].requires_grad:
-                        continue
+                    if layer.get(src) == path or nodes[src].kind != "op":
+                        continue   # (a region holds every input it reads, rotary tables and masks too)
                     key = problem.storage_root(src, o)
                     if key in seen or nodes[key[0]].kind != "op":
                         continue
@@ -110,12 +113,20 @@ class ModeCosts:
                     root = nodes[key[0]]
                     hold(src, (key, "out", o, math.prod(root.out_shapes[key[1]]) * root.out_dtypes[key[1]].itemsize))
         self.activations: dict = {}
+        keeps: dict = {}   # node index -> bytes it keeps under its layer's mode, per strategy
         for n, item in entries:
             pn = nodes[n]
             rep = nodes[pn.rep]
             share = holders[item[0]] if item[0] is not None else 1
             arr = np.array([problem.held_bytes(pn, s, item) / share for s in rep.strategies])
             self.activations[pn.rep] = self.activations.get(pn.rep, 0.0) + arr
+            keeps[n] = keeps.get(n, 0.0) + arr
+        # per recomputed layer, its ops: (node index, rep, what the node still keeps); what
+        # the layer keeps without recomputing, less that, is made again in its backward
+        self.members: dict = {}
+        for n, path in layer.items():
+            if self.modes.get(path, "none") != "none" and nodes[n].kind == "op":
+                self.members.setdefault(path, []).append((n, nodes[n].rep, keeps.get(n)))
         self.extra: dict = {}
         self.edge_extra: dict = {}
         for pn in nodes:
@@ -137,10 +148,38 @@ class ModeCosts:
         """Activation bytes per device of a choice under these modes."""
         return float(sum(arr[choice[rep]] for rep, arr in self.activations.items()))
 
+    def remade(self, problem, choice: dict) -> dict:
+        """Layer path -> the activation bytes its backward makes again (live while that
+        layer's backward runs, one layer at a time)."""
+        out = {}
+        for path, members in self.members.items():
+            total = 0.0
+            for n, rep, kept in members:
+                c = choice[n]
+                total += problem.choices[rep][c].memory["activations"] - (0.0 if kept is None else kept[c])
+            out[path] = max(total, 0.0)
+        return out
+
     def seconds(self, choice: dict) -> float:
         """Seconds per step of the forward the recomputed layers run again."""
         return float(sum(arr[choice[rep]] for rep, arr in self.extra.items()) +
                      sum(m[choice[key.a], choice[key.b]] for key, m in self.edge_extra.items()))
+
+
+def working_bytes(problem, choice: dict, costs: ModeCosts | None = None) -> float:
+    """The most memory live at one moment beyond the model states and the saved
+    activations: over the ops, the gradients of an op's outputs and inputs while its
+    backward runs (Choice.work, in the op's layouts), plus, inside a recomputed layer, the
+    activations that layer makes again for its backward.  Saved activations are all still
+    held at the start of backward, where the largest op (the logits and their loss) often
+    runs, so the plan's peak is states + activations + this."""
+    layer = layer_paths(problem)
+    remade = costs.remade(problem, choice) if costs is not None else {}
+    peak = 0.0
+    for pn in problem.nodes:
+        if pn.kind == "op":
+            peak = max(peak, problem.choices[pn.rep][choice[pn.index]].work + remade.get(layer.get(pn.index), 0.0))
+    return peak
 
 
 def layer_paths(problem) -> dict:

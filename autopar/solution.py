@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from .plan import Collective, NodeChoice, Prediction
 from .precision import cast_for_trace, meta_inputs
 from .problem import Problem, reduce_problem
-from .recompute import ModeCosts, check_mode, layer_slots
+from .recompute import ModeCosts, check_mode, layer_slots, working_bytes
 
 AUTOMATIC = ("none", "full")   # the modes the ILP chooses among unforced
 from .solver import InfeasibleError, solve
@@ -22,7 +22,7 @@ from .trace import trace
 
 log = logging.getLogger("autopar")
 
-CATEGORIES = ("params", "grads", "optimizer", "activations")
+CATEGORIES = ("params", "grads", "optimizer", "activations", "working")
 
 
 @dataclass
@@ -123,10 +123,33 @@ def mode_assignments(problem: Problem, slots: list, forced) -> list:
 
 
 def _solve_modes(problem: Problem, rule, budget, time_limit, minimise_memory, modes, periods=(1, 2)):
-    best = None
+    """(choice, solution, memory per device) of the fastest plan under these modes whose
+    states, activations and working memory (recompute.working_bytes: the busiest op's
+    gradients, a recomputed layer made again) fit the budget together.  The working
+    memory depends on the plan, so the budget the ILP sees is lowered by the working
+    memory of the plan it found, until a plan fits with its own."""
     costs = ModeCosts(problem, modes) if modes else None
+    reduced: dict = {}
+    reserve = 0.0
+    for _ in range(8):
+        left = None if budget is None else budget - reserve
+        if left is not None and left <= 0:
+            break
+        choice, sol, floor = _solve_periods(problem, rule, left, time_limit, minimise_memory, modes, periods, costs,
+                                            reduced)
+        work = working_bytes(problem, choice, costs)
+        if budget is None or minimise_memory or floor + work <= budget:
+            return choice, sol, floor + work
+        reserve = max(reserve, work)
+    raise InfeasibleError("no assignment of strategies fits the memory budget with its working memory")
+
+
+def _solve_periods(problem: Problem, rule, budget, time_limit, minimise_memory, modes, periods, costs, reduced):
+    best = None
     for period in periods:
-        red = reduce_problem(problem, rule, period, costs)
+        if period not in reduced:
+            reduced[period] = reduce_problem(problem, rule, period, costs)
+        red = reduced[period]
         try:
             if minimise_memory:
                 sol = solve(red.memory, [], None, None, red.allowed, time_limit=time_limit)
@@ -224,10 +247,11 @@ def assemble(problem: Problem, choice: dict):
                                      s.name, tuple(s.split), tuple(s.inputs), tuple(s.outputs), tuple(s.grads),
                                      c.compute, sum(c.comm) + edge_comm, sum(c.memory.values()), tuple(s.reduced))
     modes = getattr(choice, "modes", None)
-    if modes:  # recomputed layers: their activations as kept, their forward run again
-        costs = ModeCosts(problem, modes)
+    costs = ModeCosts(problem, modes) if modes else None
+    if costs is not None:  # recomputed layers: their activations as kept, their forward run again
         memory["activations"] = costs.activation_bytes(choice)
         compute += costs.seconds(choice)
+    memory["working"] = working_bytes(problem, choice, costs)
     comm_by_axis = {mesh.axis_names[a]: comm[a] for a in range(mesh.ndim)}
     predicted = Prediction(compute + sum(comm), compute, comm_by_axis, memory)
     return nodes, collectives, predicted, grad_sums

@@ -30,28 +30,66 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from autopar.ops import op_name
 from autopar.passes.recompute import outline_layers
+from autopar.recompute import PRODUCTS
 
 from .process import CompileError
 
-_STATE = {"keeping": 0, "probe": None}
+_STATE = {"keep": None, "probe": None}
+
+_aten = torch.ops.aten
+# the kernels whose outputs a kept op's result lives in: a product's matrix multiply (the
+# views around it alias it), attention's fused kernel (output and log-sum-exp); anything
+# else a kept op dispatches (a transposed weight, the math path's s x s scores) is made
+# again in backward like the cheap ops
+_PRODUCT_KERNELS = frozenset(getattr(_aten, k) for k in ("mm", "addmm", "bmm", "baddbmm", "_grouped_mm")
+                             if hasattr(_aten, k))
+_ATTENTION_KERNELS = frozenset(getattr(_aten, k) for k in (
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_fused_attention_overrideable") if hasattr(_aten, k))
 
 
-def _kept(target):
-    """Wrap a graph node's target: while it runs, the selective policy keeps what it makes.
-    (A plain function, not functools.wraps: the graph's code would call the op by its own
-    name and skip the wrapper.)"""
+def _kernels(node: fx.Node):
+    """The dispatched ops whose outputs the selective policy keeps while `node` runs (None:
+    every op it dispatches, for a kept op whose kernels are not known here)."""
+    name = op_name(node)
+    if name in PRODUCTS:
+        return _PRODUCT_KERNELS
+    if name == "aten.scaled_dot_product_attention":
+        return _ATTENTION_KERNELS
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload) and target.namespace == "autopar":
+        return frozenset({target.overloadpacket})   # one custom op (experts, window attention)
+    return None
+
+
+def _kept(target, kernels):
+    """Wrap a graph node's target: while it runs, the selective policy keeps the outputs of
+    `kernels` (see _kernels).  (A plain function, not functools.wraps: the graph's code
+    would call the op by its own name and skip the wrapper.)"""
+    keep = _ALL if kernels is None else kernels
+
     def kept_op(*args, **kwargs):
-        _STATE["keeping"] += 1
+        outer, _STATE["keep"] = _STATE["keep"], keep
         try:
             return target(*args, **kwargs)
         finally:
-            _STATE["keeping"] -= 1
+            _STATE["keep"] = outer
     return kept_op
 
 
+_ALL = object()
+
+
+def _keeps(func) -> bool:
+    keep = _STATE["keep"]
+    return keep is not None and (keep is _ALL or func.overloadpacket in keep)
+
+
 def _policy(ctx, func, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if _STATE["keeping"] else CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if _keeps(func) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 class _Recorder(TorchDispatchMode):
@@ -60,7 +98,7 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         probe = _STATE["probe"]
-        if probe is not None and _STATE["keeping"]:
+        if probe is not None and _keeps(func):
             for t in torch.utils._pytree.tree_leaves(out):
                 if isinstance(t, torch.Tensor):
                     probe.note(t)
@@ -125,7 +163,7 @@ def apply_recompute(gm: fx.GraphModule, plan, streams, pipelined: bool = False) 
         if mode == "selective":
             for name, node in nodes.items():
                 if name in kept and node.op == "call_function":
-                    node.target = _kept(node.target)
+                    node.target = _kept(node.target, _kernels(node))
             region_gm.recompile()
         return Region(path, mode, region_gm, streams)
     return outline_layers(gm, dict(info.layers), make)

@@ -28,6 +28,12 @@ from autopar.passes.redistribute import plan_redistribute, redistribute_local
 from .recompute import note_saved
 
 
+def _identity(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether a move node's forward leaves its tensor as it is (same layout on both sides)."""
+    m = getattr(gm, node.args[1].target)
+    return tuple(m.src) == tuple(m.dst)
+
+
 class Regather:
     """Per compiled module: which forward gathers are parameters, their prefetch and the
     saved-tensor hooks.  Graph nodes `move(param, m, groups)` whose forward is only
@@ -47,6 +53,8 @@ class Regather:
             if node.op != "call_function" or node.target is not move:
                 continue
             src = node.args[0]
+            while src.op == "call_function" and src.target is move and _identity(gm, src):
+                src = src.args[0]   # (a tied weight's gradient-sum point: forward is the weight)
             if src.op != "placeholder" or src.target not in param_placeholders:
                 continue
             m = getattr(gm, node.args[1].target)

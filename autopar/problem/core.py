@@ -82,7 +82,7 @@ class Problem:
         """(node, output) whose storage tensor src[out] lives in: views followed back."""
         while True:
             pn = self.nodes[src]
-            if pn.kind != "op" or pn.op not in VIEWS or not pn.inputs or not is_alias(pn.node):
+            if pn.kind != "op" or not pn.inputs or not is_alias(pn.node):
                 return src, out
             src, out = pn.inputs[0]
 
@@ -169,7 +169,14 @@ class Problem:
                                               for p in s.inputs[0]], mesh.shape)
             for kind, axis, per_row in s.comm:
                 comm[axis] += C.collective_time(kind, per_row * item * rows, axis, mesh)
-        return Choice(compute, tuple(comm), mem, forward_s=forward + sum(comm) / 2)
+        # while the op runs backward, the gradients of its outputs and of its inputs are live
+        # beside what was saved (forward: its inputs in this layout and its outputs); a view
+        # allocates nothing
+        # (and of the tensors it makes and keeps: a composite's inner results, such as the
+        # log-probabilities of a cross entropy)
+        work = 0.0 if pn.op in VIEWS else in_bytes + out_bytes + sum(
+            self.held_bytes(pn, s, it) for it in self.holdings.get(pn.index, ()) if it[1] == "new")
+        return Choice(compute, tuple(comm), mem, forward_s=forward + sum(comm) / 2, work=work)
 
     def _param_choice(self, pn: PNode, s: Strategy) -> Choice:
         """Model states of a parameter stored in layout s.outputs[0] (ZeRO, Rajbhandari et al.
@@ -350,6 +357,9 @@ class Problem:
 
     def node_activations(self, rep: int) -> np.ndarray:
         return np.array([c.memory["activations"] for c in self.choices[rep]])
+
+    def node_work(self, rep: int) -> np.ndarray:
+        return np.array([c.work for c in self.choices[rep]])
 
     def node_plain_memory(self, rep: int) -> np.ndarray:
         return np.array([sum(c.memory.values()) if c.plain_memory is None else c.plain_memory

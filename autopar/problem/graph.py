@@ -70,6 +70,7 @@ class Choice:
     memory: dict           # "params", "grads", "optimizer", "activations" -> bytes
     plain_memory: float | None = None  # what the memory tie-break sees (ZeRO savings left out)
     forward_s: float = 0.0             # the forward alone (what recomputation runs again)
+    work: float = 0.0                  # bytes live beyond the saved ones while it runs (see Problem._choice)
 
     @property
     def time(self) -> float:

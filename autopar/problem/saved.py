@@ -70,7 +70,10 @@ def _signature(value):
         return type(value).__name__, tuple(_signature(v) for v in value)
     if isinstance(value, dict):
         return "dict", tuple((k, _signature(v)) for k, v in value.items())
-    return ("C", value if isinstance(value, (int, float, bool, str, type(None), torch.dtype)) else repr(value))
+    if isinstance(value, torch.device):
+        return ("C", "meta")   # run where its operands are (a move to the device is a no-op there)
+    return ("C", value if isinstance(value, (int, float, bool, str, type(None), torch.dtype, torch.layout,
+                                             torch.memory_format)) else repr(value))
 
 
 def _materialise(sig, tensors: list, requires_grad: tuple = ()):
@@ -145,10 +148,14 @@ def _is_alias(target, args_sig, kwargs_sig) -> bool:
 
 
 def is_alias(node: fx.Node) -> bool:
-    """Whether a view-like op's output shares its first operand's storage (a reshape of a
+    """Whether an op's output shares its first operand's storage: its schema returns an
+    alias (views, slices, reshapes) and running it on meta shows it does (a reshape of a
     non-contiguous tensor copies)."""
     if node.op != "call_function":
         return False
     if op_name(node) == "aten.alias":
         return True
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.returns or schema.returns[0].alias_info is None:
+        return False   # its schema says it makes a new tensor
     return _is_alias(node.target, _signature(node.args), _signature(node.kwargs))
