@@ -112,6 +112,7 @@ class ModeCosts:
                     seen.add(key)
                     root = nodes[key[0]]
                     hold(src, (key, "out", o, math.prod(root.out_shapes[key[1]]) * root.out_dtypes[key[1]].itemsize))
+        self.entries = entries
         self.activations: dict = {}
         keeps: dict = {}   # node index -> bytes it keeps under its layer's mode, per strategy
         for n, item in entries:
@@ -166,6 +167,19 @@ class ModeCosts:
                      sum(m[choice[key.a], choice[key.b]] for key, m in self.edge_extra.items()))
 
 
+def beyond_linear(problem, choice: dict, costs: ModeCosts | None = None) -> tuple:
+    """(exact activation bytes, working bytes, what the two add to the ILP's linear memory
+    sum) of a solved choice under recompute costs (None: nothing recomputed)."""
+    if costs is None:
+        entries = problem.saved_entries()
+        linear = sum(problem.choices[pn.rep][choice[pn.index]].memory["activations"] for pn in problem.nodes)
+    else:
+        entries, linear = costs.entries, costs.activation_bytes(choice)
+    exact = problem.kept_bytes(choice, entries)
+    work = working_bytes(problem, choice, costs)
+    return exact, work, exact - linear + work
+
+
 def working_bytes(problem, choice: dict, costs: ModeCosts | None = None) -> float:
     """The most memory live at one moment beyond the model states and the saved
     activations: over the ops, the gradients of an op's outputs and inputs while its
@@ -201,8 +215,7 @@ def recompute_record(problem, choice, predicted, forced):
     layer = layer_paths(problem)
     kept = tuple(pn.name for pn in problem.nodes
                  if modes.get(layer.get(pn.index)) == "selective" and kept_by_selective(problem, pn))
-    keeping = sum(problem.choices[pn.rep][choice[pn.index]].memory["activations"] for pn in problem.nodes
-                  if pn.rep in problem.choices)
+    keeping = problem.kept_bytes(choice, problem.saved_entries())
     added = ModeCosts(problem, modes).seconds(choice)
     note = ""
     if "selective" in modes.values():

@@ -11,10 +11,12 @@ import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
+
 from .plan import Collective, NodeChoice, Prediction
 from .precision import cast_for_trace, meta_inputs
 from .problem import Problem, reduce_problem
-from .recompute import ModeCosts, check_mode, layer_slots, working_bytes
+from .recompute import ModeCosts, beyond_linear, check_mode, layer_slots
 
 AUTOMATIC = ("none", "full")   # the modes the ILP chooses among unforced
 from .solver import InfeasibleError, solve
@@ -124,10 +126,11 @@ def mode_assignments(problem: Problem, slots: list, forced) -> list:
 
 def _solve_modes(problem: Problem, rule, budget, time_limit, minimise_memory, modes, periods=(1, 2)):
     """(choice, solution, memory per device) of the fastest plan under these modes whose
-    states, activations and working memory (recompute.working_bytes: the busiest op's
-    gradients, a recomputed layer made again) fit the budget together.  The working
-    memory depends on the plan, so the budget the ILP sees is lowered by the working
-    memory of the plan it found, until a plan fits with its own."""
+    states, activations and working memory fit the budget together.  The ILP sums a linear
+    estimate; what the plan found needs beyond it (recompute.beyond_linear: the working
+    memory of its busiest op or recomputed layer, and its activations counted storage by
+    storage in their actual layouts, reshard copies included) depends on the plan, so the
+    budget the ILP sees is lowered by that much until a plan fits with its own."""
     costs = ModeCosts(problem, modes) if modes else None
     reduced: dict = {}
     reserve = 0.0
@@ -137,10 +140,10 @@ def _solve_modes(problem: Problem, rule, budget, time_limit, minimise_memory, mo
             break
         choice, sol, floor = _solve_periods(problem, rule, left, time_limit, minimise_memory, modes, periods, costs,
                                             reduced)
-        work = working_bytes(problem, choice, costs)
-        if budget is None or minimise_memory or floor + work <= budget:
-            return choice, sol, floor + work
-        reserve = max(reserve, work)
+        extra = beyond_linear(problem, choice, costs)[2]
+        if budget is None or minimise_memory or floor + extra <= budget:
+            return choice, sol, floor + extra
+        reserve = max(reserve, extra)
     raise InfeasibleError("no assignment of strategies fits the memory budget with its working memory")
 
 
@@ -152,7 +155,7 @@ def _solve_periods(problem: Problem, rule, budget, time_limit, minimise_memory, 
         red = reduced[period]
         try:
             if minimise_memory:
-                sol = solve(red.memory, [], None, None, red.allowed, time_limit=time_limit)
+                sol = _least_memory(red, time_limit)
             else:
                 sol = solve(red.costs, red.edges, red.memory, budget, red.allowed, time_limit=time_limit,
                             tiebreak=red.plain_memory)
@@ -174,6 +177,24 @@ def _solve_periods(problem: Problem, rule, budget, time_limit, minimise_memory, 
         if not problem.tie or not moves_between_layers(problem, choice):
             break
     return best
+
+
+def _least_memory(red, time_limit):
+    """The choice needing the least memory: the ILP memory sum plus the working memory of
+    the busiest op.  With no edges to price, each cap T on one op's working memory leaves
+    every node its least-memory choice among those under T; the best T is among the
+    smallest caps every node can meet (the first 64 distinct values above that bound)."""
+    allowed = [np.asarray(a, bool) for a in red.allowed]
+    work = [np.where(a, w, np.inf) for a, w in zip(allowed, red.work)]
+    floor = max((float(w.min()) for w in work), default=0.0)
+    caps = np.unique(np.concatenate([w[(w >= floor) & np.isfinite(w)] for w in work] or [np.zeros(1)]))[:64]
+    best = None
+    for cap in caps:
+        masks = [a & (w <= cap) for a, w in zip(allowed, work)]
+        total = cap + sum(float(np.where(m, mem, np.inf).min()) for m, mem in zip(masks, red.memory))
+        if best is None or total < best[0]:
+            best = (total, masks)
+    return solve(red.memory, [], None, None, best[1] if best else red.allowed, time_limit=time_limit)
 
 
 def moves_between_layers(problem: Problem, choice: dict) -> bool:
@@ -248,10 +269,9 @@ def assemble(problem: Problem, choice: dict):
                                      c.compute, sum(c.comm) + edge_comm, sum(c.memory.values()), tuple(s.reduced))
     modes = getattr(choice, "modes", None)
     costs = ModeCosts(problem, modes) if modes else None
-    if costs is not None:  # recomputed layers: their activations as kept, their forward run again
-        memory["activations"] = costs.activation_bytes(choice)
+    if costs is not None:  # recomputed layers: their forward run again
         compute += costs.seconds(choice)
-    memory["working"] = working_bytes(problem, choice, costs)
+    memory["activations"], memory["working"], _ = beyond_linear(problem, choice, costs)
     comm_by_axis = {mesh.axis_names[a]: comm[a] for a in range(mesh.ndim)}
     predicted = Prediction(compute + sum(comm), compute, comm_by_axis, memory)
     return nodes, collectives, predicted, grad_sums

@@ -62,7 +62,10 @@ class Problem:
                         continue
                     key = self.storage_root(*pn.inputs[it.index])
                     if self.nodes[key[0]].kind != "op":
-                        continue   # a parameter, buffer or input: not an activation
+                        # a parameter, buffer or input: not an activation, unless the plan
+                        # reads it through a move whose copy is then kept (kept_bytes)
+                        held.append((None, "leaf", it.index, 0.0))
+                        continue
                     root = self.nodes[key[0]]
                     held.append((key, "in", it.index, math.prod(root.out_shapes[key[1]]) *
                                  root.out_dtypes[key[1]].itemsize))
@@ -91,6 +94,8 @@ class Problem:
         in the layout pn reads or makes it)."""
         mesh = self.mesh
         _, kind, index, nbytes = item
+        if kind == "leaf":
+            return 0.0
         if kind == "in":
             src, o = pn.inputs[index]
             shape = self.nodes[src].out_shapes[o]
@@ -103,6 +108,54 @@ class Problem:
         shapes += list(zip(pn.out_shapes, s.outputs))
         shape, p = max(shapes, key=lambda sp: math.prod(sp[0]) if sp[0] else 1)
         return nbytes * C.local_numel(shape, p, mesh.shape) / max(1, math.prod(shape) if shape else 1)
+
+    def saved_entries(self) -> list:
+        """(node index, holding) of everything the ops keep when nothing is recomputed."""
+        return [(n, item) for n, held in self.holdings.items() for item in held]
+
+    def kept_bytes(self, choice: dict, entries) -> float:
+        """The activation bytes per device a solved choice keeps, storage by storage as the
+        plan lays them out (the ILP's per-node shares are its linear estimate): a tensor
+        read in its producer's layout is the producer's storage (aliases followed), read
+        through a move it is the move's new tensor (a slice of the leading dim stays a view
+        of its source), and a storage several ops keep counts once."""
+        storages: dict = {}
+        total = 0.0
+        for n, item in entries:
+            pn = self.nodes[n]
+            s = self.nodes[pn.rep].strategies[choice[n]]
+            key, kind, index, _ = item
+            if kind in ("in", "leaf"):
+                src, o = pn.inputs[index]
+                found = self._storage_as_read(src, o, tuple(s.inputs[index]), choice, (n, index))
+                if found is not None:
+                    storages[found[0]] = found[1]
+            elif key is None:
+                total += self.held_bytes(pn, s, item)
+            else:
+                storages[key] = self.held_bytes(pn, s, item)
+        return total + sum(storages.values())
+
+    def _storage_as_read(self, src: int, out: int, layout: tuple, choice: dict, reader: tuple):
+        """(storage key, local bytes) of tensor src[out] as a reader gets it in `layout`;
+        None for a parameter, buffer or input's own storage."""
+        a = self.nodes[src]
+        if a.kind not in ("op", "param", "input"):
+            return None
+        made = tuple(self.nodes[a.rep].strategies[choice[src]].outputs[out])
+        shape, item = a.out_shapes[out], a.out_dtypes[out].itemsize
+        if made != layout and not _leading_slice(made, layout):
+            steps = self._redistribute(shape, item, made, layout)
+            if a.kind == "param" and steps and all(st.kind == "all_gather" for st in steps):
+                return None   # a gathered weight is dropped after forward and gathered again
+            return ("moved",) + reader, C.local_numel(shape, layout, self.mesh.shape) * item
+        if a.kind != "op":
+            return None
+        if a.inputs and is_alias(a.node):
+            up, o = a.inputs[0]
+            sa = self.nodes[a.rep].strategies[choice[src]]
+            return self._storage_as_read(up, o, tuple(sa.inputs[0]), choice, (src, 0))
+        return (src, out), C.local_numel(shape, made, self.mesh.shape) * item
 
     # --- costs ------------------------------------------------------------------------------
     def _build_costs(self):
@@ -365,6 +418,13 @@ class Problem:
         return np.array([sum(c.memory.values()) if c.plain_memory is None else c.plain_memory
                          for c in self.choices[rep]])
 
+
+
+def _leading_slice(src: tuple, dst: tuple) -> bool:
+    """Whether going from layout src to dst only takes this rank's slice of dim 0 (a view of
+    the source's storage): every axis alike, or Replicate -> Shard(0)."""
+    return all(p == q or (isinstance(p, Replicate) and isinstance(q, Shard) and q.dim == 0)
+               for p, q in zip(src, dst))
 
 
 def _codes(keys: list):

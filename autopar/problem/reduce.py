@@ -29,6 +29,7 @@ class Reduced:
     root_of: dict          # rep -> rep of its root
     follow: dict           # rep -> np array: rep's choice for each root choice
     canon: object          # rep -> the rep whose choice it takes (period 1 ties odd layers to even)
+    work: list = None      # per root choice: the most working memory of one op it and its followers run
 
 
 def reduce_problem(problem: Problem, allowed_fn=None, period: int = SHARE_PERIOD, modes=None) -> Reduced:
@@ -74,6 +75,7 @@ def reduce_problem(problem: Problem, allowed_fn=None, period: int = SHARE_PERIOD
     cost = {r: problem.node_cost(r) * counts[r] for r in reps}
     mem = {r: problem.node_memory(r) * counts[r] for r in reps}
     plain = {r: problem.node_plain_memory(r) * counts[r] for r in reps}
+    work = {r: problem.node_work(r) for r in reps}
     if modes is not None:  # activations as the modes keep them, and the forward run again
         for r in reps:
             act = problem.node_activations(r) * counts[r]
@@ -103,6 +105,7 @@ def reduce_problem(problem: Problem, allowed_fn=None, period: int = SHARE_PERIOD
                 cost[root][s_root] += edge[s_src, t] + cost[r][t]
                 mem[root][s_root] += mem[r][t]
                 plain[root][s_root] += plain[r][t]
+                work[root][s_root] = max(work[root][s_root], work[r][t])
             root_of[r], follow[r] = root, this_map
             used_edges.add(key)
         else:
@@ -119,7 +122,7 @@ def reduce_problem(problem: Problem, allowed_fn=None, period: int = SHARE_PERIOD
     allowed = [mask[r] for r in roots]
     costs = [cost[r] for r in roots]
     return Reduced(roots, costs, [mem[r] for r in roots], [plain[r] for r in roots], edges, allowed, root_of,
-                   follow, canon)
+                   follow, canon, [work[r] for r in roots])
 
 
 def pass_through(src: PNode, src_map, out: int, pn: PNode, operand: int, mask):
