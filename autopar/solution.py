@@ -110,8 +110,8 @@ def solve_problem(problem: Problem, rule, budget, time_limit, minimise_memory=Fa
 def mode_assignments(problem: Problem, slots: list, forced) -> list:
     """(layer path -> mode, periods) to try: the forced mode on every layer (periods 1 and
     2); unchosen, full recomputation on every layer and on even or odd layers only (period
-    2).  "selective" is only run when forced: what its checkpoint policy keeps at run time
-    is not yet what the cost model charges (see docs/DESIGN.md), so the ILP does not pick it."""
+    2).  "selective" is only run when forced (each assignment is a solve of its own, and
+    selective would add as many again)."""
     out = []
     if forced:
         return [({f"{p}.{i}": forced for p, ix in slots for i in ix}, (1, 2))]
