@@ -15,9 +15,10 @@ three ways:
 The cost model prices each: the activation bytes a layer keeps per device and the
 forward (compute and the collectives inside the layer) that backward runs again.  Memory
 a recomputed layer needs during its own backward (its activations made again, one layer
-at a time) is part of the plan's working memory (working_bytes), not of its activations.  The ILP chooses per set of identical
-layers (problem/layers.py: all alike, or even and odd layers apart), so that under a
-tight budget half the layers can recompute and half keep everything.
+at a time) is part of the plan's working memory (working_bytes), not of its activations.
+The ILP chooses per set of identical layers (problem/layers.py: all alike, or even and
+odd layers apart), so that under a tight budget half the layers can recompute and half
+keep everything.
 """
 from __future__ import annotations
 

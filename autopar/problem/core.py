@@ -16,6 +16,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from .. import cost as C
 from ..mesh import Mesh
+from ..redistribution import plan_redistribute
 from ..ops import Strategy
 from ..trace import Traced
 from .graph import VIEWS, Choice, EdgeKey, PNode, add_gradient_sums, build_nodes
@@ -144,9 +145,10 @@ class Problem:
             return None
         made = tuple(self.nodes[a.rep].strategies[choice[src]].outputs[out])
         shape, item = a.out_shapes[out], a.out_dtypes[out].itemsize
-        if made != layout and not _leading_slice(made, layout):
-            steps = self._redistribute(shape, item, made, layout)
-            if a.kind == "param" and steps and all(st.kind == "all_gather" for st in steps):
+        steps = plan_redistribute(made, layout, self.mesh.shape) if made != layout else ()
+        if any(st.kind != "chunk" or st.dim != 0 for st in steps):   # (a slice of dim 0 is a view)
+            moves = [st for st in steps if st.is_collective]
+            if a.kind == "param" and moves and all(st.kind == "all_gather" for st in moves):
                 return None   # a gathered weight is dropped after forward and gathered again
             return ("moved",) + reader, C.local_numel(shape, layout, self.mesh.shape) * item
         if a.kind != "op":
@@ -222,11 +224,10 @@ class Problem:
                                               for p in s.inputs[0]], mesh.shape)
             for kind, axis, per_row in s.comm:
                 comm[axis] += C.collective_time(kind, per_row * item * rows, axis, mesh)
-        # while the op runs backward, the gradients of its outputs and of its inputs are live
-        # beside what was saved (forward: its inputs in this layout and its outputs); a view
+        # working memory: while the op runs backward, the gradients of its outputs, of its
+        # inputs and of the tensors it makes and keeps (a composite's inner results, such as
+        # a cross entropy's log-probabilities) are live beside what was saved; a view
         # allocates nothing
-        # (and of the tensors it makes and keeps: a composite's inner results, such as the
-        # log-probabilities of a cross entropy)
         work = 0.0 if pn.op in VIEWS else in_bytes + out_bytes + sum(
             self.held_bytes(pn, s, it) for it in self.holdings.get(pn.index, ()) if it[1] == "new")
         return Choice(compute, tuple(comm), mem, forward_s=forward + sum(comm) / 2, work=work)
@@ -418,13 +419,6 @@ class Problem:
         return np.array([sum(c.memory.values()) if c.plain_memory is None else c.plain_memory
                          for c in self.choices[rep]])
 
-
-
-def _leading_slice(src: tuple, dst: tuple) -> bool:
-    """Whether going from layout src to dst only takes this rank's slice of dim 0 (a view of
-    the source's storage): every axis alike, or Replicate -> Shard(0)."""
-    return all(p == q or (isinstance(p, Replicate) and isinstance(q, Shard) and q.dim == 0)
-               for p, q in zip(src, dst))
 
 
 def _codes(keys: list):
