@@ -80,9 +80,10 @@ def solve_problem(problem: Problem, rule, budget, time_limit, minimise_memory=Fa
     with no budget at all."""
     forced = check_mode(recompute)
     slots = layer_slots(problem)
+    seen: dict = {}   # what the last plan needed beyond the ILP's sum: where the next solve starts
     if not slots or forced in (None, "none"):
         try:
-            best = _solve_modes(problem, rule, budget, time_limit, minimise_memory, None)
+            best = _solve_modes(problem, rule, budget, time_limit, minimise_memory, None, seen=seen)
         except InfeasibleError:
             if forced == "none" or not slots or budget is None:
                 raise
@@ -97,7 +98,7 @@ def solve_problem(problem: Problem, rule, budget, time_limit, minimise_memory=Fa
         best = None
     for modes, periods in mode_assignments(problem, slots, forced):
         try:
-            found = _solve_modes(problem, rule, budget, time_limit, minimise_memory, modes, periods)
+            found = _solve_modes(problem, rule, budget, time_limit, minimise_memory, modes, periods, seen)
         except InfeasibleError:
             continue
         if best is None or found[1].objective < best[1].objective * (1 - 1e-9):
@@ -124,24 +125,35 @@ def mode_assignments(problem: Problem, slots: list, forced) -> list:
     return out
 
 
-def _solve_modes(problem: Problem, rule, budget, time_limit, minimise_memory, modes, periods=(1, 2)):
+def _solve_modes(problem: Problem, rule, budget, time_limit, minimise_memory, modes, periods=(1, 2), seen=None):
     """(choice, solution, memory per device) of the fastest plan under these modes whose
     states, activations and working memory fit the budget together.  The ILP sums a linear
     estimate; what the plan found needs beyond it (recompute.beyond_linear: the working
     memory of its busiest op or recomputed layer, and its activations counted storage by
     storage in their actual layouts, reshard copies included) depends on the plan, so the
-    budget the ILP sees is lowered by that much until a plan fits with its own."""
+    budget the ILP sees is lowered by that much until a plan fits with its own.  `seen`
+    carries that amount from one call to the next (other recompute modes need about as
+    much), so later calls start there rather than at zero; a start too high for any plan
+    falls back to zero."""
     costs = ModeCosts(problem, modes) if modes else None
     reduced: dict = {}
-    reserve = 0.0
+    seen = {} if seen is None else seen
+    start = reserve = max(0.0, seen.get("extra", 0.0))
     for _ in range(8):
         left = None if budget is None else budget - reserve
         if left is not None and left <= 0:
             break
-        choice, sol, floor = _solve_periods(problem, rule, left, time_limit, minimise_memory, modes, periods, costs,
-                                            reduced)
+        try:
+            choice, sol, floor = _solve_periods(problem, rule, left, time_limit, minimise_memory, modes, periods,
+                                                costs, reduced)
+        except InfeasibleError:
+            if reserve != start or not start:
+                raise
+            start = reserve = 0.0
+            continue
         extra = beyond_linear(problem, choice, costs)[2]
         if budget is None or minimise_memory or floor + extra <= budget:
+            seen["extra"] = extra
             return choice, sol, floor + extra
         reserve = max(reserve, extra)
     raise InfeasibleError("no assignment of strategies fits the memory budget with its working memory")
