@@ -45,17 +45,15 @@ def plan(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, example_kwarg
     `random_seed` then apply to the stages' plan.
     recompute: None lets the ILP choose activation recomputation per set of identical
     layers (autopar/recompute.py) when the budget needs it; "none", "selective" or "full"
-    forces that policy on every repeated layer (for comparisons).
+    forces that policy on every repeated layer (for comparisons).  With pipeline=..., the
+    search picks one policy for every layer of the stages (the fastest that fits).
     """
     mixed_precision = MixedPrecision.of(mixed_precision)
     recompute = check_mode(recompute)
     if pipeline:
-        if recompute not in (None, "none"):
-            raise ValueError(f"recompute={recompute!r} with pipeline=...: the pipeline search does not plan "
-                             f"recomputation yet; plan the stages without it (recompute=None)")
         return _plan_with_pipeline(model, mesh, example_inputs, example_kwargs, memory_budget, compare,
                                    time_limit, mixed_precision, None if pipeline is True else pipeline,
-                                   layout, random_seed)
+                                   layout, random_seed, recompute)
     start = time.perf_counter()
     budget = parse_bytes(memory_budget, "memory_budget") if memory_budget is not None else None
     built = build_problem(model, mesh, example_inputs, example_kwargs, mixed_precision)
@@ -63,8 +61,10 @@ def plan(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, example_kwarg
 
 
 def _plan_built(built: Built, model, mesh: Mesh, budget, compare, time_limit, layout, random_seed, start,
-                recompute=None):
-    """plan() from a traced and costed problem (the pipeline search's, when it made one)."""
+                recompute=None, staged=False):
+    """plan() from a traced and costed problem (the pipeline search's, when it made one).
+    staged: the problem is one microbatch of a pipelined model, whose stages' memory the
+    pipeline search checked: the whole model is then planned without a budget."""
     problem, t_trace, t_build = built.problem, built.trace_s, built.costs_s
     limit = budget if budget is not None else mesh.device.memory
     rules = B.layouts(mesh)
@@ -84,11 +84,12 @@ def _plan_built(built: Built, model, mesh: Mesh, budget, compare, time_limit, la
                 for s in seeds]
         return made[0] if isinstance(random_seed, int) else made
     try:
-        if layout is None and built.solved is not None and built.solved[2] <= limit and recompute in (None, "none"):
+        if (layout is None and built.solved is not None and (staged or built.solved[2] <= limit)
+                and recompute in (None, "none")):
             best, sol, _ = built.solved  # the unbudgeted optimum fits: the budgeted one is the same
         else:
-            best, sol, _ = solve_problem(problem, every.get(layout), None if layout else limit, time_limit,
-                                         recompute=recompute)
+            best, sol, _ = solve_problem(problem, every.get(layout), None if layout or staged else limit,
+                                         time_limit, recompute=recompute)
     except InfeasibleError:
         raise _infeasible(problem, model, mesh, limit, time_limit, recompute) from None
     compared = {}
@@ -111,12 +112,12 @@ def _plan_built(built: Built, model, mesh: Mesh, budget, compare, time_limit, la
 
 
 def _plan_with_pipeline(model, mesh, example_inputs, example_kwargs, memory_budget, compare, time_limit,
-                        mixed_precision, fixed=None, layout=None, random_seed=None) -> Plan:
+                        mixed_precision, fixed=None, layout=None, random_seed=None, recompute=None) -> Plan:
     start = time.perf_counter()
     if random_seed is not None and not isinstance(random_seed, int):
         raise ValueError("with pipeline=..., random_seed takes one seed, not a list")
     choice = search(model, mesh, example_inputs, example_kwargs, memory_budget=memory_budget,
-                    time_limit=time_limit, fixed=fixed, mixed_precision=mixed_precision)
+                    time_limit=time_limit, fixed=fixed, mixed_precision=mixed_precision, recompute=recompute)
     budget = parse_bytes(memory_budget, "memory_budget") if memory_budget is not None else None
     built = choice.built  # the winner's problem, as the search traced, costed and solved it
     if built is None:  # (a candidate whose problem was dropped while a better one led)
@@ -126,8 +127,9 @@ def _plan_with_pipeline(model, mesh, example_inputs, example_kwargs, memory_budg
         args, kwargs = first_microbatch((tuple(example_inputs), example_kwargs), batch,
                                         batch // choice.n_microbatches)
         built = build_problem(model, sub, args, kwargs, mixed_precision)
+    staged = choice.axis is not None
     result = _plan_built(built, model, built.problem.mesh, budget, compare, time_limit, layout, random_seed,
-                         time.perf_counter())
+                         time.perf_counter(), choice.recompute if staged else recompute, staged)
     info = PipelineLayout(axis=choice.axis, groups=choice.n_groups, submesh=tuple(choice.submesh),
                           stages=tuple(tuple(s) for s in choice.stages), schedule=choice.schedule,
                           microbatches=choice.n_microbatches, virtual=choice.n_virtual, step_s=choice.step_s,

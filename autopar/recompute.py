@@ -123,6 +123,7 @@ class ModeCosts:
             arr = np.array([problem.held_bytes(pn, s, item) / share for s in rep.strategies])
             self.activations[pn.rep] = self.activations.get(pn.rep, 0.0) + arr
             keeps[n] = keeps.get(n, 0.0) + arr
+        self.keeps = keeps
         # per recomputed layer, its ops: (node index, rep, what the node still keeps); what
         # the layer keeps without recomputing, less that, is made again in its backward
         self.members: dict = {}

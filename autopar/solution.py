@@ -16,9 +16,7 @@ import numpy as np
 from .plan import Collective, NodeChoice, Prediction
 from .precision import cast_for_trace, meta_inputs
 from .problem import Problem, reduce_problem
-from .recompute import ModeCosts, beyond_linear, check_mode, layer_slots
-
-AUTOMATIC = ("none", "full")   # the modes the ILP chooses among unforced
+from .recompute import MODES, ModeCosts, beyond_linear, check_mode, layer_slots
 from .solver import InfeasibleError, solve
 from .trace import trace
 
@@ -74,13 +72,17 @@ def solve_problem(problem: Problem, rule, budget, time_limit, minimise_memory=Fa
     consecutive layers, try alternating layouts (period 2) too and keep the faster plan.
 
     Recomputation (autopar/recompute.py): `recompute` forces one mode on every repeated
-    layer; None lets the solve choose per set of identical layers (all alike, or even and
-    odd layers apart).  Recomputing only adds time, so the other modes are tried only when
-    the budget binds: when no plan keeping every activation is as fast as the fastest plan
-    with no budget at all."""
+    layer; None lets the solve choose per set of identical layers among MODES (all alike,
+    or even and odd layers apart).  Recomputing only adds time, so the other modes are tried
+    only when the budget binds: when no plan keeping every activation is as fast as the
+    fastest plan with no budget at all.  Then each assignment's time is at least the
+    unbudgeted optimum plus the least its recomputation can cost (`_least_added`); the
+    assignments are solved in the order of that bound, and those whose bound is already
+    slower than the best plan found are skipped."""
     forced = check_mode(recompute)
     slots = layer_slots(problem)
     seen: dict = {}   # what the last plan needed beyond the ILP's sum: where the next solve starts
+    free = None
     if not slots or forced in (None, "none"):
         try:
             best = _solve_modes(problem, rule, budget, time_limit, minimise_memory, None, seen=seen)
@@ -90,15 +92,21 @@ def solve_problem(problem: Problem, rule, budget, time_limit, minimise_memory=Fa
             best = None
         if forced == "none" or not slots or budget is None or minimise_memory:
             return best
-        if best is not None:
-            free = _solve_modes(problem, rule, None, time_limit, False, None)
-            if best[1].objective <= free[1].objective * (1 + 1e-9):
-                return best   # the budget does not bind: recomputing could only add time
+        free = _solve_modes(problem, rule, None, time_limit, False, None)
+        if best is not None and best[1].objective <= free[1].objective * (1 + 1e-9):
+            return best   # the budget does not bind: recomputing could only add time
     else:
         best = None
+    tried = []
     for modes, periods in mode_assignments(problem, slots, forced):
+        costs = ModeCosts(problem, modes)
+        bound = free[1].objective + _least_added(problem, costs) if free is not None else 0.0
+        tried.append((bound, len(tried), modes, periods, costs))
+    for bound, _, modes, periods, costs in sorted(tried, key=lambda t: t[:2]):
+        if best is not None and bound >= best[1].objective * (1 - 1e-9):
+            break
         try:
-            found = _solve_modes(problem, rule, budget, time_limit, minimise_memory, modes, periods, seen)
+            found = _solve_modes(problem, rule, budget, time_limit, minimise_memory, modes, periods, seen, costs)
         except InfeasibleError:
             continue
         if best is None or found[1].objective < best[1].objective * (1 - 1e-9):
@@ -108,24 +116,31 @@ def solve_problem(problem: Problem, rule, budget, time_limit, minimise_memory=Fa
     return best
 
 
+def _least_added(problem: Problem, costs: ModeCosts) -> float:
+    """The fewest seconds the recomputation of `costs` can add to any choice: each node's
+    and each move's cheapest forward run again (a lower bound: one choice cannot take every
+    minimum at once)."""
+    total = sum(float(np.min(arr)) for arr in costs.extra.values())
+    return total + sum(float(np.min(m)) for m in costs.edge_extra.values())
+
+
 def mode_assignments(problem: Problem, slots: list, forced) -> list:
     """(layer path -> mode, periods) to try: the forced mode on every layer (periods 1 and
-    2); unchosen, full recomputation on every layer and on even or odd layers only (period
-    2).  "selective" is only run when forced (each assignment is a solve of its own, and
-    selective would add as many again)."""
-    out = []
+    2); unforced, each recomputing mode on every layer (periods 1 and 2) and every pair of
+    distinct modes on even and odd layers (period 2)."""
     if forced:
         return [({f"{p}.{i}": forced for p, ix in slots for i in ix}, (1, 2))]
-    out.append(({f"{p}.{i}": "full" for p, ix in slots for i in ix}, (1, 2)))
-    for even in AUTOMATIC:
-        for odd in AUTOMATIC:
+    out = [({f"{p}.{i}": mode for p, ix in slots for i in ix}, (1, 2)) for mode in MODES if mode != "none"]
+    for even in MODES:
+        for odd in MODES:
             if even != odd:
                 out.append(({f"{p}.{i}": (even if k % 2 == 0 else odd) for p, ix in slots
                              for k, i in enumerate(ix)}, (2,)))
     return out
 
 
-def _solve_modes(problem: Problem, rule, budget, time_limit, minimise_memory, modes, periods=(1, 2), seen=None):
+def _solve_modes(problem: Problem, rule, budget, time_limit, minimise_memory, modes, periods=(1, 2), seen=None,
+                 costs=None):
     """(choice, solution, memory per device) of the fastest plan under these modes whose
     states, activations and working memory fit the budget together.  The ILP sums a linear
     estimate; what the plan found needs beyond it (recompute.beyond_linear: the working
@@ -135,7 +150,8 @@ def _solve_modes(problem: Problem, rule, budget, time_limit, minimise_memory, mo
     carries that amount from one call to the next (other recompute modes need about as
     much), so later calls start there rather than at zero; a start too high for any plan
     falls back to zero."""
-    costs = ModeCosts(problem, modes) if modes else None
+    if costs is None and modes:
+        costs = ModeCosts(problem, modes)
     reduced: dict = {}
     seen = {} if seen is None else seen
     start = reserve = max(0.0, seen.get("extra", 0.0))

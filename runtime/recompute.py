@@ -9,7 +9,11 @@ through `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`:
 - "selective": the same, except that the operations the plan names (matrix products with
   a weight, attention, experts: plan.recompute.kept) keep their outputs from the first
   pass (a selective-checkpoint policy, torch.utils.checkpoint.create_selective_checkpoint_contexts);
-  only the cheap operations between them run again.
+  only the cheap operations between them run again.  Under a pipeline schedule, whose
+  backward of a stage can run in two parts (input gradients, then weight gradients) and so
+  recompute a region twice, the kept outputs are handed back by the project's own pair
+  of dispatch modes (_Keeping, _Replaying), which keep them until the region's graph is
+  freed rather than giving each up at its first reuse.
 
 Random ops replay: a region records the forward call count of the random streams
 (runtime/rng.py) when it runs, and runs again under that count, so every dropout mask
@@ -34,7 +38,6 @@ from autopar.ops import op_name
 from autopar.passes.recompute import outline_layers
 from autopar.recompute import PRODUCTS
 
-from .process import CompileError
 
 _STATE = {"keep": None, "probe": None}
 
@@ -116,12 +119,75 @@ def _selective_contexts():
     return recording(), again
 
 
+class _Keeping(TorchDispatchMode):
+    """Forward of a selective region that may be recomputed more than once: the outputs of
+    the kept kernels are stored in call order (detached: no autograd history kept)."""
+
+    def __init__(self, store: list):
+        self.store = store
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func not in _UNCOUNTED and _keeps(func):
+            self.store.append((func, torch.utils._pytree.tree_map(_detached, out)))
+            probe = _STATE["probe"]
+            if probe is not None:
+                for t in torch.utils._pytree.tree_leaves(out):
+                    if isinstance(t, torch.Tensor):
+                        probe.note(t)
+        return out
+
+
+class _Replaying(TorchDispatchMode):
+    """A recomputation of that region: each kept kernel hands back its stored outputs
+    instead of running; every entry stays until the region's graph is freed, so a
+    backward run in parts (a pipeline schedule's input-gradient pass, then its
+    weight-gradient pass) can recompute the region again."""
+
+    def __init__(self, store: list):
+        self.store, self.next = store, 0
+
+    def __enter__(self):
+        self.next = 0
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in _UNCOUNTED or not _keeps(func):
+            return func(*args, **(kwargs or {}))
+        if self.next >= len(self.store) or self.store[self.next][0] != func:
+            raise RuntimeError(f"selective recomputation replayed {func} where forward ran "
+                               f"{self.store[self.next][0] if self.next < len(self.store) else 'nothing'}: the "
+                               "region's kept operations ran in a different order in backward")
+        out = self.store[self.next][1]
+        self.next += 1
+        return torch.utils._pytree.tree_map(_detached, out)
+
+
+# ops checkpointing itself may run a different number of times in forward and in recomputation
+_UNCOUNTED = frozenset({_aten.detach.default})
+
+
+def _detached(x):
+    """x as a new tensor on the same storage with no autograd history, made below the
+    autograd layer's view tracking (a view op's cached output is handed back as a fresh
+    output, not as a view of the stored one)."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+        return x.detach()
+
+
+def _replayable_contexts():
+    store: list = []
+    return _Keeping(store), _Replaying(store)
+
+
 class Region(nn.Module):
     """One recomputed layer: its graph module, run under non-reentrant checkpointing."""
 
-    def __init__(self, path: str, mode: str, graph_module: fx.GraphModule, streams):
+    def __init__(self, path: str, mode: str, graph_module: fx.GraphModule, streams, replays: bool = False):
         super().__init__()
-        self.path, self.mode = path, mode
+        self.path, self.mode, self.replays = path, mode, replays
         self.body = graph_module
         self.streams = streams
 
@@ -144,7 +210,8 @@ class Region(nn.Module):
         calls = self.streams.calls if self.streams is not None else 0
         if not torch.is_grad_enabled():
             return self._run(calls, *inputs)
-        extra = {"context_fn": _selective_contexts} if self.mode == "selective" else {}
+        contexts = _replayable_contexts if self.replays else _selective_contexts
+        extra = {"context_fn": contexts} if self.mode == "selective" else {}
         return checkpoint(self._run, calls, *inputs, use_reentrant=False, **extra)
 
 
@@ -153,10 +220,6 @@ def apply_recompute(gm: fx.GraphModule, plan, streams, pipelined: bool = False) 
     info = plan.recompute
     if info is None or not info.layers:
         return []
-    if pipelined and "selective" in info.layers.values():
-        raise CompileError("selective recomputation does not run under pipeline schedules yet (they run backward "
-                           "of a stage in parts, which the selective checkpoint policy refuses); recompute those "
-                           "layers in full instead")
     kept = set(info.kept)
 
     def make(path, mode, region_gm, nodes):
@@ -165,7 +228,7 @@ def apply_recompute(gm: fx.GraphModule, plan, streams, pipelined: bool = False) 
                 if name in kept and node.op == "call_function":
                     node.target = _kept(node.target, _kernels(node))
             region_gm.recompile()
-        return Region(path, mode, region_gm, streams)
+        return Region(path, mode, region_gm, streams, replays=pipelined)
     return outline_layers(gm, dict(info.layers), make)
 
 

@@ -191,7 +191,7 @@ def test_memory_report_has_one_shape(pool4):
     for report in flat + piped:
         assert set(report) == set(flat[0]) and set(report["measured"]) == set(flat[0]["measured"])
         predicted = report["predicted"]
-        assert set(predicted) - {"working"} == {"params", "grads", "optimizer", "activations", "total"}  # (pipelined plans have no working term yet)
+        assert set(predicted) == {"params", "grads", "optimizer", "activations", "working", "total"}
         assert sum(v for k, v in predicted.items() if k != "total") == pytest.approx(predicted["total"])
     for report in piped:
         assert report["measured"]["params"] == report["predicted"]["params"], report

@@ -7,6 +7,7 @@ import pytest
 from torch.distributed.tensor import Shard
 
 import autopar
+from autopar.mesh import parse_bytes
 from autopar.models import build
 from autopar.pipeline.search import _balanced_cuts
 
@@ -123,3 +124,25 @@ def test_search_builds_each_problem_once(monkeypatch, fixed):
     assert len(built) == len(set(built)), built
     if fixed is not None:
         assert plan.pipeline.pipelined and len(built) == 2   # the whole mesh and the one fixed candidate
+
+
+def test_tight_budget_recomputes_inside_the_stages():
+    """gpt2-1.5b with 16 layers at 4,096 tokens on 8 x 8 H100: under 5 GiB two stages keep
+    every activation; under 4.6 GiB they no longer fit and the search recomputes
+    selectively (the cheaper policy) rather than fully; under 4 GiB only full recomputation
+    fits.  Each is slower than the one before, and the plan carries the policy for every
+    layer."""
+    model, example = build("gpt2-1.5b", device="meta", batch=64, seq=4096, max_seq=4096, n_layers=16)
+    mesh = autopar.Mesh((8, 8), ("node", "gpu"), device="h100", bandwidth=(2.5e9, 450e9))
+    steps = []
+    for budget, mode in (("5GiB", None), ("4.6GiB", "selective"), ("4GiB", "full")):
+        plan = autopar.plan(model, mesh, example, compare=False, pipeline=True, memory_budget=budget)
+        pp = plan.pipeline
+        assert pp.pipelined and max(pp.memory) <= parse_bytes(budget, "budget")
+        if mode is None:
+            assert plan.recompute is None or not plan.recompute.layers
+        else:
+            assert set(plan.recompute.layers.values()) == {mode}, plan.recompute
+            assert len(plan.recompute.layers) == 16 and f"recomputed ({mode})" in pp.summary
+        steps.append(pp.step_s)
+    assert steps[0] < steps[1] < steps[2], steps

@@ -38,6 +38,7 @@ from ..batching import batch_size, first_microbatch
 from ..cost import local_numel
 from ..mesh import Mesh, parse_bytes
 from ..problem import VIEWS
+from ..recompute import MODES, ModeCosts, kept_by_selective, layer_paths
 from ..solution import Built, assemble, build_problem, solve_unbudgeted
 from ..solver import InfeasibleError
 from .simulate import simulate
@@ -58,6 +59,7 @@ class StageCost:
     grads: float         # ... of gradients
     optimizer: float     # ... and of optimizer states (with master weights)
     activations: float   # bytes kept for backward per microbatch
+    working: float = 0.0  # the most any one op needs beyond them while it runs (recompute.working_bytes)
 
     @property
     def states(self) -> float:
@@ -125,7 +127,8 @@ class PipelineChoice:
     rejected: dict = field(default_factory=dict)   # reason -> count
     layer_prefix: str = ""  # module path of the repeated layers ("blocks" for blocks.0, blocks.1, ...)
     layer_indices: tuple = ()  # their indices in order; stages count positions in this list
-    group_memory: tuple = ()   # per device group: {params, grads, optimizer, activations} bytes per device
+    group_memory: tuple = ()   # per device group: {params, grads, optimizer, activations, working} bytes per device
+    recompute: str = "none"    # what every repeated layer keeps for backward (autopar/recompute.py)
     built: Built | None = field(default=None, compare=False, repr=False)  # the problem of one stage's plan
 
     @property
@@ -141,15 +144,17 @@ class PipelineChoice:
                 f"{'x'.join(map(str, self.submesh))}; {self.schedule} with {self.n_microbatches} microbatches"
                 + (f", {self.n_virtual} virtual stages per group" if self.n_virtual > 1 else "")
                 + f"; step {self.step_s * 1e3:.1f} ms (no pipeline: {self.no_pipeline_s * 1e3:.1f} ms), "
-                f"bubble {self.bubble:.1%}, memory per device up to {max(self.memory) / 2**30:.2f} GiB")
+                f"bubble {self.bubble:.1%}, memory per device up to {max(self.memory) / 2**30:.2f} GiB"
+                + (f"; every layer recomputed ({self.recompute})" if self.recompute != "none" else ""))
 
 
 def search(model, mesh, example_inputs, example_kwargs=None, *, memory_budget=None, schedules=SCHEDULE_CHOICES,
            microbatches=None, time_limit: float = 60.0, fixed: Pipeline | None = None,
-           mixed_precision=None) -> PipelineChoice:
+           mixed_precision=None, recompute=None) -> PipelineChoice:
     """The fastest pipeline layout (or none) for `model` on `mesh`; see the module docstring.
     fixed: a Pipeline whose set fields the result must have (then never "no pipeline");
-    mixed_precision: an autopar.MixedPrecision the stages are costed under."""
+    mixed_precision: an autopar.MixedPrecision the stages are costed under; recompute: the
+    recomputation policy of every repeated layer (None: the fastest of MODES that fits)."""
     start = time.perf_counter()
     limit = parse_bytes(memory_budget, "memory_budget") if memory_budget is not None else mesh.device.memory
     batch = batch_size(example_inputs, example_kwargs)
@@ -157,6 +162,7 @@ def search(model, mesh, example_inputs, example_kwargs=None, *, memory_budget=No
     rejected: dict = {}
     cost_cache: dict = {}
     problems: dict = {}  # (sub-mesh shape, microbatch rows) -> Built, kept only for the best candidate so far
+    modes = MODES if recompute is None else (recompute,)
 
     def costs_for(sub_shape, mb_size):
         key = (sub_shape, mb_size)
@@ -164,7 +170,7 @@ def search(model, mesh, example_inputs, example_kwargs=None, *, memory_budget=No
             sub = Mesh(sub_shape, mesh.axis_names, device=mesh.device, bandwidth=mesh.bandwidth, latency=mesh.latency)
             args, kwargs = first_microbatch((tuple(example_inputs), example_kwargs), batch, mb_size)
             problems[key] = build_problem(model, sub, args, kwargs, mixed_precision)
-            cost_cache[key] = _layer_costs(problems[key], model, time_limit)
+            cost_cache[key] = _layer_costs(problems[key], model, time_limit, modes)
         return cost_cache[key]
 
     def keep_best_problem():
@@ -183,16 +189,19 @@ def search(model, mesh, example_inputs, example_kwargs=None, *, memory_budget=No
             microbatches = [fixed.microbatches]
     # no pipeline: the plain plan of the whole batch
     base = costs_for(mesh.shape, batch)
-    if base is not None:
-        layers, prefix, suffix, boundary, _, _ = base
-        step = sum(c.forward_s + c.backward_s + c.once_s for c in [prefix, *layers, suffix])
-        mem = sum(c.states + c.activations for c in [prefix, *layers, suffix])
-        parts = {k: sum(getattr(c, k) for c in [prefix, *layers, suffix])
-                 for k in ("params", "grads", "optimizer", "activations")}
-        none = PipelineChoice(None, 1, mesh.shape, ((0, len(layers)),), "none", 1, 1, step, 0.0, (step,), (mem,),
-                              group_memory=(parts,), built=problems.get((mesh.shape, batch)))
+    none = None
+    for mode, (layers, prefix, suffix) in (base[0].items() if base is not None else ()):
+        members = [prefix, *layers, suffix]
+        step = sum(c.forward_s + c.backward_s + c.once_s for c in members)
+        parts = {k: sum(getattr(c, k) for c in members) for k in ("params", "grads", "optimizer", "activations")}
+        parts["working"] = max(c.working for c in members)
+        mem = sum(parts.values())
+        plain = PipelineChoice(None, 1, mesh.shape, ((0, len(layers)),), "none", 1, 1, step, 0.0, (step,), (mem,),
+                               group_memory=(parts,), recompute=mode, built=problems.get((mesh.shape, batch)))
+        if none is None or (mem <= limit and (none.memory[0] > limit or step < none.step_s)):
+            none = plain   # the fastest plain layout that fits (else the first)
         if mem <= limit and fixed is None:
-            results.append(none)
+            results.append(plain)
     for axis, size in enumerate(mesh.shape):
         for p in (d for d in range(2, size + 1) if size % d == 0):
             if fixed is not None and not fixed.allows(mesh.axis_names[axis], p, None, None, None):
@@ -203,32 +212,35 @@ def search(model, mesh, example_inputs, example_kwargs=None, *, memory_budget=No
                 if got is None:
                     rejected["no plan fits a stage"] = rejected.get("no plan fits a stage", 0) + 1
                     continue
-                layers, prefix, suffix, boundary, names, copies = got
+                by_mode, boundary, names, copies = got
                 send = boundary / mesh.bandwidth[axis] + mesh.latency[axis]  # one activation (or gradient) across a cut
                 for schedule in schedules:
                     virtuals = (fixed.virtual,) if fixed is not None and fixed.virtual else (1, 2)
                     for v in (virtuals if schedule == "interleaved-1f1b" else (1,)):
                         n_stages = p * v
-                        if len(layers) < n_stages or (schedule == "interleaved-1f1b" and n_mb % p):
+                        if len(names[1]) < n_stages or (schedule == "interleaved-1f1b" and n_mb % p):
                             continue
                         if fixed is not None and not fixed.allows(mesh.axis_names[axis], p, schedule, n_mb, v):
                             continue
-                        choice = _evaluate(layers, prefix, suffix, copies, send, n_stages, p, v, schedule, n_mb,
-                                           limit, rejected)
-                        if choice is not None:
-                            results.append(_replace(_with_place(choice, mesh.axis_names[axis], p, sub_shape),
-                                                    layer_prefix=names[0], layer_indices=tuple(names[1]),
-                                                    built=problems.get((sub_shape, batch // n_mb))))
+                        for mode, (layers, prefix, suffix) in by_mode.items():
+                            choice = _evaluate(layers, prefix, suffix, copies, send, n_stages, p, v, schedule,
+                                               n_mb, limit, rejected)
+                            if choice is not None:
+                                results.append(_replace(_with_place(choice, mesh.axis_names[axis], p, sub_shape),
+                                                        layer_prefix=names[0], layer_indices=tuple(names[1]),
+                                                        recompute=mode,
+                                                        built=problems.get((sub_shape, batch // n_mb))))
+                                break   # (modes go from fastest to least memory: the first that fits wins)
                 keep_best_problem()
     if not results and fixed is not None:
         raise ValueError(f"no pipeline layout of {type(model).__name__} on {mesh} satisfies {fixed} within "
                          f"{limit / 2**30:.2f} GiB per device (rejected: {rejected or 'none'}); the model has "
-                         f"{len(base[0]) if base else '?'} repeated layers, the batch {batch} rows")
+                         f"{len(base[2][1]) if base else '?'} repeated layers, the batch {batch} rows")
     if not results:
         raise ValueError(f"no pipeline or plain layout of {type(model).__name__} fits {limit / 2**30:.2f} GiB "
                          f"per device on {mesh}")
     best = min(results, key=lambda c: (c.step_s, c.n_stages))
-    base_step = none.step_s if base is not None else float("inf")
+    base_step = none.step_s if none is not None else float("inf")
     seconds = time.perf_counter() - start
     best = _replace(best, candidates=len(results), seconds=seconds, no_pipeline_s=base_step, rejected=rejected)
     log.info("%s (searched %d layouts in %.2fs)", best, len(results), seconds)
@@ -249,7 +261,7 @@ def _evaluate(layers, prefix, suffix, copies, send, n_stages, p, v, schedule, n_
     units = [c.forward_s + c.backward_s for c in layers]
     cuts = _balanced_cuts(units, n_stages, units and (prefix.forward_s + prefix.backward_s),
                           suffix.forward_s + suffix.backward_s)
-    fwd, bwd, once, acts = [], [], [], []
+    fwd, bwd, once, acts, work = [], [], [], [], []
     held_states = {k: [] for k in ("params", "grads", "optimizer")}
     for s, (a, b) in enumerate(cuts):
         members = layers[a:b] + ([prefix] if s == 0 else []) + ([suffix, copies] if s == n_stages - 1 else [])
@@ -259,6 +271,7 @@ def _evaluate(layers, prefix, suffix, copies, send, n_stages, p, v, schedule, n_
         for k, kept in held_states.items():
             kept.append(sum(getattr(c, k) for c in members))
         acts.append(sum(c.activations for c in members))
+        work.append(max(c.working for c in members))
     ratio = sum(bwd) / max(sum(fwd), 1e-30)
     if v > 1:  # group g holds stages g, g + p, ...: its chunks' times add up
         group_f = [sum(fwd[g::p]) for g in range(p)]
@@ -271,6 +284,7 @@ def _evaluate(layers, prefix, suffix, copies, send, n_stages, p, v, schedule, n_
         mine = range(g, n_stages, p)
         parts = {k: sum(kept[s] for s in mine) for k, kept in held_states.items()}
         parts["activations"] = max(acts[s] for s in mine) * held
+        parts["working"] = max(work[s] for s in mine)
         group_memory.append(parts)
         memory.append(sum(parts.values()))
     if max(memory) > limit:
@@ -315,10 +329,13 @@ def _microbatch_counts(batch: int, p: int, wanted) -> list:
     return counts or ([p] if batch % p == 0 else [])
 
 
-def _layer_costs(built: Built, model, time_limit):
+def _layer_costs(built: Built, model, time_limit, modes=("none",)):
     """Plan the built problem (its choice is kept in `built.solved`) and split the plan's
-    costs per repeated layer: (layers, prefix, suffix, boundary bytes, (layer prefix,
-    indices), tied copies), or None when nothing fits."""
+    costs per repeated layer: ({mode: (layers, prefix, suffix)}, boundary bytes, (layer
+    prefix, indices), tied copies), or None when nothing fits.  Under a recompute mode
+    (every repeated layer alike) a layer keeps what recompute.ModeCosts says, its backward
+    runs again the forward of the ops it does not keep, and its working memory includes
+    what it makes again."""
     problem = built.problem
     mesh = problem.mesh
     try:
@@ -338,8 +355,9 @@ def _layer_costs(built: Built, model, time_limit):
             once[c.node] = once.get(c.node, 0.0) + c.seconds
     n_layers = len(indices)
     launch = mesh.device.launch_latency
-    buckets = {k: [0.0] * 7 for k in ["prefix", "suffix", "copies", *range(n_layers)]}
     position = {i: k for k, i in enumerate(sorted(indices))}
+    keys, forward = {}, {}   # node index -> its bucket; op -> the forward seconds it runs per microbatch
+    buckets = {k: [0.0] * 8 for k in ["prefix", "suffix", "copies", *range(n_layers)]}
     seen_layer = False
     for idx in sorted(nodes):
         pn = problem.nodes[idx]
@@ -352,29 +370,52 @@ def _layer_costs(built: Built, model, time_limit):
             key = "prefix" if _first_reader_before_layers(problem, pn, pattern) else "suffix"
         else:
             key = "suffix" if seen_layer else "prefix"
+        keys[idx] = key
         b = buckets[key]
         c = problem.choices[pn.rep][choice[idx]]
         total = n.compute_s + n.comm_s
         o = once.get(n.name, 0.0) + (once.get(n.module, 0.0) if pn.kind == "param" else 0.0)
         per_mb = max(total - o, 0.0)
         bwd_share = 2.0 / 3.0 if pn.requires_grad else 0.0
-        b[0] += per_mb * (1 - bwd_share)
+        f = per_mb * (1 - bwd_share)
         b[1] += per_mb * bwd_share
         if pn.kind == "op" and pn.op not in VIEWS:  # every pass of every microbatch launches its ops
-            b[0] += launch
+            f += launch
             b[1] += 2 * launch if pn.requires_grad else 0.0
+        b[0] += f
+        forward[idx] = f if pn.kind == "op" else 0.0
         b[2] += o
         b[3] += c.memory["params"]
         b[4] += c.memory["grads"]
         b[5] += c.memory["optimizer"]
         b[6] += c.memory["activations"]
+        b[7] = max(b[7], c.work if pn.kind == "op" else 0.0)
         if key == "prefix" and pn.kind == "param" and _read_after_layers(problem, pn, pattern):
             for k, kind in ((3, "params"), (4, "grads"), (5, "optimizer")):  # a tied head: the last
                 buckets["copies"][k] += c.memory[kind]                       # stage holds it too
     boundary = _boundary_bytes(problem, choice, position, pattern)
-    layers = [StageCost(*buckets[k]) for k in range(n_layers)]
-    return (layers, StageCost(*buckets["prefix"]), StageCost(*buckets["suffix"]), boundary,
-            (prefix_name, sorted(indices)), StageCost(*buckets["copies"]))
+    by_mode = {}
+    for mode in modes:
+        got = {k: list(b) for k, b in buckets.items()}
+        if mode != "none":
+            costs = ModeCosts(problem, {f"{prefix_name}.{i}": mode for i in indices})
+            layer = layer_paths(problem)
+            remade = costs.remade(problem, choice)
+            for b in got.values():
+                b[6] = 0.0
+            for idx, key in keys.items():
+                b = got[key]
+                kept = costs.keeps.get(idx)
+                b[6] += 0.0 if kept is None else float(kept[choice[idx]])
+                path = layer.get(idx)
+                if path in costs.modes and problem.nodes[idx].kind == "op":
+                    if not (mode == "selective" and kept_by_selective(problem, problem.nodes[idx])):
+                        b[1] += forward[idx]   # backward runs its forward again
+                    work = problem.choices[problem.nodes[idx].rep][choice[idx]].work
+                    b[7] = max(b[7], float(work + remade[path]))
+        by_mode[mode] = ([StageCost(*got[k]) for k in range(n_layers)], StageCost(*got["prefix"]),
+                         StageCost(*got["suffix"]))
+    return by_mode, boundary, (prefix_name, sorted(indices)), StageCost(*buckets["copies"])
 
 
 def _first_reader_before_layers(problem, pn, pattern) -> bool:
