@@ -93,26 +93,27 @@ class ModeCosts:
             elif mode == "selective" and n in kept:   # its outputs, and what else its kernel
                 pn = nodes[n]                            # returns (attention's log-sum-exp)
                 for j, shape in enumerate(pn.out_shapes):
-                    hold(n, ((n, j), "out", j, math.prod(shape) * pn.out_dtypes[j].itemsize))
+                    hold(n, ((n, j), "result", j, math.prod(shape) * pn.out_dtypes[j].itemsize))
                 for item in held:
                     if item[1] == "new":
                         hold(n, item)
+                    elif item[1] in ("in", "out"):   # under a strategy that communicates inside, the
+                        hold(n, (None, "own " + item[1], item[2], item[3]))   # op runs whole (Recompute.whole)
         for path, mode in self.modes.items():
             if mode == "none":
                 continue
-            seen = set()
             for pn in nodes:
                 if layer.get(pn.index) != path or pn.kind != "op":
                     continue
-                for src, o in pn.inputs:
-                    if layer.get(src) == path or nodes[src].kind != "op":
-                        continue   # (a region holds every input it reads, rotary tables and masks too)
-                    key = problem.storage_root(src, o)
-                    if key in seen or nodes[key[0]].kind != "op":
-                        continue
-                    seen.add(key)
+                for k, (src, o) in enumerate(pn.inputs):
+                    if layer.get(src) == path:
+                        continue   # (a region holds every input it reads, rotary tables and masks too,
+                    key = problem.storage_root(src, o)   # as its ops read them: after their moves)
                     root = nodes[key[0]]
-                    hold(src, (key, "out", o, math.prod(root.out_shapes[key[1]]) * root.out_dtypes[key[1]].itemsize))
+                    if root.kind != "op":
+                        hold(pn.index, (None, "leaf", k, 0.0))   # (counted only as a move's copy)
+                        continue
+                    hold(pn.index, (key, "in", k, math.prod(root.out_shapes[key[1]]) * root.out_dtypes[key[1]].itemsize))
         self.entries = entries
         self.activations: dict = {}
         keeps: dict = {}   # node index -> bytes it keeps under its layer's mode, per strategy
@@ -217,6 +218,8 @@ def recompute_record(problem, choice, predicted, forced):
     layer = layer_paths(problem)
     kept = tuple(pn.name for pn in problem.nodes
                  if modes.get(layer.get(pn.index)) == "selective" and kept_by_selective(problem, pn))
+    whole = tuple(pn.name for pn in problem.nodes if pn.name in kept
+                  and problem.nodes[pn.rep].strategies[choice[pn.index]].comm)
     keeping = problem.kept_bytes(choice, problem.saved_entries())
     added = ModeCosts(problem, modes).seconds(choice)
     note = ""
@@ -226,4 +229,4 @@ def recompute_record(problem, choice, predicted, forced):
                 "s x s tensors, so what it drops is the norms, activations, dropout masks and rotary tables)"
                 if fused else "selective recomputes the attention core (QK^T, softmax, dropout, x V) and the "
                               "cheap ops, keeping the projections' outputs")
-    return Recompute(modes, kept, float(keeping - predicted.memory["activations"]), added, forced, note)
+    return Recompute(modes, kept, float(keeping - predicted.memory["activations"]), added, forced, note, whole)

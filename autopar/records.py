@@ -211,7 +211,9 @@ class Recompute:
     weight, attention, experts); saved_bytes: activation bytes per device it saves against
     keeping everything; added_s: the seconds per step the forward run again costs; forced:
     the `recompute=` the plan was made with (None: chosen by the ILP); note: what selective
-    keeps of this model's attention."""
+    keeps of this model's attention; whole: the kept nodes that communicate inside (ring or
+    Ulysses attention, expert all-to-alls), which run outside the checkpointed regions so
+    that backward does not communicate again (they keep what autograd saves)."""
 
     layers: dict
     kept: tuple = ()
@@ -219,13 +221,14 @@ class Recompute:
     added_s: float = 0.0
     forced: str | None = None
     note: str = ""
+    whole: tuple = ()
 
     def to_dict(self) -> dict:
-        return dict(asdict(self), layers=dict(self.layers), kept=list(self.kept))
+        return dict(asdict(self), layers=dict(self.layers), kept=list(self.kept), whole=list(self.whole))
 
     @classmethod
     def from_dict(cls, d: dict) -> "Recompute":
-        return cls(**dict(d, layers=dict(d["layers"]), kept=tuple(d["kept"])))
+        return cls(**dict(d, layers=dict(d["layers"]), kept=tuple(d["kept"]), whole=tuple(d.get("whole", ()))))
 
 
 def format_seconds(seconds: float) -> str:

@@ -65,36 +65,53 @@ def vocab_parallel_embedding(weight, indices, vocab: int, weight_placements, axe
     return out * mine.unsqueeze(-1).to(out.dtype)
 
 
-class _SumOverAxis(torch.autograd.Function):
-    """y = sum over the axis of x (every rank gets it); the gradient of each x is the sum of
-    the gradients every rank's y received."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        y = x.clone()
-        dist.all_reduce(y, group=group)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-def _all_reduce(x, axes, groups):
-    """Differentiable all-reduce (sum) over several mesh axes."""
-    for a in axes:
-        x = _SumOverAxis.apply(x, groups.group(a))
-    return x
-
-
 def _all_reduce_nograd(x, axes, groups, op=dist.ReduceOp.SUM):
     x = x.clone()
     for a in axes:
         dist.all_reduce(x, op=op, group=groups.group(a))
     return x
+
+
+class _VocabParallelLoss(torch.autograd.Function):
+    """Per-row cross-entropy of logits whose classes are split over `groups` (this rank
+    holds classes [start, start + length)): the row max, the sum of exponentials and the
+    target's logit are all-reduced.  Backward keeps only the softmax of this rank's
+    classes, in the logits' dtype (what one device's log-softmax keeps), and the local
+    targets; the gradient of a row reaches every rank through one all-reduce, since only
+    one coordinate of a class axis carries the loss."""
+
+    @staticmethod
+    def forward(ctx, logits, target, start, length, ignore_index, groups):
+        x = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits.clone()
+        row_max = x.amax(dim=1, keepdim=True)
+        for g in groups:
+            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=g)
+        x -= row_max
+        mine = (target >= start) & (target < start + length)
+        local_t = torch.where(mine, target - start, torch.zeros_like(target))
+        picked = x.gather(1, local_t.unsqueeze(1)).squeeze(1) * mine.to(x.dtype)
+        x.exp_()
+        sum_exp = x.sum(dim=1)
+        for g in groups:
+            dist.all_reduce(sum_exp, group=g)
+            dist.all_reduce(picked, group=g)
+        valid = target != ignore_index
+        per_row = (sum_exp.log() - picked) * valid.to(x.dtype)
+        x /= sum_exp.unsqueeze(1)
+        ctx.save_for_backward(x.to(logits.dtype), local_t, mine, valid)
+        ctx.groups = groups
+        return per_row.to(logits.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local_t, mine, valid = ctx.saved_tensors
+        grad = grad * valid.to(grad.dtype)
+        for g in ctx.groups:
+            dist.all_reduce(grad, group=g)
+        out = softmax * grad.unsqueeze(1).to(softmax.dtype)
+        picked = (grad * mine.to(grad.dtype)).unsqueeze(1).to(out.dtype)
+        out.scatter_add_(1, local_t.unsqueeze(1), -picked)
+        return out, None, None, None, None, None
 
 
 def local_cross_entropy(logits, target, weight=None, reduction=1, ignore_index=-100, label_smoothing=0.0, *,
@@ -114,17 +131,8 @@ def local_cross_entropy(logits, target, weight=None, reduction=1, ignore_index=-
         if weight is not None or label_smoothing:
             raise NotImplementedError("vocabulary-parallel cross-entropy with class weights or label smoothing")
         start, length = shard_offset(classes, logits_placements, 1, groups)
-        x = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-        row_max = _all_reduce_nograd(x.detach().amax(dim=1, keepdim=True), class_axes, groups, dist.ReduceOp.MAX)
-        shifted = x - row_max
-        sum_exp = _all_reduce(shifted.exp().sum(dim=1), class_axes, groups)
-        mine = (target >= start) & (target < start + length)
-        local_t = torch.where(mine, target - start, torch.zeros_like(target))
-        picked = shifted.gather(1, local_t.unsqueeze(1)).squeeze(1) * mine.to(x.dtype)
-        picked = _all_reduce(picked, class_axes, groups)
-        per_row = sum_exp.log() - picked
-        per_row = per_row * (target != ignore_index).to(per_row.dtype)
-        per_row = per_row.to(logits.dtype)
+        per_row = _VocabParallelLoss.apply(logits, target, start, length, ignore_index,
+                                           [groups.group(a) for a in class_axes])
     if reduction == 0:
         out = per_row
     else:

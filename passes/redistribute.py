@@ -177,6 +177,8 @@ def reduce_scatter_dim(t: Tensor, dim: int, group, n: int, coord: int, axis: int
     _chunk(t, dim, n, coord, axis)  # divisibility check with a clear message
     inp = t.movedim(dim, 0).clone(memory_format=torch.contiguous_format)
     _, row = reduce_scatter_rows(inp.view(n, -1), group, coord, native)
+    if row.untyped_storage().data_ptr() == inp.untyped_storage().data_ptr():
+        row = row.clone()   # (emulated: keep this rank's part alone, as a reduce-scatter leaves it)
     return row.view((inp.size(0) // n,) + tuple(inp.shape[1:])).movedim(0, dim)
 
 

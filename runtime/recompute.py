@@ -229,7 +229,7 @@ def apply_recompute(gm: fx.GraphModule, plan, streams, pipelined: bool = False) 
                     node.target = _kept(node.target, _kernels(node))
             region_gm.recompile()
         return Region(path, mode, region_gm, streams, replays=pipelined)
-    return outline_layers(gm, dict(info.layers), make)
+    return outline_layers(gm, dict(info.layers), make, frozenset(info.whole))
 
 
 class SavedProbe:

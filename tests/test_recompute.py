@@ -36,15 +36,20 @@ def _plan(spec, layout=None, recompute=None, pipeline=False) -> dict:
 
 CASES = [(spec, layout, mode) for spec in (GPT, LLAMA) for layout in ("megatron-tp x dp", "zero3", "pipeline")
          for mode in ("selective", "full")]
+# selective around ring and Ulysses attention, which run outside the checkpointed regions
+CASES += [(spec, layout, "selective") for spec in (GPT, LLAMA) for layout in ("context-parallel x dp", "ulysses x dp")]
 
 
 @pytest.mark.parametrize("spec,layout,mode", CASES, ids=[f"{s[-1] if s[0] == 'hf-llama' else s[1]}-{l}-{m}"
                                                         for s, l, m in CASES])
 def test_recomputed_training_matches_one_device(pool4, spec, layout, mode):
-    """Forced selective and full recomputation with TP x DP on (2, 2), ZeRO-3 and 2 pipeline
-    stages: 3 AdamW steps equal the plain model's on one device (float32, rtol 1e-5)."""
+    """Forced selective and full recomputation with TP x DP on (2, 2), ZeRO-3, 2 pipeline
+    stages, and selective around ring and Ulysses attention: 3 AdamW steps equal the plain
+    model's on one device (float32, rtol 1e-5)."""
     plan = _plan(spec, None if layout == "pipeline" else layout, mode, layout == "pipeline")
-    assert Plan.from_dict(plan).recompute.layers, "nothing recomputed"
+    info = Plan.from_dict(plan).recompute
+    assert info.layers, "nothing recomputed"
+    assert bool(info.whole) == (layout in ("context-parallel x dp", "ulysses x dp")), info.whole
     result = pool4.run(train_and_compare, spec, plan)[0]
     assert result["ok"], result
     got = pool4.run(saved_bytes, spec, plan)
@@ -79,7 +84,7 @@ def test_dropout_masks_replayed(pool4, mode):
     assert plain.blocks[0].attn.dropout == 0.1
 
 
-LAYOUTS = ["data-parallel", "megatron-tp x dp", "megatron-sp x dp", "zero3"]
+LAYOUTS = ["data-parallel", "megatron-tp x dp", "megatron-sp x dp", "zero3", "context-parallel x dp", "ulysses x dp"]
 MEASURED = [(spec, mode) for spec in (GPT, LLAMA) for mode in ("none", "selective", "full")]
 
 
@@ -91,10 +96,7 @@ def test_predicted_activations_match_saved_bytes(pool4, spec, mode):
     hand-written layouts (ZeRO-3 with GPT's tied embedding included) with and without
     recomputation, selective included."""
     rows = []
-    # (hf-llama, full, megatron-sp) is 9 % over today (47,682 B predicted, 43,596 B measured):
-    # the rotary tables are split by sequence before the region reads them, and the plan
-    # charges the whole tables as the region's inputs
-    for layout in [x for x in LAYOUTS if (spec, mode, x) != (LLAMA, "full", "megatron-sp x dp")]:
+    for layout in LAYOUTS:
         plan = _plan(spec, layout, mode)
         for r in pool4.run(saved_bytes, spec, plan):
             rows.append((layout, r["measured"], r["predicted"]))
@@ -102,18 +104,20 @@ def test_predicted_activations_match_saved_bytes(pool4, spec, mode):
     assert not bad, bad
 
 
-def test_random_plans_activations_counted_in_their_layouts(pool4):
+@pytest.mark.parametrize("spec", [GPT, ("autopar", "llama-tiny", ())], ids=["gpt-tiny", "llama-tiny"])
+def test_random_plans_activations_counted_in_their_layouts(pool4, spec):
     """Random valid plans reshard tensors between ops, and the copies the moves make are
     what backward keeps: the plan counts activations storage by storage in the layouts it
-    chose (Problem.kept_bytes), within 15 % of the measurement on every rank (the gap left
-    is small per-row statistics and kept copies of resharded weights)."""
-    model, args, kwargs = build_case(GPT)
+    chose (Problem.kept_bytes: a move's new buffer, or the buffer a trailing slice of dim 0
+    is a view of), within 5 % of the measurement on every rank, for 5 random plans of
+    each model (10 in all)."""
+    model, args, kwargs = build_case(spec)
     plans = autopar.plan(model, _mesh(), args, example_kwargs=kwargs or None, random_seed=[0, 1, 2, 3, 4])
     rows = []
     for plan in plans:
-        for r in pool4.run(saved_bytes, GPT, plan.to_dict()):
+        for r in pool4.run(saved_bytes, spec, plan.to_dict()):
             rows.append((plan.origin, r["measured"], r["predicted"]))
-    bad = [r for r in rows if abs(r[2] - r[1]) > 0.15 * r[1]]
+    bad = [r for r in rows if abs(r[2] - r[1]) > 0.05 * r[1]]
     assert not bad, bad
 
 

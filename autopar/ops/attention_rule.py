@@ -118,3 +118,17 @@ def _variant(s: Strategy, a: int, n: int, kind: str, q_local, k_local, out_shape
         comm = (("all_to_all", a, 2 * (qe + 2 * ke + oe)),)
     name = (s.name + " " if s.name != "replicate" else "") + f"{axis_names[a]}={kind}"
     return Strategy(split, inputs, outputs, grads, s.factor * n, name, comm, reduced=s.reduced)
+
+
+def private_holdings(strategy: Strategy, causal: bool):
+    """Which of an attention op's kept tensors ("in", k) / ("out", 0) live in buffers of
+    its own under a sequence-split strategy, rather than in its operands or the output it
+    returns: Ulysses keeps the head-split copies of q, k, v and of its output; the causal
+    ring keeps q and its output in the zigzag order (k and v as given).  None: not a
+    sequence-split strategy (every kept tensor is its own, as for any op that
+    communicates inside)."""
+    if "ulysses" in strategy.split:
+        return frozenset({("in", 0), ("in", 1), ("in", 2), ("out", 0)})
+    if "ring" in strategy.split:
+        return frozenset({("in", 0), ("out", 0)}) if causal else frozenset()
+    return None

@@ -17,7 +17,8 @@ from torch.distributed.tensor import Replicate, Shard
 from .. import cost as C
 from ..mesh import Mesh
 from ..redistribution import plan_redistribute
-from ..ops import Strategy
+from ..ops import Strategy, op_arg
+from ..ops.attention_rule import private_holdings
 from ..trace import Traced
 from .graph import VIEWS, Choice, EdgeKey, PNode, add_gradient_sums, build_nodes
 from .layers import share_layers
@@ -97,11 +98,15 @@ class Problem:
         _, kind, index, nbytes = item
         if kind == "leaf":
             return 0.0
+        if kind.startswith("own "):   # kept by an op run whole when it communicates inside
+            if not s.comm:            # (recompute.ModeCosts, selective)
+                return 0.0
+            kind = kind[4:]
         if kind == "in":
             src, o = pn.inputs[index]
             shape = self.nodes[src].out_shapes[o]
             return nbytes * C.local_numel(shape, s.inputs[index], mesh.shape) / max(1, math.prod(shape))
-        if kind == "out":
+        if kind in ("out", "result"):   # (result: the op's output as it returns it)
             shape = pn.out_shapes[index]
             return nbytes * C.local_numel(shape, s.outputs[index], mesh.shape) / max(1, math.prod(shape))
         # a new tensor: split as the op's largest operand is
@@ -126,6 +131,17 @@ class Problem:
             pn = self.nodes[n]
             s = self.nodes[pn.rep].strategies[choice[n]]
             key, kind, index, _ = item
+            if kind.startswith("own ") and not s.comm:
+                continue
+            base = kind.removeprefix("own ")
+            if s.comm and base in ("in", "out") and self._private(pn, s, base, index):
+                # an op that communicates inside (Ulysses, the causal ring, expert all-to-alls)
+                # keeps what its inner kernel read and made: buffers of its own
+                storages[("own", n, base, index)] = self.held_bytes(pn, s, item)
+                continue
+            if base == "out":
+                key = (n, index)
+            kind = base
             if kind in ("in", "leaf"):
                 src, o = pn.inputs[index]
                 found = self._storage_as_read(src, o, tuple(s.inputs[index]), choice, (n, index))
@@ -136,6 +152,13 @@ class Problem:
             else:
                 storages[key] = self.held_bytes(pn, s, item)
         return total + sum(storages.values())
+
+    def _private(self, pn: PNode, s: Strategy, kind: str, index: int) -> bool:
+        """Whether op pn, communicating inside under s, keeps ("in"/"out", index) in a
+        buffer of its own (ops/attention_rule.private_holdings)."""
+        causal = pn.op == "autopar.window_attention" or bool(op_arg(pn.node, 5, "is_causal", False))
+        own = private_holdings(s, causal)
+        return own is None or (kind, index) in own
 
     def _storage_as_read(self, src: int, out: int, layout: tuple, choice: dict, reader: tuple):
         """(storage key, local bytes) of tensor src[out] as a reader gets it in `layout`;
@@ -150,7 +173,12 @@ class Problem:
             moves = [st for st in steps if st.is_collective]
             if a.kind == "param" and moves and all(st.kind == "all_gather" for st in moves):
                 return None   # a gathered weight is dropped after forward and gathered again
-            return ("moved",) + reader, C.local_numel(shape, layout, self.mesh.shape) * item
+            k = len(steps)
+            while k and steps[k - 1].kind == "chunk" and steps[k - 1].dim == 0:
+                k -= 1   # trailing slices of dim 0 are views of what the step before them made
+            if k < len(steps) and all(st.kind != "chunk" or st.dim == 0 for st in steps[:k]):
+                return ("moved", src, out, layout), steps[k].share * math.prod(shape) * item
+            return ("moved", src, out, layout), C.local_numel(shape, layout, self.mesh.shape) * item
         if a.kind != "op":
             return None
         if a.inputs and is_alias(a.node):
