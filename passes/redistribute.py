@@ -194,7 +194,9 @@ def redistribute_local(x: Tensor, src: Sequence[Placement], dst: Sequence[Placem
     dst = _normalize(dst, x.dim(), "dst")
     sizes = [groups.size(a) for a in range(len(src))]
     t, owned = x, False  # owned: t is a buffer of ours (not x, not a view of it)
+    made = False         # some step made a new buffer (t is it, or a slice of it)
     for step in plan_redistribute(src, dst, sizes):
+        made = made or step.kind != "chunk"
         a, d, n = step.axis, step.dim, sizes[step.axis]
         c = groups.coordinate(a)
         if step.kind == "all_gather":
@@ -216,6 +218,10 @@ def redistribute_local(x: Tensor, src: Sequence[Placement], dst: Sequence[Placem
                 t, owned = torch.zeros_like(t, memory_format=torch.contiguous_format), True
         else:  # pragma: no cover
             raise AssertionError(step)
+    if made and t.untyped_storage().nbytes() > t.numel() * t.element_size():
+        # a slice of a buffer a collective made: keep this rank's part alone, so that a
+        # reader saving it for backward does not hold the whole buffer
+        return t.clone(memory_format=torch.contiguous_format)
     return t.contiguous()
 
 

@@ -123,8 +123,9 @@ class Problem:
         """The activation bytes per device a solved choice keeps, storage by storage as the
         plan lays them out (the ILP's per-node shares are its linear estimate): a tensor
         read in its producer's layout is the producer's storage (aliases followed), read
-        through a move it is the move's new tensor (a slice of the leading dim stays a view
-        of its source), and a storage several ops keep counts once."""
+        through a move it is the move's new tensor of the reader's local size (a slice of
+        the leading dim alone stays a view of its source; a slice of a collective's buffer
+        is copied out by the runtime), and a storage several ops keep counts once."""
         storages: dict = {}
         total = 0.0
         for n, item in entries:
@@ -173,11 +174,6 @@ class Problem:
             moves = [st for st in steps if st.is_collective]
             if a.kind == "param" and moves and all(st.kind == "all_gather" for st in moves):
                 return None   # a gathered weight is dropped after forward and gathered again
-            k = len(steps)
-            while k and steps[k - 1].kind == "chunk" and steps[k - 1].dim == 0:
-                k -= 1   # trailing slices of dim 0 are views of what the step before them made
-            if k < len(steps) and all(st.kind != "chunk" or st.dim == 0 for st in steps[:k]):
-                return ("moved", src, out, layout), steps[k].share * math.prod(shape) * item
             return ("moved", src, out, layout), C.local_numel(shape, layout, self.mesh.shape) * item
         if a.kind != "op":
             return None
