@@ -2,14 +2,18 @@
 
 All times are seconds per training step on one device; all sizes are bytes per device.
 
-Collectives on an axis of n ranks with bandwidth B (bytes/s, one direction) and latency a:
+Collectives on an axis of n ranks with bandwidth B (bytes/s, one direction) and latency a,
+under the ring:
 
     all-gather      L + (n-1) a + (n-1)/n * out_bytes / B
     reduce-scatter  L + (n-1) a + (n-1)/n * in_bytes / B
-    all-reduce      L + 2(n-1) a + 2(n-1)/n * bytes / B   (ring: a reduce-scatter and an all-gather in one call)
+    all-reduce      L + 2(n-1) a + 2(n-1)/n * bytes / B   (a reduce-scatter and an all-gather in one call)
     all-to-all      L + (n-1) a + (n-1)/n * bytes / B
 
-L is the fixed cost of one collective call (launch and synchronisation).
+L is the fixed cost of one collective call (launch and synchronisation).  Where the
+device's library runs other algorithms too (DeviceSpec.algorithms: NCCL's double binary
+tree), each call is priced at the cheapest (autopar.collectives: the tree's logarithmic
+latency wins on small all-reduces and on many ranks).
 
 A redistribution costs exactly the steps the runtime runs: `autopar.redistribution`
 plans them (axis by axis, shrinking steps before growing ones, an all-to-all where a shard
@@ -21,9 +25,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from . import collectives
 from .mesh import Mesh
 from .redistribution import COLLECTIVES, layout_code, plan_rows
 
@@ -44,19 +50,18 @@ class CommStep:
     axis: int
     nbytes: float
     seconds: float
+    algorithm: str = "ring"
+
+
+def collective_choice(kind: str, nbytes: float, axis: int, mesh: Mesh) -> tuple:
+    """(algorithm, seconds) of one collective call on mesh axis `axis`: the cheapest of the
+    device's algorithms (autopar.collectives)."""
+    return collectives.choose(kind, nbytes, mesh.shape[axis], mesh.bandwidth[axis], mesh.latency[axis],
+                              mesh.device.launch_latency, mesh.device.algorithms)
 
 
 def collective_time(kind: str, nbytes: float, axis: int, mesh: Mesh) -> float:
-    n = mesh.shape[axis]
-    if n == 1 or nbytes == 0:
-        return 0.0
-    bw, lat, launch = mesh.bandwidth[axis], mesh.latency[axis], mesh.device.launch_latency
-    frac = (n - 1) / n
-    if kind == "all_reduce":
-        return launch + 2 * (n - 1) * lat + 2 * frac * nbytes / bw
-    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
-        return launch + (n - 1) * lat + frac * nbytes / bw
-    raise ValueError(f"unknown collective {kind!r}")
+    return collective_choice(kind, nbytes, axis, mesh)[1]
 
 
 def local_numel(shape, placements, mesh_shape) -> float:
@@ -79,31 +84,36 @@ def redistribute_codes(shape, itemsize: int, src: tuple, dst: tuple, mesh: Mesh)
     if src == dst:
         return ()
     whole = (math.prod(shape) if shape else 1) * itemsize
-    return tuple(CommStep(kind, a, whole * share, fixed + per_byte * whole)
-                 for kind, a, share, fixed, per_byte in _price_rows(src, dst, mesh))
+    priced = [_price_rows(src, dst, mesh, alg) for alg in mesh.device.algorithms]
+    k = min(range(len(priced)), key=lambda i: sum(f + b * whole for _, _, _, f, b in priced[i]))
+    return tuple(CommStep(kind, a, whole * share, fixed + per_byte * whole, mesh.device.algorithms[k])
+                 for kind, a, share, fixed, per_byte in priced[k])
 
 
-def redistribute_price(src: tuple, dst: tuple, mesh: Mesh) -> tuple[float, float, float, float]:
-    """`redistribute_codes` as a straight line in the tensor's bytes B > 0: seconds =
-    fixed + per_byte * B, and the same two numbers for its all-gathers alone (the ones a
-    parameter repeats in backward).  Lets a whole table of layout pairs be priced once and
-    scaled to every tensor size."""
-    fixed = per_byte = gather_fixed = gather_per_byte = 0.0
+def redistribute_price(src: tuple, dst: tuple, mesh: Mesh) -> np.ndarray:
+    """`redistribute_codes` as straight lines in the tensor's bytes B > 0, one per collective
+    algorithm of the device: [4, algorithms] of seconds = fixed + per_byte * B, and the same
+    two numbers for its all-gathers alone (the ones a parameter repeats in backward).  Lets
+    a whole table of layout pairs be priced once and scaled to every tensor size, where the
+    cheapest algorithm is taken."""
+    algorithms = mesh.device.algorithms
+    out = np.zeros((4, len(algorithms)))
     if src == dst:
-        return fixed, per_byte, gather_fixed, gather_per_byte
-    for kind, _, _, f, b in _price_rows(src, dst, mesh):
-        fixed += f
-        per_byte += b
-        if kind == "all_gather":
-            gather_fixed += f
-            gather_per_byte += b
-    return fixed, per_byte, gather_fixed, gather_per_byte
+        return out
+    for j, alg in enumerate(algorithms):
+        for kind, _, _, f, b in _price_rows(src, dst, mesh, alg):
+            out[0, j] += f
+            out[1, j] += b
+            if kind == "all_gather":
+                out[2, j] += f
+                out[3, j] += b
+    return out
 
 
-def _price_rows(src: tuple, dst: tuple, mesh: Mesh) -> list:
+def _price_rows(src: tuple, dst: tuple, mesh: Mesh, algorithm: str = "ring") -> list:
     """(kind, axis, share, fixed s, s per byte of the whole tensor) per collective of the
-    planned steps, share being the fraction of the whole tensor `collective_time` reads
-    (an all-gather's output, any other's input); the same formulas as `collective_time`.
+    planned steps under `algorithm`, share being the fraction of the whole tensor
+    `collective_time` reads (an all-gather's output, any other's input).
 
     An all-reduce over several axes is one call, priced as a hierarchical one and listed
     per axis, fastest axis first: that axis reduce-scatters and all-gathers the whole
@@ -117,15 +127,15 @@ def _price_rows(src: tuple, dst: tuple, mesh: Mesh) -> list:
             levels = sorted((a,) + span, key=lambda x: -mesh.bandwidth[x]) if span else (a,)
             first = launch
             for x in levels:
-                n = mesh.shape[x]
-                rows.append((kind, x, share, first + 2 * (n - 1) * mesh.latency[x],
-                             2 * (n - 1) / n * share / mesh.bandwidth[x]))
-                share, first = share / n, 0.0
+                f, b = collectives.line(kind, algorithm, mesh.shape[x], mesh.bandwidth[x], mesh.latency[x], first)
+                rows.append((kind, x, share, f, b * share))
+                share, first = share / mesh.shape[x], 0.0
             continue
         n = mesh.shape[a]  # > 1: the planner gives axes of size 1 no step
         if kind == "all_gather":
             share *= n
-        rows.append((kind, a, share, launch + (n - 1) * mesh.latency[a], (n - 1) / n * share / mesh.bandwidth[a]))
+        f, b = collectives.line(kind, algorithm, n, mesh.bandwidth[a], mesh.latency[a], launch)
+        rows.append((kind, a, share, f, b * share))
     return rows
 
 

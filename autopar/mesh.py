@@ -25,7 +25,9 @@ class DeviceSpec:
     synchronisation), so one all-reduce costs less than a reduce-scatter plus an all-gather.
     host_bandwidth: bytes/s between the device and host memory (offload);
     host_optimizer_rate: parameter elements per second the host's optimizer updates
-    (a vectorised CPU Adam) for this device.
+    (a vectorised CPU Adam) for this device.  algorithms: the collective algorithms its
+    communication library runs (autopar.collectives); the cost model takes the cheapest
+    per call.
     """
 
     name: str
@@ -40,6 +42,7 @@ class DeviceSpec:
     launch_latency: float = 5e-6
     host_bandwidth: float = 25e9
     host_optimizer_rate: float = 1e9
+    algorithms: tuple = ("ring",)
 
     def peak_flops(self, dtype: torch.dtype | str) -> float:
         name = str(dtype).replace("torch.", "")
@@ -48,6 +51,7 @@ class DeviceSpec:
 
 
 GiB = 1024**3
+NCCL = ("ring", "tree")   # NCCL's all-reduce algorithms (its tuner picks per call)
 
 PRESETS: dict[str, DeviceSpec] = {
     # H100 SXM: 989 TFLOP/s dense bf16, 67 TFLOP/s fp32 (no tensor cores), 3.35 TB/s HBM3,
@@ -55,12 +59,13 @@ PRESETS: dict[str, DeviceSpec] = {
     "h100": DeviceSpec("h100", (("float32", 67e12), ("tfloat32", 494e12), ("bfloat16", 989e12),
                                 ("float16", 989e12)),
                        mem_bandwidth=3.35e12, memory=80 * GiB, intra_bandwidth=450e9,
-                       inter_bandwidth=50e9, devices_per_node=8, host_bandwidth=55e9),
+                       inter_bandwidth=50e9, devices_per_node=8, host_bandwidth=55e9,
+                       algorithms=NCCL),
     # A100 SXM 80GB: 312 TFLOP/s bf16, 19.5 fp32, 2.04 TB/s, NVLink 3 at 300 GB/s, 200 Gb/s IB.
     "a100": DeviceSpec("a100", (("float32", 19.5e12), ("tfloat32", 156e12), ("bfloat16", 312e12),
                                 ("float16", 312e12)),
                        mem_bandwidth=2.04e12, memory=80 * GiB, intra_bandwidth=300e9,
-                       inter_bandwidth=25e9, devices_per_node=8),
+                       inter_bandwidth=25e9, devices_per_node=8, algorithms=NCCL),
     # A CPU rank (one process of a few cores) talking gloo over loopback.
     "cpu": DeviceSpec("cpu", (("float32", 1e11), ("bfloat16", 5e10), ("float16", 2e10)),
                       mem_bandwidth=2e10, memory=16 * GiB, intra_bandwidth=5e9,
@@ -232,12 +237,14 @@ class Mesh:
                            "intra_bandwidth": d.intra_bandwidth, "inter_bandwidth": d.inter_bandwidth,
                            "devices_per_node": d.devices_per_node, "intra_latency": d.intra_latency,
                            "inter_latency": d.inter_latency, "launch_latency": d.launch_latency,
-                           "host_bandwidth": d.host_bandwidth, "host_optimizer_rate": d.host_optimizer_rate}}
+                           "host_bandwidth": d.host_bandwidth, "host_optimizer_rate": d.host_optimizer_rate,
+                           "algorithms": list(d.algorithms)}}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Mesh":
         dev = dict(data["device"])
         dev["flops"] = tuple((str(k), float(v)) for k, v in dev["flops"])
+        dev["algorithms"] = tuple(dev.get("algorithms", ("ring",)))
         return cls(tuple(data["shape"]), tuple(data["axis_names"]), device=DeviceSpec(**dev),
                    bandwidth=tuple(data["bandwidth"]), latency=tuple(data["latency"]))
 

@@ -59,7 +59,8 @@ class NodeChoice:
 @dataclass(frozen=True)
 class Collective:
     """A collective the plan implies: `kind` on mesh `axes`, acting on `nbytes` per device,
-    carrying `tensor` into `node`, in the forward or backward pass."""
+    carrying `tensor` into `node`, in the forward or backward pass; `algorithm`: the one
+    the cost model priced it with (autopar.collectives)."""
 
     kind: str
     axes: tuple
@@ -68,6 +69,7 @@ class Collective:
     node: str
     tensor: str
     seconds: float
+    algorithm: str = "ring"
 
 
 @dataclass(frozen=True)

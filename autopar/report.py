@@ -121,12 +121,16 @@ def plan_text(plan) -> str:
     lines.append("collectives per step:")
     tally = Counter()
     vol = defaultdict(float)
+    algs = defaultdict(Counter)
     for c in plan.collectives:
         key = (c.phase, c.kind, "+".join(c.axes))
         tally[key] += 1
         vol[key] += c.nbytes
+        algs[key][c.algorithm] += 1
     for key in sorted(tally):
-        lines.append(f"  {key[0]:<9}{key[1]:<15} on {key[2]:<8}{tally[key]:>6} x, {format_bytes(vol[key])} total")
+        how = ", ".join(f"{n} {a}" for a, n in sorted(algs[key].items()))
+        lines.append(f"  {key[0]:<9}{key[1]:<15} on {key[2]:<8}{tally[key]:>6} x, {format_bytes(vol[key])} total"
+                     f" (priced as {how})")
     if not tally:
         lines.append("  none")
     lines.append("")

@@ -269,7 +269,7 @@ def assemble(problem: Problem, choice: dict):
             for st in problem.zero_gather_steps(pn, s):
                 comm[st.axis] += st.seconds
                 collectives.append(Collective("all_gather", (mesh.axis_names[st.axis],), st.nbytes, "step",
-                                              pn.param_name, pn.param_name, st.seconds))
+                                              pn.param_name, pn.param_name, st.seconds, st.algorithm))
         else:
             for a, t in enumerate(c.comm):
                 comm[a] += t
@@ -287,7 +287,7 @@ def assemble(problem: Problem, choice: dict):
                     comm[st.axis] += st.seconds
                     edge_comm += st.seconds
                     collectives.append(Collective(st.kind, (mesh.axis_names[st.axis],), st.nbytes, phase,
-                                                  pn.name, src.param_name or src.name, st.seconds))
+                                                  pn.name, src.param_name or src.name, st.seconds, st.algorithm))
         if pn.kind == "gradsum":
             src, out = pn.source
             grad_sums[f"{problem.nodes[src].name}:{out}"] = s.outputs[0]

@@ -394,37 +394,39 @@ class Problem:
         if whole == 0:
             return np.zeros((len(si), len(di)))
         rows, cols = self._layout_ids(su), self._layout_ids(du)
-        lines = self._prices(cols, rows).transpose(0, 2, 1) if reverse else self._prices(rows, cols)
+        lines = self._prices(cols, rows).transpose(0, 1, 3, 2) if reverse else self._prices(rows, cols)
         fixed, per_byte = (lines[2], lines[3]) if gathers else (lines[0], lines[1])
-        return (fixed + per_byte * whole)[np.ix_(si, di)]
+        return (fixed + per_byte * whole).min(axis=0)[np.ix_(si, di)]   # the cheapest algorithm
 
     def _layout_ids(self, codes) -> np.ndarray:
         ids = self._price_book["ids"]
         return np.array([ids.setdefault(c, len(ids)) for c in codes], dtype=int)
 
     def _prices(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
-        """[4, len(src), len(dst)]: redistribute_price between layouts by id, each computed once."""
+        """[4, algorithms, len(src), len(dst)]: redistribute_price between layouts by id, each
+        computed once."""
         book = self._price_book
         table = book["table"]
         size = len(book["ids"])
-        if size > table.shape[1]:  # grow, unknown prices NaN
-            grown = np.full((4, 2 * size, 2 * size), np.nan)
-            grown[:, :table.shape[1], :table.shape[2]] = table
+        if size > table.shape[2]:  # grow, unknown prices NaN
+            grown = np.full(table.shape[:2] + (2 * size, 2 * size), np.nan)
+            grown[:, :, :table.shape[2], :table.shape[3]] = table
             book["table"] = table = grown
-        sub = table[:, src[:, None], dst[None, :]]
-        missing = np.isnan(sub[0])
+        sub = table[:, :, src[:, None], dst[None, :]]
+        missing = np.isnan(sub[0, 0])
         if missing.any():
             code = list(book["ids"])
             for x, y in zip(*np.nonzero(missing)):
                 s, d = code[src[x]], code[dst[y]]
-                table[:, src[x], dst[y]] = 0.0 if s is None or d is None else C.redistribute_price(s, d, self.mesh)
-            sub = table[:, src[:, None], dst[None, :]]
+                table[:, :, src[x], dst[y]] = 0.0 if s is None or d is None else C.redistribute_price(s, d, self.mesh)
+            sub = table[:, :, src[:, None], dst[None, :]]
         return sub
 
     @functools.cached_property
     def _price_book(self) -> dict:
-        """Layout code -> id (None: no tensor, priced 0), and [4, id, id] redistribute_price."""
-        return {"ids": {}, "table": np.full((4, 0, 0), np.nan)}
+        """Layout code -> id (None: no tensor, priced 0), and [4, algorithms, id, id]
+        redistribute_price."""
+        return {"ids": {}, "table": np.full((4, len(self.mesh.device.algorithms), 0, 0), np.nan)}
 
     # --- queries ----------------------------------------------------------------------------
     def node_cost(self, rep: int) -> np.ndarray:
