@@ -13,7 +13,7 @@ from autopar.plan import Plan
 from autopar.recompute import layer_slots
 from autopar.solution import _solve_modes, build_problem, mode_assignments, solve_problem
 from rc_cases import losses_and_params, saved_bytes
-from rt_cases import build_case, train_and_compare
+from rt_cases import build_case, check_mixed_precision, mixed_precision_vs_reference, train_and_compare
 
 GPT = ("autopar", "gpt-tiny", ())
 LLAMA = ("hf-llama",)
@@ -82,6 +82,19 @@ def test_dropout_masks_replayed(pool4, mode):
             assert (x["params"][k] - y["params"][k]).abs().max() <= 1e-6, k
     plain = build_case(DROPOUT)[0]
     assert plain.blocks[0].attn.dropout == 0.1
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_recompute_under_mixed_precision_equals_one_device(pool4, mode):
+    """bf16 compute with float32 master weights (Megatron TP x DP on (2, 2)) and layers
+    recomputed: 3 AdamW steps equal one device under the same policy (losses within a few
+    bf16 roundings, master weights alike by the norm of their difference against the
+    change the steps made: rt_cases.check_mixed_precision)."""
+    model, args, kwargs = build_case(GPT)
+    plan = autopar.plan(model, _mesh(), args, compare=False, layout="megatron-tp x dp", recompute=mode,
+                        mixed_precision=autopar.MixedPrecision())
+    assert set(plan.recompute.layers.values()) == {mode}
+    check_mixed_precision(pool4.run(mixed_precision_vs_reference, GPT, plan.to_dict())[0])
 
 
 LAYOUTS = ["data-parallel", "megatron-tp x dp", "megatron-sp x dp", "zero3", "context-parallel x dp", "ulysses x dp"]
