@@ -3,6 +3,8 @@
     autopar models
     autopar plan --model gpt2-124m --mesh 2x4 --axes dp,tp --device h100 \\
                  [--budget 70GiB] [--batch N] [--seq N] [--set key=value ...] [--save plan.json]
+    torchrun --nproc_per_node 4 -m autopar calibrate --out profile.json [--mesh 2x2 --axes dp,tp]
+    autopar plan --model gpt2-124m --mesh 2x2 --device profile.json
 
 `plan` builds the model on the meta device (no weights exist, so any size plans on a
 laptop), plans it on the mesh and prints the plan.  Errors in what was asked for (an
@@ -17,10 +19,14 @@ import math
 import os
 import sys
 
+import torch
+import torch.distributed as dist
+
 import autopar
 
 from .mesh import parse_shape
 from .models import PRESETS, build, list_models
+from .runtime.calibrate import calibrate
 
 log = logging.getLogger("autopar")
 
@@ -95,6 +101,41 @@ def _cmd_models(args) -> int:
     return 0
 
 
+def _cmd_calibrate(args) -> int:
+    if "RANK" not in os.environ:
+        raise UsageError("calibrate measures the cluster from every rank: run it under torchrun, e.g. "
+                         "torchrun --nproc_per_node 4 -m autopar calibrate --out profile.json")
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    try:
+        shape = parse_mesh(args.mesh) if args.mesh else (dist.get_world_size(),)
+        axes = parse_axes(args.axes, shape) if args.mesh or args.axes else ("dp",)
+        try:
+            spec = calibrate(shape, axes, base=args.base, repeats=args.repeats, force=args.force, out=args.out)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        if dist.get_rank() == 0:
+            rates = ", ".join(f"{k} {v / 1e12:.3g} TFLOP/s" for k, v in spec.flops)
+            print(f"{spec.source}\n  compute: {rates}; memory {spec.mem_bandwidth / 1e9:.3g} GB/s; "
+                  f"op latency {spec.op_latency * 1e6:.1f} us")
+            for kind, where, bw, lat, launch in spec.links:
+                print(f"  {kind:<15}{where:<6}{bw / 1e9:9.3g} GB/s {lat * 1e6:9.1f} us/step {launch * 1e6:9.1f} us/call")
+            if args.out:
+                print(f"wrote {args.out}; plan with it: autopar plan --device {args.out} ...")
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def device_of(text: str):
+    """--device: a preset name, or a profile written by `autopar calibrate --out`."""
+    if text.endswith(".json") or os.path.sep in text:
+        try:
+            return autopar.DeviceSpec.load(text)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+    return text
+
+
 def _cmd_plan(args) -> int:
 
     if args.model not in list_models():
@@ -112,7 +153,7 @@ def _cmd_plan(args) -> int:
         except ValueError as exc:
             raise UsageError(str(exc)) from None
     try:
-        mesh = autopar.Mesh(shape, axes, device=args.device)
+        mesh = autopar.Mesh(shape, axes, device=device_of(args.device))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     try:
@@ -152,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="preset name (see `autopar models`)")
     p.add_argument("--mesh", required=True, help="axis sizes joined by 'x', outermost first: 8x8, 64, 2x4")
     p.add_argument("--axes", help="comma-separated axis names, one per mesh axis (default dp / dp,tp)")
-    p.add_argument("--device", default="h100", help="device preset: h100, a100, cpu (default h100)")
+    p.add_argument("--device", default="h100",
+                   help="device preset (h100, a100, cpu; default h100) or a profile from `autopar calibrate`")
     p.add_argument("--budget", help="memory per device, e.g. 70GiB (default: the device's memory)")
     p.add_argument("--batch", type=int, help="global batch of the example inputs")
     p.add_argument("--seq", type=int, help="sequence length of the example inputs")
@@ -161,6 +203,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-compare", action="store_true", help="do not cost the hand-written layouts")
     p.add_argument("--save", metavar="PATH", help="write the plan as JSON (autopar.Plan.load reads it)")
     p.set_defaults(func=_cmd_plan)
+
+    p = sub.add_parser("calibrate", help="measure this cluster's compute and collectives (under torchrun)",
+                       description="Measure matmul and memory rates and each collective per mesh axis on every "
+                                   "rank, fit the cost model and write a device profile.  Run under torchrun.")
+    p.add_argument("--out", metavar="PATH", help="write the profile here (JSON; autopar.DeviceSpec.load reads it)")
+    p.add_argument("--mesh", help="the mesh to measure axis by axis, e.g. 2x4 (default: one axis over every rank)")
+    p.add_argument("--axes", help="comma-separated axis names, one per mesh axis")
+    p.add_argument("--base", choices=sorted(autopar.mesh.PRESETS),
+                   help="preset whose unmeasured numbers are kept (default h100 on GPUs, cpu otherwise)")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (default 5)")
+    p.add_argument("--force", action="store_true", help="measure again even if this cluster is cached")
+    p.set_defaults(func=_cmd_calibrate)
     return parser
 
 

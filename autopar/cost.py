@@ -23,7 +23,7 @@ bytes a rank holds when it runs.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -51,13 +51,46 @@ class CommStep:
     nbytes: float
     seconds: float
     algorithm: str = "ring"
+    fixed: float = 0.0   # the part of `seconds` that does not grow with the bytes
+
+
+def bucketed(steps: tuple, nbytes: float, kinds: tuple) -> tuple:
+    """`steps` of a parameter's gradient or weight as the runtime runs them, in buckets: the
+    steps of `kinds` (a gradient's all-reduces, a ZeRO-2 gradient's reduce-scatters, the
+    all-gathers of ZeRO-1/2 weights after the step) pay `bucket_share` of their fixed cost."""
+    cut = 1.0 - bucket_share(nbytes)
+    return tuple(replace(st, seconds=st.seconds - st.fixed * cut) if st.kind in kinds else st for st in steps)
+
+
+def axis_link(kind: str, axis: int, mesh: Mesh) -> tuple:
+    """(bandwidth, latency, launch) of one `kind` call on mesh axis `axis`.  A calibrated
+    device (DeviceSpec.links) has its own line per collective kind and link class (gloo's
+    reduce-scatter is an all-reduce underneath: its measured bandwidth shows it); a mesh
+    given its own per-axis bandwidth or latency scales the measured ones alike."""
+    dev = mesh.device
+    inside = mesh.inside[axis]
+    found = dev.link(kind, inside)
+    if found is None:
+        return mesh.bandwidth[axis], mesh.latency[axis], dev.launch_latency
+    bandwidth, latency, launch = found
+    base_bw = dev.intra_bandwidth if inside else dev.inter_bandwidth
+    base_lat = dev.intra_latency if inside else dev.inter_latency
+    bandwidth *= mesh.bandwidth[axis] / base_bw
+    latency *= mesh.latency[axis] / base_lat if base_lat else 1.0
+    return bandwidth, latency, launch
+
+
+def send_time(nbytes: float, axis: int, mesh: Mesh) -> float:
+    """One point-to-point send of `nbytes` between neighbours on `axis` (a pipeline cut)."""
+    bandwidth, latency, launch = axis_link("send", axis, mesh)
+    return launch + latency + nbytes / bandwidth
 
 
 def collective_choice(kind: str, nbytes: float, axis: int, mesh: Mesh) -> tuple:
     """(algorithm, seconds) of one collective call on mesh axis `axis`: the cheapest of the
     device's algorithms (autopar.collectives)."""
-    return collectives.choose(kind, nbytes, mesh.shape[axis], mesh.bandwidth[axis], mesh.latency[axis],
-                              mesh.device.launch_latency, mesh.device.algorithms)
+    bandwidth, latency, launch = axis_link(kind, axis, mesh)
+    return collectives.choose(kind, nbytes, mesh.shape[axis], bandwidth, latency, launch, mesh.device.algorithms)
 
 
 def collective_time(kind: str, nbytes: float, axis: int, mesh: Mesh) -> float:
@@ -86,18 +119,24 @@ def redistribute_codes(shape, itemsize: int, src: tuple, dst: tuple, mesh: Mesh)
     whole = (math.prod(shape) if shape else 1) * itemsize
     priced = [_price_rows(src, dst, mesh, alg) for alg in mesh.device.algorithms]
     k = min(range(len(priced)), key=lambda i: sum(f + b * whole for _, _, _, f, b in priced[i]))
-    return tuple(CommStep(kind, a, whole * share, fixed + per_byte * whole, mesh.device.algorithms[k])
+    return tuple(CommStep(kind, a, whole * share, fixed + per_byte * whole, mesh.device.algorithms[k], fixed)
                  for kind, a, share, fixed, per_byte in priced[k])
+
+
+PRICE_ROWS = 6   # redistribute_price: total, all-gathers, and the fixed costs of the reductions
+BUCKET_BYTES = 25 * 2**20   # the runtime's gradient buckets (autopar.compile's bucket_mb default)
 
 
 def redistribute_price(src: tuple, dst: tuple, mesh: Mesh) -> np.ndarray:
     """`redistribute_codes` as straight lines in the tensor's bytes B > 0, one per collective
-    algorithm of the device: [4, algorithms] of seconds = fixed + per_byte * B, and the same
-    two numbers for its all-gathers alone (the ones a parameter repeats in backward).  Lets
-    a whole table of layout pairs be priced once and scaled to every tensor size, where the
-    cheapest algorithm is taken."""
+    algorithm of the device: [6, algorithms]: seconds = fixed + per_byte * B (rows 0, 1);
+    the same two numbers for its all-gathers alone (rows 2, 3: the ones a parameter repeats
+    in backward); the fixed seconds of its all-reduces (row 4) and of its reduce-scatters
+    (row 5), which a parameter's gradient shares with the rest of its bucket
+    (`bucket_discount`).  Lets a whole table of layout pairs be priced once and scaled to
+    every tensor size, where the cheapest algorithm is taken."""
     algorithms = mesh.device.algorithms
-    out = np.zeros((4, len(algorithms)))
+    out = np.zeros((PRICE_ROWS, len(algorithms)))
     if src == dst:
         return out
     for j, alg in enumerate(algorithms):
@@ -107,7 +146,19 @@ def redistribute_price(src: tuple, dst: tuple, mesh: Mesh) -> np.ndarray:
             if kind == "all_gather":
                 out[2, j] += f
                 out[3, j] += b
+            elif kind == "all_reduce":
+                out[4, j] += f
+            elif kind == "reduce_scatter":
+                out[5, j] += f
     return out
+
+
+def bucket_share(nbytes: float) -> float:
+    """The share of one collective call's fixed cost a parameter gradient of `nbytes` pays:
+    the runtime joins gradients into buckets of BUCKET_BYTES (runtime/grad_sync.py) and
+    reduces each bucket in one call, so a gradient pays its bytes' share of that call's
+    launch and latency."""
+    return min(1.0, nbytes / BUCKET_BYTES)
 
 
 def _price_rows(src: tuple, dst: tuple, mesh: Mesh, algorithm: str = "ring") -> list:
@@ -118,23 +169,24 @@ def _price_rows(src: tuple, dst: tuple, mesh: Mesh, algorithm: str = "ring") -> 
     An all-reduce over several axes is one call, priced as a hierarchical one and listed
     per axis, fastest axis first: that axis reduce-scatters and all-gathers the whole
     local tensor, the next one all-reduces the 1/n left, and so on; one launch in all."""
-    launch = mesh.device.launch_latency
     rows = []
     for kind, a, _, _, share, span in plan_rows(src, dst, mesh.shape):
         if kind not in COLLECTIVES:
             continue
         if kind == "all_reduce":
-            levels = sorted((a,) + span, key=lambda x: -mesh.bandwidth[x]) if span else (a,)
-            first = launch
+            levels = sorted((a,) + span, key=lambda x: -axis_link(kind, x, mesh)[0]) if span else (a,)
+            first = True
             for x in levels:
-                f, b = collectives.line(kind, algorithm, mesh.shape[x], mesh.bandwidth[x], mesh.latency[x], first)
+                bandwidth, latency, launch = axis_link(kind, x, mesh)
+                f, b = collectives.line(kind, algorithm, mesh.shape[x], bandwidth, latency, launch if first else 0.0)
                 rows.append((kind, x, share, f, b * share))
-                share, first = share / mesh.shape[x], 0.0
+                share, first = share / mesh.shape[x], False
             continue
         n = mesh.shape[a]  # > 1: the planner gives axes of size 1 no step
         if kind == "all_gather":
             share *= n
-        f, b = collectives.line(kind, algorithm, n, mesh.bandwidth[a], mesh.latency[a], launch)
+        bandwidth, latency, launch = axis_link(kind, a, mesh)
+        f, b = collectives.line(kind, algorithm, n, bandwidth, latency, launch)
         rows.append((kind, a, share, f, b * share))
     return rows
 
@@ -144,9 +196,30 @@ def grad_target(placement):
     return Replicate() if isinstance(placement, Partial) else placement
 
 
-def roofline(flops: float, nbytes: float, dtype: torch.dtype, mesh: Mesh) -> float:
+def roofline(flops: float, nbytes: float, dtype: torch.dtype, mesh: Mesh, kernels: int = 1) -> float:
+    """Seconds of `kernels` kernels doing `flops` and moving `nbytes` in all: the slower of
+    the device's FLOP rate and memory bandwidth, with each kernel's launch (op_latency)
+    hidden behind the work when the host runs ahead of the device, added when it does not."""
     dev = mesh.device
-    return max(flops / dev.peak_flops(dtype), nbytes / dev.mem_bandwidth)
+    work = max(flops / dev.peak_flops(dtype), nbytes / dev.mem_bandwidth)
+    launch = kernels * dev.op_latency
+    return max(work, launch) if dev.asynchronous else work + launch
+
+
+def optimizer_seconds(elements: float, param_itemsize: int, mixed_precision: bool, mesh: Mesh) -> float:
+    """Adam's step over one parameter's `elements`: memory-bound, it reads the gradient and
+    reads and writes the weight and both moments (and the float32 master weight under
+    mixed precision).  On a GPU torch's multi-tensor Adam updates every parameter in a few
+    launches, so no launch is charged per parameter; a CPU rank runs the for-loop Adam,
+    about ten eager ops per parameter.  A calibrated device has the step measured."""
+    if not elements:
+        return 0.0
+    if mesh.device.optimizer:   # measured (autopar calibrate)
+        per_param, per_element = mesh.device.optimizer
+        return per_param + per_element * elements
+    state = state_bytes(param_itemsize, mixed_precision)
+    nbytes = elements * (3 * param_itemsize + 2 * state)
+    return roofline(0.0, nbytes, torch.float32, mesh, kernels=0 if mesh.device.asynchronous else 10)
 
 
 @dataclass(frozen=True)

@@ -5,19 +5,22 @@ the runtime turns it into a torch `DeviceMesh` of the same shape and axis names.
 """
 from __future__ import annotations
 
+import json
 import math
 import numbers
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import torch
 
 
 @dataclass(frozen=True)
 class DeviceSpec:
-    """Peak speeds of one device and of the links around it.
+    """Speeds of one device and of the links around it: what kernels and collectives
+    achieve (the presets: datasheet peaks times measured efficiencies; `autopar
+    calibrate`: measured on the machine), not datasheet peaks.
 
-    flops: peak FLOP/s per dtype name ("float32", "bfloat16", "float16").
+    flops: FLOP/s per dtype name ("float32", "bfloat16", "float16").
     mem_bandwidth: device memory bytes/s.  memory: device memory bytes.
     intra_bandwidth / inter_bandwidth: bytes/s per device, one direction, inside a node
     (NVLink class) and between nodes (network).  intra/inter_latency: seconds per step of a
@@ -28,6 +31,18 @@ class DeviceSpec:
     (a vectorised CPU Adam) for this device.  algorithms: the collective algorithms its
     communication library runs (autopar.collectives); the cost model takes the cheapest
     per call.
+
+    op_latency: seconds one op costs however small (kernel launch, or eager dispatch on a
+    CPU).  asynchronous: whether the host issues ops ahead of the device (CUDA streams):
+    then an op takes max(op_latency, its roofline), the launch hidden behind longer ops;
+    otherwise (a CPU rank running eagerly) op_latency + its roofline.
+    links: measured collective lines (`autopar calibrate`), one entry per collective kind
+    ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send") and link ("intra":
+    inside a node, "inter": across): (kind, link, bandwidth, latency, launch), each read
+    with the ring formulas of autopar.collectives.  A kind or link not listed uses the
+    bandwidths and latencies above.  optimizer: measured AdamW step (seconds per
+    parameter tensor, seconds per element); empty: priced as memory traffic
+    (cost.optimizer_seconds).  source: where the numbers come from.
     """
 
     name: str
@@ -43,6 +58,62 @@ class DeviceSpec:
     host_bandwidth: float = 25e9
     host_optimizer_rate: float = 1e9
     algorithms: tuple = ("ring",)
+    op_latency: float = 0.0
+    asynchronous: bool = True
+    links: tuple = ()
+    source: str = ""
+    optimizer: tuple = ()
+
+    def link(self, kind: str, inside: bool) -> tuple | None:
+        """(bandwidth, latency, launch) measured for `kind` on the link class, or None."""
+        want = "intra" if inside else "inter"
+        for k, where, bandwidth, latency, launch in self.links:
+            if k == kind and where == want:
+                return bandwidth, latency, launch
+        return None
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["flops"] = [list(f) for f in self.flops]
+        d["algorithms"] = list(self.algorithms)
+        d["links"] = [list(x) for x in self.links]
+        d["optimizer"] = list(self.optimizer)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "DeviceSpec":
+        """The inverse of to_dict; fields a file lacks take their defaults, unknown ones are an error."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"device description has unknown fields {unknown}; known fields are {sorted(known)}")
+        d = dict(data)
+        d["flops"] = tuple((str(k), float(v)) for k, v in d["flops"])
+        d["algorithms"] = tuple(d.get("algorithms", ("ring",)))
+        d["links"] = tuple((str(k), str(w), float(b), float(lat), float(ln)) for k, w, b, lat, ln in d.get("links", ()))
+        d["optimizer"] = tuple(float(x) for x in d.get("optimizer", ()))
+        return cls(**d)
+
+    def save(self, path) -> None:
+        with open(path, "w") as f:
+            json.dump({"device": self.to_dict()}, f, indent=1)
+
+    @classmethod
+    def load(cls, path) -> "DeviceSpec":
+        """A device written by `save` or by `autopar calibrate --out` (its "device" entry)."""
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except OSError as exc:
+            raise ValueError(f"cannot read device profile {path}: {exc.strerror}; write one with "
+                             f"`torchrun --nproc_per_node N -m autopar calibrate --out {path}`") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"device profile {path} is not JSON ({exc}); it should be what "
+                             f"`autopar calibrate --out` wrote") from None
+        if not isinstance(data, dict) or "device" not in data:
+            raise ValueError(f"device profile {path} has no 'device' entry; it should be what "
+                             f"`autopar calibrate --out` wrote")
+        return cls.from_dict(data["device"])
 
     def peak_flops(self, dtype: torch.dtype | str) -> float:
         name = str(dtype).replace("torch.", "")
@@ -53,24 +124,48 @@ class DeviceSpec:
 GiB = 1024**3
 NCCL = ("ring", "tree")   # NCCL's all-reduce algorithms (its tuner picks per call)
 
+# Efficiency of the GPU presets: what training kernels reach, not the datasheet's peak.
+# Large bf16 GEMMs in cuBLAS sustain about three quarters of an SXM part's dense peak under
+# its power limit; STREAM-style copies reach about 90 % of HBM bandwidth (about 3.0 of
+# 3.35 TB/s on H100); NCCL's all-reduce reaches about 80 % of NVLink's per-direction rate
+# as bus bandwidth and about 90 % of an InfiniBand NIC's line rate.  These fractions are
+# estimates from published benchmark reports (nccl-tests, cuBLAS GEMM sweeps), not our
+# measurements: `autopar calibrate` on the machine replaces them (docs/COST_MODEL.md).
+GEMM, HBM, NVLINK, NETWORK = 0.75, 0.90, 0.80, 0.90
+USABLE = 79 * GiB   # 80 GB parts show CUDA about 79.6 GiB; the CUDA context takes about 0.5 GiB
+LAUNCH = 4e-6       # seconds per kernel launch through PyTorch's eager dispatch
+
+
+def _achievable(peaks: dict) -> tuple:
+    return tuple((name, GEMM * flops) for name, flops in peaks.items())
+
+
 PRESETS: dict[str, DeviceSpec] = {
-    # H100 SXM: 989 TFLOP/s dense bf16, 67 TFLOP/s fp32 (no tensor cores), 3.35 TB/s HBM3,
-    # NVLink 4 at 450 GB/s per direction, 400 Gb/s InfiniBand per GPU.
-    "h100": DeviceSpec("h100", (("float32", 67e12), ("tfloat32", 494e12), ("bfloat16", 989e12),
-                                ("float16", 989e12)),
-                       mem_bandwidth=3.35e12, memory=80 * GiB, intra_bandwidth=450e9,
-                       inter_bandwidth=50e9, devices_per_node=8, host_bandwidth=55e9,
-                       algorithms=NCCL),
-    # A100 SXM 80GB: 312 TFLOP/s bf16, 19.5 fp32, 2.04 TB/s, NVLink 3 at 300 GB/s, 200 Gb/s IB.
-    "a100": DeviceSpec("a100", (("float32", 19.5e12), ("tfloat32", 156e12), ("bfloat16", 312e12),
-                                ("float16", 312e12)),
-                       mem_bandwidth=2.04e12, memory=80 * GiB, intra_bandwidth=300e9,
-                       inter_bandwidth=25e9, devices_per_node=8, algorithms=NCCL),
-    # A CPU rank (one process of a few cores) talking gloo over loopback.
-    "cpu": DeviceSpec("cpu", (("float32", 1e11), ("bfloat16", 5e10), ("float16", 2e10)),
-                      mem_bandwidth=2e10, memory=16 * GiB, intra_bandwidth=5e9,
-                      inter_bandwidth=1e9, devices_per_node=8, intra_latency=2e-5,
-                      inter_latency=1e-4, launch_latency=5e-5, host_bandwidth=2e10),
+    # H100 SXM (datasheet): 989 TFLOP/s dense bf16, 67 TFLOP/s fp32 (no tensor cores),
+    # 494 tf32, 3.35 TB/s HBM3, NVLink 4 at 450 GB/s per direction, 400 Gb/s InfiniBand
+    # (50 GB/s) per GPU; each times the efficiency above.
+    "h100": DeviceSpec("h100", _achievable({"float32": 67e12, "tfloat32": 494e12, "bfloat16": 989e12,
+                                            "float16": 989e12}),
+                       mem_bandwidth=HBM * 3.35e12, memory=USABLE, intra_bandwidth=NVLINK * 450e9,
+                       inter_bandwidth=NETWORK * 50e9, devices_per_node=8, host_bandwidth=55e9,
+                       algorithms=NCCL, op_latency=LAUNCH,
+                       source="H100 SXM datasheet peaks times typical efficiencies (autopar.mesh.GEMM ...)"),
+    # A100 SXM 80GB (datasheet): 312 TFLOP/s bf16, 19.5 fp32, 156 tf32, 2.04 TB/s, NVLink 3
+    # at 300 GB/s, 200 Gb/s InfiniBand (25 GB/s); each times the efficiency above.
+    "a100": DeviceSpec("a100", _achievable({"float32": 19.5e12, "tfloat32": 156e12, "bfloat16": 312e12,
+                                            "float16": 312e12}),
+                       mem_bandwidth=HBM * 2.04e12, memory=USABLE, intra_bandwidth=NVLINK * 300e9,
+                       inter_bandwidth=NETWORK * 25e9, devices_per_node=8, algorithms=NCCL, op_latency=LAUNCH,
+                       source="A100 SXM datasheet peaks times typical efficiencies (autopar.mesh.GEMM ...)"),
+    # A CPU rank (one process of a few cores) talking gloo over loopback: the numbers
+    # `autopar calibrate` measured for 4 ranks sharing 2 cores of this project's CI machine
+    # (one intra-op thread each), rounded.  Ops run eagerly: launch added to each op.
+    "cpu": DeviceSpec("cpu", (("float32", 4e10), ("bfloat16", 4e10), ("float16", 2e10)),
+                      mem_bandwidth=1e10, memory=16 * GiB, intra_bandwidth=1e9,
+                      inter_bandwidth=1e9, devices_per_node=8, intra_latency=1e-4,
+                      inter_latency=1e-4, launch_latency=2e-4, host_bandwidth=1e10,
+                      op_latency=1e-5, asynchronous=False,
+                      source="autopar calibrate on 4 gloo ranks sharing 2 CPU cores, rounded"),
 }
 
 
@@ -165,6 +260,8 @@ class Mesh:
                  latency=None, devices_per_node: int | None = None, memory=None):
         shape = parse_shape(shape)
         axis_names = parse_axis_names(axis_names, shape)
+        if isinstance(device, str) and device.endswith(".json"):
+            device = DeviceSpec.load(device)
         if isinstance(device, str):
             if device not in PRESETS:
                 raise ValueError(f"unknown device {device!r}; presets are {sorted(PRESETS)} "
@@ -176,7 +273,7 @@ class Mesh:
             device = replace(device, devices_per_node=int(devices_per_node))
         if memory is not None:
             device = replace(device, memory=parse_bytes(memory, "mesh memory"))
-        inside = self._inside_node(shape, device.devices_per_node)
+        inside = self.inside_node(shape, device.devices_per_node)
         default_bw = tuple(device.intra_bandwidth if i else device.inter_bandwidth for i in inside)
         default_lat = tuple(device.intra_latency if i else device.inter_latency for i in inside)
         bandwidth = default_bw if bandwidth is None else self._per_axis(bandwidth, axis_names, "bandwidth")
@@ -188,7 +285,7 @@ class Mesh:
         object.__setattr__(self, "latency", tuple(float(x) for x in latency))
 
     @staticmethod
-    def _inside_node(shape, per_node) -> tuple[bool, ...]:
+    def inside_node(shape, per_node) -> tuple[bool, ...]:
         """Axis i lies inside a node when the product of it and all inner axes fits in a node."""
         inside, span = [], 1
         for size in reversed(shape):
@@ -228,24 +325,19 @@ class Mesh:
         except ValueError:
             raise ValueError(f"mesh has no axis {name_or_index!r}; axes are {self.axis_names}") from None
 
+    @property
+    def inside(self) -> tuple[bool, ...]:
+        """Per axis, whether it lies inside a node (see inside_node)."""
+        return self.inside_node(self.shape, self.device.devices_per_node)
+
     def to_dict(self) -> dict:
-        d = self.device
         return {"shape": list(self.shape), "axis_names": list(self.axis_names),
                 "bandwidth": list(self.bandwidth), "latency": list(self.latency),
-                "device": {"name": d.name, "flops": [list(f) for f in d.flops],
-                           "mem_bandwidth": d.mem_bandwidth, "memory": d.memory,
-                           "intra_bandwidth": d.intra_bandwidth, "inter_bandwidth": d.inter_bandwidth,
-                           "devices_per_node": d.devices_per_node, "intra_latency": d.intra_latency,
-                           "inter_latency": d.inter_latency, "launch_latency": d.launch_latency,
-                           "host_bandwidth": d.host_bandwidth, "host_optimizer_rate": d.host_optimizer_rate,
-                           "algorithms": list(d.algorithms)}}
+                "device": self.device.to_dict()}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Mesh":
-        dev = dict(data["device"])
-        dev["flops"] = tuple((str(k), float(v)) for k, v in dev["flops"])
-        dev["algorithms"] = tuple(dev.get("algorithms", ("ring",)))
-        return cls(tuple(data["shape"]), tuple(data["axis_names"]), device=DeviceSpec(**dev),
+        return cls(tuple(data["shape"]), tuple(data["axis_names"]), device=DeviceSpec.from_dict(data["device"]),
                    bandwidth=tuple(data["bandwidth"]), latency=tuple(data["latency"]))
 
     def __str__(self) -> str:

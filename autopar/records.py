@@ -90,12 +90,15 @@ class ParamState:
 
 @dataclass(frozen=True)
 class Prediction:
-    """Step time (compute plus communication per mesh axis) and memory per device by kind."""
+    """Step time and memory per device by kind.  The step is compute plus communication
+    per mesh axis less `hidden_s`: the gradient buckets' communication that runs while
+    backward computes (autopar.solution.hidden_gradient_seconds)."""
 
     step_s: float
     compute_s: float
     comm_s: dict
     memory: dict
+    hidden_s: float = 0.0
 
     @property
     def memory_total(self) -> float:
@@ -104,7 +107,8 @@ class Prediction:
     def __str__(self) -> str:
         comm = ", ".join(f"{k} {format_seconds(v)}" for k, v in self.comm_s.items())
         mem = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.memory.items())
-        return (f"step {format_seconds(self.step_s)} (compute {format_seconds(self.compute_s)}; comm {comm}); "
+        hidden = f", {format_seconds(self.hidden_s)} of it hidden behind backward" if self.hidden_s else ""
+        return (f"step {format_seconds(self.step_s)} (compute {format_seconds(self.compute_s)}; comm {comm}{hidden}); "
                 f"memory {format_bytes(self.memory_total)} ({mem})")
 
 

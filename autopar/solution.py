@@ -15,7 +15,7 @@ import numpy as np
 
 from .plan import Collective, NodeChoice, Prediction
 from .precision import cast_for_trace, meta_inputs
-from .problem import Problem, reduce_problem
+from .problem import Problem, bucket_kinds, reduce_problem
 from .recompute import MODES, ModeCosts, beyond_linear, check_mode, layer_slots
 from .solver import InfeasibleError, solve
 from .trace import trace
@@ -260,11 +260,17 @@ def assemble(problem: Problem, choice: dict):
     for e in problem.edges:  # a data edge belongs to its consumer, a gradient edge to its tensor's producer
         owner = e.b if e.kind == "data" else (e.b if e.kind == "grad_out" else problem.nodes[e.b].source[0])
         edges_into.setdefault(owner, []).append(e)
+    backward = {}   # op index -> (its backward compute, the synchronous communication of its backward)
+    bucketed = {}   # op index -> seconds of gradient buckets that become ready when its backward ends
+    first_reader = _first_readers(problem)
     for pn in problem.nodes:
         i = choice[pn.index]
         s = problem.nodes[pn.rep].strategies[i]
         c = problem.choices[pn.rep][i]
         compute += c.compute
+        if pn.kind == "op":
+            fwd = c.forward_s - sum(c.comm) / 2
+            backward[pn.index] = [c.compute - fwd, sum(c.comm) / 2]
         if pn.kind == "param" and s.zero:  # ZeRO-1/2: updated weights all-gathered after the step
             for st in problem.zero_gather_steps(pn, s):
                 comm[st.axis] += st.seconds
@@ -282,10 +288,17 @@ def assemble(problem: Problem, choice: dict):
         for e in edges_into.get(pn.index, ()):
             fwd, bwd = problem.edge_steps(problem.rep_edge(e), choice[e.a], choice[e.b])
             src = problem.nodes[e.a] if e.kind == "data" else problem.nodes[e.b]
+            param = problem.nodes[e.a] if e.kind == "data" else (pn if pn.kind == "param" else None)
             for phase, steps in (("forward", fwd), ("backward", bwd)):
                 for st in steps:
                     comm[st.axis] += st.seconds
                     edge_comm += st.seconds
+                    if phase == "backward" and param is not None and param.kind == "param" and \
+                            st.kind in bucket_kinds(problem.nodes[param.rep].strategies[choice[param.index]]):
+                        at = pn.index if e.kind == "data" else first_reader.get(param.index)
+                        bucketed[at] = bucketed.get(at, 0.0) + st.seconds
+                    elif phase == "backward" and pn.index in backward:
+                        backward[pn.index][1] += st.seconds
                     collectives.append(Collective(st.kind, (mesh.axis_names[st.axis],), st.nbytes, phase,
                                                   pn.name, src.param_name or src.name, st.seconds, st.algorithm))
         if pn.kind == "gradsum":
@@ -301,6 +314,36 @@ def assemble(problem: Problem, choice: dict):
         compute += costs.seconds(choice)
     memory["activations"], memory["working"], _ = beyond_linear(problem, choice, costs)
     comm_by_axis = {mesh.axis_names[a]: comm[a] for a in range(mesh.ndim)}
-    predicted = Prediction(compute + sum(comm), compute, comm_by_axis, memory)
+    hidden = hidden_gradient_seconds(backward, bucketed)
+    predicted = Prediction(compute + sum(comm) - hidden, compute, comm_by_axis, memory, hidden)
     return nodes, collectives, predicted, grad_sums
 
+
+
+def _first_readers(problem: Problem) -> dict:
+    """Parameter node index -> the first op (in forward order) that reads it: its gradient is
+    whole once that op's backward has run."""
+    out = {}
+    for pn in problem.nodes:
+        if pn.kind == "op":
+            for src, _ in pn.inputs:
+                out.setdefault(src, pn.index)
+    return out
+
+
+def hidden_gradient_seconds(backward: dict, bucketed: dict) -> float:
+    """How much of the bucketed gradient communication backward hides: two streams, the
+    device running each op's backward (its compute and synchronous communication) in
+    reverse forward order, and the communication stream reducing each gradient bucket once
+    the backward of its parameter's first reader has run and the stream is free.  Backward
+    ends when both have finished; what the bucket stream did before that is hidden."""
+    clock = free = 0.0
+    total = 0.0
+    for index in sorted(set(backward) | set(bucketed), reverse=True):
+        own, sync = backward.get(index, (0.0, 0.0))
+        clock += own + sync
+        seconds = bucketed.get(index, 0.0)
+        if seconds:
+            free = max(free, clock) + seconds
+            total += seconds
+    return max(0.0, total - max(0.0, free - clock))

@@ -10,11 +10,11 @@ across nodes and leaves the fast links inside a stage.  p = 1 is "no pipeline".
 Stage costs.  For each sub-mesh and microbatch size the whole model is planned by the
 intra-stage ILP (tensor, data parallelism and ZeRO inside the stage) on a microbatch; the
 plan's per-node times are summed per repeated layer, plus what runs before the first layer
-(embeddings) and after the last (head, loss).  Every op also pays the device's launch
-latency once per pass (forward, and twice in backward): small microbatches are not free,
-which is what keeps small models on fast networks out of pipelines.  Per microbatch a layer costs its compute and
-activation communication; its gradient synchronisation and optimizer all-gathers run once
-per step.  Crossing a cut costs the boundary activation (and its gradient) over axis a.
+(embeddings) and after the last (head, loss).  Every op pays the device's op latency once
+per pass (forward, and twice in backward; cost.roofline): small microbatches are not
+free, which is what keeps small models on fast networks out of pipelines.  Per microbatch
+a layer costs its compute and activation communication; its gradient synchronisation,
+optimizer step and optimizer all-gathers run once per step.  Crossing a cut costs the boundary activation (and its gradient) over axis a.
 
 Cuts.  Layers are the units: stage s holds a contiguous run of layers, the first stage also
 the prefix, the last the suffix.  For S stages the cuts minimise the slowest stage (the
@@ -35,9 +35,8 @@ import time
 from dataclasses import dataclass, field
 
 from ..batching import batch_size, first_microbatch
-from ..cost import local_numel
+from ..cost import local_numel, send_time
 from ..mesh import Mesh, parse_bytes
-from ..problem import VIEWS
 from ..recompute import MODES, ModeCosts, kept_by_selective, layer_paths
 from ..solution import Built, assemble, build_problem, solve_unbudgeted
 from ..solver import InfeasibleError
@@ -213,7 +212,7 @@ def search(model, mesh, example_inputs, example_kwargs=None, *, memory_budget=No
                     rejected["no plan fits a stage"] = rejected.get("no plan fits a stage", 0) + 1
                     continue
                 by_mode, boundary, names, copies = got
-                send = boundary / mesh.bandwidth[axis] + mesh.latency[axis]  # one activation (or gradient) across a cut
+                send = send_time(boundary, axis, mesh)  # one activation (or gradient) across a cut
                 for schedule in schedules:
                     virtuals = (fixed.virtual,) if fixed is not None and fixed.virtual else (1, 2)
                     for v in (virtuals if schedule == "interleaved-1f1b" else (1,)):
@@ -337,7 +336,6 @@ def _layer_costs(built: Built, model, time_limit, modes=("none",)):
     runs again the forward of the ops it does not keep, and its working memory includes
     what it makes again."""
     problem = built.problem
-    mesh = problem.mesh
     try:
         choice, _, _ = solve_unbudgeted(built, time_limit)
     except InfeasibleError:
@@ -354,7 +352,6 @@ def _layer_costs(built: Built, model, time_limit, modes=("none",)):
         if (c.phase == "backward" and c.tensor in params) or c.phase == "step":
             once[c.node] = once.get(c.node, 0.0) + c.seconds
     n_layers = len(indices)
-    launch = mesh.device.launch_latency
     position = {i: k for k, i in enumerate(sorted(indices))}
     keys, forward = {}, {}   # node index -> its bucket; op -> the forward seconds it runs per microbatch
     buckets = {k: [0.0] * 8 for k in ["prefix", "suffix", "copies", *range(n_layers)]}
@@ -374,14 +371,11 @@ def _layer_costs(built: Built, model, time_limit, modes=("none",)):
         b = buckets[key]
         c = problem.choices[pn.rep][choice[idx]]
         total = n.compute_s + n.comm_s
-        o = once.get(n.name, 0.0) + (once.get(n.module, 0.0) if pn.kind == "param" else 0.0)
+        o = once.get(n.name, 0.0) + ((once.get(n.module, 0.0) + n.compute_s) if pn.kind == "param" else 0.0)
         per_mb = max(total - o, 0.0)
         bwd_share = 2.0 / 3.0 if pn.requires_grad else 0.0
         f = per_mb * (1 - bwd_share)
         b[1] += per_mb * bwd_share
-        if pn.kind == "op" and pn.op not in VIEWS:  # every pass of every microbatch launches its ops
-            f += launch
-            b[1] += 2 * launch if pn.requires_grad else 0.0
         b[0] += f
         forward[idx] = f if pn.kind == "op" else 0.0
         b[2] += o

@@ -1,7 +1,7 @@
 """The planning problem (see core.py): the graph walk and gradient sums (graph.py), layer
 sharing (layers.py), strategy menus (menus.py), the Problem with its costs (core.py) and
 its folded ILP view (reduce.py)."""
-from .core import UNUSABLE, Problem
+from .core import UNUSABLE, Problem, bucket_kinds
 from .graph import SAVES_NOTHING, VIEWS, Choice, EdgeKey, PNode, block_of, module_path
 from .layers import SHARE_PERIOD
 from .menus import same_local_shape, zero_layout

@@ -235,7 +235,7 @@ class Problem:
             compute = C.roofline(work.fwd_flops / s.factor, in_bytes + out_bytes, dtype, mesh)
             forward = compute
             if pn.requires_grad:
-                compute += C.roofline(work.bwd_flops / s.factor, 2 * (in_bytes + out_bytes), dtype, mesh)
+                compute += C.roofline(work.bwd_flops / s.factor, 2 * (in_bytes + out_bytes), dtype, mesh, kernels=2)
         # kept for backward (see _find_saved): a storage several ops keep is stored once, so
         # each holder carries its share
         mem["activations"] = sum(self.held_bytes(pn, s, it) / (self.savers[it[0]] if it[0] is not None else 1)
@@ -261,8 +261,9 @@ class Problem:
         2020): weights `item` bytes per local element, gradients `item`, optimizer states
         C.state_bytes (Adam's two moments, plus float32 master weights under mixed
         precision).  ZeRO-1/2 over axes Z of n ranks: each rank keeps ceil(local / n)
-        elements of the optimizer state (and, stage 2, of the gradient), and after the
-        optimizer step the updated parameter is all-gathered over Z.  Offload moves the
+        elements of the optimizer state (and, stage 2, of the gradient), steps only those
+        (cost.optimizer_seconds), and after the optimizer step the updated parameter is
+        all-gathered over Z.  Offload moves the
         optimizer state to host memory and pays the host link for the gradient going down
         and the weights coming up, plus the host's optimizer step."""
         mesh = self.mesh
@@ -279,7 +280,7 @@ class Problem:
         owned = math.ceil(numel / n) if s.zero else numel
         mem["grads"] = (owned if s.zero == 2 else numel) * item
         mem["optimizer"] = 0.0 if s.offload else owned * state
-        compute = 0.0
+        compute = C.optimizer_seconds(owned, item, self.precision is not None, mesh) if not s.offload else 0.0
         for st in self.zero_gather_steps(pn, s):
             comm[st.axis] += st.seconds
         if s.offload:
@@ -292,7 +293,9 @@ class Problem:
         if not s.zero:
             return ()
         layout = s.outputs[0]
-        return self._redistribute(pn.out_shapes[0], pn.out_dtypes[0].itemsize, zero_layout(layout, s.zero_axes), layout)
+        shape, item = pn.out_shapes[0], pn.out_dtypes[0].itemsize
+        steps = self._redistribute(shape, item, zero_layout(layout, s.zero_axes), layout)
+        return C.bucketed(steps, math.prod(shape) * item, ("all_gather",))
 
     def grad_destination(self, pn: PNode, s: Strategy, out: int = 0) -> tuple:
         """The layout the gradient of tensor pn[out] must reach when pn takes strategy s:
@@ -325,7 +328,10 @@ class Problem:
         if e.kind == "grad_out":  # the sum a reaches the layout of tensor b[out]
             shape, item = a.out_shapes[0], a.out_dtypes[0].itemsize
             target = self.grad_destination(b, b.strategies[j], e.out)
-            return (), self._redistribute(shape, item, a.strategies[i].outputs[0], target)
+            steps = self._redistribute(shape, item, a.strategies[i].outputs[0], target)
+            if b.kind == "param":
+                steps = C.bucketed(steps, math.prod(shape) * item, bucket_kinds(b.strategies[j]))
+            return (), steps
         p = a.strategies[i].outputs[e.out]
         q = b.strategies[j].inputs[e.operand]
         g = b.strategies[j].grads[e.operand]
@@ -335,6 +341,8 @@ class Problem:
         if a.requires_grad and g is not None:
             if (e.a, e.out) not in self._summed:
                 bwd = self._redistribute(shape, item, g, self.grad_destination(a, a.strategies[i], e.out))
+                if a.kind == "param":
+                    bwd = C.bucketed(bwd, math.prod(shape) * item, bucket_kinds(a.strategies[i]))
             if a.kind == "param":  # gathered for use, dropped after forward: gather again for backward
                 bwd = bwd + tuple(st for st in fwd if st.kind == "all_gather")
         return fwd, bwd
@@ -362,6 +370,8 @@ class Problem:
             src = _codes([code(s.outputs[0]) for s in a.strategies])
             dst = _codes([code(self.grad_destination(b, s, e.out)) for s in b.strategies])
             m = self._seconds_table(shape, item, src, dst)
+            if b.kind == "param":
+                m = m - self._bucketed(b, 1, shape, item, src, dst)
             own = _codes([_shape_key(code(s.outputs[0])) for s in a.strategies])
             theirs = _codes([_shape_key(code(s.outputs[e.out])) for s in b.strategies])
             return np.where(own[1][:, None] == theirs[1][None, :], m, m + UNUSABLE)
@@ -379,9 +389,29 @@ class Problem:
             g = _codes([code(x) if x is not None else None for x in grads])
             dest = _codes([code(self.grad_destination(a, s, e.out)) for s in a.strategies])
             bwd = self._seconds_table(shape, item, dest, g, reverse=True)
+            if a.kind == "param":
+                bwd = bwd - self._bucketed(a, 0, shape, item, dest, g, reverse=True)
         if a.kind == "param":  # gathered for use, dropped after forward: gather again for backward
             bwd = bwd + self._seconds_table(shape, item, p, q, gathers=True)
         return m + np.where(has[None, :], bwd, 0.0)
+
+    def _bucketed(self, param: PNode, side: int, shape, item, src, dst, reverse=False) -> np.ndarray:
+        """The part of a parameter gradient's reduction (`_seconds_table` of the same
+        arguments) that its bucket pays: the fixed cost of its all-reduces, and of its
+        reduce-scatters where the parameter is ZeRO-2 (bucketed by the runtime; ZeRO-3's
+        run per parameter), less the gradient's own share (cost.bucket_share).  side: whether
+        the parameter's choices are the table's rows (0) or columns (1)."""
+        (su, si), (du, di) = src, dst
+        whole = (math.prod(shape) if shape else 1) * item
+        if whole == 0:
+            return np.zeros((len(si), len(di)))
+        rows, cols = self._layout_ids(su), self._layout_ids(du)
+        lines = self._prices(cols, rows).transpose(0, 1, 3, 2) if reverse else self._prices(rows, cols)
+        best = (lines[0] + lines[1] * whole).argmin(axis=0)   # the algorithm _seconds_table takes
+        pick = lambda row: np.take_along_axis(row, best[None], axis=0)[0][np.ix_(si, di)]
+        zero2 = np.array([s.zero == 2 for s in param.strategies])
+        fixed = pick(lines[4]) + np.where(zero2[:, None] if side == 0 else zero2[None, :], pick(lines[5]), 0.0)
+        return fixed * (1.0 - C.bucket_share(whole))
 
     def _seconds_table(self, shape, item, src, dst, reverse=False, gathers=False) -> np.ndarray:
         """[choices of src, choices of dst] seconds of redistributing a tensor of `shape` from
@@ -403,7 +433,7 @@ class Problem:
         return np.array([ids.setdefault(c, len(ids)) for c in codes], dtype=int)
 
     def _prices(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
-        """[4, algorithms, len(src), len(dst)]: redistribute_price between layouts by id, each
+        """[PRICE_ROWS, algorithms, len(src), len(dst)]: redistribute_price between layouts by id, each
         computed once."""
         book = self._price_book
         table = book["table"]
@@ -426,7 +456,7 @@ class Problem:
     def _price_book(self) -> dict:
         """Layout code -> id (None: no tensor, priced 0), and [4, algorithms, id, id]
         redistribute_price."""
-        return {"ids": {}, "table": np.full((4, len(self.mesh.device.algorithms), 0, 0), np.nan)}
+        return {"ids": {}, "table": np.full((C.PRICE_ROWS, len(self.mesh.device.algorithms), 0, 0), np.nan)}
 
     # --- queries ----------------------------------------------------------------------------
     def node_cost(self, rep: int) -> np.ndarray:
@@ -445,6 +475,12 @@ class Problem:
         return np.array([sum(c.memory.values()) if c.plain_memory is None else c.plain_memory
                          for c in self.choices[rep]])
 
+
+
+def bucket_kinds(s: Strategy) -> tuple:
+    """The reductions of a parameter's gradient the runtime runs in buckets under strategy s:
+    all-reduces, and a ZeRO-2 parameter's reduce-scatters (ZeRO-3's run one by one)."""
+    return ("all_reduce", "reduce_scatter") if s.zero == 2 else ("all_reduce",)
 
 
 def _codes(keys: list):
