@@ -1,7 +1,7 @@
 """The `autopar` command line.
 
     autopar models
-    autopar plan --model gpt2-124m --mesh 2x4 --axes dp,tp --device h100 \\
+    autopar plan --model gpt2-124m --mesh 2x4 --axes dp,tp --device h100 [--precision bf16|fp32] \\
                  [--budget 70GiB] [--batch N] [--seq N] [--set key=value ...] [--save plan.json]
     torchrun --nproc_per_node 4 -m autopar calibrate --out profile.json [--mesh 2x2 --axes dp,tp]
     autopar plan --model gpt2-124m --mesh 2x2 --device profile.json
@@ -164,11 +164,13 @@ def _cmd_plan(args) -> int:
         given = ", ".join(f"{k}={v!r}" for k, v in overrides.items())
         raise UsageError(f"model {args.model!r} rejected {given}: {exc}; check the types of the --set values") from None
 
+    precision = args.precision or ("fp32" if mesh.device.name.startswith("cpu") else "bf16")
+    mixed = autopar.MixedPrecision(torch.bfloat16) if precision == "bf16" else None
     log.info("planning %s (%s) on %s", args.model, ", ".join(f"{k}={v}" for k, v in overrides.items()) or
              "preset config", mesh)
     try:
         plan = autopar.plan(model, mesh, example_inputs, memory_budget=args.budget,
-                            compare=not args.no_compare)
+                            compare=not args.no_compare, mixed_precision=mixed)
     except autopar.InfeasibleError as exc:
         print(f"autopar: {exc}", file=sys.stderr)
         return 1
@@ -200,6 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq", type=int, help="sequence length of the example inputs")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a model config field, e.g. --set n_layers=2 (repeatable)")
+    p.add_argument("--precision", choices=("bf16", "fp32"),
+                   help="bf16 mixed precision (float32 master weights) or float32 throughout "
+                        "(default: bf16 on GPU devices, fp32 on cpu)")
     p.add_argument("--no-compare", action="store_true", help="do not cost the hand-written layouts")
     p.add_argument("--save", metavar="PATH", help="write the plan as JSON (autopar.Plan.load reads it)")
     p.set_defaults(func=_cmd_plan)

@@ -196,12 +196,14 @@ def grad_target(placement):
     return Replicate() if isinstance(placement, Partial) else placement
 
 
-def roofline(flops: float, nbytes: float, dtype: torch.dtype, mesh: Mesh, kernels: int = 1) -> float:
+def roofline(flops: float, nbytes: float, dtype: torch.dtype, mesh: Mesh, kernels: int = 1,
+             attention: bool = False) -> float:
     """Seconds of `kernels` kernels doing `flops` and moving `nbytes` in all: the slower of
-    the device's FLOP rate and memory bandwidth, with each kernel's launch (op_latency)
-    hidden behind the work when the host runs ahead of the device, added when it does not."""
+    the device's FLOP rate (attention: its fused attention kernel's) and memory bandwidth,
+    with each kernel's launch (op_latency) hidden behind the work when the host runs ahead
+    of the device, added when it does not."""
     dev = mesh.device
-    work = max(flops / dev.peak_flops(dtype), nbytes / dev.mem_bandwidth)
+    work = max(flops / dev.peak_flops(dtype, attention), nbytes / dev.mem_bandwidth)
     launch = kernels * dev.op_latency
     return max(work, launch) if dev.asynchronous else work + launch
 

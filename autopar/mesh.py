@@ -42,7 +42,9 @@ class DeviceSpec:
     with the ring formulas of autopar.collectives.  A kind or link not listed uses the
     bandwidths and latencies above.  optimizer: measured AdamW step (seconds per
     parameter tensor, seconds per element); empty: priced as memory traffic
-    (cost.optimizer_seconds).  source: where the numbers come from.
+    (cost.optimizer_seconds).  attention_flops: FLOP/s of the fused attention kernel per
+    dtype where it runs slower than matrix multiplies (a CPU's flash attention at small
+    head sizes); empty: `flops`.  source: where the numbers come from.
     """
 
     name: str
@@ -63,6 +65,7 @@ class DeviceSpec:
     links: tuple = ()
     source: str = ""
     optimizer: tuple = ()
+    attention_flops: tuple = ()
 
     def link(self, kind: str, inside: bool) -> tuple | None:
         """(bandwidth, latency, launch) measured for `kind` on the link class, or None."""
@@ -78,6 +81,7 @@ class DeviceSpec:
         d["algorithms"] = list(self.algorithms)
         d["links"] = [list(x) for x in self.links]
         d["optimizer"] = list(self.optimizer)
+        d["attention_flops"] = [list(f) for f in self.attention_flops]
         return d
 
     @classmethod
@@ -92,6 +96,7 @@ class DeviceSpec:
         d["algorithms"] = tuple(d.get("algorithms", ("ring",)))
         d["links"] = tuple((str(k), str(w), float(b), float(lat), float(ln)) for k, w, b, lat, ln in d.get("links", ()))
         d["optimizer"] = tuple(float(x) for x in d.get("optimizer", ()))
+        d["attention_flops"] = tuple((str(k), float(v)) for k, v in d.get("attention_flops", ()))
         return cls(**d)
 
     def save(self, path) -> None:
@@ -115,10 +120,11 @@ class DeviceSpec:
                              f"`autopar calibrate --out` wrote")
         return cls.from_dict(data["device"])
 
-    def peak_flops(self, dtype: torch.dtype | str) -> float:
+    def peak_flops(self, dtype: torch.dtype | str, attention: bool = False) -> float:
+        """FLOP/s of matrix multiplies in `dtype` (attention=True: of the fused attention kernel)."""
         name = str(dtype).replace("torch.", "")
-        table = dict(self.flops)
-        return table.get(name, table["float32"])
+        table = dict(self.attention_flops if attention and self.attention_flops else self.flops)
+        return table.get(name, table.get("float32", next(iter(table.values()))))
 
 
 GiB = 1024**3
@@ -157,14 +163,15 @@ PRESETS: dict[str, DeviceSpec] = {
                        mem_bandwidth=HBM * 2.04e12, memory=USABLE, intra_bandwidth=NVLINK * 300e9,
                        inter_bandwidth=NETWORK * 25e9, devices_per_node=8, algorithms=NCCL, op_latency=LAUNCH,
                        source="A100 SXM datasheet peaks times typical efficiencies (autopar.mesh.GEMM ...)"),
-    # A CPU rank (one process of a few cores) talking gloo over loopback: the numbers
-    # `autopar calibrate` measured for 4 ranks sharing 2 cores of this project's CI machine
-    # (one intra-op thread each), rounded.  Ops run eagerly: launch added to each op.
-    "cpu": DeviceSpec("cpu", (("float32", 4e10), ("bfloat16", 4e10), ("float16", 2e10)),
-                      mem_bandwidth=1e10, memory=16 * GiB, intra_bandwidth=1e9,
-                      inter_bandwidth=1e9, devices_per_node=8, intra_latency=1e-4,
-                      inter_latency=1e-4, launch_latency=2e-4, host_bandwidth=1e10,
-                      op_latency=1e-5, asynchronous=False,
+    # A CPU rank (one process of a few cores) talking gloo over loopback: what `autopar
+    # calibrate` measured for 4 ranks sharing the 2 cores of this project's CI machine (one
+    # intra-op thread each), rounded.  Ops run eagerly: each op's latency adds to its work.
+    "cpu": DeviceSpec("cpu", (("float32", 4e10), ("bfloat16", 1e11), ("float16", 2e10)),
+                      mem_bandwidth=3e10, memory=16 * GiB, intra_bandwidth=2e9,
+                      inter_bandwidth=1e9, devices_per_node=8, intra_latency=5e-4,
+                      inter_latency=1e-3, launch_latency=2e-4, host_bandwidth=1e10,
+                      op_latency=7e-6, asynchronous=False, optimizer=(5e-5, 5e-9),
+                      attention_flops=(("float32", 1.7e10), ("bfloat16", 1.6e10)),
                       source="autopar calibrate on 4 gloo ranks sharing 2 CPU cores, rounded"),
 }
 

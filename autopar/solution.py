@@ -314,7 +314,8 @@ def assemble(problem: Problem, choice: dict):
         compute += costs.seconds(choice)
     memory["activations"], memory["working"], _ = beyond_linear(problem, choice, costs)
     comm_by_axis = {mesh.axis_names[a]: comm[a] for a in range(mesh.ndim)}
-    hidden = hidden_gradient_seconds(backward, bucketed)
+    # a CPU rank's collectives reduce on the cores its compute uses: nothing is hidden there
+    hidden = hidden_gradient_seconds(backward, bucketed) if mesh.device.asynchronous else 0.0
     predicted = Prediction(compute + sum(comm) - hidden, compute, comm_by_axis, memory, hidden)
     return nodes, collectives, predicted, grad_sums
 

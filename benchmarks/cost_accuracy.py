@@ -105,7 +105,8 @@ def measure(args, spec) -> list:
         cm = autopar.compile(model, mesh, example, plan=plan)
         optimizer = cm.build_optimizer(torch.optim.AdamW, lr=1e-3)
         measured = timed_steps(cm, optimizer, example, args.warmup, args.steps)
-        predicted = plan.predicted.step_s
+        pipelined = plan.pipeline is not None and plan.pipeline.pipelined
+        predicted = plan.pipeline.step_s if pipelined else plan.predicted.step_s
         rows.append((label, predicted, measured, plan))
         log0(f"  {label:<26} predicted {predicted * 1e3:8.1f} ms  measured {measured * 1e3:8.1f} ms  "
              f"ratio {predicted / measured:5.2f}")

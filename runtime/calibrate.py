@@ -7,8 +7,10 @@ Run under torchrun on the cluster (all ranks take part; a few minutes at most):
 What is measured, on every rank at once (so that ranks sharing a host's cores or links
 measure what training gets):
 
-- compute: a linear layer's forward and backward at a few sizes per dtype, fitted as
-  t = c + flops / R (R is the FLOP rate, c the cost of the smallest op); torch's AdamW
+- compute: a linear layer's forward and backward at a few training shapes per dtype,
+  fitted as t = c + flops / R (R is the FLOP rate, c the cost of the smallest op); causal
+  attention's forward and backward likewise (its own rate: a CPU's fused kernel runs
+  small heads far below the matmul rate); torch's AdamW
   step over parameters of a few counts and sizes, fitted as seconds per parameter plus
   seconds per element; an elementwise add over a few sizes,
   fitted as t = c + bytes / W (W the memory bandwidth); and the cost of one tiny op
@@ -54,7 +56,12 @@ log = logging.getLogger("autopar")
 
 FORMAT = 1
 # (sizes, repeats) per device type: small enough for minutes on a loaded CPU host
-MATMUL = {"cpu": (64, 128, 256, 384), "cuda": (1024, 2048, 4096, 8192)}
+# linear layers (tokens, in, out) and causal attention (batch, heads, seq, head dim) of
+# the shapes training runs
+LINEAR = {"cpu": ((128, 256, 768), (256, 512, 512), (512, 512, 1024), (512, 1024, 1024)),
+          "cuda": ((2048, 4096, 4096), (4096, 4096, 14336), (8192, 4096, 4096), (8192, 8192, 8192))}
+ATTENTION = {"cpu": ((2, 8, 64, 32), (2, 8, 128, 32), (2, 8, 256, 64), (4, 8, 256, 64)),
+             "cuda": ((1, 32, 2048, 128), (1, 32, 4096, 128), (2, 32, 4096, 128), (1, 32, 8192, 128))}
 ELEMENTS = {"cpu": (2**14, 2**18, 2**21, 2**23), "cuda": (2**16, 2**20, 2**24, 2**27)}
 MESSAGE = {"cpu": (2**12, 2**15, 2**18, 2**20, 2**22), "cuda": (2**16, 2**20, 2**23, 2**26, 2**28)}
 DTYPES = {"cpu": ("float32", "bfloat16"), "cuda": ("float32", "bfloat16", "float16")}
@@ -128,19 +135,28 @@ def fit_line(x, t) -> tuple:
 
 def measure_compute(device_type: str, repeats: int) -> dict:
     dev = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
-    flops, rows = {}, {}
+    flops, attention, rows = {}, {}, {}
     for name in DTYPES[device_type]:
         dtype = getattr(torch, name)
         points = []
-        for n in MATMUL[device_type]:   # a linear layer's forward and backward: 6 n^3 FLOPs
-            x = torch.randn(n, n, device=dev).to(dtype).requires_grad_(True)
-            w = torch.randn(n, n, device=dev).to(dtype).requires_grad_(True)
-            points.append((6.0 * n**3, _timed(lambda: F.linear(x, w).sum().backward(), device_type, repeats,
-                                                    what="compute")))
+        for m, k, n in LINEAR[device_type]:   # a linear layer's forward and backward: 6 m k n FLOPs
+            x = torch.randn(m, k, device=dev).to(dtype).requires_grad_(True)
+            w = torch.randn(n, k, device=dev).to(dtype).requires_grad_(True)
+            points.append((6.0 * m * k * n, _timed(lambda: F.linear(x, w).sum().backward(), device_type, repeats,
+                                                   what="compute")))
         c, per_flop = fit_line(*zip(*points))
         flops[name] = 1.0 / per_flop
-        rows[f"matmul {name}"] = points
-        _progress(f"matmul {name}: {flops[name] / 1e9:.1f} GFLOP/s")
+        rows[f"linear {name}"] = points
+        points = []
+        for b, h, s, d in ATTENTION[device_type]:   # causal: 4 b h s^2 d forward (half masked) x 3.5
+            q, k_, v = (torch.randn(b, h, s, d, device=dev).to(dtype).requires_grad_(True) for _ in range(3))
+            fl = 2.0 * b * h * s * s * d * 3.5
+            points.append((fl, _timed(lambda: F.scaled_dot_product_attention(q, k_, v, is_causal=True).sum()
+                                      .backward(), device_type, repeats, what="compute")))
+        _, per_flop = fit_line(*zip(*points))
+        attention[name] = 1.0 / per_flop
+        rows[f"attention {name}"] = points
+        _progress(f"{name}: linear {flops[name] / 1e9:.1f} GFLOP/s, attention {attention[name] / 1e9:.1f} GFLOP/s")
     points = []
     for n in ELEMENTS[device_type]:
         a = torch.randn(n, device=dev)
@@ -174,10 +190,11 @@ def measure_compute(device_type: str, repeats: int) -> dict:
         opt = torch.optim.AdamW(params, lr=1e-3)
         points.append((k, k * e, _timed(opt.step, device_type, repeats, what="compute")))
     ks, es, ts = (np.array(c, float) for c in zip(*points))
-    (per_param, per_element), *_ = np.linalg.lstsq(np.stack([ks, es], 1), ts, rcond=None)
+    w = 1.0 / ts   # relative error: the small steps fix the per-parameter cost, the large the per-element
+    (per_param, per_element), *_ = np.linalg.lstsq(np.stack([ks, es], 1) * w[:, None], ts * w, rcond=None)
     rows["adamw (params, elements)"] = points
     _progress(f"AdamW: {max(per_param, 0) * 1e6:.1f} us per parameter, {max(per_element, 1e-15) * 1e9:.2f} ns per element")
-    return {"flops": flops, "mem_bandwidth": bandwidth, "op_latency": op_latency, "points": rows,
+    return {"flops": flops, "attention": attention, "mem_bandwidth": bandwidth, "op_latency": op_latency, "points": rows,
             "optimizer": (max(float(per_param), 0.0), max(float(per_element), 1e-15))}
 
 
@@ -322,7 +339,7 @@ def calibrate(shape=None, names=None, base: str | None = None, repeats: int = 5,
     inter = next((x for x in links if x[:2] == ("all_reduce", "inter")), None)
     spec = replace(
         preset, name=f"{preset.name}-calibrated", flops=tuple(flops.items()),
-        mem_bandwidth=compute["mem_bandwidth"], op_latency=compute["op_latency"], optimizer=compute["optimizer"],
+        attention_flops=tuple(compute["attention"].items()), mem_bandwidth=compute["mem_bandwidth"], op_latency=compute["op_latency"], optimizer=compute["optimizer"],
         asynchronous=device_type == "cuda", devices_per_node=per_node, links=tuple(links),
         intra_bandwidth=intra[2] if intra else preset.intra_bandwidth,
         intra_latency=intra[3] if intra else preset.intra_latency,

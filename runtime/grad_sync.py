@@ -48,6 +48,7 @@ class GradSync:
         self.zero_grads: dict = {}  # ZeRO-2 key -> this rank's chunk of the summed gradient
         self.pending: dict[tuple, list] = {}
         self.in_flight: list = []
+        self.flats: dict = {}   # (bucket's parameters, dtype) -> its flat buffer, reused every step
         self.done: set = set()
         self.key_of = {id(p): key for key, p in self.params.items()}
         self.module = module
@@ -79,7 +80,14 @@ class GradSync:
                                           self.reduce_dtype)
             self.in_flight.append(("rs", handle, keys))
             return
-        flat = torch.cat([p.grad.reshape(-1).to(self.reduce_dtype or p.grad.dtype) for p in bucket])
+        dtype = self.reduce_dtype or bucket[0].grad.dtype
+        flat = self.flats.get((tuple(map(id, bucket)), dtype))
+        total = sum(p.grad.numel() for p in bucket)
+        if flat is None or flat.numel() != total:
+            # one buffer per bucket, kept across steps: a fresh large one each step pays its
+            # pages again (on CPU, tens of ms per step for a few MB)
+            flat = self.flats[(tuple(map(id, bucket)), dtype)] = bucket[0].grad.new_empty(total, dtype=dtype)
+        torch.cat([p.grad.reshape(-1).to(dtype) for p in bucket], out=flat)
         work = dist.all_reduce(flat, group=self.groups_of(axes), async_op=True)
         self.in_flight.append((work, flat, bucket))
 

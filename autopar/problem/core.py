@@ -18,6 +18,7 @@ from .. import cost as C
 from ..mesh import Mesh
 from ..redistribution import plan_redistribute
 from ..ops import Strategy, op_arg
+from ..ops.attention_rule import ATTENTION_OPS
 from ..ops.attention_rule import private_holdings
 from ..trace import Traced
 from .graph import VIEWS, Choice, EdgeKey, PNode, add_gradient_sums, build_nodes
@@ -232,10 +233,12 @@ class Problem:
         if pn.op in VIEWS:
             compute = 0.0
         else:
-            compute = C.roofline(work.fwd_flops / s.factor, in_bytes + out_bytes, dtype, mesh)
+            attention = pn.op in ATTENTION_OPS
+            compute = C.roofline(work.fwd_flops / s.factor, in_bytes + out_bytes, dtype, mesh, attention=attention)
             forward = compute
             if pn.requires_grad:
-                compute += C.roofline(work.bwd_flops / s.factor, 2 * (in_bytes + out_bytes), dtype, mesh, kernels=2)
+                compute += C.roofline(work.bwd_flops / s.factor, 2 * (in_bytes + out_bytes), dtype, mesh, kernels=2,
+                                      attention=attention)
         # kept for backward (see _find_saved): a storage several ops keep is stored once, so
         # each holder carries its share
         mem["activations"] = sum(self.held_bytes(pn, s, it) / (self.savers[it[0]] if it[0] is not None else 1)
