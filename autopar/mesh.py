@@ -170,7 +170,7 @@ PRESETS: dict[str, DeviceSpec] = {
                       mem_bandwidth=3e10, memory=16 * GiB, intra_bandwidth=2e9,
                       inter_bandwidth=1e9, devices_per_node=8, intra_latency=5e-4,
                       inter_latency=1e-3, launch_latency=2e-4, host_bandwidth=1e10,
-                      op_latency=7e-6, asynchronous=False, optimizer=(5e-5, 5e-9),
+                      host_optimizer_rate=2e8, op_latency=7e-6, asynchronous=False, optimizer=(5e-5, 5e-9),
                       attention_flops=(("float32", 1.7e10), ("bfloat16", 1.6e10)),
                       source="autopar calibrate on 4 gloo ranks sharing 2 CPU cores, rounded"),
 }

@@ -87,7 +87,7 @@ def _sync(device_type: str) -> None:
 
 # each timed run repeats the call until it lasts this long: compute runs long enough for
 # ranks that share cores to share them as in training (a scheduler's slices are ms long)
-MIN_SECONDS = {"compute": 0.15, "comm": 0.02}
+MIN_SECONDS = {"compute": 0.15, "comm": 0.02, "quick": 0.002}
 
 
 def _slowest(value: float, device_type: str, group) -> float:
@@ -126,42 +126,45 @@ def fit_line(x, t) -> tuple:
     x, t = np.asarray(x, float), np.asarray(t, float)
     w = 1.0 / np.maximum(t, 1e-12)
     slope, intercept = np.polyfit(x, t, 1, w=w)
-    if slope <= 0:   # no growth seen: the sizes were too small to tell; all fixed cost
-        return float(np.min(t)), 1e-18
+    if slope <= 0:   # no growth seen (noise over sizes too small to tell): at most what the largest took
+        top = int(np.argmax(x))
+        return float(np.min(t)), max(float(t[top] - np.min(t)), 0.1 * float(t[top])) / float(x[top])
     return max(float(intercept), 0.0), float(slope)
 
 
 # ------------------------------------------------------------------ compute
 
-def measure_compute(device_type: str, repeats: int) -> dict:
+def measure_compute(device_type: str, repeats: int, quick: bool = False) -> dict:
     dev = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    what = "quick" if quick else "compute"
+    cut = 2 if quick else None   # quick: the two smallest sizes (messages: the smallest and largest)
     flops, attention, rows = {}, {}, {}
     for name in DTYPES[device_type]:
         dtype = getattr(torch, name)
         points = []
-        for m, k, n in LINEAR[device_type]:   # a linear layer's forward and backward: 6 m k n FLOPs
+        for m, k, n in LINEAR[device_type][:cut]:   # a linear layer's forward and backward: 6 m k n FLOPs
             x = torch.randn(m, k, device=dev).to(dtype).requires_grad_(True)
             w = torch.randn(n, k, device=dev).to(dtype).requires_grad_(True)
             points.append((6.0 * m * k * n, _timed(lambda: F.linear(x, w).sum().backward(), device_type, repeats,
-                                                   what="compute")))
+                                                   what=what)))
         c, per_flop = fit_line(*zip(*points))
         flops[name] = 1.0 / per_flop
         rows[f"linear {name}"] = points
         points = []
-        for b, h, s, d in ATTENTION[device_type]:   # causal: 4 b h s^2 d forward (half masked) x 3.5
+        for b, h, s, d in ATTENTION[device_type][:cut]:   # causal: 4 b h s^2 d forward (half masked) x 3.5
             q, k_, v = (torch.randn(b, h, s, d, device=dev).to(dtype).requires_grad_(True) for _ in range(3))
             fl = 2.0 * b * h * s * s * d * 3.5
             points.append((fl, _timed(lambda: F.scaled_dot_product_attention(q, k_, v, is_causal=True).sum()
-                                      .backward(), device_type, repeats, what="compute")))
+                                      .backward(), device_type, repeats, what=what)))
         _, per_flop = fit_line(*zip(*points))
         attention[name] = 1.0 / per_flop
         rows[f"attention {name}"] = points
         _progress(f"{name}: linear {flops[name] / 1e9:.1f} GFLOP/s, attention {attention[name] / 1e9:.1f} GFLOP/s")
     points = []
-    for n in ELEMENTS[device_type]:
+    for n in ELEMENTS[device_type][:cut]:
         a = torch.randn(n, device=dev)
         b = torch.randn(n, device=dev)
-        points.append((3.0 * 4 * n, _timed(lambda: torch.add(a, b), device_type, repeats, what="compute")))
+        points.append((3.0 * 4 * n, _timed(lambda: torch.add(a, b), device_type, repeats, what=what)))
     _, per_byte = fit_line(*zip(*points))
     rows["add float32"] = points
     bandwidth = 1.0 / per_byte
@@ -176,8 +179,8 @@ def measure_compute(device_type: str, repeats: int) -> dict:
             y = y * 1.0001
         return y
 
-    fwd = _timed(forward, device_type, repeats, what="compute")
-    both = _timed(lambda: forward().sum().backward(), device_type, repeats, what="compute")
+    fwd = _timed(forward, device_type, repeats, what=what)
+    both = _timed(lambda: forward().sum().backward(), device_type, repeats, what=what)
     op_latency = fwd / chain
     rows["tiny op"] = [(chain, fwd), (chain, both)]
     _progress(f"op latency: {op_latency * 1e6:.1f} us forward, {(both - fwd) / chain * 1e6:.1f} us backward")
@@ -188,7 +191,7 @@ def measure_compute(device_type: str, repeats: int) -> dict:
         for p in params:
             p.grad = torch.randn(e, device=dev)
         opt = torch.optim.AdamW(params, lr=1e-3)
-        points.append((k, k * e, _timed(opt.step, device_type, repeats, what="compute")))
+        points.append((k, k * e, _timed(opt.step, device_type, repeats, what=what)))
     ks, es, ts = (np.array(c, float) for c in zip(*points))
     w = 1.0 / ts   # relative error: the small steps fix the per-parameter cost, the large the per-element
     (per_param, per_element), *_ = np.linalg.lstsq(np.stack([ks, es], 1) * w[:, None], ts * w, rcond=None)
@@ -237,7 +240,7 @@ def _steps(kind: str, n: int) -> tuple:
     return n - 1, (n - 1) / n
 
 
-def measure_axis(mesh, axis: int, device_type: str, repeats: int, sizes=None) -> dict:
+def measure_axis(mesh, axis: int, device_type: str, repeats: int, sizes=None, quick: bool = False) -> dict:
     """Fitted (bandwidth, latency, launch) per collective kind on one mesh axis."""
     group = mesh.get_group(axis)
     n = mesh.size(axis)
@@ -259,7 +262,8 @@ def measure_axis(mesh, axis: int, device_type: str, repeats: int, sizes=None) ->
         fits = {}
         configs = [(group, n, coord)] + ([(pair_group, 2, coord % 2)] if pair_group is not None else [])
         for g, size, c in configs:
-            pts = [(float(m), _timed(_collective(kind, m, g, size, c, device), device_type, repeats, g))
+            pts = [(float(m), _timed(_collective(kind, m, g, size, c, device), device_type, repeats, g,
+                                     "quick" if quick else "comm"))
                    for m in sizes]
             fits[size] = fit_line(*zip(*pts))
             points[f"{kind} n={size}"] = pts
@@ -293,11 +297,13 @@ def describe(shape, names, device_type: str) -> dict:
 
 
 def calibrate(shape=None, names=None, base: str | None = None, repeats: int = 5, force: bool = False,
-              out: str | None = None) -> DeviceSpec:
+              out: str | None = None, quick: bool = False) -> DeviceSpec:
     """Measure this cluster (every rank calls it) and return the fitted DeviceSpec; rank 0
     writes it to `out` (JSON: the device, the cluster description and every measured point).
     shape/names: the mesh to measure axis by axis (default: one axis over every rank).
-    base: the preset whose unmeasured numbers are kept (default h100 on CUDA, cpu otherwise)."""
+    base: the preset whose unmeasured numbers are kept (default h100 on CUDA, cpu otherwise).
+    quick: the two smallest sizes of everything and short timed runs (seconds, for tests;
+    the numbers are rougher)."""
     device_type = _device_type()
     world = dist.get_world_size()
     shape = tuple(shape) if shape else (world,)
@@ -306,6 +312,7 @@ def calibrate(shape=None, names=None, base: str | None = None, repeats: int = 5,
         raise ValueError(f"calibration mesh {shape} has {math.prod(shape)} devices but {world} ranks run; "
                          f"give --mesh sizes whose product is the world size")
     desc = describe(shape, names, device_type)
+    desc["quick"] = quick
     key = hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
     cached = os.path.join(cache_dir(), f"calibration-{key}.json")
     if not force and os.path.exists(cached):
@@ -316,7 +323,7 @@ def calibrate(shape=None, names=None, base: str | None = None, repeats: int = 5,
         return spec
     start = time.perf_counter()
     _progress(f"{world} ranks on {len(desc['hosts'])} host(s), {desc['device']}, {desc['backend']}")
-    compute = measure_compute(device_type, repeats)
+    compute = measure_compute(device_type, repeats, quick)
     preset = PRESETS[base or ("h100" if device_type == "cuda" else "cpu")]
     per_node = desc["per_node"]
     inside = Mesh.inside_node(shape, per_node)
@@ -327,7 +334,8 @@ def calibrate(shape=None, names=None, base: str | None = None, repeats: int = 5,
         for axis in range(len(shape)):
             if shape[axis] < 2:
                 continue
-            got = measure_axis(mesh, axis, device_type, repeats)
+            got = measure_axis(mesh, axis, device_type, repeats, MESSAGE[device_type][::4] if quick else None,
+                               quick)
             points.update({f"{names[axis]}: {k}": v for k, v in got["points"].items()})
             for kind, line in got["links"].items():
                 measured.setdefault((kind, "intra" if inside[axis] else "inter"), []).append(line)

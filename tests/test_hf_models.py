@@ -38,10 +38,12 @@ def test_every_op_has_a_rule(name, model):
     assert plan.fallback_ops == () and fell_back == [], f"{name}: replicated ops {plan.fallback_ops}"
     # every parameter is planned: whole, or (a fused projection) as parts that cover it
     assert {n.split("[")[0] for n in plan.param_placements} == {n for n, _ in model.named_parameters()}
-    # the step time adds up from the nodes' own time and the collectives
+    # the step time adds up from the nodes' own time and the collectives (a ZeRO weight's
+    # all-gathers after the step are its parameter node's own), less what backward hides
     assert plan.predicted.step_s == pytest.approx(
         sum(n.compute_s + n.comm_s for n in plan.nodes) + sum(
-            c.seconds for c in plan.collectives if c.node not in {n.name for n in plan.nodes}), rel=1e-9)
+            c.seconds for c in plan.collectives if c.node not in {n.name for n in plan.nodes}
+            and c.phase != "step") - plan.predicted.hidden_s, rel=1e-9)
 
 
 # --- architecture families: Megatron's closed form and one-device numerics ---------------------
@@ -100,7 +102,8 @@ def test_megatron_meets_its_closed_form(family):
     # an all-reduce, or its Megatron-SP form: a reduce-scatter, the norm on a quarter of the
     # tokens, and an all-gather
     assert kinds.count("all_reduce") + kinds.count("reduce_scatter") == PER_BLOCK[block_class(family)] * 2, found
-    assert kinds.count("all_gather") == kinds.count("reduce_scatter"), found
+    # (the last block's all-gather may come after the final norm, outside the blocks)
+    assert kinds.count("reduce_scatter") - 1 <= kinds.count("all_gather") <= kinds.count("reduce_scatter"), found
     assert set(kinds) <= {"all_reduce", "reduce_scatter", "all_gather"}, found
     assert plan.fallback_ops == ()
 

@@ -128,15 +128,15 @@ def test_search_builds_each_problem_once(monkeypatch, fixed):
 
 
 def test_tight_budget_recomputes_inside_the_stages():
-    """gpt2-1.5b with 16 layers at 4,096 tokens on 8 x 8 H100: under 5 GiB two stages keep
-    every activation; under 4.6 GiB they no longer fit and the search recomputes
+    """gpt2-1.5b with 16 layers at 4,096 tokens on 8 x 8 H100: under 7 GiB two stages keep
+    every activation; under 6 GiB they no longer fit and the search recomputes
     selectively (the cheaper policy) rather than fully; under 4 GiB only full recomputation
     fits.  Each is slower than the one before, and the plan carries the policy for every
-    layer."""
+    layer.  (Measured with the achievable-rate presets: 649.5, 688.7 and 882.5 ms.)"""
     model, example = build("gpt2-1.5b", device="meta", batch=64, seq=4096, max_seq=4096, n_layers=16)
     mesh = autopar.Mesh((8, 8), ("node", "gpu"), device="h100", bandwidth=(2.5e9, 450e9))
     steps = []
-    for budget, mode in (("5GiB", None), ("4.6GiB", "selective"), ("4GiB", "full")):
+    for budget, mode in (("7GiB", None), ("6GiB", "selective"), ("4GiB", "full")):
         plan = autopar.plan(model, mesh, example, compare=False, pipeline=True, memory_budget=budget)
         pp = plan.pipeline
         assert pp.pipelined and max(pp.memory) <= parse_bytes(budget, "budget")

@@ -170,7 +170,7 @@ def test_budget_sweep_is_ordered():
     free = autopar.plan(model, mesh, example, compare=False, mixed_precision="bf16", recompute="none")
     need = free.predicted.memory_total
     steps = []
-    for frac in (1.0, 0.8, 0.6, 0.45, 0.35):
+    for frac in (1.0, 0.8, 0.6, 0.5, 0.45):
         plan = autopar.plan(model, mesh, example, compare=False, mixed_precision="bf16", memory_budget=need * frac)
         assert plan.predicted.memory_total <= need * frac * (1 + 1e-6)
         steps.append((plan.predicted.step_s, plan.recompute))
@@ -219,7 +219,7 @@ def test_llama3_8b_256k_tokens_on_eight_h100():
           f"{plan.predicted}; attention {kinds}; {len(plan.recompute.layers)} layers recomputed")
 
 
-@pytest.mark.parametrize("frac", [0.6, 0.3])
+@pytest.mark.parametrize("frac", [0.7, 0.6])
 def test_skipped_recompute_assignments_could_not_win(frac):
     """The solve skips a recompute assignment once its lower bound (the unbudgeted optimum
     plus the least its recomputation adds) is no faster than the best plan found; the
@@ -239,5 +239,4 @@ def test_skipped_recompute_assignments_could_not_win(frac):
             pass
     assert len(every) >= 2
     assert chosen[1].objective == pytest.approx(min(every), rel=1e-6)
-    if frac < 0.5:
-        assert chosen[0].modes, "the budget binds: something is recomputed"
+    assert chosen[0].modes, "the budget binds: something is recomputed"

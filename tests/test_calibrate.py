@@ -1,0 +1,157 @@
+"""The measured cost model: `autopar calibrate` on gloo ranks, device profiles that plan,
+gradient buckets priced as the runtime runs them, and the communication backward hides."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import autopar
+from autopar import collectives as K
+from autopar.cost import BUCKET_BYTES, axis_link, collective_time
+from autopar.mesh import PRESETS, DeviceSpec
+from autopar.models import build
+from autopar.solution import hidden_gradient_seconds
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
+
+
+def _calibrate_job(cache: str, out: str):
+    """On every rank: a quick calibration over one axis of all ranks, twice (the second
+    from the cache); the spec, whether the second equals it, and the seconds each took."""
+    import time
+
+    os.environ["AUTOPAR_CACHE"] = cache
+    from autopar.runtime.calibrate import calibrate
+    start = time.perf_counter()
+    first = calibrate(quick=True, repeats=2, out=out)
+    mid = time.perf_counter()
+    second = calibrate(quick=True, repeats=2)
+    return first.to_dict(), second == first, mid - start, time.perf_counter() - mid
+
+
+def test_calibrate_measures_every_collective_and_caches(pool2, tmp_path):
+    out = str(tmp_path / "profile.json")
+    results = pool2.run(_calibrate_job, str(tmp_path / "cache"), out)
+    spec = DeviceSpec.from_dict(results[0][0])
+    assert all(r[0] == results[0][0] for r in results)            # every rank plans with the same numbers
+    assert all(r[1] for r in results)                             # the second call read the cache
+    assert all(r[3] < r[2] / 3 for r in results), [r[2:] for r in results]
+    assert 1e8 < spec.peak_flops(torch.float32) < 1e13            # a CPU core's FLOP rate
+    assert 1e8 < spec.peak_flops(torch.float32, attention=True) < 1e13
+    assert 1e8 < spec.mem_bandwidth < 1e12 and 0 < spec.op_latency < 1e-3
+    per_param, per_element = spec.optimizer
+    assert per_param >= 0 and 0 < per_element < 1e-6
+    assert not spec.asynchronous                                  # a CPU runs its ops eagerly
+    links = {(k, where): (bw, lat, launch) for k, where, bw, lat, launch in spec.links}
+    assert set(links) == {(k, "intra") for k in KINDS}            # one node: every kind inside it
+    for kind, (bw, lat, launch) in links.items():
+        assert 1e6 < bw < 1e12 and lat >= 0 and launch >= 0 and lat + launch > 0, (kind, bw, lat, launch)
+    # the profile written is what DeviceSpec.load reads, and it plans
+    assert DeviceSpec.load(out) == spec
+    assert json.load(open(out))["cluster"]["world"] == 2
+    model, example = build("gpt-tiny")
+    plan = autopar.plan(model, autopar.Mesh((2,), ("dp",), device=out), example, compare=False)
+    assert plan.mesh.device == spec and plan.predicted.step_s > 0
+
+
+def test_profiles_round_trip_through_files_and_plans(tmp_path):
+    spec = dataclasses.replace(
+        PRESETS["cpu"], name="measured", links=(("all_reduce", "intra", 3e9, 4e-4, 1e-4),
+                                                ("reduce_scatter", "intra", 1.5e9, 4e-4, 1e-4)),
+        optimizer=(5e-5, 5e-9), attention_flops=(("float32", 1e10),), source="a test")
+    path = tmp_path / "dev.json"
+    spec.save(path)
+    assert DeviceSpec.load(path) == spec
+    model, example = build("mlp")
+    plan = autopar.plan(model, autopar.Mesh((2, 2), ("dp", "tp"), device=str(path)), example, compare=False)
+    plan.save(tmp_path / "plan.json")
+    assert autopar.Plan.load(tmp_path / "plan.json").mesh.device == spec
+    with pytest.raises(ValueError, match="autopar calibrate"):
+        DeviceSpec.load(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text(json.dumps({"device": {**spec.to_dict(), "speed": 1}}))
+    with pytest.raises(ValueError, match="unknown fields \\['speed'\\]"):
+        DeviceSpec.load(tmp_path / "bad.json")
+
+
+def test_measured_links_price_each_kind_by_its_own_line():
+    """gloo's reduce-scatter is an all-reduce underneath: a calibrated device says so with
+    its own reduce-scatter line, and the model prices it by that line, not the all-reduce's."""
+    spec = dataclasses.replace(PRESETS["cpu"], links=(("all_reduce", "intra", 3e9, 4e-4, 1e-4),
+                                                      ("reduce_scatter", "intra", 1.5e9, 2e-4, 3e-4)))
+    mesh = autopar.Mesh((4,), ("dp",), device=spec)
+    m = 8e6
+    assert collective_time("reduce_scatter", m, 0, mesh) == pytest.approx(3e-4 + 3 * 2e-4 + 0.75 * m / 1.5e9)
+    assert collective_time("all_reduce", m, 0, mesh) == pytest.approx(1e-4 + 6 * 4e-4 + 1.5 * m / 3e9)
+    # kinds not measured keep the device's numbers; a mesh's own bandwidth scales the measured
+    assert axis_link("all_gather", 0, mesh) == (spec.intra_bandwidth, spec.intra_latency, spec.launch_latency)
+    faster = autopar.Mesh((4,), ("dp",), device=spec, bandwidth=2 * spec.intra_bandwidth)
+    assert axis_link("reduce_scatter", 0, faster)[0] == pytest.approx(3e9)
+
+
+def test_a_gradient_pays_its_share_of_its_bucket():
+    """Data parallel on a slow-latency mesh: each weight's gradient all-reduce costs its
+    bytes' share of one call's fixed cost plus its own bandwidth term."""
+    mesh = autopar.Mesh((4,), ("dp",), device="cpu")
+    model, example = build("gpt-tiny")
+    plan = autopar.plan(model, mesh, example, compare=False, layout="data-parallel")
+    bw, lat, launch = axis_link("all_reduce", 0, mesh)
+    fixed, per_byte = K.line("all_reduce", "ring", 4, bw, lat, launch)
+    grads = [c for c in plan.collectives if c.phase == "backward" and c.kind == "all_reduce"
+             and c.tensor.endswith("weight")]
+    assert grads
+    for c in grads:
+        assert c.seconds == pytest.approx(fixed * min(1.0, c.nbytes / BUCKET_BYTES) + per_byte * c.nbytes), c
+        assert c.seconds < fixed   # one call per parameter would cost at least the fixed cost
+
+
+def test_backward_hides_what_buckets_overlap():
+    """Two streams: backward ops in reverse order, and bucket reductions once ready."""
+    ops = {3: (1.0, 0.0), 2: (1.0, 0.0), 1: (1.0, 0.0)}
+    assert hidden_gradient_seconds(ops, {3: 0.5}) == pytest.approx(0.5)   # done while 2 and 1 run
+    assert hidden_gradient_seconds(ops, {1: 2.0}) == pytest.approx(0.0)   # ready only at the end
+    assert hidden_gradient_seconds(ops, {3: 5.0}) == pytest.approx(2.0)   # 3 s past the last op
+    assert hidden_gradient_seconds(ops, {3: 1.5, 2: 1.5}) == pytest.approx(2.0)  # queued: ends at 4, 1 s past
+
+
+@pytest.mark.parametrize("device", ["h100", "cpu"])
+def test_the_step_subtracts_the_hidden_communication(device):
+    """On a GPU (NCCL on its own stream) gradient buckets overlap backward and the plan says
+    how much; a CPU rank's collectives reduce on its compute cores: nothing hidden."""
+    model, example = build("gpt-tiny", batch=64)
+    plan = autopar.plan(model, autopar.Mesh((8,), ("dp",), device=device), example, compare=False,
+                        layout="data-parallel")
+    p = plan.predicted
+    assert p.step_s == pytest.approx(p.compute_s + sum(p.comm_s.values()) - p.hidden_s)
+    if device == "h100":
+        assert 0 < p.hidden_s <= sum(p.comm_s.values())
+        assert "hidden behind backward" in str(plan)
+    else:
+        assert p.hidden_s == 0
+
+
+def test_plan_command_reads_a_profile_and_defaults_to_bf16_on_gpus(tmp_path):
+    path = tmp_path / "dev.json"
+    dataclasses.replace(PRESETS["cpu"], name="cpu-measured").save(path)
+    run = lambda *a: subprocess.run([sys.executable, "-m", "autopar", "-q", "plan", "--model", "gpt-tiny",
+                                     "--mesh", "2", "--no-compare", "--save", str(tmp_path / "p.json"), *a],
+                                    capture_output=True, text=True, timeout=300)
+    got = run("--device", str(path))
+    assert got.returncode == 0, got.stderr
+    cpu = autopar.Plan.load(tmp_path / "p.json")
+    assert cpu.mesh.device.name == "cpu-measured" and cpu.precision is None
+    assert run("--device", "h100").returncode == 0
+    gpu = autopar.Plan.load(tmp_path / "p.json")
+    assert gpu.precision is not None and gpu.precision.param_dtype == torch.bfloat16
+    assert gpu.predicted.memory["params"] == pytest.approx(cpu.predicted.memory["params"] / 2)
+    assert run("--device", "h100", "--precision", "fp32").returncode == 0
+    assert autopar.Plan.load(tmp_path / "p.json").precision is None
+    bad = run("--device", str(tmp_path / "none.json"))
+    assert bad.returncode == 2 and "autopar calibrate" in bad.stderr
+    assert math.isfinite(gpu.predicted.step_s)
