@@ -8,4 +8,4 @@ from .menus import same_local_shape, zero_layout
 from .reduce import Reduced, reduce_problem
 
 __all__ = ["Problem", "Reduced", "reduce_problem", "PNode", "EdgeKey", "Choice", "module_path", "block_of",
-           "VIEWS", "SAVES_NOTHING", "SHARE_PERIOD", "UNUSABLE", "same_local_shape", "zero_layout"]
+           "VIEWS", "SAVES_NOTHING", "SHARE_PERIOD", "UNUSABLE", "same_local_shape", "zero_layout", "bucket_kinds"]
