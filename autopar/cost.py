@@ -123,7 +123,7 @@ def redistribute_codes(shape, itemsize: int, src: tuple, dst: tuple, mesh: Mesh)
                  for kind, a, share, fixed, per_byte in priced[k])
 
 
-PRICE_ROWS = 6   # redistribute_price: total, all-gathers, and the fixed costs of the reductions
+PRICE_ROWS = 8   # redistribute_price: total, all-gathers, and the lines of the reductions
 BUCKET_BYTES = 25 * 2**20   # the runtime's gradient buckets (autopar.compile's bucket_mb default)
 
 
@@ -133,7 +133,8 @@ def redistribute_price(src: tuple, dst: tuple, mesh: Mesh) -> np.ndarray:
     the same two numbers for its all-gathers alone (rows 2, 3: the ones a parameter repeats
     in backward); the fixed seconds of its all-reduces (row 4) and of its reduce-scatters
     (row 5), which a parameter's gradient shares with the rest of its bucket
-    (`bucket_discount`).  Lets a whole table of layout pairs be priced once and scaled to
+    (`bucket_share`), and the seconds per byte of its all-reduces (row 6) and
+    reduce-scatters (row 7).  Lets a whole table of layout pairs be priced once and scaled to
     every tensor size, where the cheapest algorithm is taken."""
     algorithms = mesh.device.algorithms
     out = np.zeros((PRICE_ROWS, len(algorithms)))
@@ -148,8 +149,10 @@ def redistribute_price(src: tuple, dst: tuple, mesh: Mesh) -> np.ndarray:
                 out[3, j] += b
             elif kind == "all_reduce":
                 out[4, j] += f
+                out[6, j] += b
             elif kind == "reduce_scatter":
                 out[5, j] += f
+                out[7, j] += b
     return out
 
 

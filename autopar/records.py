@@ -91,14 +91,16 @@ class ParamState:
 @dataclass(frozen=True)
 class Prediction:
     """Step time and memory per device by kind.  The step is compute plus communication
-    per mesh axis less `hidden_s`: the gradient buckets' communication that runs while
-    backward computes (autopar.solution.hidden_gradient_seconds)."""
+    per mesh axis less `hidden_s`: the part of the gradient buckets' communication
+    (`overlappable_s`) that runs while backward computes
+    (autopar.solution.hidden_gradient_seconds)."""
 
     step_s: float
     compute_s: float
     comm_s: dict
     memory: dict
     hidden_s: float = 0.0
+    overlappable_s: float = 0.0   # the gradient buckets' communication, hidden or not
 
     @property
     def memory_total(self) -> float:

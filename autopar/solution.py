@@ -68,6 +68,29 @@ class Assignment(dict):
 
 
 def solve_problem(problem: Problem, rule, budget, time_limit, minimise_memory=False, recompute=None):
+    """`solve_summed`, then once more with gradient buckets priced at the share the first
+    plan's backward hides (Problem.overlapped), keeping whichever plan's step, overlap
+    counted (assemble), is faster.  The ILP's objective is a sum and cannot see overlap;
+    the second solve lets plans whose reductions hide better (ZeRO-2 over ZeRO-3, data
+    parallel over more sharding) win.  Only where overlap happens (an asynchronous device)
+    and hides at least 1 % of the step."""
+    best = solve_summed(problem, rule, budget, time_limit, minimise_memory, recompute)
+    if minimise_memory or not problem.mesh.device.asynchronous or not problem.edge_bucketed:
+        return best
+    first = assemble(problem, best[0])[2]
+    if first.hidden_s <= 0.01 * first.step_s or not first.overlappable_s:
+        return best
+    try:
+        other = solve_summed(problem.overlapped(first.hidden_s / first.overlappable_s), rule, budget, time_limit,
+                             minimise_memory, recompute)
+    except InfeasibleError:
+        return best
+    if assemble(problem, other[0])[2].step_s < first.step_s * (1 - 1e-9):
+        return other
+    return best
+
+
+def solve_summed(problem: Problem, rule, budget, time_limit, minimise_memory=False, recompute=None):
     """Solve with every identical layer alike (period 1); when the answer moves data between
     consecutive layers, try alternating layouts (period 2) too and keep the faster plan.
 
@@ -316,7 +339,8 @@ def assemble(problem: Problem, choice: dict):
     comm_by_axis = {mesh.axis_names[a]: comm[a] for a in range(mesh.ndim)}
     # a CPU rank's collectives reduce on the cores its compute uses: nothing is hidden there
     hidden = hidden_gradient_seconds(backward, bucketed) if mesh.device.asynchronous else 0.0
-    predicted = Prediction(compute + sum(comm) - hidden, compute, comm_by_axis, memory, hidden)
+    predicted = Prediction(compute + sum(comm) - hidden, compute, comm_by_axis, memory, hidden,
+                           sum(bucketed.values()))
     return nodes, collectives, predicted, grad_sums
 
 

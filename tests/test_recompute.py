@@ -11,7 +11,7 @@ import autopar
 from autopar.models import build
 from autopar.plan import Plan
 from autopar.recompute import layer_slots
-from autopar.solution import _solve_modes, build_problem, mode_assignments, solve_problem
+from autopar.solution import _solve_modes, build_problem, mode_assignments, solve_summed
 from rc_cases import losses_and_params, saved_bytes
 from rt_cases import build_case, check_mixed_precision, mixed_precision_vs_reference, train_and_compare
 
@@ -227,9 +227,9 @@ def test_skipped_recompute_assignments_could_not_win(frac):
     model, example = build("gpt2-124m", device="meta", batch=16, seq=1024)
     mesh = autopar.Mesh((8,), ("dp",), device="h100")
     problem = build_problem(model, mesh, example, None, autopar.MixedPrecision.of("bf16")).problem
-    need = solve_problem(problem, None, None, 60.0)[2]
+    need = solve_summed(problem, None, None, 60.0)[2]
     budget = need * frac
-    chosen = solve_problem(problem, None, budget, 60.0)
+    chosen = solve_summed(problem, None, budget, 60.0)
     assert chosen[2] <= budget * (1 + 1e-6)
     every = []
     for modes, periods in [(None, (1, 2))] + mode_assignments(problem, layer_slots(problem), None):

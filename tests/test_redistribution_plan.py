@@ -114,15 +114,17 @@ def test_the_price_line_is_the_priced_steps(sizes):
     whole = math.prod(shape) * item
     for src, dst in all_pairs(len(sizes)):
         priced = redistribute(shape, item, src, dst, mesh)
-        fixed, per_byte, g_fixed, g_per_byte, ar_fixed, rs_fixed = redistribute_price(layout_code(src),
-                                                                                      layout_code(dst), mesh)
+        (fixed, per_byte, g_fixed, g_per_byte, ar_fixed, rs_fixed, ar_per_byte,
+         rs_per_byte) = redistribute_price(layout_code(src), layout_code(dst), mesh)
         k = int(np.argmin(fixed + per_byte * whole))   # the cheapest algorithm, as the steps took
         assert fixed[k] + per_byte[k] * whole == pytest.approx(sum(s.seconds for s in priced), rel=1e-12)
         assert {s.algorithm for s in priced} <= {mesh.device.algorithms[k]}
         gathers = [s.seconds for s in priced if s.kind == "all_gather"]
         assert g_fixed[k] + g_per_byte[k] * whole == pytest.approx(sum(gathers), rel=1e-12, abs=1e-18)
-        for kind, row in (("all_reduce", ar_fixed), ("reduce_scatter", rs_fixed)):   # what buckets share
-            assert row[k] == pytest.approx(sum(s.fixed for s in priced if s.kind == kind), rel=1e-12, abs=1e-18)
+        for kind, f, b in (("all_reduce", ar_fixed, ar_per_byte), ("reduce_scatter", rs_fixed, rs_per_byte)):
+            mine = [s for s in priced if s.kind == kind]   # the fixed part is what buckets share
+            assert f[k] == pytest.approx(sum(s.fixed for s in mine), rel=1e-12, abs=1e-18)
+            assert f[k] + b[k] * whole == pytest.approx(sum(s.seconds for s in mine), rel=1e-12, abs=1e-18)
         planned = [(s.kind, s.axes, whole * s.share * (sizes[s.axis] if s.kind == "all_gather" else 1))
                    for s in plan_redistribute(src, dst, sizes) if s.is_collective]
         assert priced_calls(shape, item, src, dst, mesh) == planned, (src, dst)

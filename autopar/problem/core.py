@@ -7,6 +7,7 @@ layouts (the same problem with menus restricted; reduce.py folds it for the ILP)
 """
 from __future__ import annotations
 
+import copy
 import functools
 import math
 
@@ -210,7 +211,18 @@ class Problem:
         for pn in self.nodes:
             self.counts[pn.rep] = self.counts.get(pn.rep, 0) + 1
         self.edge_forward: dict[EdgeKey, np.ndarray] = {}   # data edges: the forward moves alone
+        self.edge_bucketed: dict[EdgeKey, np.ndarray] = {}  # parameter gradients: their bucketed reductions
         self.edge_costs = {key: self._edge_matrix(key) for key in self.edge_classes}
+
+    def overlapped(self, hidden: float) -> "Problem":
+        """This problem with each parameter gradient's bucketed reduction priced at
+        (1 - hidden) of its seconds: a linear stand-in for the overlap of gradient buckets
+        with backward (solution.hidden_gradient_seconds), `hidden` being the share a
+        plan's buckets hide.  The copy shares everything but its edge costs."""
+        out = copy.copy(self)
+        out.edge_costs = {k: (m - hidden * self.edge_bucketed[k] if k in self.edge_bucketed else m)
+                          for k, m in self.edge_costs.items()}
+        return out
 
     def rep_edge(self, e: EdgeKey) -> EdgeKey:
         return e._replace(a=self.nodes[e.a].rep, b=self.nodes[e.b].rep)
@@ -375,6 +387,7 @@ class Problem:
             m = self._seconds_table(shape, item, src, dst)
             if b.kind == "param":
                 m = m - self._bucketed(b, 1, shape, item, src, dst)
+                self.edge_bucketed[e] = self._bucket_seconds
             own = _codes([_shape_key(code(s.outputs[0])) for s in a.strategies])
             theirs = _codes([_shape_key(code(s.outputs[e.out])) for s in b.strategies])
             return np.where(own[1][:, None] == theirs[1][None, :], m, m + UNUSABLE)
@@ -394,6 +407,7 @@ class Problem:
             bwd = self._seconds_table(shape, item, dest, g, reverse=True)
             if a.kind == "param":
                 bwd = bwd - self._bucketed(a, 0, shape, item, dest, g, reverse=True)
+                self.edge_bucketed[e] = np.where(has[None, :], self._bucket_seconds, 0.0)
         if a.kind == "param":  # gathered for use, dropped after forward: gather again for backward
             bwd = bwd + self._seconds_table(shape, item, p, q, gathers=True)
         return m + np.where(has[None, :], bwd, 0.0)
@@ -413,8 +427,12 @@ class Problem:
         best = (lines[0] + lines[1] * whole).argmin(axis=0)   # the algorithm _seconds_table takes
         pick = lambda row: np.take_along_axis(row, best[None], axis=0)[0][np.ix_(si, di)]
         zero2 = np.array([s.zero == 2 for s in param.strategies])
-        fixed = pick(lines[4]) + np.where(zero2[:, None] if side == 0 else zero2[None, :], pick(lines[5]), 0.0)
-        return fixed * (1.0 - C.bucket_share(whole))
+        zero2 = zero2[:, None] if side == 0 else zero2[None, :]
+        fixed = pick(lines[4]) + np.where(zero2, pick(lines[5]), 0.0)
+        per_byte = pick(lines[6]) + np.where(zero2, pick(lines[7]), 0.0)
+        share = C.bucket_share(whole)
+        self._bucket_seconds = fixed * share + per_byte * whole   # what the bucket stream runs
+        return fixed * (1.0 - share)
 
     def _seconds_table(self, shape, item, src, dst, reverse=False, gathers=False) -> np.ndarray:
         """[choices of src, choices of dst] seconds of redistributing a tensor of `shape` from
