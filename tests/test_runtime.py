@@ -20,7 +20,7 @@ MODELS = {
     "hf-llama": ("hf-llama",),
 }
 MESHES = {(4,): ("tp",), (2, 2): ("dp", "tp"), (1, 4): ("dp", "tp"), (4, 1): ("dp", "tp")}
-RANDOM_PER_MESH = 8  # 32 random plans per model over the four meshes, 160 in all
+RANDOM_PER_MESH = 6  # 24 random plans per model over the four meshes, 120 in all
 
 
 @functools.lru_cache(maxsize=None)

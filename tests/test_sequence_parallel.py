@@ -228,9 +228,16 @@ def test_megatron_sp_closed_form():
     tp = autopar.plan(model, mesh, example, mixed_precision="bf16", layout="megatron-tp", compare=False)
     sp = autopar.plan(model, mesh, example, mixed_precision="bf16", layout="megatron-sp", compare=False)
     stream = 8 * 1024 * 768 * 2
-    fwd = [(c.kind, c.nbytes) for c in sp.collectives if c.phase == "forward"]
-    assert sorted(fwd) == sorted([("all_gather", stream)] * 5 + [("reduce_scatter", stream)] * 4)
-    assert [(c.kind, c.nbytes) for c in tp.collectives if c.phase == "forward"] == [("all_reduce", stream)] * 4
+    params = set(sp.param_placements)
+
+    def stream_moves(plan):   # forward collectives of the residual stream (weights may be ZeRO-gathered)
+        return sorted((c.kind, c.nbytes) for c in plan.collectives
+                      if c.phase == "forward" and c.tensor not in params and c.nbytes >= stream)
+
+    assert stream_moves(sp) == sorted([("all_gather", stream)] * 5 + [("reduce_scatter", stream)] * 4)
+    # (Megatron may also gather a hidden-split embedding once, before the first block)
+    assert [m for m in stream_moves(tp) if m[0] != "all_gather"] == [("all_reduce", stream)] * 4
+    assert stream_moves(tp).count(("all_gather", stream)) <= 1
     assert sp.predicted.step_s <= tp.predicted.step_s
     assert sp.predicted.memory["activations"] < tp.predicted.memory["activations"]
     assert megatron_sp_axes(sp) == ["tp"] and megatron_sp_axes(tp) == []

@@ -300,7 +300,8 @@ class Problem:
             comm[st.axis] += st.seconds
         if s.offload:
             dev = mesh.device
-            compute = 2 * owned * item / dev.host_bandwidth + owned / dev.host_optimizer_rate
+            per_param = dev.optimizer[0] if dev.optimizer else 0.0   # the host loops over parameters too
+            compute = 2 * owned * item / dev.host_bandwidth + owned / dev.host_optimizer_rate + per_param
         return Choice(compute, tuple(comm), mem, numel * (2 * item + state))
 
     def zero_gather_steps(self, pn: PNode, s: Strategy) -> tuple:
