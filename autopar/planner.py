@@ -17,7 +17,7 @@ from .precision import MixedPrecision
 from .plan import ParamState, PipelineLayout, Plan, SolverStats, Timing
 from .problem import Problem, same_local_shape
 from .recompute import check_mode, layer_slots, recompute_record
-from .solution import Built, assemble, build_problem, solve_problem
+from .solution import Built, assemble, build_problem, solve_problem, solve_summed
 from .solver import InfeasibleError
 from .trace import graph_signature
 
@@ -101,7 +101,8 @@ def _plan_built(built: Built, model, mesh: Mesh, budget, compare, time_limit, la
                 compared[name] = B.unavailable(rule, problem)
                 continue
             try:
-                c, _, _ = solve_problem(problem, rule, None, time_limit, recompute=recompute)
+                # (summed, not re-solved for overlap: a hand-written layout leaves few choices)
+                c, _, _ = solve_summed(problem, rule, None, time_limit, recompute=recompute)
                 compared[name] = assemble(problem, c)[2]
                 choices[name] = c
             except InfeasibleError as exc:
