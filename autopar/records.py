@@ -91,16 +91,20 @@ class ParamState:
 @dataclass(frozen=True)
 class Prediction:
     """Step time and memory per device by kind.  The step is compute plus communication
-    per mesh axis less `hidden_s`: the part of the gradient buckets' communication
-    (`overlappable_s`) that runs while backward computes
-    (autopar.solution.hidden_gradient_seconds)."""
+    per mesh axis less `hidden_s`: the communication that runs while the device computes,
+    out of `overlappable_s`.  Two kinds overlap: gradient buckets reduced while backward
+    runs (autopar.solution.hidden_gradient_seconds) and, of which `prefetch_hidden_s` out
+    of `prefetchable_s`, ZeRO-3 weight gathers started one ahead while forward runs
+    (autopar.solution.hidden_prefetch_seconds)."""
 
     step_s: float
     compute_s: float
     comm_s: dict
     memory: dict
     hidden_s: float = 0.0
-    overlappable_s: float = 0.0   # the gradient buckets' communication, hidden or not
+    overlappable_s: float = 0.0   # the gradient buckets' and prefetched gathers' communication, hidden or not
+    prefetch_hidden_s: float = 0.0
+    prefetchable_s: float = 0.0
 
     @property
     def memory_total(self) -> float:
@@ -109,7 +113,11 @@ class Prediction:
     def __str__(self) -> str:
         comm = ", ".join(f"{k} {format_seconds(v)}" for k, v in self.comm_s.items())
         mem = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.memory.items())
-        hidden = f", {format_seconds(self.hidden_s)} of it hidden behind backward" if self.hidden_s else ""
+        behind = self.hidden_s - self.prefetch_hidden_s
+        parts = ([f"{format_seconds(behind)} behind backward"] if behind > 1e-12 else []) + \
+            ([f"{format_seconds(self.prefetch_hidden_s)} of weight gathers behind forward"]
+             if self.prefetch_hidden_s > 1e-12 else [])
+        hidden = f", hidden: {' and '.join(parts)}" if parts else ""
         return (f"step {format_seconds(self.step_s)} (compute {format_seconds(self.compute_s)}; comm {comm}{hidden}); "
                 f"memory {format_bytes(self.memory_total)} ({mem})")
 

@@ -68,21 +68,24 @@ class Assignment(dict):
 
 
 def solve_problem(problem: Problem, rule, budget, time_limit, minimise_memory=False, recompute=None):
-    """`solve_summed`, then once more with gradient buckets priced at the share the first
-    plan's backward hides (Problem.overlapped), keeping whichever plan's step, overlap
-    counted (assemble), is faster.  The ILP's objective is a sum and cannot see overlap;
-    the second solve lets plans whose reductions hide better (ZeRO-2 over ZeRO-3, data
-    parallel over more sharding) win.  Only where overlap happens (an asynchronous device)
-    and hides at least 1 % of the step."""
+    """`solve_summed`, then once more with gradient buckets and prefetched weight gathers
+    priced at the shares the first plan hides (Problem.overlapped), keeping whichever
+    plan's step, overlap counted (assemble), is faster.  The ILP's objective is a sum and
+    cannot see overlap; the second solve lets plans whose communication hides better
+    (ZeRO-2 over ZeRO-3, data parallel over more sharding) win.  Only where overlap happens
+    (an asynchronous device) and hides at least 1 % of the step."""
     best = solve_summed(problem, rule, budget, time_limit, minimise_memory, recompute)
     if minimise_memory or not problem.mesh.device.asynchronous or not problem.edge_bucketed:
         return best
     first = assemble(problem, best[0])[2]
-    if first.hidden_s <= 0.01 * first.step_s or not first.overlappable_s:
+    behind = first.hidden_s - first.prefetch_hidden_s          # the gradient buckets' part
+    buckets = first.overlappable_s - first.prefetchable_s
+    if first.hidden_s <= 0.01 * first.step_s:
         return best
+    shares = (behind / buckets if buckets > 0 else 0.0,
+              first.prefetch_hidden_s / first.prefetchable_s if first.prefetchable_s > 0 else 0.0)
     try:
-        other = solve_summed(problem.overlapped(first.hidden_s / first.overlappable_s), rule, budget, time_limit,
-                             minimise_memory, recompute)
+        other = solve_summed(problem.overlapped(*shares), rule, budget, time_limit, minimise_memory, recompute)
     except InfeasibleError:
         return best
     if assemble(problem, other[0])[2].step_s < first.step_s * (1 - 1e-9):
@@ -284,6 +287,8 @@ def assemble(problem: Problem, choice: dict):
         owner = e.b if e.kind == "data" else (e.b if e.kind == "grad_out" else problem.nodes[e.b].source[0])
         edges_into.setdefault(owner, []).append(e)
     backward = {}   # op index -> (its backward compute, the synchronous communication of its backward)
+    forward = {}    # op index -> its forward compute and synchronous forward communication
+    gathers = {}    # op index -> seconds of the prefetchable weight gathers it waits for
     bucketed = {}   # op index -> seconds of gradient buckets that become ready when its backward ends
     first_reader = _first_readers(problem)
     for pn in problem.nodes:
@@ -294,6 +299,7 @@ def assemble(problem: Problem, choice: dict):
         if pn.kind == "op":
             fwd = c.forward_s - sum(c.comm) / 2
             backward[pn.index] = [c.compute - fwd, sum(c.comm) / 2]
+            forward[pn.index] = fwd + sum(c.comm) / 2
         if pn.kind == "param" and s.zero:  # ZeRO-1/2: updated weights all-gathered after the step
             for st in problem.zero_gather_steps(pn, s):
                 comm[st.axis] += st.seconds
@@ -312,8 +318,15 @@ def assemble(problem: Problem, choice: dict):
             fwd, bwd = problem.edge_steps(problem.rep_edge(e), choice[e.a], choice[e.b])
             src = problem.nodes[e.a] if e.kind == "data" else problem.nodes[e.b]
             param = problem.nodes[e.a] if e.kind == "data" else (pn if pn.kind == "param" else None)
+            prefetched = (e.kind == "data" and param is not None and param.kind == "param" and len(fwd) == 1
+                          and fwd[0].kind == "all_gather")   # the runtime prefetches exactly these
             for phase, steps in (("forward", fwd), ("backward", bwd)):
                 for st in steps:
+                    if phase == "forward" and pn.index in forward:
+                        if prefetched:
+                            gathers[pn.index] = gathers.get(pn.index, 0.0) + st.seconds
+                        else:
+                            forward[pn.index] += st.seconds
                     comm[st.axis] += st.seconds
                     edge_comm += st.seconds
                     if phase == "backward" and param is not None and param.kind == "param" and \
@@ -338,9 +351,11 @@ def assemble(problem: Problem, choice: dict):
     memory["activations"], memory["working"], _ = beyond_linear(problem, choice, costs)
     comm_by_axis = {mesh.axis_names[a]: comm[a] for a in range(mesh.ndim)}
     # a CPU rank's collectives reduce on the cores its compute uses: nothing is hidden there
-    hidden = hidden_gradient_seconds(backward, bucketed) if mesh.device.asynchronous else 0.0
+    overlap = mesh.device.asynchronous
+    prefetch = hidden_prefetch_seconds(forward, gathers) if overlap else 0.0
+    hidden = (hidden_gradient_seconds(backward, bucketed) if overlap else 0.0) + prefetch
     predicted = Prediction(compute + sum(comm) - hidden, compute, comm_by_axis, memory, hidden,
-                           sum(bucketed.values()))
+                           sum(bucketed.values()) + sum(gathers.values()), prefetch, sum(gathers.values()))
     return nodes, collectives, predicted, grad_sums
 
 
@@ -354,6 +369,30 @@ def _first_readers(problem: Problem) -> dict:
             for src, _ in pn.inputs:
                 out.setdefault(src, pn.index)
     return out
+
+
+def hidden_prefetch_seconds(forward: dict, gathers: dict) -> float:
+    """How much of the weight gathers forward hides (runtime/reshard.py): two streams, the
+    device running each op's forward (compute and synchronous communication) in order, and
+    the communication stream gathering weights one ahead: the first gather runs when its
+    op is reached, and each gather starts the next one, which runs while the ops up to its
+    reader compute.  An op waits for its own gather; what the stream did meanwhile is
+    hidden."""
+    clock = busy = 0.0
+    ready = {}
+    readers = sorted(i for i, t in gathers.items() if t > 0)
+    nxt = dict(zip(readers, readers[1:]))
+    free = 0.0
+    for index in sorted(set(forward) | set(readers)):
+        if index in gathers and gathers[index] > 0:
+            clock = max(clock, ready[index]) if index in ready else clock + gathers[index]
+            if index in nxt:
+                after = nxt[index]
+                free = ready[after] = max(free, clock) + gathers[after]
+        own = forward.get(index, 0.0)
+        clock += own
+        busy += own
+    return max(0.0, sum(gathers.values()) - (clock - busy))
 
 
 def hidden_gradient_seconds(backward: dict, bucketed: dict) -> float:

@@ -17,7 +17,8 @@ from autopar import collectives as K
 from autopar.cost import BUCKET_BYTES, axis_link, collective_time
 from autopar.mesh import PRESETS, DeviceSpec
 from autopar.models import build
-from autopar.solution import hidden_gradient_seconds
+import autopar.pipeline.search as pipeline_search
+from autopar.solution import hidden_gradient_seconds, hidden_prefetch_seconds
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
 
@@ -120,6 +121,51 @@ def test_backward_hides_what_buckets_overlap():
     assert hidden_gradient_seconds(ops, {3: 1.5, 2: 1.5}) == pytest.approx(2.0)  # queued: ends at 4, 1 s past
 
 
+def test_forward_hides_weight_gathers_started_one_ahead():
+    """The first gather waits; each gather starts the next, which runs while the ops up to
+    its reader compute."""
+    ops = {1: 1.0, 2: 1.0, 3: 1.0}
+    assert hidden_prefetch_seconds(ops, {1: 0.5}) == pytest.approx(0.0)             # nothing before it
+    assert hidden_prefetch_seconds(ops, {1: 0.5, 2: 0.5, 3: 0.5}) == pytest.approx(1.0)  # all but the first
+    assert hidden_prefetch_seconds(ops, {1: 0.5, 3: 0.5}) == pytest.approx(0.5)     # runs during ops 1 and 2
+    # a gather longer than the compute it overlaps: 2 s under op 1's 1 s, 1 s exposed
+    assert hidden_prefetch_seconds(ops, {1: 0.5, 2: 2.0}) == pytest.approx(1.0)
+
+
+def test_zero3_plan_says_what_forward_hides():
+    model, example = build("gpt-tiny", batch=64)
+    for device in ("h100", "cpu"):
+        p = autopar.plan(model, autopar.Mesh((8,), ("dp",), device=device), example, compare=False,
+                         layout="zero3").predicted
+        assert p.step_s == pytest.approx(p.compute_s + sum(p.comm_s.values()) - p.hidden_s)
+        if device == "h100":
+            assert 0 < p.prefetch_hidden_s <= p.prefetchable_s < sum(p.comm_s.values())
+            assert "weight gathers behind forward" in str(p)
+        else:
+            assert p.prefetch_hidden_s == 0 < p.prefetchable_s
+
+
+def test_pipeline_sends_overlap_only_on_asynchronous_devices(monkeypatch):
+    """A send delays its receiver only (GPU); on CPU ranks it adds to both stages: 1 ms
+    more per send costs 1F1B on 2 stages x 4 microbatches 4 ms (the chain through the cut:
+    a forward and a backward each way at fill and drain) against 8 ms."""
+    model, example = build("gpt-tiny", batch=16, n_layers=4)
+    fixed = autopar.Pipeline(axis="pp", groups=2, schedule="1f1b", microbatches=4)
+    grew = {}
+    for asynchronous in (True, False):
+        mesh = autopar.Mesh((2, 2), ("pp", "dp"), device=dataclasses.replace(PRESETS["h100"],
+                                                                             asynchronous=asynchronous))
+        steps = []
+        for seconds in (0.0, 1e-3):
+            monkeypatch.setattr(pipeline_search, "send_time", lambda *a, s=seconds: s)
+            c = pipeline_search.search(model, mesh, example, fixed=fixed, recompute="none")
+            assert c.sends_overlap is asynchronous and c.send_s == seconds
+            steps.append(c.step_s)
+        grew[asynchronous] = (steps[1] - steps[0]) / 1e-3
+    assert grew[True] == pytest.approx(4.0, abs=0.1)
+    assert grew[False] > 7.5
+
+
 @pytest.mark.parametrize("device", ["h100", "cpu"])
 def test_the_step_subtracts_the_hidden_communication(device):
     """On a GPU (NCCL on its own stream) gradient buckets overlap backward and the plan says
@@ -131,7 +177,7 @@ def test_the_step_subtracts_the_hidden_communication(device):
     assert p.step_s == pytest.approx(p.compute_s + sum(p.comm_s.values()) - p.hidden_s)
     if device == "h100":
         assert 0 < p.hidden_s <= sum(p.comm_s.values())
-        assert "hidden behind backward" in str(plan)
+        assert "behind backward" in str(plan)
     else:
         assert p.hidden_s == 0
 

@@ -129,6 +129,8 @@ class PipelineChoice:
     group_memory: tuple = ()   # per device group: {params, grads, optimizer, activations, working} bytes per device
     recompute: str = "none"    # what every repeated layer keeps for backward (autopar/recompute.py)
     built: Built | None = field(default=None, compare=False, repr=False)  # the problem of one stage's plan
+    send_s: float = 0.0           # one activation's (or gradient's) trip across a cut
+    sends_overlap: bool = False   # sends delay only their receiver (asynchronous devices)
 
     @property
     def n_stages(self) -> int:
@@ -144,7 +146,10 @@ class PipelineChoice:
                 + (f", {self.n_virtual} virtual stages per group" if self.n_virtual > 1 else "")
                 + f"; step {self.step_s * 1e3:.1f} ms (no pipeline: {self.no_pipeline_s * 1e3:.1f} ms), "
                 f"bubble {self.bubble:.1%}, memory per device up to {max(self.memory) / 2**30:.2f} GiB"
-                + (f"; every layer recomputed ({self.recompute})" if self.recompute != "none" else ""))
+                + (f"; every layer recomputed ({self.recompute})" if self.recompute != "none" else "")
+                + (f"; each send across a cut {self.send_s * 1e3:.2f} ms, "
+                   + ("overlapped with the sender's compute" if self.sends_overlap else "added to both stages")
+                   if self.send_s else ""))
 
 
 def search(model, mesh, example_inputs, example_kwargs=None, *, memory_budget=None, schedules=SCHEDULE_CHOICES,
@@ -223,7 +228,7 @@ def search(model, mesh, example_inputs, example_kwargs=None, *, memory_budget=No
                             continue
                         for mode, (layers, prefix, suffix) in by_mode.items():
                             choice = _evaluate(layers, prefix, suffix, copies, send, n_stages, p, v, schedule,
-                                               n_mb, limit, rejected)
+                                               n_mb, limit, rejected, mesh.device.asynchronous)
                             if choice is not None:
                                 results.append(_replace(_with_place(choice, mesh.axis_names[axis], p, sub_shape),
                                                         layer_prefix=names[0], layer_indices=tuple(names[1]),
@@ -254,9 +259,15 @@ def _with_place(c: PipelineChoice, axis: str, p: int, sub_shape) -> PipelineChoi
     return _replace(c, axis=axis, n_groups=p, submesh=tuple(sub_shape))
 
 
-def _evaluate(layers, prefix, suffix, copies, send, n_stages, p, v, schedule, n_mb, limit, rejected):
+def _evaluate(layers, prefix, suffix, copies, send, n_stages, p, v, schedule, n_mb, limit, rejected,
+              overlap=False):
     """Cut the layers into n_stages, simulate the schedule, check memory.  copies: the model
-    states the last stage holds again (weights tied to the first stage's)."""
+    states the last stage holds again (weights tied to the first stage's).  send: one
+    activation's (or gradient's) trip across a cut.  The schedules post sends without
+    waiting for them; on an asynchronous device (overlap) a send delays only the stage that
+    receives it (the simulated dependency's latency) while the sender computes on; on CPU
+    ranks the transfer runs on the cores the compute uses and adds to both."""
+    paid = 0.0 if overlap else send
     units = [c.forward_s + c.backward_s for c in layers]
     cuts = _balanced_cuts(units, n_stages, units and (prefix.forward_s + prefix.backward_s),
                           suffix.forward_s + suffix.backward_s)
@@ -264,8 +275,8 @@ def _evaluate(layers, prefix, suffix, copies, send, n_stages, p, v, schedule, n_
     held_states = {k: [] for k in ("params", "grads", "optimizer")}
     for s, (a, b) in enumerate(cuts):
         members = layers[a:b] + ([prefix] if s == 0 else []) + ([suffix, copies] if s == n_stages - 1 else [])
-        fwd.append(sum(c.forward_s for c in members) + (send if s < n_stages - 1 else 0.0))
-        bwd.append(sum(c.backward_s for c in members) + (send if s > 0 else 0.0))
+        fwd.append(sum(c.forward_s for c in members) + (paid if s < n_stages - 1 else 0.0))
+        bwd.append(sum(c.backward_s for c in members) + (paid if s > 0 else 0.0))
         once.append(sum(c.once_s for c in members))
         for k, kept in held_states.items():
             kept.append(sum(getattr(c, k) for c in members))
@@ -274,9 +285,10 @@ def _evaluate(layers, prefix, suffix, copies, send, n_stages, p, v, schedule, n_
     ratio = sum(bwd) / max(sum(fwd), 1e-30)
     if v > 1:  # group g holds stages g, g + p, ...: its chunks' times add up
         group_f = [sum(fwd[g::p]) for g in range(p)]
-        tl = simulate(schedule, p, n_mb, stage_times=group_f, backward_ratio=ratio, n_virtual=v)
+        tl = simulate(schedule, p, n_mb, stage_times=group_f, backward_ratio=ratio, n_virtual=v,
+                      comm_time=send - paid)
     else:
-        tl = simulate(schedule, n_stages, n_mb, stage_times=fwd, backward_ratio=ratio)
+        tl = simulate(schedule, n_stages, n_mb, stage_times=fwd, backward_ratio=ratio, comm_time=send - paid)
     memory, group_memory = [], []
     for g in range(p):
         held = tl.max_in_flight(g)
@@ -292,7 +304,8 @@ def _evaluate(layers, prefix, suffix, copies, send, n_stages, p, v, schedule, n_
     group_once = [sum(once[s] for s in range(g, n_stages, p)) for g in range(p)]
     step = tl.makespan + max(group_once)
     return PipelineChoice(None, p, (), tuple(cuts), schedule, n_mb, v, step, tl.bubble_fraction,
-                          tuple(f + b for f, b in zip(fwd, bwd)), tuple(memory), group_memory=tuple(group_memory))
+                          tuple(f + b for f, b in zip(fwd, bwd)), tuple(memory), group_memory=tuple(group_memory),
+                          send_s=send, sends_overlap=overlap)
 
 
 def _balanced_cuts(units, n_stages, head, tail):

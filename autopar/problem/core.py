@@ -212,15 +212,18 @@ class Problem:
             self.counts[pn.rep] = self.counts.get(pn.rep, 0) + 1
         self.edge_forward: dict[EdgeKey, np.ndarray] = {}   # data edges: the forward moves alone
         self.edge_bucketed: dict[EdgeKey, np.ndarray] = {}  # parameter gradients: their bucketed reductions
+        self.edge_gathers: dict[EdgeKey, np.ndarray] = {}   # weights read: their forward all-gathers
         self.edge_costs = {key: self._edge_matrix(key) for key in self.edge_classes}
 
-    def overlapped(self, hidden: float) -> "Problem":
+    def overlapped(self, hidden: float, prefetched: float = 0.0) -> "Problem":
         """This problem with each parameter gradient's bucketed reduction priced at
-        (1 - hidden) of its seconds: a linear stand-in for the overlap of gradient buckets
-        with backward (solution.hidden_gradient_seconds), `hidden` being the share a
-        plan's buckets hide.  The copy shares everything but its edge costs."""
+        (1 - hidden) of its seconds and each weight's forward gathers at (1 - prefetched):
+        a linear stand-in for the overlap of gradient buckets with backward
+        (solution.hidden_gradient_seconds) and of prefetched gathers with forward
+        (solution.hidden_prefetch_seconds), the shares being what a plan hides.  The copy
+        shares everything but its edge costs."""
         out = copy.copy(self)
-        out.edge_costs = {k: (m - hidden * self.edge_bucketed[k] if k in self.edge_bucketed else m)
+        out.edge_costs = {k: m - hidden * self.edge_bucketed.get(k, 0.0) - prefetched * self.edge_gathers.get(k, 0.0)
                           for k, m in self.edge_costs.items()}
         return out
 
@@ -410,7 +413,8 @@ class Problem:
                 bwd = bwd - self._bucketed(a, 0, shape, item, dest, g, reverse=True)
                 self.edge_bucketed[e] = np.where(has[None, :], self._bucket_seconds, 0.0)
         if a.kind == "param":  # gathered for use, dropped after forward: gather again for backward
-            bwd = bwd + self._seconds_table(shape, item, p, q, gathers=True)
+            self.edge_gathers[e] = gathered = self._seconds_table(shape, item, p, q, gathers=True)
+            bwd = bwd + gathered
         return m + np.where(has[None, :], bwd, 0.0)
 
     def _bucketed(self, param: PNode, side: int, shape, item, src, dst, reverse=False) -> np.ndarray:
