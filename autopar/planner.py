@@ -123,6 +123,33 @@ def _plan_with_pipeline(model, mesh, example_inputs, example_kwargs, memory_budg
     choice = search(model, mesh, example_inputs, example_kwargs, memory_budget=memory_budget,
                     time_limit=time_limit, fixed=fixed, mixed_precision=mixed_precision, recompute=recompute)
     budget = parse_bytes(memory_budget, "memory_budget") if memory_budget is not None else None
+    plain = None
+    if choice.axis is not None and fixed is None and choice.plain is not None:
+        # the search never loses: the plain plan, planned as pipeline=False plans it (under the
+        # budget, with ZeRO and recomputation chosen by the ILP), is kept when it is not slower
+        try:
+            plain = _plan_built(choice.plain, model, mesh, budget, compare, time_limit, layout, random_seed,
+                                time.perf_counter(), recompute)
+        except InfeasibleError:
+            plain = None
+        if plain is not None and plain.predicted.step_s <= choice.step_s:
+            log.info("the plan without stages (%.4g ms) is not slower than the best pipeline (%.4g ms): keeping it",
+                     plain.predicted.step_s * 1e3, choice.step_s * 1e3)
+            summary = (f"pipeline: none (the best of {choice.candidates} pipelined layouts, {choice.step_s * 1e3:.1f} "
+                       f"ms, was not faster than {plain.predicted.step_s * 1e3:.1f} ms without stages)")
+            info = PipelineLayout(axis=None, groups=1, submesh=tuple(mesh.shape),
+                                  stages=((0, len(choice.layer_indices)),),
+                                  schedule="none", microbatches=1, virtual=1, step_s=plain.predicted.step_s,
+                                  no_pipeline_step_s=plain.predicted.step_s, bubble=0.0,
+                                  stage_s=(plain.predicted.step_s,), memory=(plain.predicted.memory_total,),
+                                  full_mesh=mesh, summary=summary, layer_prefix=choice.layer_prefix,
+                                  layer_indices=tuple(choice.layer_indices),
+                                  group_memory=(dict(plain.predicted.memory),))
+            timing = dataclasses.replace(plain.timing, pipeline_search_s=choice.seconds,
+                                         total_s=time.perf_counter() - start)
+            return dataclasses.replace(plain, pipeline=info, timing=timing)
+    if plain is not None:
+        choice = dataclasses.replace(choice, no_pipeline_s=plain.predicted.step_s)
     built = choice.built  # the winner's problem, as the search traced, costed and solved it
     if built is None:  # (a candidate whose problem was dropped while a better one led)
         sub = Mesh(choice.submesh, mesh.axis_names, device=mesh.device, bandwidth=mesh.bandwidth,

@@ -129,6 +129,7 @@ class PipelineChoice:
     group_memory: tuple = ()   # per device group: {params, grads, optimizer, activations, working} bytes per device
     recompute: str = "none"    # what every repeated layer keeps for backward (autopar/recompute.py)
     built: Built | None = field(default=None, compare=False, repr=False)  # the problem of one stage's plan
+    plain: Built | None = field(default=None, compare=False, repr=False)  # the unpipelined problem (whole batch)
     send_s: float = 0.0           # one activation's (or gradient's) trip across a cut
     sends_overlap: bool = False   # sends delay only their receiver (asynchronous devices)
 
@@ -182,7 +183,7 @@ def search(model, mesh, example_inputs, example_kwargs=None, *, memory_budget=No
         if results:
             best = min(results, key=lambda c: (c.step_s, c.n_stages)).built
             results[:] = [c if c.built is best else _replace(c, built=None) for c in results]
-            for key in [k for k, b in problems.items() if b is not best]:
+            for key in [k for k, b in problems.items() if b is not best and k != (mesh.shape, batch)]:
                 del problems[key]
 
     if fixed is not None:
@@ -246,7 +247,8 @@ def search(model, mesh, example_inputs, example_kwargs=None, *, memory_budget=No
     best = min(results, key=lambda c: (c.step_s, c.n_stages))
     base_step = none.step_s if none is not None else float("inf")
     seconds = time.perf_counter() - start
-    best = _replace(best, candidates=len(results), seconds=seconds, no_pipeline_s=base_step, rejected=rejected)
+    best = _replace(best, candidates=len(results), seconds=seconds, no_pipeline_s=base_step, rejected=rejected,
+                    plain=problems.get((mesh.shape, batch)))
     log.info("%s (searched %d layouts in %.2fs)", best, len(results), seconds)
     return best
 
