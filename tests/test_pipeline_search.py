@@ -187,3 +187,15 @@ def test_search_never_loses_to_the_plain_plan(name, batch, shape, bandwidth, bud
         assert searched.predicted.step_s == pytest.approx(plain.predicted.step_s, rel=1e-9)
     else:
         assert searched.pipeline.no_pipeline_step_s == pytest.approx(plain.predicted.step_s, rel=1e-9)
+
+
+def test_search_logs_its_progress(caplog):
+    """A long search says at INFO how far it is and the best layout so far."""
+    model, example = build("gpt-tiny", device="meta", batch=8)
+    mesh = autopar.Mesh((2, 2), ("node", "gpu"), device="h100", bandwidth=(2e9, 300e9))
+    with caplog.at_level("INFO", logger="autopar"):
+        autopar.plan(model, mesh, example, compare=False, pipeline=True)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("pipeline search:")]
+    assert lines, [r.getMessage() for r in caplog.records]
+    total = int(lines[-1].split(" of ")[1].split()[0])
+    assert total >= 2 and f"{total} of {total} " in lines[-1] and "best so far" in lines[-1]

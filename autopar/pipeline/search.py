@@ -207,36 +207,37 @@ def search(model, mesh, example_inputs, example_kwargs=None, *, memory_budget=No
             none = plain   # the fastest plain layout that fits (else the first)
         if mem <= limit and fixed is None:
             results.append(plain)
-    for axis, size in enumerate(mesh.shape):
-        for p in (d for d in range(2, size + 1) if size % d == 0):
-            if fixed is not None and not fixed.allows(mesh.axis_names[axis], p, None, None, None):
-                continue
-            sub_shape = tuple(s // p if a == axis else s for a, s in enumerate(mesh.shape))
-            for n_mb in _microbatch_counts(batch, p, microbatches):
-                got = costs_for(sub_shape, batch // n_mb)
-                if got is None:
-                    rejected["no plan fits a stage"] = rejected.get("no plan fits a stage", 0) + 1
+    todo = [(axis, p, n_mb) for axis, size in enumerate(mesh.shape)
+            for p in (d for d in range(2, size + 1) if size % d == 0)
+            if fixed is None or fixed.allows(mesh.axis_names[axis], p, None, None, None)
+            for n_mb in _microbatch_counts(batch, p, microbatches)]
+    for done, (axis, p, n_mb) in enumerate(todo, 1):
+        sub_shape = tuple(s // p if a == axis else s for a, s in enumerate(mesh.shape))
+        got = costs_for(sub_shape, batch // n_mb)
+        if got is None:
+            rejected["no plan fits a stage"] = rejected.get("no plan fits a stage", 0) + 1
+            continue
+        by_mode, boundary, names, copies = got
+        send = send_time(boundary, axis, mesh)  # one activation (or gradient) across a cut
+        for schedule in schedules:
+            virtuals = (fixed.virtual,) if fixed is not None and fixed.virtual else (1, 2)
+            for v in (virtuals if schedule == "interleaved-1f1b" else (1,)):
+                n_stages = p * v
+                if len(names[1]) < n_stages or (schedule == "interleaved-1f1b" and n_mb % p):
                     continue
-                by_mode, boundary, names, copies = got
-                send = send_time(boundary, axis, mesh)  # one activation (or gradient) across a cut
-                for schedule in schedules:
-                    virtuals = (fixed.virtual,) if fixed is not None and fixed.virtual else (1, 2)
-                    for v in (virtuals if schedule == "interleaved-1f1b" else (1,)):
-                        n_stages = p * v
-                        if len(names[1]) < n_stages or (schedule == "interleaved-1f1b" and n_mb % p):
-                            continue
-                        if fixed is not None and not fixed.allows(mesh.axis_names[axis], p, schedule, n_mb, v):
-                            continue
-                        for mode, (layers, prefix, suffix) in by_mode.items():
-                            choice = _evaluate(layers, prefix, suffix, copies, send, n_stages, p, v, schedule,
-                                               n_mb, limit, rejected, mesh.device.asynchronous)
-                            if choice is not None:
-                                results.append(_replace(_with_place(choice, mesh.axis_names[axis], p, sub_shape),
-                                                        layer_prefix=names[0], layer_indices=tuple(names[1]),
-                                                        recompute=mode,
-                                                        built=problems.get((sub_shape, batch // n_mb))))
-                                break   # (modes go from fastest to least memory: the first that fits wins)
-                keep_best_problem()
+                if fixed is not None and not fixed.allows(mesh.axis_names[axis], p, schedule, n_mb, v):
+                    continue
+                for mode, (layers, prefix, suffix) in by_mode.items():
+                    choice = _evaluate(layers, prefix, suffix, copies, send, n_stages, p, v, schedule,
+                                       n_mb, limit, rejected, mesh.device.asynchronous)
+                    if choice is not None:
+                        results.append(_replace(_with_place(choice, mesh.axis_names[axis], p, sub_shape),
+                                                layer_prefix=names[0], layer_indices=tuple(names[1]),
+                                                recompute=mode,
+                                                built=problems.get((sub_shape, batch // n_mb))))
+                        break   # (modes go from fastest to least memory: the first that fits wins)
+        keep_best_problem()
+        _progress(done, len(todo), mesh.axis_names[axis], p, n_mb, results, start)
     if not results and fixed is not None:
         raise ValueError(f"no pipeline layout of {type(model).__name__} on {mesh} satisfies {fixed} within "
                          f"{limit / 2**30:.2f} GiB per device (rejected: {rejected or 'none'}); the model has "
@@ -251,6 +252,17 @@ def search(model, mesh, example_inputs, example_kwargs=None, *, memory_budget=No
                     plain=problems.get((mesh.shape, batch)))
     log.info("%s (searched %d layouts in %.2fs)", best, len(results), seconds)
     return best
+
+
+def _progress(done, total, axis, p, n_mb, results, start) -> None:
+    """One INFO line per sub-mesh and microbatch size searched: how far, the best so far."""
+    best = min(results, key=lambda c: (c.step_s, c.n_stages)) if results else None
+    what = "none fits yet" if best is None else (
+        f"best so far {best.step_s * 1e3:.1f} ms ("
+        + (f"{best.n_stages} stages over {best.axis}, {best.schedule}, {best.n_microbatches} microbatches"
+           if best.axis is not None else "no pipeline") + ")")
+    log.info("pipeline search: %d of %d sub-meshes x microbatch counts costed (%s split in %d, %d microbatches); "
+             "%d layouts fit; %s; %.1fs", done, total, axis, p, n_mb, len(results), what, time.perf_counter() - start)
 
 
 def _replace(c: PipelineChoice, **kw) -> PipelineChoice:
