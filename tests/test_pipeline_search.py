@@ -9,7 +9,7 @@ from torch.distributed.tensor import Shard
 import autopar
 from autopar.mesh import parse_bytes
 from autopar.models import build
-from autopar.pipeline.search import _balanced_cuts
+from autopar.pipeline.search import _balanced_cuts, search
 
 
 def test_balanced_cuts_minimise_the_slowest_stage():
@@ -199,3 +199,17 @@ def test_search_logs_its_progress(caplog):
     assert lines, [r.getMessage() for r in caplog.records]
     total = int(lines[-1].split(" of ")[1].split()[0])
     assert total >= 2 and f"{total} of {total} " in lines[-1] and "best so far" in lines[-1]
+
+
+def test_parallel_costing_gives_the_same_choice(caplog):
+    """Candidates costed in forked worker processes (one task per microbatch size) give the
+    same layout, step and candidate count as costing them one after another."""
+    model, example = build("gpt-tiny", device="meta", batch=8)
+    mesh = autopar.Mesh((2, 2), ("node", "gpu"), device="h100", bandwidth=(2e9, 300e9))
+    with caplog.at_level("INFO", logger="autopar"):
+        two = search(model, mesh, example, workers=2)
+    assert any("workers in" in r.getMessage() for r in caplog.records)
+    one = search(model, mesh, example, workers=1)
+    fields = ("axis", "n_groups", "submesh", "stages", "schedule", "n_microbatches", "n_virtual", "step_s", "memory",
+              "candidates", "recompute")
+    assert [getattr(two, f) for f in fields] == [getattr(one, f) for f in fields]

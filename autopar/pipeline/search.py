@@ -30,7 +30,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import multiprocessing
+import os
 import re
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -155,11 +158,14 @@ class PipelineChoice:
 
 def search(model, mesh, example_inputs, example_kwargs=None, *, memory_budget=None, schedules=SCHEDULE_CHOICES,
            microbatches=None, time_limit: float = 60.0, fixed: Pipeline | None = None,
-           mixed_precision=None, recompute=None) -> PipelineChoice:
+           mixed_precision=None, recompute=None, workers: int | None = None) -> PipelineChoice:
     """The fastest pipeline layout (or none) for `model` on `mesh`; see the module docstring.
     fixed: a Pipeline whose set fields the result must have (then never "no pipeline");
     mixed_precision: an autopar.MixedPrecision the stages are costed under; recompute: the
-    recomputation policy of every repeated layer (None: the fastest of MODES that fits)."""
+    recomputation policy of every repeated layer (None: the fastest of MODES that fits).
+    workers: processes that cost candidates at once (None: $AUTOPAR_WORKERS, else the
+    cores this process may use); each costs whole microbatch sizes (one trace each), and the
+    result is the same for any count."""
     start = time.perf_counter()
     limit = parse_bytes(memory_budget, "memory_budget") if memory_budget is not None else mesh.device.memory
     batch = batch_size(example_inputs, example_kwargs)
@@ -211,6 +217,11 @@ def search(model, mesh, example_inputs, example_kwargs=None, *, memory_budget=No
             for p in (d for d in range(2, size + 1) if size % d == 0)
             if fixed is None or fixed.allows(mesh.axis_names[axis], p, None, None, None)
             for n_mb in _microbatch_counts(batch, p, microbatches)]
+    keys = list(dict.fromkeys((tuple(s // p if a == axis else s for a, s in enumerate(mesh.shape)), batch // n_mb)
+                              for axis, p, n_mb in todo))
+    _cost_in_parallel([k for k in keys if k not in cost_cache], cost_cache, _worker_count(workers),
+                      (model, mesh, example_inputs, example_kwargs, batch, mixed_precision, time_limit, modes),
+                      lambda key: costs_for(*key))
     for done, (axis, p, n_mb) in enumerate(todo, 1):
         sub_shape = tuple(s // p if a == axis else s for a, s in enumerate(mesh.shape))
         got = costs_for(sub_shape, batch // n_mb)
@@ -252,6 +263,59 @@ def search(model, mesh, example_inputs, example_kwargs=None, *, memory_budget=No
                     plain=problems.get((mesh.shape, batch)))
     log.info("%s (searched %d layouts in %.2fs)", best, len(results), seconds)
     return best
+
+
+def _worker_count(workers) -> int:
+    if workers is None:
+        workers = int(os.environ.get("AUTOPAR_WORKERS", "0")) or len(os.sched_getaffinity(0)) \
+            if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, int(workers))
+
+
+_JOB: tuple = ()   # what forked workers cost candidates of (set in the parent before the fork)
+
+
+def _cost_keys(keys) -> dict:
+    """In a worker: the stage costs of each (sub-mesh shape, microbatch rows) in `keys`."""
+    model, mesh, example_inputs, example_kwargs, batch, mixed_precision, time_limit, modes = _JOB
+    out = {}
+    for sub_shape, mb_size in keys:
+        sub = Mesh(sub_shape, mesh.axis_names, device=mesh.device, bandwidth=mesh.bandwidth, latency=mesh.latency)
+        args, kwargs = first_microbatch((tuple(example_inputs), example_kwargs), batch, mb_size)
+        out[(sub_shape, mb_size)] = _layer_costs(build_problem(model, sub, args, kwargs, mixed_precision),
+                                                 model, time_limit, modes)
+    return out
+
+
+def _cost_in_parallel(keys, cost_cache: dict, workers: int, job: tuple, own) -> None:
+    """Cost the candidates of `keys` into cost_cache, one task per microbatch size (its
+    candidates share one trace): with w workers this process costs every w-th task with
+    `own` (keeping those problems) while w - 1 forked processes cost the others.
+    Nothing here (the search's loop costs them in turn) with one worker, one task, or
+    no fork (not Linux)."""
+    global _JOB
+    tasks: dict = {}
+    for key in keys:
+        tasks.setdefault(key[1], []).append(key)
+    groups = list(tasks.values())
+    if workers < 2 or len(groups) < 2 or not sys.platform.startswith("linux"):
+        return
+    start = time.perf_counter()
+    lanes = min(workers, len(groups))
+    children = lanes - 1
+    _JOB = job
+    try:
+        with multiprocessing.get_context("fork").Pool(children) as pool:
+            pending = [pool.apply_async(_cost_keys, (g,)) for k, g in enumerate(groups) if k % lanes]
+            for g in groups[::lanes]:   # this process's share, while the workers cost theirs
+                for key in g:
+                    own(key)
+            for got in pending:
+                cost_cache.update(got.get())
+    finally:
+        _JOB = ()
+    log.info("pipeline search: %d candidate sub-problems costed by this process and %d workers in %.1fs",
+             len(keys), children, time.perf_counter() - start)
 
 
 def _progress(done, total, axis, p, n_mb, results, start) -> None:
