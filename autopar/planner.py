@@ -144,7 +144,7 @@ def _plan_with_pipeline(model, mesh, example_inputs, example_kwargs, memory_budg
                                   stage_s=(plain.predicted.step_s,), memory=(plain.predicted.memory_total,),
                                   full_mesh=mesh, summary=summary, layer_prefix=choice.layer_prefix,
                                   layer_indices=tuple(choice.layer_indices),
-                                  group_memory=(dict(plain.predicted.memory),))
+                                  group_memory=(dict(plain.predicted.memory),), candidates=choice.candidates)
             timing = dataclasses.replace(plain.timing, pipeline_search_s=choice.seconds,
                                          total_s=time.perf_counter() - start)
             return dataclasses.replace(plain, pipeline=info, timing=timing)
@@ -167,7 +167,8 @@ def _plan_with_pipeline(model, mesh, example_inputs, example_kwargs, memory_budg
                           no_pipeline_step_s=choice.no_pipeline_s, bubble=choice.bubble,
                           stage_s=tuple(choice.stage_s), memory=tuple(choice.memory), full_mesh=mesh,
                           summary=str(choice), layer_prefix=choice.layer_prefix,
-                          layer_indices=tuple(choice.layer_indices), group_memory=tuple(choice.group_memory))
+                          layer_indices=tuple(choice.layer_indices), group_memory=tuple(choice.group_memory),
+                          candidates=choice.candidates)
     timing = dataclasses.replace(result.timing, pipeline_search_s=choice.seconds, total_s=time.perf_counter() - start)
     return dataclasses.replace(result, pipeline=info, timing=timing)
 

@@ -199,6 +199,7 @@ class PipelineLayout:
     layer_prefix: str = ""
     layer_indices: tuple = ()
     group_memory: tuple = ()   # per device group: {params, grads, optimizer, activations} bytes per device
+    candidates: int = 0        # layouts the search found within the budget (the plain one included)
 
     @property
     def pipelined(self) -> bool:

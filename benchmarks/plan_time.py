@@ -20,8 +20,22 @@ Target: llama3-8b on 64 devices (dp=8 x tp=8) planned in under 10 s on a 2-core 
 For reference, PyTorch's own ILP autoparallel reports about 37 s of solving alone for
 the same model and mesh.
 
+Planning at scale (`--scale`): the cases below, in bf16, without the hand-written layouts,
+each against its target (printed as target / time; >= 1.00 meets it) and stopped after
+`--timeout` seconds (default 600; a case still running is reported as not finished):
+
+- 8b-8x8: llama3-8b on 8x8 H100, batch 64 x 2048, no pipeline search: <= 3 s;
+- 8b-8x8-pp: the same with pipeline search: <= 2x the time of 8b-8x8;
+- 70b-1024: llama3-70b on 128x8 H100, batch 128 x 2048: <= 10 s;
+- 405b-16k-pp: a 405B-shaped Llama (126 layers, hidden 16,384, 128 heads) on 16,384 H100
+  as pp 16 x dp 128 x tp 8, batch 2048 x 2048, with pipeline search: <= 60 s and under 2 GB.
+
+For reference, PyTorch's own ILP autoparallel reports 37 s of solving for llama3-8b on 64
+GPUs (no pipeline search), and Alpa 2,393 s to compile GPT-39B for 64 GPUs.
+
 Run:
     python benchmarks/plan_time.py                        # all cases, with baselines
+    python benchmarks/plan_time.py --scale                # the planning-at-scale targets
     python benchmarks/plan_time.py --cases llama3-8b      # one case
     python benchmarks/plan_time.py --no-compare           # skip the hand-written layouts
     python benchmarks/plan_time.py --json plan_time.json  # also write the rows as JSON
@@ -51,6 +65,13 @@ class Case:
     axes: tuple
     device: str = "h100"
     batch: int | None = None   # global batch of the example inputs (None: the preset's)
+    seq: int | None = None
+    overrides: tuple = ()      # model config fields ((name, value), ...)
+    precision: str | None = None
+    pipeline: bool = False
+    target_s: float | None = None     # planning time target
+    relative_to: str | None = None    # target_s is a multiple of this case's time
+    target_bytes: float | None = None  # peak memory target
 
     @property
     def mesh_label(self) -> str:
@@ -63,6 +84,16 @@ CASES = {
     "llama3-8b": Case("llama3-8b", (8, 8), ("dp", "tp"), batch=8),
     "llama3-70b": Case("llama3-70b", (16, 8), ("dp", "tp"), batch=16),
 }
+SCALE = {
+    "8b-8x8": Case("llama3-8b", (8, 8), ("dp", "tp"), batch=64, seq=2048, precision="bf16", target_s=3.0),
+    "8b-8x8-pp": Case("llama3-8b", (8, 8), ("dp", "tp"), batch=64, seq=2048, precision="bf16", pipeline=True,
+                      target_s=2.0, relative_to="8b-8x8"),
+    "70b-1024": Case("llama3-70b", (128, 8), ("dp", "tp"), batch=128, seq=2048, precision="bf16", target_s=10.0),
+    "405b-16k-pp": Case("llama3-70b", (16, 128, 8), ("pp", "dp", "tp"), batch=2048, seq=2048,
+                        overrides=(("dim", 16384), ("n_layers", 126), ("n_heads", 128), ("ffn_dim_multiplier", 1.2)),
+                        precision="bf16", pipeline=True, target_s=60.0, target_bytes=2 * 2**30),
+}
+ALL = {**CASES, **SCALE}
 
 
 def _maxrss_bytes() -> int:
@@ -78,15 +109,18 @@ def run_one(name: str, compare: bool) -> dict:
     from autopar.models import build
     from autopar.plan import Prediction
 
-    case = CASES[name]
+    case = ALL[name]
     rss_before = _maxrss_bytes()
     start = time.perf_counter()
-    overrides = {"batch": case.batch} if case.batch else {}
+    overrides = dict(case.overrides)
+    overrides.update({k: v for k, v in (("batch", case.batch), ("seq", case.seq)) if v})
     model, example_inputs = build(case.model, device="meta", **overrides)
     t_build = time.perf_counter() - start
     mesh = autopar.Mesh(case.shape, case.axes, device=case.device)
-    plan = autopar.plan(model, mesh, example_inputs, compare=compare)
+    plan = autopar.plan(model, mesh, example_inputs, compare=compare, mixed_precision=case.precision,
+                        pipeline=case.pipeline)
     rss_after = _maxrss_bytes()
+    pp = plan.pipeline
 
     # The layouts are costed without a memory budget; only those that fit a device count.
     best, over_memory = None, []
@@ -108,7 +142,10 @@ def run_one(name: str, compare: bool) -> dict:
         "variables": plan.solver.variables, "constraints": plan.solver.constraints,
         "graph_nodes": plan.solver.graph_nodes, "optimal": bool(plan.solver.optimal),
         "gap": float(plan.solver.gap),
-        "step_s": plan.predicted.step_s, "memory_bytes": plan.predicted.memory_total,
+        "step_s": pp.step_s if pp is not None and pp.pipelined else plan.predicted.step_s,
+        "memory_bytes": max(pp.memory) if pp is not None and pp.pipelined else plan.predicted.memory_total,
+        "candidates": pp.candidates if pp is not None else None,
+        "layout": pp.summary if pp is not None else None,
         "best_layout": best[0] if best else None,
         "best_layout_step_s": best[1] if best else None,
         "best_layout_ratio": best[1] / plan.predicted.step_s if best else None,
@@ -117,13 +154,17 @@ def run_one(name: str, compare: bool) -> dict:
     }
 
 
-def run_case_subprocess(name: str, compare: bool) -> dict:
+def run_case_subprocess(name: str, compare: bool, timeout: float | None = None) -> dict:
     """Run `run_one` in a fresh interpreter; on failure the child's stderr goes to ours."""
     cmd = [sys.executable, os.path.abspath(__file__), "--one", name]
     if not compare:
         cmd.append("--no-compare")
     start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"case": name, "error": f"not finished in {timeout:.0f} s", "process_s": time.perf_counter() - start,
+                "timeout": True}
     wall = time.perf_counter() - start
     rows = [line[len(ROW_MARK):] for line in proc.stdout.splitlines() if line.startswith(ROW_MARK)]
     if proc.returncode != 0 or not rows:
@@ -219,6 +260,43 @@ def print_table(rows: list[dict], compare: bool) -> None:
               f"({verdict} the {TARGET_TOTAL_S:.0f} s target on {os.cpu_count()} cores)")
 
 
+def print_scale(rows: list[dict]) -> None:
+    """The planning-at-scale table: time, peak memory, candidates, gap, against each target."""
+    print("autopar planning at scale (bf16, pipeline search where named; no hand-written layouts)")
+    print(f"machine: {os.cpu_count()} CPU cores, Python {platform.python_version()}")
+    print()
+    by = {r["case"]: r for r in rows}
+    print(f"{'case':<12} {'mesh':<22} {'time':>8} {'rss peak':>9} {'cand.':>6} {'ILP':>9} {'step':>10}  target")
+    for r in rows:
+        case = SCALE[r["case"]]
+        if "error" in r:
+            t = r.get("process_s", 0.0)
+            verdict = f"MISSES (>= {t:.0f} s)" if r.get("timeout") and case.target_s and not case.relative_to \
+                else "-"
+            print(f"{r['case']:<12} {case.mesh_label:<22} {r['error']:>40}  {verdict}")
+            continue
+        target = case.target_s
+        what = f"<= {target:.0f} s"
+        if case.relative_to:
+            base = by.get(case.relative_to)
+            target = target * base["total_s"] if base and "error" not in base else None
+            what = f"<= {case.target_s:.0f}x {case.relative_to}"
+        parts = []
+        if target:
+            parts.append(f"{what}: {target / r['total_s']:.2f}x ({'meets' if r['total_s'] <= target else 'MISSES'})")
+        if case.target_bytes:
+            ok = r["rss_after_bytes"] <= case.target_bytes
+            parts.append(f"< {case.target_bytes / 2**30:.0f} GiB: {case.target_bytes / r['rss_after_bytes']:.2f}x "
+                         f"({'meets' if ok else 'MISSES'})")
+        gap = "optimal" if r["optimal"] else f"gap {r['gap']:.2%}"
+        print(f"{r['case']:<12} {case.mesh_label:<22} {_s(r['total_s']):>8} {_mib(r['rss_after_bytes']):>9} "
+              f"{r['candidates'] if r['candidates'] is not None else '-':>6} {gap:>9} {_t(r['step_s']):>10}  "
+              + "; ".join(parts))
+    for r in rows:
+        if "error" not in r and r.get("layout"):
+            print(f"  {r['case']}: {r['layout']}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES),
@@ -226,18 +304,30 @@ def main(argv=None) -> int:
     parser.add_argument("--no-compare", dest="compare", action="store_false",
                         help="do not cost the hand-written layouts")
     parser.add_argument("--json", metavar="PATH", help="also write the rows to this JSON file")
-    parser.add_argument("--one", choices=list(CASES), help=argparse.SUPPRESS)
+    parser.add_argument("--scale", action="store_true", help="the planning-at-scale cases and their targets")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds before a case is stopped")
+    parser.add_argument("--one", choices=list(ALL), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     if args.one:
         print(ROW_MARK + json.dumps(run_one(args.one, args.compare)), flush=True)
+        return 0
+    if args.scale:
+        rows = []
+        for name in SCALE:
+            print(f"planning {name} ...", file=sys.stderr, flush=True)
+            rows.append(run_case_subprocess(name, False, args.timeout))
+        print_scale(rows)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"scale": True, "cpu_count": os.cpu_count(), "rows": rows}, f, indent=1)
         return 0
 
     print_header(args.compare)
     rows = []
     for name in args.cases:
         print(f"planning {name} ...", file=sys.stderr, flush=True)
-        rows.append(run_case_subprocess(name, args.compare))
+        rows.append(run_case_subprocess(name, args.compare, args.timeout))
     print_table(rows, args.compare)
     if args.json:
         with open(args.json, "w") as f:
