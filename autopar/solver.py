@@ -240,6 +240,7 @@ def _solve_ilp(costs, kept, memory, cap, allowed, time_limit):
 
 
 _CHUNK = 1 << 22  # elements of one temporary [choices, choices, choices] array
+LARGE_JOIN = 1 << 15  # the most choices a join made only to let eliminations finish may have (_merge_large)
 
 
 def _distinct(m: np.ndarray, axis: int = 0):
@@ -379,7 +380,7 @@ class _Presolve:
             changed = self._fit_memory()
             changed |= self._normalise()
             changed |= self._eliminate()
-            if not changed and not self._dominate() and not self._merge():
+            if not changed and not self._dominate() and not self._merge() and not self._merge_large():
                 return
 
     def _fit_memory(self) -> bool:
@@ -505,6 +506,30 @@ class _Presolve:
             self._join(u, w, iu, iw, joined)
             return True
         return False
+
+    def _merge_large(self) -> bool:
+        """When nothing else applies and the budget does not bind: join the two neighbours
+        whose join has the fewest choices, even beyond the largest menu, within LARGE_JOIN
+        choices and _CHUNK entries of edges around it.  Exact (as _merge); on meshes of
+        three axes the menus are large and the graph's cycles (residual streams) stop the
+        eliminations, and a few such joins let them finish the problem without CP-SAT."""
+        if self.mem is not None:
+            return False
+        best = None
+        for (u, w), m in self.edges.items():
+            size = int(np.isfinite(m).sum())
+            if size > LARGE_JOIN or (best is not None and size >= best[0]):
+                continue
+            around = (self.adj[u] | self.adj[w]) - {u, w}
+            if size * sum(len(self.cost[x]) for x in around) <= _CHUNK:
+                best = (size, u, w, around)
+        if best is None:
+            return False
+        _, u, w, around = best
+        iu, iw = np.nonzero(np.isfinite(self.edges[(u, w)]))
+        joined = {x: sum(self._mat(n, x)[i] for n, i in ((u, iu), (w, iw)) if x in self.adj[n]) for x in sorted(around)}
+        self._join(u, w, iu, iw, joined)
+        return True
 
     def _fold_leaf(self, g, a) -> bool:
         """A node g whose only neighbour is a, under a binding budget and with memory that
