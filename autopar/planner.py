@@ -11,8 +11,8 @@ import torch
 
 from . import baselines as B
 from .mesh import Mesh, parse_bytes
-from .batching import batch_size, first_microbatch
-from .pipeline.search import search
+from .batching import batch_size
+from .pipeline.search import search, stage_problem
 from .precision import MixedPrecision
 from .plan import ParamState, PipelineLayout, Plan, SolverStats, Timing
 from .problem import Problem, same_local_shape
@@ -151,13 +151,9 @@ def _plan_with_pipeline(model, mesh, example_inputs, example_kwargs, memory_budg
     if plain is not None:
         choice = dataclasses.replace(choice, no_pipeline_s=plain.predicted.step_s)
     built = choice.built  # the winner's problem, as the search traced, costed and solved it
-    if built is None:  # (a candidate whose problem was dropped while a better one led)
-        sub = Mesh(choice.submesh, mesh.axis_names, device=mesh.device, bandwidth=mesh.bandwidth,
-                   latency=mesh.latency)
-        batch = batch_size(example_inputs, example_kwargs)
-        args, kwargs = first_microbatch((tuple(example_inputs), example_kwargs), batch,
-                                        batch // choice.n_microbatches)
-        built = build_problem(model, sub, args, kwargs, mixed_precision)
+    if built is None:  # (a candidate whose problem was dropped while a better one led, or a worker's)
+        built = stage_problem(model, mesh, example_inputs, example_kwargs, mixed_precision, tuple(choice.submesh),
+                              batch_size(example_inputs, example_kwargs) // choice.n_microbatches)
     staged = choice.axis is not None
     result = _plan_built(built, model, built.problem.mesh, budget, compare, time_limit, layout, random_seed,
                          time.perf_counter(), choice.recompute if staged else recompute, staged)

@@ -496,11 +496,8 @@ class _Presolve:
                 return False
             m = self.edges[(u, w)]
             iu, iw = np.nonzero(np.isfinite(m))
-            around = sorted((self.adj[u] | self.adj[w]) - {u, w})
             old = sum(_distinct_pairs(self._mat(n, x)) for n in (u, w) for x in self.adj[n] if (n, x) != (w, u))
-            joined = {}
-            for x in around:
-                joined[x] = sum(self._mat(n, x)[i] for n, i in ((u, iu), (w, iw)) if x in self.adj[n])
+            joined = self._joined(u, w, iu, iw)
             if sum(_distinct_pairs(j) for j in joined.values()) > old:
                 continue
             self._join(u, w, iu, iw, joined)
@@ -522,14 +519,19 @@ class _Presolve:
                 continue
             around = (self.adj[u] | self.adj[w]) - {u, w}
             if size * sum(len(self.cost[x]) for x in around) <= _CHUNK:
-                best = (size, u, w, around)
+                best = (size, u, w)
         if best is None:
             return False
-        _, u, w, around = best
+        _, u, w = best
         iu, iw = np.nonzero(np.isfinite(self.edges[(u, w)]))
-        joined = {x: sum(self._mat(n, x)[i] for n, i in ((u, iu), (w, iw)) if x in self.adj[n]) for x in sorted(around)}
-        self._join(u, w, iu, iw, joined)
+        self._join(u, w, iu, iw, self._joined(u, w, iu, iw))
         return True
+
+    def _joined(self, u, w, iu, iw) -> dict:
+        """The edge matrices of the join of u and w over the pairs (iu[k], iw[k]) to each of
+        their other neighbours."""
+        return {x: sum(self._mat(n, x)[i] for n, i in ((u, iu), (w, iw)) if x in self.adj[n])
+                for x in sorted((self.adj[u] | self.adj[w]) - {u, w})}
 
     def _fold_leaf(self, g, a) -> bool:
         """A node g whose only neighbour is a, under a binding budget and with memory that

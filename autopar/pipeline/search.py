@@ -178,9 +178,8 @@ def search(model, mesh, example_inputs, example_kwargs=None, *, memory_budget=No
     def costs_for(sub_shape, mb_size):
         key = (sub_shape, mb_size)
         if key not in cost_cache:
-            sub = Mesh(sub_shape, mesh.axis_names, device=mesh.device, bandwidth=mesh.bandwidth, latency=mesh.latency)
-            args, kwargs = first_microbatch((tuple(example_inputs), example_kwargs), batch, mb_size)
-            problems[key] = build_problem(model, sub, args, kwargs, mixed_precision)
+            problems[key] = stage_problem(model, mesh, example_inputs, example_kwargs, mixed_precision, sub_shape,
+                                          mb_size)
             cost_cache[key] = _layer_costs(problems[key], model, time_limit, modes)
         return cost_cache[key]
 
@@ -220,7 +219,7 @@ def search(model, mesh, example_inputs, example_kwargs=None, *, memory_budget=No
     keys = list(dict.fromkeys((tuple(s // p if a == axis else s for a, s in enumerate(mesh.shape)), batch // n_mb)
                               for axis, p, n_mb in todo))
     _cost_in_parallel([k for k in keys if k not in cost_cache], cost_cache, _worker_count(workers),
-                      (model, mesh, example_inputs, example_kwargs, batch, mixed_precision, time_limit, modes),
+                      (model, mesh, example_inputs, example_kwargs, mixed_precision, time_limit, modes),
                       lambda key: costs_for(*key))
     for done, (axis, p, n_mb) in enumerate(todo, 1):
         sub_shape = tuple(s // p if a == axis else s for a, s in enumerate(mesh.shape))
@@ -267,8 +266,8 @@ def search(model, mesh, example_inputs, example_kwargs=None, *, memory_budget=No
 
 def _worker_count(workers) -> int:
     if workers is None:
-        workers = int(os.environ.get("AUTOPAR_WORKERS", "0")) or len(os.sched_getaffinity(0)) \
-            if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        workers = int(os.environ.get("AUTOPAR_WORKERS", "0")) or cores
     return max(1, int(workers))
 
 
@@ -277,14 +276,20 @@ _JOB: tuple = ()   # what forked workers cost candidates of (set in the parent b
 
 def _cost_keys(keys) -> dict:
     """In a worker: the stage costs of each (sub-mesh shape, microbatch rows) in `keys`."""
-    model, mesh, example_inputs, example_kwargs, batch, mixed_precision, time_limit, modes = _JOB
-    out = {}
-    for sub_shape, mb_size in keys:
-        sub = Mesh(sub_shape, mesh.axis_names, device=mesh.device, bandwidth=mesh.bandwidth, latency=mesh.latency)
-        args, kwargs = first_microbatch((tuple(example_inputs), example_kwargs), batch, mb_size)
-        out[(sub_shape, mb_size)] = _layer_costs(build_problem(model, sub, args, kwargs, mixed_precision),
-                                                 model, time_limit, modes)
-    return out
+    model, mesh, example_inputs, example_kwargs, mixed_precision, time_limit, modes = _JOB
+    return {(sub_shape, mb_size): _layer_costs(stage_problem(model, mesh, example_inputs, example_kwargs,
+                                                             mixed_precision, sub_shape, mb_size),
+                                               model, time_limit, modes)
+            for sub_shape, mb_size in keys}
+
+
+def stage_problem(model, mesh, example_inputs, example_kwargs, mixed_precision, sub_shape, mb_size) -> Built:
+    """The traced and costed problem of one stage candidate: the model on a sub-mesh of
+    `mesh` shaped `sub_shape` (same links), for a microbatch of `mb_size` rows."""
+    sub = Mesh(sub_shape, mesh.axis_names, device=mesh.device, bandwidth=mesh.bandwidth, latency=mesh.latency)
+    batch = batch_size(example_inputs, example_kwargs)
+    args, kwargs = first_microbatch((tuple(example_inputs), example_kwargs), batch, mb_size)
+    return build_problem(model, sub, args, kwargs, mixed_precision)
 
 
 def _cost_in_parallel(keys, cost_cache: dict, workers: int, job: tuple, own) -> None:
