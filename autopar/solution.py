@@ -39,13 +39,15 @@ class Built:
 
 def build_problem(model, mesh, args, kwargs, mixed_precision=None) -> Built:
     """Trace `model` on (args, kwargs) and build its strategy menus and costs on `mesh`.
-    Under mixed precision what runs is traced: the model cast to param_dtype on meta inputs."""
+    Under mixed precision what runs is traced: the model cast to param_dtype on meta inputs.
+    Repeated layers are traced three of them and written out (autopar/unroll.py): the same
+    graph the runtime traces, checked by its signature when the plan is compiled."""
     start = time.perf_counter()
     if mixed_precision is not None:
         args, kwargs = meta_inputs((tuple(args), kwargs))
-        traced = trace(cast_for_trace(model, mixed_precision.param_dtype), args, kwargs)
+        traced = trace(cast_for_trace(model, mixed_precision.param_dtype), args, kwargs, unroll=True)
     else:
-        traced = trace(model, tuple(args), kwargs)
+        traced = trace(model, tuple(args), kwargs, unroll=True)
     t_trace = time.perf_counter() - start
     problem = Problem(traced, mesh, mixed_precision)
     t_build = time.perf_counter() - start - t_trace
@@ -73,7 +75,9 @@ def solve_problem(problem: Problem, rule, budget, time_limit, minimise_memory=Fa
     plan's step, overlap counted (assemble), is faster.  The ILP's objective is a sum and
     cannot see overlap; the second solve lets plans whose communication hides better
     (ZeRO-2 over ZeRO-3, data parallel over more sharding) win.  Only where overlap happens
-    (an asynchronous device) and hides at least 1 % of the step."""
+    (an asynchronous device) and hides at least 1 % of the step.  The second solve keeps the
+    first plan's recomputed layers: overlap changes which communication pays, not which
+    activations fit."""
     best = solve_summed(problem, rule, budget, time_limit, minimise_memory, recompute)
     if minimise_memory or not problem.mesh.device.asynchronous or not problem.edge_bucketed:
         return best
@@ -85,7 +89,10 @@ def solve_problem(problem: Problem, rule, budget, time_limit, minimise_memory=Fa
     shares = (behind / buckets if buckets > 0 else 0.0,
               first.prefetch_hidden_s / first.prefetchable_s if first.prefetchable_s > 0 else 0.0)
     try:
-        other = solve_summed(problem.overlapped(*shares), rule, budget, time_limit, minimise_memory, recompute)
+        modes = dict(best[0].modes) or None
+        seen = {"extra": beyond_linear(problem, best[0], ModeCosts(problem, modes) if modes else None)[2]}
+        other = _solve_modes(problem.overlapped(*shares), rule, budget, time_limit, minimise_memory, modes,
+                             seen=seen)
     except InfeasibleError:
         return best
     if assemble(problem, other[0])[2].step_s < first.step_s * (1 - 1e-9):

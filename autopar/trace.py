@@ -21,6 +21,8 @@ import torch.fx as fx
 from .attention import window_attention, window_mask
 from .experts import experts_as_op
 from .fused import Parts, as_linear, split_fused
+from .unroll import cut_to_three, repeated_layers
+from .unroll import unroll as unroll_graph
 
 log = logging.getLogger("autopar")
 
@@ -62,6 +64,7 @@ def _module_of_error(exc: BaseException, model: torch.nn.Module) -> str:
 
 
 _CACHE: dict = {}
+UNROLLED = "|unrolled"   # cache key suffix of unrolled traces (autopar/unroll.py)
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
 
 
@@ -106,25 +109,31 @@ def in_mode(model: torch.nn.Module, mode: str):
 
 
 def trace(model: torch.nn.Module | fx.GraphModule, example_inputs: tuple, example_kwargs: dict | None = None,
-          cache: bool = True, mode: str = "train") -> Traced:
+          cache: bool = True, mode: str = "train", unroll: bool = False) -> Traced:
     """The training-IR graph of `model(*example_inputs, **example_kwargs)` in `mode` (see
     in_mode: plans are made on the training graph; the runtime derives eval from both).
 
     Traces are cached in the process by a fingerprint of the model's structure, its modules'
     train/eval flags and the inputs' shapes (see _fingerprint), so planning and compiling the
     same model, or compiling it with several plans, traces once; each caller gets its own
-    copy of the graph.  cache=False always traces."""
+    copy of the graph.  cache=False always traces.
+
+    unroll: when the model's layers are one list of alike modules, export three of them and
+    write the graph of the others from theirs (autopar/unroll.py): the same graph, node for
+    node, in a fraction of the time.  For planning; the runtime traces every layer (and
+    refuses a plan whose graph differs from it)."""
     with in_mode(model, mode):
-        return _trace_cached(model, example_inputs, example_kwargs, cache)
+        return _trace_cached(model, example_inputs, example_kwargs, cache, unroll)
 
 
-def _trace_cached(model, example_inputs, example_kwargs, cache: bool) -> Traced:
+def _trace_cached(model, example_inputs, example_kwargs, cache: bool, unroll: bool = False) -> Traced:
     key = _fingerprint(model, example_inputs, example_kwargs or {}) if cache else None
-    if key is not None and key in _CACHE:
-        return _CACHE[key].copy()
-    traced = _trace(model, example_inputs, example_kwargs)
+    for k in (key, key + UNROLLED if unroll and key else None):  # a full trace serves an unrolled one too
+        if k is not None and k in _CACHE:
+            return _CACHE[k].copy()
+    traced = _trace(model, example_inputs, example_kwargs, unroll)
     if key is not None:
-        _CACHE[key] = traced
+        _CACHE[key + UNROLLED if unroll else key] = traced
         return traced.copy()
     return traced
 
@@ -216,21 +225,71 @@ def _attention_registry():
     return mapping if isinstance(mapping, dict) else None
 
 
-def _trace(model: torch.nn.Module | fx.GraphModule, example_inputs: tuple, example_kwargs: dict | None = None) -> Traced:
+def _trace(model: torch.nn.Module | fx.GraphModule, example_inputs: tuple, example_kwargs: dict | None = None,
+           unroll: bool = False) -> Traced:
     """Export `model(*example_inputs, **example_kwargs)` to ATen training IR on fake tensors.
 
     A user-made `fx.GraphModule` (e.g. from `torch.fx.symbolic_trace`) is an nn.Module and
-    is exported the same way, which lowers its ops to ATen and records its shapes."""
+    is exported the same way, which lowers its ops to ATen and records its shapes.
+    unroll: export three of its repeated layers and write the rest (autopar/unroll.py)."""
     example_kwargs = example_kwargs or {}
     start = time.perf_counter()
+    found = repeated_layers(model) if unroll else None
+    written = None
+    if found is not None:
+        try:
+            ep = _export(model, tuple(example_inputs), example_kwargs, found)
+            params, buffers, lifted = _placeholders(ep)
+            written = unroll_graph(ep.graph_module.graph, params, buffers, found)
+        except TraceError:
+            pass
+        if written is None:
+            log.info("the %d layers of %s do not trace alike: tracing every layer", found.count, found.path)
+    if written is None:
+        ep = _export(model, tuple(example_inputs), example_kwargs, None)
+        params, buffers, lifted = _placeholders(ep)
+        gm = fx.GraphModule(ep.graph_module, ep.graph_module.graph)
+    else:
+        params, buffers = written.params, written.buffers
+        gm = fx.GraphModule(ep.graph_module, written.graph)
+    sig = ep.graph_signature
+    log.info("traced %s in %.2fs: %d nodes%s", type(model).__name__, time.perf_counter() - start,
+             len(gm.graph.nodes), f" (3 of its {found.count} layers exported)" if written is not None else "")
+    first: dict[int, str] = {}
+    tied = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        tied[name] = first.setdefault(id(p), name)
+    known = {ph: ep.constants[name] for ph, name in lifted.items()
+             if isinstance(ep.constants.get(name), torch.Tensor) and not ep.constants[name].is_meta}
+    as_linear(gm, params)
+    parts = split_fused(gm, params, tied, known)
+    share_reads(gm)
+    constants = {name: value.detach().clone() for name, value in ep.constants.items()
+                 if name in set(lifted.values()) and isinstance(value, torch.Tensor) and not value.is_meta}
+    return Traced(gm, params, buffers, list(sig.user_inputs), tied, ep.call_spec.in_spec, ep.call_spec.out_spec,
+                  constants, parts)
+
+
+def _placeholders(ep) -> tuple:
+    """(parameters, buffers and lifted constants, lifted constants): placeholder -> name."""
+    sig = ep.graph_signature
+    lifted = dict(getattr(sig, "inputs_to_lifted_tensor_constants", {}) or {})
+    return dict(sig.inputs_to_parameters), {**sig.inputs_to_buffers, **lifted}, lifted
+
+
+def _export(model, example_inputs: tuple, example_kwargs: dict, found):
+    """torch.export.export(strict=False) of the model as it runs eagerly (_checkpoints_inline,
+    experts_as_op, _causal_masks_as_flags), its layer list cut to three when `found`."""
     try:
         with _checkpoints_inline(), experts_as_op(model), \
-                _causal_masks_as_flags(tuple(example_inputs), example_kwargs) as windows:
-            ep = torch.export.export(model, tuple(example_inputs), example_kwargs, strict=False)
+                (cut_to_three(found) if found is not None else contextlib.nullcontext()), \
+                _causal_masks_as_flags(example_inputs, example_kwargs) as windows:
+            ep = torch.export.export(model, example_inputs, example_kwargs, strict=False)
         if windows["skipped"] and not windows["calls"]:  # its attention did not take the window: keep the masks
             with _checkpoints_inline(), experts_as_op(model), \
-                    _causal_masks_as_flags(tuple(example_inputs), example_kwargs, windows=False):
-                ep = torch.export.export(model, tuple(example_inputs), example_kwargs, strict=False)
+                    (cut_to_three(found) if found is not None else contextlib.nullcontext()), \
+                    _causal_masks_as_flags(example_inputs, example_kwargs, windows=False):
+                ep = torch.export.export(model, example_inputs, example_kwargs, strict=False)
     except Exception as exc:  # name the module that failed and why
         where = _module_of_error(exc, model)
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -238,28 +297,7 @@ def _trace(model: torch.nn.Module | fx.GraphModule, example_inputs: tuple, examp
                          f"{reason}. Make its forward traceable by torch.export(strict=False): no "
                          f"data-dependent Python control flow or .item(); Hugging Face models need "
                          f"use_cache=False.") from exc
-    sig = ep.graph_signature
-    gm = fx.GraphModule(ep.graph_module, ep.graph_module.graph)
-    params = dict(sig.inputs_to_parameters)
-    buffers = dict(sig.inputs_to_buffers)
-    buffers.update(getattr(sig, "inputs_to_lifted_tensor_constants", {}) or {})
-    log.info("traced %s in %.2fs: %d nodes", type(model).__name__, time.perf_counter() - start,
-             len(gm.graph.nodes))
-    first: dict[int, str] = {}
-    tied = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        tied[name] = first.setdefault(id(p), name)
-    lifted = getattr(sig, "inputs_to_lifted_tensor_constants", {}) or {}
-    known = {ph: ep.constants[name] for ph, name in lifted.items()
-             if isinstance(ep.constants.get(name), torch.Tensor) and not ep.constants[name].is_meta}
-    as_linear(gm, params)
-    parts = split_fused(gm, params, tied, known)
-    share_reads(gm)
-    lifted = set((getattr(sig, "inputs_to_lifted_tensor_constants", {}) or {}).values())
-    constants = {name: value.detach().clone() for name, value in ep.constants.items()
-                 if name in lifted and isinstance(value, torch.Tensor) and not value.is_meta}
-    return Traced(gm, params, buffers, list(sig.user_inputs), tied, ep.call_spec.in_spec, ep.call_spec.out_spec,
-                  constants, parts)
+    return ep
 
 
 SHARED_SUFFIX = "_shared"

@@ -26,63 +26,67 @@ import torch
 VOCAB, HIDDEN, HEADS, KV_HEADS, LAYERS = 128, 64, 8, 4, 2
 
 
-def _common(**extra) -> dict:
-    return dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
+def _common(layers: int, **extra) -> dict:
+    return dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=layers,
                 num_attention_heads=HEADS, use_cache=False, **extra)
 
 
-def _configs():
+def _configs(layers: int = LAYERS):
     import transformers as tf
     return {
-        "llama": ("sequential", tf.LlamaForCausalLM, lambda: tf.LlamaConfig(**_common(num_key_value_heads=KV_HEADS))),
-        "qwen2": ("sequential", tf.Qwen2ForCausalLM, lambda: tf.Qwen2Config(**_common(num_key_value_heads=KV_HEADS))),
+        "llama": ("sequential", tf.LlamaForCausalLM,
+                  lambda: tf.LlamaConfig(**_common(layers, num_key_value_heads=KV_HEADS))),
+        "qwen2": ("sequential", tf.Qwen2ForCausalLM,
+                  lambda: tf.Qwen2Config(**_common(layers, num_key_value_heads=KV_HEADS))),
         "mistral": ("sequential", tf.MistralForCausalLM,
-                    lambda: tf.MistralConfig(**_common(num_key_value_heads=KV_HEADS, sliding_window=8))),
+                    lambda: tf.MistralConfig(**_common(layers, num_key_value_heads=KV_HEADS, sliding_window=8))),
         "gemma": ("sequential", tf.GemmaForCausalLM,
-                  lambda: tf.GemmaConfig(**_common(num_key_value_heads=KV_HEADS, head_dim=HIDDEN // HEADS))),
+                  lambda: tf.GemmaConfig(**_common(layers, num_key_value_heads=KV_HEADS, head_dim=HIDDEN // HEADS))),
         "stablelm": ("sequential", tf.StableLmForCausalLM,
-                     lambda: tf.StableLmConfig(**_common(num_key_value_heads=KV_HEADS, partial_rotary_factor=0.5))),
+                     lambda: tf.StableLmConfig(**_common(layers, num_key_value_heads=KV_HEADS,
+                                                         partial_rotary_factor=0.5))),
         "starcoder2": ("sequential", tf.Starcoder2ForCausalLM,
-                       lambda: tf.Starcoder2Config(**_common(num_key_value_heads=KV_HEADS))),
+                       lambda: tf.Starcoder2Config(**_common(layers, num_key_value_heads=KV_HEADS))),
         "gemma2": ("post-norm", tf.Gemma2ForCausalLM,
-                   lambda: tf.Gemma2Config(**_common(num_key_value_heads=KV_HEADS, head_dim=HIDDEN // HEADS))),
+                   lambda: tf.Gemma2Config(**_common(layers, num_key_value_heads=KV_HEADS, head_dim=HIDDEN // HEADS))),
         "qwen3": ("qk-norm", tf.Qwen3ForCausalLM,
-                  lambda: tf.Qwen3Config(**_common(num_key_value_heads=KV_HEADS, head_dim=HIDDEN // HEADS))),
+                  lambda: tf.Qwen3Config(**_common(layers, num_key_value_heads=KV_HEADS, head_dim=HIDDEN // HEADS))),
         "cohere": ("parallel", tf.CohereForCausalLM,
-                   lambda: tf.CohereConfig(**_common(num_key_value_heads=KV_HEADS, pad_token_id=0))),
+                   lambda: tf.CohereConfig(**_common(layers, num_key_value_heads=KV_HEADS, pad_token_id=0))),
         "mixtral": ("moe", tf.MixtralForCausalLM,
-                    lambda: tf.MixtralConfig(**_common(num_key_value_heads=KV_HEADS, num_local_experts=4,
+                    lambda: tf.MixtralConfig(**_common(layers, num_key_value_heads=KV_HEADS, num_local_experts=4,
                                                        num_experts_per_tok=2))),
         "qwen2_moe": ("moe", tf.Qwen2MoeForCausalLM,
-                      lambda: tf.Qwen2MoeConfig(**_common(num_key_value_heads=KV_HEADS, num_experts=4,
+                      lambda: tf.Qwen2MoeConfig(**_common(layers, num_key_value_heads=KV_HEADS, num_experts=4,
                                                           num_experts_per_tok=2, moe_intermediate_size=HIDDEN,
                                                           shared_expert_intermediate_size=HIDDEN))),
         "gpt2": ("fused", tf.GPT2LMHeadModel,
-                 lambda: tf.GPT2Config(vocab_size=VOCAB, n_positions=512, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
+                 lambda: tf.GPT2Config(vocab_size=VOCAB, n_positions=512, n_embd=HIDDEN, n_layer=layers, n_head=HEADS,
                                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)),
         "phi3": ("fused", tf.Phi3ForCausalLM,
-                 lambda: tf.Phi3Config(**_common(num_key_value_heads=KV_HEADS, pad_token_id=0))),
+                 lambda: tf.Phi3Config(**_common(layers, num_key_value_heads=KV_HEADS, pad_token_id=0))),
         "gpt_bigcode": ("fused", tf.GPTBigCodeForCausalLM,
-                        lambda: tf.GPTBigCodeConfig(vocab_size=VOCAB, n_positions=512, n_embd=HIDDEN, n_layer=LAYERS,
+                        lambda: tf.GPTBigCodeConfig(vocab_size=VOCAB, n_positions=512, n_embd=HIDDEN, n_layer=layers,
                                                     n_head=HEADS, multi_query=True, resid_pdrop=0.0, embd_pdrop=0.0,
                                                     attn_pdrop=0.0, use_cache=False)),
         "olmoe": ("moe", tf.OlmoeForCausalLM,  # full-width QK norms too
-                  lambda: tf.OlmoeConfig(**_common(num_key_value_heads=KV_HEADS, num_experts=4, num_experts_per_tok=2))),
+                  lambda: tf.OlmoeConfig(**_common(layers, num_key_value_heads=KV_HEADS, num_experts=4,
+                                                   num_experts_per_tok=2))),
         "qwen3_moe": ("moe", tf.Qwen3MoeForCausalLM,
-                      lambda: tf.Qwen3MoeConfig(**_common(num_key_value_heads=KV_HEADS, num_experts=4,
+                      lambda: tf.Qwen3MoeConfig(**_common(layers, num_key_value_heads=KV_HEADS, num_experts=4,
                                                           num_experts_per_tok=2, moe_intermediate_size=HIDDEN,
                                                           head_dim=HIDDEN // HEADS))),
         "granitemoe": ("moe", tf.GraniteMoeForCausalLM,
-                       lambda: tf.GraniteMoeConfig(**_common(num_key_value_heads=KV_HEADS, num_local_experts=4,
+                       lambda: tf.GraniteMoeConfig(**_common(layers, num_key_value_heads=KV_HEADS, num_local_experts=4,
                                                              num_experts_per_tok=2))),
         "falcon": ("fused-parallel", tf.FalconForCausalLM,
-                   lambda: tf.FalconConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                   lambda: tf.FalconConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=layers,
                                            num_attention_heads=HEADS, use_cache=False)),
         "gptj": ("parallel", tf.GPTJForCausalLM,
-                 lambda: tf.GPTJConfig(vocab_size=VOCAB, n_positions=64, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
+                 lambda: tf.GPTJConfig(vocab_size=VOCAB, n_positions=64, n_embd=HIDDEN, n_layer=layers, n_head=HEADS,
                                        rotary_dim=8, use_cache=False)),
-        "gpt_neox": ("parallel", tf.GPTNeoXForCausalLM, lambda: tf.GPTNeoXConfig(**_common())),
-        "phi": ("parallel", tf.PhiForCausalLM, lambda: tf.PhiConfig(**_common())),
+        "gpt_neox": ("parallel", tf.GPTNeoXForCausalLM, lambda: tf.GPTNeoXConfig(**_common(layers, ))),
+        "phi": ("parallel", tf.PhiForCausalLM, lambda: tf.PhiConfig(**_common(layers, ))),
     }
 
 
@@ -96,15 +100,16 @@ def block_class(family: str) -> str:
     return "fused" if family == "gpt_fused" else _configs()[family][0]
 
 
-def build(family: str, seq: int = 16):
-    """(model, kwargs) of `family`, the same on every call (seed 0): input_ids and labels of
-    a batch of 4 sequences of `seq` tokens (`idx` and `targets` for autopar's own GPT)."""
+def build(family: str, seq: int = 16, layers: int = LAYERS):
+    """(model, kwargs) of `family` with `layers` layers, the same on every call (seed 0):
+    input_ids and labels of a batch of 4 sequences of `seq` tokens (`idx` and `targets` for
+    autopar's own GPT)."""
     ids = torch.randint(0, VOCAB, (4, seq), generator=torch.Generator().manual_seed(1))
     torch.manual_seed(0)
     if family == "gpt_fused":
         from autopar.models import GPT, GPTConfig
-        model = GPT(GPTConfig(vocab=VOCAB, max_seq=512, hidden=HIDDEN, n_layers=LAYERS, n_heads=HEADS, fused_qkv=True))
+        model = GPT(GPTConfig(vocab=VOCAB, max_seq=512, hidden=HIDDEN, n_layers=layers, n_heads=HEADS, fused_qkv=True))
         return model, {"idx": ids, "targets": ids}
-    _, cls, config = _configs()[family]
+    _, cls, config = _configs(layers)[family]
     model = cls(config())
     return model, {"input_ids": ids, "labels": ids}

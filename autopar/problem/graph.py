@@ -13,6 +13,7 @@ import torch.fx as fx
 from ..ops import NO_OUTPUT, TRIVIAL, op_name, outputs_of, tensor_args
 from ..ops.rules import ELEMENTWISE, LINEAR_ELEMENTWISE
 from ..trace import Traced
+from ..unroll import module_path
 
 # Views cost neither time nor memory (an alias is where a tensor's readers share one move,
 # trace.share_reads); linear elementwise ops and views save nothing for backward.
@@ -75,16 +76,6 @@ class Choice:
     @property
     def time(self) -> float:
         return self.compute + sum(self.comm)
-
-
-def module_path(node: fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return ""
-    path = list(stack.values())[-1][0]
-    # torch.export writes L['self'].blocks[0].attn style paths in some versions
-    path = re.sub(r"^L\['self'\]\.?", "", path)
-    return re.sub(r"\[(\d+)\]", r".\1", path)
 
 
 _BLOCK = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")

@@ -1,0 +1,116 @@
+"""Tracing three layers and writing the rest (autopar/unroll.py) gives the full export's
+graph node for node: names, ops, shapes, wiring, module paths and placeholder names, on
+autopar's Llama and every Hugging Face family; models whose layers differ are traced in
+full."""
+from __future__ import annotations
+
+import logging
+
+import hf_archs
+import pytest
+import torch
+import torch.fx as fx
+
+import autopar
+from autopar.models import build
+from autopar.problem import module_path
+from autopar.trace import graph_signature, trace
+from autopar.unroll import MIN_LAYERS, repeated_layers
+
+LAYERS = 7
+# families whose layers are one list of alike modules (the others differ layer by layer or
+# are traced in full because their three-layer graph does not show them alike)
+NOT_UNROLLED = {"gemma2", "falcon"}
+
+
+def _wiring(gm: fx.GraphModule) -> list:
+    return [(n.op, n.name, str(n.target), repr(fx.node.map_arg((n.args, n.kwargs), lambda a: a.name)),
+             module_path(n)) for n in gm.graph.nodes]
+
+
+def _assert_same(model, args, kwargs):
+    full = trace(model, args, kwargs, cache=False)
+    written = trace(model, args, kwargs, cache=False, unroll=True)
+    assert graph_signature(written.graph) == graph_signature(full.graph)
+    assert _wiring(written.graph) == _wiring(full.graph)
+    assert written.params == full.params and written.buffers == full.buffers
+    assert written.user_inputs == full.user_inputs
+    return full
+
+
+@pytest.mark.parametrize("family", ["ours"] + hf_archs.FAMILIES + hf_archs.FUSED + hf_archs.MOE)
+def test_unrolled_graph_is_the_full_export(family, caplog):
+    if family == "ours":
+        model, inputs = build("llama3-8b", device="meta", batch=2, seq=16, n_layers=LAYERS + 1, dim=64, n_heads=4,
+                              n_kv_heads=2, vocab=128)
+        args, kwargs = tuple(inputs), {}
+    else:
+        model, kwargs = hf_archs.build(family, layers=LAYERS)
+        args = ()
+    with caplog.at_level(logging.INFO, logger="autopar"):
+        full = _assert_same(model, args, kwargs)
+    exported_three = any("3 of its" in r.getMessage() for r in caplog.records)
+    assert exported_three == (family not in NOT_UNROLLED), family
+    if exported_three:
+        layers = repeated_layers(model)
+        assert layers.count == (LAYERS + 1 if family == "ours" else LAYERS)
+        per_layer = sum(1 for n in full.graph.graph.nodes if module_path(n).startswith(f"{layers.path}.1."))
+        assert per_layer > 10
+
+
+class _Alternating(torch.nn.Module):
+    """Alike layers, but the forward gives every other layer an extra op: the three-layer
+    graph shows layers 0 and 1 differ, so the model is traced in full."""
+
+    def __init__(self, n=8, width=16):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(n))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i % 2:
+                x = torch.relu(x)
+        return x.sum()
+
+
+class _Skip(torch.nn.Module):
+    """Each layer reads the output of the layer two before it."""
+
+    def __init__(self, n=8, width=16):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(n))
+
+    def forward(self, x):
+        before, x = x, self.layers[0](x)
+        for layer in self.layers[1:]:
+            before, x = x, layer(x) + before
+        return x.sum()
+
+
+@pytest.mark.parametrize("cls", [_Alternating, _Skip])
+def test_layers_that_differ_in_the_forward_are_traced_in_full(cls, caplog):
+    model = cls()
+    assert repeated_layers(model) is not None   # built alike: only their graph tells them apart
+    with caplog.at_level(logging.INFO, logger="autopar"):
+        _assert_same(model, (torch.randn(4, 16),), {})
+    assert any("do not trace alike" in r.getMessage() for r in caplog.records)
+
+
+def test_layers_built_differently_or_few_are_not_unrolled():
+    model = _Skip()
+    model.layers[3] = torch.nn.Linear(16, 16, bias=False)
+    assert repeated_layers(model) is None
+    assert repeated_layers(_Skip(n=MIN_LAYERS - 1)) is None
+    tied = _Skip()
+    tied.layers[2].weight = tied.layers[1].weight
+    assert repeated_layers(tied) is None
+
+
+def test_a_plan_from_an_unrolled_trace_compiles_against_the_full_graph():
+    """The plan records the signature of the graph it planned; the runtime's full trace has
+    the same one."""
+    model, inputs = build("llama3-8b", device="meta", batch=4, seq=16, n_layers=8, dim=64, n_heads=4, n_kv_heads=2,
+                          vocab=128)
+    plan = autopar.plan(model, autopar.Mesh((2, 2), ("dp", "tp")), tuple(inputs), compare=False)
+    assert plan.graph == graph_signature(trace(model, tuple(inputs), cache=False).graph)
