@@ -21,7 +21,7 @@ import torch.fx as fx
 from .attention import window_attention, window_mask
 from .experts import experts_as_op
 from .fused import Parts, as_linear, split_fused
-from .unroll import cut_to_three, repeated_layers
+from .unroll import cut_to_three, plain_attributes, repeated_layers
 from .unroll import unroll as unroll_graph
 
 log = logging.getLogger("autopar")
@@ -65,7 +65,6 @@ def _module_of_error(exc: BaseException, model: torch.nn.Module) -> str:
 
 _CACHE: dict = {}
 UNROLLED = "|unrolled"   # cache key suffix of unrolled traces (autopar/unroll.py)
-_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
 
 
 def _fingerprint(model: torch.nn.Module, example_inputs, example_kwargs) -> str:
@@ -75,8 +74,7 @@ def _fingerprint(model: torch.nn.Module, example_inputs, example_kwargs) -> str:
     structure, shapes and dtypes."""
     parts = []
     for name, mod in model.named_modules(remove_duplicate=False):
-        attrs = sorted((k, repr(v)) for k, v in vars(mod).items()
-                       if k not in _MODULE_INTERNALS and not isinstance(v, (torch.Tensor, torch.nn.Module)))
+        attrs = sorted((k, repr(v)) for k, v in plain_attributes(mod).items())
         parts.append((name, type(mod).__module__, type(mod).__qualname__, mod.training, attrs))
     first: dict[int, str] = {}
     for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):

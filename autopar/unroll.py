@@ -92,7 +92,9 @@ def _shared_tensors(model: torch.nn.Module) -> set:
     return {k for k, v in seen.items() if v > 1}
 
 
-def _plain_attributes(mod: torch.nn.Module) -> dict:
+def plain_attributes(mod: torch.nn.Module) -> dict:
+    """A module's own attributes that are neither tensors, submodules nor nn.Module's
+    bookkeeping: its configuration (sizes, flags, indices)."""
     return {k: v for k, v in vars(mod).items()
             if k not in _MODULE_INTERNALS and not isinstance(v, (torch.Tensor, torch.nn.Module))}
 
@@ -102,7 +104,7 @@ def _index_attributes(first: torch.nn.Module, second: torch.nn.Module) -> set:
     (0 and 1: Hugging Face's `layer_idx`, say)."""
     out = set()
     for (name, a), (_, b) in zip(first.named_modules(remove_duplicate=False), second.named_modules(remove_duplicate=False)):
-        va, vb = _plain_attributes(a), _plain_attributes(b)
+        va, vb = plain_attributes(a), plain_attributes(b)
         out |= {(name, k) for k, v in va.items() if type(v) is int and v == 0 and type(vb.get(k)) is int and vb[k] == 1}
     return out
 
@@ -113,7 +115,7 @@ def _layer_print(layer: torch.nn.Module, index: int, shared: set, index_attrs: s
     parts = []
     for name, mod in layer.named_modules(remove_duplicate=False):
         attrs = sorted((k, "<index>" if (name, k) in index_attrs and type(v) is int and v == index else repr(v))
-                       for k, v in _plain_attributes(mod).items())
+                       for k, v in plain_attributes(mod).items())
         parts.append((name, type(mod), mod.training, tuple(attrs)))
     for name, t in list(layer.named_parameters(remove_duplicate=False)) + list(layer.named_buffers(remove_duplicate=False)):
         if id(t) in shared:
