@@ -17,7 +17,7 @@ from .precision import MixedPrecision
 from .plan import ParamState, PipelineLayout, Plan, SolverStats, Timing
 from .problem import Problem, same_local_shape
 from .recompute import check_mode, layer_slots, recompute_record
-from .solution import Built, assemble, build_problem, solve_problem, solve_summed
+from .solution import Built, assemble, build_problem, solve_problem, solve_summed, step_lower_bound
 from .solver import InfeasibleError
 from .trace import graph_signature
 
@@ -126,12 +126,18 @@ def _plan_with_pipeline(model, mesh, example_inputs, example_kwargs, memory_budg
     plain = None
     if choice.axis is not None and fixed is None and choice.plain is not None:
         # the search never loses: the plain plan, planned as pipeline=False plans it (under the
-        # budget, with ZeRO and recomputation chosen by the ILP), is kept when it is not slower
-        try:
-            plain = _plan_built(choice.plain, model, mesh, budget, compare, time_limit, layout, random_seed,
-                                time.perf_counter(), recompute)
-        except InfeasibleError:
-            plain = None
+        # budget, with ZeRO and recomputation chosen by the ILP), is kept when it is not slower;
+        # it is not planned when no plan without stages can be as fast as the pipeline
+        bound = step_lower_bound(choice.plain.problem, time_limit)
+        if bound > choice.step_s * (1 + 1e-6):
+            log.info("no plan without stages can beat the best pipeline (%.4g ms): any takes at least %.4g ms "
+                     "(solution.step_lower_bound)", choice.step_s * 1e3, bound * 1e3)
+        else:
+            try:
+                plain = _plan_built(choice.plain, model, mesh, budget, compare, time_limit, layout, random_seed,
+                                    time.perf_counter(), recompute)
+            except InfeasibleError:
+                plain = None
         if plain is not None and plain.predicted.step_s <= choice.step_s:
             log.info("the plan without stages (%.4g ms) is not slower than the best pipeline (%.4g ms): keeping it",
                      plain.predicted.step_s * 1e3, choice.step_s * 1e3)

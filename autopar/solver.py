@@ -44,6 +44,7 @@ class Solution:
     variables: int
     constraints: int
     seconds: float
+    slack: bool = False     # the fastest plan with no budget fits it: the budget does not bind
 
     def __str__(self) -> str:
         state = "optimal" if self.optimal else f"feasible, gap {self.gap:.2%}"
@@ -91,6 +92,7 @@ def solve(costs, edges, memory=None, budget=None, allowed=None, *, time_limit=60
                                         [(u, v, np.round(m * scale)) for u, v, m in edges], mem_units, cap, allowed,
                                         time_limit)
         obj, bound = ilp[0] / scale, ilp[1] / scale
+        slack = ilp[5] if budget is not None else True
     else:
         folded, kept = _fold_edges(costs, edges)
         finite = [np.where(allowed[n], folded[n], 0.0) for n in range(n_nodes)]
@@ -100,17 +102,19 @@ def solve(costs, edges, memory=None, budget=None, allowed=None, *, time_limit=60
                          time_limit)
         choice, *ilp = ilp
         obj, bound = ilp[0] / scale, ilp[1] / scale
+        slack = budget is None
     optimal = ilp[2]
     sol = Solution(tuple(int(i) for i in choice), obj, bound, optimal,
                    0.0 if optimal or obj == 0 else max(0.0, (obj - bound) / obj),
-                   ilp[3], ilp[4], time.perf_counter() - start)
+                   ilp[3], ilp[4], time.perf_counter() - start, slack)
     log.info("%s", sol)
     return sol
 
 
 def _solve_presolved(costs, edges, memory, cap, allowed, time_limit):
     """solve() on integer costs through _Presolve: (choice, objective, bound, optimal,
-    variables, constraints), objective and bound in integer units.
+    variables, constraints, slack), objective and bound in integer units; slack: the
+    fastest plan ignoring memory fits.
 
     Under a memory budget the problem is first presolved without it: when the fastest
     plan ignoring memory fits anyway, it is the answer (no plan under the budget can be
@@ -124,7 +128,7 @@ def _solve_presolved(costs, edges, memory, cap, allowed, time_limit):
             if sum(memory[n][i] for n, i in enumerate(choice)) <= cap:
                 log.info("presolve: %s; the fastest plan fits the memory budget (%.2fs)", free,
                          time.perf_counter() - start)
-                return choice, free.offset, free.offset, True, 0, 0
+                return choice, free.offset, free.offset, True, 0, 0, True
     pre = _Presolve(costs, edges, memory, cap, allowed)
     pre.run()
     log.info("presolve: %s (%.2fs)", pre, time.perf_counter() - start)
@@ -140,7 +144,7 @@ def _solve_presolved(costs, edges, memory, cap, allowed, time_limit):
         [pre.cost[n] for n in nodes], kept, [pre.mem[n] for n in nodes] if binding else None,
         cap - pre.mem_offset if binding else None, None, time_limit)
     choice = pre.expand({n: int(pre.keep[n][i]) for n, i in zip(nodes, choice)})
-    return choice, obj + pre.offset, bound + pre.offset, optimal, variables, constraints
+    return choice, obj + pre.offset, bound + pre.offset, optimal, variables, constraints, memory is None
 
 
 def _scale(costs, matrices) -> float:

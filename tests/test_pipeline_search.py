@@ -10,6 +10,7 @@ import autopar
 from autopar.mesh import parse_bytes
 from autopar.models import build
 from autopar.pipeline.search import _balanced_cuts, search
+from autopar.solution import build_problem, step_lower_bound
 
 
 def test_balanced_cuts_minimise_the_slowest_stage():
@@ -40,6 +41,19 @@ def test_slow_network_gets_stages_across_nodes_and_tensor_parallelism_inside(slo
     matrices = [n for n, pl in plan.param_placements.items() if n.startswith("blocks.") and n.endswith("weight")
                 and isinstance(pl[gpu], Shard)]
     assert len(matrices) >= 4 * 48 * 0.9, matrices[:5]           # q/k/v/o/fc1/fc2 split on gpu: TP in the node
+
+
+def test_plain_plan_is_skipped_only_where_it_cannot_win(slow_network_plan):
+    """With stages far ahead, the plain plan is not planned under the budget: the lower
+    bound on any plan without stages (solution.step_lower_bound) is above the pipeline's
+    step, and below the step of the plain plan it stood in for."""
+    plan, _ = slow_network_plan
+    model, example = build("gpt2-1.5b", device="meta", batch=16)
+    mesh = autopar.Mesh((8, 8), ("node", "gpu"), device="h100", bandwidth=(2.5e9, 450e9))
+    plain = autopar.plan(model, mesh, example, compare=False)
+    bound = step_lower_bound(build_problem(model, mesh, example, None).problem, 60.0)
+    assert plan.pipeline.step_s < bound <= plain.predicted.step_s * (1 + 1e-9)
+    assert plan.pipeline.no_pipeline_step_s > plan.pipeline.step_s
 
 
 def test_fast_uniform_network_and_small_model_use_no_pipeline():
@@ -183,10 +197,14 @@ def test_search_never_loses_to_the_plain_plan(name, batch, shape, bandwidth, bud
         assert searched.pipeline.pipelined   # only stages fit
         return
     assert _step(searched) <= plain.predicted.step_s * (1 + 1e-9), (searched.pipeline.summary, plain.predicted)
+    # the bound that lets the planner skip the plain plan holds for the plan it skips
+    problem = build_problem(model, mesh, example, None, autopar.MixedPrecision.of("bf16")).problem
+    bound = step_lower_bound(problem, 60.0)
+    assert 0 < bound <= plain.predicted.step_s * (1 + 1e-9)
     if not searched.pipeline.pipelined:
         assert searched.predicted.step_s == pytest.approx(plain.predicted.step_s, rel=1e-9)
-    else:
-        assert searched.pipeline.no_pipeline_step_s == pytest.approx(plain.predicted.step_s, rel=1e-9)
+    elif searched.pipeline.no_pipeline_step_s != pytest.approx(plain.predicted.step_s, rel=1e-9):
+        assert bound > _step(searched)   # skipped: no plain plan could have been as fast
 
 
 def test_search_logs_its_progress(caplog):
