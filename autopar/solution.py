@@ -101,17 +101,13 @@ def solve_problem(problem: Problem, rule, budget, time_limit, minimise_memory=Fa
         # misleads on this problem (the plans it prefers move more bytes than the step can
         # hide), and the budgeted solve, which ranks memory-saving plans by the same
         # discount, is skipped
-        free = _solve_modes(over, rule, None, time_limit, False, modes)
-        fits = budget is None or free[2] <= budget
-        if not fits:
+        other = _solve_modes(over, rule, None, time_limit, False, modes)
+        if budget is not None and other[2] > budget:
             plain = best[0] if best[1].slack else _solve_modes(problem, rule, None, time_limit, False, modes)[0]
-            if assemble(problem, free[0])[2].step_s >= assemble(problem, plain)[2].step_s * (1 - 1e-9):
+            if assemble(problem, other[0])[2].step_s >= assemble(problem, plain)[2].step_s * (1 - 1e-9):
                 log.info("overlap-aware second solve skipped: with no budget its plan is not faster, overlap "
                          "counted, than the summed optimum")
                 return best
-        if fits:
-            other = free
-        else:
             seen = {"extra": beyond_linear(problem, best[0], ModeCosts(problem, modes) if modes else None)[2]}
             other = _solve_modes(over, rule, budget, time_limit, minimise_memory, modes, seen=seen)
     except InfeasibleError:

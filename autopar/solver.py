@@ -92,7 +92,7 @@ def solve(costs, edges, memory=None, budget=None, allowed=None, *, time_limit=60
                                         [(u, v, np.round(m * scale)) for u, v, m in edges], mem_units, cap, allowed,
                                         time_limit)
         obj, bound = ilp[0] / scale, ilp[1] / scale
-        slack = ilp[5] if budget is not None else True
+        slack = ilp[5]
     else:
         folded, kept = _fold_edges(costs, edges)
         finite = [np.where(allowed[n], folded[n], 0.0) for n in range(n_nodes)]

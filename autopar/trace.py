@@ -278,16 +278,19 @@ def _placeholders(ep) -> tuple:
 def _export(model, example_inputs: tuple, example_kwargs: dict, found):
     """torch.export.export(strict=False) of the model as it runs eagerly (_checkpoints_inline,
     experts_as_op, _causal_masks_as_flags), its layer list cut to three when `found`."""
+    def export(windows: bool):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_checkpoints_inline())
+            stack.enter_context(experts_as_op(model))
+            if found is not None:
+                stack.enter_context(cut_to_three(found))
+            seen = stack.enter_context(_causal_masks_as_flags(example_inputs, example_kwargs, windows=windows))
+            return torch.export.export(model, example_inputs, example_kwargs, strict=False), seen
+
     try:
-        with _checkpoints_inline(), experts_as_op(model), \
-                (cut_to_three(found) if found is not None else contextlib.nullcontext()), \
-                _causal_masks_as_flags(example_inputs, example_kwargs) as windows:
-            ep = torch.export.export(model, example_inputs, example_kwargs, strict=False)
+        ep, windows = export(True)
         if windows["skipped"] and not windows["calls"]:  # its attention did not take the window: keep the masks
-            with _checkpoints_inline(), experts_as_op(model), \
-                    (cut_to_three(found) if found is not None else contextlib.nullcontext()), \
-                    _causal_masks_as_flags(example_inputs, example_kwargs, windows=False):
-                ep = torch.export.export(model, example_inputs, example_kwargs, strict=False)
+            ep, _ = export(False)
     except Exception as exc:  # name the module that failed and why
         where = _module_of_error(exc, model)
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
