@@ -45,9 +45,9 @@ def build_problem(model, mesh, args, kwargs, mixed_precision=None) -> Built:
     start = time.perf_counter()
     if mixed_precision is not None:
         args, kwargs = meta_inputs((tuple(args), kwargs))
-        traced = trace(cast_for_trace(model, mixed_precision.param_dtype), args, kwargs, unroll=True)
+        traced = trace(cast_for_trace(model, mixed_precision.param_dtype), args, kwargs, unroll=True, shared=True)
     else:
-        traced = trace(model, tuple(args), kwargs, unroll=True)
+        traced = trace(model, tuple(args), kwargs, unroll=True, shared=True)
     t_trace = time.perf_counter() - start
     problem = Problem(traced, mesh, mixed_precision)
     t_build = time.perf_counter() - start - t_trace

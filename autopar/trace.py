@@ -107,7 +107,7 @@ def in_mode(model: torch.nn.Module, mode: str):
 
 
 def trace(model: torch.nn.Module | fx.GraphModule, example_inputs: tuple, example_kwargs: dict | None = None,
-          cache: bool = True, mode: str = "train", unroll: bool = False) -> Traced:
+          cache: bool = True, mode: str = "train", unroll: bool = False, shared: bool = False) -> Traced:
     """The training-IR graph of `model(*example_inputs, **example_kwargs)` in `mode` (see
     in_mode: plans are made on the training graph; the runtime derives eval from both).
 
@@ -119,20 +119,25 @@ def trace(model: torch.nn.Module | fx.GraphModule, example_inputs: tuple, exampl
     unroll: when the model's layers are one list of alike modules, export three of them and
     write the graph of the others from theirs (autopar/unroll.py): the same graph, node for
     node, in a fraction of the time.  For planning; the runtime traces every layer (and
-    refuses a plan whose graph differs from it)."""
+    refuses a plan whose graph differs from it).
+
+    shared: return the cached trace itself, not a copy, for callers that only read the
+    graph (planning: a copy of a 9,000-node graph costs 0.3-1 s, once per pipeline
+    candidate); a caller that rewrites the graph (the runtime's passes) takes a copy."""
     with in_mode(model, mode):
-        return _trace_cached(model, example_inputs, example_kwargs, cache, unroll)
+        return _trace_cached(model, example_inputs, example_kwargs, cache, unroll, shared)
 
 
-def _trace_cached(model, example_inputs, example_kwargs, cache: bool, unroll: bool = False) -> Traced:
+def _trace_cached(model, example_inputs, example_kwargs, cache: bool, unroll: bool = False,
+                  shared: bool = False) -> Traced:
     key = _fingerprint(model, example_inputs, example_kwargs or {}) if cache else None
     for k in (key, key + UNROLLED if unroll and key else None):  # a full trace serves an unrolled one too
         if k is not None and k in _CACHE:
-            return _CACHE[k].copy()
+            return _CACHE[k] if shared else _CACHE[k].copy()
     traced = _trace(model, example_inputs, example_kwargs, unroll)
     if key is not None:
         _CACHE[key + UNROLLED if unroll else key] = traced
-        return traced.copy()
+        return traced if shared else traced.copy()
     return traced
 
 
