@@ -16,7 +16,16 @@ redistributed or cut to this plan's pieces) and writes it into the optimizer's s
 """
 from __future__ import annotations
 
+import functools
+import json
+import os
+import random
+import shutil
+
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.tensor import DTensor
 
 from autopar.passes.shard_params import shard_of
@@ -129,3 +138,151 @@ def load_optimizer_state_dict(cm, opt, saved: dict) -> None:
             mine[k].copy_(local.to(mine[k].device, mine[k].dtype).view_as(mine[k]))
     for g, s in zip(inner.param_groups, saved["param_groups"]):
         g.update({k: v for k, v in s.items() if k != "params"})
+
+
+# --- autopar.checkpoint.save / load ---------------------------------------------------------------
+META = "autopar.json"   # rank 0's record beside torch.distributed.checkpoint's files
+FORMAT = 1
+
+
+def give_sharded_state(cm, opt) -> None:
+    """`opt.state_dict()` and `opt.load_state_dict(sd)` in torch.distributed.checkpoint's
+    layout (optimizer_state_dict above), so the usual DCP pattern works with the optimizer
+    itself: the state of one plan or mesh loads into another."""
+    opt.state_dict = functools.partial(optimizer_state_dict, cm, opt)
+    opt.load_state_dict = functools.partial(load_optimizer_state_dict, cm, opt)
+
+
+def _flat_shapes(state: dict, prefix: str = "") -> dict:
+    """Key (as DCP names it: nested keys joined by '.') -> global shape of every tensor."""
+    out = {}
+    for k, v in state.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flat_shapes(v, key + "."))
+        elif isinstance(v, torch.Tensor):
+            out[key] = tuple(v.shape)
+    return out
+
+
+def _check_fits(path: str, state: dict, names: list) -> None:
+    """The checkpoint at `path` has every tensor of `state` at its shape, and no parameter
+    it holds is unknown to the model (`names`: every model-level name, on whichever rank, in
+    the model's order); else a CheckpointError naming the first mismatch (model entries in
+    the model's order, then the optimizer's)."""
+    saved = FileSystemReader(path).read_metadata().state_dict_metadata
+    rank = {f"model.{n}": k for k, n in enumerate(names)}
+    wanted = sorted(_flat_shapes(state).items(), key=lambda kv: (kv[0] not in rank, rank.get(kv[0], 0)))
+    for key, shape in wanted:
+        if key not in saved:
+            where = key.split(".", 1)
+            raise CheckpointError(f"checkpoint {path} has no {key!r}: it was saved from another model (or "
+                                  f"without {where[0]!r}); the first missing entry is {key!r}")
+        size = getattr(saved[key], "size", None)
+        if size is not None and tuple(size) != shape:
+            raise CheckpointError(f"checkpoint {path}: {key!r} is {tuple(size)} there but {shape} in this model; "
+                                  f"it was saved from a model of another size")
+    known = set(names)
+    extra = sorted(k[len("model."):] for k in saved if k.startswith("model.") and k[len("model."):] not in known)
+    if extra:
+        raise CheckpointError(f"checkpoint {path} holds {extra[0]!r}, which this model does not have "
+                              f"({len(extra)} such entries); it was saved from another model")
+
+
+def _rng_state(device_type: str) -> dict:
+    out = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if device_type == "cuda":
+        out["cuda"] = torch.cuda.get_rng_state()
+    return out
+
+
+def _set_rng_state(saved: dict, device_type: str) -> None:
+    torch.set_rng_state(saved["torch"])
+    random.setstate(saved["python"])
+    if device_type == "cuda" and "cuda" in saved:
+        torch.cuda.set_rng_state(saved["cuda"])
+
+
+def save(path, cm, optimizer=None, *, step: int | None = None, extra: dict | None = None) -> str:
+    """Save the compiled model's (and `optimizer`'s) sharded state to directory `path` with
+    torch.distributed.checkpoint, beside the plan, the step, `extra` (anything JSON can
+    hold: the data loader's position, a config) and every rank's RNG states.  Every rank
+    calls it; no rank holds a whole tensor it does not own.  The directory appears whole or
+    not at all: it is written under a temporary name and renamed once every rank is done,
+    so a job killed while saving keeps its previous checkpoint.  Returns `path`."""
+    path = os.fspath(path)
+    rank = dist.get_rank()
+    partial = f"{path}.partial"
+    if rank == 0 and os.path.isdir(partial):
+        shutil.rmtree(partial)
+    dist.barrier()
+    state = {"model": cm.state_dict()}
+    if optimizer is not None:
+        state["optim"] = optimizer_state_dict(cm, optimizer)
+    dcp.save(state, checkpoint_id=partial)
+    os.makedirs(os.path.join(partial, "rng"), exist_ok=True)
+    torch.save(_rng_state(cm.device_type), os.path.join(partial, "rng", f"rank{rank}.pt"))
+    if rank == 0:
+        record = {"format": FORMAT, "step": step, "extra": extra, "world_size": dist.get_world_size(),
+                  "optimizer": optimizer is not None, "plan": cm.plan.to_dict()}
+        with open(os.path.join(partial, META), "w") as f:
+            json.dump(record, f)
+    dist.barrier()
+    if rank == 0:
+        if os.path.isdir(path):
+            old = f"{path}.old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(path, old)
+            os.rename(partial, path)
+            shutil.rmtree(old)
+        else:
+            os.rename(partial, path)
+    dist.barrier()
+    return path
+
+
+def load(path, cm, optimizer=None) -> dict:
+    """Load a checkpoint written by `save` (under any plan, mesh or world size) into `cm`
+    and `optimizer`, and restore this rank's RNG states when the checkpoint has them (same
+    world size).  Returns {"step", "extra", "plan"} as saved (the plan as a dict).  A
+    checkpoint of another model raises CheckpointError naming the first entry that does not
+    fit; one saved without the optimizer, when `optimizer` is given, too."""
+    path = os.fspath(path)
+    meta_path = os.path.join(path, META)
+    if not os.path.isfile(meta_path):
+        raise CheckpointError(f"{path} is not a checkpoint written by autopar.checkpoint.save (no {META}); "
+                              f"a bare torch.distributed.checkpoint directory loads with dcp.load + "
+                              f"cm.load_state_dict")
+    with open(meta_path) as f:
+        record = json.load(f)
+    if optimizer is not None and not record.get("optimizer"):
+        raise CheckpointError(f"checkpoint {path} was saved without an optimizer; load it with optimizer=None "
+                              f"and start the optimizer afresh")
+    state = {"model": cm.state_dict()}
+    if optimizer is not None:
+        state["optim"] = optimizer_state_dict(cm, optimizer)
+    _check_fits(path, state, cm.state_dict_names())
+    dcp.load(state, checkpoint_id=path)
+    cm.load_state_dict(state["model"])
+    if optimizer is not None:
+        load_optimizer_state_dict(cm, optimizer, state["optim"])
+    rng = os.path.join(path, "rng", f"rank{dist.get_rank()}.pt")
+    if record.get("world_size") == dist.get_world_size() and os.path.isfile(rng):
+        _set_rng_state(torch.load(rng, weights_only=False), cm.device_type)
+    return {"step": record.get("step"), "extra": record.get("extra"), "plan": record.get("plan")}
+
+
+def latest(directory) -> str | None:
+    """The complete checkpoint with the highest step (then the newest) among the
+    subdirectories of `directory` that `save` wrote, or None: where a restarted job resumes."""
+    directory = os.fspath(directory)
+    if not os.path.isdir(directory):
+        return None
+    done = [os.path.join(directory, d) for d in os.listdir(directory)
+            if os.path.isfile(os.path.join(directory, d, META))]
+
+    def order(d):
+        with open(os.path.join(d, META)) as f:
+            step = json.load(f).get("step")
+        return (step if isinstance(step, int) else -1, os.path.getmtime(os.path.join(d, META)))
+    return max(done, key=order, default=None)

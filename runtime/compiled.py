@@ -26,6 +26,7 @@ from autopar.plan import Plan
 from autopar.precision import MixedPrecision
 
 from .build import initial_shards, rewrite
+from .faults import DEFAULT_TIMEOUT_S, CollectiveTimeout, NonFiniteError, collectives_named, set_timeout
 from .model import CompiledModel, UnevenInputs
 from .pipelined import compile_pipelined
 from .process import CompileError, device_mesh, ensure_process_group
@@ -33,7 +34,7 @@ from .recompute import apply_recompute
 from .reshard import Regather
 from .runner import GraphRunner
 
-__all__ = ["compile", "CompiledModel", "CompileError", "UnevenInputs"]
+__all__ = ["compile", "CompiledModel", "CompileError", "UnevenInputs", "CollectiveTimeout", "NonFiniteError"]
 
 log = logging.getLogger("autopar")
 
@@ -41,7 +42,8 @@ log = logging.getLogger("autopar")
 def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=None, plan=None,
             memory_budget=None, seed: int | None = None, bucket_mb: float = 25.0,
             local_inputs: bool = False, mixed_precision=None,
-            reshard_after_forward: bool = True) -> "CompiledModel":
+            reshard_after_forward: bool = True, timeout: float = DEFAULT_TIMEOUT_S,
+            check_finite: bool = True) -> "CompiledModel":
     """Compile `model` for `mesh` with `plan` (a Plan, a path to a saved one, or None to plan now).
 
     A model on the meta device is initialised shard by shard (with `seed` if given); a model
@@ -55,9 +57,26 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=N
     are summed in reduce_dtype.
 
     reshard_after_forward: ZeRO-3 weights gathered for forward are dropped and gathered
-    again in backward (False: kept from forward to backward, one gather fewer)."""
-    start = time.perf_counter()
+    again in backward (False: kept from forward to backward, one gather fewer).
+
+    timeout: seconds any collective may wait (every process group of the job, compile's
+    own included): a stalled rank ends every rank with a CollectiveTimeout naming the
+    collective (runtime/faults.py).  check_finite: train_step raises NonFiniteError on
+    every rank when the loss or a gradient is NaN or infinite (one scalar all-reduce per
+    step); also settable later as cm.check_finite."""
     ensure_process_group()
+    set_timeout(timeout)
+    with collectives_named("compile", timeout):
+        cm = _compile(model, mesh, example_inputs, example_kwargs, plan, memory_budget, seed, bucket_mb,
+                      local_inputs, mixed_precision, reshard_after_forward)
+    set_timeout(timeout)   # (the groups compile made since)
+    cm.timeout_s, cm.check_finite = float(timeout), bool(check_finite)
+    return cm
+
+
+def _compile(model, mesh, example_inputs, example_kwargs, plan, memory_budget, seed, bucket_mb, local_inputs,
+             mixed_precision, reshard_after_forward) -> "CompiledModel":
+    start = time.perf_counter()
     world = dist.get_world_size()
     if world != mesh.size:
         raise CompileError(f"mesh {tuple(mesh.shape)} {mesh.axis_names} needs {mesh.size} ranks but the process "

@@ -29,7 +29,8 @@ from autopar.plan import Plan
 from autopar.precision import MixedPrecision
 
 from .build import Rewritten
-from .checkpoint import load_optimizer_state_dict, optimizer_state_dict
+from .checkpoint import give_sharded_state, load_optimizer_state_dict, optimizer_state_dict
+from .faults import DEFAULT_TIMEOUT_S, check_finite, collectives_named
 from .grad_pieces import is_absent
 from .grad_sync import GradSync
 from .inputs import InputCheck
@@ -65,6 +66,9 @@ class CompiledModel(nn.Module):
         self.groups = groups
         self.input_layouts = rewritten.input_layouts  # compile(local_inputs=True): each input's layout
         self._optimizers: list = []
+        self.steps = 0                       # train_step calls so far (errors name the step)
+        self.check_finite = True             # compile(check_finite=...): runtime/faults.check_finite
+        self.timeout_s = DEFAULT_TIMEOUT_S   # compile(timeout=...): the collective timeout errors name
         self.device_type = device_type
         self.device = device_of(device_type)
         self.graph_module = gm.to(self.device)
@@ -178,7 +182,8 @@ class CompiledModel(nn.Module):
         """Forward on the global batch (every rank passes the same full inputs), or on this
         rank's shards when compiled with local_inputs=True.  A pipelined plan returns the
         batch's loss on every rank (its stages' forward passes only)."""
-        return self.runner.forward(args, kwargs)
+        with collectives_named("forward", self.timeout_s):
+            return self.runner.forward(args, kwargs)
 
     def gather_counts(self) -> dict:
         """ZeRO-3 weight gathers: "sites", the gathers one forward runs; since compile,
@@ -241,9 +246,22 @@ class CompiledModel(nn.Module):
 
     def train_step(self, *args, **kwargs) -> torch.Tensor:
         """Forward, backward and gradient synchronisation; returns the loss (detached).
-        A pipelined plan runs one step of its schedule on the global batch."""
-        self._check_joined()
-        return self.runner.train_step(args, kwargs)
+        A pipelined plan runs one step of its schedule on the global batch.  With
+        check_finite (compile's default) a NaN or infinite loss or gradient on any rank
+        raises NonFiniteError on every rank (runtime/faults.py); a collective that does not
+        finish within compile's timeout raises CollectiveTimeout."""
+        self.steps += 1
+        with collectives_named(f"step {self.steps} (forward, backward, gradient synchronisation)", self.timeout_s):
+            self._check_joined()
+            loss = self.runner.train_step(args, kwargs)
+            if self.check_finite:
+                check_finite(self, loss, self.steps)
+        return loss
+
+    def parameter_order(self) -> list:
+        """Every parameter's name in the model's order (the same on every rank, whichever
+        pipeline stages it holds)."""
+        return list(self.plan.param_placements)
 
     def backward(self, loss: torch.Tensor) -> None:
         """loss.backward() and the gradient synchronisation that train_step runs after it.
@@ -254,10 +272,11 @@ class CompiledModel(nn.Module):
                     cm.backward(cm(*micro) / k)
             cm.backward(cm(*batches[-1]) / k)     # reduces the accumulated sum once
         """
-        self.runner.backward(loss)
+        with collectives_named("backward and gradient synchronisation", self.timeout_s):
+            self.runner.backward(loss)
 
     # --- gradient norms ------------------------------------------------------------------------
-    def _local_grads(self):
+    def local_grads(self):
         """(key, this rank's reduced gradient piece) of every trainable parameter that has one:
         the local gradient, or the ZeRO-2 chunk."""
         for key, p in self.shards.items():
@@ -284,7 +303,7 @@ class CompiledModel(nn.Module):
         their number of copies), one all-reduce over all ranks.  Call after train_step."""
         norm_type = float(norm_type)
         device = device_of(self.device_type)
-        grads = list(self._local_grads())
+        grads = list(self.local_grads())
         if math.isinf(norm_type):
             local = torch.stack([g.detach().abs().max().double() for _, g in grads]).max() if grads else \
                 torch.zeros((), dtype=torch.float64)
@@ -306,7 +325,7 @@ class CompiledModel(nn.Module):
         total = self.grad_norm(norm_type)
         scale = (float(max_norm) / (total.item() + 1e-6))
         if scale < 1.0:
-            for _, g in self._local_grads():
+            for _, g in self.local_grads():
                 g.mul_(scale)
         return total
 
@@ -322,7 +341,9 @@ class CompiledModel(nn.Module):
         computes exactly what it computes on the whole model.  Any other (Adafactor, ...)
         runs on whole parameters, each on one owner rank (runtime/whole_params.py), unless
         every parameter is whole here anyway.  The result has step, zero_grad, param_groups,
-        state_dict and load_state_dict."""
+        state_dict and load_state_dict; for an elementwise optimizer without master weights
+        its state_dict() is cm.optimizer_state_dict(opt) (parameter names, DTensors) and
+        loads into any plan or mesh, as torch.distributed.checkpoint expects."""
         if elementwise is None:
             elementwise = cls in ELEMENTWISE
         pieces = bool(self.zero_layouts) or any(
@@ -347,6 +368,8 @@ class CompiledModel(nn.Module):
             optimizer = cls(trained, **kwargs)
         else:
             optimizer = ShardedOptimizer(self, cls, self.bucket_bytes, **kwargs)
+        if not self.masters:  # state_dict() under parameter names, as DTensors (runtime/checkpoint.py)
+            give_sharded_state(self, optimizer)
         self._optimizers.append(weakref.ref(optimizer))
         return optimizer
 
@@ -475,6 +498,12 @@ class CompiledModel(nn.Module):
         out.update({name: getattr(self, key).detach() for name, key in self._buffer_names.items()})
         return out
 
+    def state_dict_names(self) -> list:
+        """Every key state_dict() gives on some rank (a pipelined rank gives those of its
+        stages): the parameters as planned (fused weights as their parts) and the persistent
+        buffers."""
+        return list(self.plan.param_placements) + list(self._buffer_names)
+
     def optimizer_state_dict(self, optimizer) -> dict:
         """The state of an optimizer from build_optimizer under parameter names, per-element
         state as DTensors (runtime/checkpoint.py): saved with torch.distributed.checkpoint
@@ -501,7 +530,8 @@ class CompiledModel(nn.Module):
         state_dict(), full_state_dict()).  strict: every parameter and buffer must be there
         and nothing else."""
         params = {self.name_of[k]: k for k in self.shards}
-        known = set(params) | set(self.aliases) | set(self._buffer_names)
+        # (a pipelined rank holds its stages' parameters: the others' are known, not loaded here)
+        known = set(params) | set(self.aliases) | set(self._buffer_names) | set(self.plan.param_placements)
         missing = [n for n in list(params) + list(self._buffer_names) if n not in state and not any(
             a in state for a, c in self.aliases.items() if c == n)]
         unexpected = [n for n in state if n not in known]

@@ -359,5 +359,4 @@ class PipelineRunner:
         return out
 
     def sharded_state_error(self) -> str | None:
-        return ("state_dict() of a pipelined model (DTensors over each device group's sub-mesh) is not "
-                "supported yet; save full_state_dict() and load it with load_full_state_dict")
+        return None   # each rank gives its stages' parameters, DTensors over its device group's sub-mesh

@@ -1,0 +1,114 @@
+"""Jobs for the checkpoint and fault tests, run on every rank of a WorkerPool
+(tests/distributed.py): resuming through a chain of plans and meshes, checkpoints that do
+not fit, non-finite steps."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from rt_cases import OPTIM, _loss, build_case, excess, reference
+
+import autopar
+import autopar.checkpoint
+from autopar.plan import Plan
+from autopar.runtime.compiled import NonFiniteError
+
+
+def resume_through_plans(spec: tuple, plan_dicts: list, path: str) -> dict:
+    """One AdamW step under each plan in turn, each compiled afresh and resumed from the
+    checkpoint the one before saved: hops alternate between the bare torch.distributed.checkpoint
+    pattern with the optimizer's own state_dict() and autopar.checkpoint.save / load.  The
+    losses and final parameters against as many uninterrupted steps on one device."""
+    steps = len(plan_dicts)
+    losses, _, params, _ = reference(spec, steps)
+    seen, infos = [], []
+    cm = None
+    for k, plan_dict in enumerate(plan_dicts):
+        plan = Plan.from_dict(plan_dict)
+        model, args, kwargs = build_case(spec)
+        cm = autopar.compile(model, plan.device_mesh(), args, example_kwargs=kwargs or None, plan=plan)
+        opt = cm.build_optimizer(torch.optim.AdamW, **OPTIM)
+        if k:
+            where = f"{path}/{k - 1}"
+            if k % 2:
+                state = {"model": cm.state_dict(), "optim": opt.state_dict()}
+                dcp.load(state, checkpoint_id=where)
+                cm.load_state_dict(state["model"])
+                opt.load_state_dict(state["optim"])
+            else:
+                infos.append(autopar.checkpoint.load(where, cm, opt)["step"])
+        seen.append(cm.train_step(*args, **kwargs).item())
+        opt.step()
+        opt.zero_grad()
+        if k % 2 == 0:
+            dcp.save({"model": cm.state_dict(), "optim": opt.state_dict()}, checkpoint_id=f"{path}/{k}")
+        else:
+            autopar.checkpoint.save(f"{path}/{k}", cm, opt, step=k + 1)
+    full = cm.full_state_dict()
+    return {"param": max(excess(full[n], params[n]) for n in params),
+            "loss": max(abs(a - b) - 1e-6 - 1e-5 * abs(b) for a, b in zip(seen, losses)),
+            "steps_read": infos, "losses": seen}
+
+
+def load_mismatch(spec: tuple, plan_dict: dict, other_spec: tuple, path: str, optimizer: bool = True) -> str:
+    """Save `spec`'s model with autopar.checkpoint, load into `other_spec`'s model: the error."""
+    plan = Plan.from_dict(plan_dict)
+    model, args, kwargs = build_case(spec)
+    cm = autopar.compile(model, plan.device_mesh(), args, example_kwargs=kwargs or None, plan=plan)
+    autopar.checkpoint.save(path, cm, cm.build_optimizer(torch.optim.AdamW, **OPTIM) if optimizer else None,
+                            step=1)
+    other, args2, kwargs2 = build_case(other_spec)
+    plan2 = autopar.plan(other, plan.mesh, args2, example_kwargs=kwargs2 or None, compare=False)
+    cm2 = autopar.compile(other, plan2.device_mesh(), args2, example_kwargs=kwargs2 or None, plan=plan2)
+    try:
+        autopar.checkpoint.load(path, cm2, cm2.build_optimizer(torch.optim.AdamW, **OPTIM))
+    except autopar.checkpoint.CheckpointError as exc:
+        return str(exc)
+    return ""
+
+
+def rng_round_trip(spec: tuple, plan_dict: dict, path: str) -> dict:
+    """The RNG states autopar.checkpoint.save stored come back on load: the random numbers
+    drawn after save equal those drawn after load."""
+    plan = Plan.from_dict(plan_dict)
+    model, args, kwargs = build_case(spec)
+    cm = autopar.compile(model, plan.device_mesh(), args, example_kwargs=kwargs or None, plan=plan)
+    torch.manual_seed(100 + dist.get_rank())
+    autopar.checkpoint.save(path, cm, None, step=7, extra={"epoch": 3})
+    after_save = torch.rand(3)
+    torch.manual_seed(0)
+    info = autopar.checkpoint.load(path, cm)
+    after_load = torch.rand(3)
+    return {"same": bool(torch.equal(after_save, after_load)), "step": info["step"], "extra": info["extra"],
+            "plan_hash": Plan.from_dict(info["plan"]).hash() == plan.hash()}
+
+
+def non_finite_step(spec: tuple, plan_dict: dict, poison: str, check: bool = True) -> dict:
+    """Two good steps, then `poison` (a parameter name) gets an infinite entry: the third
+    train_step's error on this rank, and the first parameter (in the model's order) whose
+    gradient one device finds non-finite on the same weights."""
+    plan = Plan.from_dict(plan_dict)
+    model, args, kwargs = build_case(spec)
+    cm = autopar.compile(model, plan.device_mesh(), args, example_kwargs=kwargs or None, plan=plan,
+                         check_finite=check)
+    opt = cm.build_optimizer(torch.optim.AdamW, **OPTIM)
+    for _ in range(2):
+        cm.train_step(*args, **kwargs)
+        opt.step()
+        opt.zero_grad()
+    full = cm.full_state_dict()
+    full[poison] = full[poison].clone()
+    full[poison].view(-1)[0] = math.inf
+    cm.load_full_state_dict(full)
+    plain, _, _ = build_case(spec)
+    plain.load_state_dict(full)
+    _loss(plain(*args, **kwargs)).backward()
+    first = next((n for n, p in plain.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()),
+                 None)
+    try:
+        loss = cm.train_step(*args, **kwargs)
+    except NonFiniteError as exc:
+        return {"error": str(exc), "first": first}
+    return {"error": "", "loss": loss.item(), "first": first}

@@ -1,0 +1,67 @@
+"""Checkpoints that move between plans and meshes, and faults that end cleanly: sharded
+state through torch.distributed.checkpoint and autopar.checkpoint, errors naming what does
+not fit, the NaN/inf check of train_step."""
+from __future__ import annotations
+
+from ckpt_cases import load_mismatch, non_finite_step, resume_through_plans, rng_round_trip
+from rt_cases import plan_for
+
+import autopar
+
+GPT = ("autopar", "gpt-tiny", (("n_layers", 4),))
+DP4 = ((4,), ("dp",))
+
+
+def test_training_resumes_through_plans_meshes_and_stages(pool4, tmp_path):
+    """Data parallel on (4,) -> Megatron x data parallel on (2, 2) -> ZeRO-3 on (4,) -> two
+    pipeline stages on (2, 2), one AdamW step under each, model and optimizer passed on by a
+    checkpoint (the bare DCP pattern with opt.state_dict(), and autopar.checkpoint, in
+    turn): the losses and the final weights equal four uninterrupted steps on one device."""
+    piped = plan_for(GPT, "data-parallel", (2, 2), ("pp", "dp"),
+                     autopar.Pipeline(axis="pp", groups=2, schedule="1f1b", microbatches=2))
+    assert autopar.Plan.from_dict(piped).pipeline.pipelined
+    plans = [plan_for(GPT, "data-parallel", *DP4), plan_for(GPT, "megatron-tp x dp", (2, 2), ("dp", "tp")),
+             plan_for(GPT, "zero3", *DP4), piped]
+    results = pool4.run(resume_through_plans, GPT, plans, str(tmp_path / "ckpt"))
+    for r in results:
+        assert r["loss"] <= 0 and r["param"] <= 0, r
+        assert r["steps_read"] == [2]
+    assert len({tuple(r["losses"]) for r in results}) == 1
+
+
+def test_a_checkpoint_of_another_model_names_the_first_mismatch(pool4, tmp_path):
+    """A wider model's checkpoint names the first tensor whose shape differs; a deeper
+    model's names the first parameter the loading model lacks; a shallower one, the first
+    entry the checkpoint lacks."""
+    plan = plan_for(GPT, "zero2", *DP4)
+    wider = ("autopar", "gpt-tiny", (("n_layers", 4), ("hidden", 96)))
+    msg = pool4.run(load_mismatch, wider, plan_for(wider, "zero2", *DP4), GPT, str(tmp_path / "a"))[0]
+    assert "model.wte.weight" in msg and "another size" in msg, msg
+    deeper = ("autopar", "gpt-tiny", (("n_layers", 5),))
+    msg = pool4.run(load_mismatch, deeper, plan_for(deeper, "zero2", *DP4), GPT, str(tmp_path / "b"))[0]
+    assert "blocks.4." in msg and "does not have" in msg, msg
+    shallower = ("autopar", "gpt-tiny", (("n_layers", 3),))
+    msg = pool4.run(load_mismatch, shallower, plan_for(shallower, "zero2", *DP4), GPT, str(tmp_path / "c"))[0]
+    assert "model.blocks.3." in msg and "has no" in msg, msg
+    msg = pool4.run(load_mismatch, GPT, plan, GPT, str(tmp_path / "d"), False)[0]
+    assert "saved without an optimizer" in msg, msg
+
+
+def test_checkpoint_keeps_step_extra_plan_and_rng(pool4, tmp_path):
+    plan = plan_for(GPT, "megatron-tp x dp", (2, 2), ("dp", "tp"))
+    for r in pool4.run(rng_round_trip, GPT, plan, str(tmp_path / "ckpt")):
+        assert r == {"same": True, "step": 7, "extra": {"epoch": 3}, "plan_hash": True}
+
+
+def test_non_finite_loss_or_gradient_stops_every_rank_naming_the_parameter(pool4):
+    """An infinite weight in the last block: the third step raises on every rank, naming the
+    step and the first parameter whose gradient one device finds non-finite; with the check
+    off the step returns the non-finite loss."""
+    for layout, mesh in (("megatron-tp x zero2", ((2, 2), ("dp", "tp"))), ("zero3", DP4)):
+        results = pool4.run(non_finite_step, GPT, plan_for(GPT, layout, *mesh), "blocks.3.mlp.fc1.weight")
+        first = results[0]["first"]
+        assert first is not None
+        for r in results:
+            assert "step 3" in r["error"] and f"{first!r}" in r["error"], (layout, r)
+    off = pool4.run(non_finite_step, GPT, plan_for(GPT, "zero3", *DP4), "blocks.3.mlp.fc1.weight", False)
+    assert all(r["error"] == "" and r["loss"] != r["loss"] or abs(r["loss"]) == float("inf") for r in off), off
