@@ -26,7 +26,7 @@ from autopar.plan import Plan
 from autopar.precision import MixedPrecision
 
 from .build import initial_shards, rewrite
-from .faults import DEFAULT_TIMEOUT_S, CollectiveTimeout, NonFiniteError, collectives_named, set_timeout
+from .faults import DEFAULT_TIMEOUT_S, CollectiveError, NonFiniteError, collectives_named, set_timeout
 from .model import CompiledModel, UnevenInputs
 from .pipelined import compile_pipelined
 from .process import CompileError, device_mesh, ensure_process_group
@@ -34,7 +34,7 @@ from .recompute import apply_recompute
 from .reshard import Regather
 from .runner import GraphRunner
 
-__all__ = ["compile", "CompiledModel", "CompileError", "UnevenInputs", "CollectiveTimeout", "NonFiniteError"]
+__all__ = ["compile", "CompiledModel", "CompileError", "UnevenInputs", "CollectiveError", "NonFiniteError"]
 
 log = logging.getLogger("autopar")
 
@@ -60,7 +60,7 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=N
     again in backward (False: kept from forward to backward, one gather fewer).
 
     timeout: seconds any collective may wait (every process group of the job, compile's
-    own included): a stalled rank ends every rank with a CollectiveTimeout naming the
+    own included): a stalled rank ends every rank with a CollectiveError naming the
     collective (runtime/faults.py).  check_finite: train_step raises NonFiniteError on
     every rank when the loss or a gradient is NaN or infinite (one scalar all-reduce per
     step); also settable later as cm.check_finite."""

@@ -4,7 +4,7 @@ which collective stalled, and the check that a step's loss and gradients are fin
 Timeouts.  `set_timeout(seconds)` gives the default process group and every group made
 from it (the device meshes' axes) the same collective timeout.  A rank that stalls (a
 hung data loader, a deadlock, a dead host that never closes its sockets) then ends every
-other rank after `seconds` with a `CollectiveTimeout` naming the timeout, the collective
+other rank after `seconds` with a `CollectiveError` naming the timeout, the collective
 and the code that called it, instead of the backend's default (30 minutes for gloo).
 torchrun ends the stalled rank when the others exit.
 
@@ -32,8 +32,9 @@ _TIMED_OUT = ("timed out", "timeout", "deadline exceeded")
 _PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe", "socket closed")
 
 
-class CollectiveTimeout(RuntimeError):
-    """A collective did not finish within the compile's timeout: another rank stalled or died."""
+class CollectiveError(RuntimeError):
+    """A collective did not finish: no answer within compile's timeout (another rank stalled
+    or died without closing its connections), or a peer rank closed its connection."""
 
 
 class NonFiniteError(FloatingPointError):
@@ -54,21 +55,19 @@ def set_timeout(seconds: float) -> None:
 
 def _collective_of(exc: BaseException) -> str:
     """The torch.distributed call the error came out of and the autopar code that made it,
-    read from the traceback: 'all_gather in all_gather_dim (passes/redistribute.py:117)'."""
+    read from the traceback: 'torch.distributed.all_gather called by all_gather_dim
+    (passes/redistribute.py:117)'."""
     frames = traceback.extract_tb(exc.__traceback__)
-    call, caller = None, None
-    for k, f in enumerate(frames):
-        path = f.filename.replace(os.sep, "/")
-        if "/torch/distributed/" in path and call is None and k > 0:
-            call = f.name
-            own = frames[k - 1]
-            parts = own.filename.replace(os.sep, "/").split("/")
-            caller = f"{own.name} ({'/'.join(parts[-2:])}:{own.lineno})"
-    if call is None and frames:
-        own = frames[-1]
-        parts = own.filename.replace(os.sep, "/").split("/")
-        return f"{own.name} ({'/'.join(parts[-2:])}:{own.lineno})"
-    return f"{call} in {caller}" if call else "a collective"
+
+    def where(f) -> str:
+        return f"{f.name} ({'/'.join(f.filename.replace(os.sep, '/').split('/')[-2:])}:{f.lineno})"
+
+    inside = [k for k, f in enumerate(frames) if "/torch/distributed/" in f.filename.replace(os.sep, "/")]
+    if not inside or inside[0] == 0:
+        return where(frames[-1]) if frames else "a collective"
+    c10d_calls = [frames[k].name for k in inside if frames[k].filename.endswith("distributed_c10d.py")]
+    call = c10d_calls[0] if c10d_calls else frames[inside[-1]].name
+    return f"torch.distributed.{call} called by {where(frames[inside[0] - 1])}"
 
 
 def is_collective_failure(exc: BaseException) -> bool:
@@ -79,24 +78,27 @@ def is_collective_failure(exc: BaseException) -> bool:
 @contextlib.contextmanager
 def collectives_named(what: str, timeout_s: float | None):
     """Re-raise a collective's timeout (or a peer's disconnection) inside the block as a
-    CollectiveTimeout that says what was running (`what`: 'step 12 (forward, backward,
+    CollectiveError that says what was running (`what`: 'step 12 (forward, backward,
     gradient synchronisation)'), which collective, the timeout and what to do."""
     try:
         yield
-    except CollectiveTimeout:
+    except CollectiveError:
         raise
     except Exception as exc:  # noqa: BLE001 - any backend error type: we re-raise all others unchanged
         if not is_collective_failure(exc):
             raise
         text = str(exc).lower()
         limit = f"{timeout_s:g} s" if timeout_s else "the process group's timeout"
-        cause = ("another rank closed its connection (it crashed or exited)"
-                 if any(s in text for s in _PEER_GONE) and not any(s in text for s in _TIMED_OUT) else
-                 f"no answer within the collective timeout of {limit}: another rank stalled or died")
-        raise CollectiveTimeout(
+        if any(s in text for s in _PEER_GONE) and not any(s in text for s in _TIMED_OUT):
+            cause = ("another rank closed its connection (it crashed or exited): its own error, or "
+                     "torchrun's report of its exit code, says why")
+        else:
+            cause = (f"no answer within the collective timeout of {limit}: another rank stalled or died. Raise "
+                     f"autopar.compile(..., timeout=seconds) if a rank is legitimately slow (a long "
+                     f"checkpoint or evaluation on one rank), else look for the rank that stalled")
+        raise CollectiveError(
             f"rank {dist.get_rank()}: {_collective_of(exc)} failed during {what}: {cause}. Every rank of the "
-            f"job stops here; raise autopar.compile(..., timeout=seconds) if a rank is legitimately slow "
-            f"(a long checkpoint or evaluation on one rank), else look for the rank that stalled. "
+            f"job stops; torchrun --max-restarts starts it again (resume from autopar.checkpoint.latest). "
             f"Backend error: {str(exc).strip()[:300]}") from exc
 
 

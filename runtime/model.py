@@ -249,7 +249,7 @@ class CompiledModel(nn.Module):
         A pipelined plan runs one step of its schedule on the global batch.  With
         check_finite (compile's default) a NaN or infinite loss or gradient on any rank
         raises NonFiniteError on every rank (runtime/faults.py); a collective that does not
-        finish within compile's timeout raises CollectiveTimeout."""
+        finish within compile's timeout raises CollectiveError."""
         self.steps += 1
         with collectives_named(f"step {self.steps} (forward, backward, gradient synchronisation)", self.timeout_s):
             self._check_joined()
