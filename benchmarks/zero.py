@@ -87,6 +87,7 @@ from runtime_overhead import Config, count_collectives, init_gloo, log0, summary
 from torch.distributed.tensor import DTensor
 
 import autopar
+from autopar.runtime.grad_pieces import is_absent
 
 WORLD = 4
 OPTIMIZER = torch.optim.AdamW
@@ -157,7 +158,8 @@ def held_bytes(params, optimizer_states) -> dict:
 
     params = list({id(p): p for p in params}.values())
     out = {"params": sum(nbytes(p) for p in params),
-           "grads": sum(nbytes(p.grad) for p in params if p.grad is not None),
+           # (a ZeRO-2 parameter's p.grad is autopar's empty stand-in: its chunk is counted apart)
+           "grads": sum(nbytes(p.grad) for p in params if p.grad is not None and not is_absent(p.grad)),
            "optimizer": 0}
     for state in optimizer_states:
         for p, values in state.items():

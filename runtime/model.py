@@ -341,9 +341,9 @@ class CompiledModel(nn.Module):
         computes exactly what it computes on the whole model.  Any other (Adafactor, ...)
         runs on whole parameters, each on one owner rank (runtime/whole_params.py), unless
         every parameter is whole here anyway.  The result has step, zero_grad, param_groups,
-        state_dict and load_state_dict; for an elementwise optimizer without master weights
-        its state_dict() is cm.optimizer_state_dict(opt) (parameter names, DTensors) and
-        loads into any plan or mesh, as torch.distributed.checkpoint expects."""
+        state_dict and load_state_dict; for an elementwise optimizer its state_dict() is
+        cm.optimizer_state_dict(opt) (parameter names, DTensors) and loads into any plan or
+        mesh, as torch.distributed.checkpoint expects."""
         if elementwise is None:
             elementwise = cls in ELEMENTWISE
         pieces = bool(self.zero_layouts) or any(
@@ -368,8 +368,7 @@ class CompiledModel(nn.Module):
             optimizer = cls(trained, **kwargs)
         else:
             optimizer = ShardedOptimizer(self, cls, self.bucket_bytes, **kwargs)
-        if not self.masters:  # state_dict() under parameter names, as DTensors (runtime/checkpoint.py)
-            give_sharded_state(self, optimizer)
+        give_sharded_state(self, optimizer)  # state_dict() under parameter names, DTensors (runtime/checkpoint.py)
         self._optimizers.append(weakref.ref(optimizer))
         return optimizer
 
@@ -435,18 +434,23 @@ class CompiledModel(nn.Module):
     def whole_value(self, key: str, master: bool = False) -> torch.Tensor:
         """Parameter `key` whole on every rank (collectives on every rank).  master=True: the
         float32 master weights where the optimizer keeps them, gathered from their chunks."""
+        return self._full(self.name_of[key], self.local_value(key, master))
+
+    def local_value(self, key: str, master: bool = False) -> torch.Tensor:
+        """This rank's shard of parameter `key`; master=True: of its float32 master weights
+        where the optimizer keeps them (a ZeRO chunk gathered back into the shard's shape,
+        collectives over the ZeRO axes)."""
         p = self.shards[key]
-        local = p
-        if master and key in self.masters:
-            lay = self.zero_layouts.get(key)
-            m = self.masters[key].detach().to(p.device)
-            if lay is None:
-                local = m
-            else:
-                local = torch.zeros(p.shape, dtype=m.dtype, device=p.device)
-                local.view(-1)[lay.start: lay.end] = m
-                all_gather_chunks([local], [lay], self.groups)
-        return self._full(self.name_of[key], local)
+        if not (master and key in self.masters):
+            return p
+        lay = self.zero_layouts.get(key)
+        m = self.masters[key].detach().to(p.device)
+        if lay is None:
+            return m.view(p.shape)
+        local = torch.zeros(p.shape, dtype=m.dtype, device=p.device)
+        local.view(-1)[lay.start: lay.end] = m
+        all_gather_chunks([local], [lay], self.groups)
+        return local
 
     def whole_grad(self, key: str) -> torch.Tensor | None:
         """Parameter `key`'s reduced gradient whole on every rank (ZeRO-2 chunks gathered);
@@ -486,13 +490,18 @@ class CompiledModel(nn.Module):
 
             dcp.save(cm.state_dict(), checkpoint_id=path)
             state = cm.state_dict(); dcp.load(state, checkpoint_id=path); cm.load_state_dict(state)
+
+        Under mixed precision or offload a parameter's value is its float32 master weights
+        (what the optimizer updates), so a checkpoint loses nothing and loads into a plan
+        with or without mixed precision.
         """
         self._sharded_state_supported()
         out = {}
-        for k, p in self.shards.items():
+        for k in self.shards:
             name = self.name_of[k]
             shape = self.full_shape(k)
-            out[name] = DTensor.from_local(p.detach(), self.groups.mesh, tuple(self.plan.param_placements[name]),
+            out[name] = DTensor.from_local(self.local_value(k, master=True).detach(), self.groups.mesh,
+                                           tuple(self.plan.param_placements[name]),
                                            run_check=False, shape=torch.Size(shape),
                                            stride=torch.empty(shape, device="meta").stride())
         out.update({name: getattr(self, key).detach() for name, key in self._buffer_names.items()})
@@ -519,10 +528,6 @@ class CompiledModel(nn.Module):
         error = self.runner.sharded_state_error()
         if error:
             raise CompileError(error)
-        if self.masters:
-            raise CompileError("state_dict() of a model with float32 master weights (mixed precision or "
-                               "offload) would save the low-precision compute copy; save "
-                               "full_state_dict(master=True) and load it with load_full_state_dict")
 
     def load_state_dict(self, state: dict, strict: bool = True, assign: bool = False):
         """Load a state dict under the plain model's names: DTensors (from state_dict() and

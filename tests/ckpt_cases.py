@@ -112,3 +112,31 @@ def non_finite_step(spec: tuple, plan_dict: dict, poison: str, check: bool = Tru
     except NonFiniteError as exc:
         return {"error": str(exc), "first": first}
     return {"error": "", "loss": loss.item(), "first": first}
+
+
+def mixed_precision_round_trip(spec: tuple, plan_dict: dict, other_dict: dict, path: str) -> dict:
+    """One bf16 AdamW step under `plan_dict`, autopar.checkpoint.save, load under `other_dict`
+    (another layout, also bf16): the float32 master weights and the AdamW moments come back
+    bit for bit (their whole values compared), and the compute weights are their bf16 casts."""
+    plan, other = Plan.from_dict(plan_dict), Plan.from_dict(other_dict)
+    model, args, kwargs = build_case(spec)
+    cm = autopar.compile(model, plan.device_mesh(), args, example_kwargs=kwargs or None, plan=plan)
+    opt = cm.build_optimizer(torch.optim.AdamW, **OPTIM)
+    cm.train_step(*args, **kwargs)
+    opt.step()
+    opt.zero_grad()
+    masters = cm.full_state_dict(master=True)
+    moments = {n: s["exp_avg_sq"].full_tensor() for n, s in opt.state_dict()["state"].items()}
+    autopar.checkpoint.save(path, cm, opt, step=1)
+    fresh, _, _ = build_case(spec)
+    cm2 = autopar.compile(fresh, other.device_mesh(), args, example_kwargs=kwargs or None, plan=other)
+    opt2 = cm2.build_optimizer(torch.optim.AdamW, **OPTIM)
+    autopar.checkpoint.load(path, cm2, opt2)
+    back = cm2.full_state_dict(master=True)
+    compute = cm2.full_state_dict()
+    moments2 = {n: s["exp_avg_sq"].full_tensor() for n, s in opt2.state_dict()["state"].items()}
+    return {"masters": max(float((back[n] - masters[n]).abs().max()) for n in masters),
+            "moments": max(float((moments2[n] - moments[n]).abs().max()) for n in moments),
+            "compute": max(float((compute[n].float() - masters[n].bfloat16().float()).abs().max())
+                           for n in masters if compute[n].is_floating_point()),
+            "dtypes": sorted({str(p.dtype) for p in cm2.shards.values()}), "moved": bool(moments)}
