@@ -27,6 +27,7 @@ from autopar.precision import MixedPrecision
 
 from .build import initial_shards, rewrite
 from .faults import DEFAULT_TIMEOUT_S, CollectiveError, NonFiniteError, collectives_named, set_timeout
+from .inputs import CHECKED_CALLS
 from .model import CompiledModel, UnevenInputs
 from .pipelined import compile_pipelined
 from .process import CompileError, device_mesh, ensure_process_group
@@ -43,7 +44,7 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=N
             memory_budget=None, seed: int | None = None, bucket_mb: float = 25.0,
             local_inputs: bool = False, mixed_precision=None,
             reshard_after_forward: bool = True, timeout: float = DEFAULT_TIMEOUT_S,
-            check_finite: bool = True) -> "CompiledModel":
+            check_finite: bool = True, check_inputs: int = CHECKED_CALLS) -> "CompiledModel":
     """Compile `model` for `mesh` with `plan` (a Plan, a path to a saved one, or None to plan now).
 
     A model on the meta device is initialised shard by shard (with `seed` if given); a model
@@ -63,7 +64,9 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=N
     own included): a stalled rank ends every rank with a CollectiveError naming the
     collective (runtime/faults.py).  check_finite: train_step raises NonFiniteError on
     every rank when the loss or a gradient is NaN or infinite (one scalar all-reduce per
-    step); also settable later as cm.check_finite."""
+    step); also settable later as cm.check_finite.  check_inputs: during the first this
+    many calls the ranks compare a hash of their inputs (runtime/inputs.py): without
+    local_inputs every rank must pass the same global batch (0 turns it off)."""
     ensure_process_group()
     set_timeout(timeout)
     with collectives_named("compile", timeout):
@@ -71,6 +74,7 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=N
                       local_inputs, mixed_precision, reshard_after_forward)
     set_timeout(timeout)   # (the groups compile made since)
     cm.timeout_s, cm.check_finite = float(timeout), bool(check_finite)
+    cm.io.check.compared_calls = int(check_inputs)
     return cm
 
 

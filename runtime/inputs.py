@@ -84,6 +84,7 @@ class InputCheck:
         self.layouts = None          # per input, with local_inputs=True (set by compile)
         self.batch_scale = batch_scale  # a pipelined plan is traced for one of this many microbatches
         self.calls = 0
+        self.compared_calls = CHECKED_CALLS   # compile(check_inputs=...): calls whose inputs ranks compare
 
     def _shape_of(self, k: int, e: Expected) -> tuple:
         shape = e.shape
@@ -96,7 +97,7 @@ class InputCheck:
     def __call__(self, values: list) -> None:
         """values: the user inputs in placeholder order."""
         self.calls += 1
-        if self.calls <= CHECKED_CALLS:
+        if self.calls <= self.compared_calls:
             self._compare_ranks(values)
         for k, (e, v) in enumerate(zip(self.expected, values)):
             if e.shape is None or not isinstance(v, torch.Tensor):

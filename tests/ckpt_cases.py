@@ -140,3 +140,21 @@ def mixed_precision_round_trip(spec: tuple, plan_dict: dict, other_dict: dict, p
             "compute": max(float((compute[n].float() - masters[n].bfloat16().float()).abs().max())
                            for n in masters if compute[n].is_floating_point()),
             "dtypes": sorted({str(p.dtype) for p in cm2.shards.values()}), "moved": bool(moments)}
+
+
+def batch_check_window(spec: tuple, plan_dict: dict, check_inputs: int, differ_at: int) -> str:
+    """compile(check_inputs=n); rank 1 passes another batch on call `differ_at` (1-based):
+    the error, or '' when no rank noticed."""
+    plan = Plan.from_dict(plan_dict)
+    model, args, kwargs = build_case(spec)
+    cm = autopar.compile(model, plan.device_mesh(), args, example_kwargs=kwargs or None, plan=plan,
+                         check_inputs=check_inputs)
+    try:
+        for call in range(1, differ_at + 1):
+            mine = args
+            if call == differ_at and dist.get_rank() == 1:
+                mine = tuple(a.roll(1, 0) if isinstance(a, torch.Tensor) else a for a in args)
+            cm.train_step(*mine, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - the error is the result
+        return f"{type(exc).__name__}: {exc}"
+    return ""

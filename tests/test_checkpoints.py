@@ -3,7 +3,7 @@ state through torch.distributed.checkpoint and autopar.checkpoint, errors naming
 not fit, the NaN/inf check of train_step."""
 from __future__ import annotations
 
-from ckpt_cases import (load_mismatch, mixed_precision_round_trip, non_finite_step, resume_through_plans,
+from ckpt_cases import (batch_check_window, load_mismatch, mixed_precision_round_trip, non_finite_step, resume_through_plans,
                         rng_round_trip)
 from rt_cases import build_case, plan_for
 
@@ -82,3 +82,13 @@ def plan_for_precision(spec: tuple, layout: str, shape: tuple, names: tuple) -> 
     mesh = autopar.Mesh(shape, names, device="cpu")
     return autopar.plan(model, mesh, args, example_kwargs=kwargs or None, compare=False, layout=layout,
                         mixed_precision="bf16").to_dict()
+
+
+def test_the_batch_hash_check_covers_the_calls_asked_for(pool4):
+    """compile(check_inputs=n): a rank passing another global batch on call n is caught on
+    every rank; on call n + 1 it is not looked for (check_inputs=0: never)."""
+    plan = plan_for(GPT, "data-parallel", *DP4)
+    caught = pool4.run(batch_check_window, GPT, plan, 5, 5)
+    assert all("rank 1 passed a different input" in e for e in caught), caught
+    assert pool4.run(batch_check_window, GPT, plan, 4, 5) == [""] * 4
+    assert pool4.run(batch_check_window, GPT, plan, 0, 1) == [""] * 4
