@@ -119,7 +119,12 @@ def _compile(model, mesh, example_inputs, example_kwargs, plan, memory_budget, s
         rewritten = rewrite(model, plan, groups, example_inputs, example_kwargs, precision, device_type,
                             seed_of_job, local_inputs)
         shards = initial_shards(model, plan.param_placements, groups, on_meta, seed, rewritten.traced.parts)
-        regather = Regather(rewritten.graph, set(rewritten.traced.params), reshard_after_forward, groups)
+        traced = rewritten.traced
+        # ZeRO-3 weights whose gradient nothing else synchronises gather and reduce in buckets
+        alone = frozenset(ph for ph, name in traced.params.items()
+                          if not rewritten.grad_sync.get(name) and not getattr(plan.param_states.get(name), "stage", 0))
+        regather = Regather(rewritten.graph, set(traced.params), reshard_after_forward, groups, alone,
+                            int(bucket_mb * 2**20))
         apply_recompute(rewritten.graph, plan, rewritten.streams)
         cm = CompiledModel(rewritten, plan, groups, shards, model, device_type, bucket_mb, precision,
                            lambda m: GraphRunner(m, regather))

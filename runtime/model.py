@@ -188,7 +188,9 @@ class CompiledModel(nn.Module):
     def gather_counts(self) -> dict:
         """ZeRO-3 weight gathers: "sites", the gathers one forward runs; since compile,
         "gathered" in forward, of which "prefetched", and "regathered" in backward
-        (reshard_after_forward).  Pipelined: over this rank's stages, per microbatch."""
+        (reshard_after_forward); the collective calls of grouped buckets, "bucket_gathers"
+        and "bucket_reduces" (runtime/reshard.py).  Pipelined: over this rank's stages, per
+        microbatch."""
         return self.runner.gather_counts()
 
     def shard_inputs(self, *args, **kwargs):

@@ -135,6 +135,8 @@ class GraphRunner:
 
     def backward(self, loss) -> None:
         loss_of(loss).backward()
+        if self.regather:
+            self.regather.finish()   # ZeRO-3 buckets' gradients into the shards
         self.model.grad_sync.finish()
 
     def no_sync(self):
@@ -160,7 +162,7 @@ class GraphRunner:
 
 def gather_counts_of(regathers) -> dict:
     """ZeRO-3 gather counts summed over runtime.reshard.Regathers (None: none)."""
-    out = {"sites": 0, "gathered": 0, "prefetched": 0, "regathered": 0}
+    out = {"sites": 0, "gathered": 0, "prefetched": 0, "regathered": 0, "bucket_gathers": 0, "bucket_reduces": 0}
     for r in regathers:
         if r is not None:
             out["sites"] += len(r.order)

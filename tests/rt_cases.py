@@ -389,17 +389,21 @@ def check_mixed_precision(result: dict) -> None:
     assert result["param"] < 0.1, result      # ... and the two runs alike (relative norm)
 
 
-def zero3_regather_counts(plan_dict: dict, reshard: bool, spec: tuple = ("autopar", "gpt-tiny", ())) -> dict:
+def zero3_regather_counts(plan_dict: dict, reshard: bool, spec: tuple = ("autopar", "gpt-tiny", ()),
+                          bucket_mb: float = 25.0) -> dict:
     """One training step of a ZeRO-3 plan: how many weights were gathered in forward,
-    prefetched, and gathered again in backward; and whether the gradients match one device."""
+    prefetched, and gathered again in backward, the grouped buckets' sizes and collective
+    calls; and whether the gradients match one device."""
     plan = Plan.from_dict(plan_dict)
     model, args, _ = build_case(spec)
     _, grads, _, _ = reference(spec, 1)
-    cm = autopar.compile(model, plan.device_mesh(), args, plan=plan, reshard_after_forward=reshard)
+    cm = autopar.compile(model, plan.device_mesh(), args, plan=plan, reshard_after_forward=reshard,
+                         bucket_mb=bucket_mb)
     cm.train_step(*args)
     worst = max(excess(g, grads[0][n]) for n, g in cm.full_grads().items())
     counts = cm.gather_counts()
-    return dict(counts, gathers=counts["sites"], worst=worst)
+    buckets = [len(b) for b in cm.runner.regather.buckets or []]
+    return dict(counts, gathers=counts["sites"], worst=worst, buckets=buckets)
 
 
 def scheduler_on_sharded_optimizer(plan_dict: dict) -> dict:

@@ -95,19 +95,28 @@ def test_random_plans_include_zero_states_and_train_like_one_device(pool4):
         assert result["ok"], (plan.origin, result)
 
 
-@pytest.mark.parametrize("reshard", [True, False])
-def test_zero3_regathers_in_backward_and_prefetches_in_forward(pool4, reshard):
-    """ZeRO-3: every weight is gathered once in forward, all but the first by a prefetch
-    started one gather earlier; with reshard_after_forward the weights backward needs are
-    gathered again (one per saved use), without it never; gradients equal one device."""
+@pytest.mark.parametrize("reshard,bucket_mb", [(True, 25.0), (False, 25.0), (True, 0.02)])
+def test_zero3_gathers_in_buckets_prefetches_and_regathers(pool4, reshard, bucket_mb):
+    """ZeRO-3: every weight is gathered once in forward, in buckets of consecutive weights
+    (one flat all-gather each; a bucket after the first is prefetched while the one before
+    computes); with reshard_after_forward the weights backward needs are gathered again, one
+    call per bucket, without it never; the gradients are reduce-scattered one call per
+    bucket (more when backward returns to a bucket); gradients equal one device."""
     plan = _plan(("autopar", "gpt-tiny", ()), (4,), ("dp",), "zero3")
-    counts = pool4.run(zero3_regather_counts, plan.to_dict(), reshard)[0]
-    assert counts["gathered"] == counts["gathers"] > 0
-    assert counts["prefetched"] == counts["gathers"] - 1
+    counts = pool4.run(zero3_regather_counts, plan.to_dict(), reshard, bucket_mb=bucket_mb)[0]
+    buckets = counts["buckets"]
+    assert counts["gathered"] == counts["gathers"] > 0, counts
+    assert sum(buckets) >= counts["gathers"] - 2, counts   # (a tied head's gather stays alone)
+    assert counts["prefetched"] >= sum(buckets[1:]), counts
+    assert (len(buckets) <= 2) == (bucket_mb == 25.0), counts
+    forward_calls = len(buckets)
     if reshard:
         assert counts["regathered"] >= counts["gathers"] // 2, counts
+        assert forward_calls < counts["bucket_gathers"] <= 2 * forward_calls, counts
     else:
         assert counts["regathered"] == 0
+        assert counts["bucket_gathers"] == forward_calls, counts
+    assert len(buckets) <= counts["bucket_reduces"] <= 2 * len(buckets), counts
     assert counts["worst"] <= 0, counts
 
 
