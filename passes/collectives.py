@@ -131,13 +131,23 @@ def insert_collectives(gm: fx.GraphModule, plan, groups, defer: dict | None = No
     count = [0]
 
     decided = _deferrable(gm, plan, defer, ndim)
+    cones = _deferrable_cones(gm, plan, defer, ndim, decided)
 
     def deferred(x: fx.Node, back_from: tuple, back_to: tuple) -> tuple:
-        """The gradient layout a move should leave for parameter x (see `defer`)."""
-        axes = decided.get(x.target) if x.op == "placeholder" else None
-        if axes is None:
+        """The gradient layout a move should leave for parameter x, or for a replicated
+        tensor computed from parameters alone (see `defer` and _deferrable_cones)."""
+        if x.op == "placeholder":
+            axes = decided.get(x.target)
+            if axes is None:
+                return back_to
+            grad_sync[defer[x.target]] = axes
+            return back_from
+        cone = cones.get(x)
+        if cone is None:
             return back_to
-        grad_sync[defer[x.target]] = axes
+        axes, params = cone
+        for ph in params:
+            grad_sync[defer[ph]] = axes
         return back_from
 
     def attr(value) -> fx.Node:
@@ -182,7 +192,7 @@ def insert_collectives(gm: fx.GraphModule, plan, groups, defer: dict | None = No
             src, p, back = source_for(x)
             q = tuple(choice.inputs[k])
             g = choice.grads[k] if k < len(choice.grads) else None
-            if g is not None and src is x:
+            if g is not None and src is x and (x.op == "placeholder" or x in cones):
                 back = deferred(x, tuple(g), back)
             m = Move(p, q, tuple(g) if g is not None else q, back if g is not None else q)
             if not m.needed:
@@ -248,6 +258,93 @@ def _deferrable(gm: fx.GraphModule, plan, defer: dict, ndim: int) -> dict:
         by_param.setdefault(defer[ph], set()).add(axes)
     return {ph: axes for ph, axes in per_placeholder.items()
             if axes and by_param[defer[ph]] == {axes}}
+
+
+def _conversions(x: fx.Node, plan, ndim: int) -> list:
+    """The gradient layouts x's readers hand back (or the one its gradient sum is in)."""
+    producer, index = tensor_key(x)
+    p = layout_of(x, 0, ndim)
+    w = plan.grad_sums.get(f"{producer.name}:{index}")
+    if w is not None and _same_local_shape(w, p):
+        return [tuple(w)]
+    out = []
+    for reader in x.users:
+        choice = reader.meta.get("autopar")
+        if choice is None or reader.op != "call_function":
+            continue
+        for k, a in enumerate(tensor_args(reader)):
+            if a is x and k < len(choice.grads) and choice.grads[k] is not None:
+                out.append(tuple(choice.grads[k]))
+    return out
+
+
+def _deferrable_cones(gm: fx.GraphModule, plan, defer: dict, ndim: int, decided: dict) -> dict:
+    """node -> (mesh axes, parameter placeholders) for a tensor computed from parameters
+    alone whose readers hand its gradient back Partial on those axes (a position embedding
+    looked up by positions the graph makes, added to batch-split activations): every node
+    of its cone (its ancestors up to placeholders) is Replicate on the axes, in and out and
+    in its gradients, and no cone node feeds anything outside the cone but this tensor's
+    readers.  Backward is linear in the gradient and the forward values agree on those
+    axes, so the Partial gradient may flow back to the parameters unreduced and join their
+    bucketed all-reduce (grad_sync), as DistributedDataParallel does, instead of one more
+    all-reduce inside backward."""
+    out = {}
+
+    def replicate_on(layout, axes) -> bool:
+        return all(isinstance(layout[a], Replicate) for a in axes)
+
+    for x in gm.graph.nodes:
+        if x.op != "call_function" or x.meta.get("autopar") is None:
+            continue
+        p = layout_of(x, 0, ndim)
+        target = grad_target(p)
+        conversions = _conversions(x, plan, ndim)
+        axes_seen = {tuple(a for a in range(ndim) if g[a] != target[a]) for g in conversions}
+        if len(axes_seen) != 1:
+            continue
+        axes = axes_seen.pop()
+        if not axes or any(not (isinstance(g[a], Partial) and isinstance(target[a], Replicate))
+                           for g in conversions for a in axes):
+            continue
+        cone, params, ok = {x}, set(), True
+        todo = [x]
+        while todo and ok:
+            n = todo.pop()
+            for a in n.all_input_nodes:
+                if a in cone:
+                    continue
+                if a.op == "placeholder":
+                    if a.target in defer:
+                        params.add(a)
+                    continue
+                if a.op == "get_attr":
+                    continue
+                choice = a.meta.get("autopar")
+                if a.op != "call_function" or choice is None:
+                    ok = False
+                    break
+                cone.add(a)
+                todo.append(a)
+        for n in cone if ok else ():
+            choice = n.meta["autopar"]
+            layouts = [layout_of(n, 0, ndim), *map(tuple, choice.inputs),
+                       *(tuple(g) for g in choice.grads if g is not None)]
+            if not all(replicate_on(lay, axes) for lay in layouts):
+                ok = False
+                break
+            if n is not x and any(u not in cone for u in n.users):
+                ok = False
+                break
+        for ph in params if ok else ():
+            if ph.target in decided or any(u not in cone for u in ph.users) \
+                    or not replicate_on(layout_of(ph, 0, ndim), axes) \
+                    or any(q is not ph and defer.get(q.target) == defer[ph.target] for q in gm.graph.nodes
+                           if q.op == "placeholder"):
+                ok = False
+                break
+        if ok and params:
+            out[x] = (axes, sorted(ph.target for ph in params))
+    return out
 
 
 def _same_local_shape(a, b) -> bool:
