@@ -10,7 +10,8 @@ torchrun ends the stalled rank when the others exit.
 
 Finite steps.  `check_finite(model, loss, step)` costs one scalar all-reduce per step: every
 rank reduces its loss and the norms of its gradient pieces (torch._foreach_norm) into one
-flag.  When any is NaN or infinite, every rank raises `NonFiniteError` with the step, the
+flag (none where every gradient is whole and already all-reduced, as in data parallelism:
+every rank then sees the same values).  When any is NaN or infinite, every rank raises `NonFiniteError` with the step, the
 loss and the first parameter (in the model's order) whose gradient is not finite, found on
 whichever rank holds it.
 """
@@ -112,7 +113,10 @@ def check_finite(model, loss: torch.Tensor, step: int) -> None:
         norms = torch._foreach_norm([g.detach() for g in grads])
         total = total + torch.stack([n.float().to(device) for n in norms]).sum()
     flag = (~torch.isfinite(total)).to(torch.float32)   # 1 where this rank saw a non-finite value
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if model.grad_sync.pieces or model.runner.pipelined:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    # (else every gradient is whole and all-reduced, the loss summed: every rank sees the same
+    # values, so its own check is everyone's and the step needs no collective more than DDP's)
     if flag.item() == 0:
         return
     order = {name: k for k, name in enumerate(model.parameter_order())}

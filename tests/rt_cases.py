@@ -402,7 +402,8 @@ def zero3_regather_counts(plan_dict: dict, reshard: bool, spec: tuple = ("autopa
     cm.train_step(*args)
     worst = max(excess(g, grads[0][n]) for n, g in cm.full_grads().items())
     counts = cm.gather_counts()
-    buckets = [len(b) for b in cm.runner.regather.buckets or []]
+    regather = getattr(cm.runner, "regather", None)   # (a pipelined runner has one per stage)
+    buckets = [len(b) for b in regather.buckets or []] if regather is not None else []
     return dict(counts, gathers=counts["sites"], worst=worst, buckets=buckets)
 
 

@@ -58,7 +58,7 @@ def test_non_finite_loss_or_gradient_stops_every_rank_naming_the_parameter(pool4
     """An infinite weight in the last block: the third step raises on every rank, naming the
     step and the first parameter whose gradient one device finds non-finite; with the check
     off the step returns the non-finite loss."""
-    for layout, mesh in (("megatron-tp x zero2", ((2, 2), ("dp", "tp"))), ("zero3", DP4)):
+    for layout, mesh in (("megatron-tp x zero2", ((2, 2), ("dp", "tp"))), ("zero3", DP4), ("data-parallel", DP4)):
         results = pool4.run(non_finite_step, GPT, plan_for(GPT, layout, *mesh), "blocks.3.mlp.fc1.weight")
         first = results[0]["first"]
         assert first is not None

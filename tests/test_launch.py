@@ -11,7 +11,6 @@ import re
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
