@@ -69,7 +69,9 @@ class GradSync:
                 self._launch(axes)
         return ready
 
-    def _launch(self, axes: tuple) -> None:
+    def _launch(self, axes: tuple, extra: torch.Tensor | None = None) -> None:
+        """All-reduce the bucket pending on `axes` (ZeRO-2: reduce-scatter); `extra`, a
+        Partial scalar of the same dtype (the loss), rides along as one more element."""
         bucket = self.pending.pop(axes, [])
         self.pending_bytes.pop(axes, None)
         if not bucket:
@@ -78,31 +80,47 @@ class GradSync:
             keys = [self.key_of[id(p)] for p in bucket]
             handle = reduce_scatter_start([p.grad for p in bucket], [self.layouts[k] for k in keys], self.groups,
                                           self.reduce_dtype)
-            self.in_flight.append(("rs", handle, keys))
+            self.in_flight.append(("rs", handle, keys, None))
             return
         dtype = self.reduce_dtype or bucket[0].grad.dtype
-        flat = self.flats.get((tuple(map(id, bucket)), dtype))
-        total = sum(p.grad.numel() for p in bucket)
+        flat = self.flats.get((tuple(map(id, bucket)), dtype, extra is not None))
+        total = sum(p.grad.numel() for p in bucket) + (extra is not None)
         if flat is None or flat.numel() != total:
             # one buffer per bucket, kept across steps: a fresh large one each step pays its
             # pages again (on CPU, tens of ms per step for a few MB)
-            flat = self.flats[(tuple(map(id, bucket)), dtype)] = bucket[0].grad.new_empty(total, dtype=dtype)
-        torch.cat([p.grad.reshape(-1).to(dtype) for p in bucket], out=flat)
+            flat = bucket[0].grad.new_empty(total, dtype=dtype)
+            self.flats[(tuple(map(id, bucket)), dtype, extra is not None)] = flat
+        parts = [p.grad.reshape(-1).to(dtype) for p in bucket] + ([extra.reshape(1)] if extra is not None else [])
+        torch.cat(parts, out=flat)
         work = dist.all_reduce(flat, group=self.groups_of(axes), async_op=True)
-        self.in_flight.append((work, flat, bucket))
+        self.in_flight.append((work, flat, bucket, extra))
 
-    def finish(self) -> None:
-        """After backward: reduce what is left, wait for everything, write the sums back."""
+    def _foldable(self, extra) -> bool:
+        tensor, axes = extra
+        return bool(self.pending.get(axes)) and tensor.numel() == 1 and \
+            tensor.dtype == (self.reduce_dtype or self.pending[axes][0].grad.dtype)
+
+    def finish(self, extra: tuple | None = None) -> None:
+        """After backward: reduce what is left, wait for everything, write the sums back.
+        extra: (scalar tensor, mesh axes) summed in place over those axes, in the last
+        bucket on them when one is left (the loss: one collective fewer per step, as DDP
+        makes), else by itself."""
         if not self.enabled:
+            if extra is not None:
+                dist.all_reduce(extra[0], group=self.groups_of(extra[1]))
             return
         self.hooked = len(self.done)  # gradients whose reduction started during backward
         missing = [k for k in self.params if k not in self.done and self.params[k].grad is not None
                    and not is_absent(self.params[k].grad)]
         for key in missing:  # gradients that never fired a hook (e.g. accumulated under no_sync only)
             self.pending.setdefault(self.axes[key], []).append(self.params[key])
+        ride = extra is not None and self._foldable(extra)
         for axes in list(self.pending):
-            self._launch(axes)
-        for work, flat, bucket in self.in_flight:
+            self._launch(axes, extra[0] if ride and axes == extra[1] else None)
+        if extra is not None and not ride:
+            self.in_flight.append((dist.all_reduce(extra[0], group=self.groups_of(extra[1]), async_op=True),
+                                   None, [], None))
+        for work, flat, bucket, summed in self.in_flight:
             if work == "rs":
                 for key, chunk in zip(bucket, reduce_scatter_finish(flat)):
                     held = self.zero_grads.get(key)
@@ -117,6 +135,8 @@ class GradSync:
                 n = p.grad.numel()
                 p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
                 offset += n
+            if summed is not None:
+                summed.copy_(flat[offset:].view_as(summed))
         self.in_flight.clear()
         self.done.clear()
         shards = self.module.shards

@@ -24,7 +24,6 @@ sharded_state_error() (why state_dict() cannot give DTensors, or None).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from autopar.passes.collectives import move
@@ -116,8 +115,8 @@ class GraphRunner:
 
     def train_step(self, args, kwargs) -> torch.Tensor:
         """Forward, backward and gradient synchronisation; the loss, detached.  A loss left
-        Partial is all-reduced asynchronously while backward runs (backward only needs this
-        rank's part)."""
+        Partial is summed after backward (which only needs this rank's part), as one more
+        element of the last gradient bucket on its axes when one is left."""
         m = self.model
         flat = self.run(args, kwargs)
         loss = loss_of(m.io.structure(flat))
@@ -128,16 +127,16 @@ class GraphRunner:
             return loss.detach()
         total = loss.detach().clone()
         axes = tuple(a for a, (s, d) in enumerate(zip(mv.src, mv.dst)) if s != d)
-        work = dist.all_reduce(total, group=m.groups.group_of(axes), async_op=True)
-        self.backward(loss)
-        work.wait()
+        self.backward(loss, (total, axes))   # summed with the last gradient bucket on those axes
         return total
 
-    def backward(self, loss) -> None:
+    def backward(self, loss, extra: tuple | None = None) -> None:
+        """loss.backward() and the gradient synchronisation; extra: (Partial scalar, axes)
+        to sum alongside (GradSync.finish)."""
         loss_of(loss).backward()
         if self.regather:
             self.regather.finish()   # ZeRO-3 buckets' gradients into the shards
-        self.model.grad_sync.finish()
+        self.model.grad_sync.finish(extra)
 
     def no_sync(self):
         return self.model.grad_sync.no_sync()
