@@ -227,32 +227,8 @@ def _deferrable(gm: fx.GraphModule, plan, defer: dict, ndim: int) -> dict:
     """placeholder -> mesh axes whose all-reduce the runtime may take over: every gradient
     conversion of every placeholder of that parameter (tied weights have several) is exactly
     Partial -> Replicate on those axes and nothing else."""
-    per_placeholder = {}
-    for x in gm.graph.nodes:
-        if x.op != "placeholder" or x.target not in defer:
-            continue
-        p = layout_of(x, 0, ndim)
-        target = grad_target(p)
-        producer, index = tensor_key(x)
-        w = plan.grad_sums.get(f"{producer.name}:{index}")
-        if w is not None and _same_local_shape(w, p):
-            conversions = [tuple(w)]
-        else:
-            conversions = []
-            for reader in x.users:
-                choice = reader.meta.get("autopar")
-                if choice is None or reader.op != "call_function":
-                    continue
-                for k, a in enumerate(tensor_args(reader)):
-                    if a is x and choice.grads[k] is not None:
-                        conversions.append(tuple(choice.grads[k]))
-        axes_seen = set()
-        for g in conversions:
-            axes = tuple(a for a in range(ndim) if g[a] != target[a])
-            if any(not (isinstance(g[a], Partial) and isinstance(target[a], Replicate)) for a in axes):
-                axes = None
-            axes_seen.add(axes)
-        per_placeholder[x.target] = axes_seen.pop() if len(axes_seen) == 1 else None
+    per_placeholder = {x.target: _reduced_axes(x, plan, ndim) for x in gm.graph.nodes
+                       if x.op == "placeholder" and x.target in defer}
     by_param: dict = {}
     for ph, axes in per_placeholder.items():
         by_param.setdefault(defer[ph], set()).add(axes)
@@ -260,22 +236,33 @@ def _deferrable(gm: fx.GraphModule, plan, defer: dict, ndim: int) -> dict:
             if axes and by_param[defer[ph]] == {axes}}
 
 
-def _conversions(x: fx.Node, plan, ndim: int) -> list:
-    """The gradient layouts x's readers hand back (or the one its gradient sum is in)."""
+def _reduced_axes(x: fx.Node, plan, ndim: int) -> tuple | None:
+    """The mesh axes on which every gradient layout x's readers hand back (or the one its
+    gradient sum is in) is Partial where x's own layout is Replicate, and which are the
+    only difference; None when the conversions differ, do more, or do nothing."""
     producer, index = tensor_key(x)
     p = layout_of(x, 0, ndim)
+    target = grad_target(p)
     w = plan.grad_sums.get(f"{producer.name}:{index}")
     if w is not None and _same_local_shape(w, p):
-        return [tuple(w)]
-    out = []
-    for reader in x.users:
-        choice = reader.meta.get("autopar")
-        if choice is None or reader.op != "call_function":
-            continue
-        for k, a in enumerate(tensor_args(reader)):
-            if a is x and k < len(choice.grads) and choice.grads[k] is not None:
-                out.append(tuple(choice.grads[k]))
-    return out
+        conversions = [tuple(w)]
+    else:
+        conversions = []
+        for reader in x.users:
+            choice = reader.meta.get("autopar")
+            if choice is None or reader.op != "call_function":
+                continue
+            for k, a in enumerate(tensor_args(reader)):
+                if a is x and k < len(choice.grads) and choice.grads[k] is not None:
+                    conversions.append(tuple(choice.grads[k]))
+    seen = {tuple(a for a in range(ndim) if g[a] != target[a]) for g in conversions}
+    if len(seen) != 1:
+        return None
+    axes = seen.pop()
+    if not axes or any(not (isinstance(g[a], Partial) and isinstance(target[a], Replicate))
+                       for g in conversions for a in axes):
+        return None
+    return axes
 
 
 def _deferrable_cones(gm: fx.GraphModule, plan, defer: dict, ndim: int, decided: dict) -> dict:
@@ -296,15 +283,8 @@ def _deferrable_cones(gm: fx.GraphModule, plan, defer: dict, ndim: int, decided:
     for x in gm.graph.nodes:
         if x.op != "call_function" or x.meta.get("autopar") is None:
             continue
-        p = layout_of(x, 0, ndim)
-        target = grad_target(p)
-        conversions = _conversions(x, plan, ndim)
-        axes_seen = {tuple(a for a in range(ndim) if g[a] != target[a]) for g in conversions}
-        if len(axes_seen) != 1:
-            continue
-        axes = axes_seen.pop()
-        if not axes or any(not (isinstance(g[a], Partial) and isinstance(target[a], Replicate))
-                           for g in conversions for a in axes):
+        axes = _reduced_axes(x, plan, ndim)
+        if axes is None:
             continue
         cone, params, ok = {x}, set(), True
         todo = [x]

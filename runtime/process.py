@@ -11,6 +11,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from autopar.mesh import Mesh
 
+from .faults import DEFAULT_TIMEOUT_S
+
 log = logging.getLogger("autopar")
 
 
@@ -28,7 +30,7 @@ def ensure_process_group() -> None:
     init_process_group()
 
 
-def init_process_group(backend: str | None = None, timeout: float = 600.0) -> None:
+def init_process_group(backend: str | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> None:
     """torch.distributed.init_process_group from torchrun's environment (NCCL with CUDA,
     else gloo), such that the job can be restarted by torchrun (--max-restarts).
 

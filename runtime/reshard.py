@@ -94,6 +94,7 @@ class Regather:
         self.ready: dict[int, torch.Tensor] = {}    # k -> its gathered weight, not yet handed out
         self.next_bucket = None                     # (bucket, work, buffer) of a prefetched bucket
         self.cached: dict[int, list] = {}           # k -> [weight gathered again in backward, uses left]
+        self.packed: dict[int, list] = {}           # bucket -> [(k, shard)] the last forward saved
         self.grads: list = []                       # (bucket, k, shard, full gradient) to reduce
         self.reducing: list = []                    # (work, row, [(k, shard)]) launched
 
@@ -118,7 +119,7 @@ class Regather:
             self.bucket_of[k] = len(self.buckets) - 1
             size += full
 
-    def _launch_bucket(self, b: int, members: list, shards: list):
+    def _launch_bucket(self, members: list, shards: list):
         """Start one flat all-gather of `shards` (the bucket's members'); (work, buffer)."""
         axis = self.flat[members[0]][0]
         flat = torch.cat([t.detach().reshape(-1) for t in shards])
@@ -151,12 +152,12 @@ class Regather:
         else:
             if got is not None:
                 got[1].wait()
-            work, buf = self._launch_bucket(b, members, shards)
+            work, buf = self._launch_bucket(members, shards)
             work.wait()
         self.ready.update(self._split_bucket(members, shards, buf))
         if self.active and b + 1 < len(self.buckets):  # the next bucket while this one computes
             nxt = self.buckets[b + 1]
-            self.next_bucket = (b + 1, *self._launch_bucket(b + 1, nxt, [self.feed[self.order[k][0]] for k in nxt]))
+            self.next_bucket = (b + 1, *self._launch_bucket(nxt, [self.feed[self.order[k][0]] for k in nxt]))
 
     def _grouped(self, k: int, x: torch.Tensor) -> torch.Tensor:
         if k not in self.ready:
@@ -252,7 +253,7 @@ class Regather:
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack) if self.reshard \
             else contextlib.nullcontext()
         self.cached.clear()
-        self.packed: dict[int, list] = {}   # bucket -> [(k, shard)] saved for backward by this forward
+        self.packed = {}
         try:
             with hooks:
                 yield
@@ -299,7 +300,7 @@ class Regather:
             members = list(dict.fromkeys(j for j, _ in saved))
             shard = dict(saved)
             uses = {j: sum(1 for i, _ in saved if i == j) for j in members}
-            work, buf = self._launch_bucket(self.bucket_of[k], members, [shard[j] for j in members])
+            work, buf = self._launch_bucket(members, [shard[j] for j in members])
             work.wait()
             for j, t in self._split_bucket(members, [shard[j] for j in members], buf).items():
                 self.cached[j] = [t, uses[j]]

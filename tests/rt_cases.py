@@ -543,10 +543,12 @@ def resume_across_layouts(spec: tuple, plan_dict: dict, other_dict: dict, path: 
 
 
 @functools.lru_cache(maxsize=None)
-def plan_for(spec: tuple, layout: str | None, shape=(2, 2), names=("dp", "tp"), pipeline=None) -> dict:
+def plan_for(spec: tuple, layout: str | None, shape=(2, 2), names=("dp", "tp"), pipeline=None,
+             mixed_precision=None) -> dict:
     """The plan (as a dict) of the model of `spec` on a cpu mesh: the solver's (layout None)
-    or a hand-written layout's, optionally with pipeline stages; cached per test session."""
+    or a hand-written layout's, optionally with pipeline stages or mixed precision; cached
+    per test session."""
     model, args, kwargs = build_case(spec)
     mesh = autopar.Mesh(shape, names, device="cpu")
     return autopar.plan(model, mesh, args, example_kwargs=kwargs or None, compare=False, layout=layout,
-                        pipeline=pipeline or False).to_dict()
+                        pipeline=pipeline or False, mixed_precision=mixed_precision).to_dict()

@@ -3,9 +3,9 @@ state through torch.distributed.checkpoint and autopar.checkpoint, errors naming
 not fit, the NaN/inf check of train_step."""
 from __future__ import annotations
 
-from ckpt_cases import (batch_check_window, load_mismatch, mixed_precision_round_trip, non_finite_step, resume_through_plans,
-                        rng_round_trip)
-from rt_cases import build_case, plan_for
+from ckpt_cases import (batch_check_window, load_mismatch, mixed_precision_round_trip, non_finite_step,
+                        resume_through_plans, rng_round_trip)
+from rt_cases import plan_for
 
 import autopar
 
@@ -71,17 +71,11 @@ def test_non_finite_loss_or_gradient_stops_every_rank_naming_the_parameter(pool4
 def test_mixed_precision_checkpoint_keeps_master_weights_and_moments(pool4, tmp_path):
     """bf16 with float32 masters: saved under ZeRO-2 on (4,), loaded under Megatron x ZeRO-2
     on (2, 2): masters and AdamW moments bit for bit, compute weights their bf16 casts."""
-    a = plan_for_precision(GPT, "zero2", *DP4)
-    b = plan_for_precision(GPT, "megatron-tp x zero2", (2, 2), ("dp", "tp"))
+    a = plan_for(GPT, "zero2", *DP4, mixed_precision="bf16")
+    b = plan_for(GPT, "megatron-tp x zero2", (2, 2), ("dp", "tp"), mixed_precision="bf16")
     for r in pool4.run(mixed_precision_round_trip, GPT, a, b, str(tmp_path / "ckpt")):
         assert r == {"masters": 0.0, "moments": 0.0, "compute": 0.0, "dtypes": ["torch.bfloat16"], "moved": True}
 
-
-def plan_for_precision(spec: tuple, layout: str, shape: tuple, names: tuple) -> dict:
-    model, args, kwargs = build_case(spec)
-    mesh = autopar.Mesh(shape, names, device="cpu")
-    return autopar.plan(model, mesh, args, example_kwargs=kwargs or None, compare=False, layout=layout,
-                        mixed_precision="bf16").to_dict()
 
 
 def test_the_batch_hash_check_covers_the_calls_asked_for(pool4):
