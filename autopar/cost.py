@@ -52,14 +52,17 @@ class CommStep:
     seconds: float
     algorithm: str = "ring"
     fixed: float = 0.0   # the part of `seconds` that does not grow with the bytes
+    bucketed: bool = False   # run in a bucket with other parameters' (see `bucketed`)
 
 
 def bucketed(steps: tuple, nbytes: float, kinds: tuple) -> tuple:
     """`steps` of a parameter's gradient or weight as the runtime runs them, in buckets: the
     steps of `kinds` (a gradient's all-reduces, a ZeRO-2 gradient's reduce-scatters, the
-    all-gathers of ZeRO-1/2 weights after the step) pay `bucket_share` of their fixed cost."""
+    all-gathers of ZeRO-1/2 weights after the step, a grouped ZeRO-3 weight's gathers and
+    reduce-scatter) pay `bucket_share` of their fixed cost."""
     cut = 1.0 - bucket_share(nbytes)
-    return tuple(replace(st, seconds=st.seconds - st.fixed * cut) if st.kind in kinds else st for st in steps)
+    return tuple(replace(st, seconds=st.seconds - st.fixed * cut, bucketed=True) if st.kind in kinds else st
+                 for st in steps)
 
 
 def axis_link(kind: str, axis: int, mesh: Mesh) -> tuple:
@@ -123,23 +126,28 @@ def redistribute_codes(shape, itemsize: int, src: tuple, dst: tuple, mesh: Mesh)
                  for kind, a, share, fixed, per_byte in priced[k])
 
 
-PRICE_ROWS = 8   # redistribute_price: total, all-gathers, and the lines of the reductions
+PRICE_ROWS = 10   # redistribute_price: total, all-gathers, the lines of the reductions, two flags
 BUCKET_BYTES = 25 * 2**20   # the runtime's gradient buckets (autopar.compile's bucket_mb default)
 
 
 def redistribute_price(src: tuple, dst: tuple, mesh: Mesh) -> np.ndarray:
     """`redistribute_codes` as straight lines in the tensor's bytes B > 0, one per collective
-    algorithm of the device: [6, algorithms]: seconds = fixed + per_byte * B (rows 0, 1);
+    algorithm of the device: [PRICE_ROWS, algorithms]: seconds = fixed + per_byte * B (rows 0, 1);
     the same two numbers for its all-gathers alone (rows 2, 3: the ones a parameter repeats
     in backward); the fixed seconds of its all-reduces (row 4) and of its reduce-scatters
     (row 5), which a parameter's gradient shares with the rest of its bucket
     (`bucket_share`), and the seconds per byte of its all-reduces (row 6) and
-    reduce-scatters (row 7).  Lets a whole table of layout pairs be priced once and scaled to
-    every tensor size, where the cheapest algorithm is taken."""
+    reduce-scatters (row 7); 1.0 in row 8 where the whole move is one all-gather and in row 9
+    where it is one reduce-scatter (the moves of a ZeRO-3 weight the runtime groups into
+    buckets, runtime/reshard.py).  Lets a whole table of layout pairs be priced once and
+    scaled to every tensor size, where the cheapest algorithm is taken."""
     algorithms = mesh.device.algorithms
     out = np.zeros((PRICE_ROWS, len(algorithms)))
     if src == dst:
         return out
+    steps = plan_rows(src, dst, mesh.shape)
+    if len(steps) == 1 and steps[0][0] in ("all_gather", "reduce_scatter"):
+        out[8 if steps[0][0] == "all_gather" else 9] = 1.0
     for j, alg in enumerate(algorithms):
         for kind, _, _, f, b in _price_rows(src, dst, mesh, alg):
             out[0, j] += f

@@ -15,7 +15,7 @@ import numpy as np
 
 from .plan import Collective, NodeChoice, Prediction
 from .precision import cast_for_trace, meta_inputs
-from .problem import Problem, bucket_kinds, reduce_problem
+from .problem import Problem, reduce_problem
 from .recompute import MODES, ModeCosts, beyond_linear, check_mode, layer_slots
 from .solver import InfeasibleError, solve
 from .trace import trace
@@ -37,8 +37,9 @@ class Built:
     solved: tuple | None = None   # (choice, solution, memory of the choice)
 
 
-def build_problem(model, mesh, args, kwargs, mixed_precision=None) -> Built:
-    """Trace `model` on (args, kwargs) and build its strategy menus and costs on `mesh`.
+def build_problem(model, mesh, args, kwargs, mixed_precision=None, grouped_gathers=True) -> Built:
+    """Trace `model` on (args, kwargs) and build its strategy menus and costs on `mesh`
+    (grouped_gathers: see Problem).
     Under mixed precision what runs is traced: the model cast to param_dtype on meta inputs.
     Repeated layers are traced three of them and written out (autopar/unroll.py): the same
     graph the runtime traces, checked by its signature when the plan is compiled."""
@@ -49,7 +50,7 @@ def build_problem(model, mesh, args, kwargs, mixed_precision=None) -> Built:
     else:
         traced = trace(model, tuple(args), kwargs, unroll=True, shared=True)
     t_trace = time.perf_counter() - start
-    problem = Problem(traced, mesh, mixed_precision)
+    problem = Problem(traced, mesh, mixed_precision, grouped_gathers)
     t_build = time.perf_counter() - start - t_trace
     log.info("built strategy menus and costs in %.2fs", t_build)
     return Built(problem, t_trace, t_build)
@@ -86,22 +87,28 @@ def solve_problem(problem: Problem, rule, budget, time_limit, minimise_memory=Fa
     if minimise_memory or not problem.mesh.device.asynchronous or not problem.edge_bucketed:
         return best
     first = assemble(problem, best[0])[2]
-    behind = first.hidden_s - first.prefetch_hidden_s          # the gradient buckets' part
-    buckets = first.overlappable_s - first.prefetchable_s
     if first.hidden_s <= 0.01 * first.step_s:
         return best
-    shares = (behind / buckets if buckets > 0 else 0.0,
-              first.prefetch_hidden_s / first.prefetchable_s if first.prefetchable_s > 0 else 0.0)
     modes = dict(best[0].modes) or None
-    over = problem.overlapped(*shares)
+    over = problem.overlapped(*_hidden_shares(first))
     try:
         # the proxy's own optimum with no budget first (exact eliminations, rarely an ILP):
         # when it fits, it is the second solve's answer.  When, overlap counted, it is not
         # faster than the summed optimum with no budget either, the proxy's discount
         # misleads on this problem (the plans it prefers move more bytes than the step can
         # hide), and the budgeted solve, which ranks memory-saving plans by the same
-        # discount, is skipped
+        # discount, is skipped.  The plan the proxy picks hides other shares than the
+        # first: priced again at its own shares (a few rounds, while the step improves),
+        # as the plan a tighter budget forces might
         other = _solve_modes(over, rule, None, time_limit, False, modes)
+        step = assemble(problem, other[0])[2]
+        for _ in range(3):
+            again_over = problem.overlapped(*_hidden_shares(step))
+            again = _solve_modes(again_over, rule, None, time_limit, False, modes)
+            again_step = assemble(problem, again[0])[2]
+            if again_step.step_s >= step.step_s * (1 - 1e-9):
+                break
+            other, over, step = again, again_over, again_step
         if budget is not None and other[2] > budget:
             plain = best[0] if best[1].slack else _solve_modes(problem, rule, None, time_limit, False, modes)[0]
             if assemble(problem, other[0])[2].step_s >= assemble(problem, plain)[2].step_s * (1 - 1e-9):
@@ -117,6 +124,15 @@ def solve_problem(problem: Problem, rule, budget, time_limit, minimise_memory=Fa
     return best
 
 
+def _hidden_shares(predicted) -> tuple:
+    """(share of the gradient buckets, share of the prefetchable weight gathers) a plan's
+    predicted step hides: the discounts Problem.overlapped prices with."""
+    behind = predicted.hidden_s - predicted.prefetch_hidden_s
+    buckets = predicted.overlappable_s - predicted.prefetchable_s
+    return (behind / buckets if buckets > 0 else 0.0,
+            predicted.prefetch_hidden_s / predicted.prefetchable_s if predicted.prefetchable_s > 0 else 0.0)
+
+
 def solve_summed(problem: Problem, rule, budget, time_limit, minimise_memory=False, recompute=None):
     """Solve with every identical layer alike (period 1); when the answer moves data between
     consecutive layers, try alternating layouts (period 2) too and keep the faster plan.
@@ -125,10 +141,11 @@ def solve_summed(problem: Problem, rule, budget, time_limit, minimise_memory=Fal
     layer; None lets the solve choose per set of identical layers among MODES (all alike,
     or even and odd layers apart).  Recomputing only adds time, so the other modes are tried
     only when the budget binds: when no plan keeping every activation is as fast as the
-    fastest plan with no budget at all.  Then each assignment's time is at least the
-    unbudgeted optimum plus the least its recomputation can cost (`_least_added`); the
-    assignments are solved in the order of that bound, and those whose bound is already
-    slower than the best plan found are skipped."""
+    fastest plan with no budget at all.  Then each assignment's plans are no faster than
+    its own optimum with no budget (`_unbudgeted_bound`: exact eliminations, rarely an
+    ILP, a fraction of a second where a budgeted solve takes seconds); the assignments
+    are solved in the order of that bound, and those whose bound is already slower than
+    the best plan found are skipped."""
     forced = check_mode(recompute)
     slots = layer_slots(problem)
     seen: dict = {}   # what the last plan needed beyond the ILP's sum: where the next solve starts
@@ -149,18 +166,28 @@ def solve_summed(problem: Problem, rule, budget, time_limit, minimise_memory=Fal
             return best
     else:
         best = None
+    # the seconds a byte is worth where the budget binds: from the plan with no budget to
+    # the plan under it (a Lagrange multiplier for the bounds below)
+    price = 0.0
+    if free is not None and best is not None and free[2] > best[2]:
+        price = max(0.0, (best[1].objective - free[1].objective) / (free[2] - best[2]))
     tried = []
     for modes, periods in mode_assignments(problem, slots, forced):
         costs = ModeCosts(problem, modes)
-        bound = free[1].objective + _least_added(problem, costs) if free is not None else 0.0
-        tried.append((bound, len(tried), modes, periods, costs))
-    for bound, _, modes, periods, costs in sorted(tried, key=lambda t: t[:2]):
+        reduced: dict = {}
+        bound = (_unbudgeted_bound(problem, rule, periods, costs, reduced, time_limit, budget, price)
+                 if free is not None else 0.0)
+        tried.append((bound, len(tried), modes, periods, costs, reduced))
+    for bound, _, modes, periods, costs, reduced in sorted(tried, key=lambda t: t[:2]):
         if best is not None and bound >= best[1].objective * (1 - 1e-9):
             break
         try:
-            found = _solve_modes(problem, rule, budget, time_limit, minimise_memory, modes, periods, seen, costs)
+            found = _solve_modes(problem, rule, budget, time_limit, minimise_memory, modes, periods, seen, costs,
+                                 reduced)
         except InfeasibleError:
+            log.debug("recompute %s: bound %.6f, infeasible", sorted(set(modes.values())), bound)
             continue
+        log.debug("recompute %s: bound %.6f, plan %.6f", sorted(set(modes.values())), bound, found[1].objective)
         if best is None or found[1].objective < best[1].objective * (1 - 1e-9):
             best = found
     if best is None:
@@ -168,12 +195,28 @@ def solve_summed(problem: Problem, rule, budget, time_limit, minimise_memory=Fal
     return best
 
 
-def _least_added(problem: Problem, costs: ModeCosts) -> float:
-    """The fewest seconds the recomputation of `costs` can add to any choice: each node's
-    and each move's cheapest forward run again (a lower bound: one choice cannot take every
-    minimum at once)."""
-    total = sum(float(np.min(arr)) for arr in costs.extra.values())
-    return total + sum(float(np.min(m)) for m in costs.edge_extra.values())
+def _unbudgeted_bound(problem: Problem, rule, periods, costs: ModeCosts, reduced: dict, time_limit,
+                      budget=None, price: float = 0.0) -> float:
+    """A lower bound on the ILP objective of any plan under a recompute assignment and a
+    memory `budget`, over the finest period of `periods` (alternating layers admit every
+    plan of identical ones): the best plan's with no budget, and (price > 0) the Lagrangian
+    bound min over plans of seconds + price * (bytes - budget), which no plan within the
+    budget can beat either.  Both are solves with no budget (exact eliminations, rarely an
+    ILP).  Keeps the reduced problem in `reduced` for the budgeted solve."""
+    period = max(periods)
+    if period not in reduced:
+        reduced[period] = reduce_problem(problem, rule, period, costs)
+    red = reduced[period]
+    try:
+        out = solve(red.costs, red.edges, red.memory, None, red.allowed, time_limit=time_limit,
+                    tiebreak=red.plain_memory).objective
+        if price > 0 and budget is not None:
+            priced = [np.asarray(c, float) + price * np.asarray(m, float) for c, m in zip(red.costs, red.memory)]
+            out = max(out, solve(priced, red.edges, red.memory, None, red.allowed, time_limit=time_limit,
+                                 tiebreak=red.plain_memory).objective - price * budget)
+        return out
+    except InfeasibleError:
+        return float("inf")
 
 
 def mode_assignments(problem: Problem, slots: list, forced) -> list:
@@ -192,7 +235,7 @@ def mode_assignments(problem: Problem, slots: list, forced) -> list:
 
 
 def _solve_modes(problem: Problem, rule, budget, time_limit, minimise_memory, modes, periods=(1, 2), seen=None,
-                 costs=None):
+                 costs=None, reduced=None):
     """(choice, solution, memory per device) of the fastest plan under these modes whose
     states, activations and working memory fit the budget together.  The ILP sums a linear
     estimate; what the plan found needs beyond it (recompute.beyond_linear: the working
@@ -204,7 +247,7 @@ def _solve_modes(problem: Problem, rule, budget, time_limit, minimise_memory, mo
     falls back to zero."""
     if costs is None and modes:
         costs = ModeCosts(problem, modes)
-    reduced: dict = {}
+    reduced = {} if reduced is None else reduced   # period -> reduce_problem(problem, rule, period, costs)
     seen = {} if seen is None else seen
     start = reserve = max(0.0, seen.get("extra", 0.0))
     for _ in range(8):
@@ -355,8 +398,7 @@ def assemble(problem: Problem, choice: dict):
                             forward[pn.index] += st.seconds
                     comm[st.axis] += st.seconds
                     edge_comm += st.seconds
-                    if phase == "backward" and param is not None and param.kind == "param" and \
-                            st.kind in bucket_kinds(problem.nodes[param.rep].strategies[choice[param.index]]):
+                    if phase == "backward" and st.bucketed and st.kind != "all_gather":   # a gradient bucket
                         at = pn.index if e.kind == "data" else first_reader.get(param.index)
                         bucketed[at] = bucketed.get(at, 0.0) + st.seconds
                     elif phase == "backward" and pn.index in backward:

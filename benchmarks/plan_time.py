@@ -36,6 +36,7 @@ GPUs (no pipeline search), and Alpa 2,393 s to compile GPT-39B for 64 GPUs.
 Run:
     python benchmarks/plan_time.py                        # all cases, with baselines
     python benchmarks/plan_time.py --scale                # the planning-at-scale targets
+    python benchmarks/plan_time.py --scale --cases 8b-8x8 # one of them
     python benchmarks/plan_time.py --cases llama3-8b      # one case
     python benchmarks/plan_time.py --no-compare           # skip the hand-written layouts
     python benchmarks/plan_time.py --json plan_time.json  # also write the rows as JSON
@@ -299,8 +300,8 @@ def print_scale(rows: list[dict]) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES),
-                        help="cases to run (default: all)")
+    parser.add_argument("--cases", nargs="+", choices=list(ALL),
+                        help="cases to run (default: all, or all the --scale ones)")
     parser.add_argument("--no-compare", dest="compare", action="store_false",
                         help="do not cost the hand-written layouts")
     parser.add_argument("--json", metavar="PATH", help="also write the rows to this JSON file")
@@ -314,7 +315,7 @@ def main(argv=None) -> int:
         return 0
     if args.scale:
         rows = []
-        for name in SCALE:
+        for name in args.cases or SCALE:
             print(f"planning {name} ...", file=sys.stderr, flush=True)
             rows.append(run_case_subprocess(name, False, args.timeout))
         print_scale(rows)
@@ -325,7 +326,7 @@ def main(argv=None) -> int:
 
     print_header(args.compare)
     rows = []
-    for name in args.cases:
+    for name in args.cases or CASES:
         print(f"planning {name} ...", file=sys.stderr, flush=True)
         rows.append(run_case_subprocess(name, args.compare, args.timeout))
     print_table(rows, args.compare)

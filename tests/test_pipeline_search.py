@@ -126,11 +126,11 @@ def test_search_builds_each_problem_once(monkeypatch, fixed):
     built = []
     original = solution.Problem
 
-    def counting(traced, mesh, precision=None):
+    def counting(traced, mesh, precision=None, grouped_gathers=True):
         inputs = tuple(tuple(n.meta["val"].shape) for n in traced.graph.graph.nodes
                        if n.op == "placeholder" and n.target in traced.user_inputs)
         built.append((mesh.shape, inputs))
-        return original(traced, mesh, precision)
+        return original(traced, mesh, precision, grouped_gathers)
 
     monkeypatch.setattr(solution, "Problem", counting)
     model, example = build("gpt-tiny", device="meta", batch=8)

@@ -64,3 +64,48 @@ def test_a_budget_below_the_minimum_names_the_minimum_and_the_fixes(sweep):
     assert saved and float(saved.group(2)) == pytest.approx(floor, abs=0.01), str(info.value)
     plan = autopar.plan(model, mesh, example, compare=False, memory_budget=f"{floor * 1.01:.3f}GiB")
     assert plan.predicted.memory_total <= floor * 1.01 * 2**30
+
+
+def test_zero3_weights_are_priced_as_the_runtimes_buckets():
+    """Under ZeRO-3 the runtime gathers a layer's weights in one call per bucket, and
+    reduce-scatters their gradients the same way on the bucket stream (runtime/reshard.py):
+    each weight's gathers (forward and again in backward) and its reduce-scatter pay its
+    bytes' share of a call's fixed seconds, no more; the solver's edge tables agree with
+    the steps the plan lists, and a problem told the runtime does not group (pipeline
+    stages) prices every call whole."""
+    from autopar.baselines import zero3
+    from autopar.cost import bucket_share
+    from autopar.solution import assemble, build_problem, solve_problem
+    model, example = build("gpt-tiny", device="meta")
+    mesh = autopar.Mesh((4,), ("dp",), device="h100")
+    grouped = build_problem(model, mesh, example, {}).problem
+    alone = build_problem(model, mesh, example, {}, grouped_gathers=False).problem
+    choice = solve_problem(grouped, zero3, None, 60.0)[0]
+    checked = 0
+    for e in grouped.edges:
+        a = grouped.nodes[e.a]
+        i, j = choice[e.a], choice[e.b]
+        key = grouped.rep_edge(e)
+        fwd, bwd = grouped.edge_steps(key, i, j)
+        assert grouped.edge_costs[key][i, j] == pytest.approx(sum(st.seconds for st in fwd + bwd), rel=1e-9, abs=1e-15)
+        if e.kind != "data" or a.kind != "param" or not a.requires_grad or not fwd:
+            continue
+        whole_fwd, whole_bwd = alone.edge_steps(alone.rep_edge(e), i, j)
+        assert alone.edge_costs[alone.rep_edge(e)][i, j] == pytest.approx(
+            sum(st.seconds for st in whole_fwd + whole_bwd), rel=1e-9, abs=1e-15)
+        assert [st.kind for st in fwd] == ["all_gather"]
+        if (a.rep, e.out) in grouped._summed:   # a tied weight: its gradient is summed elsewhere
+            assert not fwd[0].bucketed
+            continue
+        assert [st.kind for st in bwd] == ["reduce_scatter", "all_gather"]
+        share = bucket_share(fwd[0].nbytes)
+        for mine, theirs in zip(fwd + bwd, whole_fwd + whole_bwd):
+            assert mine.bucketed and not theirs.bucketed
+            assert mine.seconds == pytest.approx(theirs.seconds - theirs.fixed * (1 - share), rel=1e-9)
+            assert mine.seconds < theirs.seconds
+        checked += 1
+    assert checked >= 10
+    mine, theirs = assemble(grouped, choice)[2], assemble(alone, choice)[2]
+    assert mine.step_s < theirs.step_s
+    # the reduce-scatters now run on the bucket stream beside backward
+    assert mine.overlappable_s - mine.prefetchable_s > theirs.overlappable_s - theirs.prefetchable_s

@@ -115,7 +115,7 @@ def test_the_price_line_is_the_priced_steps(sizes):
     for src, dst in all_pairs(len(sizes)):
         priced = redistribute(shape, item, src, dst, mesh)
         (fixed, per_byte, g_fixed, g_per_byte, ar_fixed, rs_fixed, ar_per_byte,
-         rs_per_byte) = redistribute_price(layout_code(src), layout_code(dst), mesh)
+         rs_per_byte, one_gather, one_scatter) = redistribute_price(layout_code(src), layout_code(dst), mesh)
         k = int(np.argmin(fixed + per_byte * whole))   # the cheapest algorithm, as the steps took
         assert fixed[k] + per_byte[k] * whole == pytest.approx(sum(s.seconds for s in priced), rel=1e-12)
         assert {s.algorithm for s in priced} <= {mesh.device.algorithms[k]}
@@ -125,8 +125,11 @@ def test_the_price_line_is_the_priced_steps(sizes):
             mine = [s for s in priced if s.kind == kind]   # the fixed part is what buckets share
             assert f[k] == pytest.approx(sum(s.fixed for s in mine), rel=1e-12, abs=1e-18)
             assert f[k] + b[k] * whole == pytest.approx(sum(s.seconds for s in mine), rel=1e-12, abs=1e-18)
+        steps = plan_redistribute(src, dst, sizes)
+        alone = [s.kind for s in steps] if len(steps) == 1 else []   # what the runtime groups (reshard.py)
+        assert (one_gather[k] == 1.0, one_scatter[k] == 1.0) == (alone == ["all_gather"], alone == ["reduce_scatter"])
         planned = [(s.kind, s.axes, whole * s.share * (sizes[s.axis] if s.kind == "all_gather" else 1))
-                   for s in plan_redistribute(src, dst, sizes) if s.is_collective]
+                   for s in steps if s.is_collective]
         assert priced_calls(shape, item, src, dst, mesh) == planned, (src, dst)
 
 

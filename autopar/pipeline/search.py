@@ -285,11 +285,13 @@ def _cost_keys(keys) -> dict:
 
 def stage_problem(model, mesh, example_inputs, example_kwargs, mixed_precision, sub_shape, mb_size) -> Built:
     """The traced and costed problem of one stage candidate: the model on a sub-mesh of
-    `mesh` shaped `sub_shape` (same links), for a microbatch of `mb_size` rows."""
+    `mesh` shaped `sub_shape` (same links), for a microbatch of `mb_size` rows.  Pipeline
+    stages gather their ZeRO-3 weights one by one (runtime/pipelined.py): only the whole
+    mesh's candidate prices them grouped."""
     sub = Mesh(sub_shape, mesh.axis_names, device=mesh.device, bandwidth=mesh.bandwidth, latency=mesh.latency)
     batch = batch_size(example_inputs, example_kwargs)
     args, kwargs = first_microbatch((tuple(example_inputs), example_kwargs), batch, mb_size)
-    return build_problem(model, sub, args, kwargs, mixed_precision)
+    return build_problem(model, sub, args, kwargs, mixed_precision, tuple(sub_shape) == tuple(mesh.shape))
 
 
 def _cost_in_parallel(keys, cost_cache: dict, workers: int, job: tuple, own) -> None:

@@ -31,12 +31,15 @@ UNUSABLE = float("inf")  # a choice pair the runtime cannot run as planned: the 
 
 
 class Problem:
-    def __init__(self, traced: Traced, mesh: Mesh, precision=None):
+    def __init__(self, traced: Traced, mesh: Mesh, precision=None, grouped_gathers: bool = True):
         """precision: an autopar.MixedPrecision (the graph is then traced from the model cast
-        to its param_dtype, see autopar.precision.cast_for_trace), or None."""
+        to its param_dtype, see autopar.precision.cast_for_trace), or None.  grouped_gathers:
+        whether the runtime gathers ZeRO-3 weights in buckets (`grouped_pair`): it does for
+        a whole model, not (yet) inside pipeline stages."""
         self.traced = traced
         self.mesh = mesh
         self.precision = precision
+        self.grouped_gathers = grouped_gathers
         self.nodes, self.by_fx = build_nodes(traced)
         self.readers, self.gradsum_of = add_gradient_sums(self.nodes)
         shared = share_layers(self.nodes, self.readers, self.gradsum_of)
@@ -363,8 +366,22 @@ class Problem:
                 if a.kind == "param":
                     bwd = C.bucketed(bwd, math.prod(shape) * item, bucket_kinds(a.strategies[i]))
             if a.kind == "param":  # gathered for use, dropped after forward: gather again for backward
+                if self.grouped_pair(a.strategies[i], fwd, bwd):
+                    whole = math.prod(shape) * item
+                    fwd = C.bucketed(fwd, whole, ("all_gather",))
+                    bwd = C.bucketed(bwd, whole, ("reduce_scatter",))
                 bwd = bwd + tuple(st for st in fwd if st.kind == "all_gather")
         return fwd, bwd
+
+    def grouped_pair(self, s: Strategy, fwd: tuple, bwd: tuple) -> bool:
+        """Whether a weight stored under s and read through moves fwd (its gradient back
+        through bwd) is gathered in buckets (runtime/reshard.py): plain ZeRO-3, the
+        weight sharded on an axis where it is read whole, the move one all-gather and its
+        gradient's one reduce-scatter on that axis, nothing else synchronising it.  Its
+        gathers, the one again in backward and the reduce-scatter then pay `bucket_share`
+        of their calls' fixed cost, and the reduce-scatter runs on the bucket stream."""
+        return (self.grouped_gathers and not s.zero and not s.offload and len(fwd) == 1 and len(bwd) == 1
+                and fwd[0].kind == "all_gather" and bwd[0].kind == "reduce_scatter" and fwd[0].axis == bwd[0].axis)
 
     @functools.cached_property
     def _summed(self) -> set:
@@ -405,17 +422,42 @@ class Problem:
         grads = [s.grads[e.operand] for s in b.strategies]
         has = np.array([g is not None for g in grads])
         bwd = np.zeros_like(m)
+        grouped = None
         if (e.a, e.out) not in self._summed:
             g = _codes([code(x) if x is not None else None for x in grads])
             dest = _codes([code(self.grad_destination(a, s, e.out)) for s in a.strategies])
             bwd = self._seconds_table(shape, item, dest, g, reverse=True)
             if a.kind == "param":
                 bwd = bwd - self._bucketed(a, 0, shape, item, dest, g, reverse=True)
-                self.edge_bucketed[e] = np.where(has[None, :], self._bucket_seconds, 0.0)
+                bucket = self._bucket_seconds
+                if self.grouped_gathers:   # grouped_pair, for every pair at once
+                    plain = np.array([not s.zero and not s.offload for s in a.strategies])
+                    grouped = (plain[:, None] & has[None, :] & self._flags(p, q, 8)
+                               & self._flags(dest, g, 9, reverse=True))
+                    if grouped.any():
+                        share = C.bucket_share(math.prod(shape) * item)
+                        scattered = self._seconds_table(shape, item, dest, g, reverse=True, share=share)
+                        bwd = np.where(grouped, 0.0, bwd)
+                        bucket = np.where(grouped, scattered, bucket)
+                        m = np.where(grouped, self._seconds_table(shape, item, p, q, share=share), m)
+                        self.edge_forward[e] = m
+                self.edge_bucketed[e] = np.where(has[None, :], bucket, 0.0)
         if a.kind == "param":  # gathered for use, dropped after forward: gather again for backward
-            self.edge_gathers[e] = gathered = self._seconds_table(shape, item, p, q, gathers=True)
+            gathered = self._seconds_table(shape, item, p, q, gathers=True)
+            if grouped is not None and grouped.any():
+                gathered = np.where(grouped, m, gathered)   # (the whole move is the gather)
+            self.edge_gathers[e] = gathered
             bwd = bwd + gathered
+            if grouped is not None and grouped.any():
+                bwd = bwd + np.where(grouped, self.edge_bucketed[e], 0.0)
         return m + np.where(has[None, :], bwd, 0.0)
+
+    def _flags(self, src, dst, row: int, reverse=False) -> np.ndarray:
+        """[choices of src, choices of dst] booleans of redistribute_price's flag `row`."""
+        (su, si), (du, di) = src, dst
+        rows, cols = self._layout_ids(su), self._layout_ids(du)
+        lines = self._prices(cols, rows).transpose(0, 1, 3, 2) if reverse else self._prices(rows, cols)
+        return lines[row, 0][np.ix_(si, di)] > 0.5
 
     def _bucketed(self, param: PNode, side: int, shape, item, src, dst, reverse=False) -> np.ndarray:
         """The part of a parameter gradient's reduction (`_seconds_table` of the same
@@ -439,10 +481,11 @@ class Problem:
         self._bucket_seconds = fixed * share + per_byte * whole   # what the bucket stream runs
         return fixed * (1.0 - share)
 
-    def _seconds_table(self, shape, item, src, dst, reverse=False, gathers=False) -> np.ndarray:
+    def _seconds_table(self, shape, item, src, dst, reverse=False, gathers=False, share=1.0) -> np.ndarray:
         """[choices of src, choices of dst] seconds of redistributing a tensor of `shape` from
         each row's layout to each column's (`reverse`: from each column's to each row's);
-        `gathers`: only the all-gathers among those steps.  src, dst: `_codes` pairs, a None
+        `gathers`: only the all-gathers among those steps; `share`: of the calls' fixed
+        seconds (a bucket's member's, cost.bucket_share).  src, dst: `_codes` pairs, a None
         code standing for no tensor (0 s).  Each pair of layouts is priced once per problem,
         as a line in the tensor's bytes (cost.redistribute_price), and scaled to this tensor."""
         (su, si), (du, di) = src, dst
@@ -452,7 +495,7 @@ class Problem:
         rows, cols = self._layout_ids(su), self._layout_ids(du)
         lines = self._prices(cols, rows).transpose(0, 1, 3, 2) if reverse else self._prices(rows, cols)
         fixed, per_byte = (lines[2], lines[3]) if gathers else (lines[0], lines[1])
-        return (fixed + per_byte * whole).min(axis=0)[np.ix_(si, di)]   # the cheapest algorithm
+        return (fixed * share + per_byte * whole).min(axis=0)[np.ix_(si, di)]   # the cheapest algorithm
 
     def _layout_ids(self, codes) -> np.ndarray:
         ids = self._price_book["ids"]
@@ -505,7 +548,8 @@ class Problem:
 
 def bucket_kinds(s: Strategy) -> tuple:
     """The reductions of a parameter's gradient the runtime runs in buckets under strategy s:
-    all-reduces, and a ZeRO-2 parameter's reduce-scatters (ZeRO-3's run one by one)."""
+    all-reduces, and a ZeRO-2 parameter's reduce-scatters (a ZeRO-3 weight's reduce-scatter
+    joins a bucket where its moves are grouped: Problem.grouped_pair)."""
     return ("all_reduce", "reduce_scatter") if s.zero == 2 else ("all_reduce",)
 
 
