@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter, defaultdict
+from dataclasses import dataclass
 
 from .ops.attention_rule import ATTENTION_OPS
 from .records import format_bytes, format_seconds, show
@@ -119,58 +120,86 @@ def plan_text(plan) -> str:
                 lines.append(f"  {name:<22}  not possible: {p}")
     lines.append("")
     lines.append("collectives per step:")
-    tally = Counter()
-    vol = defaultdict(float)
-    algs = defaultdict(Counter)
-    for c in plan.collectives:
-        key = (c.phase, c.kind, "+".join(c.axes))
-        tally[key] += 1
-        vol[key] += c.nbytes
-        algs[key][c.algorithm] += 1
-    for key in sorted(tally):
-        how = ", ".join(f"{n} {a}" for a, n in sorted(algs[key].items()))
-        lines.append(f"  {key[0]:<9}{key[1]:<15} on {key[2]:<8}{tally[key]:>6} x, {format_bytes(vol[key])} total"
+    groups = collective_groups(plan)
+    for key, cs in groups:
+        how = ", ".join(f"{n} {a}" for a, n in sorted(Counter(c.algorithm for c in cs).items()))
+        lines.append(f"  {key[0]:<9}{key[1]:<15} on {key[2]:<8}{len(cs):>6} x, {format_bytes(sum(c.nbytes for c in cs))} total"
                      f" (priced as {how})")
-    if not tally:
+    if not groups:
         lines.append("  none")
     lines.append("")
     lines.append(plan_table(plan))
     return "\n".join(lines)
 
-def plan_table(plan) -> str:
-    """One row per parameter and compute node; identical repeated layers collapse to one row."""
+@dataclass(frozen=True)
+class TableRow:
+    """One row of the per-module table: the nodes of identical repeated layers that share
+    module (with the layer index as "{}"), op, strategy and output layout, in graph order.
+    label: "layers.0-31.attention.wq x32" style; seconds: compute and communication."""
+
+    label: str
+    op: str
+    strategy: str
+    layout: str
+    nodes: tuple
+
+    @property
+    def count(self) -> int:
+        return len(self.nodes)
+
+    @property
+    def seconds(self) -> float:
+        return sum(n.compute_s + n.comm_s for n in self.nodes)
+
+    @property
+    def comm_s(self) -> float:
+        return sum(n.comm_s for n in self.nodes)
+
+    @property
+    def memory(self) -> float:
+        return sum(n.memory for n in self.nodes)
+
+
+def table_rows(plan) -> list:
+    """The per-module table as TableRows: every node but inputs and outputs, in graph order,
+    identical repeated layers collapsed into one row (the terminal and the HTML report)."""
     groups: dict = {}
-    order = []
     for n in plan.nodes:
         if n.op in _HIDDEN_OPS:
             continue
         generic, idx = _generic(n.module, plan.layers)
-        key = (generic, n.op, n.strategy, _layout(n))
-        if key not in groups:
-            groups[key] = [set(), 0, 0.0, 0.0]
-            order.append(key)
-        g = groups[key]
-        g[0].add(idx)
-        g[1] += 1
-        g[2] += n.compute_s + n.comm_s
-        g[3] += n.memory
-    header = f"{'module':<40} {'op':<30} {'layout':<34} {'time':>10} {'memory':>10}"
-    rows = [header, "-" * len(header)]
-    for key in order:
-        generic, op, strategy, layout = key
-        idxs, count, t, m = groups[key]
+        groups.setdefault((generic, n.op, n.strategy, _layout(n)), []).append((idx, n))
+    rows = []
+    for (generic, op, strategy, layout), members in groups.items():
+        idxs = {i for i, _ in members}
         label = generic
         if idxs != {None}:
             ix = sorted(i for i in idxs if i is not None)
             span = f"{ix[0]}-{ix[-1]}" if len(ix) > 1 else str(ix[0])
             label = generic.replace("{}", span, 1)
-        if count > 1:
-            label += f" x{count}"
-        rows.append(f"{label[:40]:<40} {op.replace('aten.', '')[:30]:<30} {(strategy + ' ' + layout)[:34]:<34} "
-                    f"{format_seconds(t):>10} {format_bytes(m):>10}")
+        if len(members) > 1:
+            label += f" x{len(members)}"
+        rows.append(TableRow(label, op, strategy, layout, tuple(n for _, n in members)))
+    return rows
+
+
+def collective_groups(plan) -> list:
+    """The plan's collectives per (phase, kind, axes joined by '+'), sorted:
+    [(key, [Collective, ...]), ...]."""
+    groups = defaultdict(list)
+    for c in plan.collectives:
+        groups[(c.phase, c.kind, "+".join(c.axes))].append(c)
+    return sorted(groups.items())
+
+
+def plan_table(plan) -> str:
+    """One row per parameter and compute node; identical repeated layers collapse to one row."""
+    header = f"{'module':<40} {'op':<30} {'layout':<34} {'time':>10} {'memory':>10}"
+    rows = [header, "-" * len(header)]
+    for r in table_rows(plan):
+        rows.append(f"{r.label[:40]:<40} {r.op.replace('aten.', '')[:30]:<30} {(r.strategy + ' ' + r.layout)[:34]:<34} "
+                    f"{format_seconds(r.seconds):>10} {format_bytes(r.memory):>10}")
     return "\n".join(rows)
-
-
 
 
 _HIDDEN_OPS = {"input", "output"}

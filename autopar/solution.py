@@ -90,7 +90,6 @@ def solve_problem(problem: Problem, rule, budget, time_limit, minimise_memory=Fa
     if first.hidden_s <= 0.01 * first.step_s:
         return best
     modes = dict(best[0].modes) or None
-    over = problem.overlapped(*_hidden_shares(first))
     try:
         # the proxy's own optimum with no budget first (exact eliminations, rarely an ILP):
         # when it fits, it is the second solve's answer.  When, overlap counted, it is not
@@ -100,10 +99,15 @@ def solve_problem(problem: Problem, rule, budget, time_limit, minimise_memory=Fa
         # discount, is skipped.  The plan the proxy picks hides other shares than the
         # first: priced again at its own shares (a few rounds, while the step improves),
         # as the plan a tighter budget forces might
+        shares = _hidden_shares(first)
+        over = problem.overlapped(*shares)
         other = _solve_modes(over, rule, None, time_limit, False, modes)
         step = assemble(problem, other[0])[2]
         for _ in range(3):
-            again_over = problem.overlapped(*_hidden_shares(step))
+            again_shares = _hidden_shares(step)
+            if max(abs(x - y) for x, y in zip(again_shares, shares)) < 0.02:
+                break   # (priced alike, the solve would return the same plan)
+            shares, again_over = again_shares, problem.overlapped(*again_shares)
             again = _solve_modes(again_over, rule, None, time_limit, False, modes)
             again_step = assemble(problem, again[0])[2]
             if again_step.step_s >= step.step_s * (1 - 1e-9):
@@ -111,15 +115,16 @@ def solve_problem(problem: Problem, rule, budget, time_limit, minimise_memory=Fa
             other, over, step = again, again_over, again_step
         if budget is not None and other[2] > budget:
             plain = best[0] if best[1].slack else _solve_modes(problem, rule, None, time_limit, False, modes)[0]
-            if assemble(problem, other[0])[2].step_s >= assemble(problem, plain)[2].step_s * (1 - 1e-9):
+            if step.step_s >= assemble(problem, plain)[2].step_s * (1 - 1e-9):
                 log.info("overlap-aware second solve skipped: with no budget its plan is not faster, overlap "
                          "counted, than the summed optimum")
                 return best
             seen = {"extra": beyond_linear(problem, best[0], ModeCosts(problem, modes) if modes else None)[2]}
             other = _solve_modes(over, rule, budget, time_limit, minimise_memory, modes, seen=seen)
+            step = assemble(problem, other[0])[2]
     except InfeasibleError:
         return best
-    if assemble(problem, other[0])[2].step_s < first.step_s * (1 - 1e-9):
+    if step.step_s < first.step_s * (1 - 1e-9):
         return other
     return best
 
@@ -162,6 +167,8 @@ def solve_summed(problem: Problem, rule, budget, time_limit, minimise_memory=Fal
         if best is not None and best[1].slack:
             return best   # the budget does not bind: recomputing could only add time
         free = _solve_modes(problem, rule, None, time_limit, False, None)
+        log.debug("no recompute: plan %s, with no budget %.6f", f"{best[1].objective:.6f}" if best else "none fits",
+                  free[1].objective)
         if best is not None and best[1].objective <= free[1].objective * (1 + 1e-9):
             return best
     else:
