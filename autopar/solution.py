@@ -185,18 +185,23 @@ def solve_summed(problem: Problem, rule, budget, time_limit, minimise_memory=Fal
         bound = (_unbudgeted_bound(problem, rule, periods, costs, reduced, time_limit, budget, price)
                  if free is not None else 0.0)
         tried.append((bound, len(tried), modes, periods, costs, reduced))
-    for bound, _, modes, periods, costs, reduced in sorted(tried, key=lambda t: t[:2]):
+    start = time.perf_counter()
+    for k, (bound, _, modes, periods, costs, reduced) in enumerate(sorted(tried, key=lambda t: t[:2])):
         if best is not None and bound >= best[1].objective * (1 - 1e-9):
+            log.info("recompute: %d of %d assignments skipped, their bounds no better than %.6f",
+                     len(tried) - k, len(tried), best[1].objective)
             break
         try:
             found = _solve_modes(problem, rule, budget, time_limit, minimise_memory, modes, periods, seen, costs,
                                  reduced)
         except InfeasibleError:
-            log.debug("recompute %s: bound %.6f, infeasible", sorted(set(modes.values())), bound)
-            continue
-        log.debug("recompute %s: bound %.6f, plan %.6f", sorted(set(modes.values())), bound, found[1].objective)
-        if best is None or found[1].objective < best[1].objective * (1 - 1e-9):
+            found = None
+        if found is not None and (best is None or found[1].objective < best[1].objective * (1 - 1e-9)):
             best = found
+        log.info("recompute assignment %d of %d (%s on even/odd layers): bound %.6f, plan %s; best %s, %.1fs",
+                 k + 1, len(tried), "/".join(dict.fromkeys(modes[p] for p in sorted(modes)[:2])), bound,
+                 f"{found[1].objective:.6f}" if found else "none fits",
+                 f"{best[1].objective:.6f}" if best else "none", time.perf_counter() - start)
     if best is None:
         raise InfeasibleError("no assignment of strategies fits the memory budget, recomputing or not")
     return best

@@ -221,8 +221,8 @@ def test_llama3_8b_256k_tokens_on_eight_h100():
 
 @pytest.mark.parametrize("frac", [0.7, 0.6])
 def test_skipped_recompute_assignments_could_not_win(frac):
-    """The solve skips a recompute assignment once its lower bound (the unbudgeted optimum
-    plus the least its recomputation adds) is no faster than the best plan found; the
+    """The solve skips a recompute assignment once its lower bound (its own optimum with no
+    budget, or its Lagrangian bound) is no faster than the best plan found; the
     plan it returns is as fast as the best of every assignment solved one by one."""
     model, example = build("gpt2-124m", device="meta", batch=16, seq=1024)
     mesh = autopar.Mesh((8,), ("dp",), device="h100")
