@@ -2,30 +2,44 @@
 
     autopar models
     autopar plan --model gpt2-124m --mesh 2x4 --axes dp,tp --device h100 [--precision bf16|fp32] \\
-                 [--budget 70GiB] [--batch N] [--seq N] [--set key=value ...] [--save plan.json]
+                 [--budget 70GiB] [--batch N] [--seq N] [--set key=value ...] [--save plan.json] \\
+                 [--pipeline | --pipeline-stages N --schedule 1f1b --microbatches M] [--recompute full] \\
+                 [--html report.html] [--json]
+    autopar plan --hf llama --set num_hidden_layers=8 --mesh 8x8       (a transformers config, no weights)
+    autopar report plan.json -o report.html
+    autopar compare a.json b.json
     torchrun --nproc_per_node 4 -m autopar calibrate --out profile.json [--mesh 2x2 --axes dp,tp]
     autopar plan --model gpt2-124m --mesh 2x2 --device profile.json
 
 `plan` builds the model on the meta device (no weights exist, so any size plans on a
 laptop), plans it on the mesh and prints the plan.  Errors in what was asked for (an
-unknown model, a bad mesh) exit with code 2 and one line saying what to do.
-Each subcommand is a parser plus a `_cmd_*` function, so new ones (e.g. `demo`) slot in.
+unknown model, a bad mesh, a plan file it cannot read) exit with code 2 and one line
+saying what to do.  Each subcommand is a parser plus a `_cmd_*` function, so new ones
+slot in.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import os
 import sys
+from collections import Counter
 
 import torch
 import torch.distributed as dist
 
 import autopar
 
+from .html_report import write_report
 from .mesh import parse_shape
 from .models import PRESETS, build, list_models
+from .pipeline.search import SCHEDULE_CHOICES
+from .plan import PlanFileError
+from .records import format_bytes, format_seconds
+from .recompute import MODES
+from .report import node_layout, table_rows
 from .runtime.calibrate import calibrate
 
 log = logging.getLogger("autopar")
@@ -59,6 +73,20 @@ def parse_axes(text: str | None, shape: tuple[int, ...]) -> tuple[str, ...]:
     if len(set(axes)) != len(axes):
         raise UsageError(f"--axes {text!r} repeats a name; mesh axis names must be distinct")
     return axes
+
+
+def parse_bandwidth(text: str | None, shape: tuple[int, ...]) -> tuple[float, ...] | None:
+    """'2.5,450' (GB/s per mesh axis, outermost first) -> (2.5e9, 450e9); None: the device's."""
+    if text is None:
+        return None
+    try:
+        values = tuple(float(v) * 1e9 for v in text.split(","))
+    except ValueError:
+        values = ()
+    if len(values) != len(shape) or not all(math.isfinite(v) and v > 0 for v in values):
+        raise UsageError(f"cannot read --bandwidth {text!r}; give one positive GB/s per mesh axis joined by ',', "
+                         f"e.g. --bandwidth {','.join(['2.5'] + ['450'] * (len(shape) - 1))}")
+    return values
 
 
 def parse_value(text: str):
@@ -137,52 +165,270 @@ def device_of(text: str):
 
 
 def _cmd_plan(args) -> int:
-
-    if args.model not in list_models():
-        raise UsageError(f"unknown model {args.model!r}; choose one of {', '.join(list_models())} "
-                         f"(see `autopar models`)")
     shape = parse_mesh(args.mesh)
     axes = parse_axes(args.axes, shape)
     overrides = parse_overrides(args.set)
-    for key in ("batch", "seq"):
-        if getattr(args, key) is not None:
-            overrides[key] = getattr(args, key)
     if args.budget is not None:
         try:
             autopar.mesh.parse_bytes(args.budget, "--budget")
         except ValueError as exc:
             raise UsageError(str(exc)) from None
     try:
-        mesh = autopar.Mesh(shape, axes, device=device_of(args.device))
+        mesh = autopar.Mesh(shape, axes, device=device_of(args.device), bandwidth=parse_bandwidth(args.bandwidth, shape))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    pipeline = pipeline_of(args, mesh)
+    if args.hf is not None:
+        model, inputs, kwargs = hf_model(args.hf, overrides, args.batch, args.seq)
+        what = f"{type(model).__name__} from transformers config {args.hf!r}"
+    else:
+        model, inputs = preset_model(args.model, overrides, args.batch, args.seq)
+        kwargs = None
+        what = f"{args.model} ({', '.join(f'{k}={v}' for k, v in overrides.items()) or 'preset config'})"
+    precision = args.precision or ("fp32" if mesh.device.name.startswith("cpu") else "bf16")
+    mixed = autopar.MixedPrecision(torch.bfloat16) if precision == "bf16" else None
+    log.info("planning %s on %s in %s%s", what, mesh, precision,
+             "; searching pipeline stages, this takes a while: progress follows" if args.pipeline else "")
     try:
-        model, example_inputs = build(args.model, device="meta", **overrides)
+        plan = autopar.plan(model, mesh, inputs, example_kwargs=kwargs, memory_budget=args.budget,
+                            compare=not args.no_compare, mixed_precision=mixed, pipeline=pipeline,
+                            recompute=None if args.recompute == "auto" else args.recompute)
+    except autopar.InfeasibleError as exc:
+        print(f"autopar: {exc}", file=sys.stderr)
+        return 1
+    except ValueError as exc:   # a pipeline or layout the model or mesh cannot take
+        raise UsageError(str(exc)) from None
+    if args.json:
+        print(json.dumps(plan_summary(plan), indent=1))
+    else:
+        print(plan)
+    if args.save:
+        plan.save(args.save)
+        log.info("saved the plan to %s", args.save)
+    if args.html:
+        write_report(plan, args.html)
+        log.info("wrote the report to %s: open it in a browser", args.html)
+    return 0
+
+
+def preset_model(name: str, overrides: dict, batch, seq):
+    """(model on the meta device, example inputs) of a preset, its config overridden."""
+    if name not in list_models():
+        raise UsageError(f"unknown model {name!r}; choose one of {', '.join(list_models())} "
+                         f"(see `autopar models`), or give a transformers config with --hf")
+    overrides = dict(overrides)
+    for key, value in (("batch", batch), ("seq", seq)):
+        if value is not None:
+            overrides[key] = value
+    try:
+        return build(name, device="meta", **overrides)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     except TypeError as exc:  # a value of the wrong type reached the model's constructor
         given = ", ".join(f"{k}={v!r}" for k, v in overrides.items())
-        raise UsageError(f"model {args.model!r} rejected {given}: {exc}; check the types of the --set values") from None
+        raise UsageError(f"model {name!r} rejected {given}: {exc}; check the types of the --set values") from None
 
-    precision = args.precision or ("fp32" if mesh.device.name.startswith("cpu") else "bf16")
-    mixed = autopar.MixedPrecision(torch.bfloat16) if precision == "bf16" else None
-    log.info("planning %s (%s) on %s", args.model, ", ".join(f"{k}={v}" for k, v in overrides.items()) or
-             "preset config", mesh)
+
+def hf_model(config: str, overrides: dict, batch: int | None, seq: int | None):
+    """(model, (), kwargs) of a Hugging Face causal LM built from `config` on the meta device:
+    a model type of the installed transformers ("llama", "mistral", "qwen2": its default
+    config) or a local config.json (or a folder holding one); --set overrides config fields.
+    No weights are read and nothing is downloaded.  kwargs: input_ids and labels of
+    [batch (default 8), seq (default min(2048, max_position_embeddings))] tokens."""
+    try:  # an optional dependency (the `test` extra): only --hf needs it, and importing it takes a second
+        import transformers
+    except ImportError:
+        raise UsageError("--hf needs the transformers package: pip install transformers") from None
+    fields = {}
+    if os.path.exists(config):   # the file's fields, then --set's; fields it derives (head_dim) as it states them
+        path = os.path.join(config, "config.json") if os.path.isdir(config) else config
+        try:
+            with open(path) as f:
+                fields = json.load(f)
+            kind = fields.pop("model_type")
+        except (OSError, ValueError, KeyError, AttributeError) as exc:
+            raise UsageError(f"cannot read the transformers config {path}: {type(exc).__name__} {exc}; give a "
+                             f"config.json with a model_type, as save_pretrained writes it") from None
+    else:
+        kind = config
     try:
-        plan = autopar.plan(model, mesh, example_inputs, memory_budget=args.budget,
-                            compare=not args.no_compare, mixed_precision=mixed)
-    except autopar.InfeasibleError as exc:
-        print(f"autopar: {exc}", file=sys.stderr)
-        return 1
-    print(plan)
-    if args.save:
-        plan.save(args.save)
-        log.info("saved the plan to %s", args.save)
+        defaults = transformers.AutoConfig.for_model(kind)
+    except ValueError:
+        raise UsageError(f"--hf {config!r} is neither a file nor a model type of transformers "
+                         f"{transformers.__version__}; give a model type such as llama, mistral, qwen2, "
+                         f"gpt2, or the path of a config.json") from None
+    for key in overrides:
+        if not hasattr(defaults, key):
+            raise UsageError(f"--set {key}: {type(defaults).__name__} has no field {key!r}; e.g. num_hidden_layers, "
+                             f"hidden_size, intermediate_size, num_attention_heads, vocab_size")
+    fields.pop("transformers_version", None)
+    cfg = transformers.AutoConfig.for_model(kind, **{**fields, **overrides})   # derived fields follow --set
+    cfg.use_cache = False
+    try:
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(cfg)
+    except ValueError as exc:
+        raise UsageError(f"transformers builds no causal LM from --hf {config!r}: {exc}") from None
+    seq = seq or min(2048, getattr(cfg, "max_position_embeddings", None) or 2048)
+    ids = torch.zeros((batch or 8, seq), dtype=torch.long, device="meta")
+    return model, (), {"input_ids": ids, "labels": ids}
+
+
+def pipeline_of(args, mesh):
+    """--pipeline: True (search); --pipeline-stages/--schedule/--microbatches/--pipeline-axis:
+    an autopar.Pipeline fixing those (the plan is then always pipelined); else False."""
+    fixed = dict(axis=args.pipeline_axis, groups=args.pipeline_stages, schedule=args.schedule,
+                 microbatches=args.microbatches)
+    if all(v is None for v in fixed.values()):
+        return bool(args.pipeline)
+    wanted = autopar.Pipeline(**fixed)
+    try:
+        wanted.check(mesh)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return wanted
+
+
+def plan_summary(plan) -> dict:
+    """What `autopar plan --json` prints: the prediction, solver, pipeline and the
+    hand-written layouts' predictions, in seconds and bytes per device."""
+    def pred(p):
+        if isinstance(p, str):
+            return {"possible": False, "reason": p}
+        return {"step_s": p.step_s, "compute_s": p.compute_s, "comm_s": dict(p.comm_s), "hidden_s": p.hidden_s,
+                "memory": dict(p.memory), "memory_total": p.memory_total}
+
+    pp = plan.pipeline
+    mesh = plan.device_mesh()
+    return {
+        "model": plan.model, "hash": plan.hash(), "origin": plan.origin,
+        "mesh": {"shape": list(mesh.shape), "axes": list(mesh.axis_names), "device": mesh.device.name,
+                 "inside_node": list(mesh.inside)},
+        "precision": None if plan.precision is None else plan.precision.to_dict(),
+        "memory_budget": plan.memory_budget or plan.mesh.device.memory,
+        "predicted": pred(plan.predicted),
+        "step_s": pp.step_s if pp is not None and pp.pipelined else plan.predicted.step_s,
+        "pipeline": None if pp is None else {"stages": len(pp.stages) if pp.pipelined else 1, "axis": pp.axis,
+                                             "schedule": pp.schedule, "microbatches": pp.microbatches,
+                                             "step_s": pp.step_s, "no_pipeline_step_s": pp.no_pipeline_step_s,
+                                             "bubble": pp.bubble, "memory": list(pp.memory)},
+        "recompute": None if plan.recompute is None else dict(plan.recompute.layers),
+        "solver": plan.solver.to_dict(), "timing": plan.timing.to_dict(),
+        "baselines": {name: pred(p) for name, p in plan.baselines.items()},
+        "collectives": len(plan.collectives), "nodes": len(plan.nodes),
+    }
+
+
+def load_plan(path: str):
+    try:
+        return autopar.Plan.load(path)
+    except FileNotFoundError:
+        raise UsageError(f"no plan file {path}; write one with autopar plan ... --save {path}") from None
+    except PlanFileError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _cmd_report(args) -> int:
+    plan = load_plan(args.plan)
+    out = args.out or os.path.splitext(args.plan)[0] + ".html"
+    write_report(plan, out)
+    print(f"wrote {out}: open it in a browser (it needs no network)")
     return 0
 
 
+def _cmd_compare(args) -> int:
+    a, b = load_plan(args.a), load_plan(args.b)
+    print(compare_text(a, b, args.a, args.b))
+    return 0
+
+
+def compare_text(a, b, name_a: str = "A", name_b: str = "B") -> str:
+    """What differs between plans a and b: predicted step and memory (per axis and category),
+    pipeline, the collectives per phase, kind and axis, and the layouts that changed, one
+    line per row of a's per-module table (repeated layers collapsed)."""
+    lines = [f"A: {name_a}: {a.model} on {a.device_mesh()}", f"B: {name_b}: {b.model} on {b.device_mesh()}"]
+    if a.graph and b.graph and a.graph != b.graph:
+        lines.append("the plans are of different graphs (another model, size, batch or precision): layouts are matched by "
+                     "node name where both have the node")
+    step_a, step_b = _step_of(a), _step_of(b)
+    lines.append(f"step:   {format_seconds(step_a):>10} -> {format_seconds(step_b):>10}  ({_ratio(step_b, step_a)})")
+    lines.append(f"memory: {format_bytes(_memory_of(a)):>10} -> {format_bytes(_memory_of(b)):>10}  "
+                 f"({_ratio(_memory_of(b), _memory_of(a))})")
+    pa, pb = a.predicted, b.predicted
+    rows = [("compute", pa.compute_s, pb.compute_s, format_seconds)]
+    rows += [(f"comm {ax}", pa.comm_s.get(ax, 0.0), pb.comm_s.get(ax, 0.0), format_seconds)
+             for ax in dict.fromkeys([*pa.comm_s, *pb.comm_s])]
+    rows += [(f"memory {k}", pa.memory.get(k, 0.0), pb.memory.get(k, 0.0), format_bytes)
+             for k in dict.fromkeys([*pa.memory, *pb.memory])]
+    for label, x, y, fmt in rows:
+        if fmt(x) != fmt(y):
+            lines.append(f"  {label:<20}{fmt(x):>10} -> {fmt(y):>10}")
+    summary_a = a.pipeline.summary if a.pipeline is not None else "pipeline: not searched"
+    summary_b = b.pipeline.summary if b.pipeline is not None else "pipeline: not searched"
+    if summary_a != summary_b:
+        lines += [f"A {summary_a}", f"B {summary_b}"]
+    if (a.precision is None) != (b.precision is None) or (a.precision and a.precision.to_dict() != b.precision.to_dict()):
+        lines.append(f"precision: {a.precision and a.precision.to_dict()} -> {b.precision and b.precision.to_dict()}")
+    tally_a = Counter((c.phase, c.kind, "+".join(c.axes)) for c in a.collectives)
+    tally_b = Counter((c.phase, c.kind, "+".join(c.axes)) for c in b.collectives)
+    changed = [k for k in sorted(set(tally_a) | set(tally_b)) if tally_a[k] != tally_b[k]]
+    if changed:
+        lines.append("collectives per step:")
+        lines += [f"  {p:<9}{kind:<15} on {ax:<8}{tally_a[k]:>6} -> {tally_b[k]}" for k in changed
+                  for p, kind, ax in [k]]
+    theirs = {n.name: n for n in b.nodes}
+    layout_lines, rows = [], table_rows(a)
+    changed_rows = 0
+    for row in rows:
+        moved = Counter()
+        for n in row.nodes:
+            m = theirs.get(n.name)
+            if m is not None and (m.strategy, m.outputs) != (n.strategy, n.outputs):
+                moved[(m.strategy + " " + node_layout(m)).strip()] += 1
+        changed_rows += bool(moved)
+        for to, count in moved.items():
+            of = f" ({count} of {row.count} nodes)" if count != row.count else ""
+            layout_lines.append(f"  {row.label}  {row.op.replace('aten.', '')}: "
+                                f"{(row.strategy + ' ' + row.layout).strip()}  ->  {to}{of}")
+    only_a = sum(1 for n in a.nodes if n.name not in theirs)
+    if only_a:
+        layout_lines.append(f"  {only_a} nodes of A are not in B")
+    lines.append(f"layouts that changed ({changed_rows} of {len(rows)} rows of A's table):" if layout_lines
+                 else "layouts: the same")
+    lines += layout_lines
+    return "\n".join(lines)
+
+
+def _step_of(plan) -> float:
+    pp = plan.pipeline
+    return pp.step_s if pp is not None and pp.pipelined else plan.predicted.step_s
+
+
+def _memory_of(plan) -> float:
+    pp = plan.pipeline
+    return max(pp.memory) if pp is not None and pp.pipelined else plan.predicted.memory_total
+
+
+def _ratio(new: float, old: float) -> str:
+    if not old:
+        return "n/a"
+    return f"{new / old:.2f}x" if abs(new / old - 1) > 5e-3 else "same"
+
+
+EXAMPLES = """commands, one example each:
+  models      autopar models
+  plan        autopar plan --model llama3-8b --mesh 8x8 --save llama.json --html llama.html
+              autopar plan --hf llama --set num_hidden_layers=8 --mesh 8x8 --pipeline --json
+  report      autopar report llama.json -o llama.html
+  compare     autopar compare llama.json llama-fp32.json
+  calibrate   torchrun --nproc_per_node 4 -m autopar calibrate --out profile.json
+
+`autopar COMMAND --help` lists a command's options."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="autopar", description="Plan the parallel training of a PyTorch model.")
+    parser = argparse.ArgumentParser(prog="autopar", description="Plan the parallel training of a PyTorch model.",
+                                     epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-q", "--quiet", action="store_true", help="log only warnings and errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
@@ -190,13 +436,24 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("models", help="list the model presets")
     p.set_defaults(func=_cmd_models)
 
-    p = sub.add_parser("plan", help="plan a preset model on a device mesh and print the plan",
-                       description="Build a preset model on the meta device, plan it on a mesh, print the plan.")
-    p.add_argument("--model", required=True, help="preset name (see `autopar models`)")
+    p = sub.add_parser("plan", help="plan a model on a device mesh and print the plan",
+                       description="Build a preset model (or a transformers config) on the meta device, plan it on "
+                                   "a mesh, print the plan.",
+                       epilog="example: autopar plan --model llama3-8b --mesh 8x8 --save llama.json --html llama.html",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--model", help="preset name (see `autopar models`)")
+    which.add_argument("--hf", metavar="CONFIG",
+                       help="a Hugging Face causal LM: a model type of the installed transformers (llama, mistral, "
+                            "qwen2, ...; its default config) or a local config.json; --set changes its fields "
+                            "(e.g. --set num_hidden_layers=8); no weights, no network")
     p.add_argument("--mesh", required=True, help="axis sizes joined by 'x', outermost first: 8x8, 64, 2x4")
     p.add_argument("--axes", help="comma-separated axis names, one per mesh axis (default dp / dp,tp)")
     p.add_argument("--device", default="h100",
                    help="device preset (h100, a100, cpu; default h100) or a profile from `autopar calibrate`")
+    p.add_argument("--bandwidth", metavar="GB/S,...",
+                   help="link bandwidth per mesh axis in GB/s, e.g. 2.5,450 for a slow network between nodes "
+                        "(default: the device's, by whether the axis is inside a node)")
     p.add_argument("--budget", help="memory per device, e.g. 70GiB (default: the device's memory)")
     p.add_argument("--batch", type=int, help="global batch of the example inputs")
     p.add_argument("--seq", type=int, help="sequence length of the example inputs")
@@ -205,9 +462,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=("bf16", "fp32"),
                    help="bf16 mixed precision (float32 master weights) or float32 throughout "
                         "(default: bf16 on GPU devices, fp32 on cpu)")
+    p.add_argument("--pipeline", action="store_true",
+                   help="also search pipeline stages (cuts, sub-meshes, schedule, microbatches); slower")
+    p.add_argument("--pipeline-stages", type=int, metavar="N",
+                   help="pipeline over N device groups (stages; x virtual under interleaved-1f1b)")
+    p.add_argument("--pipeline-axis", metavar="AXIS", help="the mesh axis cut into pipeline groups")
+    p.add_argument("--schedule", choices=SCHEDULE_CHOICES, help="pipeline schedule")
+    p.add_argument("--microbatches", type=int, metavar="M", help="pipeline microbatches per step")
+    p.add_argument("--recompute", choices=("auto", *MODES), default="auto",
+                   help="activation recomputation: auto (the solver chooses per layer where memory needs it; "
+                        "default) or one policy for every repeated layer")
     p.add_argument("--no-compare", action="store_true", help="do not cost the hand-written layouts")
     p.add_argument("--save", metavar="PATH", help="write the plan as JSON (autopar.Plan.load reads it)")
+    p.add_argument("--html", metavar="PATH", help="write the plan's HTML report (as `autopar report` does)")
+    p.add_argument("--json", action="store_true", help="print a machine-readable summary instead of the plan")
     p.set_defaults(func=_cmd_plan)
+
+    p = sub.add_parser("report", help="render a saved plan as one self-contained HTML page",
+                       description="Render a plan saved by `autopar plan --save` (or plan.save) as one HTML file "
+                                   "with its charts inline: it opens offline in any browser.",
+                       epilog="example: autopar report llama.json -o llama.html")
+    p.add_argument("plan", help="a plan JSON file")
+    p.add_argument("-o", "--out", metavar="PATH", help="the HTML file to write (default: the plan's name, .html)")
+    p.set_defaults(func=_cmd_report)
+
+    p = sub.add_parser("compare", help="print what differs between two saved plans",
+                       description="Print the predicted step and memory of two plans, what changed per axis and "
+                                   "category, the collectives per step, and every layout that changed.",
+                       epilog="example: autopar compare llama.json llama-fp32.json")
+    p.add_argument("a", help="the first plan JSON file")
+    p.add_argument("b", help="the second plan JSON file")
+    p.set_defaults(func=_cmd_compare)
 
     p = sub.add_parser("calibrate", help="measure this cluster's compute and collectives (under torchrun)",
                        description="Measure matmul and memory rates and each collective per mesh axis on every "

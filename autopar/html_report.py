@@ -219,26 +219,30 @@ def _comparison(plan) -> str:
                     "Every layout is priced by the same cost model on the same mesh.  Shorter is faster; a black "
                     "tick marks the step once the communication that runs behind compute is taken off.  A layout "
                     "whose memory crosses the red line does not fit.",
-                    note + "<h3>Step time</h3>" + step + "<h3>Memory per device</h3>" + memory)
+                    note + "<h3>Step time</h3>" + step + "<h3>Memory per device against the budget</h3>" + memory)
 
 
 def _memory(plan) -> str:
     limit = _limit(plan)
-    rows = [("autopar (this plan)", _memory_segments(plan.predicted.memory),
-             format_bytes(plan.predicted.memory_total), None)]
+    worst = plan.predicted.memory
+    rows = [("autopar (this plan)", _memory_segments(worst), _of_limit(plan.predicted.memory_total, limit), None)]
     pp = plan.pipeline
     text = ("Bytes per device by what they hold: parameters, gradients and optimizer states (with float32 master "
             "weights under mixed precision) are the model states ZeRO shards; activations are kept for backward "
             "(recomputation shrinks them); working is the most one op needs beyond them while it runs.")
     if pp is not None and pp.pipelined and pp.group_memory:
-        rows = [(f"device group {g} (stages {', '.join(str(s) for s in range(g, len(pp.stages), pp.groups))})",
-                 _memory_segments(m), format_bytes(sum(m.values())), None) for g, m in enumerate(pp.group_memory)]
+        rows = []
+        for g, m in enumerate(pp.group_memory):
+            stages = list(range(g, len(pp.stages), pp.groups))
+            label = f"device group {g} (stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))})"
+            rows.append((label, _memory_segments(m), _of_limit(sum(m.values()), limit), None))
+        worst = max(pp.group_memory, key=lambda m: sum(m.values()))
         text += "  One bar per pipeline device group, with the activations of the microbatches it holds in flight."
     chart = hbar_chart("memory-chart", rows, _memory_legend(rows), format_bytes, limit=limit,
                        limit_name=f"budget {format_bytes(limit)}", label_w=300 if len(rows) > 1 else LABEL_W)
     detail = "".join(f"<tr><td>{_e(MEMORY_NAMES.get(k, k))}</td><td class=num>{format_bytes(v)}</td></tr>"
-                     for k, v in plan.predicted.memory.items())
-    return _section("memory", "Memory per device", text,
+                     for k, v in worst.items())
+    return _section("memory", "Memory per device by category", text,
                     chart + f'<table class="small-table"><tr><th>category</th><th>bytes</th></tr>{detail}</table>')
 
 
@@ -305,8 +309,10 @@ def pipeline_gantt(plan) -> str:
         svg = gantt_svg(tl, Path(tmp) / "gantt.svg", title=f"{pp.schedule}, simulated from the stage times "
                                                              f"(seconds)").read_text()
     return ('<div class="scroll">' + svg.replace("<svg ", '<svg class="chart gantt" ', 1) + "</div>"
-            f'<p class="small">One row per device group, one block per forward (F) and backward (B) pass of a '
-            f'microbatch; blank is the bubble ({pp.bubble:.1%} in the search).  Stage times: '
+            f'<p class="small">One row per device group ("rank"), one block per forward (F) and backward (B) pass '
+            f'of a microbatch; blank is the bubble.  Drawn without the sends between stages and with backward '
+            f'twice forward, so its bubble ({tl.bubble_fraction:.1%}) can differ from the search\'s '
+            f'({pp.bubble:.1%}), which prices both.  Stage times: '
             + ", ".join(format_seconds(s) for s in pp.stage_s) + " (forward + backward per microbatch).</p>")
 
 
@@ -471,6 +477,10 @@ def _axis_colour(plan, axis: str) -> str:
 
 
 # --- small helpers -----------------------------------------------------------------------------
+
+def _of_limit(nbytes: float, limit: float) -> str:
+    return f"{format_bytes(nbytes)} ({nbytes / limit:.0%} of {format_bytes(limit)})"
+
 
 def _limit(plan) -> float:
     return plan.memory_budget or plan.mesh.device.memory

@@ -168,7 +168,7 @@ def table_rows(plan) -> list:
         if n.op in _HIDDEN_OPS:
             continue
         generic, idx = _generic(n.module, plan.layers)
-        groups.setdefault((generic, n.op, n.strategy, _layout(n)), []).append((idx, n))
+        groups.setdefault((generic, n.op, n.strategy, node_layout(n)), []).append((idx, n))
     rows = []
     for (generic, op, strategy, layout), members in groups.items():
         idxs = {i for i, _ in members}
@@ -205,7 +205,8 @@ def plan_table(plan) -> str:
 _HIDDEN_OPS = {"input", "output"}
 
 
-def _layout(n) -> str:
+def node_layout(n) -> str:
+    """A node's output placements per tensor, "-> (S(0), R)"; empty for a parameter."""
     if n.op == "parameter":
         return ""
     return "-> " + " ".join(show(p) for p in n.outputs)
