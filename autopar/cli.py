@@ -307,7 +307,7 @@ def plan_summary(plan) -> dict:
         "precision": None if plan.precision is None else plan.precision.to_dict(),
         "memory_budget": plan.memory_budget or plan.mesh.device.memory,
         "predicted": pred(plan.predicted),
-        "step_s": pp.step_s if pp is not None and pp.pipelined else plan.predicted.step_s,
+        "step_s": plan.step_s,
         "pipeline": None if pp is None else {"stages": len(pp.stages) if pp.pipelined else 1, "axis": pp.axis,
                                              "schedule": pp.schedule, "microbatches": pp.microbatches,
                                              "step_s": pp.step_s, "no_pipeline_step_s": pp.no_pipeline_step_s,
@@ -350,10 +350,10 @@ def compare_text(a, b, name_a: str = "A", name_b: str = "B") -> str:
     if a.graph and b.graph and a.graph != b.graph:
         lines.append("the plans are of different graphs (another model, size, batch or precision): layouts are matched by "
                      "node name where both have the node")
-    step_a, step_b = _step_of(a), _step_of(b)
+    step_a, step_b = a.step_s, b.step_s
     lines.append(f"step:   {format_seconds(step_a):>10} -> {format_seconds(step_b):>10}  ({_ratio(step_b, step_a)})")
-    lines.append(f"memory: {format_bytes(_memory_of(a)):>10} -> {format_bytes(_memory_of(b)):>10}  "
-                 f"({_ratio(_memory_of(b), _memory_of(a))})")
+    lines.append(f"memory: {format_bytes(a.memory_per_device):>10} -> {format_bytes(b.memory_per_device):>10}  "
+                 f"({_ratio(b.memory_per_device, a.memory_per_device)})")
     pa, pb = a.predicted, b.predicted
     rows = [("compute", pa.compute_s, pb.compute_s, format_seconds)]
     rows += [(f"comm {ax}", pa.comm_s.get(ax, 0.0), pb.comm_s.get(ax, 0.0), format_seconds)
@@ -397,16 +397,6 @@ def compare_text(a, b, name_a: str = "A", name_b: str = "B") -> str:
                  else "layouts: the same")
     lines += layout_lines
     return "\n".join(lines)
-
-
-def _step_of(plan) -> float:
-    pp = plan.pipeline
-    return pp.step_s if pp is not None and pp.pipelined else plan.predicted.step_s
-
-
-def _memory_of(plan) -> float:
-    pp = plan.pipeline
-    return max(pp.memory) if pp is not None and pp.pipelined else plan.predicted.memory_total
 
 
 def _ratio(new: float, old: float) -> str:

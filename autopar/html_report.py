@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import html
 import math
-import tempfile
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from .pipeline.gantt import gantt_svg
+from .pipeline.gantt import gantt_svg_text
 from .pipeline.simulate import simulate
 from .records import Prediction, format_bytes, format_seconds
 from .report import collective_groups, plan_text, recompute_line, sequence_lines, table_rows
@@ -305,9 +304,7 @@ def pipeline_gantt(plan) -> str:
                       n_virtual=pp.virtual)
     else:
         tl = simulate(pp.schedule, len(pp.stages), pp.microbatches, fwd)
-    with tempfile.TemporaryDirectory() as tmp:
-        svg = gantt_svg(tl, Path(tmp) / "gantt.svg", title=f"{pp.schedule}, simulated from the stage times "
-                                                             f"(seconds)").read_text()
+    svg = gantt_svg_text(tl, title=f"{pp.schedule}, simulated from the stage times (seconds)")
     return ('<div class="scroll">' + svg.replace("<svg ", '<svg class="chart gantt" ', 1) + "</div>"
             f'<p class="small">One row per device group ("rank"), one block per forward (F) and backward (B) pass '
             f'of a microbatch; blank is the bubble.  Drawn without the sends between stages and with backward '

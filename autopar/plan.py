@@ -57,6 +57,20 @@ class Plan:
             return self.pipeline.full_mesh
         return self.mesh
 
+    @property
+    def step_s(self) -> float:
+        """The predicted training step of the whole plan: its pipeline's when it has stages
+        (`predicted` is then one stage's plan for one microbatch)."""
+        pp = self.pipeline
+        return pp.step_s if pp is not None and pp.pipelined else self.predicted.step_s
+
+    @property
+    def memory_per_device(self) -> float:
+        """The predicted bytes per device of the whole plan: its fullest device group's when
+        it has stages."""
+        pp = self.pipeline
+        return max(pp.memory) if pp is not None and pp.pipelined else self.predicted.memory_total
+
     def zero_stage(self, name: str) -> int:
         """The ZeRO stage of parameter `name`: 3 when it is stored split and all-gathered for
         use in forward, else its ParamState's stage (0 when it has none)."""

@@ -4,9 +4,9 @@
     print(tl)                      # one row of passes per rank and the bubble fraction
     gantt_svg(tl, "1f1b.svg")
 """
-from .gantt import gantt_svg
+from .gantt import gantt_svg, gantt_svg_text
 from .measure import EventRecorder, PassTimes, gather_timeline, pass_times
 from .simulate import SCHEDULES, Event, Timeline, bubble_formula, simulate
 
 __all__ = ["SCHEDULES", "Event", "EventRecorder", "PassTimes", "Timeline", "bubble_formula", "gantt_svg",
-           "gather_timeline", "pass_times", "simulate"]
+           "gantt_svg_text", "gather_timeline", "pass_times", "simulate"]

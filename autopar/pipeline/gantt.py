@@ -18,9 +18,16 @@ LEFT, WIDTH, TOP, ROW, GAP = 70, 900, 60, 28, 6
 
 
 def gantt_svg(timeline_or_events, path, title: str | None = None) -> Path:
-    """Write the Gantt chart of a Timeline, or of measured passes (Events or dicts with
-    rank, kind, microbatch, start, end in seconds, any origin; see Timeline.from_events),
-    to `path` and return the path.
+    """Write `gantt_svg_text` of a Timeline or of measured passes to `path` and return the path."""
+    path = Path(path)
+    path.write_text(gantt_svg_text(timeline_or_events, title))
+    return path
+
+
+def gantt_svg_text(timeline_or_events, title: str | None = None) -> str:
+    """The Gantt chart of a Timeline, or of measured passes (Events or dicts with rank,
+    kind, microbatch, start, end in seconds, any origin; see Timeline.from_events), as SVG
+    text.
 
     The SVG holds exactly 1 + len(events) + (kinds present) <rect>s: the background
     (class "background"), one per event (class "event F", "event B" or "event W"), and
@@ -58,9 +65,7 @@ def gantt_svg(timeline_or_events, path, title: str | None = None) -> Path:
                        f'fill="white">{e.microbatch}</text>')
     out += _axis(span, scale, _row_y(tl.n_stages))
     out.append("</svg>")
-    path = Path(path)
-    path.write_text("\n".join(out) + "\n")
-    return path
+    return "\n".join(out) + "\n"
 
 
 def _row_y(rank: int) -> int:

@@ -434,7 +434,9 @@ class Problem:
                     plain = np.array([not s.zero and not s.offload for s in a.strategies])
                     grouped = (plain[:, None] & has[None, :] & self._flags(p, q, 8)
                                & self._flags(dest, g, 9, reverse=True))
-                    if grouped.any():
+                    if not grouped.any():
+                        grouped = None
+                    else:
                         share = C.bucket_share(math.prod(shape) * item)
                         scattered = self._seconds_table(shape, item, dest, g, reverse=True, share=share)
                         bwd = np.where(grouped, 0.0, bwd)
@@ -444,20 +446,24 @@ class Problem:
                 self.edge_bucketed[e] = np.where(has[None, :], bucket, 0.0)
         if a.kind == "param":  # gathered for use, dropped after forward: gather again for backward
             gathered = self._seconds_table(shape, item, p, q, gathers=True)
-            if grouped is not None and grouped.any():
-                gathered = np.where(grouped, m, gathered)   # (the whole move is the gather)
+            if grouped is not None:   # the whole move is the gather; the reduce-scatter is the bucket's
+                gathered = np.where(grouped, m, gathered)
+                bwd = bwd + np.where(grouped, self.edge_bucketed[e], 0.0)
             self.edge_gathers[e] = gathered
             bwd = bwd + gathered
-            if grouped is not None and grouped.any():
-                bwd = bwd + np.where(grouped, self.edge_bucketed[e], 0.0)
         return m + np.where(has[None, :], bwd, 0.0)
 
     def _flags(self, src, dst, row: int, reverse=False) -> np.ndarray:
         """[choices of src, choices of dst] booleans of redistribute_price's flag `row`."""
-        (su, si), (du, di) = src, dst
-        rows, cols = self._layout_ids(su), self._layout_ids(du)
-        lines = self._prices(cols, rows).transpose(0, 1, 3, 2) if reverse else self._prices(rows, cols)
-        return lines[row, 0][np.ix_(si, di)] > 0.5
+        lines = self._lines(src, dst, reverse)
+        return lines[row, 0][np.ix_(src[1], dst[1])] > 0.5
+
+    def _lines(self, src, dst, reverse=False) -> np.ndarray:
+        """redistribute_price between the distinct layouts of `_codes` pairs src and dst:
+        [PRICE_ROWS, algorithms, distinct src, distinct dst] (`reverse`: each priced from
+        the dst layout to the src one)."""
+        rows, cols = self._layout_ids(src[0]), self._layout_ids(dst[0])
+        return self._prices(cols, rows).transpose(0, 1, 3, 2) if reverse else self._prices(rows, cols)
 
     def _bucketed(self, param: PNode, side: int, shape, item, src, dst, reverse=False) -> np.ndarray:
         """The part of a parameter gradient's reduction (`_seconds_table` of the same
@@ -465,12 +471,11 @@ class Problem:
         reduce-scatters where the parameter is ZeRO-2 (bucketed by the runtime; ZeRO-3's
         run per parameter), less the gradient's own share (cost.bucket_share).  side: whether
         the parameter's choices are the table's rows (0) or columns (1)."""
-        (su, si), (du, di) = src, dst
+        si, di = src[1], dst[1]
         whole = (math.prod(shape) if shape else 1) * item
         if whole == 0:
             return np.zeros((len(si), len(di)))
-        rows, cols = self._layout_ids(su), self._layout_ids(du)
-        lines = self._prices(cols, rows).transpose(0, 1, 3, 2) if reverse else self._prices(rows, cols)
+        lines = self._lines(src, dst, reverse)
         best = (lines[0] + lines[1] * whole).argmin(axis=0)   # the algorithm _seconds_table takes
         pick = lambda row: np.take_along_axis(row, best[None], axis=0)[0][np.ix_(si, di)]
         zero2 = np.array([s.zero == 2 for s in param.strategies])
@@ -488,12 +493,11 @@ class Problem:
         seconds (a bucket's member's, cost.bucket_share).  src, dst: `_codes` pairs, a None
         code standing for no tensor (0 s).  Each pair of layouts is priced once per problem,
         as a line in the tensor's bytes (cost.redistribute_price), and scaled to this tensor."""
-        (su, si), (du, di) = src, dst
+        si, di = src[1], dst[1]
         whole = (math.prod(shape) if shape else 1) * item
         if whole == 0:
             return np.zeros((len(si), len(di)))
-        rows, cols = self._layout_ids(su), self._layout_ids(du)
-        lines = self._prices(cols, rows).transpose(0, 1, 3, 2) if reverse else self._prices(rows, cols)
+        lines = self._lines(src, dst, reverse)
         fixed, per_byte = (lines[2], lines[3]) if gathers else (lines[0], lines[1])
         return (fixed * share + per_byte * whole).min(axis=0)[np.ix_(si, di)]   # the cheapest algorithm
 
