@@ -84,12 +84,16 @@ def _plan_built(built: Built, model, mesh: Mesh, budget, compare, time_limit, la
                 for s in seeds]
         return made[0] if isinstance(random_seed, int) else made
     try:
-        if (layout is None and built.solved is not None and (staged or built.solved[2] <= limit)
-                and recompute in (None, "none")):
+        plain_modes = layout is None and recompute in (None, "none")
+        if plain_modes and staged and built.summed is not None:
+            best, sol, _ = built.summed   # the plan the pipeline search priced its stages by
+        elif plain_modes and built.solved is not None and built.solved[2] <= limit:
             best, sol, _ = built.solved  # the unbudgeted optimum fits: the budgeted one is the same
         else:
+            # (the unbudgeted summed optimum, when it fits, is the budgeted one's first step)
+            summed = built.summed if plain_modes and built.summed is not None and built.summed[2] <= limit else None
             best, sol, _ = solve_problem(problem, every.get(layout), None if layout or staged else limit,
-                                         time_limit, recompute=recompute)
+                                         time_limit, recompute=recompute, summed=summed)
     except InfeasibleError:
         raise _infeasible(problem, model, mesh, limit, time_limit, recompute) from None
     compared, choices = {}, {}

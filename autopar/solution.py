@@ -27,14 +27,16 @@ CATEGORIES = ("params", "grads", "optimizer", "activations", "working")
 
 @dataclass
 class Built:
-    """A traced and costed problem, with how long each took; `solved` keeps the result of
-    solve_problem(problem, None, None, ...) once someone ran it (the pipeline search does),
-    so the planner does not solve the same problem again."""
+    """A traced and costed problem, with how long each took; `summed` keeps the result of
+    solve_summed(problem, None, None, ...) and `solved` of solve_problem(problem, None,
+    None, ...) once someone ran them (the pipeline search prices its stages by the first),
+    so neither is solved twice."""
 
     problem: Problem
     trace_s: float
     costs_s: float
     solved: tuple | None = None   # (choice, solution, memory of the choice)
+    summed: tuple | None = None   # the same, of the summed optimum (no overlap re-solve)
 
 
 def build_problem(model, mesh, args, kwargs, mixed_precision=None, grouped_gathers=True) -> Built:
@@ -56,10 +58,16 @@ def build_problem(model, mesh, args, kwargs, mixed_precision=None, grouped_gathe
     return Built(problem, t_trace, t_build)
 
 
-def solve_unbudgeted(built: Built, time_limit: float) -> tuple:
-    """solve_problem(built.problem) with no layout rule and no budget, once per Built."""
+def solve_unbudgeted(built: Built, time_limit: float, summed: bool = False) -> tuple:
+    """solve_problem(built.problem) with no layout rule and no budget, once per Built;
+    summed: only its first step, solve_summed (the plan whose summed seconds are least: what
+    a pipeline stage's costs add up, without the overlap-aware second solve)."""
+    if built.summed is None:
+        built.summed = solve_summed(built.problem, None, None, time_limit)
+    if summed:
+        return built.summed
     if built.solved is None:
-        built.solved = solve_problem(built.problem, None, None, time_limit)
+        built.solved = solve_problem(built.problem, None, None, time_limit, summed=built.summed)
     return built.solved
 
 
@@ -70,7 +78,7 @@ class Assignment(dict):
     modes: dict = {}
 
 
-def solve_problem(problem: Problem, rule, budget, time_limit, minimise_memory=False, recompute=None):
+def solve_problem(problem: Problem, rule, budget, time_limit, minimise_memory=False, recompute=None, summed=None):
     """`solve_summed`, then once more with gradient buckets and prefetched weight gathers
     priced at the shares the first plan hides (Problem.overlapped), keeping whichever
     plan's step, overlap counted (assemble), is faster.  The ILP's objective is a sum and
@@ -82,8 +90,8 @@ def solve_problem(problem: Problem, rule, budget, time_limit, minimise_memory=Fa
     ILP), and the budgeted ILP only runs when that unbudgeted plan is faster, overlap
     counted, than the summed one's: on llama3-8b and -70b at scale the discount prefers
     plans that hide less than it assumes, and their budgeted solves cost 5-50 s for a plan
-    then rejected."""
-    best = solve_summed(problem, rule, budget, time_limit, minimise_memory, recompute)
+    then rejected.  summed: solve_summed's result for these arguments, when the caller has it."""
+    best = summed or solve_summed(problem, rule, budget, time_limit, minimise_memory, recompute)
     if minimise_memory or not problem.mesh.device.asynchronous or not problem.edge_bucketed:
         return best
     first = assemble(problem, best[0])[2]

@@ -427,7 +427,8 @@ def _microbatch_counts(batch: int, p: int, wanted) -> list:
 
 
 def _layer_costs(built: Built, model, time_limit, modes=("none",)):
-    """Plan the built problem (its choice is kept in `built.solved`) and split the plan's
+    """Plan the built problem by its summed optimum (kept in `built.summed`: the stage costs
+    below add up the plan's seconds, so that is the plan they price best) and split the plan's
     costs per repeated layer: ({mode: (layers, prefix, suffix)}, boundary bytes, (layer
     prefix, indices), tied copies), or None when nothing fits.  Under a recompute mode
     (every repeated layer alike) a layer keeps what recompute.ModeCosts says, its backward
@@ -435,7 +436,7 @@ def _layer_costs(built: Built, model, time_limit, modes=("none",)):
     what it makes again."""
     problem = built.problem
     try:
-        choice, _, _ = solve_unbudgeted(built, time_limit)
+        choice, _, _ = solve_unbudgeted(built, time_limit, summed=True)
     except InfeasibleError:
         return None
     nodes, collectives, _, _ = assemble(problem, choice)
