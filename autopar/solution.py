@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .plan import Collective, NodeChoice, Prediction
+from .forked import forked_map, worker_count
 from .precision import cast_for_trace, meta_inputs
 from .problem import Problem, reduce_problem
 from .recompute import MODES, ModeCosts, beyond_linear, check_mode, layer_slots
@@ -158,7 +159,10 @@ def solve_summed(problem: Problem, rule, budget, time_limit, minimise_memory=Fal
     its own optimum with no budget (`_unbudgeted_bound`: exact eliminations, rarely an
     ILP, a fraction of a second where a budgeted solve takes seconds); the assignments
     are solved in the order of that bound, and those whose bound is already slower than
-    the best plan found are skipped."""
+    the best plan found are skipped.  Bounds, and the solves of as many assignments as
+    there are workers at a time, run in forked processes (autopar/forked.py); each solve
+    starts from what the plan keeping every activation needed beyond the ILP's sum, so
+    the plan returned is the same for any number of workers."""
     forced = check_mode(recompute)
     slots = layer_slots(problem)
     seen: dict = {}   # what the last plan needed beyond the ILP's sum: where the next solve starts
@@ -186,47 +190,54 @@ def solve_summed(problem: Problem, rule, budget, time_limit, minimise_memory=Fal
     price = 0.0
     if free is not None and best is not None and free[2] > best[2]:
         price = max(0.0, (best[1].objective - free[1].objective) / (free[2] - best[2]))
-    tried = []
-    for modes, periods in mode_assignments(problem, slots, forced):
-        costs = ModeCosts(problem, modes)
-        reduced: dict = {}
-        bound = (_unbudgeted_bound(problem, rule, periods, costs, reduced, time_limit, budget, price)
-                 if free is not None else 0.0)
-        tried.append((bound, len(tried), modes, periods, costs, reduced))
+    tried = mode_assignments(problem, slots, forced)
+    workers = worker_count()
+    bounds = (forked_map(lambda t: _unbudgeted_bound(problem, rule, t[1], ModeCosts(problem, t[0]), time_limit,
+                                                     budget, price), tried, workers)
+              if free is not None else [0.0] * len(tried))
+    order = sorted(range(len(tried)), key=lambda k: (bounds[k], k))
     start = time.perf_counter()
-    for k, (bound, _, modes, periods, costs, reduced) in enumerate(sorted(tried, key=lambda t: t[:2])):
-        if best is not None and bound >= best[1].objective * (1 - 1e-9):
-            log.info("recompute: %d of %d assignments skipped, their bounds no better than %.6f",
-                     len(tried) - k, len(tried), best[1].objective)
-            break
+    snapshot = dict(seen)   # every assignment's solve starts from here, whichever process runs it
+
+    def attempt(k):
+        modes, periods = tried[k]
         try:
-            found = _solve_modes(problem, rule, budget, time_limit, minimise_memory, modes, periods, seen, costs,
-                                 reduced)
+            return _solve_modes(problem, rule, budget, time_limit, minimise_memory, modes, periods, dict(snapshot))
         except InfeasibleError:
-            found = None
-        if found is not None and (best is None or found[1].objective < best[1].objective * (1 - 1e-9)):
-            best = found
-        log.info("recompute assignment %d of %d (%s on even/odd layers): bound %.6f, plan %s; best %s, %.1fs",
-                 k + 1, len(tried), "/".join(dict.fromkeys(modes[p] for p in sorted(modes)[:2])), bound,
-                 f"{found[1].objective:.6f}" if found else "none fits",
-                 f"{best[1].objective:.6f}" if best else "none", time.perf_counter() - start)
+            return None
+
+    def improves(k) -> bool:
+        return best is None or bounds[k] < best[1].objective * (1 - 1e-9)
+
+    done = 0
+    while done < len(order) and improves(order[done]):
+        batch = [k for k in order[done:done + workers] if improves(k)]
+        for k, found in zip(batch, forked_map(attempt, batch, workers)):
+            if found is not None and (best is None or found[1].objective < best[1].objective * (1 - 1e-9)):
+                best = found
+            modes = tried[k][0]
+            log.info("recompute assignment %d of %d (%s on even/odd layers): bound %.6f, plan %s; best %s, %.1fs",
+                     order.index(k) + 1, len(tried), "/".join(dict.fromkeys(modes[p] for p in sorted(modes)[:2])),
+                     bounds[k], f"{found[1].objective:.6f}" if found else "none fits",
+                     f"{best[1].objective:.6f}" if best else "none", time.perf_counter() - start)
+        done += workers
+    if done < len(order):
+        log.info("recompute: %d of %d assignments skipped, their bounds no better than %.6f",
+                 len(order) - done, len(tried), best[1].objective)
     if best is None:
         raise InfeasibleError("no assignment of strategies fits the memory budget, recomputing or not")
     return best
 
 
-def _unbudgeted_bound(problem: Problem, rule, periods, costs: ModeCosts, reduced: dict, time_limit,
-                      budget=None, price: float = 0.0) -> float:
+def _unbudgeted_bound(problem: Problem, rule, periods, costs: ModeCosts, time_limit, budget=None,
+                      price: float = 0.0) -> float:
     """A lower bound on the ILP objective of any plan under a recompute assignment and a
     memory `budget`, over the finest period of `periods` (alternating layers admit every
     plan of identical ones): the best plan's with no budget, and (price > 0) the Lagrangian
     bound min over plans of seconds + price * (bytes - budget), which no plan within the
     budget can beat either.  Both are solves with no budget (exact eliminations, rarely an
-    ILP).  Keeps the reduced problem in `reduced` for the budgeted solve."""
-    period = max(periods)
-    if period not in reduced:
-        reduced[period] = reduce_problem(problem, rule, period, costs)
-    red = reduced[period]
+    ILP)."""
+    red = reduce_problem(problem, rule, max(periods), costs)
     try:
         out = solve(red.costs, red.edges, red.memory, None, red.allowed, time_limit=time_limit,
                     tiebreak=red.plain_memory).objective

@@ -30,15 +30,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import multiprocessing
-import os
 import re
-import sys
 import time
 from dataclasses import dataclass, field
 
 from ..batching import batch_size, first_microbatch
 from ..cost import local_numel, send_time
+from ..forked import forked_map, worker_count
 from ..mesh import Mesh, parse_bytes
 from ..recompute import MODES, ModeCosts, kept_by_selective, layer_paths
 from ..solution import Built, assemble, build_problem, solve_unbudgeted
@@ -218,9 +216,7 @@ def search(model, mesh, example_inputs, example_kwargs=None, *, memory_budget=No
             for n_mb in _microbatch_counts(batch, p, microbatches)]
     keys = list(dict.fromkeys((tuple(s // p if a == axis else s for a, s in enumerate(mesh.shape)), batch // n_mb)
                               for axis, p, n_mb in todo))
-    _cost_in_parallel([k for k in keys if k not in cost_cache], cost_cache, _worker_count(workers),
-                      (model, mesh, example_inputs, example_kwargs, mixed_precision, time_limit, modes),
-                      lambda key: costs_for(*key))
+    _cost_in_parallel([k for k in keys if k not in cost_cache], workers, costs_for, cost_cache)
     for done, (axis, p, n_mb) in enumerate(todo, 1):
         sub_shape = tuple(s // p if a == axis else s for a, s in enumerate(mesh.shape))
         got = costs_for(sub_shape, batch // n_mb)
@@ -264,25 +260,6 @@ def search(model, mesh, example_inputs, example_kwargs=None, *, memory_budget=No
     return best
 
 
-def _worker_count(workers) -> int:
-    if workers is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        workers = int(os.environ.get("AUTOPAR_WORKERS", "0")) or cores
-    return max(1, int(workers))
-
-
-_JOB: tuple = ()   # what forked workers cost candidates of (set in the parent before the fork)
-
-
-def _cost_keys(keys) -> dict:
-    """In a worker: the stage costs of each (sub-mesh shape, microbatch rows) in `keys`."""
-    model, mesh, example_inputs, example_kwargs, mixed_precision, time_limit, modes = _JOB
-    return {(sub_shape, mb_size): _layer_costs(stage_problem(model, mesh, example_inputs, example_kwargs,
-                                                             mixed_precision, sub_shape, mb_size),
-                                               model, time_limit, modes)
-            for sub_shape, mb_size in keys}
-
-
 def stage_problem(model, mesh, example_inputs, example_kwargs, mixed_precision, sub_shape, mb_size) -> Built:
     """The traced and costed problem of one stage candidate: the model on a sub-mesh of
     `mesh` shaped `sub_shape` (same links), for a microbatch of `mb_size` rows.  Pipeline
@@ -294,35 +271,23 @@ def stage_problem(model, mesh, example_inputs, example_kwargs, mixed_precision, 
     return build_problem(model, sub, args, kwargs, mixed_precision, tuple(sub_shape) == tuple(mesh.shape))
 
 
-def _cost_in_parallel(keys, cost_cache: dict, workers: int, job: tuple, own) -> None:
-    """Cost the candidates of `keys` into cost_cache, one task per microbatch size (its
-    candidates share one trace): with w workers this process costs every w-th task with
-    `own` (keeping those problems) while w - 1 forked processes cost the others.
-    Nothing here (the search's loop costs them in turn) with one worker, one task, or
-    no fork (not Linux)."""
-    global _JOB
+def _cost_in_parallel(keys, workers, costs_for, cost_cache: dict) -> None:
+    """Cost the candidates of `keys` into cost_cache with `costs_for`, one task per
+    microbatch size (its candidates share one trace), in forked processes
+    (autopar/forked.py); this process keeps the problems of its own share.  Nothing here
+    (the search's loop costs them in turn) with one worker or one task."""
     tasks: dict = {}
     for key in keys:
         tasks.setdefault(key[1], []).append(key)
     groups = list(tasks.values())
-    if workers < 2 or len(groups) < 2 or not sys.platform.startswith("linux"):
+    if worker_count(workers) < 2 or len(groups) < 2:
         return
     start = time.perf_counter()
-    lanes = min(workers, len(groups))
-    children = lanes - 1
-    _JOB = job
-    try:
-        with multiprocessing.get_context("fork").Pool(children) as pool:
-            pending = [pool.apply_async(_cost_keys, (g,)) for k, g in enumerate(groups) if k % lanes]
-            for g in groups[::lanes]:   # this process's share, while the workers cost theirs
-                for key in g:
-                    own(key)
-            for got in pending:
-                cost_cache.update(got.get())
-    finally:
-        _JOB = ()
+    for got in forked_map(lambda group: {key: costs_for(*key) for key in group}, groups, workers):
+        for key, value in got.items():   # (this process's share is cached already)
+            cost_cache[key] = value
     log.info("pipeline search: %d candidate sub-problems costed by this process and %d workers in %.1fs",
-             len(keys), children, time.perf_counter() - start)
+             len(keys), min(worker_count(workers), len(groups)) - 1, time.perf_counter() - start)
 
 
 def _progress(done, total, axis, p, n_mb, results, start) -> None:
