@@ -4,8 +4,11 @@ with which schedule and how many microbatches (Alpa's inter-operator pass, Zheng
 
 Candidates.  The mesh is split evenly along one axis a into p groups of devices (p divides
 shape[a]); every stage runs on a sub-mesh of shape[a] / p along a and the full size along
-the other axes, with the same links.  Splitting the axis that crosses nodes puts stages
-across nodes and leaves the fast links inside a stage.  p = 1 is "no pipeline".
+the other axes, with the same links.  p = 1 is "no pipeline".  Which axes: a mesh with an
+axis named "pp" is pipelined on it, as given; otherwise the axes that cross nodes (stages
+across nodes leave the fast links inside a stage, where tensor parallelism needs them),
+and every axis of a mesh inside one node; the other axes too when no layout over those fits
+the budget.  autopar.Pipeline(axis=...) names any axis.
 
 Stage costs.  For each sub-mesh and microbatch size the whole model is planned by the
 intra-stage ILP (tensor, data parallelism and ZeRO inside the stage) on a microbatch; the
@@ -210,40 +213,49 @@ def search(model, mesh, example_inputs, example_kwargs=None, *, memory_budget=No
             none = plain   # the fastest plain layout that fits (else the first)
         if mem <= limit and fixed is None:
             results.append(plain)
-    todo = [(axis, p, n_mb) for axis, size in enumerate(mesh.shape)
-            for p in (d for d in range(2, size + 1) if size % d == 0)
-            if fixed is None or fixed.allows(mesh.axis_names[axis], p, None, None, None)
-            for n_mb in _microbatch_counts(batch, p, microbatches)]
-    keys = list(dict.fromkeys((tuple(s // p if a == axis else s for a, s in enumerate(mesh.shape)), batch // n_mb)
-                              for axis, p, n_mb in todo))
-    _cost_in_parallel([k for k in keys if k not in cost_cache], workers, costs_for, cost_cache)
-    for done, (axis, p, n_mb) in enumerate(todo, 1):
-        sub_shape = tuple(s // p if a == axis else s for a, s in enumerate(mesh.shape))
-        got = costs_for(sub_shape, batch // n_mb)
-        if got is None:
-            rejected["no plan fits a stage"] = rejected.get("no plan fits a stage", 0) + 1
-            continue
-        by_mode, boundary, names, copies = got
-        send = send_time(boundary, axis, mesh)  # one activation (or gradient) across a cut
-        for schedule in schedules:
-            virtuals = (fixed.virtual,) if fixed is not None and fixed.virtual else (1, 2)
-            for v in (virtuals if schedule == "interleaved-1f1b" else (1,)):
-                n_stages = p * v
-                if len(names[1]) < n_stages or (schedule == "interleaved-1f1b" and n_mb % p):
-                    continue
-                if fixed is not None and not fixed.allows(mesh.axis_names[axis], p, schedule, n_mb, v):
-                    continue
-                for mode, (layers, prefix, suffix) in by_mode.items():
-                    choice = _evaluate(layers, prefix, suffix, copies, send, n_stages, p, v, schedule,
-                                       n_mb, limit, rejected, mesh.device.asynchronous)
-                    if choice is not None:
-                        results.append(_replace(_with_place(choice, mesh.axis_names[axis], p, sub_shape),
-                                                layer_prefix=names[0], layer_indices=tuple(names[1]),
-                                                recompute=mode,
-                                                built=problems.get((sub_shape, batch // n_mb))))
-                        break   # (modes go from fastest to least memory: the first that fits wins)
-        keep_best_problem()
-        _progress(done, len(todo), mesh.axis_names[axis], p, n_mb, results, start)
+
+    def search_axes(axes):
+        """Cost and evaluate every candidate that cuts one of `axes`."""
+        todo = [(axis, p, n_mb) for axis, size in enumerate(mesh.shape) if axis in axes
+                for p in (d for d in range(2, size + 1) if size % d == 0)
+                if fixed is None or fixed.allows(mesh.axis_names[axis], p, None, None, None)
+                for n_mb in _microbatch_counts(batch, p, microbatches)]
+        keys = list(dict.fromkeys((tuple(s // p if a == axis else s for a, s in enumerate(mesh.shape)),
+                                   batch // n_mb) for axis, p, n_mb in todo))
+        _cost_in_parallel([k for k in keys if k not in cost_cache], workers, costs_for, cost_cache)
+        for done, (axis, p, n_mb) in enumerate(todo, 1):
+            sub_shape = tuple(s // p if a == axis else s for a, s in enumerate(mesh.shape))
+            got = costs_for(sub_shape, batch // n_mb)
+            if got is None:
+                rejected["no plan fits a stage"] = rejected.get("no plan fits a stage", 0) + 1
+                continue
+            by_mode, boundary, names, copies = got
+            send = send_time(boundary, axis, mesh)  # one activation (or gradient) across a cut
+            for schedule in schedules:
+                virtuals = (fixed.virtual,) if fixed is not None and fixed.virtual else (1, 2)
+                for v in (virtuals if schedule == "interleaved-1f1b" else (1,)):
+                    n_stages = p * v
+                    if len(names[1]) < n_stages or (schedule == "interleaved-1f1b" and n_mb % p):
+                        continue
+                    if fixed is not None and not fixed.allows(mesh.axis_names[axis], p, schedule, n_mb, v):
+                        continue
+                    for mode, (layers, prefix, suffix) in by_mode.items():
+                        choice = _evaluate(layers, prefix, suffix, copies, send, n_stages, p, v, schedule,
+                                           n_mb, limit, rejected, mesh.device.asynchronous)
+                        if choice is not None:
+                            results.append(_replace(_with_place(choice, mesh.axis_names[axis], p, sub_shape),
+                                                    layer_prefix=names[0], layer_indices=tuple(names[1]),
+                                                    recompute=mode,
+                                                    built=problems.get((sub_shape, batch // n_mb))))
+                            break   # (modes go from fastest to least memory: the first that fits wins)
+            keep_best_problem()
+            _progress(done, len(todo), mesh.axis_names[axis], p, n_mb, results, start)
+
+    first = _stage_axes(mesh) if fixed is None or fixed.axis is None else tuple(range(mesh.ndim))
+    for axes in (first, tuple(a for a in range(mesh.ndim) if a not in first)):
+        if not axes or any(c.axis is not None for c in results):
+            break   # (the other axes only when no layout over the stage axes fits)
+        search_axes(axes)
     if not results and fixed is not None:
         raise ValueError(f"no pipeline layout of {type(model).__name__} on {mesh} satisfies {fixed} within "
                          f"{limit / 2**30:.2f} GiB per device (rejected: {rejected or 'none'}); the model has "
@@ -269,6 +281,15 @@ def stage_problem(model, mesh, example_inputs, example_kwargs, mixed_precision, 
     batch = batch_size(example_inputs, example_kwargs)
     args, kwargs = first_microbatch((tuple(example_inputs), example_kwargs), batch, mb_size)
     return build_problem(model, sub, args, kwargs, mixed_precision, tuple(sub_shape) == tuple(mesh.shape))
+
+
+def _stage_axes(mesh) -> tuple:
+    """The axes the search cuts into device groups (see the module docstring)."""
+    if "pp" in mesh.axis_names:
+        return (mesh.axis_names.index("pp"),)
+    across = tuple(a for a, inside in enumerate(mesh.inside_node(mesh.shape, mesh.device.devices_per_node))
+                   if not inside)
+    return across or tuple(range(mesh.ndim))
 
 
 def _cost_in_parallel(keys, workers, costs_for, cost_cache: dict) -> None:
