@@ -220,10 +220,11 @@ def test_llama3_8b_256k_tokens_on_eight_h100():
 
 
 @pytest.mark.parametrize("frac", [0.7, 0.6])
-def test_skipped_recompute_assignments_could_not_win(frac):
+def test_skipped_recompute_assignments_could_not_win(frac, monkeypatch):
     """The solve skips a recompute assignment once its lower bound (its own optimum with no
     budget, or its Lagrangian bound) is no faster than the best plan found; the
-    plan it returns is as fast as the best of every assignment solved one by one."""
+    plan it returns is as fast as the best of every assignment solved one by one, and the
+    same whether the assignments are solved in one process or several (autopar/forked.py)."""
     model, example = build("gpt2-124m", device="meta", batch=16, seq=1024)
     mesh = autopar.Mesh((8,), ("dp",), device="h100")
     problem = build_problem(model, mesh, example, None, autopar.MixedPrecision.of("bf16")).problem
@@ -240,3 +241,8 @@ def test_skipped_recompute_assignments_could_not_win(frac):
     assert len(every) >= 2
     assert chosen[1].objective == pytest.approx(min(every), rel=1e-6)
     assert chosen[0].modes, "the budget binds: something is recomputed"
+    for workers in ("1", "3"):
+        monkeypatch.setenv("AUTOPAR_WORKERS", workers)
+        again = solve_summed(problem, None, budget, 60.0)
+        assert (dict(again[0]), again[0].modes, again[1].objective) == (dict(chosen[0]), chosen[0].modes,
+                                                                         chosen[1].objective)
