@@ -301,14 +301,14 @@ def _cost_in_parallel(keys, workers, costs_for, cost_cache: dict) -> None:
     for key in keys:
         tasks.setdefault(key[1], []).append(key)
     groups = list(tasks.values())
-    if worker_count(workers) < 2 or len(groups) < 2:
+    lanes = min(worker_count(workers), len(groups))
+    if lanes < 2:
         return
     start = time.perf_counter()
-    for got in forked_map(lambda group: {key: costs_for(*key) for key in group}, groups, workers):
-        for key, value in got.items():   # (this process's share is cached already)
-            cost_cache[key] = value
+    for got in forked_map(lambda group: {key: costs_for(*key) for key in group}, groups, lanes):
+        cost_cache.update(got)   # (this process's share is cached already)
     log.info("pipeline search: %d candidate sub-problems costed by this process and %d workers in %.1fs",
-             len(keys), min(worker_count(workers), len(groups)) - 1, time.perf_counter() - start)
+             len(keys), lanes - 1, time.perf_counter() - start)
 
 
 def _progress(done, total, axis, p, n_mb, results, start) -> None:
