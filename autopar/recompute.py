@@ -119,9 +119,8 @@ class ModeCosts:
         keeps: dict = {}   # node index -> bytes it keeps under its layer's mode, per strategy
         for n, item in entries:
             pn = nodes[n]
-            rep = nodes[pn.rep]
             share = holders[item[0]] if item[0] is not None else 1
-            arr = np.array([problem.held_bytes(pn, s, item) / share for s in rep.strategies])
+            arr = problem.held_array(pn, item) / share
             self.activations[pn.rep] = self.activations.get(pn.rep, 0.0) + arr
             keeps[n] = keeps.get(n, 0.0) + arr
         self.keeps = keeps

@@ -99,6 +99,7 @@ def solve_problem(problem: Problem, rule, budget, time_limit, minimise_memory=Fa
     if first.hidden_s <= 0.01 * first.step_s:
         return best
     modes = dict(best[0].modes) or None
+    costs = ModeCosts(problem, modes) if modes else None   # (the overlapped copies share what it reads)
     try:
         # the proxy's own optimum with no budget first (exact eliminations, rarely an ILP):
         # when it fits, it is the second solve's answer.  When, overlap counted, it is not
@@ -110,26 +111,27 @@ def solve_problem(problem: Problem, rule, budget, time_limit, minimise_memory=Fa
         # as the plan a tighter budget forces might
         shares = _hidden_shares(first)
         over = problem.overlapped(*shares)
-        other = _solve_modes(over, rule, None, time_limit, False, modes)
+        other = _solve_modes(over, rule, None, time_limit, False, modes, costs=costs)
         step = assemble(problem, other[0])[2]
         for _ in range(3):
             again_shares = _hidden_shares(step)
             if max(abs(x - y) for x, y in zip(again_shares, shares)) < 0.02:
                 break   # (priced alike, the solve would return the same plan)
             shares, again_over = again_shares, problem.overlapped(*again_shares)
-            again = _solve_modes(again_over, rule, None, time_limit, False, modes)
+            again = _solve_modes(again_over, rule, None, time_limit, False, modes, costs=costs)
             again_step = assemble(problem, again[0])[2]
             if again_step.step_s >= step.step_s * (1 - 1e-9):
                 break
             other, over, step = again, again_over, again_step
         if budget is not None and other[2] > budget:
-            plain = best[0] if best[1].slack else _solve_modes(problem, rule, None, time_limit, False, modes)[0]
+            plain = best[0] if best[1].slack else \
+                _solve_modes(problem, rule, None, time_limit, False, modes, costs=costs)[0]
             if step.step_s >= assemble(problem, plain)[2].step_s * (1 - 1e-9):
                 log.info("overlap-aware second solve skipped: with no budget its plan is not faster, overlap "
                          "counted, than the summed optimum")
                 return best
-            seen = {"extra": beyond_linear(problem, best[0], ModeCosts(problem, modes) if modes else None)[2]}
-            other = _solve_modes(over, rule, budget, time_limit, minimise_memory, modes, seen=seen)
+            seen = {"extra": beyond_linear(problem, best[0], costs)[2]}
+            other = _solve_modes(over, rule, budget, time_limit, minimise_memory, modes, seen=seen, costs=costs)
             step = assemble(problem, other[0])[2]
     except InfeasibleError:
         return best
@@ -168,6 +170,13 @@ def solve_summed(problem: Problem, rule, budget, time_limit, minimise_memory=Fal
     seen: dict = {}   # what the last plan needed beyond the ILP's sum: where the next solve starts
     free = None
     if not slots or forced in (None, "none"):
+        if slots and forced is None and budget is not None and not minimise_memory:
+            # the fastest plan first (a solve with no budget: eliminations, rarely an ILP):
+            # when it fits, it is the answer; else what it needs beyond the ILP's sum is
+            # where the budgeted solve's reserve starts
+            free = _solve_modes(problem, rule, None, time_limit, False, None, seen=seen)
+            if free[2] <= budget:
+                return free
         try:
             best = _solve_modes(problem, rule, budget, time_limit, minimise_memory, None, seen=seen)
         except InfeasibleError:
@@ -178,7 +187,7 @@ def solve_summed(problem: Problem, rule, budget, time_limit, minimise_memory=Fal
             return best
         if best is not None and best[1].slack:
             return best   # the budget does not bind: recomputing could only add time
-        free = _solve_modes(problem, rule, None, time_limit, False, None)
+        free = free or _solve_modes(problem, rule, None, time_limit, False, None)
         log.debug("no recompute: plan %s, with no budget %.6f", f"{best[1].objective:.6f}" if best else "none fits",
                   free[1].objective)
         if best is not None and best[1].objective <= free[1].objective * (1 + 1e-9):
@@ -250,6 +259,17 @@ def _unbudgeted_bound(problem: Problem, rule, periods, costs: ModeCosts, time_li
         return float("inf")
 
 
+def _expand(problem: Problem, red, sol, modes) -> Assignment:
+    """The Assignment over every node of a solution of the reduced problem `red`."""
+    root_choice = dict(zip(red.roots, sol.choice))
+    choice = Assignment()
+    choice.modes = {k: v for k, v in (modes or {}).items() if v != "none"}
+    for pn in problem.nodes:
+        r = red.canon(pn.rep)
+        choice[pn.index] = int(red.follow[r][root_choice[red.root_of[r]]])
+    return choice
+
+
 def mode_assignments(problem: Problem, slots: list, forced) -> list:
     """(layer path -> mode, periods) to try: the forced mode on every layer (periods 1 and
     2); unforced, each recomputing mode on every layer (periods 1 and 2) and every pair of
@@ -319,12 +339,7 @@ def _solve_periods(problem: Problem, rule, budget, time_limit, minimise_memory, 
             if best is not None:
                 break
             raise
-        root_choice = dict(zip(red.roots, sol.choice))
-        choice = Assignment()
-        choice.modes = {k: v for k, v in (modes or {}).items() if v != "none"}
-        for pn in problem.nodes:
-            r = red.canon(pn.rep)
-            choice[pn.index] = int(red.follow[r][root_choice[red.root_of[r]]])
+        choice = _expand(problem, red, sol, modes)
         floor = sum(float(red.memory[i][c]) for i, c in enumerate(sol.choice))
         if best is None or sol.objective < best[1].objective * (1 - 1e-9):
             best = (choice, sol, floor)

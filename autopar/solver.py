@@ -318,6 +318,8 @@ class _Presolve:
         self.next_id = self.n_nodes
         self.dirty = set(self.cost)   # nodes whose dominance may have changed
         self.kept_back = set()        # nodes whose elimination was declined, unchanged since
+        self.stale = set(self.cost)   # nodes whose costs or edges changed since _normalise saw them
+        self.increases: dict = {}     # (n, w) -> (edge matrix, its _max_increase from n's side)
         for u, v, m in edges:
             m = np.asarray(m, float)[np.ix_(self.keep[u], self.keep[v])]
             if u == v:
@@ -353,13 +355,17 @@ class _Presolve:
 
     def _del_edge(self, u, v):
         del self.edges[(min(u, v), max(u, v))]
+        self.increases.pop((u, v), None)
+        self.increases.pop((v, u), None)
         self.adj[u].discard(v)
         self.adj[v].discard(u)
         self._touch(u, v)
 
-    def _touch(self, *nodes):
+    def _touch(self, *nodes, stale=True):
         self.dirty.update(nodes)
         self.kept_back.difference_update(nodes)
+        if stale:
+            self.stale.update(nodes)
 
     def _drop_node(self, g):
         self._touch(*self.adj[g])
@@ -409,10 +415,15 @@ class _Presolve:
         return changed
 
     def _normalise(self) -> bool:
+        """Only around the nodes changed since the last call (self.stale): an edge
+        normalised before and not changed since has zero row and column minima still."""
         changed = False
-        for n, c in self.cost.items():
-            changed |= self._restrict(n, np.isfinite(c))
-        for (u, v) in list(self.edges):
+        seen, self.stale = self.stale, set()
+        for n in sorted(seen & self.cost.keys()):
+            changed |= self._restrict(n, np.isfinite(self.cost[n]))
+        for (u, v) in [e for e in self.edges if e[0] in seen or e[1] in seen]:
+            if (u, v) not in self.edges:
+                continue
             m = self.edges[(u, v)]
             changed |= self._restrict(u, np.isfinite(m.min(axis=1)))
             changed |= self._restrict(v, np.isfinite(self.edges[(u, v)].min(axis=0)))
@@ -422,7 +433,7 @@ class _Presolve:
                 if low.any():
                     m = m - np.expand_dims(low, axis)
                     self.cost[n] = self.cost[n] + low
-                    self._touch(u, v)
+                    self._touch(u, v, stale=False)
             if not m.any():
                 self._del_edge(u, v)
                 changed = True
@@ -481,7 +492,7 @@ class _Presolve:
             k = len(c)
             worse = c[:, None] - c[None, :]   # [j, i]: what switching from i to j can cost
             for w in self.adj[n]:
-                worse = worse + _max_increase(self._mat(n, w))
+                worse = worse + self._increase(n, w)
             order = np.arange(k)
             kill = (worse < 0) | ((worse == 0) & (order[:, None] < order[None, :]))
             if self.mem is not None:
@@ -490,6 +501,15 @@ class _Presolve:
             changed |= self._restrict(n, ~kill.any(axis=0))
         self.dirty.clear()
         return changed
+
+    def _increase(self, n, w) -> np.ndarray:
+        """_max_increase of n's edge to w, kept while that edge's matrix is unchanged (a node
+        made dirty by one neighbour keeps its other edges)."""
+        m = self.edges[(min(n, w), max(n, w))]
+        held = self.increases.get((n, w))
+        if held is None or held[0] is not m:
+            held = self.increases[(n, w)] = (m, _max_increase(self._mat(n, w)))
+        return held[1]
 
     def _merge(self) -> bool:
         """Join two neighbours into one node whose choices are their compatible pairs (the
@@ -578,6 +598,7 @@ class _Presolve:
             self._drop_node(n)
         for x, j in joined.items():
             self._add_edge(new, x, j)
+        self._touch(new)
 
     def expand(self, choice: dict) -> list:
         """The choice (original index) of every node from those of the nodes left to the ILP."""

@@ -55,6 +55,7 @@ class Problem:
         counts its holders, so a storage several ops keep is charged once."""
         gpu = not self.mesh.device.name.lower().startswith("cpu")
         self.holdings: dict[int, list] = {}
+        self.held_cache: dict = {}   # see held_array
         self.savers: dict = {}
         for pn in self.nodes:
             if pn.kind != "op" or not pn.requires_grad or pn.op in VIEWS:
@@ -119,6 +120,16 @@ class Problem:
         shapes += list(zip(pn.out_shapes, s.outputs))
         shape, p = max(shapes, key=lambda sp: math.prod(sp[0]) if sp[0] else 1)
         return nbytes * C.local_numel(shape, p, mesh.shape) / max(1, math.prod(shape) if shape else 1)
+
+    def held_array(self, pn: PNode, item) -> np.ndarray:
+        """held_bytes of one holding under each of pn's representative's strategies, kept
+        per (representative, holding's kind, index and bytes): identical layers hold alike."""
+        key = (pn.rep, *item[1:])
+        out = self.held_cache.get(key)
+        if out is None:
+            out = self.held_cache[key] = np.array([self.held_bytes(pn, s, item)
+                                                   for s in self.nodes[pn.rep].strategies])
+        return out
 
     def saved_entries(self) -> list:
         """(node index, holding) of everything the ops keep when nothing is recomputed."""
