@@ -156,54 +156,55 @@ def solve_summed(problem: Problem, rule, budget, time_limit, minimise_memory=Fal
     Recomputation (autopar/recompute.py): `recompute` forces one mode on every repeated
     layer; None lets the solve choose per set of identical layers among MODES (all alike,
     or even and odd layers apart).  Recomputing only adds time, so the other modes are tried
-    only when the budget binds: when no plan keeping every activation is as fast as the
-    fastest plan with no budget at all.  Then each assignment's plans are no faster than
-    its own optimum with no budget (`_unbudgeted_bound`: exact eliminations, rarely an
-    ILP, a fraction of a second where a budgeted solve takes seconds); the assignments
-    are solved in the order of that bound, and those whose bound is already slower than
-    the best plan found are skipped.  Bounds, and the solves of as many assignments as
-    there are workers at a time, run in forked processes (autopar/forked.py); each solve
-    starts from what the plan keeping every activation needed beyond the ILP's sum, so
-    the plan returned is the same for any number of workers."""
+    only when the budget binds: when the fastest plan with no budget at all does not fit.
+    Then each assignment's plans are bounded below (`_unbudgeted_bound`: its own optimum
+    with no budget, and a Lagrangian bound at the price of a byte where the plan keeping
+    every activation meets the budget; solves with no budget, exact eliminations that
+    rarely need an ILP, a fraction of a second where a budgeted solve takes seconds).  The
+    plan keeping every activation is solved under the budget while those bounds are
+    computed; then the assignments are solved in the order of their bounds, and those
+    whose bound is already no better than the best plan found are skipped.  The bounds,
+    and the solves of as many assignments as there are workers at a time, run in forked
+    processes (autopar/forked.py); each solve starts from what the plan keeping every
+    activation needed beyond the ILP's sum, so the plan returned is the same for any
+    number of workers."""
     forced = check_mode(recompute)
     slots = layer_slots(problem)
+    if not slots or forced == "none" or budget is None or minimise_memory:
+        modes = None if forced in (None, "none") else {f"{p}.{i}": forced for p, ix in slots for i in ix}
+        return _solve_modes(problem, rule, budget, time_limit, minimise_memory, modes)
+    workers = worker_count()
     seen: dict = {}   # what the last plan needed beyond the ILP's sum: where the next solve starts
-    free = None
-    if not slots or forced in (None, "none"):
-        if slots and forced is None and budget is not None and not minimise_memory:
-            # the fastest plan first (a solve with no budget: eliminations, rarely an ILP):
-            # when it fits, it is the answer; else what it needs beyond the ILP's sum is
-            # where the budgeted solve's reserve starts
-            free = _solve_modes(problem, rule, None, time_limit, False, None, seen=seen)
-            if free[2] <= budget:
-                return free
-        try:
-            best = _solve_modes(problem, rule, budget, time_limit, minimise_memory, None, seen=seen)
-        except InfeasibleError:
-            if forced == "none" or not slots or budget is None:
-                raise
-            best = None
-        if forced == "none" or not slots or budget is None or minimise_memory:
-            return best
-        if best is not None and best[1].slack:
-            return best   # the budget does not bind: recomputing could only add time
-        free = free or _solve_modes(problem, rule, None, time_limit, False, None)
+    tried = mode_assignments(problem, slots, forced)
+    best = None
+    if forced is None:
+        # the fastest plan first (a solve with no budget: eliminations, rarely an ILP): when
+        # it fits, it is the answer; else what it needs beyond the ILP's sum is where the
+        # budgeted solve's reserve starts
+        free = _solve_modes(problem, rule, None, time_limit, False, None, seen=seen)
+        if free[2] <= budget:
+            return free
+
+        def keep_all():
+            try:
+                return _solve_modes(problem, rule, budget, time_limit, False, None, seen=seen), seen["extra"]
+            except InfeasibleError:
+                return None, 0.0
+
+        def bound_all():
+            price = _byte_price(problem, rule, budget, time_limit)
+            return [_unbudgeted_bound(problem, rule, periods, ModeCosts(problem, modes), time_limit, price)
+                    for modes, periods in tried]
+
+        (best, extra), pieces = forked_map(lambda task: task(), [keep_all, bound_all], workers)
         log.debug("no recompute: plan %s, with no budget %.6f", f"{best[1].objective:.6f}" if best else "none fits",
                   free[1].objective)
         if best is not None and best[1].objective <= free[1].objective * (1 + 1e-9):
             return best
+        seen["extra"] = extra
+        bounds = [_bound_under(piece, budget, extra if best is not None else 0.0) for piece in pieces]
     else:
-        best = None
-    # the seconds a byte is worth where the budget binds: from the plan with no budget to
-    # the plan under it (a Lagrange multiplier for the bounds below)
-    price = 0.0
-    if free is not None and best is not None and free[2] > best[2]:
-        price = max(0.0, (best[1].objective - free[1].objective) / (free[2] - best[2]))
-    tried = mode_assignments(problem, slots, forced)
-    workers = worker_count()
-    bounds = (forked_map(lambda t: _unbudgeted_bound(problem, rule, t[1], ModeCosts(problem, t[0]), time_limit,
-                                                     budget, price), tried, workers)
-              if free is not None else [0.0] * len(tried))
+        bounds = [0.0] * len(tried)
     order = sorted(range(len(tried)), key=lambda k: (bounds[k], k))
     start = time.perf_counter()
     snapshot = dict(seen)   # every assignment's solve starts from here, whichever process runs it
@@ -211,7 +212,7 @@ def solve_summed(problem: Problem, rule, budget, time_limit, minimise_memory=Fal
     def attempt(k):
         modes, periods = tried[k]
         try:
-            return _solve_modes(problem, rule, budget, time_limit, minimise_memory, modes, periods, dict(snapshot))
+            return _solve_modes(problem, rule, budget, time_limit, False, modes, periods, dict(snapshot))
         except InfeasibleError:
             return None
 
@@ -238,25 +239,81 @@ def solve_summed(problem: Problem, rule, budget, time_limit, minimise_memory=Fal
     return best
 
 
-def _unbudgeted_bound(problem: Problem, rule, periods, costs: ModeCosts, time_limit, budget=None,
-                      price: float = 0.0) -> float:
-    """A lower bound on the ILP objective of any plan under a recompute assignment and a
-    memory `budget`, over the finest period of `periods` (alternating layers admit every
-    plan of identical ones): the best plan's with no budget, and (price > 0) the Lagrangian
-    bound min over plans of seconds + price * (bytes - budget), which no plan within the
-    budget can beat either.  Both are solves with no budget (exact eliminations, rarely an
-    ILP)."""
+def _byte_price(problem: Problem, rule, budget, time_limit) -> float:
+    """The seconds a byte is worth where the budget binds on the plan keeping every
+    activation: the Lagrange multiplier that maximises min over plans of (seconds +
+    price * (bytes - budget)), found by cutting planes (each solve with no budget gives
+    a plan, a line in the price; the next price is where the nearest lines over and under
+    the budget cross) over a few solves with no budget."""
+    red = reduce_problem(problem, rule, 2)
+    zero = [np.zeros(len(c)) for c in red.costs]
+    seen: dict = {}
+
+    def line(price) -> tuple:
+        if price not in seen:
+            priced = red.costs if price == 0 else [c + price * m for c, m in zip(red.costs, red.memory)]
+            sol = solve(priced, red.edges, red.memory, None, red.allowed, time_limit=time_limit, tiebreak=zero)
+            mem = float(sum(red.memory[i][c] for i, c in enumerate(sol.choice)))
+            seen[price] = (sol.objective - price * mem, mem)
+        return seen[price]
+
+    s0, m0 = line(0.0)
+    if m0 <= budget:
+        return 0.0
+    price = max(s0, 1e-9) / budget   # a step's seconds per budget: plans shed memory well before
+    for _ in range(8):
+        if line(price)[1] <= budget:
+            break
+        price *= 4
+    else:
+        return price
+    for _ in range(4):
+        lo = max(p for p, (_, m) in seen.items() if m > budget)
+        hi = min(p for p, (_, m) in seen.items() if m <= budget)
+        (s_lo, m_lo), (s_hi, m_hi) = seen[lo], seen[hi]
+        if m_lo <= m_hi or s_hi <= s_lo:
+            return hi
+        cross = (s_hi - s_lo) / (m_lo - m_hi)   # where the two lines cross
+        if cross in seen:
+            return cross
+        s, m = line(cross)
+        if s + cross * (m - budget) >= (s_lo + cross * (m_lo - budget)) * (1 - 1e-9):
+            return cross   # no plan under both lines there: the dual's maximum
+    return max(seen, key=lambda p: seen[p][0] + p * (seen[p][1] - budget))
+
+
+def _unbudgeted_bound(problem: Problem, rule, periods, costs: ModeCosts, time_limit, price: float = 0.0) -> tuple:
+    """What a lower bound on the ILP objective of any plan under a recompute assignment
+    needs (see _bound_under), over the finest period of `periods` (alternating layers
+    admit every plan of identical ones): (the best plan's seconds with no budget, and at
+    `price` per byte (price > 0) that plan's seconds + price * bytes and its bytes).  Both
+    are solves with no budget (exact eliminations, rarely an ILP).  None: no plan."""
     red = reduce_problem(problem, rule, max(periods), costs)
+    zero = [np.zeros(len(c)) for c in red.costs]   # (no tie-break: objectives are seconds)
     try:
-        out = solve(red.costs, red.edges, red.memory, None, red.allowed, time_limit=time_limit,
-                    tiebreak=red.plain_memory).objective
-        if price > 0 and budget is not None:
-            priced = [np.asarray(c, float) + price * np.asarray(m, float) for c, m in zip(red.costs, red.memory)]
-            out = max(out, solve(priced, red.edges, red.memory, None, red.allowed, time_limit=time_limit,
-                                 tiebreak=red.plain_memory).objective - price * budget)
-        return out
+        out = solve(red.costs, red.edges, red.memory, None, red.allowed, time_limit=time_limit, tiebreak=zero).bound
+        if price <= 0:
+            return out, None
+        priced = [np.asarray(c, float) + price * np.asarray(m, float) for c, m in zip(red.costs, red.memory)]
+        sol = solve(priced, red.edges, red.memory, None, red.allowed, time_limit=time_limit, tiebreak=zero)
+        return out, (sol.bound, price, float(sum(red.memory[i][c] for i, c in enumerate(sol.choice))))
     except InfeasibleError:
+        return None
+
+
+def _bound_under(piece, budget, reserve) -> float:
+    """The lower bound from _unbudgeted_bound's pieces under `budget`, for a solve whose
+    working-memory reserve starts at `reserve`: its plan's ILP bytes stay under budget -
+    reserve when some plan does (the priced plan is one: the solve then never falls back
+    to a smaller reserve), so the Lagrangian term is taken there; else under the budget."""
+    if piece is None:
         return float("inf")
+    out, priced = piece
+    if priced is None:
+        return out
+    value, price, mem = priced
+    cap = budget - reserve if mem <= budget - reserve else budget
+    return max(out, value - price * cap)
 
 
 def _expand(problem: Problem, red, sol, modes) -> Assignment:
