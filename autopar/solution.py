@@ -171,7 +171,7 @@ def solve_summed(problem: Problem, rule, budget, time_limit, minimise_memory=Fal
     forced = check_mode(recompute)
     slots = layer_slots(problem)
     if not slots or forced == "none" or budget is None or minimise_memory:
-        modes = None if forced in (None, "none") else {f"{p}.{i}": forced for p, ix in slots for i in ix}
+        modes = None if forced in (None, "none") else mode_assignments(problem, slots, forced)[0][0]
         return _solve_modes(problem, rule, budget, time_limit, minimise_memory, modes)
     workers = worker_count()
     seen: dict = {}   # what the last plan needed beyond the ILP's sum: where the next solve starts
@@ -246,14 +246,11 @@ def _byte_price(problem: Problem, rule, budget, time_limit) -> float:
     a plan, a line in the price; the next price is where the nearest lines over and under
     the budget cross) over a few solves with no budget."""
     red = reduce_problem(problem, rule, 2)
-    zero = [np.zeros(len(c)) for c in red.costs]
     seen: dict = {}
 
     def line(price) -> tuple:
         if price not in seen:
-            priced = red.costs if price == 0 else [c + price * m for c, m in zip(red.costs, red.memory)]
-            sol = solve(priced, red.edges, red.memory, None, red.allowed, time_limit=time_limit, tiebreak=zero)
-            mem = float(sum(red.memory[i][c] for i, c in enumerate(sol.choice)))
+            sol, mem = _priced_solve(red, price, time_limit)
             seen[price] = (sol.objective - price * mem, mem)
         return seen[price]
 
@@ -289,16 +286,30 @@ def _unbudgeted_bound(problem: Problem, rule, periods, costs: ModeCosts, time_li
     `price` per byte (price > 0) that plan's seconds + price * bytes and its bytes).  Both
     are solves with no budget (exact eliminations, rarely an ILP).  None: no plan."""
     red = reduce_problem(problem, rule, max(periods), costs)
-    zero = [np.zeros(len(c)) for c in red.costs]   # (no tie-break: objectives are seconds)
     try:
-        out = solve(red.costs, red.edges, red.memory, None, red.allowed, time_limit=time_limit, tiebreak=zero).bound
+        out = _priced_solve(red, 0.0, time_limit)[0].bound
         if price <= 0:
             return out, None
-        priced = [np.asarray(c, float) + price * np.asarray(m, float) for c, m in zip(red.costs, red.memory)]
-        sol = solve(priced, red.edges, red.memory, None, red.allowed, time_limit=time_limit, tiebreak=zero)
-        return out, (sol.bound, price, float(sum(red.memory[i][c] for i, c in enumerate(sol.choice))))
+        sol, mem = _priced_solve(red, price, time_limit)
+        return out, (sol.bound, price, mem)
     except InfeasibleError:
         return None
+
+
+def _priced_solve(red, price: float, time_limit) -> tuple:
+    """(solution, its ILP bytes) of the reduced problem with no budget and each byte priced
+    at `price` seconds, without the memory tie-break (its objective is seconds + price x
+    bytes, exactly)."""
+    priced = red.costs if price == 0 else [np.asarray(c, float) + price * np.asarray(m, float)
+                                           for c, m in zip(red.costs, red.memory)]
+    sol = solve(priced, red.edges, red.memory, None, red.allowed, time_limit=time_limit,
+                tiebreak=[np.zeros(len(c)) for c in red.costs])
+    return sol, _ilp_bytes(red, sol.choice)
+
+
+def _ilp_bytes(red, choice) -> float:
+    """The ILP's linear memory sum of a choice of the reduced problem."""
+    return float(sum(red.memory[i][c] for i, c in enumerate(choice)))
 
 
 def _bound_under(piece, budget, reserve) -> float:
@@ -397,7 +408,7 @@ def _solve_periods(problem: Problem, rule, budget, time_limit, minimise_memory, 
                 break
             raise
         choice = _expand(problem, red, sol, modes)
-        floor = sum(float(red.memory[i][c]) for i, c in enumerate(sol.choice))
+        floor = _ilp_bytes(red, sol.choice)
         if best is None or sol.objective < best[1].objective * (1 - 1e-9):
             best = (choice, sol, floor)
         if not problem.tie or not moves_between_layers(problem, choice):

@@ -425,8 +425,6 @@ class _Presolve:
         for n in sorted(seen & self.cost.keys()):
             changed |= self._restrict(n, np.isfinite(self.cost[n]))
         for (u, v) in [e for e in self.edges if e[0] in seen or e[1] in seen]:
-            if (u, v) not in self.edges:
-                continue
             m = self.edges[(u, v)]
             changed |= self._restrict(u, np.isfinite(m.min(axis=1)))
             changed |= self._restrict(v, np.isfinite(self.edges[(u, v)].min(axis=0)))
