@@ -99,11 +99,14 @@ class ModeCosts:
                         hold(n, item)
                     elif item[1] in ("in", "out"):   # under a strategy that communicates inside, the
                         hold(n, (None, "own " + item[1], item[2], item[3]))   # op runs whole (Recompute.whole)
+        members: dict = {}   # layer path -> its nodes' indices, ascending
+        for n, path in layer.items():
+            members.setdefault(path, []).append(n)
         for path, mode in self.modes.items():
             if mode == "none":
                 continue
-            for pn in nodes:
-                if layer.get(pn.index) != path or pn.kind != "op":
+            for pn in (nodes[n] for n in sorted(members.get(path, ()))):
+                if pn.kind != "op":
                     continue
                 for k, (src, o) in enumerate(pn.inputs):
                     if layer.get(src) == path:
@@ -132,20 +135,25 @@ class ModeCosts:
                 self.members.setdefault(path, []).append((n, nodes[n].rep, keeps.get(n)))
         self.extra: dict = {}
         self.edge_extra: dict = {}
+        forward: dict = {}   # rep -> its strategies' forward seconds
+        moving: dict = {}    # edge class -> its forward moves' seconds, None where it moves nothing
         for pn in nodes:
             mode = self.modes.get(layer.get(pn.index), "none")
             if mode == "none" or pn.kind != "op":
                 continue
             if not (mode == "selective" and pn.index in kept):
-                arr = np.array([c.forward_s for c in problem.choices[pn.rep]])
-                self.extra[pn.rep] = self.extra.get(pn.rep, 0.0) + arr
+                if pn.rep not in forward:
+                    forward[pn.rep] = np.array([c.forward_s for c in problem.choices[pn.rep]])
+                self.extra[pn.rep] = self.extra.get(pn.rep, 0.0) + forward[pn.rep]
         for e in problem.edges:
             if e.kind != "data" or self.modes.get(layer.get(e.b), "none") == "none":
                 continue
             key = problem.rep_edge(e)
-            fwd = problem.edge_forward.get(key)
-            if fwd is not None and fwd.any():
-                self.edge_extra[key] = self.edge_extra.get(key, 0.0) + fwd
+            if key not in moving:
+                fwd = problem.edge_forward.get(key)
+                moving[key] = fwd if fwd is not None and fwd.any() else None
+            if moving[key] is not None:
+                self.edge_extra[key] = self.edge_extra.get(key, 0.0) + moving[key]
 
     def activation_bytes(self, choice: dict) -> float:
         """Activation bytes per device of a choice under these modes."""
@@ -167,6 +175,12 @@ class ModeCosts:
         """Seconds per step of the forward the recomputed layers run again."""
         return float(sum(arr[choice[rep]] for rep, arr in self.extra.items()) +
                      sum(m[choice[key.a], choice[key.b]] for key, m in self.edge_extra.items()))
+
+
+def mode_costs(problem, modes: dict) -> ModeCosts:
+    """ModeCosts(problem, modes), built once per problem and assignment (a plan's solves,
+    its overlap-aware re-solves and assemble all price the same one)."""
+    return problem.remembered("mode costs", tuple(sorted(modes.items())), lambda: ModeCosts(problem, modes))
 
 
 def beyond_linear(problem, choice: dict, costs: ModeCosts | None = None) -> tuple:
@@ -220,7 +234,7 @@ def recompute_record(problem, choice, predicted, forced):
     whole = tuple(pn.name for pn in problem.nodes if pn.name in kept
                   and problem.nodes[pn.rep].strategies[choice[pn.index]].comm)
     keeping = problem.kept_bytes(choice, problem.saved_entries())
-    added = ModeCosts(problem, modes).seconds(choice)
+    added = mode_costs(problem, modes).seconds(choice)
     note = ""
     if "selective" in modes.values():
         fused = any(pn.op in ALWAYS_KEPT for pn in problem.nodes if layer.get(pn.index) in modes)

@@ -17,7 +17,7 @@ from .plan import Collective, NodeChoice, Prediction
 from .forked import forked_map, worker_count
 from .precision import cast_for_trace, meta_inputs
 from .problem import Problem, reduce_problem
-from .recompute import MODES, ModeCosts, beyond_linear, check_mode, layer_slots
+from .recompute import MODES, ModeCosts, beyond_linear, check_mode, layer_slots, mode_costs
 from .solver import InfeasibleError, solve
 from .trace import trace
 
@@ -99,7 +99,7 @@ def solve_problem(problem: Problem, rule, budget, time_limit, minimise_memory=Fa
     if first.hidden_s <= 0.01 * first.step_s:
         return best
     modes = dict(best[0].modes) or None
-    costs = ModeCosts(problem, modes) if modes else None   # (the overlapped copies share what it reads)
+    costs = mode_costs(problem, modes) if modes else None   # (the overlapped copies share what it reads)
     try:
         # the proxy's own optimum with no budget first (exact eliminations, rarely an ILP):
         # when it fits, it is the second solve's answer.  When, overlap counted, it is not
@@ -157,17 +157,18 @@ def solve_summed(problem: Problem, rule, budget, time_limit, minimise_memory=Fal
     layer; None lets the solve choose per set of identical layers among MODES (all alike,
     or even and odd layers apart).  Recomputing only adds time, so the other modes are tried
     only when the budget binds: when the fastest plan with no budget at all does not fit.
-    Then each assignment's plans are bounded below (`_unbudgeted_bound`: its own optimum
-    with no budget, and a Lagrangian bound at the price of a byte where the plan keeping
-    every activation meets the budget; solves with no budget, exact eliminations that
-    rarely need an ILP, a fraction of a second where a budgeted solve takes seconds).  The
-    plan keeping every activation is solved under the budget while those bounds are
-    computed; then the assignments are solved in the order of their bounds, and those
-    whose bound is already no better than the best plan found are skipped.  The bounds,
-    and the solves of as many assignments as there are workers at a time, run in forked
-    processes (autopar/forked.py); each solve starts from what the plan keeping every
-    activation needed beyond the ILP's sum, so the plan returned is the same for any
-    number of workers."""
+    Then each assignment's plans are bounded below by a Lagrangian bound
+    (`_unbudgeted_bound`, `_bound_under`): the least of seconds + price x (bytes - cap)
+    over its plans, at the price of a byte where the plan keeping every activation meets
+    the budget, cap being what the assignment's solve leaves its ILP bytes (a solve with
+    no budget, exact eliminations that rarely need an ILP, a fraction of a second where a
+    budgeted solve takes seconds).  The plan keeping every activation is solved under the
+    budget while those bounds are computed; then the assignments are solved in the order
+    of their bounds, and those whose bound is already no better than the best plan found
+    are skipped.  The bounds, and the solves of as many assignments as there are workers
+    at a time, run in forked processes (autopar/forked.py); each solve starts from what
+    the plan keeping every activation needed beyond the ILP's sum, so the plan returned
+    is the same for any number of workers."""
     forced = check_mode(recompute)
     slots = layer_slots(problem)
     if not slots or forced == "none" or budget is None or minimise_memory:
@@ -191,30 +192,46 @@ def solve_summed(problem: Problem, rule, budget, time_limit, minimise_memory=Fal
             except InfeasibleError:
                 return None, 0.0
 
+        # the bounds price bytes where the solves will cap the ILP's sum: under the budget
+        # less what the fastest plan needs beyond that sum (where the budgeted solve starts)
+        cap = budget - seen["extra"] if seen["extra"] < budget else budget
+
         def bound_all():
-            price = _byte_price(problem, rule, budget, time_limit)
-            return [_unbudgeted_bound(problem, rule, periods, ModeCosts(problem, modes), time_limit, price)
+            price = _byte_price(problem, rule, cap, time_limit)
+            return [_unbudgeted_bound(problem, rule, periods, mode_costs(problem, modes), time_limit, price)
                     for modes, periods in tried]
 
-        (best, extra), pieces = forked_map(lambda task: task(), [keep_all, bound_all], workers)
+        # (this process computes the bounds: the assignments' costs it builds stay for the solves it forks next)
+        pieces, (best, extra) = forked_map(lambda task: task(), [bound_all, keep_all], workers)
         log.debug("no recompute: plan %s, with no budget %.6f", f"{best[1].objective:.6f}" if best else "none fits",
                   free[1].objective)
         if best is not None and best[1].objective <= free[1].objective * (1 + 1e-9):
             return best
         seen["extra"] = extra
-        bounds = [_bound_under(piece, budget, extra if best is not None else 0.0) for piece in pieces]
+        held = _state_bytes(problem, best[0]) if best is not None else None
+        bounds = [_bound_under(piece, budget, extra if best is not None else 0.0, held) for piece in pieces]
     else:
         bounds = [0.0] * len(tried)
     order = sorted(range(len(tried)), key=lambda k: (bounds[k], k))
     start = time.perf_counter()
     snapshot = dict(seen)   # every assignment's solve starts from here, whichever process runs it
 
-    def attempt(k):
+    def attempt(k) -> tuple:
+        """(its optimum with no budget, when that alone rules it out; the plan it finds)."""
         modes, periods = tried[k]
+        costs, reduced = mode_costs(problem, modes), {}
         try:
-            return _solve_modes(problem, rule, budget, time_limit, False, modes, periods, dict(snapshot))
+            if best is not None:
+                # its optimum with no budget first (a fraction of a second): no better than
+                # the best plan, the budgeted solve is skipped
+                red = reduced[max(periods)] = reduce_problem(problem, rule, max(periods), costs)
+                out = _priced_solve(red, 0.0, time_limit)[0].bound
+                if out >= best[1].objective * (1 - 1e-9):
+                    return out, None
+            return None, _solve_modes(problem, rule, budget, time_limit, False, modes, periods, dict(snapshot),
+                                      costs=costs, reduced=reduced)
         except InfeasibleError:
-            return None
+            return None, None
 
     def improves(k) -> bool:
         return best is None or bounds[k] < best[1].objective * (1 - 1e-9)
@@ -222,13 +239,14 @@ def solve_summed(problem: Problem, rule, budget, time_limit, minimise_memory=Fal
     done = 0
     while done < len(order) and improves(order[done]):
         batch = [k for k in order[done:done + workers] if improves(k)]
-        for k, found in zip(batch, forked_map(attempt, batch, workers)):
+        for k, (out, found) in zip(batch, forked_map(attempt, batch, workers)):
             if found is not None and (best is None or found[1].objective < best[1].objective * (1 - 1e-9)):
                 best = found
             modes = tried[k][0]
             log.info("recompute assignment %d of %d (%s on even/odd layers): bound %.6f, plan %s; best %s, %.1fs",
                      order.index(k) + 1, len(tried), "/".join(dict.fromkeys(modes[p] for p in sorted(modes)[:2])),
-                     bounds[k], f"{found[1].objective:.6f}" if found else "none fits",
+                     bounds[k], f"{found[1].objective:.6f}" if found else
+                     (f"not solved, its optimum with no budget is {out:.6f}" if out is not None else "none fits"),
                      f"{best[1].objective:.6f}" if best else "none", time.perf_counter() - start)
         done += workers
     if done < len(order):
@@ -240,11 +258,11 @@ def solve_summed(problem: Problem, rule, budget, time_limit, minimise_memory=Fal
 
 
 def _byte_price(problem: Problem, rule, budget, time_limit) -> float:
-    """The seconds a byte is worth where the budget binds on the plan keeping every
-    activation: the Lagrange multiplier that maximises min over plans of (seconds +
-    price * (bytes - budget)), found by cutting planes (each solve with no budget gives
-    a plan, a line in the price; the next price is where the nearest lines over and under
-    the budget cross) over a few solves with no budget."""
+    """The seconds a byte is worth where `budget` binds on the ILP's sum of the plan
+    keeping every activation: the Lagrange multiplier that maximises min over plans of
+    (seconds + price * (bytes - budget)), found by cutting planes (each solve with no
+    budget gives a plan, a line in the price; the next price is where the nearest lines
+    over and under the budget cross) over a few solves with no budget."""
     red = reduce_problem(problem, rule, 2)
     seen: dict = {}
 
@@ -279,21 +297,20 @@ def _byte_price(problem: Problem, rule, budget, time_limit) -> float:
     return max(seen, key=lambda p: seen[p][0] + p * (seen[p][1] - budget))
 
 
-def _unbudgeted_bound(problem: Problem, rule, periods, costs: ModeCosts, time_limit, price: float = 0.0) -> tuple:
+def _unbudgeted_bound(problem: Problem, rule, periods, costs: ModeCosts, time_limit, price: float) -> tuple:
     """What a lower bound on the ILP objective of any plan under a recompute assignment
     needs (see _bound_under), over the finest period of `periods` (alternating layers
-    admit every plan of identical ones): (the best plan's seconds with no budget, and at
-    `price` per byte (price > 0) that plan's seconds + price * bytes and its bytes).  Both
-    are solves with no budget (exact eliminations, rarely an ILP).  None: no plan."""
+    admit every plan of identical ones): (the least of seconds + price * bytes over its
+    plans, with no budget; `price`; the bytes of the plan that reaches it; and the
+    activation bytes the assignment keeps, per representative node and strategy,
+    ModeCosts.activations).  A solve with no budget (exact eliminations, rarely an ILP).
+    None: no plan."""
     red = reduce_problem(problem, rule, max(periods), costs)
     try:
-        out = _priced_solve(red, 0.0, time_limit)[0].bound
-        if price <= 0:
-            return out, None
         sol, mem = _priced_solve(red, price, time_limit)
-        return out, (sol.bound, price, mem)
     except InfeasibleError:
         return None
+    return sol.bound, price, mem, costs.activations
 
 
 def _priced_solve(red, price: float, time_limit) -> tuple:
@@ -312,19 +329,34 @@ def _ilp_bytes(red, choice) -> float:
     return float(sum(red.memory[i][c] for i, c in enumerate(choice)))
 
 
-def _bound_under(piece, budget, reserve) -> float:
+def _state_bytes(problem: Problem, choice) -> tuple:
+    """(a plan, its ILP bytes less its activations: what a recompute assignment leaves alike)."""
+    return choice, sum(float(sum(c.memory.values()) - c.memory["activations"])
+                       for c in (problem.choices[pn.rep][choice[pn.index]] for pn in problem.nodes))
+
+
+def _bound_under(piece, budget, reserve, held=None) -> float:
     """The lower bound from _unbudgeted_bound's pieces under `budget`, for a solve whose
-    working-memory reserve starts at `reserve`: its plan's ILP bytes stay under budget -
-    reserve when some plan does (the priced plan is one: the solve then never falls back
-    to a smaller reserve), so the Lagrangian term is taken there; else under the budget."""
+    working-memory reserve starts at `reserve`.  When some plan of the assignment has ILP
+    bytes under budget - reserve, the solve's first try finds one and it never falls back
+    to a smaller reserve, so every plan it returns stays under budget - reserve and the
+    Lagrangian term is taken there; else under the budget.  Two such witnesses are known:
+    the priced plan, and `held` ((a plan, its ILP bytes less activations) from
+    _state_bytes: the plan keeping every activation found under the budget), whose bytes
+    under the assignment are those plus the activations the assignment keeps of it (the
+    same strategies; a margin of 1e-6 of the budget covers the ILP's rounding up)."""
     if piece is None:
         return float("inf")
-    out, priced = piece
-    if priced is None:
-        return out
-    value, price, mem = priced
-    cap = budget - reserve if mem <= budget - reserve else budget
-    return max(out, value - price * cap)
+    value, price, mem, activations = piece
+    cap = budget
+    if mem <= budget - reserve:
+        cap = budget - reserve
+    elif held is not None and reserve > 0:
+        choice, states = held
+        kept = sum(float(arr[choice[rep]]) for rep, arr in activations.items())
+        if states + kept <= budget - reserve - 1e-6 * budget:
+            cap = budget - reserve
+    return value - price * cap
 
 
 def _expand(problem: Problem, red, sol, modes) -> Assignment:
@@ -365,7 +397,7 @@ def _solve_modes(problem: Problem, rule, budget, time_limit, minimise_memory, mo
     much), so later calls start there rather than at zero; a start too high for any plan
     falls back to zero."""
     if costs is None and modes:
-        costs = ModeCosts(problem, modes)
+        costs = mode_costs(problem, modes)
     reduced = {} if reduced is None else reduced   # period -> reduce_problem(problem, rule, period, costs)
     seen = {} if seen is None else seen
     start = reserve = max(0.0, seen.get("extra", 0.0))
@@ -527,7 +559,7 @@ def assemble(problem: Problem, choice: dict):
                                      s.name, tuple(s.split), tuple(s.inputs), tuple(s.outputs), tuple(s.grads),
                                      c.compute, sum(c.comm) + edge_comm, sum(c.memory.values()), tuple(s.reduced))
     modes = getattr(choice, "modes", None)
-    costs = ModeCosts(problem, modes) if modes else None
+    costs = mode_costs(problem, modes) if modes else None
     if costs is not None:  # recomputed layers: their forward run again
         compute += costs.seconds(choice)
     memory["activations"], memory["working"], _ = beyond_linear(problem, choice, costs)

@@ -10,8 +10,9 @@ import pytest
 import autopar
 from autopar.models import build
 from autopar.plan import Plan
-from autopar.recompute import layer_slots
-from autopar.solution import _solve_modes, build_problem, mode_assignments, solve_summed
+from autopar.recompute import layer_slots, mode_costs
+from autopar.solution import (_bound_under, _byte_price, _solve_modes, _state_bytes, _unbudgeted_bound, build_problem,
+                              mode_assignments, solve_summed)
 from rc_cases import losses_and_params, saved_bytes
 from rt_cases import build_case, check_mixed_precision, mixed_precision_vs_reference, train_and_compare
 
@@ -246,3 +247,31 @@ def test_skipped_recompute_assignments_could_not_win(frac, monkeypatch):
         again = solve_summed(problem, None, budget, 60.0)
         assert (dict(again[0]), again[0].modes, again[1].objective) == (dict(chosen[0]), chosen[0].modes,
                                                                          chosen[1].objective)
+
+
+@pytest.mark.parametrize("frac", [0.9, 0.8])
+def test_recompute_bounds_hold_from_the_keep_everything_reserve(frac):
+    """Each assignment's Lagrangian bound, taken under budget - reserve where the plan
+    keeping every activation (or the priced plan) shows that some plan of the assignment
+    fits there, is no more than what the assignment's solve finds when it starts from that
+    reserve, as the search's solves do."""
+    model, example = build("llama3-8b", device="meta", batch=16, seq=2048, n_layers=4, dim=2048, n_heads=16)
+    mesh = autopar.Mesh((4, 2), ("dp", "tp"), device="h100")
+    problem = build_problem(model, mesh, example, None, autopar.MixedPrecision.of("bf16")).problem
+    need = solve_summed(problem, None, None, 60.0)[2]
+    budget = need * frac
+    seen: dict = {}
+    keep = _solve_modes(problem, None, budget, 60.0, False, None, seen=seen)
+    reserve = seen["extra"]
+    price = _byte_price(problem, None, budget - reserve, 60.0)
+    assert price > 0
+    held = _state_bytes(problem, keep[0])
+    by_witness = 0
+    for modes, periods in mode_assignments(problem, layer_slots(problem), None):
+        piece = _unbudgeted_bound(problem, None, periods, mode_costs(problem, modes), 60.0, price)
+        bound = _bound_under(piece, budget, reserve, held)
+        by_witness += bound > _bound_under(piece, budget, reserve)
+        found = _solve_modes(problem, None, budget, 60.0, False, modes, periods, {"extra": reserve})
+        assert bound <= found[1].objective * (1 + 1e-9), (modes, bound, found[1].objective)
+    if frac == 0.8:
+        assert by_witness, "the plan keeping every activation lowered no cap: the case does not test it"

@@ -56,6 +56,7 @@ class Problem:
         gpu = not self.mesh.device.name.lower().startswith("cpu")
         self.holdings: dict[int, list] = {}
         self.held_cache: dict = {}   # see held_array
+        self.derived: dict = {}      # see remembered (the overlapped copies share it)
         self.savers: dict = {}
         for pn in self.nodes:
             if pn.kind != "op" or not pn.requires_grad or pn.op in VIEWS:
@@ -120,6 +121,14 @@ class Problem:
         shapes += list(zip(pn.out_shapes, s.outputs))
         shape, p = max(shapes, key=lambda sp: math.prod(sp[0]) if sp[0] else 1)
         return nbytes * C.local_numel(shape, p, mesh.shape) / max(1, math.prod(shape) if shape else 1)
+
+    def remembered(self, kind: str, key, make):
+        """make(), computed once per problem and (kind, key): what planning derives from a
+        problem and asks for again (a recompute assignment's costs, an edge's collectives)."""
+        table = self.derived.setdefault(kind, {})
+        if key not in table:
+            table[key] = make()
+        return table[key]
 
     def held_array(self, pn: PNode, item) -> np.ndarray:
         """held_bytes of one holding under each of pn's representative's strategies, kept
@@ -350,7 +359,11 @@ class Problem:
 
     def edge_steps(self, e: EdgeKey, i: int, j: int):
         """Forward and backward collectives on edge `e` (between representatives) when its
-        ends take choices i (of e.a) and j (of e.b)."""
+        ends take choices i (of e.a) and j (of e.b); remembered per problem (assemble asks
+        for the same few pairs on every layer, and once per plan it compares)."""
+        return self.remembered("edge steps", (e, i, j), lambda: self._edge_steps(e, i, j))
+
+    def _edge_steps(self, e: EdgeKey, i: int, j: int):
         a, b = self.nodes[e.a], self.nodes[e.b]
         if e.kind == "grad_in":   # consumer a's gradient joins the sum b
             g = a.strategies[i].grads[e.operand]
