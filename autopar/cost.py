@@ -243,17 +243,44 @@ class OpWork:
     bwd_flops: float
 
 
+_FLOPS: dict = {}   # (op, its arguments' shapes and values, needs_grad) -> OpWork
+
+
 def measure_flops(node, needs_grad=None) -> OpWork:
-    """Run the node's op on meta tensors of its global shapes under the FLOP counter.
+    """Run the node's op on meta tensors of its global shapes under the FLOP counter, once
+    per op, argument shapes and values (a model's layers, and the pipeline search's
+    sub-meshes of one microbatch size, repeat them).
 
     needs_grad: per tensor operand (in `tensor_args` order), whether its gradient is wanted;
     backward FLOPs count only those (a first layer computes no gradient of its input)."""
-    from torch.utils.flop_counter import FlopCounterMode
-    from torch.utils import _pytree as pytree
     import torch.fx as fx
 
     if not isinstance(node.target, torch._ops.OpOverload):
         return OpWork(0.0, 0.0)
+
+    def described(a):
+        if isinstance(a, fx.Node):
+            v = a.meta.get("val")
+            return ("T", tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else ("V", repr(v))
+        if isinstance(a, (list, tuple)):
+            return tuple(described(x) for x in a)
+        if isinstance(a, dict):
+            return tuple((k, described(x)) for k, x in a.items())
+        return a if isinstance(a, (int, float, bool, str, type(None), torch.dtype)) else repr(a)
+
+    key = (node.target, described((node.args, node.kwargs)), None if needs_grad is None else tuple(needs_grad))
+    if key not in _FLOPS:
+        if len(_FLOPS) > 100_000:
+            _FLOPS.clear()
+        _FLOPS[key] = _count_flops(node, needs_grad)
+    return _FLOPS[key]
+
+
+def _count_flops(node, needs_grad) -> OpWork:
+    from torch.utils.flop_counter import FlopCounterMode
+    from torch.utils import _pytree as pytree
+    import torch.fx as fx
+
     wants_grad = []
     needs = iter(needs_grad) if needs_grad is not None else None
 

@@ -47,16 +47,20 @@ def build_problem(model, mesh, args, kwargs, mixed_precision=None, grouped_gathe
     Repeated layers are traced three of them and written out (autopar/unroll.py): the same
     graph the runtime traces, checked by its signature when the plan is compiled."""
     start = time.perf_counter()
-    if mixed_precision is not None:
-        args, kwargs = meta_inputs((tuple(args), kwargs))
-        traced = trace(cast_for_trace(model, mixed_precision.param_dtype), args, kwargs, unroll=True, shared=True)
-    else:
-        traced = trace(model, tuple(args), kwargs, unroll=True, shared=True)
+    traced = planning_trace(model, args, kwargs, mixed_precision)
     t_trace = time.perf_counter() - start
     problem = Problem(traced, mesh, mixed_precision, grouped_gathers)
     t_build = time.perf_counter() - start - t_trace
     log.info("built strategy menus and costs in %.2fs", t_build)
     return Built(problem, t_trace, t_build)
+
+
+def planning_trace(model, args, kwargs, mixed_precision=None):
+    """The trace build_problem plans (cached per model and input shapes: autopar.trace)."""
+    if mixed_precision is not None:
+        args, kwargs = meta_inputs((tuple(args), kwargs))
+        return trace(cast_for_trace(model, mixed_precision.param_dtype), args, kwargs, unroll=True, shared=True)
+    return trace(model, tuple(args), kwargs, unroll=True, shared=True)
 
 
 def solve_unbudgeted(built: Built, time_limit: float, summed: bool = False) -> tuple:

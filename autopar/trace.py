@@ -21,7 +21,8 @@ import torch.fx as fx
 from .attention import window_attention, window_mask
 from .experts import experts_as_op
 from .fused import Parts, as_linear, split_fused
-from .unroll import cut_to_three, plain_attributes, repeated_layers
+from .rebatch import rebatched
+from .unroll import cut_to_three, plain_attributes, planning_module, repeated_layers
 from .unroll import unroll as unroll_graph
 
 log = logging.getLogger("autopar")
@@ -134,10 +135,48 @@ def _trace_cached(model, example_inputs, example_kwargs, cache: bool, unroll: bo
     for k in (key, key + UNROLLED if unroll and key else None):  # a full trace serves an unrolled one too
         if k is not None and k in _CACHE:
             return _CACHE[k] if shared else _CACHE[k].copy()
-    traced = _trace(model, example_inputs, example_kwargs, unroll)
+    family = _batch_family(model, example_inputs, example_kwargs or {}) if unroll and key is not None else None
+    traced = _rebatched(family) if family is not None else None
+    if traced is None:
+        traced = _trace(model, example_inputs, example_kwargs, unroll)
+        if family is not None:
+            _BATCHES.setdefault(family[0], {})[family[1]] = key + UNROLLED
     if key is not None:
         _CACHE[key + UNROLLED if unroll else key] = traced
         return traced if shared else traced.copy()
+    return traced
+
+
+_BATCHES: dict = {}   # a model's fingerprint with its batch left out -> {batch: cache key of its exported trace}
+
+
+def _batch_family(model, example_inputs, example_kwargs) -> tuple | None:
+    """(the fingerprint of model and inputs with the inputs' leading dim left out, that
+    dim) when every tensor input has one and they agree; else None."""
+    flat = torch.utils._pytree.tree_leaves((tuple(example_inputs), example_kwargs))
+    sizes = {x.shape[0] for x in flat if isinstance(x, torch.Tensor) and x.dim() > 0}
+    if len(sizes) != 1:
+        return None
+    batch = sizes.pop()
+    rows = torch.utils._pytree.tree_map(
+        lambda x: x.new_empty((0, *x.shape[1:])) if isinstance(x, torch.Tensor) and x.dim() > 0 else x,
+        (tuple(example_inputs), example_kwargs))
+    return _fingerprint(model, rows[0], rows[1]), batch
+
+
+def _rebatched(family) -> Traced | None:
+    """The planning trace at family's batch written from two exported traces of the same
+    model at other batches (autopar/rebatch.py), when two are cached; else None."""
+    fingerprint, batch = family
+    known = [(b, k) for b, k in _BATCHES.get(fingerprint, {}).items() if k in _CACHE and b != batch][:2]
+    if len(known) < 2:
+        return None
+    start = time.perf_counter()
+    (a, key_a), (b, key_b) = known
+    traced = rebatched(_CACHE[key_a], _CACHE[key_b], (a, b), batch)
+    if traced is not None:
+        log.info("traced at %d rows in %.2fs: written from the traces at %d and %d rows (autopar/rebatch.py)",
+                 batch, time.perf_counter() - start, a, b)
     return traced
 
 
@@ -254,7 +293,7 @@ def _trace(model: torch.nn.Module | fx.GraphModule, example_inputs: tuple, examp
         gm = fx.GraphModule(ep.graph_module, ep.graph_module.graph)
     else:
         params, buffers = written.params, written.buffers
-        gm = fx.GraphModule(ep.graph_module, written.graph)
+        gm = planning_module(ep.graph_module, written.graph)
     sig = ep.graph_signature
     log.info("traced %s in %.2fs: %d nodes%s", type(model).__name__, time.perf_counter() - start,
              len(gm.graph.nodes), f" (3 of its {found.count} layers exported)" if written is not None else "")

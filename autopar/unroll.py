@@ -35,9 +35,21 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+try:   # (a GraphModule that writes its Python code when first run or printed)
+    from torch.fx._lazy_graph_module import _LazyGraphModule as _PlanningModule
+except ImportError:   # pragma: no cover - older torch
+    _PlanningModule = fx.GraphModule
+
 MIN_LAYERS = 6     # below this a full export is cheap enough
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
 _NUMBERED = re.compile(r"^(.*)_(\d+)$")
+
+
+def planning_module(root: torch.nn.Module, graph: fx.Graph) -> fx.GraphModule:
+    """fx.GraphModule(root, graph), its Python code written only when it is run or read:
+    planning reads a written graph and never runs it, and writing the code of a
+    9,000-node graph takes about half a second."""
+    return _PlanningModule(root, graph)
 
 
 def module_path(node: fx.Node) -> str:

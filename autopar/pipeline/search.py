@@ -42,7 +42,7 @@ from ..cost import local_numel, send_time
 from ..forked import forked_map, worker_count
 from ..mesh import Mesh, parse_bytes
 from ..recompute import MODES, ModeCosts, kept_by_selective, layer_paths
-from ..solution import Built, assemble, build_problem, solve_unbudgeted
+from ..solution import Built, assemble, build_problem, planning_trace, solve_unbudgeted
 from ..solver import InfeasibleError
 from .simulate import simulate
 
@@ -198,8 +198,17 @@ def search(model, mesh, example_inputs, example_kwargs=None, *, memory_budget=No
             if batch % fixed.microbatches:
                 raise ValueError(f"Pipeline(microbatches={fixed.microbatches}) does not divide the batch of {batch}")
             microbatches = [fixed.microbatches]
+    first = _stage_axes(mesh) if fixed is None or fixed.axis is None else tuple(range(mesh.ndim))
+    whole = (tuple(mesh.shape), batch)
+    # the whole batch on the whole mesh (this process: the planner plans it again) and the
+    # candidates over the stage axes, costed side by side; the whole batch traced first,
+    # so that each process exports one microbatch size and writes the others from the two
+    # (autopar/rebatch.py)
+    planning_trace(model, example_inputs, example_kwargs or {}, mixed_precision)
+    _cost_in_parallel([whole] + [k for k in _candidate_keys(mesh, batch, first, fixed, microbatches) if k != whole],
+                      workers, costs_for, cost_cache)
     # no pipeline: the plain plan of the whole batch
-    base = costs_for(mesh.shape, batch)
+    base = costs_for(*whole)
     none = None
     for mode, (layers, prefix, suffix) in (base[0].items() if base is not None else ()):
         members = [prefix, *layers, suffix]
@@ -216,12 +225,8 @@ def search(model, mesh, example_inputs, example_kwargs=None, *, memory_budget=No
 
     def search_axes(axes):
         """Cost and evaluate every candidate that cuts one of `axes`."""
-        todo = [(axis, p, n_mb) for axis, size in enumerate(mesh.shape) if axis in axes
-                for p in (d for d in range(2, size + 1) if size % d == 0)
-                if fixed is None or fixed.allows(mesh.axis_names[axis], p, None, None, None)
-                for n_mb in _microbatch_counts(batch, p, microbatches)]
-        keys = list(dict.fromkeys((tuple(s // p if a == axis else s for a, s in enumerate(mesh.shape)),
-                                   batch // n_mb) for axis, p, n_mb in todo))
+        todo = _candidates(mesh, batch, axes, fixed, microbatches)
+        keys = _candidate_keys(mesh, batch, axes, fixed, microbatches)
         _cost_in_parallel([k for k in keys if k not in cost_cache], workers, costs_for, cost_cache)
         for done, (axis, p, n_mb) in enumerate(todo, 1):
             sub_shape = tuple(s // p if a == axis else s for a, s in enumerate(mesh.shape))
@@ -251,7 +256,6 @@ def search(model, mesh, example_inputs, example_kwargs=None, *, memory_budget=No
             keep_best_problem()
             _progress(done, len(todo), mesh.axis_names[axis], p, n_mb, results, start)
 
-    first = _stage_axes(mesh) if fixed is None or fixed.axis is None else tuple(range(mesh.ndim))
     for axes in (first, tuple(a for a in range(mesh.ndim) if a not in first)):
         if not axes or any(c.axis is not None for c in results):
             break   # (the other axes only when no layout over the stage axes fits)
@@ -292,11 +296,28 @@ def _stage_axes(mesh) -> tuple:
     return across or tuple(range(mesh.ndim))
 
 
+def _candidates(mesh, batch, axes, fixed, microbatches) -> list:
+    """(axis, groups p, microbatches) of every candidate that cuts one of `axes`."""
+    return [(axis, p, n_mb) for axis, size in enumerate(mesh.shape) if axis in axes
+            for p in (d for d in range(2, size + 1) if size % d == 0)
+            if fixed is None or fixed.allows(mesh.axis_names[axis], p, None, None, None)
+            for n_mb in _microbatch_counts(batch, p, microbatches)]
+
+
+def _candidate_keys(mesh, batch, axes, fixed, microbatches) -> list:
+    """(sub-mesh shape, microbatch rows) each candidate over `axes` is costed at, once each."""
+    return list(dict.fromkeys((tuple(s // p if a == axis else s for a, s in enumerate(mesh.shape)), batch // n_mb)
+                              for axis, p, n_mb in _candidates(mesh, batch, axes, fixed, microbatches)))
+
+
 def _cost_in_parallel(keys, workers, costs_for, cost_cache: dict) -> None:
-    """Cost the candidates of `keys` into cost_cache with `costs_for`, one task per
-    microbatch size (its candidates share one trace), in forked processes
-    (autopar/forked.py); this process keeps the problems of its own share.  Nothing here
-    (the search's loop costs them in turn) with one worker or one task."""
+    """Cost the candidates of `keys` into cost_cache with `costs_for`, in forked processes
+    (autopar/forked.py).  The keys of one microbatch size share a trace and go together;
+    the first group stays in this process, the others are dealt largest first, each to
+    the least loaded process (a group weighs one per key, plus 0.8 for the one size each
+    process exports and 0.1 for the sizes it writes from two traces), so that the
+    processes finish together.  This process keeps the problems of its own share.
+    Nothing here (the search's loop costs them in turn) with one worker or one group."""
     tasks: dict = {}
     for key in keys:
         tasks.setdefault(key[1], []).append(key)
@@ -304,8 +325,14 @@ def _cost_in_parallel(keys, workers, costs_for, cost_cache: dict) -> None:
     lanes = min(worker_count(workers), len(groups))
     if lanes < 2:
         return
+    shares, loads = [[groups[0]]] + [[] for _ in range(lanes - 1)], [float(len(groups[0]))] + [0.0] * (lanes - 1)
+    for group in sorted(groups[1:], key=lambda g: -len(g)):
+        lane = loads.index(min(loads))
+        exported = len(shares[lane]) > (lane == 0)   # (this process's first group is the whole batch)
+        loads[lane] += len(group) + (0.1 if exported else 0.8)
+        shares[lane].append(group)
     start = time.perf_counter()
-    for got in forked_map(lambda group: {key: costs_for(*key) for key in group}, groups, lanes):
+    for got in forked_map(lambda share: {key: costs_for(*key) for group in share for key in group}, shares, lanes):
         cost_cache.update(got)   # (this process's share is cached already)
     log.info("pipeline search: %d candidate sub-problems costed by this process and %d workers in %.1fs",
              len(keys), lanes - 1, time.perf_counter() - start)

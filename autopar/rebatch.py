@@ -1,0 +1,113 @@
+"""The traced graph at another batch size, written from two traces of the same model.
+
+The pipeline search plans one microbatch per candidate, and each microbatch size is a
+trace: torch.export runs the model again though only the sizes change.  Two traces of one
+model at batches a and b show which numbers depend on the batch: a dimension, stride or
+integer argument equal in both does not; one that differs is taken as proportional to
+the batch (x_b * a == x_a * b, else nothing is written) and is scaled to the batch asked
+for (an integer there, else nothing is written).  The two graphs must match node for node
+(op, name, target, argument structure), and the tensors the forward creates must not
+depend on the batch.  Planning traces only (autopar.trace.trace with unroll=True): the
+runtime always exports its own graph, and a plan records the signature of the graph it
+planned (autopar.trace.graph_signature), which the runtime checks.  Tests compare written
+graphs with exported ones, shapes, strides and arguments, on several model families.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from .unroll import planning_module
+
+
+class _Differs(Exception):
+    """The two traces differ in a way a batch size does not explain."""
+
+
+def rebatched(first, second, batches: tuple, batch: int):
+    """A Traced (autopar.trace) equal to the trace at `batch` rows, written from `first` and
+    `second`, the traces at batches[0] and batches[1] rows; None when the two do not show
+    how the graph depends on the batch (see the module docstring)."""
+    a, b = batches
+    if a == b or batch < 1:
+        return None
+    nodes_a, nodes_b = list(first.graph.graph.nodes), list(second.graph.graph.nodes)
+    if len(nodes_a) != len(nodes_b) or first.params != second.params or first.buffers != second.buffers:
+        return None
+    if not _same_constants(first.constants, second.constants):
+        return None
+    graph = fx.Graph()
+    scale = _Scale(a, b, batch, {})
+    try:
+        for x, y in zip(nodes_a, nodes_b):
+            if (x.op, x.name, str(x.target)) != (y.op, y.name, str(y.target)):
+                raise _Differs(x.name)
+            node = graph.create_node(x.op, x.target, scale.value(x.args, y.args), scale.value(x.kwargs, y.kwargs),
+                                     x.name, x.type)
+            node.meta = dict(x.meta)
+            node.meta.pop("tensor_meta", None)
+            if "val" in x.meta:
+                node.meta["val"] = scale.value(x.meta["val"], y.meta.get("val"))
+            scale.nodes[x] = node
+    except _Differs:
+        return None
+    gm = planning_module(first.graph, graph)
+    return type(first)(gm, dict(first.params), dict(first.buffers), list(first.user_inputs), dict(first.tied),
+                       first.in_spec, first.out_spec, dict(first.constants), first.parts)
+
+
+def _same_constants(x: dict, y: dict) -> bool:
+    return x.keys() == y.keys() and all(tuple(x[k].shape) == tuple(y[k].shape) for k in x)
+
+
+class _Scale:
+    """Values of the trace at `a` rows (and their counterparts at `b` rows) at `batch` rows;
+    `nodes`: the first trace's nodes -> the written graph's."""
+
+    def __init__(self, a: int, b: int, batch: int, nodes: dict):
+        self.a, self.b, self.batch, self.nodes = a, b, batch, nodes
+
+    def number(self, x: int, y: int) -> int:
+        if x == y:
+            return x
+        if x * self.b != y * self.a or (x * self.batch) % self.a:
+            raise _Differs(f"{x} at {self.a} rows, {y} at {self.b}")
+        return x * self.batch // self.a
+
+    def value(self, x, y):
+        if isinstance(x, fx.Node):
+            if not isinstance(y, fx.Node) or x.name != y.name:
+                raise _Differs(x.name)
+            return self.nodes[x]
+        if isinstance(x, bool) or x is None or isinstance(x, (str, float, torch.dtype, torch.device, torch.layout,
+                                                               torch.memory_format)):
+            if x != y or type(x) is not type(y):
+                raise _Differs(repr(x))
+            return x
+        if isinstance(x, int):
+            if type(y) is not int:
+                raise _Differs(repr(x))
+            return self.number(x, y)
+        if isinstance(x, torch.Tensor):
+            if not isinstance(y, torch.Tensor) or x.dim() != y.dim() or x.dtype != y.dtype:
+                raise _Differs("tensor")
+            shape = [self.number(p, q) for p, q in zip(x.shape, y.shape)]
+            stride = [self.number(p, q) for p, q in zip(x.stride(), y.stride())]
+            if shape == list(x.shape) and stride == list(x.stride()):
+                return x   # (shared with the first trace: planning only reads them)
+            # a meta tensor (planning reads shapes, strides, dtypes and requires_grad; a fake
+            # tensor costs a hundred times more to make)
+            out = torch.empty_strided(shape, stride, dtype=x.dtype, device="meta")
+            return out.requires_grad_(True) if x.requires_grad else out
+        if isinstance(x, (list, tuple)):
+            if type(y) is not type(x) or len(x) != len(y):
+                raise _Differs("structure")
+            items = [self.value(p, q) for p, q in zip(x, y)]
+            return type(x)(*items) if hasattr(x, "_fields") else (tuple(items) if isinstance(x, tuple) else items)
+        if isinstance(x, dict):
+            if not isinstance(y, dict) or x.keys() != y.keys():
+                raise _Differs("structure")
+            return {k: self.value(x[k], y[k]) for k in x}
+        if x != y:
+            raise _Differs(repr(x))
+        return x
