@@ -182,6 +182,11 @@ def search(model, mesh, example_inputs, example_kwargs=None, *, memory_budget=No
             problems[key] = stage_problem(model, mesh, example_inputs, example_kwargs, mixed_precision, sub_shape,
                                           mb_size)
             cost_cache[key] = _layer_costs(problems[key], model, time_limit, modes)
+            if key == (tuple(mesh.shape), batch) and cost_cache[key] is not None:
+                # the plan without stages as the planner solves it with no budget (the
+                # overlap-aware second solve; Built.solved), while the other processes cost
+                # candidates: the planner takes it when it fits
+                solve_unbudgeted(problems[key], time_limit)
         return cost_cache[key]
 
     def keep_best_problem():
@@ -313,9 +318,10 @@ def _candidate_keys(mesh, batch, axes, fixed, microbatches) -> list:
 def _cost_in_parallel(keys, workers, costs_for, cost_cache: dict) -> None:
     """Cost the candidates of `keys` into cost_cache with `costs_for`, in forked processes
     (autopar/forked.py).  The keys of one microbatch size share a trace and go together;
-    the first group stays in this process, the others are dealt largest first, each to
-    the least loaded process (a group weighs one per key, plus 0.8 for the one size each
-    process exports and 0.1 for the sizes it writes from two traces), so that the
+    the first group (the whole batch, which is solved once more: 1.7 per key) stays in
+    this process, the others are dealt largest first, each to the least loaded process
+    (a group weighs one per key, plus 0.8 for the one size each process exports and 0.1
+    for the sizes it writes from two traces), so that the
     processes finish together.  This process keeps the problems of its own share.
     Nothing here (the search's loop costs them in turn) with one worker or one group."""
     tasks: dict = {}
@@ -325,7 +331,7 @@ def _cost_in_parallel(keys, workers, costs_for, cost_cache: dict) -> None:
     lanes = min(worker_count(workers), len(groups))
     if lanes < 2:
         return
-    shares, loads = [[groups[0]]] + [[] for _ in range(lanes - 1)], [float(len(groups[0]))] + [0.0] * (lanes - 1)
+    shares, loads = [[groups[0]]] + [[] for _ in range(lanes - 1)], [1.7 * len(groups[0])] + [0.0] * (lanes - 1)
     for group in sorted(groups[1:], key=lambda g: -len(g)):
         lane = loads.index(min(loads))
         exported = len(shares[lane]) > (lane == 0)   # (this process's first group is the whole batch)
