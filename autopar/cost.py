@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
+import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from . import collectives
@@ -243,32 +244,37 @@ class OpWork:
     bwd_flops: float
 
 
-_FLOPS: dict = {}   # (op, its arguments' shapes and values, needs_grad) -> OpWork
+_FLOPS: dict = {}   # (op, arg_signature of its arguments, needs_grad) -> OpWork
+
+
+def arg_signature(value):
+    """Arguments as a hashable description: tensors by (shape, stride, dtype)
+    (problem/saved.py probes ops by it, measure_flops remembers counts by it)."""
+    if isinstance(value, fx.Node):
+        val = value.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            return ("T", tuple(val.shape), tuple(val.stride()), val.dtype)
+        return ("V", val if isinstance(val, (int, float, bool, type(None))) else repr(val))
+    if isinstance(value, (list, tuple)):
+        return type(value).__name__, tuple(arg_signature(v) for v in value)
+    if isinstance(value, dict):
+        return "dict", tuple((k, arg_signature(v)) for k, v in value.items())
+    if isinstance(value, torch.device):
+        return ("C", "meta")   # run where its operands are (a move to the device is a no-op there)
+    return ("C", value if isinstance(value, (int, float, bool, str, type(None), torch.dtype, torch.layout,
+                                             torch.memory_format)) else repr(value))
 
 
 def measure_flops(node, needs_grad=None) -> OpWork:
     """Run the node's op on meta tensors of its global shapes under the FLOP counter, once
-    per op, argument shapes and values (a model's layers, and the pipeline search's
+    per op, argument signature and needs_grad (a model's layers, and the pipeline search's
     sub-meshes of one microbatch size, repeat them).
 
     needs_grad: per tensor operand (in `tensor_args` order), whether its gradient is wanted;
     backward FLOPs count only those (a first layer computes no gradient of its input)."""
-    import torch.fx as fx
-
     if not isinstance(node.target, torch._ops.OpOverload):
         return OpWork(0.0, 0.0)
-
-    def described(a):
-        if isinstance(a, fx.Node):
-            v = a.meta.get("val")
-            return ("T", tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else ("V", repr(v))
-        if isinstance(a, (list, tuple)):
-            return tuple(described(x) for x in a)
-        if isinstance(a, dict):
-            return tuple((k, described(x)) for k, x in a.items())
-        return a if isinstance(a, (int, float, bool, str, type(None), torch.dtype)) else repr(a)
-
-    key = (node.target, described((node.args, node.kwargs)), None if needs_grad is None else tuple(needs_grad))
+    key = (node.target, arg_signature((node.args, node.kwargs)), None if needs_grad is None else tuple(needs_grad))
     if key not in _FLOPS:
         if len(_FLOPS) > 100_000:
             _FLOPS.clear()
@@ -279,7 +285,6 @@ def measure_flops(node, needs_grad=None) -> OpWork:
 def _count_flops(node, needs_grad) -> OpWork:
     from torch.utils.flop_counter import FlopCounterMode
     from torch.utils import _pytree as pytree
-    import torch.fx as fx
 
     wants_grad = []
     needs = iter(needs_grad) if needs_grad is not None else None

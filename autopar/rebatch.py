@@ -37,7 +37,7 @@ def rebatched(first, second, batches: tuple, batch: int):
     if not _same_constants(first.constants, second.constants):
         return None
     graph = fx.Graph()
-    scale = _Scale(a, b, batch, {})
+    scale = _Scale(a, b, batch)
     try:
         for x, y in zip(nodes_a, nodes_b):
             if (x.op, x.name, str(x.target)) != (y.op, y.name, str(y.target)):
@@ -64,8 +64,9 @@ class _Scale:
     """Values of the trace at `a` rows (and their counterparts at `b` rows) at `batch` rows;
     `nodes`: the first trace's nodes -> the written graph's."""
 
-    def __init__(self, a: int, b: int, batch: int, nodes: dict):
-        self.a, self.b, self.batch, self.nodes = a, b, batch, nodes
+    def __init__(self, a: int, b: int, batch: int):
+        self.a, self.b, self.batch = a, b, batch
+        self.nodes: dict = {}
 
     def number(self, x: int, y: int) -> int:
         if x == y:

@@ -55,7 +55,6 @@ class Problem:
         counts its holders, so a storage several ops keep is charged once."""
         gpu = not self.mesh.device.name.lower().startswith("cpu")
         self.holdings: dict[int, list] = {}
-        self.held_cache: dict = {}   # see held_array
         self.derived: dict = {}      # see remembered (the overlapped copies share it)
         self.savers: dict = {}
         for pn in self.nodes:
@@ -133,12 +132,8 @@ class Problem:
     def held_array(self, pn: PNode, item) -> np.ndarray:
         """held_bytes of one holding under each of pn's representative's strategies, kept
         per (representative, holding's kind, index and bytes): identical layers hold alike."""
-        key = (pn.rep, *item[1:])
-        out = self.held_cache.get(key)
-        if out is None:
-            out = self.held_cache[key] = np.array([self.held_bytes(pn, s, item)
-                                                   for s in self.nodes[pn.rep].strategies])
-        return out
+        return self.remembered("held", (pn.rep, *item[1:]), lambda: np.array(
+            [self.held_bytes(pn, s, item) for s in self.nodes[pn.rep].strategies]))
 
     def saved_entries(self) -> list:
         """(node index, holding) of everything the ops keep when nothing is recomputed."""
@@ -349,13 +344,9 @@ class Problem:
         return target
 
     def _redistribute(self, shape, itemsize, src, dst):
-        """C.redistribute, remembered per problem (a cache on the method itself would keep
-        every problem ever built alive)."""
-        cache = self.__dict__.setdefault("_redistributions", {})
-        key = (shape, itemsize, src, dst)
-        if key not in cache:
-            cache[key] = C.redistribute(shape, itemsize, src, dst, self.mesh)
-        return cache[key]
+        """C.redistribute, remembered per problem."""
+        return self.remembered("redistribution", (shape, itemsize, src, dst),
+                               lambda: C.redistribute(shape, itemsize, src, dst, self.mesh))
 
     def edge_steps(self, e: EdgeKey, i: int, j: int):
         """Forward and backward collectives on edge `e` (between representatives) when its

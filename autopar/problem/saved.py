@@ -24,6 +24,7 @@ from typing import NamedTuple
 import torch
 import torch.fx as fx
 
+from ..cost import arg_signature
 from ..ops import op_name
 
 
@@ -56,28 +57,11 @@ def saved_by(node: fx.Node, requires_grad: list, gpu: bool) -> tuple | None:
             return ()   # the identity
         if isinstance(val, torch.Tensor):
             return (Saved("new", 0, val.numel() * (1 if gpu else val.element_size())),)
-    return _probe(node.target, _signature(node.args), _signature(node.kwargs), tuple(requires_grad))
-
-
-def _signature(value):
-    """Arguments as a hashable description: tensors by (shape, stride, dtype)."""
-    if isinstance(value, fx.Node):
-        val = value.meta.get("val")
-        if isinstance(val, torch.Tensor):
-            return ("T", tuple(val.shape), tuple(val.stride()), val.dtype)
-        return ("V", val if isinstance(val, (int, float, bool, type(None))) else repr(val))
-    if isinstance(value, (list, tuple)):
-        return type(value).__name__, tuple(_signature(v) for v in value)
-    if isinstance(value, dict):
-        return "dict", tuple((k, _signature(v)) for k, v in value.items())
-    if isinstance(value, torch.device):
-        return ("C", "meta")   # run where its operands are (a move to the device is a no-op there)
-    return ("C", value if isinstance(value, (int, float, bool, str, type(None), torch.dtype, torch.layout,
-                                             torch.memory_format)) else repr(value))
+    return _probe(node.target, arg_signature(node.args), arg_signature(node.kwargs), tuple(requires_grad))
 
 
 def _materialise(sig, tensors: list, requires_grad: tuple = ()):
-    """Arguments from their _signature: meta tensors of those shapes, strides and dtypes
+    """Arguments from their arg_signature: meta tensors of those shapes, strides and dtypes
     (appended to `tensors`; the k-th requires grad when requires_grad[k] says so)."""
     tag = sig[0]
     if tag == "T":
@@ -158,4 +142,4 @@ def is_alias(node: fx.Node) -> bool:
     schema = getattr(node.target, "_schema", None)
     if schema is None or not schema.returns or schema.returns[0].alias_info is None:
         return False   # its schema says it makes a new tensor
-    return _is_alias(node.target, _signature(node.args), _signature(node.kwargs))
+    return _is_alias(node.target, arg_signature(node.args), arg_signature(node.kwargs))
