@@ -11,8 +11,14 @@ depend on the batch.  Planning traces only (autopar.trace.trace with unroll=True
 runtime always exports its own graph, and a plan records the signature of the graph it
 planned (autopar.trace.graph_signature), which the runtime checks.  Tests compare written
 graphs with exported ones, shapes, strides and arguments, on several model families.
+
+The second trace is read only through its `Outline`: names, ops, arguments and tensor
+shapes, no graph and no tensors, so that a trace exported in another process (the pipeline
+search exports one beside the whole batch's) comes back cheaply pickled.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -24,30 +30,78 @@ class _Differs(Exception):
     """The two traces differ in a way a batch size does not explain."""
 
 
+@dataclass(frozen=True)
+class _Ref:
+    """A node an argument names (in an Outline)."""
+    name: str
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """A tensor's shape, strides and dtype (in an Outline)."""
+    shape: tuple
+    stride: tuple
+    dtype: torch.dtype
+
+
+@dataclass
+class Outline:
+    """What rebatched reads of its second trace, picklable: per node (op, name, target as
+    text, args, kwargs, meta "val"), nodes named by _Ref and tensors by _Shape; the
+    placeholders' parameter and buffer names, the created constants' shapes."""
+    nodes: list
+    params: dict
+    buffers: dict
+    constants: dict
+
+
+def outline(traced) -> Outline:
+    """The Outline of a Traced (autopar.trace)."""
+    return Outline([(n.op, n.name, str(n.target), _outlined(n.args), _outlined(n.kwargs),
+                     _outlined(n.meta.get("val"))) for n in traced.graph.graph.nodes],
+                   dict(traced.params), dict(traced.buffers),
+                   {k: tuple(v.shape) for k, v in traced.constants.items()})
+
+
+def _outlined(x):
+    if isinstance(x, fx.Node):
+        return _Ref(x.name)
+    if isinstance(x, torch.Tensor):
+        return _Shape(tuple(x.shape), tuple(x.stride()), x.dtype)
+    if isinstance(x, tuple):
+        return tuple(_outlined(v) for v in x)
+    if isinstance(x, list):
+        return [_outlined(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _outlined(v) for k, v in x.items()}
+    return x
+
+
 def rebatched(first, second, batches: tuple, batch: int):
     """A Traced (autopar.trace) equal to the trace at `batch` rows, written from `first` and
-    `second`, the traces at batches[0] and batches[1] rows; None when the two do not show
-    how the graph depends on the batch (see the module docstring)."""
+    `second` (a Traced or its Outline), the traces at batches[0] and batches[1] rows; None
+    when the two do not show how the graph depends on the batch (see the module docstring)."""
     a, b = batches
     if a == b or batch < 1:
         return None
-    nodes_a, nodes_b = list(first.graph.graph.nodes), list(second.graph.graph.nodes)
-    if len(nodes_a) != len(nodes_b) or first.params != second.params or first.buffers != second.buffers:
+    second = second if isinstance(second, Outline) else outline(second)
+    nodes_a = list(first.graph.graph.nodes)
+    if len(nodes_a) != len(second.nodes) or first.params != second.params or first.buffers != second.buffers:
         return None
-    if not _same_constants(first.constants, second.constants):
+    if {k: tuple(v.shape) for k, v in first.constants.items()} != second.constants:
         return None
     graph = fx.Graph()
     scale = _Scale(a, b, batch)
     try:
-        for x, y in zip(nodes_a, nodes_b):
-            if (x.op, x.name, str(x.target)) != (y.op, y.name, str(y.target)):
+        for x, (op, name, target, args, kwargs, val) in zip(nodes_a, second.nodes):
+            if (x.op, x.name, str(x.target)) != (op, name, target):
                 raise _Differs(x.name)
-            node = graph.create_node(x.op, x.target, scale.value(x.args, y.args), scale.value(x.kwargs, y.kwargs),
+            node = graph.create_node(x.op, x.target, scale.value(x.args, args), scale.value(x.kwargs, kwargs),
                                      x.name, x.type)
             node.meta = dict(x.meta)
             node.meta.pop("tensor_meta", None)
             if "val" in x.meta:
-                node.meta["val"] = scale.value(x.meta["val"], y.meta.get("val"))
+                node.meta["val"] = scale.value(x.meta["val"], val)
             scale.nodes[x] = node
     except _Differs:
         return None
@@ -56,13 +110,9 @@ def rebatched(first, second, batches: tuple, batch: int):
                        first.in_spec, first.out_spec, dict(first.constants), first.parts)
 
 
-def _same_constants(x: dict, y: dict) -> bool:
-    return x.keys() == y.keys() and all(tuple(x[k].shape) == tuple(y[k].shape) for k in x)
-
-
 class _Scale:
-    """Values of the trace at `a` rows (and their counterparts at `b` rows) at `batch` rows;
-    `nodes`: the first trace's nodes -> the written graph's."""
+    """Values of the trace at `a` rows (and their outlined counterparts at `b` rows) at
+    `batch` rows; `nodes`: the first trace's nodes -> the written graph's."""
 
     def __init__(self, a: int, b: int, batch: int):
         self.a, self.b, self.batch = a, b, batch
@@ -77,7 +127,7 @@ class _Scale:
 
     def value(self, x, y):
         if isinstance(x, fx.Node):
-            if not isinstance(y, fx.Node) or x.name != y.name:
+            if not isinstance(y, _Ref) or x.name != y.name:
                 raise _Differs(x.name)
             return self.nodes[x]
         if isinstance(x, bool) or x is None or isinstance(x, (str, float, torch.dtype, torch.device, torch.layout,
@@ -90,10 +140,10 @@ class _Scale:
                 raise _Differs(repr(x))
             return self.number(x, y)
         if isinstance(x, torch.Tensor):
-            if not isinstance(y, torch.Tensor) or x.dim() != y.dim() or x.dtype != y.dtype:
+            if not isinstance(y, _Shape) or x.dim() != len(y.shape) or x.dtype != y.dtype:
                 raise _Differs("tensor")
             shape = [self.number(p, q) for p, q in zip(x.shape, y.shape)]
-            stride = [self.number(p, q) for p, q in zip(x.stride(), y.stride())]
+            stride = [self.number(p, q) for p, q in zip(x.stride(), y.stride)]
             if shape == list(x.shape) and stride == list(x.stride()):
                 return x   # (shared with the first trace: planning only reads them)
             # a meta tensor (planning reads shapes, strides, dtypes and requires_grad; a fake
@@ -101,7 +151,7 @@ class _Scale:
             out = torch.empty_strided(shape, stride, dtype=x.dtype, device="meta")
             return out.requires_grad_(True) if x.requires_grad else out
         if isinstance(x, (list, tuple)):
-            if type(y) is not type(x) or len(x) != len(y):
+            if not isinstance(y, (list, tuple)) or isinstance(x, tuple) != isinstance(y, tuple) or len(x) != len(y):
                 raise _Differs("structure")
             items = [self.value(p, q) for p, q in zip(x, y)]
             return type(x)(*items) if hasattr(x, "_fields") else (tuple(items) if isinstance(x, tuple) else items)

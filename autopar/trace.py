@@ -21,7 +21,7 @@ import torch.fx as fx
 from .attention import window_attention, window_mask
 from .experts import experts_as_op
 from .fused import Parts, as_linear, split_fused
-from .rebatch import rebatched
+from .rebatch import outline, rebatched
 from .unroll import cut_to_three, plain_attributes, planning_module, repeated_layers
 from .unroll import unroll as unroll_graph
 
@@ -148,6 +148,7 @@ def _trace_cached(model, example_inputs, example_kwargs, cache: bool, unroll: bo
 
 
 _BATCHES: dict = {}   # a model's fingerprint with its batch left out -> {batch: cache key of its exported trace}
+_OUTLINES: dict = {}  # the same fingerprint -> {batch: rebatch.Outline}: of exports here, and of another process's
 
 
 def _batch_family(model, example_inputs, example_kwargs) -> tuple | None:
@@ -165,19 +166,50 @@ def _batch_family(model, example_inputs, example_kwargs) -> tuple | None:
 
 
 def _rebatched(family) -> Traced | None:
-    """The planning trace at family's batch written from two exported traces of the same
-    model at other batches (autopar/rebatch.py), when two are cached; else None."""
+    """The planning trace at family's batch written from two traces of the same model at
+    other batches (autopar/rebatch.py): an exported one cached here, and another cached here
+    or outlined by another process (adopt_outlines); else None."""
     fingerprint, batch = family
-    known = [(b, k) for b, k in _BATCHES.get(fingerprint, {}).items() if k in _CACHE and b != batch][:2]
-    if len(known) < 2:
+    full = [(b, k) for b, k in _BATCHES.get(fingerprint, {}).items() if k in _CACHE and b != batch]
+    if not full:
         return None
+    outlines = _OUTLINES.setdefault(fingerprint, {})
+    a, key_a = full[0]
+    others = [b for b, _ in full[1:]] + [b for b in outlines if b != a]   # (an outline at this batch serves)
+    if not others:
+        return None
+    b = others[0]
+    if b not in outlines:
+        outlines[b] = outline(_CACHE[_BATCHES[fingerprint][b]])
     start = time.perf_counter()
-    (a, key_a), (b, key_b) = known
-    traced = rebatched(_CACHE[key_a], _CACHE[key_b], (a, b), batch)
+    traced = rebatched(_CACHE[key_a], outlines[b], (a, b), batch)
     if traced is not None:
         log.info("traced at %d rows in %.2fs: written from the traces at %d and %d rows (autopar/rebatch.py)",
                  batch, time.perf_counter() - start, a, b)
     return traced
+
+
+def exported_outlines() -> dict:
+    """{fingerprint: {batch: Outline}} of the planning traces exported in this process, for
+    another process to write other batches from (adopt_outlines)."""
+    out: dict = {}
+    for fingerprint, keys in _BATCHES.items():
+        outlines = _OUTLINES.setdefault(fingerprint, {})
+        for b, key in keys.items():
+            if key in _CACHE:
+                if b not in outlines:
+                    outlines[b] = outline(_CACHE[key])
+                out.setdefault(fingerprint, {})[b] = outlines[b]
+    return out
+
+
+def adopt_outlines(found: dict) -> None:
+    """Take exported_outlines() of another process: traces at other batches are then written
+    from one exported here and one of those."""
+    for fingerprint, outlines in found.items():
+        mine = _OUTLINES.setdefault(fingerprint, {})
+        for b, o in outlines.items():
+            mine.setdefault(b, o)
 
 
 @contextlib.contextmanager

@@ -6,6 +6,7 @@ with it, is exported."""
 from __future__ import annotations
 
 import logging
+import pickle
 
 import hf_archs
 import pytest
@@ -13,8 +14,9 @@ import torch
 import torch.fx as fx
 
 from autopar.models import build
-from autopar.rebatch import rebatched
-from autopar.trace import graph_signature, trace
+from autopar.rebatch import outline, rebatched
+from autopar.forked import forked_map
+from autopar.trace import adopt_outlines, exported_outlines, graph_signature, trace
 
 LAYERS = 7   # (enough layers to be unrolled: the search's traces are)
 
@@ -50,6 +52,9 @@ def test_written_trace_is_the_export(family):
     assert graph_signature(written.graph) == graph_signature(export[4].graph)
     assert _facts(written) == _facts(export[4])
     assert written.params == export[4].params and written.user_inputs == export[4].user_inputs
+    # the second trace as another process sends it: its outline, pickled
+    sent = rebatched(export[8], pickle.loads(pickle.dumps(outline(export[2]))), (8, 2), 4)
+    assert sent is not None and _facts(sent) == _facts(export[4])
 
 
 def test_planning_traces_are_written_once_two_are_exported(caplog):
@@ -65,6 +70,24 @@ def test_planning_traces_are_written_once_two_are_exported(caplog):
     for b in (1, 6):
         assert _facts(trace(model, *at(b), unroll=True, shared=True)) == \
             _facts(trace(model, *at(b), cache=False, unroll=True))
+
+
+def test_a_trace_exported_in_another_process_serves_by_its_outline(caplog):
+    """As the pipeline search does: this process exports one batch while a forked one exports
+    another and sends its outlines back; a third batch is then written here from the two."""
+    model, at = _inputs("ours", seq=20)   # (a sequence length no other test traces)
+
+    def export(rows):
+        trace(model, *at(rows), unroll=True, shared=True)
+        return pickle.dumps(exported_outlines()) if rows == 2 else None
+
+    found = forked_map(export, [8, 2], 2)[1]
+    adopt_outlines(pickle.loads(found))
+    with caplog.at_level(logging.INFO, logger="autopar"):
+        written = trace(model, *at(4), unroll=True, shared=True)
+    assert any("traced at 4 rows" in r.getMessage() and "at 8 and 2 rows" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+    assert _facts(written) == _facts(trace(model, *at(4), cache=False, unroll=True))
 
 
 class _Padded(torch.nn.Module):
