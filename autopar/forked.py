@@ -3,12 +3,17 @@ inherit the traced graph, the costs and any closure (nothing is pickled but an i
 position and its result), so the pipeline search's candidates and the recompute
 assignments' ILPs run side by side.  The results come back in the items' order and do not
 depend on how many processes computed them: the callers merge them in that order.
+forked_lanes adds a pipe between each forked process and this one, for work that trades
+values while it runs (the pipeline search's traces: each process exports one batch size
+and sends the other its outline).
 """
 from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
 import sys
+import threading
 
 _TASK: tuple = ()   # (function, items) of the map in progress, set in the parent before the fork
 
@@ -47,3 +52,79 @@ def forked_map(fn, items, workers: int) -> list:
 def _run(k: int):
     fn, items = _TASK
     return fn(items[k])
+
+
+def forked_lanes(here, there, lanes: int) -> list:
+    """here(peers) in this process and there(k, peer) in lanes - 1 forked processes
+    (k = 1, 2, ...), all at once, each forked one joined to this one by a pipe: a Peer,
+    whose send and recv carry picklable values both ways while they work (peers: this
+    process's ends, by k - 1).  Returns [here's result, there(1)'s, ...].  An exception in
+    a forked process is raised here, at the next recv from it or at the end; one here stops
+    the forked processes."""
+    ctx = multiprocessing.get_context("fork")
+    procs, peers = [], []
+    done = False
+    try:
+        for k in range(1, lanes):
+            mine, theirs = ctx.Pipe()
+            proc = ctx.Process(target=_lane, args=(there, k, theirs), daemon=True)
+            proc.start()
+            theirs.close()
+            procs.append(proc)
+            peers.append(Peer(mine))
+        out = [here(peers)]
+        out.extend(peer.recv() for peer in peers)
+        done = True
+        return out
+    finally:
+        for proc in procs:
+            if not done:
+                proc.terminate()
+            proc.join()
+        for peer in peers:
+            peer.flush()
+
+
+class Peer:
+    """One end of a forked_lanes pipe.  send does not wait for the other end to read (a
+    thread writes), so two ends may send to each other at once."""
+
+    def __init__(self, conn):
+        self.conn = conn
+        self.sending = None
+
+    def send(self, value, kind: str = "value") -> None:
+        self.flush()   # (in order)
+        self.sending = threading.Thread(target=self.conn.send, args=((kind, value),), daemon=True)
+        self.sending.start()
+
+    def flush(self) -> None:
+        """Wait until what was sent is written."""
+        if self.sending is not None:
+            self.sending.join()
+            self.sending = None
+
+    def recv(self):
+        """The next value the other end sent; its exception, if it raised instead."""
+        try:
+            kind, value = self.conn.recv()
+        except EOFError:
+            raise RuntimeError("a forked planning process ended without an answer (killed, or out of memory?)") \
+                from None
+        if kind == "error":
+            raise value
+        return value
+
+
+def _lane(there, k, conn) -> None:
+    peer = Peer(conn)
+    try:
+        result = there(k, peer)
+        peer.send(result)
+    except BaseException as exc:   # (raised in the process that forked this one)
+        try:
+            pickle.dumps(exc)
+        except Exception:
+            exc = RuntimeError(f"{type(exc).__name__}: {exc}")
+        peer.send(exc, "error")
+    peer.flush()

@@ -86,6 +86,11 @@ def _fingerprint(model: torch.nn.Module, example_inputs, example_kwargs) -> str:
     return repr(parts)
 
 
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """_fingerprint of the model alone (no inputs)."""
+    return _fingerprint(model, (), {})
+
+
 @contextlib.contextmanager
 def in_mode(model: torch.nn.Module, mode: str):
     """Run the body with `model` in `mode`, then give every submodule its own flag back.
@@ -189,18 +194,18 @@ def _rebatched(family) -> Traced | None:
     return traced
 
 
-def exported_outlines() -> dict:
-    """{fingerprint: {batch: Outline}} of the planning traces exported in this process, for
-    another process to write other batches from (adopt_outlines)."""
-    out: dict = {}
+def exported_outlines(traced: Traced) -> dict:
+    """{fingerprint: {batch: Outline}} of the exported planning traces of the model and
+    inputs `traced` (a planning trace this process cached) is one of, for another process
+    to write other batches from (adopt_outlines); {} when it is not an export."""
     for fingerprint, keys in _BATCHES.items():
-        outlines = _OUTLINES.setdefault(fingerprint, {})
-        for b, key in keys.items():
-            if key in _CACHE:
-                if b not in outlines:
+        if any(_CACHE.get(key) is traced for key in keys.values()):
+            outlines = _OUTLINES.setdefault(fingerprint, {})
+            for b, key in keys.items():
+                if key in _CACHE and b not in outlines:
                     outlines[b] = outline(_CACHE[key])
-                out.setdefault(fingerprint, {})[b] = outlines[b]
-    return out
+            return {fingerprint: {b: outlines[b] for b, key in keys.items() if key in _CACHE}}
+    return {}
 
 
 def adopt_outlines(found: dict) -> None:

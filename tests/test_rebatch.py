@@ -78,8 +78,8 @@ def test_a_trace_exported_in_another_process_serves_by_its_outline(caplog):
     model, at = _inputs("ours", seq=20)   # (a sequence length no other test traces)
 
     def export(rows):
-        trace(model, *at(rows), unroll=True, shared=True)
-        return pickle.dumps(exported_outlines()) if rows == 2 else None
+        traced = trace(model, *at(rows), unroll=True, shared=True)
+        return pickle.dumps(exported_outlines(traced)) if rows == 2 else None
 
     found = forked_map(export, [8, 2], 2)[1]
     adopt_outlines(pickle.loads(found))

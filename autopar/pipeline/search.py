@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 from ..batching import batch_size, first_microbatch
 from ..cost import local_numel, send_time
-from ..forked import forked_map, worker_count
+from ..forked import forked_lanes, forked_map, worker_count
 from ..mesh import Mesh, parse_bytes
 from ..recompute import MODES, ModeCosts, kept_by_selective, layer_paths
 from ..solution import Built, assemble, build_problem, planning_trace, solve_unbudgeted
@@ -212,8 +212,7 @@ def search(model, mesh, example_inputs, example_kwargs=None, *, memory_budget=No
     # microbatch size traced first, so that every process writes the other sizes from the
     # two (autopar/rebatch.py)
     keys = [whole] + [k for k in _candidate_keys(mesh, batch, first, fixed, microbatches) if k != whole]
-    _trace_two(model, example_inputs, example_kwargs, mixed_precision, [k[1] for k in keys], workers)
-    _cost_in_parallel(keys, workers, costs_for, cost_cache)
+    _trace_and_cost(model, example_inputs, example_kwargs, mixed_precision, keys, workers, costs_for, cost_cache)
     # no pipeline: the plain plan of the whole batch
     base = costs_for(*whole)
     none = None
@@ -294,35 +293,6 @@ def stage_problem(model, mesh, example_inputs, example_kwargs, mixed_precision, 
     return build_problem(model, sub, args, kwargs, mixed_precision, tuple(sub_shape) == tuple(mesh.shape))
 
 
-def _trace_two(model, example_inputs, example_kwargs, mixed_precision, sizes, workers) -> None:
-    """The whole batch's planning trace in this process and, at the same time in a forked
-    one, the trace at the largest other microbatch size of `sizes`, whose outline comes
-    back (autopar/rebatch.py): the processes forked after this write any microbatch size
-    from the two instead of exporting one each (0.6 s on llama3-8b).  The whole batch
-    alone with one worker or no other size; a size the forked process cannot trace is
-    exported again (and its error raised) where it is costed."""
-    batch = batch_size(example_inputs, example_kwargs)
-    others = [s for s in sizes if s != batch]
-    if worker_count(workers) < 2 or not others:
-        planning_trace(model, example_inputs, example_kwargs or {}, mixed_precision)
-        return
-
-    def one(rows):
-        if rows == batch:
-            planning_trace(model, example_inputs, example_kwargs or {}, mixed_precision)
-            return None
-        try:
-            planning_trace(model, *first_microbatch((tuple(example_inputs), example_kwargs), batch, rows),
-                           mixed_precision)
-            return pickle.dumps(exported_outlines())
-        except Exception:   # (costed later in a process of its own, which reports it)
-            return None
-
-    found = forked_map(one, [batch, max(others)], 2)[1]
-    if found is not None:
-        adopt_outlines(pickle.loads(found))
-
-
 def _stage_axes(mesh) -> tuple:
     """The axes the search cuts into device groups (see the module docstring)."""
     if "pp" in mesh.axis_names:
@@ -346,30 +316,111 @@ def _candidate_keys(mesh, batch, axes, fixed, microbatches) -> list:
                               for axis, p, n_mb in _candidates(mesh, batch, axes, fixed, microbatches)))
 
 
-def _cost_in_parallel(keys, workers, costs_for, cost_cache: dict) -> None:
-    """Cost the candidates of `keys` into cost_cache with `costs_for`, in forked processes
-    (autopar/forked.py).  The keys of one microbatch size share a trace and go together;
-    the first group (the whole batch, which is solved once more: 1.7 per key) stays in
-    this process, the others are dealt largest first, each to the least loaded process
-    (a group weighs one per key, plus 0.8 for the one size each process exports and 0.1
-    for the sizes it writes from two traces), so that the
-    processes finish together.  This process keeps the problems of its own share.
-    Nothing here (the search's loop costs them in turn) with one worker or one group."""
-    tasks: dict = {}
+def _trace_and_cost(model, example_inputs, example_kwargs, mixed_precision, keys, workers, costs_for,
+                    cost_cache: dict) -> None:
+    """Trace and cost `keys` (the whole batch's first) into cost_cache with costs_for, on the
+    cores this process may use (autopar/forked.py).  This process exports the whole batch
+    and a forked one the largest other microbatch size, at the same time; each sends the
+    other its trace's outline, from which with its own it writes every other size
+    (autopar/rebatch.py: 0.07 s against 0.6 s for an export of llama3-8b).  Further
+    processes write every size from the two outlines.  Microbatch sizes are dealt as in
+    _deal; the whole batch's stays here, the exported size's with the process that
+    exported it.  With one worker or one size: the whole batch traced, the search's loop
+    costs the keys in turn."""
+    batch = keys[0][1]
+    whole = (model, example_inputs, example_kwargs or {}, mixed_precision)
+    groups = _groups(keys)
+    lanes = min(worker_count(workers), len(groups))
+    if lanes < 2:
+        planning_trace(*whole)
+        return
+    size = max(s for s in groups if s != batch)
+    shares = _deal(groups, lanes, {0: groups[batch], 1: groups[size]})
+
+    def cost(share):
+        return {key: costs_for(*key) for group in share for key in group}
+
+    def here(peers):
+        start = time.perf_counter()
+        mine = pickle.dumps(exported_outlines(planning_trace(*whole)))
+        for peer in peers:
+            peer.send(mine)
+        if len(peers) > 1:   # (the processes beyond the first need its outline now)
+            theirs = peers[0].recv()
+            for peer in peers[1:]:
+                peer.send(theirs)
+        got = cost(shares[0][:1])   # (the whole batch needs nothing from the others)
+        if len(peers) == 1:
+            theirs = peers[0].recv()
+        if theirs is not None:
+            adopt_outlines(pickle.loads(theirs))
+        got.update(cost(shares[0][1:]))
+        log.info("pipeline search: the whole batch and %d other microbatch sizes traced and %d candidate "
+                 "sub-problems costed by this process and %d workers in %.1fs", len(groups) - 1, len(keys),
+                 lanes - 1, time.perf_counter() - start)
+        return got
+
+    def there(k, peer):
+        if k == 1:
+            try:
+                traced = planning_trace(model, *first_microbatch((tuple(example_inputs), example_kwargs), batch,
+                                                                 size), mixed_precision)
+                peer.send(pickle.dumps(exported_outlines(traced)))
+            except Exception:   # (costed below, where the error is raised again and reported)
+                peer.send(None)
+            got = cost(shares[1][:1])   # (its own size needs nothing from the others)
+            found = [peer.recv()]
+        else:
+            got, found = {}, [peer.recv(), peer.recv()]
+        for outlines in found:
+            if outlines is not None:
+                adopt_outlines(pickle.loads(outlines))
+        got.update(cost(shares[k][1:] if k == 1 else shares[k]))
+        return got
+
+    for got in forked_lanes(here, there, lanes):
+        cost_cache.update(got)   # (this process's share is cached already)
+
+
+def _groups(keys) -> dict:
+    """Microbatch rows -> the keys of that size (one trace serves them), in order."""
+    out: dict = {}
     for key in keys:
-        tasks.setdefault(key[1], []).append(key)
-    groups = list(tasks.values())
+        out.setdefault(key[1], []).append(key)
+    return out
+
+
+def _deal(groups: dict, lanes: int, placed: dict) -> list:
+    """Shares of `lanes` processes, each a list of groups (_groups): `placed` (lane -> group)
+    first, the others largest first, each to the least loaded process.  A group weighs one
+    per key, plus 0.2 for writing its trace (autopar/rebatch.py); the whole batch's (the
+    first group: it is solved once more) two per key, and a placed group no more."""
+    shares = [[] for _ in range(lanes)]
+    loads = [0.0] * lanes
+    first = next(iter(groups))
+    for lane, group in placed.items():
+        shares[lane].append(group)
+        loads[lane] += len(group) * (2.0 if group is groups[first] else 1.0)
+    for group in sorted((g for g in groups.values() if not any(g is p for p in placed.values())),
+                        key=lambda g: -len(g)):
+        lane = loads.index(min(loads))
+        loads[lane] += len(group) + 0.2
+        shares[lane].append(group)
+    return shares
+
+
+def _cost_in_parallel(keys, workers, costs_for, cost_cache: dict) -> None:
+    """Cost `keys` into cost_cache with costs_for in forked processes (autopar/forked.py),
+    once this process has the traces every size is written from: groups of one microbatch
+    size dealt by _deal.  This process keeps the problems of its own share.  Nothing here
+    (the search's loop costs them in turn) with one worker or one group."""
+    groups = _groups(keys)
     lanes = min(worker_count(workers), len(groups))
     if lanes < 2:
         return
-    shares, loads = [[groups[0]]] + [[] for _ in range(lanes - 1)], [1.7 * len(groups[0])] + [0.0] * (lanes - 1)
-    for group in sorted(groups[1:], key=lambda g: -len(g)):
-        lane = loads.index(min(loads))
-        exported = len(shares[lane]) > (lane == 0)   # (this process's first group is the whole batch)
-        loads[lane] += len(group) + (0.1 if exported else 0.8)
-        shares[lane].append(group)
     start = time.perf_counter()
-    for got in forked_map(lambda share: {key: costs_for(*key) for group in share for key in group}, shares, lanes):
+    for got in forked_map(lambda share: {key: costs_for(*key) for group in share for key in group},
+                          _deal(groups, lanes, {}), lanes):
         cost_cache.update(got)   # (this process's share is cached already)
     log.info("pipeline search: %d candidate sub-problems costed by this process and %d workers in %.1fs",
              len(keys), lanes - 1, time.perf_counter() - start)
