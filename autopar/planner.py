@@ -7,6 +7,7 @@ import gc
 import logging
 import math
 import random
+import threading
 import time
 
 import torch
@@ -70,24 +71,35 @@ def _plan(model, mesh, example_inputs, example_kwargs, memory_budget, compare, t
     return _plan_built(built, model, mesh, budget, compare, time_limit, layout, random_seed, start, recompute)
 
 
+_SPARED = {"depth": 0, "restore": None}   # plans in progress (threads, nested calls); how to restore gc
+_SPARED_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def _collector_spared():
     """Planning with Python's cyclic collector kept off what was alive before it (the model,
     torch: gc.freeze) and off full passes: those re-scan every object the process holds,
     the traces planning keeps included, a quarter of llama3-8b's 2 s plan.  Young garbage is
-    still collected; the collector is as it was afterwards.  (A process that froze objects
-    itself keeps its own arrangement.)"""
-    frozen = gc.get_freeze_count() == 0
-    thresholds = gc.get_threshold()
-    if frozen:
-        gc.freeze()
-    gc.set_threshold(thresholds[0], thresholds[1], 1 << 30)
+    still collected; the collector is as it was once the last plan in progress ends.  (A
+    process that froze objects itself keeps its own arrangement.)"""
+    with _SPARED_LOCK:
+        if _SPARED["depth"] == 0:
+            frozen = gc.get_freeze_count() == 0
+            _SPARED["restore"] = (gc.get_threshold(), frozen)
+            if frozen:
+                gc.freeze()
+            gc.set_threshold(*gc.get_threshold()[:2], 1 << 30)
+        _SPARED["depth"] += 1
     try:
         yield
     finally:
-        gc.set_threshold(*thresholds)
-        if frozen:
-            gc.unfreeze()
+        with _SPARED_LOCK:
+            _SPARED["depth"] -= 1
+            if _SPARED["depth"] == 0:
+                thresholds, frozen = _SPARED["restore"]
+                gc.set_threshold(*thresholds)
+                if frozen:
+                    gc.unfreeze()
 
 
 def _plan_built(built: Built, model, mesh: Mesh, budget, compare, time_limit, layout, random_seed, start,

@@ -8,9 +8,12 @@ of 4 H100s.  Closed forms the plan must reach:
 - activations dominate (h=256, b=4096): every weight replicated, the batch split, one
   backward all-reduce per weight (h*h*4 bytes) and one of the 4-byte loss.
 """
+import gc
+
 from torch.distributed.tensor import Replicate, Shard
 
 import autopar
+import autopar.planner as planner
 from autopar.models import build
 
 
@@ -58,3 +61,20 @@ def test_plan_beats_or_equals_every_hand_layout():
         plan = plan_mlp(h, b)
         for name, pred in plan.baselines.items():
             assert plan.predicted.step_s <= pred.step_s * (1 + 1e-9), name
+
+
+def test_planning_leaves_the_cyclic_collector_as_it_was(monkeypatch):
+    """Planning freezes what was alive before it and skips full collections while it runs
+    (planner._collector_spared); afterwards the thresholds and the frozen set are as before."""
+    seen = []
+    build_problem = planner.build_problem
+
+    def watched(*args, **kwargs):
+        seen.append((gc.get_threshold()[2], gc.get_freeze_count() > 0))
+        return build_problem(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "build_problem", watched)
+    before = gc.get_threshold(), gc.get_freeze_count()
+    plan_mlp(256, 64)
+    assert seen == [(1 << 30, True)]
+    assert (gc.get_threshold(), gc.get_freeze_count()) == before
