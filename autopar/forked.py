@@ -95,8 +95,17 @@ class Peer:
 
     def send(self, value, kind: str = "value") -> None:
         self.flush()   # (in order)
-        self.sending = threading.Thread(target=self.conn.send, args=((kind, value),), daemon=True)
+        self.sending = threading.Thread(target=self._write, args=((kind, value),), daemon=True)
         self.sending.start()
+
+    def _write(self, message) -> None:
+        try:
+            self.conn.send(message)
+        except OSError:   # (the other end stopped: its error, or this one's, is what is raised)
+            pass
+        except Exception as exc:   # (not picklable)
+            self.conn.send(("error", RuntimeError(f"a forked planning process could not send its "
+                                                  f"{type(message[1]).__name__}: {exc}")))
 
     def flush(self) -> None:
         """Wait until what was sent is written."""

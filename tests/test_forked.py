@@ -61,3 +61,14 @@ def test_an_error_here_stops_the_lanes():
 
     with pytest.raises(ValueError, match="here failed"):
         forked_lanes(here, there, 3)
+
+
+def test_a_value_that_cannot_be_sent_is_an_error_here():
+    def here(peers):
+        return None
+
+    def there(k, peer):
+        return lambda: k   # (a closure does not pickle)
+
+    with pytest.raises(RuntimeError, match="could not send its function"):
+        forked_lanes(here, there, 2)
