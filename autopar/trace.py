@@ -178,16 +178,13 @@ def _rebatched(family) -> Traced | None:
     full = [(b, k) for b, k in _BATCHES.get(fingerprint, {}).items() if k in _CACHE and b != batch]
     if not full:
         return None
-    outlines = _OUTLINES.setdefault(fingerprint, {})
     a, key_a = full[0]
-    others = [b for b, _ in full[1:]] + [b for b in outlines if b != a]   # (an outline at this batch serves)
+    others = [b for b, _ in full[1:]] + [b for b in _OUTLINES.get(fingerprint, {}) if b != a]   # (an outline at this batch serves)
     if not others:
         return None
     b = others[0]
-    if b not in outlines:
-        outlines[b] = outline(_CACHE[_BATCHES[fingerprint][b]])
     start = time.perf_counter()
-    traced = rebatched(_CACHE[key_a], outlines[b], (a, b), batch)
+    traced = rebatched(_CACHE[key_a], _outline(fingerprint, b), (a, b), batch)
     if traced is not None:
         log.info("traced at %d rows in %.2fs: written from the traces at %d and %d rows (autopar/rebatch.py)",
                  batch, time.perf_counter() - start, a, b)
@@ -200,12 +197,16 @@ def exported_outlines(traced: Traced) -> dict:
     to write other batches from (adopt_outlines); {} when it is not an export."""
     for fingerprint, keys in _BATCHES.items():
         if any(_CACHE.get(key) is traced for key in keys.values()):
-            outlines = _OUTLINES.setdefault(fingerprint, {})
-            for b, key in keys.items():
-                if key in _CACHE and b not in outlines:
-                    outlines[b] = outline(_CACHE[key])
-            return {fingerprint: {b: outlines[b] for b, key in keys.items() if key in _CACHE}}
+            return {fingerprint: {b: _outline(fingerprint, b) for b, key in keys.items() if key in _CACHE}}
     return {}
+
+
+def _outline(fingerprint, batch: int):
+    """The Outline of the family's trace at `batch` (adopted, or made once from the export)."""
+    outlines = _OUTLINES.setdefault(fingerprint, {})
+    if batch not in outlines:
+        outlines[batch] = outline(_CACHE[_BATCHES[fingerprint][batch]])
+    return outlines[batch]
 
 
 def adopt_outlines(found: dict) -> None:

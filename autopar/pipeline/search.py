@@ -338,7 +338,7 @@ def _trace_and_cost(model, example_inputs, example_kwargs, mixed_precision, keys
     shares = _deal(groups, lanes, {0: groups[batch], 1: groups[size]})
 
     def cost(share):
-        return {key: costs_for(*key) for group in share for key in group}
+        return _cost_share(costs_for, share)
 
     def here(peers):
         start = time.perf_counter()
@@ -382,6 +382,11 @@ def _trace_and_cost(model, example_inputs, example_kwargs, mixed_precision, keys
         cost_cache.update(got)   # (this process's share is cached already)
 
 
+def _cost_share(costs_for, share) -> dict:
+    """{key: costs_for(*key)} over a share's groups (_deal)."""
+    return {key: costs_for(*key) for group in share for key in group}
+
+
 def _groups(keys) -> dict:
     """Microbatch rows -> the keys of that size (one trace serves them), in order."""
     out: dict = {}
@@ -419,8 +424,7 @@ def _cost_in_parallel(keys, workers, costs_for, cost_cache: dict) -> None:
     if lanes < 2:
         return
     start = time.perf_counter()
-    for got in forked_map(lambda share: {key: costs_for(*key) for group in share for key in group},
-                          _deal(groups, lanes, {}), lanes):
+    for got in forked_map(lambda share: _cost_share(costs_for, share), _deal(groups, lanes, {}), lanes):
         cost_cache.update(got)   # (this process's share is cached already)
     log.info("pipeline search: %d candidate sub-problems costed by this process and %d workers in %.1fs",
              len(keys), lanes - 1, time.perf_counter() - start)
