@@ -7,7 +7,14 @@ the RNG states (runtime/checkpoint.py):
     step = info["step"]
 
 `latest(directory)` finds the newest complete one, where a restarted job resumes.
-"""
-from .runtime.checkpoint import CheckpointError, latest, load, save
 
-__all__ = ["save", "load", "latest", "CheckpointError"]
+The model is saved under the plain model's names, so the plain model reads it too, with
+or without a process group:
+
+    torch.distributed.checkpoint.load({"model": model.state_dict()}, checkpoint_id=path)
+    model.load_state_dict(autopar.checkpoint.to_state_dict(path))   # one process, whole tensors
+    autopar.checkpoint.export(path, "model.safetensors")            # or "model.pt" (torch.save)
+"""
+from .runtime.checkpoint import CheckpointError, export, latest, load, save, to_state_dict
+
+__all__ = ["save", "load", "latest", "to_state_dict", "export", "CheckpointError"]

@@ -34,7 +34,7 @@ import autopar
 
 from .html_report import write_report
 from .mesh import parse_shape
-from .models import PRESETS, build, list_models
+from .models import PRESETS, ConfigError, build, list_models
 from .pipeline.search import SCHEDULE_CHOICES
 from .plan import PlanFileError
 from .records import format_bytes, format_seconds
@@ -89,6 +89,37 @@ def parse_bandwidth(text: str | None, shape: tuple[int, ...]) -> tuple[float, ..
     return values
 
 
+def check_count(option: str, value: int | None, what: str, example: int, least: int = 1) -> None:
+    """An integer option (argparse made it an int) is at least `least`, or a UsageError naming
+    the option, the value and what it may be."""
+    if value is not None and value < least:
+        raise UsageError(f"{option} {value}: {what} must be a whole number of at least {least}, "
+                         f"e.g. {option} {example}")
+
+
+def parse_budget(text: str | None) -> float | None:
+    """--budget '70GiB' -> bytes per device; a size a model cannot train in (under 1 MiB, most
+    likely a unit left out: a bare number is bytes) is refused."""
+    if text is None:
+        return None
+    try:
+        value = autopar.mesh.parse_bytes(text, "--budget")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if value < 2**20:
+        raise UsageError(f"--budget {text!r} is {value:g} bytes per device, under 1 MiB: a size without a unit "
+                         f"is in bytes; write the unit, e.g. --budget {text}GiB")
+    return value
+
+
+# Hugging Face config fields that count something (sizes, layers, heads, experts): --set must
+# give them a whole number >= 1 (or None where the config's own default is None).
+HF_COUNTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "head_dim", "max_position_embeddings", "num_experts", "num_local_experts",
+             "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size", "n_embd",
+             "n_layer", "n_head", "n_positions", "n_inner", "multi_query_group_num", "num_key_value_groups")
+
+
 def parse_value(text: str):
     """'4096' -> 4096, '1.3' -> 1.3, 'true'/'false' -> bool, 'none' -> None, else the string."""
     low = text.lower()
@@ -130,6 +161,7 @@ def _cmd_models(args) -> int:
 
 
 def _cmd_calibrate(args) -> int:
+    check_count("--repeats", args.repeats, "the timed runs per measurement", 5)
     if "RANK" not in os.environ:
         raise UsageError("calibrate measures the cluster from every rank: run it under torchrun, e.g. "
                          "torchrun --nproc_per_node 4 -m autopar calibrate --out profile.json")
@@ -168,11 +200,11 @@ def _cmd_plan(args) -> int:
     shape = parse_mesh(args.mesh)
     axes = parse_axes(args.axes, shape)
     overrides = parse_overrides(args.set)
-    if args.budget is not None:
-        try:
-            autopar.mesh.parse_bytes(args.budget, "--budget")
-        except ValueError as exc:
-            raise UsageError(str(exc)) from None
+    check_count("--batch", args.batch, "the global batch of the example inputs", 8)
+    check_count("--seq", args.seq, "the sequence length of the example inputs", 2048)
+    check_count("--pipeline-stages", args.pipeline_stages, "the number of pipeline stages", 2, least=2)
+    check_count("--microbatches", args.microbatches, "the pipeline microbatches per step", 8)
+    parse_budget(args.budget)
     try:
         mesh = autopar.Mesh(shape, axes, device=device_of(args.device), bandwidth=parse_bandwidth(args.bandwidth, shape))
     except ValueError as exc:
@@ -222,6 +254,8 @@ def preset_model(name: str, overrides: dict, batch, seq):
             overrides[key] = value
     try:
         return build(name, device="meta", **overrides)
+    except ConfigError as exc:  # a --set field (--batch and --seq are checked before): named, with what it may be
+        raise UsageError(f"--set {exc}") from None
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     except TypeError as exc:  # a value of the wrong type reached the model's constructor
@@ -257,18 +291,26 @@ def hf_model(config: str, overrides: dict, batch: int | None, seq: int | None):
         raise UsageError(f"--hf {config!r} is neither a file nor a model type of transformers "
                          f"{transformers.__version__}; give a model type such as llama, mistral, qwen2, "
                          f"gpt2, or the path of a config.json") from None
-    for key in overrides:
+    for key, value in overrides.items():
         if not hasattr(defaults, key):
             raise UsageError(f"--set {key}: {type(defaults).__name__} has no field {key!r}; e.g. num_hidden_layers, "
                              f"hidden_size, intermediate_size, num_attention_heads, vocab_size")
+        if key in HF_COUNTS and not (value is None and getattr(defaults, key) is None) and (
+                type(value) is not int or value < 1):
+            raise UsageError(f"--set {key}={value!r}: {type(defaults).__name__}.{key} must be a whole number of "
+                             f"at least 1")
     fields.pop("transformers_version", None)
-    cfg = transformers.AutoConfig.for_model(kind, **{**fields, **overrides})   # derived fields follow --set
-    cfg.use_cache = False
+    given = " ".join(f"--set {k}={v!r}" for k, v in overrides.items())
     try:
+        cfg = transformers.AutoConfig.for_model(kind, **{**fields, **overrides})   # derived fields follow --set
+        cfg.use_cache = False
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(cfg)
-    except ValueError as exc:
-        raise UsageError(f"transformers builds no causal LM from --hf {config!r}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - transformers' config checks, or a value its layers cannot take
+        text = " ".join(str(exc).split())   # (its validation errors span lines)
+        raise UsageError(f"transformers builds no causal LM from --hf {config!r}"
+                         f"{' with ' + given if given else ''}: {type(exc).__name__}: {text}"
+                         f"{'; check the --set values' if given else ''}") from None
     seq = seq or min(2048, getattr(cfg, "max_position_embeddings", None) or 2048)
     ids = torch.zeros((batch or 8, seq), dtype=torch.long, device="meta")
     return model, (), {"input_ids": ids, "labels": ids}

@@ -54,8 +54,10 @@ def experts_math(x, index, weight, gate, up, down, act: str, first: int = 0):
 
 def _combine(rows, weight, tokens: int, k: int, dtype):
     """Each token's k expert outputs weighted and summed in slot order (the router's weights
-    keep their own dtype in the product, as the model's experts compute it)."""
-    return (rows * weight.reshape(-1, 1)).view(tokens, k, -1).sum(1).to(dtype)
+    keep their own dtype in the product, as the model's experts compute it).  rows may be
+    empty (a rank of an expert-parallel axis whose experts no token picked): the feature
+    size is given, as a view cannot infer it from zero elements."""
+    return (rows * weight.reshape(-1, 1)).view(tokens, k, rows.shape[-1]).sum(1).to(dtype)
 
 
 @torch.library.custom_op("autopar::experts", mutates_args=())

@@ -75,6 +75,7 @@ import torch
 import torch.nn as nn
 
 from .bert import IGNORE_INDEX, Bert, BertConfig
+from .checks import ConfigError, check_count
 from .gpt import GPT, GPTConfig
 from .llama import Llama, LlamaConfig, ffn_hidden_dim
 from .mlp import MLP, MLPConfig
@@ -91,6 +92,7 @@ __all__ = [
     "Llama",
     "LlamaConfig",
     "ffn_hidden_dim",
+    "ConfigError",
     "Bert",
     "BertConfig",
 ]
@@ -249,10 +251,12 @@ def build(
     config = replace(preset.config, **{k: v for k, v in overrides.items() if k in config_fields})
 
     batch = overrides.get("batch", preset.batch)
+    check_count("batch", batch, f"the example inputs' batch of {name!r}")
     seq = preset.seq
     if seq is not None:
         # If only max_seq was lowered, shorten the default example to fit.
         seq = overrides.get("seq", min(seq, config.max_seq))
+        check_count("seq", seq, f"the example inputs' sequence length of {name!r}")
         if seq > config.max_seq:
             raise ValueError(f"seq={seq} exceeds max_seq={config.max_seq} of model {name!r}")
 

@@ -31,6 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import initialise
+from .checks import check_config, check_divides
 
 IGNORE_INDEX = -100  # target value of the positions that do not count in the loss
 
@@ -46,6 +47,11 @@ class BertConfig:
     dropout: float = 0.0  # the original BERT used 0.1; 0.0 keeps runs deterministic
     layer_norm_eps: float = 1e-12
     tie_embeddings: bool = True  # the MLM decoder shares its weight with the word embeddings
+
+    def __post_init__(self):
+        check_config(self, counts=("vocab", "max_seq", "type_vocab", "hidden", "n_layers", "n_heads"),
+                     probabilities=("dropout",), nonnegative=("layer_norm_eps",))
+        check_divides(self, "hidden", "n_heads")
 
 
 class Embeddings(nn.Module):

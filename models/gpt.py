@@ -26,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import initialise
+from .checks import check_config, check_divides
 
 
 ATTENTION_IMPLS = ("sdpa", "eager")  # the values of GPTConfig.attention
@@ -47,6 +48,8 @@ class GPTConfig:
     attention: str = "sdpa"
 
     def __post_init__(self):
+        check_config(self, counts=("vocab", "max_seq", "hidden", "n_layers", "n_heads"), probabilities=("dropout",))
+        check_divides(self, "hidden", "n_heads")
         if self.attention not in ATTENTION_IMPLS:
             raise ValueError(
                 f"GPTConfig.attention is {self.attention!r}; choose one of "

@@ -36,6 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import initialise
+from .checks import check_config, check_divides
 
 
 @dataclass
@@ -51,6 +52,12 @@ class LlamaConfig:
     rope_theta: float = 500000.0
     max_seq: int = 8192  # longest sequence the RoPE tables cover
     tie_embeddings: bool = False  # output shares its weight with tok_embeddings
+
+    def __post_init__(self):
+        check_config(self, counts=("dim", "n_layers", "n_heads", "n_kv_heads", "vocab", "multiple_of", "max_seq"),
+                     nonnegative=("norm_eps",), positive=("rope_theta", "ffn_dim_multiplier"))
+        check_divides(self, "dim", "n_heads")
+        check_divides(self, "n_heads", "n_kv_heads")
 
 
 def ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:

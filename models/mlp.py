@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import initialise
+from .checks import check_config
 
 
 @dataclass
@@ -22,6 +23,9 @@ class MLPConfig:
     hidden: int = 1024  # width of every layer (input, hidden and output)
     n_layers: int = 4  # number of nn.Linear layers
     bias: bool = False  # whether the linear layers carry a bias
+
+    def __post_init__(self):
+        check_config(self, counts=("hidden", "n_layers"))
 
 
 class MLP(nn.Module):

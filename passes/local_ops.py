@@ -39,21 +39,41 @@ def expert_parallel_on_axis(x, index, weight, gate, up, down, act: str, n_expert
     return expert_parallel(x, index, weight, gate, up, down, act, n_experts, groups.group(axis))
 
 
-def ring_attention_on_axis(q, k, v, causal: bool, scale, axis: int, groups, window: int | None = None):
+def in_dim_order(x: torch.Tensor, order: tuple | None) -> torch.Tensor:
+    """x laid out in memory with its dims in `order` (outermost first), as the op it stands
+    for laid out its output.  The graph after an attention may `.view` the output's
+    transpose, which works only in the layout the traced kernel produced (the traced graph
+    drops a `.contiguous()` that was a no-op there): ring and Ulysses attention return
+    their result in that layout.  No copy when x is already so."""
+    if order is None or x.dim() != len(order):
+        return x
+    inverse = [0] * len(order)
+    for position, dim in enumerate(order):
+        inverse[dim] = position
+    return x.permute(order).contiguous().permute(inverse)
+
+
+def ring_attention_on_axis(q, k, v, causal: bool, scale, axis: int, groups, window: int | None = None,
+                           order: tuple | None = None):
     """Attention with the sequence split over `axis`, context parallel (attention_ops.py);
-    window: a causal sliding window (query i sees keys i - window < j <= i)."""
-    return ring_attention(q, k, v, causal=causal, scale=scale, group=groups.group(axis), window=window)
+    window: a causal sliding window (query i sees keys i - window < j <= i); order: the
+    traced output's dim order in memory (in_dim_order)."""
+    return in_dim_order(ring_attention(q, k, v, causal=causal, scale=scale, group=groups.group(axis), window=window),
+                        order)
 
 
-def ulysses_window_on_axis(q, k, v, window: int, scale: float, gqa: bool, axis: int, groups):
+def ulysses_window_on_axis(q, k, v, window: int, scale: float, gqa: bool, axis: int, groups,
+                           order: tuple | None = None):
     """Sliding-window attention with the sequence split over `axis`, heads swapped in."""
-    return ulysses_attention(q, k, v, group=groups.group(axis), local=lambda a, b, c: window_attention(
-        a, b, c, window, scale, gqa))
+    return in_dim_order(ulysses_attention(q, k, v, group=groups.group(axis), local=lambda a, b, c: window_attention(
+        a, b, c, window, scale, gqa)), order)
 
 
-def ulysses_on_axis(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, axis: int, groups):
+def ulysses_on_axis(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, axis: int, groups,
+                    order: tuple | None = None):
     """Attention with the sequence split over `axis`, heads swapped in by all-to-all."""
-    return ulysses_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, group=groups.group(axis))
+    return in_dim_order(ulysses_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                          group=groups.group(axis)), order)
 
 
 def vocab_parallel_embedding(weight, indices, vocab: int, weight_placements, axes: tuple, groups):

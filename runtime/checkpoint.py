@@ -20,16 +20,20 @@ import functools
 import json
 import os
 import random
+import re
 import shutil
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
+from autopar.fused import Part, Parts
 from autopar.passes.shard_params import shard_of
 
+from .plain_state import sharded_state
 from .zero import ShardedOptimizer, WrappedOptimizer, all_gather_chunks
 
 
@@ -142,7 +146,7 @@ def load_optimizer_state_dict(cm, opt, saved: dict) -> None:
 
 # --- autopar.checkpoint.save / load ---------------------------------------------------------------
 META = "autopar.json"   # rank 0's record beside torch.distributed.checkpoint's files
-FORMAT = 1
+FORMAT = 2   # 2: the model under the plain model's names (1: fused weights as parts, tied weights once)
 
 
 def give_sharded_state(cm, opt) -> None:
@@ -165,12 +169,12 @@ def _flat_shapes(state: dict, prefix: str = "") -> dict:
     return out
 
 
-def _check_fits(path: str, state: dict, names: list) -> None:
-    """The checkpoint at `path` has every tensor of `state` at its shape, and no parameter
-    it holds is unknown to the model (`names`: every model-level name, on whichever rank, in
-    the model's order); else a CheckpointError naming the first mismatch (model entries in
-    the model's order, then the optimizer's)."""
-    saved = FileSystemReader(path).read_metadata().state_dict_metadata
+def _check_fits(path: str, saved: dict, state: dict, names: list, known: set) -> None:
+    """The checkpoint at `path` (its `saved` metadata) has every tensor of `state` at its
+    shape, and no parameter it holds is unknown to the model (`names`: every model-level
+    name, on whichever rank, in the model's order; `known`: every name the model takes);
+    else a CheckpointError naming the first mismatch (model entries in the model's order,
+    then the optimizer's)."""
     rank = {f"model.{n}": k for k, n in enumerate(names)}
     wanted = sorted(_flat_shapes(state).items(), key=lambda kv: (kv[0] not in rank, rank.get(kv[0], 0)))
     for key, shape in wanted:
@@ -182,11 +186,19 @@ def _check_fits(path: str, state: dict, names: list) -> None:
         if size is not None and tuple(size) != shape:
             raise CheckpointError(f"checkpoint {path}: {key!r} is {tuple(size)} there but {shape} in this model; "
                                   f"it was saved from a model of another size")
-    known = set(names)
     extra = sorted(k[len("model."):] for k in saved if k.startswith("model.") and k[len("model."):] not in known)
     if extra:
         raise CheckpointError(f"checkpoint {path} holds {extra[0]!r}, which this model does not have "
                               f"({len(extra)} such entries); it was saved from another model")
+
+
+def _model_state(cm, saved: dict) -> dict:
+    """cm's sharded state under the names the checkpoint (`saved`: its metadata) uses: the
+    plain model's; in a checkpoint written before autopar saved those (format 1), fused
+    weights as their parts and tied weights once."""
+    parts = any(f"model.{n}" in saved for n in cm.parts.parts)
+    state = sharded_state(cm, fused_whole=not parts)
+    return {n: v for n, v in state.items() if n not in cm.aliases or f"model.{n}" in saved}
 
 
 def _rng_state(device_type: str) -> dict:
@@ -258,10 +270,12 @@ def load(path, cm, optimizer=None) -> dict:
     if optimizer is not None and not record.get("optimizer"):
         raise CheckpointError(f"checkpoint {path} was saved without an optimizer; load it with optimizer=None "
                               f"and start the optimizer afresh")
-    state = {"model": cm.state_dict()}
+    saved = FileSystemReader(path).read_metadata().state_dict_metadata
+    state = {"model": _model_state(cm, saved)}
     if optimizer is not None:
         state["optim"] = optimizer_state_dict(cm, optimizer)
-    _check_fits(path, state, cm.state_dict_names())
+    names = cm.state_dict_names()
+    _check_fits(path, saved, state, names, set(names) | set(cm.plan.param_placements))
     dcp.load(state, checkpoint_id=path)
     cm.load_state_dict(state["model"])
     if optimizer is not None:
@@ -286,3 +300,78 @@ def latest(directory) -> str | None:
             step = json.load(f).get("step")
         return (step if isinstance(step, int) else -1, os.path.getmtime(os.path.join(d, META)))
     return max(done, key=order, default=None)
+
+
+# --- the plain model's state dict in one file -------------------------------------------------------
+_PART = re.compile(r"^(?P<whole>.+)\[(?P<dims>(?::, )*)(?P<start>\d+):(?P<stop>\d+)\]$")
+
+
+def _join_parts(state: dict) -> dict:
+    """Fused weights saved as their parts (`w[:, 0:64]`, checkpoints of format 1) joined
+    back into the plain model's `w` (a weight whose parts do not cover it stays as parts)."""
+    parts = {}
+    for name in state:
+        m = _PART.match(name)
+        if m is not None:
+            parts[name] = Part(m["whole"], m["dims"].count(":, "), int(m["start"]), int(m["stop"]))
+    if not parts:
+        return state
+    found = Parts(parts)
+    whole = {w: ps for w, ps in found.of_whole.items()
+             if ps[0].start == 0 and all(a.stop == b.start for a, b in zip(ps, ps[1:]))}
+    found = Parts({p.name: p for ps in whole.values() for p in ps})
+    return found.join(state)
+
+
+def to_state_dict(path, key: str | None = "model") -> dict:
+    """The plain model's state_dict(), whole tensors on the CPU, from the checkpoint at `path`
+    (written by `save`, or by `dcp.save({"model": cm.state_dict(), ...})`): what
+    `model.load_state_dict(...)` takes, for inference or another trainer.  key: the entry the
+    model's state was saved under (None: the checkpoint's top level, `dcp.save(cm.state_dict())`).
+    Reads in this process alone (no process group, every tensor whole: call it on one rank).
+    torch's `torch.distributed.checkpoint.format_utils.dcp_to_torch_save` writes the whole
+    checkpoint (model and optimizer, nested) instead; this keeps only the model.  Fused weights
+    of a format-1 checkpoint (saved as their parts) are joined; its tied weights appear
+    once, under the first name (load with strict=False, or re-tie)."""
+    path = os.fspath(path)
+    reader = FileSystemReader(path)
+    metadata = reader.read_metadata()
+    planner_data = metadata.planner_data or {}
+    prefix = "" if key is None else f"{key}."
+    state = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata):
+            continue
+        where = tuple(planner_data.get(fqn, ()))
+        if where:
+            if (key is None and len(where) != 1) or (key is not None and (len(where) != 2 or where[0] != key)):
+                continue
+            name = where[-1]
+        elif fqn.startswith(prefix):
+            name = fqn[len(prefix):]
+        else:
+            continue
+        state[name] = torch.empty(md.size, dtype=md.properties.dtype)
+    if not state:
+        hint = "" if key is None else "; pass key=None for a checkpoint of dcp.save(cm.state_dict())"
+        raise CheckpointError(f"checkpoint {path} holds no tensors under {key!r}{hint}")
+    dcp.load(state if key is None else {key: state}, storage_reader=reader, no_dist=True)
+    return _join_parts(state)
+
+
+def export(path, out_file, key: str | None = "model") -> str:
+    """Write the plain model's state_dict() from the checkpoint at `path` (see to_state_dict)
+    to `out_file`: a safetensors file when its name ends in `.safetensors` (needs the
+    `safetensors` package), else with torch.save.  Returns `out_file`."""
+    out_file = os.fspath(out_file)
+    state = to_state_dict(path, key)
+    if out_file.endswith(".safetensors"):
+        try:
+            from safetensors.torch import save_file
+        except ImportError as exc:
+            raise CheckpointError(f"writing {out_file} needs the safetensors package: pip install safetensors, "
+                                  f"or name the file *.pt for torch.save") from exc
+        save_file({n: t.contiguous() for n, t in state.items()}, out_file)
+    else:
+        torch.save(state, out_file)
+    return out_file

@@ -12,6 +12,8 @@ local shards.
 from __future__ import annotations
 
 import logging
+import math
+import numbers
 import time
 
 import torch
@@ -27,7 +29,7 @@ from autopar.precision import MixedPrecision
 
 from .build import initial_shards, rewrite
 from .faults import DEFAULT_TIMEOUT_S, CollectiveError, NonFiniteError, collectives_named, set_timeout
-from .inputs import CHECKED_CALLS
+from .inputs import CHECKED_CALLS, SAMPLE_EVERY
 from .model import CompiledModel, UnevenInputs
 from .pipelined import compile_pipelined
 from .process import CompileError, device_mesh, ensure_process_group
@@ -39,12 +41,33 @@ __all__ = ["compile", "CompiledModel", "CompileError", "UnevenInputs", "Collecti
 
 log = logging.getLogger("autopar")
 
+# compile(timeout=...)'s least value.  The timeout bounds every wait of a collective for its
+# slowest peer, compile's own included: setting up the gloo or NCCL groups of the mesh, and
+# waiting at compile's first collective for the ranks that trace the model more slowly,
+# take seconds.  Below a second nothing but a mistaken unit (milliseconds) is plausible.
+MIN_TIMEOUT_S = 1.0
+
+
+def check_timeout(timeout) -> float:
+    """compile's `timeout` in seconds, or ValueError saying what it bounds and what to give."""
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not math.isfinite(timeout):
+        problem = "not a finite number of seconds"
+    elif timeout < MIN_TIMEOUT_S:
+        problem = f"under the least timeout, {MIN_TIMEOUT_S:g} s"
+    else:
+        return float(timeout)
+    raise ValueError(f"autopar.compile(timeout={timeout!r}): {problem}. The timeout bounds how long every collective "
+                     f"waits for the slowest rank, compile's own included (setting up the gloo or NCCL process "
+                     f"groups and waiting for ranks that trace the model more slowly take seconds); give "
+                     f"timeout=60 or more (the default is {DEFAULT_TIMEOUT_S:g})")
+
 
 def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=None, plan=None,
             memory_budget=None, seed: int | None = None, bucket_mb: float = 25.0,
             local_inputs: bool = False, mixed_precision=None,
             reshard_after_forward: bool = True, timeout: float = DEFAULT_TIMEOUT_S,
-            check_finite: bool = True, check_inputs: int = CHECKED_CALLS) -> "CompiledModel":
+            check_finite: bool = True, check_inputs: int = CHECKED_CALLS,
+            check_inputs_every: int = SAMPLE_EVERY) -> "CompiledModel":
     """Compile `model` for `mesh` with `plan` (a Plan, a path to a saved one, or None to plan now).
 
     A model on the meta device is initialised shard by shard (with `seed` if given); a model
@@ -66,7 +89,13 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=N
     every rank when the loss or a gradient is NaN or infinite (one scalar all-reduce per
     step); also settable later as cm.check_finite.  check_inputs: during the first this
     many calls the ranks compare a hash of their inputs (runtime/inputs.py): without
-    local_inputs every rank must pass the same global batch (0 turns it off)."""
+    local_inputs every rank must pass the same global batch (0 turns it off).
+    check_inputs_every: after those calls, every this many-th call's inputs are compared by
+    a hash that rides in the step's NaN-check all-reduce (no extra collective where the
+    step makes that all-reduce; 0 turns it off).  timeout is at
+    least MIN_TIMEOUT_S (1 s): a minute or more leaves room for ranks that load data or
+    evaluate at different speeds."""
+    timeout = check_timeout(timeout)
     ensure_process_group()
     set_timeout(timeout)
     with collectives_named("compile", timeout):
@@ -75,6 +104,7 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=N
     set_timeout(timeout)   # (the groups compile made since)
     cm.timeout_s, cm.check_finite = float(timeout), bool(check_finite)
     cm.io.check.compared_calls = int(check_inputs)
+    cm.io.check.sample_every = int(check_inputs_every)
     return cm
 
 

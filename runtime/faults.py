@@ -8,12 +8,18 @@ other rank after `seconds` with a `CollectiveError` naming the timeout, the coll
 and the code that called it, instead of the backend's default (30 minutes for gloo).
 torchrun ends the stalled rank when the others exit.
 
-Finite steps.  `check_finite(model, loss, step)` costs one scalar all-reduce per step: every
+Finite steps.  `check_step(model, loss, step)` costs one scalar all-reduce per step: every
 rank reduces its loss and the norms of its gradient pieces (torch._foreach_norm) into one
-flag (none where every gradient is whole and already all-reduced, as in data parallelism:
-every rank then sees the same values).  When any is NaN or infinite, every rank raises `NonFiniteError` with the step, the
-loss and the first parameter (in the model's order) whose gradient is not finite, found on
-whichever rank holds it.
+flag, all-reduced with MAX so that every rank decides alike.  The all-reduce is left out
+only where every rank's own values are provably everyone's (`seen_alike`: the loss and
+every gradient summed over all ranks, as in data parallelism); a plan that computes the
+same values on several ranks without summing them (the solver's replicated plans, tensor
+parallelism's replicated weights) needs it, since a NaN on one replica is that rank's
+alone.  When any is NaN or infinite, every rank raises `NonFiniteError` with the step, the
+loss, the ranks that saw it and the first parameter (in the model's order) whose gradient
+is not finite, found on whichever rank holds it.  The same all-reduce carries the hashes of
+a sampled call's inputs (runtime/inputs.InputCheck), so that check costs no collective of
+its own on such steps.
 """
 from __future__ import annotations
 
@@ -103,31 +109,86 @@ def collectives_named(what: str, timeout_s: float | None):
             f"Backend error: {str(exc).strip()[:300]}") from exc
 
 
-def check_finite(model, loss: torch.Tensor, step: int) -> None:
-    """Raise NonFiniteError on every rank when the loss or any gradient piece of any rank is
-    NaN or infinite (see the module docstring).  One all-reduce of one scalar."""
-    grads = [g for _, g in model.local_grads()]
+def seen_alike(model) -> bool:
+    """Whether every rank's own finite check reads the same values, so that the flag needs no
+    all-reduce: the step summed the loss over every mesh axis of more than one rank, and every
+    trained gradient is whole here and was all-reduced over all those axes (data parallelism,
+    ZeRO-1).  A NaN anywhere then reaches every rank through those sums.  Not so where some
+    rank computes a value the others never add in: a plan that runs the whole step on every
+    rank with no gradient sum (the solver's choice for small models), gradients reduced
+    inside backward over some axes only (the others compute them again, each for itself),
+    shards, ZeRO-2 chunks, pipeline stages, or a step under no_sync."""
+    sync = model.grad_sync
+    if model.runner.pipelined or sync.pieces or not sync.enabled:
+        return False
+    axes = {a for a in range(model.groups.ndim) if model.groups.size(a) > 1}
+    if not axes:
+        return True
+    if not axes <= set(getattr(model.runner, "loss_axes", ())):
+        return False
+    return all(key in sync.params and axes <= set(sync.axes[key])
+               for key, p in model.shards.items() if p.requires_grad)
+
+
+def check_step(model, loss: torch.Tensor, step: int, finite: bool = True, sample=None) -> None:
+    """After a train step: raise NonFiniteError on every rank when the loss or any gradient
+    piece of any rank is NaN or infinite (`finite`; see the module docstring), and compare the
+    ranks' inputs of a sampled call (`sample`, runtime/inputs.InputSample: InputError on every
+    rank when they differ).  One all-reduce (MAX) at most, made only when one of them needs
+    it: the flag alone (one float64) where `seen_alike` is False; on a sampled call the
+    input hash slots with the flag carried in them (two float64 without local_inputs, see
+    InputCheck.slots).  A non-finite step costs a second one (MIN) that names the first
+    parameter with a non-finite gradient on whichever rank holds it, and the ranks that saw
+    non-finite values."""
     device = loss.device
-    total = loss.detach().float().reshape(()).clone()
-    if grads:
-        norms = torch._foreach_norm([g.detach() for g in grads])
-        total = total + torch.stack([n.float().to(device) for n in norms]).sum()
-    flag = (~torch.isfinite(total)).to(torch.float32)   # 1 where this rank saw a non-finite value
-    if model.grad_sync.pieces or model.runner.pipelined:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    # (else every gradient is whole and all-reduced, the loss summed: every rank sees the same
-    # values, so its own check is everyone's and the step needs no collective more than DDP's)
-    if flag.item() == 0:
+    flag = torch.zeros(1, dtype=torch.float64, device=device)
+    if finite:
+        total = loss.detach().double().reshape(()).clone()
+        grads = [g for _, g in model.local_grads()]
+        if grads:
+            norms = torch._foreach_norm([g.detach() for g in grads])
+            total = total + torch.stack([n.double().to(device) for n in norms]).sum()
+        flag[0] = (~torch.isfinite(total)).double()   # 1 where this rank saw a non-finite value
+    check = model.io.check
+    if sample is not None:   # the flag rides in the slots (InputCheck.slots): still one call
+        reduced = check.slots(sample, device, carry=flag if finite else None)
+        dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
+        read = check.read(reduced)
+        if not read.same_inputs:   # (False, or hidden by the flag: the ranks compare whole)
+            check.compare(sample)   # InputError on every rank when they differ: it explains the rest
+        bad = read.carried
+    elif finite and not seen_alike(model):
+        reduced = flag.clone()
+        dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
+        bad = reduced.item() != 0
+    else:   # every rank sees the same values: its own check is everyone's, at no collective more than DDP's
+        bad = finite and flag.item() != 0
+    if not bad:
         return
+    # which ranks saw what, and the first parameter (in the model's order) with a non-finite
+    # gradient on any rank: one MIN all-reduce of [first, -(loss non-finite), -(any) per rank]
+    world, rank = dist.get_world_size(), dist.get_rank()
     order = {name: k for k, name in enumerate(model.parameter_order())}
     mine = [order.get(model.name_of[key], math.inf) for key, g in model.local_grads()
             if not bool(torch.isfinite(g).all())]
-    first = torch.tensor([min(mine, default=math.inf)], dtype=torch.float64, device=device)
-    dist.all_reduce(first, op=dist.ReduceOp.MIN)
+    told = torch.zeros(1 + 2 * world, dtype=torch.float64, device=device)
+    told[0] = min(mine, default=math.inf)
+    told[1 + rank] = -float(not bool(torch.isfinite(loss.detach()).all()))
+    told[1 + world + rank] = -flag[0].item()
+    dist.all_reduce(told, op=dist.ReduceOp.MIN)
+    first = told[0].item()
+    bad_loss = [r for r in range(world) if told[1 + r].item() < 0]
+    seen_on = [r for r in range(world) if told[1 + world + r].item() < 0]
     names = model.parameter_order()
-    where = (f"the first parameter with a non-finite gradient is {names[int(first.item())]!r}"
-             if math.isfinite(first.item()) else "every gradient is finite")
+    where = (f"the first parameter with a non-finite gradient is {names[int(first)]!r}" if math.isfinite(first)
+             else "every gradient is finite")
+    what = f"not finite on rank(s) {_ranks(bad_loss)}" if bad_loss else f"{loss.item():g}"
     raise NonFiniteError(
-        f"step {step}: the loss is {loss.item():g} and {where}. The optimizer has not stepped: skip this "
-        f"batch (opt.zero_grad() and go on), lower the learning rate or look for the cause (a log of 0, a "
-        f"division by a zero norm, fp16 overflow). compile(..., check_finite=False) turns this check off")
+        f"step {step}: the loss is {what} and {where} (non-finite values seen on rank(s) {_ranks(seen_on)} of "
+        f"{world}). The optimizer has not stepped: skip this batch (opt.zero_grad() and go on), lower the learning "
+        f"rate or look for the cause (a log of 0, a division by a zero norm, fp16 overflow). "
+        f"compile(..., check_finite=False) turns this check off")
+
+
+def _ranks(ranks: list) -> str:
+    return ", ".join(map(str, ranks)) if len(ranks) <= 8 else f"{', '.join(map(str, ranks[:8]))}, ... ({len(ranks)})"

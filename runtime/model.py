@@ -30,10 +30,11 @@ from autopar.precision import MixedPrecision
 
 from .build import Rewritten
 from .checkpoint import give_sharded_state, load_optimizer_state_dict, optimizer_state_dict
-from .faults import DEFAULT_TIMEOUT_S, check_finite, collectives_named
+from .faults import DEFAULT_TIMEOUT_S, check_step, collectives_named
 from .grad_pieces import is_absent
 from .grad_sync import GradSync
-from .inputs import InputCheck
+from .inputs import InputCheck, ShardedInputs, unpack_sharded
+from .plain_state import load_state, sharded_state, state_names
 from .runner import GraphIO
 from .process import CompileError, device_of
 from .whole_params import ELEMENTWISE, WholeParamOptimizer
@@ -67,7 +68,7 @@ class CompiledModel(nn.Module):
         self.input_layouts = rewritten.input_layouts  # compile(local_inputs=True): each input's layout
         self._optimizers: list = []
         self.steps = 0                       # train_step calls so far (errors name the step)
-        self.check_finite = True             # compile(check_finite=...): runtime/faults.check_finite
+        self.check_finite = True             # compile(check_finite=...): runtime/faults.check_step
         self.timeout_s = DEFAULT_TIMEOUT_S   # compile(timeout=...): the collective timeout errors name
         self.device_type = device_type
         self.device = device_of(device_type)
@@ -120,7 +121,7 @@ class CompiledModel(nn.Module):
         self.aliases = {n: traced.tied[n] for n, _ in model.named_parameters(remove_duplicate=False)
                         if traced.tied.get(n, n) != n}
         persistent = set(model.state_dict(keep_vars=True))
-        self._buffer_names = {}
+        self.buffer_names = {}
         for name, buf in model.named_buffers():
             if name not in persistent:
                 continue
@@ -128,7 +129,7 @@ class CompiledModel(nn.Module):
                 if buf.is_meta:
                     continue
                 self.register_buffer(param_key(name), buf.detach().clone().to(self.device), persistent=False)
-            self._buffer_names[name] = param_key(name)
+            self.buffer_names[name] = param_key(name)
         check = InputCheck(rewritten.inputs, groups)
         check.layouts = rewritten.input_layouts
         self.io = GraphIO(order, [n.target for n in gm.graph.nodes if n.op == "placeholder"], traced.in_spec,
@@ -181,7 +182,9 @@ class CompiledModel(nn.Module):
     def forward(self, *args, **kwargs):
         """Forward on the global batch (every rank passes the same full inputs), or on this
         rank's shards when compiled with local_inputs=True.  A pipelined plan returns the
-        batch's loss on every rank (its stages' forward passes only)."""
+        batch's loss on every rank (its stages' forward passes only).  Also takes what
+        `shard_inputs` returns, whole or star-unpacked (runtime/inputs.ShardedInputs)."""
+        args, kwargs = unpack_sharded(args, kwargs)
         with collectives_named("forward", self.timeout_s):
             return self.runner.forward(args, kwargs)
 
@@ -194,7 +197,9 @@ class CompiledModel(nn.Module):
         return self.runner.gather_counts()
 
     def shard_inputs(self, *args, **kwargs):
-        """This rank's shards of global inputs, for a module compiled with local_inputs=True."""
+        """This rank's shards of global inputs, for a module compiled with local_inputs=True:
+        a ShardedInputs (runtime/inputs.py), the pair `args, kwargs` of the shards, which
+        train_step and forward also take as it is (`cm.train_step(*cm.shard_inputs(*batch))`)."""
         if self.input_layouts is None:
             raise CompileError("shard_inputs is for modules compiled with local_inputs=True; this one takes "
                                "the global batch as it is")
@@ -202,7 +207,7 @@ class CompiledModel(nn.Module):
         tensors = iter(self.input_layouts)
         out = [redistribute_local(t, tuple(Replicate() for _ in layout), layout, self.groups)
                if isinstance(t, torch.Tensor) and (layout := next(tensors)) is not None else t for t in flat]
-        return pytree.tree_unflatten(out, spec)
+        return ShardedInputs.of(*pytree.tree_unflatten(out, spec))
 
     # --- uneven data ----------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -251,13 +256,15 @@ class CompiledModel(nn.Module):
         A pipelined plan runs one step of its schedule on the global batch.  With
         check_finite (compile's default) a NaN or infinite loss or gradient on any rank
         raises NonFiniteError on every rank (runtime/faults.py); a collective that does not
-        finish within compile's timeout raises CollectiveError."""
+        finish within compile's timeout raises CollectiveError.  Also takes what shard_inputs
+        returns, whole or star-unpacked (runtime/inputs.ShardedInputs)."""
+        args, kwargs = unpack_sharded(args, kwargs)
         self.steps += 1
         with collectives_named(f"step {self.steps} (forward, backward, gradient synchronisation)", self.timeout_s):
             self._check_joined()
-            loss = self.runner.train_step(args, kwargs)
-            if self.check_finite:
-                check_finite(self, loss, self.steps)
+            with self.io.check.folded():   # a sampled call's input hashes wait for check_step's all-reduce
+                loss = self.runner.train_step(args, kwargs)
+            check_step(self, loss, self.steps, self.check_finite, self.io.check.take_pending())
         return loss
 
     def parameter_order(self) -> list:
@@ -479,41 +486,34 @@ class CompiledModel(nn.Module):
     def _with_aliases_and_buffers(self, params: dict) -> dict:
         out = dict(params)
         out.update({alias: params[name] for alias, name in self.aliases.items() if name in params})
-        out.update({name: getattr(self, key).detach().cpu() for name, key in self._buffer_names.items()})
+        out.update({name: getattr(self, key).detach().cpu() for name, key in self.buffer_names.items()})
         return out
 
     # --- sharded state (torch.distributed.checkpoint) -------------------------------------------
     def state_dict(self, *args, **kwargs) -> dict:
-        """This rank's state under the plain model's names, for torch.distributed.checkpoint:
-        parameters as DTensors (this rank's shard, the plan's placements on the mesh; a
-        fused weight as its parts, `name[a:b]`, the same under every plan of the model),
-        persistent buffers as tensors (replicated).  The usual pattern works, and a
-        checkpoint saved under one plan or mesh loads under another:
+        """This rank's state under the plain model's state_dict() names, for
+        torch.distributed.checkpoint: parameters as DTensors (this rank's shard, the plan's
+        placements on the mesh; a fused weight whole, a tied weight under each of its names),
+        persistent buffers as tensors (replicated).  The usual pattern works, a checkpoint
+        saved under one plan or mesh loads under another, and into the plain model
+        (`dcp.load({"model": model.state_dict()}, ...)`, with or without a process group):
 
-            dcp.save(cm.state_dict(), checkpoint_id=path)
-            state = cm.state_dict(); dcp.load(state, checkpoint_id=path); cm.load_state_dict(state)
+            dcp.save({"model": cm.state_dict()}, checkpoint_id=path)
+            state = {"model": cm.state_dict()}; dcp.load(state, checkpoint_id=path)
+            cm.load_state_dict(state["model"])
 
         Under mixed precision or offload a parameter's value is its float32 master weights
         (what the optimizer updates), so a checkpoint loses nothing and loads into a plan
-        with or without mixed precision.
+        with or without mixed precision.  A fused weight whose parts this plan splits along
+        the dim that joins them costs one collective over those axes (runtime/plain_state.py).
         """
         self._sharded_state_supported()
-        out = {}
-        for k in self.shards:
-            name = self.name_of[k]
-            shape = self.full_shape(k)
-            out[name] = DTensor.from_local(self.local_value(k, master=True).detach(), self.groups.mesh,
-                                           tuple(self.plan.param_placements[name]),
-                                           run_check=False, shape=torch.Size(shape),
-                                           stride=torch.empty(shape, device="meta").stride())
-        out.update({name: getattr(self, key).detach() for name, key in self._buffer_names.items()})
-        return out
+        return sharded_state(self)
 
     def state_dict_names(self) -> list:
         """Every key state_dict() gives on some rank (a pipelined rank gives those of its
-        stages): the parameters as planned (fused weights as their parts) and the persistent
-        buffers."""
-        return list(self.plan.param_placements) + list(self._buffer_names)
+        stages): the plain model's parameter names, tied aliases and persistent buffers."""
+        return state_names(self)
 
     def optimizer_state_dict(self, optimizer) -> dict:
         """The state of an optimizer from build_optimizer under parameter names, per-element
@@ -532,32 +532,16 @@ class CompiledModel(nn.Module):
             raise CompileError(error)
 
     def load_state_dict(self, state: dict, strict: bool = True, assign: bool = False):
-        """Load a state dict under the plain model's names: DTensors (from state_dict() and
-        torch.distributed.checkpoint, any plan or mesh) or whole tensors (the plain model's
-        state_dict(), full_state_dict()).  strict: every parameter and buffer must be there
-        and nothing else."""
-        params = {self.name_of[k]: k for k in self.shards}
-        # (a pipelined rank holds its stages' parameters: the others' are known, not loaded here)
-        known = set(params) | set(self.aliases) | set(self._buffer_names) | set(self.plan.param_placements)
-        missing = [n for n in list(params) + list(self._buffer_names) if n not in state and not any(
-            a in state for a, c in self.aliases.items() if c == n)]
-        unexpected = [n for n in state if n not in known]
-        if strict and (missing or unexpected):
-            raise KeyError(f"state dict does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
-        by_owner = {c: a for a, c in self.aliases.items()}
-        with torch.no_grad():
-            for name, k in params.items():
-                value = state.get(name, state.get(by_owner.get(name, ""), None))
-                if value is not None:
-                    self._load_param(k, value)
-            for name, key in self._buffer_names.items():
-                if name in state:
-                    value = state[name]
-                    value = value.full_tensor() if isinstance(value, DTensor) else value
-                    getattr(self, key).copy_(value.to(getattr(self, key).device))
-        return nn.modules.module._IncompatibleKeys(missing, unexpected)
+        """Load a state dict under the plain model's names: the plain model's own
+        state_dict() (a pretrained model's), full_state_dict(), or DTensors from state_dict() and
+        torch.distributed.checkpoint (any plan or mesh); a fused weight whole (or as the parts
+        of an older checkpoint), a tied weight under either of its names.  strict: every
+        parameter and buffer must be there and nothing else (KeyError naming them);
+        strict=False loads what fits and returns the missing and unexpected keys, as torch
+        does."""
+        return load_state(self, state, strict)
 
-    def _load_param(self, key: str, value) -> None:
+    def load_param(self, key: str, value) -> None:
         """Parameter `key` set from a DTensor or a whole tensor (its master weights too)."""
         p = self.shards[key]
         placements = tuple(self.plan.param_placements[self.name_of[key]])
@@ -588,11 +572,9 @@ class CompiledModel(nn.Module):
 
     def load_full_state_dict(self, state: dict) -> None:
         """Load whole tensors (full_state_dict(), the plain model's state_dict()) into the
-        shards, master weights and buffers."""
-        state = self.parts.split(state)
-        self.load_state_dict(state, strict=False)
-        missing = [n for n in set(self.name_of.values()) if n not in state and not any(
-            a in state for a, c in self.aliases.items() if c == n)]
+        shards, master weights and buffers; KeyError if a parameter is missing."""
+        result = self.load_state_dict(state, strict=False)
+        missing = [n for n in result.missing_keys if n not in self.buffer_names]
         if missing:
             raise KeyError(f"state dict lacks parameters {sorted(missing)[:5]}")
 

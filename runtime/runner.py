@@ -88,6 +88,7 @@ class GraphRunner:
         self.model = model
         self.graph_module = model.graph_module
         self.regather = regather
+        self.loss_axes: tuple = ()   # mesh axes the last train_step summed the loss over (runtime/faults.seen_alike)
 
     def graphs(self) -> list:
         return [self.graph_module]
@@ -123,10 +124,12 @@ class GraphRunner:
         k = next((i for i, t in enumerate(flat) if t is loss), None)
         mv = m.io.output_reduce.get(k)
         if mv is None:
+            self.loss_axes = ()
             self.backward(loss)
             return loss.detach()
         total = loss.detach().clone()
         axes = tuple(a for a, (s, d) in enumerate(zip(mv.src, mv.dst)) if s != d)
+        self.loss_axes = axes
         self.backward(loss, (total, axes))   # summed with the last gradient bucket on those axes
         return total
 

@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 VOCAB, HEADS = 32, 4
-OPTIM = dict(lr=1e-3, eps=1e-6)
+OPTIM = dict(lr=1e-4, eps=1e-6)   # (as tests/rt_cases.py: a key bias's gradient is rounding noise, which Adam scales to lr)
 BLOCKS = ("mlp", "glu", "attn", "attn_fused", "parallel", "moe", "moe_dense")
 
 

@@ -139,3 +139,18 @@ def test_two_hundred_draws_on_four_ranks(pool4, tmp_path_factory):
 @pytest.mark.slow
 def test_draws_on_eight_ranks(pool8, tmp_path_factory):
     _fuzz(pool8, MESHES_8, 8, _examples(24), "slow, 8 ranks", tmp_path_factory)
+
+
+@pytest.mark.parametrize("layout", ["ulysses x dp", "context-parallel x dp"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_view_after_attention_under_sequence_layouts(pool4, tmp_path, layout, fused):
+    """Found by the draws: nanoGPT's `y.transpose(1, 2).contiguous().view(b, s, h)` after
+    attention.  The trace drops the `.contiguous()` (a no-op for the traced kernel's
+    output), so ring and Ulysses attention must return their output in the traced layout
+    (passes/local_ops.in_dim_order) or the `.view` fails."""
+    spec = Spec(blocks=("attn_fused" if fused else "attn", "mlp"), hidden=32, view_after_attention=True, seq=16)
+    loop = Loop(steps=2)
+    mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="cpu")
+    plan = _plan(spec, mesh, layout, 0).to_dict()
+    got = pool4.run(compiled, spec, loop, plan, None, str(tmp_path / "ckpt"))[0]
+    assert compare(got, reference(spec, loop)) == []
