@@ -139,7 +139,12 @@ def load_optimizer_state_dict(cm, opt, saved: dict) -> None:
                 local = shard_of(whole.to(p.device), placements, cm.groups)
             if lay is not None:
                 local = local.reshape(-1)[lay.start: lay.end]
-            mine[k].copy_(local.to(mine[k].device, mine[k].dtype).view_as(mine[k]))
+            src = local.to(mine[k].device, mine[k].dtype).view_as(mine[k])
+            if src.untyped_storage().data_ptr() == mine[k].untyped_storage().data_ptr():
+                # (DCP loaded into the state's own storage through the DTensors optimizer_state_dict
+                # gave: where the views differ, a copy in place would read what it overwrites)
+                src = src.clone()
+            mine[k].copy_(src)
     for g, s in zip(inner.param_groups, saved["param_groups"]):
         g.update({k: v for k, v in s.items() if k != "params"})
 

@@ -154,3 +154,15 @@ def test_view_after_attention_under_sequence_layouts(pool4, tmp_path, layout, fu
     plan = _plan(spec, mesh, layout, 0).to_dict()
     got = pool4.run(compiled, spec, loop, plan, None, str(tmp_path / "ckpt"))[0]
     assert compare(got, reference(spec, loop)) == []
+
+
+def test_stacked_experts_resume_under_zero3(pool4, tmp_path):
+    """Found by the draws: an AdamW state of stacked experts under ZeRO-3, loaded by
+    autopar.checkpoint.load, is read from the storage DCP wrote it into (through the DTensors
+    optimizer_state_dict gave) in another view: the copy must not read what it overwrites."""
+    spec = Spec(blocks=("moe", "mlp"), hidden=32, norm="rms", frozen="embed", view_after_attention=False)
+    loop = Loop(steps=2, accumulate=True, checkpoint=True, pretrained=True)
+    mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="cpu")
+    plan = _plan(spec, mesh, "zero3", 0).to_dict()
+    got = pool4.run(compiled, spec, loop, plan, plan, str(tmp_path / "ckpt"))[0]
+    assert compare(got, reference(spec, loop)) == []
