@@ -79,6 +79,8 @@ def main(argv=None) -> None:
         start = autopar.checkpoint.load(last, cm, opt)["step"]
         if rank == 0:
             print(f"attempt {attempt}: resumed from {last} at step {start} at {time.time():.3f}", flush=True)
+    if rank == 0:
+        print(f"attempt {attempt}: ready at {time.time():.3f}", flush=True)
     for step in range(start, args.steps):
         loss = cm.train_step(*batch_of(step, example))
         opt.step()

@@ -40,3 +40,53 @@ def pool8():
         yield p
     finally:
         p.close()
+
+
+# --- two tiers ------------------------------------------------------------------------------
+# The README's test command runs the fast tier (pyproject's addopts deselect `slow`);
+# `pytest -m slow` runs the rest: whole tests listed in SLOW, and of each sweep in SAMPLED
+# all but a fixed-seed sample of its cases (the sample stays in the fast tier, so every
+# sweep keeps some cases there, and which ones does not change from run to run).
+SLOW = {
+    "test_launch.py",                                                   # torchrun launches and restarts
+    "test_redistribution_plan.py::test_every_pair_on_a_2x2x2_mesh",
+    "test_planner_zero.py::test_a_budget_below_the_minimum_names_the_minimum_and_the_fixes",
+    "test_training_loop.py::test_repeated_planning_does_not_grow_memory",
+}
+SAMPLED = {   # test -> cases kept in the fast tier
+    "test_runtime.py::test_training_matches_one_device": 4,
+    "test_semantics.py::test_frozen_parameters_stay_frozen": 1,
+    "test_hf_models.py::test_family_trains_like_one_device": 4,
+    "test_hf_models.py::test_mixture_of_experts_trains_like_one_device": 2,
+    "test_hf_models.py::test_megatron_meets_its_closed_form": 6,
+    "test_pipeline_runtime.py::test_every_schedule_trains_like_one_device": 3,
+    "test_pipeline_runtime.py::test_three_dimensional_layouts_train_like_one_device": 1,
+    "test_recompute.py::test_recomputed_training_matches_one_device": 4,
+    "test_recompute.py::test_predicted_activations_match_saved_bytes": 2,
+    "test_recompute.py::test_recompute_bounds_hold_from_the_keep_everything_reserve": 1,
+    "test_experts_routing.py::test_routing_that_leaves_experts_idle_trains_like_one_device": 3,
+    "test_unroll.py::test_unrolled_graph_is_the_full_export": 6,
+    "test_rebatch.py::test_written_trace_is_the_export": 6,
+    "test_pipeline_measured.py::test_measured_bubble_matches_simulator": 1,
+    "test_pipeline_search.py::test_search_never_loses_to_the_plain_plan": 2,
+    "test_faults_round3.py::test_a_nan_gradient_on_one_rank_stops_every_rank": 5,
+    "test_sequence_parallel.py::test_sequence_layouts_train_like_one_device": 5,
+    "test_planner_3axis.py::test_presolve_equals_full_ilp_on_random_graphs": 10,
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    import random
+
+    by_sweep: dict = {}
+    for item in items:
+        test = f"{item.path.name}::{item.originalname}"
+        if item.path.name in SLOW or test in SLOW:
+            item.add_marker(pytest.mark.slow)
+        elif test in SAMPLED:
+            by_sweep.setdefault(test, []).append(item)
+    for test, cases in by_sweep.items():
+        kept = set(random.Random(test).sample(range(len(cases)), min(SAMPLED[test], len(cases))))
+        for k, item in enumerate(cases):
+            if k not in kept:
+                item.add_marker(pytest.mark.slow)
