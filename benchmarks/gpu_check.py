@@ -4,6 +4,16 @@
     python benchmarks/gpu_check.py --sections ops,configs          # some sections only
     python benchmarks/gpu_check.py --cpu                           # tiny shapes on the CPU (under a minute)
 
+On a lent machine whose image has torch but not the rest (no ortools, the package not
+installed), carry wheels downloaded here into an ignored folder and link the stage folders:
+
+    pip download --python-version 3.12 --only-binary=:all: --platform manylinux_2_27_x86_64 \
+        --no-deps ortools protobuf immutabledict absl-py -d out/wheels
+    # on the device, from the repository root:
+    pip install -q --no-deps --target /tmp/site out/wheels/*.whl
+    for d in passes runtime models; do ln -sfn ../$d autopar/$d; done
+    PYTHONPATH=/tmp/site:$PWD python benchmarks/gpu_check.py --out $OUT/gpu_check.json
+
 No torchrun needed: the script starts a 1-rank process group itself (NCCL on a GPU, gloo on
 the CPU, a free local port); under a 1-rank torchrun it uses torchrun's.  Sections, each
 printed as it finishes (and `--out` rewritten after each, so a run cut short keeps what it
