@@ -14,70 +14,19 @@ import os
 import pickle
 import sys
 import threading
-import time
 
 _TASK: tuple = ()   # (function, items) of the map in progress, set in the parent before the fork
 
 
 def worker_count(workers: int | None = None) -> int:
     """Processes to plan with: `workers`, else $AUTOPAR_WORKERS, else the cores this process
-    may use that other work leaves idle (idle_cores); 1 inside a forked worker (it may not
-    fork again) and where fork is missing.  On a shared machine (a login node, a CI runner
-    with other jobs) a forked process would wait for a core and the process that forked it
-    for the forked one, so planning forks only onto cores it finds idle."""
+    may use; 1 inside a forked worker (it may not fork again) and where fork is missing."""
     if multiprocessing.current_process().daemon or not sys.platform.startswith("linux"):
         return 1
     if workers is None:
-        workers = int(os.environ.get("AUTOPAR_WORKERS", "0")) or idle_cores()
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        workers = int(os.environ.get("AUTOPAR_WORKERS", "0")) or cores
     return max(1, int(workers))
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity mask)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
-def idle_cores(samples: int = 5, interval_s: float = 0.004) -> int:
-    """usable_cores less the other threads ready to run now, at least 1: threads in state R
-    under /proc (those this process can see: its container's on a shared host, where
-    /proc/loadavg may count the whole host's), the median of a few samples some
-    milliseconds apart.  Instantaneous, unlike the load average, which lags a minute and
-    counts this process's own earlier work.  About 10 ms."""
-    cores = usable_cores()
-    counts = []
-    for k in range(samples):
-        counts.append(_runnable_threads())
-        if counts[-1] is None:
-            return cores
-        if k + 1 < samples:
-            time.sleep(interval_s)
-    others = sorted(counts)[len(counts) // 2]
-    return max(1, min(cores, cores - others))
-
-
-def _runnable_threads() -> int | None:
-    """Threads in state R other than this one, or None where /proc cannot be read."""
-    me = threading.get_native_id()
-    count = 0
-    try:
-        pids = [p for p in os.listdir("/proc") if p.isdigit()]
-    except OSError:
-        return None
-    for pid in pids:
-        try:
-            tids = os.listdir(f"/proc/{pid}/task")
-        except OSError:   # (ended meanwhile)
-            continue
-        for tid in tids:
-            try:
-                with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            end = stat.rfind(b")")   # (the command name may hold spaces and parentheses)
-            if stat[end + 2:end + 3] == b"R" and int(tid) != me:
-                count += 1
-    return count
 
 
 def forked_map(fn, items, workers: int) -> list:

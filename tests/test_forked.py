@@ -73,39 +73,3 @@ def test_a_value_that_cannot_be_sent_is_an_error_here():
     with pytest.raises(RuntimeError, match="could not send its function"):
         forked_lanes(here, there, 2)
 
-
-def test_planning_forks_only_onto_idle_cores(monkeypatch):
-    """worker_count with no setting: the usable cores less the other runnable threads
-    (autopar.forked.idle_cores), at least one; an explicit count or $AUTOPAR_WORKERS wins."""
-    import autopar.forked as forked
-
-    monkeypatch.delenv("AUTOPAR_WORKERS", raising=False)
-    cores = forked.usable_cores()
-    for others, expected in ((0, cores), (cores - 1, 1), (cores + 3, 1)):
-        monkeypatch.setattr(forked, "_runnable_threads", lambda n=others: n)
-        assert forked.idle_cores(interval_s=0) == expected
-        assert worker_count() == expected
-    assert worker_count(3) == 3
-    monkeypatch.setenv("AUTOPAR_WORKERS", "2")
-    assert worker_count() == 2
-
-
-def test_busy_processes_are_counted_as_running():
-    """As many spinning processes as usable cores: they are seen running, so planning stays
-    in one process."""
-    import subprocess
-    import sys
-
-    from autopar.forked import _runnable_threads, idle_cores, usable_cores
-
-    spin = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(usable_cores())]
-    try:
-        import time
-
-        time.sleep(0.3)
-        assert max(_runnable_threads() for _ in range(10)) >= 1
-        assert idle_cores() == 1
-    finally:
-        for p in spin:
-            p.kill()
-            p.wait()
