@@ -62,6 +62,21 @@ def check_timeout(timeout) -> float:
                      f"timeout=60 or more (the default is {DEFAULT_TIMEOUT_S:g})")
 
 
+def check_options(bucket_mb, check_inputs, check_inputs_every) -> None:
+    """compile's numeric options other than the timeout, or ValueError naming the option,
+    its value and what it may be."""
+    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, numbers.Real) or not math.isfinite(bucket_mb) \
+            or bucket_mb <= 0:
+        raise ValueError(f"autopar.compile(bucket_mb={bucket_mb!r}): the gradient bucket size must be a positive "
+                         f"number of MiB (25 is DDP's default; larger buckets mean fewer, later all-reduces)")
+    for name, value, what in (("check_inputs", check_inputs, "how many first calls compare every input's hash"),
+                              ("check_inputs_every", check_inputs_every,
+                               "after those, every how many calls one is compared")):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+            raise ValueError(f"autopar.compile({name}={value!r}): {what}; a whole number of at least 0 "
+                             f"(0 turns it off)")
+
+
 def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=None, plan=None,
             memory_budget=None, seed: int | None = None, bucket_mb: float = 25.0,
             local_inputs: bool = False, mixed_precision=None,
@@ -96,6 +111,7 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=N
     least MIN_TIMEOUT_S (1 s): a minute or more leaves room for ranks that load data or
     evaluate at different speeds."""
     timeout = check_timeout(timeout)
+    check_options(bucket_mb, check_inputs, check_inputs_every)
     ensure_process_group()
     set_timeout(timeout)
     with collectives_named("compile", timeout):

@@ -167,3 +167,21 @@ def test_train_step_takes_shard_inputs_as_it_comes(pool2):
         assert out["errors"] == {"extra": f"positional input 0 is the args of what cm.shard_inputs returned, {said}",
                                  "kwargs only": f"positional input 0 is the kwargs of what cm.shard_inputs returned, "
                                                 f"{said}"}
+
+
+@pytest.mark.parametrize("option,value,message", [
+    ("bucket_mb", 0, "the gradient bucket size must be a positive number of MiB (25 is DDP's default; larger "
+                     "buckets mean fewer, later all-reduces)"),
+    ("bucket_mb", float("inf"), "the gradient bucket size must be a positive number of MiB (25 is DDP's default; "
+                                "larger buckets mean fewer, later all-reduces)"),
+    ("check_inputs", -1, "how many first calls compare every input's hash; a whole number of at least 0 "
+                         "(0 turns it off)"),
+    ("check_inputs_every", 2.5, "after those, every how many calls one is compared; a whole number of at least 0 "
+                                "(0 turns it off)"),
+])
+def test_compile_refuses_option_values_it_cannot_use(option, value, message):
+    """Refused at the call, before any process group is needed."""
+    with pytest.raises(ValueError) as caught:
+        autopar.compile(torch.nn.Linear(2, 2), autopar.Mesh((2,), ("dp",), device="cpu"), (torch.ones(2, 2),),
+                        **{option: value})
+    assert str(caught.value) == f"autopar.compile({option}={value!r}): {message}"
