@@ -1,13 +1,13 @@
 """autopar: plan and run the parallel training of a PyTorch model on a device mesh."""
 import logging as _logging
 
-from .mesh import DeviceSpec, Mesh
-from .plan import Plan
-from .pipeline.search import Pipeline
-from .precision import MixedPrecision
-from .planner import plan
-from .solver import InfeasibleError
-from .trace import TraceError
+from autopar.mesh import DeviceSpec, Mesh
+from autopar.plan.plan import Plan
+from autopar.solve.pipeline_search import Pipeline
+from autopar.cost.precision import MixedPrecision
+from autopar.solve.ilp import InfeasibleError
+from autopar.trace.export import TraceError
+from autopar.solve.planner import plan  # last: `autopar.plan` is this function, not the autopar/plan/ folder
 
 _logging.getLogger("autopar").addHandler(_logging.NullHandler())
 
@@ -16,6 +16,6 @@ __all__ = ["Mesh", "DeviceSpec", "MixedPrecision", "Pipeline", "Plan", "plan", "
 
 def compile(model, mesh, example_inputs=(), **kwargs):
     """Compile `model` for `mesh` under torchrun: see autopar.runtime.compiled.compile."""
-    from .runtime.compiled import compile as _compile  # the runtime is the last stage: import on use
+    from autopar.runtime.compiled import compile as _compile  # the runtime is the last stage: import on use
     return _compile(model, mesh, example_inputs, **kwargs)
 __version__ = "0.1.0"

@@ -32,15 +32,15 @@ import torch.distributed as dist
 
 import autopar
 
-from .html_report import write_report
-from .mesh import parse_shape
-from .models import PRESETS, ConfigError, build, list_models
-from .pipeline.search import SCHEDULE_CHOICES
-from .plan import PlanFileError
-from .records import format_bytes, format_seconds
-from .recompute import MODES
-from .report import node_layout, table_rows
-from .runtime.calibrate import calibrate
+from autopar.plan.html import write_report
+from autopar.mesh import parse_shape
+from autopar.models import PRESETS, ConfigError, build, list_models
+from autopar.solve.pipeline_search import SCHEDULE_CHOICES
+from autopar.plan.plan import PlanFileError
+from autopar.plan.records import format_bytes, format_seconds
+from autopar.solve.recompute import MODES
+from autopar.plan.report import node_layout, table_rows
+from autopar.runtime.calibrate import calibrate
 
 log = logging.getLogger("autopar")
 

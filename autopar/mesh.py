@@ -29,7 +29,7 @@ class DeviceSpec:
     host_bandwidth: bytes/s between the device and host memory (offload);
     host_optimizer_rate: parameter elements per second the host's optimizer updates
     (a vectorised CPU Adam) for this device.  algorithms: the collective algorithms its
-    communication library runs (autopar.collectives); the cost model takes the cheapest
+    communication library runs (autopar.cost.collectives); the cost model takes the cheapest
     per call.
 
     op_latency: seconds one op costs however small (kernel launch, or eager dispatch on a
@@ -39,7 +39,7 @@ class DeviceSpec:
     links: measured collective lines (`autopar calibrate`), one entry per collective kind
     ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send") and link ("intra":
     inside a node, "inter": across): (kind, link, bandwidth, latency, launch), each read
-    with the ring formulas of autopar.collectives.  A kind or link not listed uses the
+    with the ring formulas of autopar.cost.collectives.  A kind or link not listed uses the
     bandwidths and latencies above.  optimizer: measured AdamW step (seconds per
     parameter tensor, seconds per element); empty: priced as memory traffic
     (cost.optimizer_seconds).  attention_flops: FLOP/s of the fused attention kernel per

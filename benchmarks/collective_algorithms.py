@@ -1,5 +1,5 @@
 """Which collective algorithm the cost model assumes for a data-parallel gradient
-all-reduce, by message size and cluster (autopar.collectives; docs/COLLECTIVES.md).
+all-reduce, by message size and cluster (autopar.cost.collectives; docs/COLLECTIVES.md).
 
 Baseline named in the output: the ring, the only algorithm priced before; the ratio is
 ring time / chosen time (1.00 where the ring is the choice).
@@ -13,7 +13,7 @@ import dataclasses
 from torch.distributed.tensor import Partial, Replicate
 
 import autopar
-from autopar.cost import redistribute
+from autopar.cost.prices import redistribute
 from autopar.mesh import PRESETS
 
 SIZES = (("1 MB", 1e6), ("100 MB", 1e8), ("1 GB", 1e9))

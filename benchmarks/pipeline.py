@@ -20,7 +20,7 @@ zero_grad, between two barriers, timed on rank 0; after `--warmup` untimed steps
 sides alternate for `--steps` steps each and the median is reported.  The step-0 losses
 must agree (same weights, same batch).  For autopar's last step the measured passes give
 the measured bubble fraction, and the simulator run with the measured per-stage pass
-times gives the predicted one (autopar.pipeline.pass_times).
+times gives the predicted one (autopar.runtime.pass_times.pass_times).
 
 Then 2 stages x data parallel 2 on a (2, 2) mesh, 1F1B: autopar with the gradient
 reduction overlapped with each stage's last backward (the default) against the same
@@ -153,7 +153,7 @@ def main() -> None:
         for _ in range(args.steps):
             times["hand"].append(timed(hand, batch))
             times["autopar"].append(timed(mine, batch))
-        from autopar.pipeline import EventRecorder, gather_timeline, pass_times
+        from autopar.runtime.pass_times import EventRecorder, gather_timeline, pass_times
         with EventRecorder(*cm.runner.pipeline_stages) as recorder:
             mine(*batch)
             timeline = gather_timeline(recorder, schedule)

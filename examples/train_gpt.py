@@ -89,7 +89,7 @@ def main(argv=None) -> None:
     recorder = None
     for step in range(args.steps):
         if args.gantt and step == args.steps - 1 and cm.runner.pipelined:
-            from autopar.pipeline import EventRecorder
+            from autopar.runtime.pass_times import EventRecorder
             recorder = EventRecorder(*cm.runner.pipeline_stages)
         start = time.perf_counter()
         loss = cm.train_step(*batch)
@@ -106,7 +106,8 @@ def main(argv=None) -> None:
         if rank == 0:
             print(line, flush=True)
     if recorder is not None:
-        from autopar.pipeline import gantt_svg, gather_timeline
+        from autopar.plan.gantt import gantt_svg
+        from autopar.runtime.pass_times import gather_timeline
         timeline = gather_timeline(recorder, plan.pipeline.schedule)
         if rank == 0:
             pp = plan.pipeline

@@ -91,7 +91,7 @@ def _configs(layers: int = LAYERS):
 
 
 FUSED = ["gpt2", "phi3", "gpt_bigcode", "gpt_fused", "falcon"]
-MOE = ["mixtral", "qwen2_moe", "olmoe", "qwen3_moe", "granitemoe"]  # experts as one op (autopar/experts.py)
+MOE = ["mixtral", "qwen2_moe", "olmoe", "qwen3_moe", "granitemoe"]  # experts as one op (autopar/trace/experts.py)
 FAMILIES = ["llama", "qwen2", "mistral", "gemma", "stablelm", "starcoder2", "gemma2", "qwen3", "gptj", "gpt_neox",
             "phi", "cohere"]
 

@@ -9,7 +9,7 @@ import math
 import torch
 
 import autopar
-from autopar.plan import Plan
+from autopar.plan.plan import Plan
 
 RTOL, ATOL = 1e-5, 1e-6
 # Adam divides by sqrt(v) + eps, so rounding noise in a gradient that is (nearly) zero in
@@ -205,7 +205,7 @@ def forward_collectives(spec: tuple, plan_dict: dict) -> list:
     """(kind, mesh axis, module of the reading op) of every forward collective the compiled
     graph runs in its moves."""
     from autopar.passes.collectives import move
-    from autopar.problem import module_path
+    from autopar.solve.graph import module_path
     from autopar.passes.redistribute import plan_redistribute
     plan = Plan.from_dict(plan_dict)
     model, args, kwargs = build_case(spec)

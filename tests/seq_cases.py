@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 
 import autopar
-from autopar.attention import window_attention
-from autopar.plan import Plan
+from autopar.trace.attention import window_attention
+from autopar.plan.plan import Plan
 from rt_cases import build_case
 
 

@@ -23,8 +23,7 @@ from pathlib import Path
 import networkx as nx
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = {"autopar": "autopar", "passes": "autopar.passes", "runtime": "autopar.runtime",
-            "models": "autopar.models"}
+PACKAGES = {"autopar": "autopar"}
 ALLOWED_DEFERRED = {("autopar", "autopar.runtime.compiled")}
 
 

@@ -1,4 +1,4 @@
-"""The per-layer activation memory of Korthikanti et al. 2022 (autopar.memory), and the
+"""The per-layer activation memory of Korthikanti et al. 2022 (autopar.cost.memory), and the
 planner's activation bytes for GPT with eager attention measured against it.
 
 The planner's figure for one layer is the difference between the plans of a 3-layer and a
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import autopar
-from autopar.memory import layer_activation_bytes
+from autopar.cost.memory import layer_activation_bytes
 from autopar.models import build
 
 # GPT-3 175B: s = 2048, h = 12288, a = 96, micro-batch 1, so sbh = 2048 * 12288 = 25_165_824

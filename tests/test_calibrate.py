@@ -13,12 +13,12 @@ import pytest
 import torch
 
 import autopar
-from autopar import collectives as K
-from autopar.cost import BUCKET_BYTES, axis_link, collective_time
+from autopar.cost import collectives as K
+from autopar.cost.prices import BUCKET_BYTES, axis_link, collective_time
 from autopar.mesh import PRESETS, DeviceSpec
 from autopar.models import build
-import autopar.pipeline.search as pipeline_search
-from autopar.solution import hidden_gradient_seconds, hidden_prefetch_seconds
+import autopar.solve.pipeline_search as pipeline_search
+from autopar.solve.solution import hidden_gradient_seconds, hidden_prefetch_seconds
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
 

@@ -1,4 +1,4 @@
-"""Collective algorithms of the cost model (autopar.collectives): each formula against its
+"""Collective algorithms of the cost model (autopar.cost.collectives): each formula against its
 closed form, the choice per message size, and what the plans record."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 from torch.distributed.tensor import Partial, Replicate
 
 import autopar
-from autopar import collectives as K
-from autopar.cost import redistribute
+from autopar.cost import collectives as K
+from autopar.cost.prices import redistribute
 from autopar.mesh import PRESETS
 from autopar.models import build
 

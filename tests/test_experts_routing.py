@@ -89,7 +89,7 @@ def train_routed(routing: str, plan_dict: dict) -> dict:
     """On every rank: train the routed model under the plan and on one device; the worst
     excess over the tolerance of loss, gradients and parameters (<= 0: equal), and how many
     routed rows each rank's experts received in the last forward."""
-    from autopar.plan import Plan
+    from autopar.plan.plan import Plan
     from rt_cases import ATOL, OPTIM, RTOL, excess
     plan = Plan.from_dict(plan_dict)
     losses, grads, params = _reference(routing)
@@ -153,7 +153,7 @@ def test_routing_that_leaves_experts_idle_trains_like_one_device(pool4, routing,
 def test_experts_op_on_no_rows():
     """The op on a rank that received no row (an expert-parallel rank whose experts nobody
     picked): an empty output of the hidden size, and zero gradients for its experts' weights."""
-    from autopar.experts import experts
+    from autopar.trace.experts import experts
     torch.manual_seed(0)
     hidden, inner, local = 8, 4, 2
     x = torch.randn(0, hidden, requires_grad=True)

@@ -1,4 +1,4 @@
-"""Planning on several cores (autopar/forked.py): forked processes that compute, talk to the
+"""Planning on several cores (autopar/solve/forked.py): forked processes that compute, talk to the
 process that forked them while they work, and give their results (or their errors) back."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from autopar.forked import forked_lanes, forked_map, worker_count
+from autopar.solve.forked import forked_lanes, forked_map, worker_count
 
 
 def test_forked_map_keeps_the_order_and_uses_other_processes():

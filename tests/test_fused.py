@@ -1,4 +1,4 @@
-"""Fused projections (autopar/fused.py): a weight whose output the model splits is planned
+"""Fused projections (autopar/trace/fused.py): a weight whose output the model splits is planned
 as one matmul per part, each part its own parameter placeholder, so Megatron's layout
 shards q, k and v (or gate and up) separately; the user still sees the model's own
 weights whole (initialisation, full_state_dict, load_state_dict, checkpoints)."""
@@ -8,8 +8,8 @@ import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard
 
 import autopar
-from autopar.fused import Parts
-from autopar.trace import trace
+from autopar.trace.fused import Parts
+from autopar.trace.export import trace
 
 transformers = pytest.importorskip("transformers")
 

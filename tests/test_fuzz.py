@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import autopar
-from autopar.baselines import layouts
+from autopar.solve.layouts import layouts
 from fuzz_cases import BLOCKS, Loop, Spec, build, batches, compare, compiled, reference
 
 MESHES_4 = (((4,), ("dp",)), ((2, 2), ("dp", "tp")), ((2, 2, 1), ("dp", "tp", "sp")))

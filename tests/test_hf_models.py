@@ -146,7 +146,7 @@ def test_compiled_graph_runs_the_moves_the_plan_prices(pool4, family):
 @pytest.mark.parametrize("family", MOE)
 def test_mixture_of_experts_trains_like_one_device(pool4, family):
     """Mixture-of-experts models (stacked expert weights, top-k router): the experts run as
-    one planned op (autopar/experts.py), dropless.  Trained on 4 ranks they equal one
+    one planned op (autopar/trace/experts.py), dropless.  Trained on 4 ranks they equal one
     device under the solver's plan on (2, 2) (and (4,) for Mixtral), Megatron's layout
     (every expert's inner dim split) on (4,), the expert-parallel layout (experts split over
     tp, tokens dispatched by all-to-all) on (4,) and (2, 2), and for Mixtral random valid

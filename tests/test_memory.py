@@ -1,7 +1,7 @@
 """The ZeRO memory table (80 GB devices, N = 64, mixed-precision Adam)."""
 import pytest
 
-from autopar.memory import max_trainable_params, state_bytes_per_param
+from autopar.cost.memory import max_trainable_params, state_bytes_per_param
 
 
 @pytest.mark.parametrize("stage,billions", [(0, 5.0), (1, 19.0), (2, 36.0), (3, 320.0)])

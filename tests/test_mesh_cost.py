@@ -6,7 +6,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import autopar
-from autopar.cost import collective_time, redistribute
+from autopar.cost.prices import collective_time, redistribute
 from autopar.mesh import PRESETS
 
 R, P = Replicate(), Partial()
@@ -47,7 +47,7 @@ def test_alpha_beta_formulas():
 
 
 def test_redistribution_paths_over_two_axes():
-    """The cost model prices the steps the runtime runs (autopar.redistribution)."""
+    """The cost model prices the steps the runtime runs (autopar.cost.redistribution)."""
     mesh = autopar.Mesh((2, 4), ("dp", "tp"), bandwidth=(1e9, 4e9), latency=0.0)
     shape, item = (1024, 1024), 4
     full = math.prod(shape) * item

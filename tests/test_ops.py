@@ -131,8 +131,8 @@ def test_user_graph_module_is_accepted():
 
 def _menu(model_name, mesh, op, **overrides):
     from autopar.models import build
-    from autopar.problem import Problem
-    from autopar.trace import trace
+    from autopar.solve.problem import Problem
+    from autopar.trace.export import trace
     model, example = build(model_name, device="meta", **overrides)
     problem = Problem(trace(model, example), mesh)
     return problem, [pn for pn in problem.nodes if pn.op == op and pn.rep == pn.index]
@@ -205,7 +205,7 @@ def test_topk_and_in_place_ops_have_rules():
     out-of-place form when nothing reads the written tensor afterwards, and has no rule
     (runs replicated, with the warning) when something does."""
     from autopar.ops import annotate
-    from autopar.trace import trace
+    from autopar.trace.export import trace
     torch.manual_seed(0)
     gm = trace(_Router(), (torch.randn(32, 16),)).graph
     ops = {str(n.target): n for n in gm.graph.nodes if n.op == "call_function"}

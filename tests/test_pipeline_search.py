@@ -1,4 +1,4 @@
-"""Pipeline stage search (autopar.pipeline.search via autopar.plan(pipeline=True))."""
+"""Pipeline stage search (autopar.solve.pipeline_search via autopar.plan(pipeline=True))."""
 from __future__ import annotations
 
 import time
@@ -9,8 +9,8 @@ from torch.distributed.tensor import Shard
 import autopar
 from autopar.mesh import parse_bytes
 from autopar.models import build
-from autopar.pipeline.search import _balanced_cuts, search
-from autopar.solution import build_problem, step_lower_bound
+from autopar.solve.pipeline_search import _balanced_cuts, search
+from autopar.solve.solution import build_problem, step_lower_bound
 
 
 def test_balanced_cuts_minimise_the_slowest_stage():
@@ -86,10 +86,10 @@ def test_split_pass_cuts_the_planned_graph_at_the_stage_boundaries(slow_network_
     from autopar.passes.collectives import insert_collectives
     from autopar.passes.localize import localize
     from autopar.passes.pipeline_split import assign_stages, layer_stages, split_stages
-    from autopar.batching import first_microbatch
-    from autopar.problem import module_path
+    from autopar.trace.batching import first_microbatch
+    from autopar.solve.graph import module_path
     from autopar.runtime.build import param_names
-    from autopar.trace import trace
+    from autopar.trace.export import trace
 
     plan, _ = slow_network_plan
     pp = plan.pipeline
@@ -122,7 +122,7 @@ def test_split_pass_cuts_the_planned_graph_at_the_stage_boundaries(slow_network_
 def test_search_builds_each_problem_once(monkeypatch, fixed):
     """The planner reuses the problem the search built (and solved) for the winner: one
     Problem per (sub-mesh, microbatch) candidate plus the unpipelined one, none rebuilt."""
-    import autopar.solution as solution
+    import autopar.solve.solution as solution
     built = []
     original = solution.Problem
 

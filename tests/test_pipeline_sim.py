@@ -9,14 +9,9 @@ from collections import Counter
 
 import pytest
 
-from autopar.pipeline import (
-    SCHEDULES,
-    Event,
-    Timeline,
-    bubble_formula,
-    gantt_svg,
-    simulate,
-)
+from autopar.cost.schedules import SCHEDULES, Event, Timeline, bubble_formula
+from autopar.plan.gantt import gantt_svg
+from autopar.cost import schedules as simulate
 
 EPS = 1e-9
 

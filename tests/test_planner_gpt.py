@@ -6,7 +6,7 @@ import pytest
 from torch.distributed.tensor import Shard
 
 import autopar
-from autopar.plan import Prediction
+from autopar.plan.plan import Prediction
 from autopar.models import build
 
 
@@ -80,8 +80,8 @@ def test_ilp_objective_is_the_predicted_step(name, shape):
     strategies are the same number before overlap: what the ILP optimises is what the plan
     shows, less what gradient buckets hide behind backward (which the ILP cannot see; the
     planner solves once more with buckets discounted by that share and keeps the faster)."""
-    from autopar.solution import assemble, build_problem, solve_problem, solve_summed
-    from autopar.solver import MEMORY_TIE_BREAK
+    from autopar.solve.solution import assemble, build_problem, solve_problem, solve_summed
+    from autopar.solve.ilp import MEMORY_TIE_BREAK
     model, example = build(name, device="meta")
     mesh = autopar.Mesh(shape, ("dp", "tp")[-len(shape):], device="h100")
     problem = build_problem(model, mesh, example, {}).problem

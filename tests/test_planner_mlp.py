@@ -13,7 +13,7 @@ import gc
 from torch.distributed.tensor import Replicate, Shard
 
 import autopar
-import autopar.planner as planner
+import autopar.solve.planner as planner
 from autopar.models import build
 
 

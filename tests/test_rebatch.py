@@ -1,5 +1,5 @@
 """The planning trace at another batch size, written from two exports of the same model
-(autopar/rebatch.py), equals the export at that size node for node: names, ops, wiring,
+(autopar/trace/rebatch.py), equals the export at that size node for node: names, ops, wiring,
 arguments, shapes, strides, dtypes and requires_grad, on autopar's Llama and every Hugging
 Face family; a graph whose shapes are not proportional to the batch, or whose ops change
 with it, is exported."""
@@ -14,9 +14,9 @@ import torch
 import torch.fx as fx
 
 from autopar.models import build
-from autopar.rebatch import outline, rebatched
-from autopar.forked import forked_map
-from autopar.trace import adopt_outlines, exported_outlines, graph_signature, trace
+from autopar.trace.rebatch import outline, rebatched
+from autopar.solve.forked import forked_map
+from autopar.trace.export import adopt_outlines, exported_outlines, graph_signature, trace
 
 LAYERS = 7   # (enough layers to be unrolled: the search's traces are)
 
@@ -58,7 +58,7 @@ def test_written_trace_is_the_export(family):
 
 
 def test_planning_traces_are_written_once_two_are_exported(caplog):
-    """Through autopar.trace's cache, as the pipeline search traces its microbatch sizes:
+    """Through autopar.trace.export's cache, as the pipeline search traces its microbatch sizes:
     the third size and later are written, at 1 and 6 rows (outside and between the two
     exported) equal to their exports."""
     model, at = _inputs("ours", seq=24)   # (a sequence length no other test traces: the cache is the process's)

@@ -9,10 +9,11 @@ import pytest
 
 import autopar
 from autopar.models import build
-from autopar.plan import Plan
-from autopar.recompute import layer_slots, mode_costs
-from autopar.solution import (_bound_under, _byte_price, _solve_modes, _state_bytes, _unbudgeted_bound, build_problem,
-                              mode_assignments, solve_summed)
+from autopar.plan.plan import Plan
+from autopar.solve.recompute import layer_slots, mode_costs
+from autopar.solve.solution import (
+    _bound_under, _byte_price, _solve_modes, _state_bytes, _unbudgeted_bound, build_problem,
+    mode_assignments, solve_summed)
 from rc_cases import losses_and_params, saved_bytes
 from rt_cases import build_case, check_mixed_precision, mixed_precision_vs_reference, train_and_compare
 
@@ -225,7 +226,7 @@ def test_skipped_recompute_assignments_could_not_win(frac, monkeypatch):
     """The solve skips a recompute assignment once its lower bound (its own optimum with no
     budget, or its Lagrangian bound) is no faster than the best plan found; the
     plan it returns is as fast as the best of every assignment solved one by one, and the
-    same whether the assignments are solved in one process or several (autopar/forked.py)."""
+    same whether the assignments are solved in one process or several (autopar/solve/forked.py)."""
     model, example = build("gpt2-124m", device="meta", batch=16, seq=1024)
     mesh = autopar.Mesh((8,), ("dp",), device="h100")
     problem = build_problem(model, mesh, example, None, autopar.MixedPrecision.of("bf16")).problem

@@ -1,10 +1,10 @@
-"""One redistribution planner (autopar.redistribution): the collectives the cost model prices
+"""One redistribution planner (autopar.cost.redistribution): the collectives the cost model prices
 are the collectives the runtime runs, and what the runtime runs gives the target layout.
 
 On gloo ranks, every pair of layouts over {Replicate, Partial, Shard(0), Shard(1)} per axis
 on meshes (4,), (2, 2) and (2, 2, 2), nested shards included, runs through
 redistribute_local with its collectives recorded (kind, mesh axes, bytes of the tensors
-they really moved) and is compared with `autopar.cost.redistribute`'s priced list, call for
+they really moved) and is compared with `autopar.cost.prices.redistribute`'s priced list, call for
 call; the result is compared with the destination layout of the global tensor.
 """
 import itertools
@@ -17,9 +17,9 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 import autopar
 import autopar.passes.redistribute as rd
-from autopar.cost import layout_code, redistribute, redistribute_price
+from autopar.cost.prices import layout_code, redistribute, redistribute_price
 from autopar.passes.redistribute import MeshGroups, Redistribute, redistribute_local
-from autopar.redistribution import Step, plan_codes, plan_redistribute
+from autopar.cost.redistribution import Step, plan_codes, plan_redistribute
 from distributed import device_mesh
 from reference_layouts import check_layout, global_tensor, local_of
 
@@ -91,7 +91,7 @@ def test_placements_and_codes_plan_alike():
 
 
 def priced_calls(shape, itemsize, src, dst, mesh) -> list:
-    """`autopar.cost.redistribute`'s collectives as calls (kind, mesh axes, bytes): the
+    """`autopar.cost.prices.redistribute`'s collectives as calls (kind, mesh axes, bytes): the
     per-axis rows of the one all-reduce (all its rows, listed together) make one call on
     the bytes of its first row."""
     calls = []

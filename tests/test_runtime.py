@@ -30,8 +30,8 @@ def plans_for(model_key: str, shape: tuple) -> dict:
     model, args, kwargs = build_case(spec)
     mesh = autopar.Mesh(shape, MESHES[shape], device="cpu")
     out = {"ilp": autopar.plan(model, mesh, args, example_kwargs=kwargs or None, compare=False)}
-    for layout in autopar.baselines.layouts(mesh):
-        if layout.startswith(autopar.baselines.SEQUENCE_LAYOUTS):
+    for layout in autopar.solve.layouts.layouts(mesh):
+        if layout.startswith(autopar.solve.layouts.SEQUENCE_LAYOUTS):
             continue  # tests/test_sequence_parallel.py trains those on these models
         out[layout] = autopar.plan(model, mesh, args, example_kwargs=kwargs or None, compare=False, layout=layout)
     seeds = range(RANDOM_PER_MESH * len(MESHES))[list(MESHES).index(shape)::len(MESHES)]

@@ -1,6 +1,6 @@
 """The compiled model keeps the module's semantics: frozen parameters stay frozen, train()
 and eval() switch dropout and batch norm as on the plain model, random ops draw from
-streams that make any plan a valid dropout model (runtime/rng.py), per-rank seeds change
+streams that make any plan a valid dropout model (autopar/runtime/rng.py), per-rank seeds change
 nothing, and forward works under no_grad and inference_mode."""
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def _trainable(spec) -> int:
     return sum(p.requires_grad for p in model.parameters())
 
 
-LAYOUTS = [None] + sorted(autopar.baselines.layouts(autopar.Mesh(*MESH, device="cpu"), every=True))
+LAYOUTS = [None] + sorted(autopar.solve.layouts.layouts(autopar.Mesh(*MESH, device="cpu"), every=True))
 
 
 @pytest.mark.parametrize("which", sorted(FROZEN))
@@ -215,7 +215,7 @@ class _TrainOnly(torch.nn.Module):
 
 def test_eval_graph_with_other_ops_is_named():
     from autopar.passes.modes import ModeError, mode_switch
-    from autopar.trace import trace
+    from autopar.trace.export import trace
     model, x = _TrainOnly(), torch.randn(2, 4)
     train, evaluated = trace(model, (x,)), trace(model, (x,), mode="eval")
     switch = mode_switch(train.graph, evaluated.graph, train.buffers)
@@ -227,7 +227,7 @@ def test_eval_graph_with_other_ops_is_named():
 
 def test_mode_switch_records_flags_and_buffer_updates():
     from autopar.passes.modes import mode_switch
-    from autopar.trace import trace
+    from autopar.trace.export import trace
     model, x = bn_case()
     model.drop = torch.nn.Dropout(0.2)
     model.forward = lambda x: model.fc2(model.drop(torch.relu(model.bn(model.fc1(x))))).sum()

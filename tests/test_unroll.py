@@ -1,4 +1,4 @@
-"""Tracing three layers and writing the rest (autopar/unroll.py) gives the full export's
+"""Tracing three layers and writing the rest (autopar/trace/unroll.py) gives the full export's
 graph node for node: names, ops, shapes, wiring, module paths and placeholder names, on
 autopar's Llama and every Hugging Face family; models whose layers differ are traced in
 full."""
@@ -13,9 +13,9 @@ import torch.fx as fx
 
 import autopar
 from autopar.models import build
-from autopar.problem import module_path
-from autopar.trace import graph_signature, trace
-from autopar.unroll import MIN_LAYERS, repeated_layers
+from autopar.solve.graph import module_path
+from autopar.trace.export import graph_signature, trace
+from autopar.trace.unroll import MIN_LAYERS, repeated_layers
 
 LAYERS = 7
 # families whose layers are one list of alike modules (the others differ layer by layer or

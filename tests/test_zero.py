@@ -17,7 +17,7 @@ from rt_cases import (
 )
 
 import autopar
-from autopar.memory import state_bytes_per_param
+from autopar.cost.memory import state_bytes_per_param
 
 GPT = ("autopar", "gpt-tiny", (("hidden", 128),))
 LAYOUT_OF_STAGE = {0: "data-parallel", 1: "zero1", 2: "zero2", 3: "zero3"}

@@ -1,8 +1,9 @@
 """Sharding strategies per op: the annotation table (rules.py), the annotation language
 (annotation.py) and the strategies that follow from an annotation (strategy.py)."""
-from .annotation import Annotation
-from .rules import INTERNAL_COMM, NO_OUTPUT, TRIVIAL, annotate, op_arg, op_name, outputs_of, tensor_args
-from .strategy import Strategy, enumerate_strategies, replicated, show_placements
+from autopar.ops.annotation import Annotation
+from autopar.ops.rules import (
+    INTERNAL_COMM, NO_OUTPUT, TRIVIAL, annotate, op_arg, op_name, outputs_of, tensor_args)
+from autopar.ops.strategy import Strategy, enumerate_strategies, replicated, show_placements
 
 __all__ = ["Annotation", "Strategy", "annotate", "op_arg", "enumerate_strategies", "replicated", "op_name",
            "tensor_args", "outputs_of", "show_placements", "TRIVIAL", "NO_OUTPUT", "INTERNAL_COMM"]

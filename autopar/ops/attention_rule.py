@@ -2,7 +2,7 @@
 
 The annotation (rules._sdpa_rule) splits the batch and the heads.  On top of each of its
 strategies, one mesh axis that it leaves whole may split the sequence of q, k, v and the
-output (all Shard(2)) in one of two named ways, run by passes/attention_ops.py:
+output (all Shard(2)) in one of two named ways, run by autopar/passes/attention_ops.py:
 
 - "ring" (context parallel): every rank keeps its slice of the queries and meets every
   key/value block; forward gathers k and v over the axis, backward gathers them again and
@@ -23,7 +23,7 @@ import math
 
 from torch.distributed.tensor import Replicate, Shard
 
-from .strategy import Strategy
+from autopar.ops.strategy import Strategy
 
 SEQ = 2  # q, k, v and the output are [b, heads, seq, head_dim]
 ATTENTION_OPS = ("aten.scaled_dot_product_attention", "autopar.window_attention")

@@ -1,4 +1,4 @@
-"""Strategies of the mixture-of-experts op (autopar/experts.py).
+"""Strategies of the mixture-of-experts op (autopar/trace/experts.py).
 
 Operands: x [tokens, hidden], index [tokens, k], weight [tokens, k], gate and up
 [experts, inner, hidden], down [experts, hidden, inner]; output [tokens, hidden].  Each mesh
@@ -24,7 +24,7 @@ import math
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from .strategy import Strategy
+from autopar.ops.strategy import Strategy
 
 KINDS = (None, "t", "e", "i", "te")
 _R, _P = Replicate(), Partial()

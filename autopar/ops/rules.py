@@ -12,7 +12,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from .annotation import Annotation, elementwise, parse, reduction, view
+from autopar.ops.annotation import Annotation, elementwise, parse, reduction, view
 
 aten = torch.ops.aten
 

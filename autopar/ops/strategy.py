@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from .annotation import Annotation
+from autopar.ops.annotation import Annotation
 
 Placements = tuple  # one torch placement per mesh axis
 

@@ -1,0 +1,6 @@
+"""Stage 3, prices: what a strategy costs in time and memory.
+
+prices.py (compute roofline, collective and redistribution prices), collectives.py (collective
+algorithms, alpha-beta), redistribution.py (the one planner of the steps between two layouts),
+memory.py (model states under ZeRO), saved.py (what each op keeps for backward),
+precision.py (mixed precision), schedules.py (pipeline schedules on a timeline)."""

@@ -1,0 +1,320 @@
+"""The cost model: compute as a roofline, communication as alpha-beta per mesh axis, memory.
+
+All times are seconds per training step on one device; all sizes are bytes per device.
+
+Collectives on an axis of n ranks with bandwidth B (bytes/s, one direction) and latency a,
+under the ring:
+
+    all-gather      L + (n-1) a + (n-1)/n * out_bytes / B
+    reduce-scatter  L + (n-1) a + (n-1)/n * in_bytes / B
+    all-reduce      L + 2(n-1) a + 2(n-1)/n * bytes / B   (a reduce-scatter and an all-gather in one call)
+    all-to-all      L + (n-1) a + (n-1)/n * bytes / B
+
+L is the fixed cost of one collective call (launch and synchronisation).  Where the
+device's library runs other algorithms too (DeviceSpec.algorithms: NCCL's double binary
+tree), each call is priced at the cheapest (autopar.cost.collectives: the tree's logarithmic
+latency wins on small all-reduces and on many ranks).
+
+A redistribution costs exactly the steps the runtime runs: `autopar.cost.redistribution`
+plans them (axis by axis, shrinking steps before growing ones, an all-to-all where a shard
+moves to another dim on one axis) and this module prices each collective among them on the
+bytes a rank holds when it runs.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from autopar.cost import collectives
+from autopar.mesh import Mesh
+from autopar.cost.redistribution import COLLECTIVES, layout_code, plan_rows
+
+
+def state_bytes(param_itemsize: int, mixed_precision: bool) -> float:
+    """Optimizer bytes per trainable parameter element (Adam): two moments in the
+    parameter's dtype; under mixed precision float32 moments and a float32 master copy
+    (the 12 bytes of the ZeRO paper)."""
+    return 12.0 if mixed_precision else 2.0 * param_itemsize
+
+
+@dataclass(frozen=True)
+class CommStep:
+    """One collective of a redistribution: kind on mesh axis `axis`; nbytes: the bytes its
+    formula in `collective_time` reads (an all-gather's output, any other's input)."""
+
+    kind: str
+    axis: int
+    nbytes: float
+    seconds: float
+    algorithm: str = "ring"
+    fixed: float = 0.0   # the part of `seconds` that does not grow with the bytes
+    bucketed: bool = False   # run in a bucket with other parameters' (see `bucketed`)
+
+
+def bucketed(steps: tuple, nbytes: float, kinds: tuple) -> tuple:
+    """`steps` of a parameter's gradient or weight as the runtime runs them, in buckets: the
+    steps of `kinds` (a gradient's all-reduces, a ZeRO-2 gradient's reduce-scatters, the
+    all-gathers of ZeRO-1/2 weights after the step, a grouped ZeRO-3 weight's gathers and
+    reduce-scatter) pay `bucket_share` of their fixed cost."""
+    cut = 1.0 - bucket_share(nbytes)
+    return tuple(replace(st, seconds=st.seconds - st.fixed * cut, bucketed=True) if st.kind in kinds else st
+                 for st in steps)
+
+
+def axis_link(kind: str, axis: int, mesh: Mesh) -> tuple:
+    """(bandwidth, latency, launch) of one `kind` call on mesh axis `axis`.  A calibrated
+    device (DeviceSpec.links) has its own line per collective kind and link class (gloo's
+    reduce-scatter is an all-reduce underneath: its measured bandwidth shows it); a mesh
+    given its own per-axis bandwidth or latency scales the measured ones alike."""
+    dev = mesh.device
+    inside = mesh.inside[axis]
+    found = dev.link(kind, inside)
+    if found is None:
+        return mesh.bandwidth[axis], mesh.latency[axis], dev.launch_latency
+    bandwidth, latency, launch = found
+    base_bw = dev.intra_bandwidth if inside else dev.inter_bandwidth
+    base_lat = dev.intra_latency if inside else dev.inter_latency
+    bandwidth *= mesh.bandwidth[axis] / base_bw
+    latency *= mesh.latency[axis] / base_lat if base_lat else 1.0
+    return bandwidth, latency, launch
+
+
+def send_time(nbytes: float, axis: int, mesh: Mesh) -> float:
+    """One point-to-point send of `nbytes` between neighbours on `axis` (a pipeline cut)."""
+    bandwidth, latency, launch = axis_link("send", axis, mesh)
+    return launch + latency + nbytes / bandwidth
+
+
+def collective_choice(kind: str, nbytes: float, axis: int, mesh: Mesh) -> tuple:
+    """(algorithm, seconds) of one collective call on mesh axis `axis`: the cheapest of the
+    device's algorithms (autopar.cost.collectives)."""
+    bandwidth, latency, launch = axis_link(kind, axis, mesh)
+    return collectives.choose(kind, nbytes, mesh.shape[axis], bandwidth, latency, launch, mesh.device.algorithms)
+
+
+def collective_time(kind: str, nbytes: float, axis: int, mesh: Mesh) -> float:
+    return collective_choice(kind, nbytes, axis, mesh)[1]
+
+
+def local_numel(shape, placements, mesh_shape) -> float:
+    numel = math.prod(shape) if shape else 1
+    for p, n in zip(placements, mesh_shape):
+        if isinstance(p, Shard):
+            numel /= n
+    return numel
+
+
+def redistribute(shape, itemsize: int, src, dst, mesh: Mesh) -> tuple[CommStep, ...]:
+    """The collectives that turn a tensor of global `shape` from placements `src` into `dst`,
+    in the order they run (`autopar.cost.redistribution`; its local steps are free).  An
+    all-reduce over several axes is one call, listed per axis (`_price_rows`)."""
+    return redistribute_codes(shape, itemsize, layout_code(src), layout_code(dst), mesh)
+
+
+def redistribute_codes(shape, itemsize: int, src: tuple, dst: tuple, mesh: Mesh) -> tuple[CommStep, ...]:
+    """`redistribute` on layout codes (`layout_code`)."""
+    if src == dst:
+        return ()
+    whole = (math.prod(shape) if shape else 1) * itemsize
+    priced = [_price_rows(src, dst, mesh, alg) for alg in mesh.device.algorithms]
+    k = min(range(len(priced)), key=lambda i: sum(f + b * whole for _, _, _, f, b in priced[i]))
+    return tuple(CommStep(kind, a, whole * share, fixed + per_byte * whole, mesh.device.algorithms[k], fixed)
+                 for kind, a, share, fixed, per_byte in priced[k])
+
+
+PRICE_ROWS = 10   # redistribute_price: total, all-gathers, the lines of the reductions, two flags
+BUCKET_BYTES = 25 * 2**20   # the runtime's gradient buckets (autopar.compile's bucket_mb default)
+
+
+def redistribute_price(src: tuple, dst: tuple, mesh: Mesh) -> np.ndarray:
+    """`redistribute_codes` as straight lines in the tensor's bytes B > 0, one per collective
+    algorithm of the device: [PRICE_ROWS, algorithms]: seconds = fixed + per_byte * B (rows 0, 1);
+    the same two numbers for its all-gathers alone (rows 2, 3: the ones a parameter repeats
+    in backward); the fixed seconds of its all-reduces (row 4) and of its reduce-scatters
+    (row 5), which a parameter's gradient shares with the rest of its bucket
+    (`bucket_share`), and the seconds per byte of its all-reduces (row 6) and
+    reduce-scatters (row 7); 1.0 in row 8 where the whole move is one all-gather and in row 9
+    where it is one reduce-scatter (the moves of a ZeRO-3 weight the runtime groups into
+    buckets, autopar/runtime/reshard.py).  Lets a whole table of layout pairs be priced once and
+    scaled to every tensor size, where the cheapest algorithm is taken."""
+    algorithms = mesh.device.algorithms
+    out = np.zeros((PRICE_ROWS, len(algorithms)))
+    if src == dst:
+        return out
+    steps = plan_rows(src, dst, mesh.shape)
+    if len(steps) == 1 and steps[0][0] in ("all_gather", "reduce_scatter"):
+        out[8 if steps[0][0] == "all_gather" else 9] = 1.0
+    for j, alg in enumerate(algorithms):
+        for kind, _, _, f, b in _price_rows(src, dst, mesh, alg):
+            out[0, j] += f
+            out[1, j] += b
+            if kind == "all_gather":
+                out[2, j] += f
+                out[3, j] += b
+            elif kind == "all_reduce":
+                out[4, j] += f
+                out[6, j] += b
+            elif kind == "reduce_scatter":
+                out[5, j] += f
+                out[7, j] += b
+    return out
+
+
+def bucket_share(nbytes: float) -> float:
+    """The share of one collective call's fixed cost a parameter gradient of `nbytes` pays:
+    the runtime joins gradients into buckets of BUCKET_BYTES (autopar/runtime/grad_sync.py) and
+    reduces each bucket in one call, so a gradient pays its bytes' share of that call's
+    launch and latency."""
+    return min(1.0, nbytes / BUCKET_BYTES)
+
+
+def _price_rows(src: tuple, dst: tuple, mesh: Mesh, algorithm: str = "ring") -> list:
+    """(kind, axis, share, fixed s, s per byte of the whole tensor) per collective of the
+    planned steps under `algorithm`, share being the fraction of the whole tensor
+    `collective_time` reads (an all-gather's output, any other's input).
+
+    An all-reduce over several axes is one call, priced as a hierarchical one and listed
+    per axis, fastest axis first: that axis reduce-scatters and all-gathers the whole
+    local tensor, the next one all-reduces the 1/n left, and so on; one launch in all."""
+    rows = []
+    for kind, a, _, _, share, span in plan_rows(src, dst, mesh.shape):
+        if kind not in COLLECTIVES:
+            continue
+        if kind == "all_reduce":
+            levels = sorted((a,) + span, key=lambda x: -axis_link(kind, x, mesh)[0]) if span else (a,)
+            first = True
+            for x in levels:
+                bandwidth, latency, launch = axis_link(kind, x, mesh)
+                f, b = collectives.line(kind, algorithm, mesh.shape[x], bandwidth, latency, launch if first else 0.0)
+                rows.append((kind, x, share, f, b * share))
+                share, first = share / mesh.shape[x], False
+            continue
+        n = mesh.shape[a]  # > 1: the planner gives axes of size 1 no step
+        if kind == "all_gather":
+            share *= n
+        bandwidth, latency, launch = axis_link(kind, a, mesh)
+        f, b = collectives.line(kind, algorithm, n, bandwidth, latency, launch)
+        rows.append((kind, a, share, f, b * share))
+    return rows
+
+
+def grad_target(placement):
+    """The placement a tensor's gradient must reach: Shard stays Shard, Partial's is Replicate."""
+    return Replicate() if isinstance(placement, Partial) else placement
+
+
+def roofline(flops: float, nbytes: float, dtype: torch.dtype, mesh: Mesh, kernels: int = 1,
+             attention: bool = False) -> float:
+    """Seconds of `kernels` kernels doing `flops` and moving `nbytes` in all: the slower of
+    the device's FLOP rate (attention: its fused attention kernel's) and memory bandwidth,
+    with each kernel's launch (op_latency) hidden behind the work when the host runs ahead
+    of the device, added when it does not."""
+    dev = mesh.device
+    work = max(flops / dev.peak_flops(dtype, attention), nbytes / dev.mem_bandwidth)
+    launch = kernels * dev.op_latency
+    return max(work, launch) if dev.asynchronous else work + launch
+
+
+def optimizer_seconds(elements: float, param_itemsize: int, mixed_precision: bool, mesh: Mesh) -> float:
+    """Adam's step over one parameter's `elements`: memory-bound, it reads the gradient and
+    reads and writes the weight and both moments (and the float32 master weight under
+    mixed precision).  On a GPU torch's multi-tensor Adam updates every parameter in a few
+    launches, so no launch is charged per parameter; a CPU rank runs the for-loop Adam,
+    about ten eager ops per parameter.  A calibrated device has the step measured."""
+    if not elements:
+        return 0.0
+    if mesh.device.optimizer:   # measured (autopar calibrate)
+        per_param, per_element = mesh.device.optimizer
+        return per_param + per_element * elements
+    state = state_bytes(param_itemsize, mixed_precision)
+    nbytes = elements * (3 * param_itemsize + 2 * state)
+    return roofline(0.0, nbytes, torch.float32, mesh, kernels=0 if mesh.device.asynchronous else 10)
+
+
+@dataclass(frozen=True)
+class OpWork:
+    """Global FLOPs of one node, forward and backward, measured once on meta tensors."""
+
+    fwd_flops: float
+    bwd_flops: float
+
+
+_FLOPS: dict = {}   # (op, arg_signature of its arguments, needs_grad) -> OpWork
+
+
+def arg_signature(value):
+    """Arguments as a hashable description: tensors by (shape, stride, dtype)
+    (problem/saved.py probes ops by it, measure_flops remembers counts by it)."""
+    if isinstance(value, fx.Node):
+        val = value.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            return ("T", tuple(val.shape), tuple(val.stride()), val.dtype)
+        return ("V", val if isinstance(val, (int, float, bool, type(None))) else repr(val))
+    if isinstance(value, (list, tuple)):
+        return type(value).__name__, tuple(arg_signature(v) for v in value)
+    if isinstance(value, dict):
+        return "dict", tuple((k, arg_signature(v)) for k, v in value.items())
+    if isinstance(value, torch.device):
+        return ("C", "meta")   # run where its operands are (a move to the device is a no-op there)
+    return ("C", value if isinstance(value, (int, float, bool, str, type(None), torch.dtype, torch.layout,
+                                             torch.memory_format)) else repr(value))
+
+
+def measure_flops(node, needs_grad=None) -> OpWork:
+    """Run the node's op on meta tensors of its global shapes under the FLOP counter, once
+    per op, argument signature and needs_grad (a model's layers, and the pipeline search's
+    sub-meshes of one microbatch size, repeat them).
+
+    needs_grad: per tensor operand (in `tensor_args` order), whether its gradient is wanted;
+    backward FLOPs count only those (a first layer computes no gradient of its input)."""
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return OpWork(0.0, 0.0)
+    key = (node.target, arg_signature((node.args, node.kwargs)), None if needs_grad is None else tuple(needs_grad))
+    if key not in _FLOPS:
+        if len(_FLOPS) > 100_000:
+            _FLOPS.clear()
+        _FLOPS[key] = _count_flops(node, needs_grad)
+    return _FLOPS[key]
+
+
+def _count_flops(node, needs_grad) -> OpWork:
+    from torch.utils.flop_counter import FlopCounterMode
+    from torch.utils import _pytree as pytree
+
+    wants_grad = []
+    needs = iter(needs_grad) if needs_grad is not None else None
+
+    def meta(a):
+        if isinstance(a, fx.Node):
+            v = a.meta.get("val")
+            if isinstance(v, torch.Tensor):
+                t = torch.empty(v.shape, dtype=v.dtype, device="meta")
+                wanted = next(needs, True) if needs is not None else True
+                if v.dtype.is_floating_point and wanted:
+                    t.requires_grad_(True)
+                    wants_grad.append(t)
+                return t
+            return v
+        return a
+
+    args, kwargs = pytree.tree_map(meta, (node.args, node.kwargs))
+    counter = FlopCounterMode(display=False)
+    try:
+        with counter:
+            out = node.target(*args, **kwargs)
+        fwd = counter.get_total_flops()
+        outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
+        bwd = 0
+        if outs and wants_grad:
+            counter = FlopCounterMode(display=False)
+            with counter:
+                torch.autograd.grad(outs, wants_grad, [torch.empty_like(o) for o in outs], allow_unused=True)
+            bwd = counter.get_total_flops()
+    except Exception:  # an op the meta backend cannot run: count no FLOPs, bytes still count
+        return OpWork(0.0, 0.0)
+    return OpWork(float(fwd), float(bwd))

@@ -1,0 +1,202 @@
+"""localize: rewrite what the graph says about global shapes into per-rank terms.
+
+- view / reshape / expand / unflatten sizes become the local output shape;
+- a mean (or a loss with reduction="mean") over a dimension the plan splits is scaled to
+  its share of the global mean;
+- embedding with a split vocabulary and cross-entropy with split rows or classes become
+  their per-rank forms in local_ops.py.
+Runs after `annotate` (it reads node.meta["autopar"]) and after `insert_collectives`.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Replicate, Shard
+
+from autopar.ops import op_arg, op_name, outputs_of, tensor_args
+from autopar.ops.attention_rule import ATTENTION_OPS
+from autopar.ops.strategy import passes_partial
+
+from autopar.passes import local_ops
+from autopar.passes.collectives import get_attr, move
+
+SIZE_ARG = {"aten.view": 1, "aten.reshape": 1, "aten._unsafe_view": 1, "aten.expand": 1}
+MEANS = {"aten.mean"}
+MEAN_LOSSES = {"aten.mse_loss", "aten.l1_loss", "aten.smooth_l1_loss", "aten.huber_loss",
+               "aten.binary_cross_entropy", "aten.binary_cross_entropy_with_logits"}
+
+
+def local_shape(shape, placements, mesh_shape) -> list[int]:
+    out = list(shape)
+    for p, n in zip(placements, mesh_shape):
+        if isinstance(p, Shard):
+            if out[p.dim] % n:
+                raise ValueError(f"dim {p.dim} of shape {tuple(shape)} does not divide by {n}")
+            out[p.dim] //= n
+    return out
+
+
+def place_on(gm: fx.GraphModule, device: torch.device) -> fx.GraphModule:
+    """Ops that make tensors (arange, ones, ...) carry the device they were traced on (meta
+    for a model planned on the meta device, cpu for one traced on CPU); run them where the
+    rank runs."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and isinstance(node.kwargs.get("device"), torch.device):
+            node.kwargs = {**node.kwargs, "device": device}
+    gm.recompile()
+    return gm
+
+
+def localize(gm: fx.GraphModule, plan) -> fx.GraphModule:
+    mesh_shape = plan.mesh.shape
+    graph = gm.graph
+    for node in list(graph.nodes):
+        choice = node.meta.get("autopar")
+        if choice is None or node.op != "call_function":
+            continue
+        name = op_name(node)
+        outs = outputs_of(node)
+        if name in SIZE_ARG and outs:
+            size = local_shape(outs[0].shape, choice.outputs[0], mesh_shape)
+            args = list(node.args)
+            args[SIZE_ARG[name]] = size
+            node.args = tuple(args)
+        elif name == "aten.unflatten" and outs:
+            dim, sizes = node.args[1], node.args[2]
+            size = local_shape(outs[0].shape, choice.outputs[0], mesh_shape)
+            d = dim % len(node.args[0].meta["val"].shape)
+            node.args = (node.args[0], dim, size[d:d + len(sizes)])
+        split_reduced = tuple(choice.reduced)
+        _out_of_place_on_moves(node)
+        if name == "autopar.experts":
+            _to_local_experts(node, choice)
+        elif name in ATTENTION_OPS and any(l in ("ring", "ulysses") for l in choice.split):
+            _to_sequence_parallel_attention(node, choice)
+        elif name == "aten.embedding" and split_reduced:
+            _to_vocab_parallel_embedding(node, choice, split_reduced)
+        elif name in ("aten.cross_entropy_loss",):
+            _to_local_cross_entropy(gm, node, choice, split_reduced)
+        elif split_reduced and (name in MEANS or (name in MEAN_LOSSES and op_arg(node, 2, "reduction", 1) == 1)):
+            share = 1.0 / math.prod(mesh_shape[a] for a in split_reduced)
+            node.args = (node.target, share) + tuple(node.args)
+            node.target = local_ops.scaled_op
+        elif split_reduced and name in ("aten.nll_loss", "aten.nll_loss_nd", "aten.nll_loss_forward"):
+            raise NotImplementedError(f"{node.name}: {name} with split rows or classes; use cross_entropy")
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _out_of_place_on_moves(node) -> None:
+    """An in-place op (a router's div_) whose operand was moved writes into the move's
+    result, which autograd forbids; the rule admits such an op only when nothing reads the
+    written tensor afterwards, so its out-of-place form computes the same."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or not node.args or not isinstance(node.args[0], fx.Node) \
+            or node.args[0].target is not move:
+        return
+    packet = target.overloadpacket.__name__
+    if not packet.endswith("_") or packet.startswith("_"):
+        return
+    plain = getattr(getattr(torch.ops.aten, packet[:-1], None), target._overloadname, None)
+    if plain is not None:
+        node.target = plain
+
+
+def _to_local_experts(node, choice):
+    """Experts split over an axis ("e": this rank's share of the experts, tokens whole; "te":
+    expert parallelism with all-to-all dispatch); tokens or the inner dim split need nothing."""
+    n_experts = _global_shape(node, 3)[0]
+    axes = {kind: axis for axis, kind in enumerate(choice.split) if kind in ("e", "te")}
+    if "e" in axes:
+        node.target = local_ops.experts_of_this_rank
+        node.args = tuple(node.args[:7]) + (axes["e"], _groups_node(node))
+    elif "te" in axes:
+        node.target = local_ops.expert_parallel_on_axis
+        node.args = tuple(node.args[:7]) + (n_experts, axes["te"], _groups_node(node))
+
+
+def _to_sequence_parallel_attention(node, choice):
+    """Ring or Ulysses attention over the axis whose split is named so (attention_ops.py)."""
+    (axis, kind), = [(a, l) for a, l in enumerate(choice.split) if l in ("ring", "ulysses")]
+    q, k, v = node.args[:3]
+    order = _dim_order(node)
+    if op_name(node) == "autopar.window_attention":  # (q, k, v, window, scale, gqa): causal
+        window, scale, gqa = node.args[3:6]
+        node.target = local_ops.ring_attention_on_axis if kind == "ring" else local_ops.ulysses_window_on_axis
+        node.args = ((q, k, v, True, scale, axis, _groups_node(node), window, order) if kind == "ring"
+                     else (q, k, v, window, scale, gqa, axis, _groups_node(node), order))
+        node.kwargs = {}
+        return
+    mask, dropout_p = op_arg(node, 3, "attn_mask"), op_arg(node, 4, "dropout_p", 0.0)
+    causal, scale = bool(op_arg(node, 5, "is_causal", False)), node.kwargs.get("scale")
+    if kind == "ring":
+        node.target = local_ops.ring_attention_on_axis
+        node.args = (q, k, v, causal, scale, axis, _groups_node(node), None, order)
+    else:
+        node.target = local_ops.ulysses_on_axis
+        node.args = (q, k, v, mask, dropout_p, causal, scale, bool(node.kwargs.get("enable_gqa", False)), axis,
+                     _groups_node(node), order)
+    node.kwargs = {}
+
+
+def _dim_order(node) -> tuple | None:
+    """The dims of the traced output (the first, for ops with several) from outermost to
+    innermost in memory, or None where the trace holds no tensor."""
+    val = node.meta.get("val")
+    val = val[0] if isinstance(val, (tuple, list)) else val
+    if not isinstance(val, torch.Tensor):
+        return None
+    stride = val.stride()
+    return tuple(sorted(range(val.dim()), key=lambda d: (-stride[d], d)))
+
+
+def _to_vocab_parallel_embedding(node, choice, axes):
+    weight, indices = node.args[0], node.args[1]
+    vocab = _global_shape(node, 0)[0]
+    node.target = local_ops.vocab_parallel_embedding
+    node.args = (weight, indices, vocab, tuple(choice.inputs[0]), axes, _groups_node(node))
+    node.kwargs = {}
+
+
+def _to_local_cross_entropy(gm, node, choice, split_reduced):
+    letters = choice.split
+    class_axes = tuple(a for a, l in enumerate(letters) if l == "classes")
+    batch_axes = tuple(a for a, l in enumerate(letters) if l not in (None, "classes") and not passes_partial(l))
+    if not class_axes and not batch_axes:
+        return
+    args = list(node.args) + [None] * (6 - len(node.args))
+    logits, target, weight = args[0], args[1], node.kwargs.get("weight", args[2])
+    reduction = node.kwargs.get("reduction", args[3] if args[3] is not None else 1)
+    ignore_index = node.kwargs.get("ignore_index", args[4] if args[4] is not None else -100)
+    smoothing = node.kwargs.get("label_smoothing", args[5] if args[5] is not None else 0.0)
+    classes = _global_shape(node, 0)[1]
+    node.target = local_ops.local_cross_entropy
+    node.args = (logits, target, weight, reduction, ignore_index, smoothing)
+    node.kwargs = {"classes": classes, "logits_placements": tuple(choice.inputs[0]), "batch_axes": batch_axes,
+                   "class_axes": class_axes, "partial_axes": split_reduced, "groups": _groups_node(node),
+                   "all_targets": _whole_before_move(gm, target, batch_axes)}
+
+
+def _whole_before_move(gm, node, axes):
+    """The tensor a move sliced `node` from, when that tensor is whole on every rank
+    (targets arrive whole and are sliced), else None: the mean's global count of counted
+    targets can then be read locally instead of all-reduced over `axes`."""
+
+    if node.op == "call_function" and node.target is move:
+        m = getattr(gm, node.args[1].target)
+        if axes and all(isinstance(p, Replicate) for p in m.src):
+            return node.args[0]
+    return None
+
+
+def _global_shape(node, k):
+    """Global shape of the node's k-th tensor operand (moves carry the global value's meta)."""
+    return tuple(tensor_args(node)[k].meta["val"].shape)
+
+
+def _groups_node(node):
+    with node.graph.inserting_before(node):
+        return get_attr(node.graph, "_autopar_groups")

@@ -1,0 +1,581 @@
+"""The plan as one self-contained HTML page, for a person deciding whether to trust it.
+
+    autopar report plan.json -o report.html       (or autopar.plan.html.write_report(plan, path))
+
+Everything is inline (SVG charts, CSS, a few lines of JavaScript for the collapsible
+table); the page fetches nothing, so it opens offline and can be mailed.  Sections, top
+to bottom: the headline and summary (model, mesh drawn with its links, prediction, solver);
+the plan against the hand-written layouts (step time split into compute and communication
+per mesh axis; memory per device against the budget); memory per device by category; the
+step timeline (and the pipeline's Gantt chart when the plan has stages); the per-module
+table, whose repeated layers collapse into one row (autopar.plan.report.table_rows, the same
+rows the terminal table prints) and expand into their nodes; the collectives grouped by
+phase, kind and axis; the terminal text of the plan.
+
+Element classes the browser test reads: svg.chart (every chart), tr.group (one per
+collapsed table row, data-count = its nodes), tr.member (one per node of a row of several
+nodes, hidden until its group is expanded), tr.coll (one per collective group).
+"""
+from __future__ import annotations
+
+import html
+import math
+from collections import Counter, defaultdict
+from pathlib import Path
+
+from autopar.plan.gantt import gantt_svg_text
+from autopar.cost.schedules import simulate
+from autopar.plan.records import Prediction, format_bytes, format_seconds
+from autopar.plan.report import collective_groups, plan_text, recompute_line, sequence_lines, table_rows
+
+COMPUTE_COLOUR = "#4c78a8"
+AXIS_COLOURS = ("#f58518", "#54a24b", "#e45756", "#b279a2", "#72b7b2", "#9d755d")
+MEMORY_COLOURS = {"params": "#4c78a8", "grads": "#f58518", "optimizer": "#54a24b", "activations": "#e45756",
+                  "working": "#b279a2"}
+MEMORY_NAMES = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer states",
+                "activations": "activations", "working": "working (largest op)"}
+LABEL_W, BAR_W, ROW_H = 190, 560, 22     # horizontal bar charts: label column, bar area, row height
+
+
+def write_report(plan, path, title: str | None = None) -> Path:
+    """Write report_html(plan) to `path` (UTF-8) and return the path."""
+    path = Path(path)
+    path.write_text(report_html(plan, title), encoding="utf-8")
+    return path
+
+
+def report_html(plan, title: str | None = None) -> str:
+    """The whole page as one string."""
+    title = title or f"autopar plan: {plan.model} on {_mesh_words(plan.device_mesh())}"
+    sections = [_summary(plan), _comparison(plan), _memory(plan), _timeline(plan), _module_table(plan),
+                _collectives(plan),
+                _section("text", "The plan as text", "What <code>print(plan)</code> shows in a terminal.",
+                         f"<details><summary>show</summary><pre>{_e(plan_text(plan))}</pre></details>")]
+    return (f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n<title>{_e(title)}</title>\n'
+            f'<meta name="viewport" content="width=device-width, initial-scale=1">\n<style>{_CSS}</style>\n</head>\n'
+            f'<body>\n<h1>{_e(title)}</h1>\n' + "\n".join(sections) +
+            f'\n<footer>autopar plan {plan.hash()}, origin {_e(plan.origin)}</footer>\n'
+            f'<script>{_JS}</script>\n</body>\n</html>\n')
+
+
+# --- summary -------------------------------------------------------------------------------
+
+def headline(plan) -> str:
+    """One sentence: step, memory against the budget, and how the plan compares with the best
+    hand-written layout that fits the budget."""
+    p, limit, pp = plan.predicted, _limit(plan), plan.pipeline
+    if pp is not None and pp.pipelined:
+        return (f"{format_seconds(pp.step_s)} per training step in {len(pp.stages)} pipeline stages over "
+                f"{pp.axis} ({pp.schedule}, {pp.microbatches} microbatches; {pp.no_pipeline_step_s / pp.step_s:.2f}x "
+                f"the speed of the best plan without stages), up to {format_bytes(max(pp.memory))} per device of "
+                f"{format_bytes(limit)}.")
+    text = (f"{format_seconds(p.step_s)} per training step, {format_bytes(p.memory_total)} per device "
+            f"of {format_bytes(limit)}")
+    fitting = {name: b for name, b in plan.baselines.items() if isinstance(b, Prediction) and b.memory_total <= limit}
+    if fitting:
+        name, best = min(fitting.items(), key=lambda kv: kv[1].step_s)
+        text += (f"; {best.step_s / p.step_s:.2f}x the speed of the best hand-written layout that fits "
+                 f"({name}, {format_seconds(best.step_s)})")
+    elif plan.baselines:
+        text += "; no hand-written layout fits the budget"
+    return text + "."
+
+
+def _summary(plan) -> str:
+    s, t, p = plan.solver, plan.timing, plan.predicted
+    if not s.solved:
+        state = f"not solved ({plan.origin})"
+    else:
+        state = "optimal" if s.optimal else f"feasible, gap {s.gap or 0:.2%}"
+    if s.variables is not None:
+        state += f"; {s.variables} variables, {s.constraints} constraints after presolve"
+    state += f"; {s.graph_nodes} graph nodes, {s.choice_nodes} with a choice"
+    mesh, pp = plan.device_mesh(), plan.pipeline
+    step = (f"{format_seconds(p.step_s)}: compute {format_seconds(p.compute_s)}, "
+            + ", ".join(f"{ax} {format_seconds(v)}" for ax, v in p.comm_s.items())
+            + (f", {format_seconds(p.hidden_s)} of it behind compute" if p.hidden_s > 1e-12 else ""))
+    limit = f" of {format_bytes(_limit(plan))} ({'budget' if plan.memory_budget else 'device memory'})"
+    rows = [("model", plan.model), ("mesh", f"{_mesh_words(mesh)} of {mesh.device.name}")]
+    if pp is not None and pp.pipelined:
+        rows += [("predicted step", f"{format_seconds(pp.step_s)} with stages (without: "
+                                    f"{format_seconds(pp.no_pipeline_step_s)})"),
+                 ("memory per device", f"up to {format_bytes(max(pp.memory))}{limit}"),
+                 ("one stage, one microbatch", f"on sub-mesh {_mesh_words(plan.mesh)}: {step}; "
+                                               f"{format_bytes(p.memory_total)}")]
+    else:
+        rows += [("predicted step", step), ("memory per device", f"{format_bytes(p.memory_total)}{limit}")]
+    rows += [("solver", state),
+            ("planned in", f"{t.total_s:.2f}s (trace {t.trace_s:.2f}s, menus and costs {t.costs_s:.2f}s, "
+                           f"ILP {t.solve_s:.2f}s" + (f", pipeline search {t.pipeline_search_s:.2f}s"
+                                                      if t.pipeline_search_s is not None else "") + ")")]
+    if plan.precision is not None:
+        d = plan.precision.to_dict()
+        rows.append(("precision", f"compute in {d['param_dtype']}, float32 master weights, gradients reduced in "
+                                  f"{d['reduce_dtype']}"))
+    else:
+        rows.append(("precision", "the model's own dtypes"))
+    if plan.pipeline is not None:
+        rows.append(("pipeline", plan.pipeline.summary))
+    rows.append(("recomputation", recompute_line(plan).partition(": ")[2]))
+    if plan.fallback_ops:
+        rows.append(("replicated (no sharding rule)", ", ".join(plan.fallback_ops)))
+    notes = "".join(f"<li>{_e(line)}</li>" for line in sequence_lines(plan))
+    table = "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in rows)
+    body = (f'<p class="headline">{_e(headline(plan))}</p>\n<div class="row"><table class="kv">{table}</table>\n'
+            f'<div>{mesh_svg(mesh)}</div></div>' + (f"<ul class=notes>{notes}</ul>" if notes else ""))
+    return _section("summary", "Summary", "", body)
+
+
+def mesh_svg(mesh) -> str:
+    """The mesh as a grid of devices (rows: the outer axes, columns: the innermost), a dashed
+    box around each node, and per axis its size, link speed and latency, and whether it
+    runs inside a node or across nodes.  Meshes over 256 devices draw the axes only."""
+    inside, n_axes = mesh.inside, len(mesh.shape)
+    cols = mesh.shape[-1]
+    rows = mesh.size // cols
+    per_node = mesh.device.devices_per_node
+    draw = mesh.size <= 256
+    cell = max(8, min(22, 300 // max(cols, rows))) if draw else 0
+    gap = 6                                      # between nodes
+
+    def at(d):                                   # device d's top left corner; nodes hold consecutive devices
+        r, c = divmod(d, cols)
+        if per_node >= cols:
+            return 34 + c * cell, 24 + r * cell + (d // per_node) * gap
+        return 34 + c * cell + (c // per_node) * gap, 24 + r * cell + r * gap
+
+    x_end, y_end = (at(mesh.size - 1)[0] + cell, at(mesh.size - 1)[1] + cell) if draw else (0, 0)
+    legend_y = y_end + 28
+    width = max(x_end + 20, 440)
+    height = legend_y + 20 * n_axes + 10
+    out = [f'<svg class="chart mesh" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           f'role="img" aria-label="device mesh">']
+    if draw:
+        outer = " x ".join(mesh.axis_names[:-1])
+        out.append(f'<text x="34" y="14" fill="{_axis_name_colour(mesh, -1)}">{_e(mesh.axis_names[-1])} '
+                   f'(columns) &#8594;</text>')
+        if outer:
+            out.append(f'<text x="0" y="0" transform="translate(20 24) rotate(90)" '
+                       f'fill="{_axis_name_colour(mesh, -2)}">{_e(outer)} (rows) &#8594;</text>')
+        for d in range(mesh.size):
+            x, y = at(d)
+            out.append(f'<rect class="device" x="{x + 1}" y="{y + 1}" width="{cell - 2}" height="{cell - 2}" rx="2" '
+                       f'fill="{COMPUTE_COLOUR}"><title>device {d}{_coords(d, mesh.shape, mesh.axis_names)}'
+                       f'</title></rect>')
+        for first in range(0, mesh.size, per_node):
+            (x0, y0), (x1, y1) = at(first), at(min(first + per_node, mesh.size) - 1)
+            if y1 != y0 and per_node < cols:
+                continue                          # a node that wraps a row: left unboxed
+            x0, x1 = (34, at(cols - 1)[0]) if y1 != y0 else (x0, x1)
+            out.append(f'<rect class="node" x="{x0 - 2}" y="{y0 - 2}" width="{x1 - x0 + cell + 4}" '
+                       f'height="{y1 - y0 + cell + 4}" fill="none" stroke="#333" stroke-dasharray="4 2"/>')
+        out.append(f'<text x="34" y="{y_end + 18}" class="small">one square per device; dashed: a node of '
+                   f'{per_node} devices</text>')
+    else:
+        out.append(f'<text x="20" y="16">{mesh.size} devices in nodes of {per_node} (too many to draw one by one)'
+                   f'</text>')
+    for i, (name, size, bw, lat) in enumerate(zip(mesh.axis_names, mesh.shape, mesh.bandwidth, mesh.latency)):
+        y = legend_y + 20 * i + 14
+        where = "inside a node" if inside[i] else "across nodes"
+        out.append(f'<text x="20" y="{y}"><tspan font-weight="bold" fill="{_axis_name_colour(mesh, i)}">'
+                   f'{_e(name)}</tspan> = {size}: '
+                   f'{bw / 1e9:.3g} GB/s, {lat * 1e6:.3g} us per step, {where}</text>')
+    out.append("</svg>")
+    return "".join(out)
+
+
+# --- the plan against the hand-written layouts ----------------------------------------------
+
+def _comparison(plan) -> str:
+    axes = list(plan.predicted.comm_s)
+    legend = [("compute", COMPUTE_COLOUR)] + [(f"communication on {ax}", _axis_colour(plan, ax)) for ax in axes]
+    layouts = [("autopar (this plan)", plan.predicted)] + list(plan.baselines.items())
+    limit = _limit(plan)
+    step_rows, mem_rows = [], []
+    for name, p in layouts:
+        if isinstance(p, str):
+            step_rows.append((name, [], f"not possible: {p}", None))
+            mem_rows.append((name, [], "not possible", None))
+            continue
+        segments = [("compute", p.compute_s, COMPUTE_COLOUR)] + [
+            (f"communication on {ax}", v, _axis_colour(plan, ax)) for ax, v in p.comm_s.items()]
+        ratio = p.step_s / plan.predicted.step_s if plan.predicted.step_s else float("nan")
+        hidden = f", {format_seconds(p.hidden_s)} behind compute" if p.hidden_s > 1e-12 else ""
+        step_rows.append((name, segments, f"step {format_seconds(p.step_s)} ({ratio:.2f}x){hidden}", p.step_s))
+        fits = "" if p.memory_total <= limit else " does not fit"
+        mem_rows.append((name, _memory_segments(p.memory), f"{format_bytes(p.memory_total)}{fits}", None))
+    note = ""
+    if len(layouts) == 1:
+        note = "<p>The plan was made without the hand-written layouts (<code>compare=False</code>, " \
+               "<code>--no-compare</code>).</p>"
+    elif plan.pipeline is not None and plan.pipeline.pipelined:
+        note = (f"<p>This plan is pipelined: the bars compare one stage's plan for one microbatch with the "
+                f"hand-written layouts on the same sub-mesh ({_e(_mesh_words(plan.mesh))}), not whole steps.</p>")
+    step = hbar_chart("step-chart", step_rows, legend, format_seconds, marker_name="step after overlap")
+    memory = hbar_chart("layout-memory-chart", mem_rows, _memory_legend(mem_rows), format_bytes,
+                        limit=limit, limit_name=f"budget {format_bytes(limit)}")
+    return _section("layouts", "The plan against hand-written layouts",
+                    "Every layout is priced by the same cost model on the same mesh.  Shorter is faster; a black "
+                    "tick marks the step once the communication that runs behind compute is taken off.  A layout "
+                    "whose memory crosses the red line does not fit.",
+                    note + "<h3>Step time</h3>" + step + "<h3>Memory per device against the budget</h3>" + memory)
+
+
+def _memory(plan) -> str:
+    limit = _limit(plan)
+    worst = plan.predicted.memory
+    rows = [("autopar (this plan)", _memory_segments(worst), _of_limit(plan.predicted.memory_total, limit), None)]
+    pp = plan.pipeline
+    text = ("Bytes per device by what they hold: parameters, gradients and optimizer states (with float32 master "
+            "weights under mixed precision) are the model states ZeRO shards; activations are kept for backward "
+            "(recomputation shrinks them); working is the most one op needs beyond them while it runs.")
+    if pp is not None and pp.pipelined and pp.group_memory:
+        rows = []
+        for g, m in enumerate(pp.group_memory):
+            stages = list(range(g, len(pp.stages), pp.groups))
+            label = f"device group {g} (stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))})"
+            rows.append((label, _memory_segments(m), _of_limit(sum(m.values()), limit), None))
+        worst = max(pp.group_memory, key=lambda m: sum(m.values()))
+        text += "  One bar per pipeline device group, with the activations of the microbatches it holds in flight."
+    chart = hbar_chart("memory-chart", rows, _memory_legend(rows), format_bytes, limit=limit,
+                       limit_name=f"budget {format_bytes(limit)}", label_w=300 if len(rows) > 1 else LABEL_W)
+    detail = "".join(f"<tr><td>{_e(MEMORY_NAMES.get(k, k))}</td><td class=num>{format_bytes(v)}</td></tr>"
+                     for k, v in worst.items())
+    return _section("memory", "Memory per device by category", text,
+                    chart + f'<table class="small-table"><tr><th>category</th><th>bytes</th></tr>{detail}</table>')
+
+
+def _timeline(plan) -> str:
+    p = plan.predicted
+    axes = list(p.comm_s)
+    span = max(p.step_s, p.compute_s + sum(p.comm_s.values()) - p.hidden_s, 1e-12)
+    scale = BAR_W / span
+    lanes = ["compute"] + [f"communication on {ax}" for ax in axes]
+    height = 30 + len(lanes) * (ROW_H + 8) + 40
+    out = [f'<svg class="chart timeline" xmlns="http://www.w3.org/2000/svg" width="{LABEL_W + BAR_W + 160}" '
+           f'height="{height}" role="img" aria-label="step timeline">']
+    start = p.compute_s - p.hidden_s
+    y = 20
+    out.append(_rect(LABEL_W, y, p.compute_s * scale, COMPUTE_COLOUR, f"compute: {format_seconds(p.compute_s)}"))
+    out.append(f'<text x="{LABEL_W - 6}" y="{y + 15}" text-anchor="end">compute</text>')
+    cursor = start
+    for i, ax in enumerate(axes):
+        y = 20 + (i + 1) * (ROW_H + 8)
+        v = p.comm_s[ax]
+        out.append(_rect(LABEL_W + cursor * scale, y, v * scale, _axis_colour(plan, ax),
+                         f"communication on {ax}: {format_seconds(v)}"))
+        out.append(f'<text x="{LABEL_W - 6}" y="{y + 15}" text-anchor="end">communication on {_e(ax)}</text>')
+        out.append(f'<text x="{LABEL_W + (cursor + v) * scale + 6:.1f}" y="{y + 15}">{format_seconds(v)}</text>')
+        cursor += v
+    bottom = 20 + len(lanes) * (ROW_H + 8)
+    if p.hidden_s > 1e-12:
+        out.append(f'<rect class="overlap" x="{LABEL_W + start * scale:.1f}" y="14" width="{p.hidden_s * scale:.1f}" '
+                   f'height="{bottom - 14}" fill="url(#hatch)" stroke="#555"><title>'
+                   f'{format_seconds(p.hidden_s)} of communication runs behind compute</title></rect>')
+        out.insert(1, '<defs><pattern id="hatch" width="6" height="6" patternUnits="userSpaceOnUse" '
+                      'patternTransform="rotate(45)"><line x1="0" y1="0" x2="0" y2="6" stroke="#555" '
+                      'stroke-width="1.5"/></pattern></defs>')
+    step_x = LABEL_W + p.step_s * scale
+    out.append(f'<line x1="{step_x:.1f}" y1="10" x2="{step_x:.1f}" y2="{bottom}" stroke="black" stroke-width="2"/>')
+    out.append(f'<text x="{step_x:.1f}" y="{bottom + 14}" text-anchor="middle">step {format_seconds(p.step_s)}</text>')
+    out += _ticks(span, scale, LABEL_W, bottom + 30, format_seconds)
+    out.append("</svg>")
+    pipelined = plan.pipeline is not None and plan.pipeline.pipelined
+    text = ("Where the step goes: compute, then each mesh axis's communication that compute does not hide "
+            "(hatched: the part that runs behind compute, gradient buckets during backward and weight gathers "
+            "one layer ahead).  The cost model adds these up; it does not order single ops, so this is the sum "
+            "laid end to end, not a trace.")
+    if pipelined:
+        text += "  For a pipelined plan this is one stage's plan for one microbatch; the Gantt chart below is the step."
+    body = "".join(out)
+    if pipelined:
+        body += "<h3>Pipeline schedule</h3>" + pipeline_gantt(plan)
+    return _section("timeline", "Step timeline", text, body)
+
+
+def pipeline_gantt(plan) -> str:
+    """The Gantt chart of the plan's pipeline schedule (autopar.plan.gantt), simulated from
+    its stage times with backward taken as twice forward (the plan keeps each stage's
+    forward + backward, not the split), as inline SVG."""
+    pp = plan.pipeline
+    fwd = [s / 3 for s in pp.stage_s]
+    if pp.virtual > 1:
+        tl = simulate(pp.schedule, pp.groups, pp.microbatches, [sum(fwd[g::pp.groups]) for g in range(pp.groups)],
+                      n_virtual=pp.virtual)
+    else:
+        tl = simulate(pp.schedule, len(pp.stages), pp.microbatches, fwd)
+    svg = gantt_svg_text(tl, title=f"{pp.schedule}, simulated from the stage times (seconds)")
+    return ('<div class="scroll">' + svg.replace("<svg ", '<svg class="chart gantt" ', 1) + "</div>"
+            f'<p class="small">One row per device group ("rank"), one block per forward (F) and backward (B) pass '
+            f'of a microbatch; blank is the bubble.  Drawn without the sends between stages and with backward '
+            f'twice forward, so its bubble ({tl.bubble_fraction:.1%}) can differ from the search\'s '
+            f'({pp.bubble:.1%}), which prices both.  Stage times: '
+            + ", ".join(format_seconds(s) for s in pp.stage_s) + " (forward + backward per microbatch).</p>")
+
+
+# --- the per-module table and the collectives ------------------------------------------------
+
+def _module_table(plan) -> str:
+    by_node = defaultdict(list)
+    for c in plan.collectives:
+        by_node[c.node].append(c)
+    rows = table_rows(plan)
+    out = ['<div class="tools"><input id="filter" type="search" placeholder="filter modules and ops" '
+           'aria-label="filter modules and ops"> <button type="button" id="expand-all">expand all</button> '
+           '<button type="button" id="collapse-all">collapse all</button></div>',
+           '<table id="modules" class="data"><thead><tr><th>module</th><th>op</th><th>layout</th>'
+           '<th class=num>time</th><th class=num>of it comm.</th><th class=num>memory</th><th>collectives</th></tr>'
+           '</thead><tbody>']
+    for i, r in enumerate(rows):
+        colls = [c for n in r.nodes for c in by_node.get(n.name, ())]
+        toggle = f'<button type="button" class="toggle" data-group="g{i}" aria-expanded="false">+</button> ' \
+            if r.count > 1 else '<span class="toggle-space"></span>'
+        out.append(f'<tr class="group" id="g{i}" data-count="{r.count}"><td>{toggle}{_e(r.label)}</td>'
+                   f'<td>{_e(_op(r.op))}</td><td>{_e((r.strategy + " " + r.layout).strip())}</td>'
+                   f'<td class=num>{format_seconds(r.seconds)}</td><td class=num>{format_seconds(r.comm_s)}</td>'
+                   f'<td class=num>{format_bytes(r.memory)}</td><td>{_e(_collective_words(colls))}</td></tr>')
+        if r.count > 1:
+            for n in r.nodes:
+                out.append(f'<tr class="member g{i}" hidden><td class="indent">{_e(n.module or "(model)")} '
+                           f'<span class="small">{_e(n.name)}</span></td><td>{_e(_op(n.op))}</td>'
+                           f'<td>{_e((n.strategy + " " + r.layout).strip())}</td>'
+                           f'<td class=num>{format_seconds(n.compute_s + n.comm_s)}</td>'
+                           f'<td class=num>{format_seconds(n.comm_s)}</td><td class=num>{format_bytes(n.memory)}</td>'
+                           f'<td>{_e(_collective_words(by_node.get(n.name, ())))}</td></tr>')
+    out.append("</tbody></table>")
+    nodes = sum(r.count for r in rows)
+    return _section("modules", "Per module",
+                    f"{nodes} graph nodes in {len(rows)} rows: the nodes of identical repeated layers that make the "
+                    f"same choice share a row (<code>layers.0-31.attention.wq x32</code>); + opens it.  Layout: the "
+                    f"strategy per mesh axis, then the output's placement per axis (S(d): split on dim d, R: "
+                    f"replicated, P: partial sums).  Time is compute plus the communication the node implies, "
+                    f"forward and backward; collectives are counted per phase and axis.", "".join(out))
+
+
+def _collectives(plan) -> str:
+    groups = collective_groups(plan)
+    out = ['<table id="collectives" class="data"><thead><tr><th>phase</th><th>kind</th><th>axes</th>'
+           '<th class=num>count</th><th class=num>bytes per device</th><th class=num>seconds</th>'
+           '<th>priced as</th></tr></thead><tbody>']
+    for (phase, kind, axes), cs in groups:
+        algs = ", ".join(f"{n} {a}" for a, n in sorted(Counter(c.algorithm for c in cs).items()))
+        tensors = Counter(c.tensor for c in cs)
+        largest = ", ".join(f"{t} ({n}x)" if n > 1 else t for t, n in tensors.most_common(6))
+        more = f" and {len(tensors) - 6} more" if len(tensors) > 6 else ""
+        out.append(f'<tr class="coll"><td>{_e(phase)}</td><td>{_e(kind)}</td><td>{_e(axes)}</td>'
+                   f'<td class=num>{len(cs)}</td><td class=num>{format_bytes(sum(c.nbytes for c in cs))}</td>'
+                   f'<td class=num>{format_seconds(sum(c.seconds for c in cs))}</td><td>{_e(algs)}</td></tr>'
+                   f'<tr class="coll-detail"><td></td><td colspan=6 class="small">of {_e(largest + more)}</td></tr>')
+    out.append("</tbody></table>")
+    if not groups:
+        out = ["<p>None: every device computes its part without exchanging data.</p>"]
+    total = sum(c.seconds for c in plan.collectives)
+    return _section("collectives", "Collectives per step",
+                    f"{len(plan.collectives)} collectives, {format_seconds(total)} if none overlapped, grouped by "
+                    f"phase (forward, backward, optimizer step), kind and mesh axis; below each, the tensors they "
+                    f"move.", "".join(out))
+
+
+# --- charts ------------------------------------------------------------------------------------
+
+def hbar_chart(chart_id: str, rows, legend, fmt, *, limit=None, limit_name="", marker_name="",
+               label_w: int = LABEL_W) -> str:
+    """Horizontal stacked bars as SVG.  rows: (label, [(segment name, value, colour)], text
+    after the bar, marker value or None); legend: [(name, colour)]; fmt: value -> text;
+    limit: a value drawn as a red dashed line (a budget)."""
+    top = 26
+    peak = max([sum(v for _, v, _ in segs) for _, segs, _, _ in rows] + [m or 0 for *_, m in rows] + [limit or 0])
+    peak = peak or 1.0
+    scale = BAR_W / (peak * 1.02)
+    height = top + len(rows) * (ROW_H + 8) + 40
+    out = [f'<svg class="chart bars" id="{chart_id}" xmlns="http://www.w3.org/2000/svg" '
+           f'width="{label_w + BAR_W + 230}" height="{height}" role="img">']
+    x = label_w
+    for name, colour in legend:
+        out.append(f'<rect class="legend" x="{x}" y="4" width="12" height="12" fill="{colour}"/>'
+                   f'<text x="{x + 16}" y="14">{_e(name)}</text>')
+        x += 28 + 7 * len(name)
+    if marker_name:
+        out.append(f'<line x1="{x}" y1="2" x2="{x}" y2="18" stroke="black" stroke-width="2"/>'
+                   f'<text x="{x + 6}" y="14">{_e(marker_name)}</text>')
+    for i, (label, segs, text, marker) in enumerate(rows):
+        y = top + i * (ROW_H + 8)
+        out.append(f'<text x="{label_w - 6}" y="{y + 15}" text-anchor="end">{_e(label)}</text>')
+        x = label_w
+        for seg, value, colour in segs:
+            out.append(_rect(x, y, value * scale, colour, f"{label}: {seg} {fmt(value)}"))
+            x += value * scale
+        if marker is not None:
+            mx = label_w + marker * scale
+            out.append(f'<line class="marker" x1="{mx:.1f}" y1="{y - 3}" x2="{mx:.1f}" y2="{y + ROW_H + 3}" '
+                       f'stroke="black" stroke-width="2"/>')
+            x = max(x, mx)
+        colour = "#888" if not segs else "#222"
+        out.append(f'<text x="{x + 6:.1f}" y="{y + 15}" fill="{colour}">{_e(text)}</text>')
+    bottom = top + len(rows) * (ROW_H + 8)
+    if limit:
+        lx = label_w + limit * scale
+        out.append(f'<line class="limit" x1="{lx:.1f}" y1="{top - 4}" x2="{lx:.1f}" y2="{bottom}" stroke="#d62728" '
+                   f'stroke-width="2" stroke-dasharray="6 3"/><text x="{lx:.1f}" y="{bottom + 34}" '
+                   f'text-anchor="middle" fill="#d62728">{_e(limit_name)}</text>')
+    out += _ticks(peak * 1.02, scale, label_w, bottom + 4, fmt)
+    out.append("</svg>")
+    return '<div class="scroll">' + "".join(out) + "</div>"
+
+
+def _ticks(span: float, scale: float, x0: float, y: float, fmt) -> list:
+    """An axis from 0 to `span` with about five ticks at 1, 2 or 5 x 10^k of the unit `fmt`
+    writes (seconds, or bytes in KiB, MiB or GiB)."""
+    unit = 1.0
+    if fmt is format_bytes:
+        unit = next((u for u in (1024**3, 1024**2, 1024) if span >= 2 * u), 1.0)
+    raw = span / unit / 5
+    power = 10 ** math.floor(math.log10(raw)) if raw > 0 else 1.0
+    step = next(m * power for m in (1, 2, 5, 10) if m * power >= raw) * unit
+    out = [f'<line x1="{x0}" y1="{y}" x2="{x0 + span * scale:.1f}" y2="{y}" stroke="#999"/>']
+    for i in range(int(span / step + 1e-9) + 1):
+        x = x0 + i * step * scale
+        out.append(f'<line x1="{x:.1f}" y1="{y}" x2="{x:.1f}" y2="{y + 4}" stroke="#999"/>'
+                   f'<text x="{x:.1f}" y="{y + 16}" text-anchor="middle" class="small">{fmt(i * step) if i else 0}'
+                   f'</text>')
+    return out
+
+
+def _rect(x, y, w, colour, tip) -> str:
+    return (f'<rect class="seg" x="{x:.1f}" y="{y}" width="{max(w, 0.0):.1f}" height="{ROW_H}" fill="{colour}">'
+            f'<title>{_e(tip)}</title></rect>')
+
+
+def _memory_segments(memory: dict) -> list:
+    return [(MEMORY_NAMES.get(k, k), v, _memory_colour(k)) for k, v in memory.items()]
+
+
+def _memory_legend(rows) -> list:
+    seen = {}
+    for _, segs, _, _ in rows:
+        for name, _, colour in segs:
+            seen.setdefault(name, colour)
+    return list(seen.items())
+
+
+def _memory_colour(kind: str) -> str:
+    if kind in MEMORY_COLOURS:
+        return MEMORY_COLOURS[kind]
+    return AXIS_COLOURS[sum(map(ord, kind)) % len(AXIS_COLOURS)]   # a category added later keeps one colour
+
+
+def _axis_name_colour(mesh, index: int) -> str:
+    return AXIS_COLOURS[index % len(mesh.shape) % len(AXIS_COLOURS)]
+
+
+def _axis_colour(plan, axis: str) -> str:
+    names = list(plan.device_mesh().axis_names)
+    return AXIS_COLOURS[names.index(axis) % len(AXIS_COLOURS)] if axis in names else "#999"
+
+
+# --- small helpers -----------------------------------------------------------------------------
+
+def _of_limit(nbytes: float, limit: float) -> str:
+    return f"{format_bytes(nbytes)} ({nbytes / limit:.0%} of {format_bytes(limit)})"
+
+
+def _limit(plan) -> float:
+    return plan.memory_budget or plan.mesh.device.memory
+
+
+def _mesh_words(mesh) -> str:
+    return " x ".join(f"{a}={s}" for a, s in zip(mesh.axis_names, mesh.shape))
+
+
+def _coords(d: int, shape, names) -> str:
+    coords = []
+    for size in reversed(shape):
+        d, r = divmod(d, size)
+        coords.append(r)
+    return ": " + ", ".join(f"{n}={c}" for n, c in zip(names, reversed(coords)))
+
+
+def _op(op: str) -> str:
+    return op.replace("aten.", "")
+
+
+def _collective_words(colls) -> str:
+    tally = Counter((c.phase, c.kind, "+".join(c.axes)) for c in colls)
+    return "; ".join(f"{phase} {kind} on {axes}" + (f" x{n}" if n > 1 else "")
+                     for (phase, kind, axes), n in sorted(tally.items()))
+
+
+def _section(anchor: str, heading: str, text: str, body: str) -> str:
+    intro = f"<p>{text}</p>" if text else ""
+    return f'<section id="{anchor}"><h2>{_e(heading)}</h2>{intro}{body}</section>'
+
+
+def _e(text) -> str:
+    return html.escape(str(text), quote=True)
+
+
+_CSS = """
+body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 0 auto; max-width: 1180px;
+       padding: 16px 24px; color: #222; background: #fff; }
+h1 { font-size: 1.5em; margin-bottom: 4px; }
+h2 { font-size: 1.2em; border-bottom: 1px solid #ddd; padding-bottom: 4px; margin-top: 32px; }
+h3 { font-size: 1em; margin: 16px 0 4px; }
+p { max-width: 900px; line-height: 1.4; }
+.headline { font-size: 1.15em; font-weight: 600; background: #f3f6fa; padding: 10px 14px; border-left: 4px solid
+            #4c78a8; max-width: none; }
+.row { display: flex; flex-wrap: wrap; gap: 24px; align-items: flex-start; }
+table.kv th { text-align: left; padding: 3px 12px 3px 0; vertical-align: top; white-space: nowrap; color: #555; }
+table.kv td { padding: 3px 0; max-width: 520px; }
+#modules td:first-child { white-space: nowrap; }
+table.data { border-collapse: collapse; font-size: 13px; width: 100%; }
+table.data th, table.data td { border-bottom: 1px solid #eee; padding: 3px 6px; text-align: left; vertical-align: top; }
+table.data th { position: sticky; top: 0; background: #fafafa; }
+table.small-table { font-size: 13px; margin-top: 8px; }
+table.small-table td, table.small-table th { padding: 2px 10px 2px 0; text-align: left; }
+td.num, th.num { text-align: right !important; white-space: nowrap; font-variant-numeric: tabular-nums; }
+tr.member td { background: #fbfbfd; color: #444; }
+td.indent { padding-left: 30px !important; }
+button.toggle { width: 22px; padding: 0; font-family: monospace; cursor: pointer; }
+.toggle-space { display: inline-block; width: 26px; }
+.small { font-size: 11px; color: #666; }
+svg text { font-size: 12px; }
+svg text:not([fill]) { fill: #222; }
+svg text.small { font-size: 10px; fill: #666; }
+.scroll { overflow-x: auto; }
+.tools { margin: 8px 0; }
+ul.notes { font-size: 13px; color: #555; }
+pre { font-size: 12px; overflow-x: auto; background: #f7f7f7; padding: 8px; }
+footer { margin-top: 40px; font-size: 11px; color: #888; }
+"""
+
+_JS = """
+(function () {
+  function show(id, open) {
+    var rows = document.querySelectorAll('tr.member.' + id);
+    for (var i = 0; i < rows.length; i++) { rows[i].hidden = !open; }
+    var b = document.querySelector('button.toggle[data-group="' + id + '"]');
+    if (b) { b.textContent = open ? '-' : '+'; b.setAttribute('aria-expanded', open ? 'true' : 'false'); }
+  }
+  var toggles = document.querySelectorAll('button.toggle');
+  for (var i = 0; i < toggles.length; i++) {
+    toggles[i].addEventListener('click', function (ev) {
+      var id = ev.currentTarget.getAttribute('data-group');
+      show(id, ev.currentTarget.getAttribute('aria-expanded') !== 'true');
+    });
+  }
+  function all(open) { for (var i = 0; i < toggles.length; i++) { show(toggles[i].getAttribute('data-group'), open); } }
+  var ea = document.getElementById('expand-all'), ca = document.getElementById('collapse-all');
+  if (ea) { ea.addEventListener('click', function () { all(true); }); }
+  if (ca) { ca.addEventListener('click', function () { all(false); }); }
+  var filter = document.getElementById('filter');
+  if (filter) {
+    filter.addEventListener('input', function () {
+      var q = filter.value.toLowerCase();
+      var groups = document.querySelectorAll('tr.group');
+      for (var i = 0; i < groups.length; i++) {
+        groups[i].style.display = !q || groups[i].textContent.toLowerCase().indexOf(q) >= 0 ? '' : 'none';
+      }
+    });
+  }
+})();
+"""

@@ -1,0 +1,263 @@
+"""The records a plan is made of: per-node choices, collectives, model-state placements,
+predictions, solver statistics, timing and the pipeline layout, and the text form of a
+placement ("S(0)", "R", "P").  Frozen dataclasses, each with an exact JSON round trip
+where it has its own; `autopar.plan.plan.Plan` holds them."""
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, fields
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from autopar.mesh import Mesh
+
+
+def placement_str(p) -> str:
+    if isinstance(p, Shard):
+        return f"S({p.dim})"
+    if isinstance(p, Partial):
+        return "P"
+    if isinstance(p, Replicate):
+        return "R"
+    raise TypeError(f"not a placement: {p!r}")
+
+
+def placement_from_str(text: str):
+    if text == "R":
+        return Replicate()
+    if text == "P":
+        return Partial()
+    m = re.fullmatch(r"S\((\d+)\)", text)
+    if not m:
+        raise ValueError(f"not a placement: {text!r}")
+    return Shard(int(m.group(1)))
+
+
+def show(placements) -> str:
+    return "(" + ", ".join(placement_str(p) for p in placements) + ")"
+
+
+@dataclass(frozen=True)
+class NodeChoice:
+    """The strategy of one graph node.  inputs / outputs: placements per tensor operand /
+    output; grads: placement of each operand's gradient (None: the operand takes none)."""
+
+    name: str
+    op: str
+    module: str
+    strategy: str
+    split: tuple
+    inputs: tuple
+    outputs: tuple
+    grads: tuple
+    compute_s: float
+    comm_s: float
+    memory: float
+    reduced: tuple = ()   # mesh axes whose split letter the op sums away (a local mean, loss, lookup)
+
+
+@dataclass(frozen=True)
+class Collective:
+    """A collective the plan implies: `kind` on mesh `axes`, acting on `nbytes` per device,
+    carrying `tensor` into `node`, in the forward or backward pass; `algorithm`: the one
+    the cost model priced it with (autopar.cost.collectives)."""
+
+    kind: str
+    axes: tuple
+    nbytes: float
+    phase: str
+    node: str
+    tensor: str
+    seconds: float
+    algorithm: str = "ring"
+
+
+@dataclass(frozen=True)
+class ParamState:
+    """Where a parameter's training state lives beyond its placement.  stage: ZeRO stage 1
+    (optimizer state split over `axes`) or 2 (gradient too), or 0; offload: the optimizer
+    state and master weights stay in host memory.  (ZeRO-3 is a placement: Shard on an axis
+    whose ops read the parameter whole.)"""
+
+    stage: int
+    axes: tuple
+    offload: bool = False
+
+    def __str__(self) -> str:
+        text = f"zero-{self.stage} over {'+'.join(self.axes)}" if self.stage else ""
+        return ", ".join(t for t in (text, "offload" if self.offload else "") if t)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Step time and memory per device by kind.  The step is compute plus communication
+    per mesh axis less `hidden_s`: the communication that runs while the device computes,
+    out of `overlappable_s`.  Two kinds overlap: gradient buckets reduced while backward
+    runs (autopar.solve.solution.hidden_gradient_seconds) and, of which `prefetch_hidden_s` out
+    of `prefetchable_s`, ZeRO-3 weight gathers started one ahead while forward runs
+    (autopar.solve.solution.hidden_prefetch_seconds)."""
+
+    step_s: float
+    compute_s: float
+    comm_s: dict
+    memory: dict
+    hidden_s: float = 0.0
+    overlappable_s: float = 0.0   # the gradient buckets' and prefetched gathers' communication, hidden or not
+    prefetch_hidden_s: float = 0.0
+    prefetchable_s: float = 0.0
+
+    @property
+    def memory_total(self) -> float:
+        return sum(self.memory.values())
+
+    def __str__(self) -> str:
+        comm = ", ".join(f"{k} {format_seconds(v)}" for k, v in self.comm_s.items())
+        mem = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.memory.items())
+        behind = self.hidden_s - self.prefetch_hidden_s
+        parts = ([f"{format_seconds(behind)} behind backward"] if behind > 1e-12 else []) + \
+            ([f"{format_seconds(self.prefetch_hidden_s)} of weight gathers behind forward"]
+             if self.prefetch_hidden_s > 1e-12 else [])
+        hidden = f", hidden: {' and '.join(parts)}" if parts else ""
+        return (f"step {format_seconds(self.step_s)} (compute {format_seconds(self.compute_s)}; comm {comm}{hidden}); "
+                f"memory {format_bytes(self.memory_total)} ({mem})")
+
+
+@dataclass(frozen=True)
+class SolverStats:
+    """How the ILP went: the graph's and the menus' sizes, and (when an ILP ran: not for
+    random or hand-set choices) optimality, gap, objective and bound in seconds, and the
+    model's size after the presolve."""
+
+    graph_nodes: int = 0
+    choice_nodes: int = 0
+    optimal: bool | None = None
+    gap: float | None = None
+    objective_s: float | None = None
+    bound_s: float | None = None
+    variables: int | None = None
+    constraints: int | None = None
+
+    @property
+    def solved(self) -> bool:
+        return self.optimal is not None
+
+    def to_dict(self) -> dict:
+        return _flat_dict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SolverStats":
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Wall seconds of each planning step (pipeline_search_s: None without the search)."""
+
+    trace_s: float = 0.0
+    costs_s: float = 0.0
+    solve_s: float = 0.0
+    total_s: float = 0.0
+    pipeline_search_s: float | None = None
+
+    def to_dict(self) -> dict:
+        return _flat_dict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Timing":
+        return cls(**d)
+
+
+def _flat_dict(record) -> dict:
+    """A record of plain fields as JSON: fields left None (not known) are left out."""
+    return {k: v for k, v in asdict(record).items() if v is not None}
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """The pipeline stages of a plan (autopar.solve.pipeline_search).  axis: the mesh axis cut into
+    `groups` device groups, each a sub-mesh of shape `submesh` (None: the search chose no
+    pipeline); stages: (first, last + 1) positions in `layer_indices` of the repeated layers
+    `layer_prefix`.<i>, per stage; schedule, microbatches and virtual stages per group;
+    step_s / no_pipeline_step_s: predicted step with and without stages; bubble: idle
+    fraction of the schedule; stage_s: each stage's forward + backward per microbatch;
+    memory: bytes per device of each device group; full_mesh: the mesh the plan compiles on."""
+
+    axis: str | None
+    groups: int
+    submesh: tuple
+    stages: tuple
+    schedule: str
+    microbatches: int
+    virtual: int
+    step_s: float
+    no_pipeline_step_s: float
+    bubble: float
+    stage_s: tuple
+    memory: tuple
+    full_mesh: Mesh
+    summary: str
+    layer_prefix: str = ""
+    layer_indices: tuple = ()
+    group_memory: tuple = ()   # per device group: {params, grads, optimizer, activations} bytes per device
+    candidates: int = 0        # layouts the search found within the budget (the plain one included)
+
+    @property
+    def pipelined(self) -> bool:
+        return self.axis is not None
+
+    def to_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d.update(submesh=list(self.submesh), stages=[list(st) for st in self.stages], stage_s=list(self.stage_s),
+                 memory=list(self.memory), full_mesh=self.full_mesh.to_dict(),
+                 layer_indices=list(self.layer_indices), group_memory=[dict(m) for m in self.group_memory])
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "PipelineLayout":
+        return cls(**dict(d, submesh=tuple(d["submesh"]), stages=tuple(tuple(st) for st in d["stages"]),
+                          stage_s=tuple(d["stage_s"]), memory=tuple(d["memory"]),
+                          full_mesh=Mesh.from_dict(d["full_mesh"]), layer_indices=tuple(d["layer_indices"]),
+                          group_memory=tuple(dict(m) for m in d.get("group_memory", ()))))
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """The activation recomputation of a plan (autopar/solve/recompute.py).  layers: layer path ->
+    "selective" or "full", for the layers that recompute (the others keep what autograd
+    saves); kept: the graph nodes whose outputs "selective" keeps (matrix products with a
+    weight, attention, experts); saved_bytes: activation bytes per device it saves against
+    keeping everything; added_s: the seconds per step the forward run again costs; forced:
+    the `recompute=` the plan was made with (None: chosen by the ILP); note: what selective
+    keeps of this model's attention; whole: the kept nodes that communicate inside (ring or
+    Ulysses attention, expert all-to-alls), which run outside the checkpointed regions so
+    that backward does not communicate again (they keep what autograd saves)."""
+
+    layers: dict
+    kept: tuple = ()
+    saved_bytes: float = 0.0
+    added_s: float = 0.0
+    forced: str | None = None
+    note: str = ""
+    whole: tuple = ()
+
+    def to_dict(self) -> dict:
+        return dict(asdict(self), layers=dict(self.layers), kept=list(self.kept), whole=list(self.whole))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Recompute":
+        return cls(**dict(d, layers=dict(d["layers"]), kept=tuple(d["kept"]), whole=tuple(d.get("whole", ()))))
+
+
+def format_seconds(seconds: float) -> str:
+    if seconds >= 1:
+        return f"{seconds:.3f}s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.2f}ms"
+    return f"{seconds * 1e6:.1f}us"
+
+
+def format_bytes(nbytes: float) -> str:
+    for unit, scale in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f}{unit}"
+    return f"{nbytes:.0f}B"

@@ -1,0 +1,372 @@
+"""Measure the machine the plans are for, and fit the cost model's parameters to it.
+
+Run under torchrun on the cluster (all ranks take part; a few minutes at most):
+
+    torchrun --nproc_per_node 4 -m autopar calibrate --out profile.json [--mesh 2x2 --axes dp,tp]
+
+What is measured, on every rank at once (so that ranks sharing a host's cores or links
+measure what training gets):
+
+- compute: a linear layer's forward and backward at a few training shapes per dtype,
+  fitted as t = c + flops / R (R is the FLOP rate, c the cost of the smallest op); causal
+  attention's forward and backward likewise (its own rate: a CPU's fused kernel runs
+  small heads far below the matmul rate); torch's AdamW
+  step over parameters of a few counts and sizes, fitted as seconds per parameter plus
+  seconds per element; an elementwise add over a few sizes,
+  fitted as t = c + bytes / W (W the memory bandwidth); and the cost of one tiny op
+  forward and backward (the op latency: kernel launch, or eager dispatch on a CPU).
+- communication: per mesh axis, all-reduce, all-gather, reduce-scatter, all-to-all and a
+  send/recv between neighbours over a range of sizes, with the runtime's own collective
+  code (autopar/passes/redistribute.py), each fitted as t = f + b * m, m being the bytes
+  autopar.cost.collectives' formulas read.  Read through the ring formula of the collective
+  (f = L + s(n) a, b = c(n) / B), b gives the bandwidth B; with the axis's full groups and
+  groups of 2 ranks measured, the two fixed costs give the launch L and the per-step
+  latency a (one group size: half of f each).  Axes inside a node fill the "intra" link,
+  axes across nodes the "inter" one (several axes of one class: their mean).
+
+The result is an autopar.DeviceSpec (`DeviceSpec.load(path)`); a link class not measured
+(one node: "inter") keeps the base preset's numbers.  Results are cached per cluster
+description (ranks, hosts, device, torch and the mesh) under $AUTOPAR_CACHE
+(~/.cache/autopar by default); `force=True` measures again.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import socket
+import statistics
+import time
+from dataclasses import replace
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+
+from autopar.cost.collectives import KINDS
+from autopar.mesh import PRESETS, DeviceSpec, Mesh
+from autopar.passes.redistribute import all_gather_dim, all_to_all_dims, reduce_scatter_rows
+
+log = logging.getLogger("autopar")
+
+FORMAT = 1
+# (sizes, repeats) per device type: small enough for minutes on a loaded CPU host
+# linear layers (tokens, in, out) and causal attention (batch, heads, seq, head dim) of
+# the shapes training runs
+LINEAR = {"cpu": ((128, 256, 768), (256, 512, 512), (512, 512, 1024), (512, 1024, 1024)),
+          "cuda": ((2048, 4096, 4096), (4096, 4096, 14336), (8192, 4096, 4096), (8192, 8192, 8192))}
+ATTENTION = {"cpu": ((2, 8, 64, 32), (2, 8, 128, 32), (2, 8, 256, 64), (4, 8, 256, 64)),
+             "cuda": ((1, 32, 2048, 128), (1, 32, 4096, 128), (2, 32, 4096, 128), (1, 32, 8192, 128))}
+ELEMENTS = {"cpu": (2**14, 2**18, 2**21, 2**23), "cuda": (2**16, 2**20, 2**24, 2**27)}
+MESSAGE = {"cpu": (2**12, 2**15, 2**18, 2**20, 2**22), "cuda": (2**16, 2**20, 2**23, 2**26, 2**28)}
+DTYPES = {"cpu": ("float32", "bfloat16"), "cuda": ("float32", "bfloat16", "float16")}
+
+
+def cache_dir() -> str:
+    return os.environ.get("AUTOPAR_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "autopar"))
+
+
+def _progress(text: str) -> None:
+    if dist.get_rank() == 0:
+        log.info("calibrate: %s", text)
+
+
+def _device_type() -> str:
+    return "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
+
+
+def _sync(device_type: str) -> None:
+    if device_type == "cuda":
+        torch.cuda.synchronize()
+
+
+# each timed run repeats the call until it lasts this long: compute runs long enough for
+# ranks that share cores to share them as in training (a scheduler's slices are ms long)
+MIN_SECONDS = {"compute": 0.15, "comm": 0.02, "quick": 0.002}
+
+
+def _slowest(value: float, device_type: str, group) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device="cuda" if device_type == "cuda" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t.item())
+
+
+def _timed(fn, device_type: str, repeats: int, group=None, what: str = "comm") -> float:
+    """Seconds of one fn(): the median over `repeats` timed runs after warm-up, every rank
+    of `group` starting together, each run repeating fn() until it lasts MIN_SECONDS (so
+    that ranks sharing cores all run at once, as in training, rather than taking turns
+    through a short call); the slowest rank's median (a step waits for the slowest).
+    what: "compute" or "comm" (MIN_SECONDS)."""
+    fn()
+    _sync(device_type)
+    start = time.perf_counter()
+    fn()
+    _sync(device_type)
+    once = _slowest(time.perf_counter() - start, device_type, group)
+    inner = max(1, min(10000, math.ceil(MIN_SECONDS[what] / max(once, 1e-7))))
+    times = []
+    for _ in range(repeats):
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        _sync(device_type)
+        times.append((time.perf_counter() - start) / inner)
+    return _slowest(statistics.median(times), device_type, group)
+
+
+def fit_line(x, t) -> tuple:
+    """(intercept, slope) of t = intercept + slope * x, least squares on relative error
+    (each point weighted by 1 / t, so small sizes count as much as large ones); both >= 0."""
+    x, t = np.asarray(x, float), np.asarray(t, float)
+    w = 1.0 / np.maximum(t, 1e-12)
+    slope, intercept = np.polyfit(x, t, 1, w=w)
+    if slope <= 0:   # no growth seen (noise over sizes too small to tell): at most what the largest took
+        top = int(np.argmax(x))
+        return float(np.min(t)), max(float(t[top] - np.min(t)), 0.1 * float(t[top])) / float(x[top])
+    return max(float(intercept), 0.0), float(slope)
+
+
+# ------------------------------------------------------------------ compute
+
+def measure_compute(device_type: str, repeats: int, quick: bool = False) -> dict:
+    dev = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    what = "quick" if quick else "compute"
+    cut = 2 if quick else None   # quick: the two smallest sizes (messages: the smallest and largest)
+    flops, attention, rows = {}, {}, {}
+    for name in DTYPES[device_type]:
+        dtype = getattr(torch, name)
+        points = []
+        for m, k, n in LINEAR[device_type][:cut]:   # a linear layer's forward and backward: 6 m k n FLOPs
+            x = torch.randn(m, k, device=dev).to(dtype).requires_grad_(True)
+            w = torch.randn(n, k, device=dev).to(dtype).requires_grad_(True)
+            points.append((6.0 * m * k * n, _timed(lambda: F.linear(x, w).sum().backward(), device_type, repeats,
+                                                   what=what)))
+        c, per_flop = fit_line(*zip(*points))
+        flops[name] = 1.0 / per_flop
+        rows[f"linear {name}"] = points
+        points = []
+        for b, h, s, d in ATTENTION[device_type][:cut]:   # causal: 4 b h s^2 d forward (half masked) x 3.5
+            q, k_, v = (torch.randn(b, h, s, d, device=dev).to(dtype).requires_grad_(True) for _ in range(3))
+            fl = 2.0 * b * h * s * s * d * 3.5
+            points.append((fl, _timed(lambda: F.scaled_dot_product_attention(q, k_, v, is_causal=True).sum()
+                                      .backward(), device_type, repeats, what=what)))
+        _, per_flop = fit_line(*zip(*points))
+        attention[name] = 1.0 / per_flop
+        rows[f"attention {name}"] = points
+        _progress(f"{name}: linear {flops[name] / 1e9:.1f} GFLOP/s, attention {attention[name] / 1e9:.1f} GFLOP/s")
+    points = []
+    for n in ELEMENTS[device_type][:cut]:
+        a = torch.randn(n, device=dev)
+        b = torch.randn(n, device=dev)
+        points.append((3.0 * 4 * n, _timed(lambda: torch.add(a, b), device_type, repeats, what=what)))
+    _, per_byte = fit_line(*zip(*points))
+    rows["add float32"] = points
+    bandwidth = 1.0 / per_byte
+    _progress(f"memory bandwidth: {bandwidth / 1e9:.1f} GB/s")
+    # a tiny op's forward, and forward plus backward, in a chain like a model's graph
+    x = torch.randn(8, device=dev, requires_grad=True)
+    chain = 32
+
+    def forward():
+        y = x
+        for _ in range(chain):
+            y = y * 1.0001
+        return y
+
+    fwd = _timed(forward, device_type, repeats, what=what)
+    both = _timed(lambda: forward().sum().backward(), device_type, repeats, what=what)
+    op_latency = fwd / chain
+    rows["tiny op"] = [(chain, fwd), (chain, both)]
+    _progress(f"op latency: {op_latency * 1e6:.1f} us forward, {(both - fwd) / chain * 1e6:.1f} us backward")
+    # torch's AdamW step (as the runtime builds it) over k parameters of e elements each
+    points = []
+    for k, e in ((4, 2**10), (32, 2**10), (4, 2**20), (16, 2**18)):
+        params = [torch.zeros(e, device=dev, requires_grad=True) for _ in range(k)]
+        for p in params:
+            p.grad = torch.randn(e, device=dev)
+        opt = torch.optim.AdamW(params, lr=1e-3)
+        points.append((k, k * e, _timed(opt.step, device_type, repeats, what=what)))
+    ks, es, ts = (np.array(c, float) for c in zip(*points))
+    w = 1.0 / ts   # relative error: the small steps fix the per-parameter cost, the large the per-element
+    (per_param, per_element), *_ = np.linalg.lstsq(np.stack([ks, es], 1) * w[:, None], ts * w, rcond=None)
+    rows["adamw (params, elements)"] = points
+    _progress(f"AdamW: {max(per_param, 0) * 1e6:.1f} us per parameter, {max(per_element, 1e-15) * 1e9:.2f} ns per element")
+    return {"flops": flops, "attention": attention, "mem_bandwidth": bandwidth, "op_latency": op_latency, "points": rows,
+            "optimizer": (max(float(per_param), 0.0), max(float(per_element), 1e-15))}
+
+
+# ------------------------------------------------------------------ communication
+
+def _collective(kind: str, nbytes: int, group, n: int, coord: int, device):
+    """fn() running one `kind` call whose formula bytes (autopar.cost.collectives) are `nbytes`,
+    as the runtime runs it; for "send": rank 2k sends to 2k + 1 of the group."""
+    elems = max(n, (int(nbytes) // 4) // n * n)
+    if kind == "all_reduce":
+        buf = torch.ones(elems, device=device)
+        return lambda: dist.all_reduce(buf, group=group)
+    if kind == "all_gather":
+        part = torch.ones(elems // n, device=device)
+        return lambda: all_gather_dim(part, 0, group, n)
+    if kind == "reduce_scatter":
+        table = torch.ones(n, elems // n, device=device)
+        return lambda: reduce_scatter_rows(table, group, coord)
+    if kind == "all_to_all":
+        t = torch.ones(elems, device=device)
+        return lambda: all_to_all_dims(t, 0, 0, group, n, 0)
+    if kind == "send":
+        buf = torch.ones(elems, device=device)
+        ranks = dist.get_process_group_ranks(group)
+        peer = ranks[coord + 1] if coord % 2 == 0 else ranks[coord - 1]
+        if coord % 2 == 0 and coord + 1 >= n:
+            return lambda: None
+        if coord % 2 == 0:
+            return lambda: dist.send(buf, peer, group=group)
+        return lambda: dist.recv(buf, peer, group=group)
+    raise ValueError(f"unknown collective {kind!r}")
+
+
+def _steps(kind: str, n: int) -> tuple:
+    """(latency steps s(n), bandwidth factor c(n)) of the ring formula (autopar.cost.collectives)."""
+    if kind == "all_reduce":
+        return 2 * (n - 1), 2 * (n - 1) / n
+    if kind == "send":
+        return 1, 1.0
+    return n - 1, (n - 1) / n
+
+
+def measure_axis(mesh, axis: int, device_type: str, repeats: int, sizes=None, quick: bool = False) -> dict:
+    """Fitted (bandwidth, latency, launch) per collective kind on one mesh axis."""
+    group = mesh.get_group(axis)
+    n = mesh.size(axis)
+    coord = mesh.get_local_rank(axis)
+    device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    # groups of two along this axis, for the second group size (made on every rank, in one order)
+    pair_group = None
+    if n > 2:
+        ranks = np.arange(mesh.mesh.numel()).reshape(tuple(mesh.mesh.shape))
+        lines = np.moveaxis(ranks, axis, -1).reshape(-1, n)
+        for line in lines:
+            for i in range(0, n - 1, 2):
+                g = dist.new_group([int(line[i]), int(line[i + 1])])
+                if dist.get_rank() in (line[i], line[i + 1]):
+                    pair_group = g
+    out, points = {}, {}
+    sizes = sizes or MESSAGE[device_type]
+    for kind in (*KINDS, "send"):
+        fits = {}
+        configs = [(group, n, coord)] + ([(pair_group, 2, coord % 2)] if pair_group is not None else [])
+        for g, size, c in configs:
+            pts = [(float(m), _timed(_collective(kind, m, g, size, c, device), device_type, repeats, g,
+                                     "quick" if quick else "comm"))
+                   for m in sizes]
+            fits[size] = fit_line(*zip(*pts))
+            points[f"{kind} n={size}"] = pts
+        f_n, b_n = fits[n]
+        steps, factor = _steps(kind, n)
+        bandwidth = factor / b_n
+        if 2 in fits and n > 2:
+            s2 = _steps(kind, 2)[0]
+            latency = max((f_n - fits[2][0]) / (steps - s2), 0.0) if steps != s2 else 0.0
+            launch = max(f_n - steps * latency, 0.0)
+        else:
+            launch, latency = f_n / 2, f_n / (2 * steps)
+        out[kind] = (bandwidth, latency, launch)
+        _progress(f"axis {mesh.mesh_dim_names[axis]} (n={n}) {kind}: {bandwidth / 1e9:.2f} GB/s, "
+                  f"{latency * 1e6:.1f} us per step, {launch * 1e6:.1f} us per call")
+    shared = [out]   # every rank plans with rank 0's fit (an odd rank out measured no pair)
+    dist.broadcast_object_list(shared, src=0)
+    return {"links": shared[0], "points": points}
+
+
+# ------------------------------------------------------------------ the whole run
+
+def describe(shape, names, device_type: str) -> dict:
+    """What identifies the cluster for the cache: ranks, hosts, device, software, mesh."""
+    hosts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())
+    name = torch.cuda.get_device_name() if device_type == "cuda" else platform.processor() or platform.machine()
+    return {"world": dist.get_world_size(), "hosts": sorted(set(hosts)), "per_node": hosts.count(hosts[0]),
+            "device": name, "backend": dist.get_backend(), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "mesh": list(shape), "axes": list(names), "format": FORMAT}
+
+
+def calibrate(shape=None, names=None, base: str | None = None, repeats: int = 5, force: bool = False,
+              out: str | None = None, quick: bool = False) -> DeviceSpec:
+    """Measure this cluster (every rank calls it) and return the fitted DeviceSpec; rank 0
+    writes it to `out` (JSON: the device, the cluster description and every measured point).
+    shape/names: the mesh to measure axis by axis (default: one axis over every rank).
+    base: the preset whose unmeasured numbers are kept (default h100 on CUDA, cpu otherwise).
+    quick: the two smallest sizes of everything and short timed runs (seconds, for tests;
+    the numbers are rougher)."""
+    device_type = _device_type()
+    world = dist.get_world_size()
+    shape = tuple(shape) if shape else (world,)
+    names = tuple(names) if names else tuple(f"ax{i}" for i in range(len(shape)))
+    if math.prod(shape) != world:
+        raise ValueError(f"calibration mesh {shape} has {math.prod(shape)} devices but {world} ranks run; "
+                         f"give --mesh sizes whose product is the world size")
+    desc = describe(shape, names, device_type)
+    desc["quick"] = quick
+    key = hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
+    cached = os.path.join(cache_dir(), f"calibration-{key}.json")
+    if not force and os.path.exists(cached):
+        _progress(f"using the cached calibration {cached} (force=True measures again)")
+        spec = DeviceSpec.load(cached)
+        if out and dist.get_rank() == 0:
+            _write(out, spec, desc, json.load(open(cached)).get("points", {}))
+        return spec
+    start = time.perf_counter()
+    _progress(f"{world} ranks on {len(desc['hosts'])} host(s), {desc['device']}, {desc['backend']}")
+    compute = measure_compute(device_type, repeats, quick)
+    preset = PRESETS[base or ("h100" if device_type == "cuda" else "cpu")]
+    per_node = desc["per_node"]
+    inside = Mesh.inside_node(shape, per_node)
+    links, points = [], dict(compute["points"])
+    if world > 1:
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+        measured: dict = {}
+        for axis in range(len(shape)):
+            if shape[axis] < 2:
+                continue
+            got = measure_axis(mesh, axis, device_type, repeats, MESSAGE[device_type][::4] if quick else None,
+                               quick)
+            points.update({f"{names[axis]}: {k}": v for k, v in got["points"].items()})
+            for kind, line in got["links"].items():
+                measured.setdefault((kind, "intra" if inside[axis] else "inter"), []).append(line)
+        for (kind, where), lines in sorted(measured.items()):
+            links.append((kind, where, *(float(np.mean(col)) for col in zip(*lines))))
+    flops = dict(preset.flops)
+    flops.update(compute["flops"])
+    intra = next((x for x in links if x[:2] == ("all_reduce", "intra")), None)
+    inter = next((x for x in links if x[:2] == ("all_reduce", "inter")), None)
+    spec = replace(
+        preset, name=f"{preset.name}-calibrated", flops=tuple(flops.items()),
+        attention_flops=tuple(compute["attention"].items()), mem_bandwidth=compute["mem_bandwidth"], op_latency=compute["op_latency"], optimizer=compute["optimizer"],
+        asynchronous=device_type == "cuda", devices_per_node=per_node, links=tuple(links),
+        intra_bandwidth=intra[2] if intra else preset.intra_bandwidth,
+        intra_latency=intra[3] if intra else preset.intra_latency,
+        inter_bandwidth=inter[2] if inter else preset.inter_bandwidth,
+        inter_latency=inter[3] if inter else preset.inter_latency,
+        launch_latency=(intra or inter)[4] if (intra or inter) else preset.launch_latency,
+        memory=float(torch.cuda.get_device_properties(0).total_memory) if device_type == "cuda" else preset.memory,
+        source=f"autopar calibrate, {time.strftime('%Y-%m-%d')}: {desc['world']} x {desc['device']} "
+               f"({desc['backend']}), mesh {'x'.join(map(str, shape))}")
+    _progress(f"done in {time.perf_counter() - start:.1f} s")
+    if dist.get_rank() == 0:
+        os.makedirs(cache_dir(), exist_ok=True)
+        _write(cached, spec, desc, points)
+        if out:
+            _write(out, spec, desc, points)
+    dist.barrier()
+    return spec
+
+
+def _write(path: str, spec: DeviceSpec, desc: dict, points: dict) -> None:
+    with open(path, "w") as f:
+        json.dump({"device": spec.to_dict(), "cluster": desc, "points": points}, f, indent=1)

@@ -1,0 +1,362 @@
+"""Pipelined execution of a plan with stages (plan.pipeline), on torch.distributed.pipelining.
+
+Devices.  The plan splits mesh axis `axis` into `groups` contiguous device groups; each
+group is a sub-mesh of the plan's per-stage shape and runs the stages g, g + groups, ...
+(one stage, or `virtual` stages under interleaved 1F1B).  Rank i of one group talks to
+rank i of the next (they hold the same shards of what crosses the cut), over a "pipeline"
+process group of one rank per group; inside a group, the per-stage plan's collectives run
+over the sub-mesh's axes as in an unpipelined plan (tensor, data parallelism, ZeRO).
+
+Graph.  The model is traced for one microbatch, annotated with the per-stage plan, given
+its collectives and local shapes like any plan, then cut by passes.pipeline_split.  Each
+rank wraps its stages' graphs in modules that read this rank's parameter shards, and
+hands them to `PipelineStage`s and the plan's schedule (ScheduleGPipe, Schedule1F1B,
+ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble).  User inputs reach every stage as
+keyword arguments, split into microbatches by the schedule.
+
+A step.  `train_step(*inputs)` runs the schedule on the global batch: each microbatch's
+loss is divided by the number of microbatches before its backward, so the accumulated
+gradients are those of the whole batch's mean loss.  Gradients accumulate over the
+microbatches unreduced and are reduced over the sub-mesh once (GradSync, see below), then
+the gradients of weights read by stages on several device groups
+(a tied input embedding and output head) are summed between those groups, so every copy
+takes the same optimizer step.  The loss (the sum of the microbatches' shares, reduced
+over the sub-mesh where the plan leaves it Partial) is broadcast from the last stage to
+every rank and returned.
+
+Gradient buckets stay closed while the microbatches accumulate and open during each
+stage's last backward, so the reduction overlaps the end of the schedule; what is left
+(weights two local stages read, gradients a zero-bubble weight pass writes without
+autograd's hooks) is reduced after the schedule.
+
+ZeRO-3 inside a stage works as without stages (autopar/runtime/reshard.py), per stage and
+microbatch: the next weight's gather is prefetched, and with reshard_after_forward (the
+default) a gathered weight is not kept from a microbatch's forward to its backward but
+gathered again there.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                         ScheduleInterleavedZeroBubble)
+
+from autopar.trace.batching import batch_size, first_microbatch
+from autopar.mesh import Mesh
+from autopar.passes.collectives import move
+from autopar.passes.pipeline_split import assign_stages, layer_stages, split_stages
+from autopar.passes.redistribute import MeshGroups
+
+from autopar.runtime.build import initial_shards, param_names, rewrite
+from autopar.runtime.model import CompiledModel, param_key
+from autopar.runtime.process import CompileError
+from autopar.runtime.recompute import apply_recompute
+from autopar.runtime.reshard import Regather
+from autopar.runtime.runner import gather_counts_of, loss_of
+
+log = logging.getLogger("autopar")
+
+STAGE_AXIS = "_stage"  # the device-group dimension added in front of the mesh's own axes
+
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
+             "zero-bubble": ScheduleInterleavedZeroBubble}
+
+
+MULTI_STAGE = {"interleaved-1f1b", "zero-bubble"}  # schedules that take a list of this rank's stages
+
+_MESHES: dict = {}
+
+
+def group_mesh(device_type: str, mesh: Mesh, axis: str, groups: int):
+    """A DeviceMesh of shape (groups, *per-stage shape) named (STAGE_AXIS, *mesh.axis_names):
+    device group g holds the ranks whose coordinate on `axis` lies in [g*q, (g+1)*q),
+    q = shape[axis] / groups."""
+    key = (device_type, mesh.shape, mesh.axis_names, axis, groups)
+    if key not in _MESHES:
+        a = mesh.axis_names.index(axis)
+        q = mesh.shape[a] // groups
+        ranks = torch.arange(mesh.size).reshape(mesh.shape)
+        ranks = ranks.reshape(mesh.shape[:a] + (groups, q) + mesh.shape[a + 1:]).movedim(a, 0)
+        _MESHES[key] = DeviceMesh(device_type, ranks, mesh_dim_names=(STAGE_AXIS, *mesh.axis_names))
+    return _MESHES[key]
+
+
+def compile_pipelined(model, mesh: Mesh, example_inputs, example_kwargs, plan, *, on_meta: bool, seed,
+                      bucket_mb: float, precision, device_type: str, seed_of_job: int,
+                      reshard_after_forward: bool = True) -> CompiledModel:
+    """compile() for a plan with pipeline stages (see the module docstring): a CompiledModel
+    whose runner is a PipelineRunner over this rank's stages."""
+    info = plan.pipeline
+    full = info.full_mesh
+    if full.shape != mesh.shape or full.axis_names != mesh.axis_names:
+        raise CompileError(f"the plan was made for mesh {full.shape} {full.axis_names}, not {mesh.shape} "
+                           f"{mesh.axis_names}; plan again for this mesh")
+    if plan.mesh.shape != info.submesh:
+        raise CompileError(f"the plan's per-stage mesh {plan.mesh.shape} is not its pipeline's sub-mesh "
+                           f"{info.submesh}; the plan file is inconsistent, plan again")
+    if not info.layer_prefix:
+        raise CompileError("the plan does not name the repeated layers its stages cut between; plan again "
+                           "with this version of autopar")
+    n_groups, n_mb = info.groups, info.microbatches
+    n_stages = len(info.stages)
+    batch = batch_size(example_inputs, example_kwargs)
+    if batch % n_mb:
+        raise CompileError(f"the plan splits the batch into {n_mb} microbatches; the inputs' batch of {batch} "
+                           f"rows does not divide")
+    dm = group_mesh(device_type, mesh, info.axis, n_groups)
+    sub = dm[mesh.axis_names] if len(mesh.axis_names) > 1 else dm[mesh.axis_names[0]]
+    groups = MeshGroups(sub)
+    group = dm.get_coordinate()[0]
+    args, kwargs = first_microbatch((tuple(example_inputs), example_kwargs), batch, batch // n_mb)
+    rewritten = rewrite(model, plan, groups, args, kwargs, precision, device_type, seed_of_job)
+    traced, gm = rewritten.traced, rewritten.graph
+    stage_of = assign_stages(gm, traced.user_inputs, info.layer_prefix,
+                             layer_stages(info.stages, info.layer_indices))
+    stages = split_stages(gm, traced.user_inputs, stage_of, n_stages)
+    name_of = param_names(traced)
+    readers: dict = {}   # parameter name -> device groups whose stages read it
+    for st in stages:
+        for ph in st.params:
+            if ph in name_of:
+                readers.setdefault(name_of[ph], set()).add(st.index % n_groups)
+    # only the weights this rank's stages read are sliced (or initialised: the RNG still runs
+    # through every module, so the values equal the whole model's)
+    mine = {name: pl for name, pl in plan.param_placements.items() if group in readers.get(name, ())}
+    shards = initial_shards(model, mine, groups, on_meta, seed, traced.parts)
+    planned = traced.parts.named_parameters(model)
+    params = {name: tuple(p.shape) for name, p in planned.items()}
+    dtypes = {name: p.dtype for name, p in planned.items()}
+
+    def runner(cm: CompiledModel) -> PipelineRunner:
+        meta = {name: (params[name], cm.compute_dtype_of(dtypes[name])) for name in readers}
+        return PipelineRunner(cm, dm, group, stages, readers, meta, reshard_after_forward, name_of, traced.buffers)
+
+    return CompiledModel(rewritten, plan, groups, shards, model, device_type, bucket_mb, precision, runner)
+
+
+class _StageModule(nn.Module):
+    """One stage's graph over this rank's shards: forward(*received, **user_inputs)."""
+
+    def __init__(self, stage, model: CompiledModel, feed: list, regather: Regather):
+        super().__init__()
+        self.graph_module = stage.graph_module
+        self.inputs = list(stage.inputs)
+        self.placeholders = [n.target for n in stage.graph_module.graph.nodes if n.op == "placeholder"]
+        self.regather = regather
+        self.params = nn.ParameterDict({key: model.shards[key] for kind, key in feed if kind == "param"})
+        self.feed = feed
+        self.model = [model]  # not a submodule: the model's parameters are not this module's children twice
+
+    def forward(self, *received, **inputs):
+        missing = [n for n in self.inputs if n not in inputs]
+        if missing:
+            raise CompileError(f"stage inputs {missing} were not passed to the schedule")
+        model = self.model[0]
+        model.streams.calls += 1
+        feed = [self.params[key] if kind == "param" else model.get_buffer(key) for kind, key in self.feed]
+        args = [*received, *(inputs[n] for n in self.inputs), *feed]
+        if not self.regather:
+            return self.graph_module(*args)
+        with self.regather.forward(dict(zip(self.placeholders, args))):
+            return self.graph_module(*args)
+
+
+class PipelineRunner:
+    """Runs this rank's stages of a pipelined plan (the model's runner, autopar/runtime/runner.py).
+    `train_step` runs one step of the plan's schedule on the global batch and returns the
+    loss on every rank; `forward` runs the forward passes only and returns the loss.  Whole
+    tensors are gathered from the device group that holds them."""
+
+    pipelined = True
+
+    def __init__(self, model: CompiledModel, dm, group: int, stages: list, readers: dict, meta: dict,
+                 reshard_after_forward: bool, param_of: dict, buffer_of: dict):
+        """readers: parameter name -> device groups whose stages read it; meta: name -> (whole
+        shape, compute dtype); param_of / buffer_of: placeholder -> parameter (tied: the
+        owner's name) / buffer name."""
+        info = model.plan.pipeline
+        self.model = model
+        self.dm = dm
+        self.group = group
+        self.n_groups = info.groups
+        self.n_stages = len(stages)
+        self.n_mb = info.microbatches
+        model.io.check.batch_scale = self.n_mb  # traced for one microbatch, called with the batch
+        self.schedule_name = info.schedule
+        self.pp_group = dm.get_group(STAGE_AXIS)
+        self.last_group = (self.n_stages - 1) % self.n_groups
+        self.loss_index = None
+        self.overlap_grad_sync = True  # False: reduce all gradients after the schedule
+        self.owner = {name: min(gs) for name, gs in readers.items()}
+        self.meta = meta
+        self.tied = self._tied_groups(readers)
+        self.groups_reading = {param_key(name): len(gs) for name, gs in readers.items()}
+        self.stage_modules = []
+        pipeline_stages = []
+        for st in stages:
+            if st.index % self.n_groups != group:
+                continue
+            feed = [("param", param_key(param_of[ph])) if ph in param_of else ("buffer", param_key(buffer_of[ph]))
+                    for ph in st.params]
+            regather = Regather(st.graph_module, set(st.params), reshard_after_forward, model.groups)
+            apply_recompute(st.graph_module, model.plan, model.streams, pipelined=True)
+            module = _StageModule(st, model, feed, regather)
+            self.stage_modules.append(module)
+            pipeline_stages.append(PipelineStage(module, st.index, self.n_stages, model.device, group=self.pp_group))
+        self.pipeline_stages = pipeline_stages
+        # gradient buckets start during each stage's last backward; a weight that two of this
+        # rank's stages read is complete only after both, so finish() reduces it
+        readers_here: dict = {}
+        for module in self.stage_modules:
+            for key in module.params:
+                readers_here[key] = readers_here.get(key, 0) + 1
+        sync = model.grad_sync
+        sync.hold = {key for key, n in readers_here.items() if n > 1}
+        for key in readers_here:  # every gradient here is one device group's part of the model's
+            if model.shards[key].requires_grad:
+                sync.pieces.setdefault(key, f"device group {group} holds the gradient of {model.name_of[key]!r} "
+                                            f"for its pipeline stages only")
+        for stage in pipeline_stages:
+            for name in ("backward_one_chunk", "backward_weight_one_chunk"):
+                setattr(stage, name, self._sync_on_last(getattr(stage, name)))
+        cls = SCHEDULES[self.schedule_name]
+        target = pipeline_stages if self.schedule_name in MULTI_STAGE else pipeline_stages[0]
+        if self.schedule_name not in MULTI_STAGE and len(pipeline_stages) != 1:
+            raise CompileError(f"{self.schedule_name} runs one stage per device group; the plan puts "
+                               f"{len(pipeline_stages)} on group {group}")
+        self.schedule = cls(target, self.n_mb, loss_fn=self._microbatch_loss, scale_grads=False)
+        log.info("pipelined %d stages (%s, %d microbatches); this rank holds stages %s of device group %d",
+                 self.n_stages, self.schedule_name, self.n_mb, [s.index for s in stages
+                                                                if s.index % self.n_groups == group], group)
+
+    def groups_holding(self, key: str) -> int:
+        """Device groups holding a copy of weight `key` (2 for a tied embedding and head)."""
+        return self.groups_reading.get(key, 1)
+
+    def graphs(self) -> list:
+        return [m.graph_module for m in self.stage_modules]
+
+    def gather_counts(self) -> dict:
+        return gather_counts_of(m.regather for m in self.stage_modules)
+
+    def _sync_on_last(self, method):
+        """`method` with gradient synchronisation on while the schedule runs a stage's last
+        (full or weight) backward, so its buckets go out while backward goes on."""
+        sync = self.model.grad_sync
+
+        def run(mb_index, *args, **kwargs):
+            if not kwargs.get("last_backward") or not self.overlap_grad_sync:
+                return method(mb_index, *args, **kwargs)
+            sync.enabled = True
+            try:
+                return method(mb_index, *args, **kwargs)
+            finally:
+                sync.enabled = False
+        return run
+
+    def _tied_groups(self, readers: dict) -> dict:
+        """name -> process group of this rank and its peers in the other device groups that
+        read the same weight (every rank creates every such group, in the same order)."""
+        out = {}
+        flat = self.dm.mesh.reshape(self.n_groups, -1)
+        mine = int((flat[self.group] == dist.get_rank()).nonzero()[0, 0])
+        made: dict = {}
+        for name in sorted(readers):
+            gs = tuple(sorted(readers[name]))
+            if len(gs) < 2:
+                continue
+            if gs not in made:
+                made[gs] = [dist.new_group([int(flat[g, c]) for g in gs]) for c in range(flat.shape[1])]
+            if self.group in gs:
+                out[param_key(name)] = made[gs][mine]
+        return out
+
+    # --- running -----------------------------------------------------------------------------
+    def _microbatch_loss(self, output, _target):
+        flat = list(output) if isinstance(output, tuple) else [output]
+        loss = loss_of(self.model.io.structure(flat))
+        if self.loss_index is None:
+            self.loss_index = next((i for i, t in enumerate(flat) if t is loss), None)
+        return loss / self.n_mb
+
+    def _run_schedule(self, args, kwargs, train: bool) -> torch.Tensor:
+        model = self.model
+        flat = model.io.flatten(args, kwargs)
+        device = model.device
+        inputs = {n: (t.to(device) if isinstance(t, torch.Tensor) else t)
+                  for n, t in zip(model.io.input_names(), flat)}
+        sync = model.grad_sync
+        sync.begin()
+        last = any(st.is_last for st in self.pipeline_stages)
+        losses: list = []
+        extra = {"target": torch.zeros(self.n_mb, device=device), "losses": losses} if last else {}
+        if train:
+            with sync.no_sync():  # (the last backward of each stage opens it: _sync_on_last)
+                self.schedule.step(return_outputs=False, **extra, **inputs)
+        else:
+            with torch.no_grad():
+                self.schedule.eval(return_outputs=False, **extra, **inputs)
+        total = torch.zeros((), device=device)
+        if last:
+            total = torch.stack([t.detach().float().reshape(()) for t in losses]).sum()
+            m = model.io.output_reduce.get(self.loss_index)
+            if m is not None:  # the loss is a Partial sum over some sub-mesh axes
+                total = move(total, m, model.groups)
+        dist.broadcast(total, group_src=self.last_group, group=self.pp_group)
+        return total
+
+    def train_step(self, args, kwargs) -> torch.Tensor:
+        """One step of the plan's schedule on the global batch: forward and backward of every
+        microbatch, gradient synchronisation; the batch's loss on every rank."""
+        loss = self._run_schedule(args, kwargs, train=True)
+        self.model.grad_sync.finish()
+        self._sum_tied_grads()
+        return loss
+
+    def forward(self, args, kwargs):
+        """The loss of the global batch (forward passes only), on every rank."""
+        return self._run_schedule(args, kwargs, train=False)
+
+    def _sum_tied_grads(self) -> None:
+        model = self.model
+        for key, pg in self.tied.items():
+            grad = model.grad_sync.zero_grads.get(key)
+            if grad is None:
+                grad = model.shards[key].grad
+            if grad is not None:
+                dist.all_reduce(grad, group=pg)
+
+    def backward(self, loss):
+        raise CompileError("a pipelined model runs backward inside its schedule: call cm.train_step(*inputs)")
+
+    def no_sync(self):
+        raise CompileError("a pipelined model accumulates over its microbatches itself: raise the plan's "
+                           "microbatch count (autopar.Pipeline(microbatches=...)) instead of no_sync")
+
+    def predicted_memory(self) -> dict:
+        """The pipeline search's bytes per device for this rank's device group: its stages'
+        model states plus the activations of the microbatches its schedule holds in flight."""
+        info = self.model.plan.pipeline
+        parts = dict(info.group_memory[self.group]) if info.group_memory else {}
+        return dict(parts, total=info.memory[self.group])
+
+    def whole(self, local: dict, dtype=None) -> dict:
+        """Whole tensors held by each parameter's owning device group, broadcast to every rank
+        (`local`: this rank's whole tensors by name)."""
+        out = {}
+        device = self.model.device
+        for name in sorted(self.owner):
+            shape, dt = self.meta[name]
+            t = local.get(name) if self.group == self.owner[name] else None
+            t = torch.empty(shape, dtype=dtype or dt, device=device) if t is None else t.to(device)
+            dist.broadcast(t, group_src=self.owner[name], group=self.pp_group)
+            out[name] = t
+        return out
+
+    def sharded_state_error(self) -> str | None:
+        return None   # each rank gives its stages' parameters, DTensors over its device group's sub-mesh

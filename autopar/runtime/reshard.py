@@ -1,0 +1,354 @@
+"""ZeRO-3 at run time: gathered weights are not kept between forward and backward.
+
+A parameter stored Shard on an axis where its op reads it whole is all-gathered just
+before use (a move inserted by passes.collectives; its backward reduce-scatters the
+gradient).  Autograd would keep the gathered weight alive until backward because the op
+saves it; with reshard_after_forward the saved weight is packed as "gather this shard
+again" instead (torch.autograd.graph.saved_tensors_hooks) and re-gathered when backward
+unpacks it, so between forward and backward a rank holds only its shards, as the cost
+model assumes (it charges the second all-gather in backward).  (Within one forward the
+gathered weights are held until it ends: saved tensors are recognised by their storage,
+which must not be recycled for another tensor meanwhile.)
+
+The gathers of the next parameters are prefetched: when the k-th gather of a forward runs,
+the (k+1)-th is started asynchronously, so it overlaps with the compute in between
+(moves that are exactly one all-gather; others run when reached).
+
+Grouped gathers.  Weights whose gradient nothing else synchronises (pure ZeRO-3: sharded
+on every axis it is not split by the plan) and whose move is one all-gather on one axis
+(its backward one reduce-scatter there) are gathered in buckets of consecutive gathers up
+to `bucket_bytes` (a transformer layer's weights, typically): one flat all-gather per
+bucket in forward, the next bucket prefetched while the current one computes; in backward
+the bucket's saved weights are gathered again in one call when the first is needed, and
+their gradients are reduce-scattered in one flat call per bucket, launched asynchronously
+when backward moves on to another bucket and added into the shards' gradients by
+`finish()` (the shard's gradient is zero until then).  One collective per bucket and
+direction instead of one per weight, as FSDP does per wrapped module.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+from autopar.passes.collectives import move
+from autopar.passes.redistribute import plan_redistribute, redistribute_local, reduce_scatter_rows
+
+from autopar.runtime.recompute import note_saved
+
+
+def _identity(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether a move node's forward leaves its tensor as it is (same layout on both sides)."""
+    m = getattr(gm, node.args[1].target)
+    return tuple(m.src) == tuple(m.dst)
+
+
+class Regather:
+    """Per compiled module: which forward gathers are parameters, their prefetch and the
+    saved-tensor hooks.  Graph nodes `move(param, m, groups)` whose forward is only
+    all-gathers become `regather.gather(k, param, m, groups)`."""
+
+    def __init__(self, gm: fx.GraphModule, param_placeholders: set, reshard_after_forward: bool, groups,
+                 grouped: frozenset = frozenset(), bucket_bytes: int = 25 * 2**20):
+        """grouped: the placeholders whose gathers may share buckets (see the module
+        docstring); bucket_bytes: the most gathered bytes a bucket holds."""
+        self.reshard = reshard_after_forward
+        self.groups = groups
+        self.sources: dict[int, tuple] = {}   # storage pointer of a gathered weight -> how to gather it
+        self.order: list = []                 # (placeholder name, Move) of the gathers, in graph order
+        self.pending: dict[int, tuple] = {}   # k -> (work, buffer) of a prefetched gather
+        self.feed: dict = {}                  # placeholder name -> this forward's shard tensor
+        self.active = False                   # inside forward (a recomputed layer gathers in backward too)
+        # since compile: weights gathered in forward, of which prefetched, gathered again in
+        # backward; collective calls of the grouped buckets (gathers, reduce-scatters)
+        self.counts = {"gathered": 0, "prefetched": 0, "regathered": 0, "bucket_gathers": 0, "bucket_reduces": 0}
+        self.flat: dict[int, tuple] = {}      # k -> (mesh axis, dim) of a groupable gather
+        sizes = [groups.size(a) for a in range(groups.ndim)]
+        for node in list(gm.graph.nodes):
+            if node.op != "call_function" or node.target is not move:
+                continue
+            src = node.args[0]
+            while src.op == "call_function" and src.target is move and _identity(gm, src):
+                src = src.args[0]   # (a tied weight's gradient-sum point: forward is the weight)
+            if src.op != "placeholder" or src.target not in param_placeholders:
+                continue
+            m = getattr(gm, node.args[1].target)
+            steps = plan_redistribute(m.src, m.dst, sizes)  # local slices too: a prefetch must do all
+            collective = [s for s in steps if s.is_collective]
+            if not collective or any(s.kind != "all_gather" for s in collective):
+                continue
+            k = len(self.order)
+            self.order.append((src.target, m, steps))
+            node.target = self.gather
+            node.args = (k,) + tuple(node.args)
+            back = plan_redistribute(m.grad_src, m.grad_dst, sizes)
+            if (src.target in grouped and len(steps) == 1 and len(back) == 1 and back[0].kind == "reduce_scatter"
+                    and (back[0].axis, back[0].dim) == (steps[0].axis, steps[0].dim)):
+                self.flat[k] = (steps[0].axis, steps[0].dim)
+        gm.recompile()
+        self.bucket_bytes = bucket_bytes
+        self.buckets: list | None = None     # lists of gather indices, made on the first forward
+        self.bucket_of: dict[int, int] = {}
+        self.ready: dict[int, torch.Tensor] = {}    # k -> its gathered weight, not yet handed out
+        self.next_bucket = None                     # (bucket, work, buffer) of a prefetched bucket
+        self.cached: dict[int, list] = {}           # k -> [weight gathered again in backward, uses left]
+        self.packed: dict[int, list] = {}           # bucket -> [(k, shard)] the last forward saved
+        self.grads: list = []                       # (bucket, k, shard, full gradient) to reduce
+        self.reducing: list = []                    # (work, row, [(k, shard)]) launched
+
+    def __bool__(self) -> bool:
+        return bool(self.order)
+
+    # --- grouped buckets ----------------------------------------------------------------------
+    def _make_buckets(self) -> None:
+        """Consecutive groupable gathers on one mesh axis, up to bucket_bytes gathered."""
+        self.buckets = []
+        size, axis = 0, None
+        for k in range(len(self.order)):
+            x = self.feed.get(self.order[k][0])
+            if k not in self.flat or x is None:
+                size, axis = 0, None
+                continue
+            full = x.numel() * x.element_size() * self.groups.size(self.flat[k][0])
+            if axis != self.flat[k][0] or size + full > self.bucket_bytes or not self.buckets:
+                self.buckets.append([])
+                size, axis = 0, self.flat[k][0]
+            self.buckets[-1].append(k)
+            self.bucket_of[k] = len(self.buckets) - 1
+            size += full
+
+    def _launch_bucket(self, members: list, shards: list):
+        """Start one flat all-gather of `shards` (the bucket's members'); (work, buffer)."""
+        axis = self.flat[members[0]][0]
+        flat = torch.cat([t.detach().reshape(-1) for t in shards])
+        n = self.groups.size(axis)
+        buf = flat.new_empty(n * flat.numel())
+        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        work = fn(buf, flat, group=self.groups.group(axis), async_op=True)
+        self.counts["bucket_gathers"] += 1
+        return work, buf.view(n, flat.numel())
+
+    def _split_bucket(self, members: list, shards: list, buf: torch.Tensor) -> dict:
+        """Each member's whole weight from the gathered rows (its own storage)."""
+        out, offset = {}, 0
+        for k, t in zip(members, shards):
+            dim = self.flat[k][1]
+            n = t.numel()
+            out[k] = torch.cat([row[offset: offset + n].view(t.shape) for row in buf], dim=dim)
+            offset += n
+        return out
+
+    def _gather_bucket(self, b: int) -> None:
+        members = self.buckets[b]
+        shards = [self.feed[self.order[k][0]] for k in members]
+        got = self.next_bucket
+        self.next_bucket = None
+        if got is not None and got[0] == b:
+            got[1].wait()
+            buf = got[2]
+            self.counts["prefetched"] += len(members)
+        else:
+            if got is not None:
+                got[1].wait()
+            work, buf = self._launch_bucket(members, shards)
+            work.wait()
+        self.ready.update(self._split_bucket(members, shards, buf))
+        if self.active and b + 1 < len(self.buckets):  # the next bucket while this one computes
+            nxt = self.buckets[b + 1]
+            self.next_bucket = (b + 1, *self._launch_bucket(nxt, [self.feed[self.order[k][0]] for k in nxt]))
+
+    def _grouped(self, k: int, x: torch.Tensor) -> torch.Tensor:
+        if k not in self.ready:
+            self._gather_bucket(self.bucket_of[k])
+        self.counts["gathered"] += 1
+        return _GroupGathered.apply(x, self, k)
+
+    def take(self, k: int) -> torch.Tensor:
+        return self.ready.pop(k)
+
+    def add_grad(self, k: int, x: torch.Tensor, grad: torch.Tensor) -> None:
+        """A grouped weight's whole gradient; reduced with its bucket's (see finish)."""
+        b = self.bucket_of[k]
+        if self.grads and self.grads[-1][0] != b:
+            self._reduce_waiting()
+        self.grads.append((b, k, x, grad))
+
+    def _reduce_waiting(self) -> None:
+        """One flat reduce-scatter of the gradients waiting, launched asynchronously."""
+        if not self.grads:
+            return
+        items, self.grads = self.grads, []
+        axis = self.flat[items[0][1]][0]
+        n = self.groups.size(axis)
+        rows = [torch.cat([g.detach().chunk(n, dim=self.flat[k][1])[r].reshape(-1) for _, k, _, g in items])
+                for r in range(n)]
+        table = torch.stack(rows)
+        work, row = reduce_scatter_rows(table, self.groups.group(axis), self.groups.coordinate(axis),
+                                        async_op=True)
+        self.counts["bucket_reduces"] += 1
+        self.reducing.append((work, row, [(k, x) for _, k, x, _ in items]))
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """After backward: every grouped gradient reduced and added to its shard's gradient."""
+        self._reduce_waiting()
+        for work, row, members in self.reducing:
+            if work is not None:
+                work.wait()
+            offset = 0
+            for k, x in members:
+                piece = row[offset: offset + x.numel()].view(x.shape)
+                offset += x.numel()
+                if x.grad is None:
+                    x.grad = piece.to(x.dtype).clone()
+                else:
+                    x.grad.add_(piece.to(x.grad.dtype))
+        self.reducing.clear()
+        self.cached.clear()
+
+    # --- forward ----------------------------------------------------------------------------
+    def gather(self, k: int, x: torch.Tensor, m, groups) -> torch.Tensor:
+        if self.buckets is None and self.active:
+            self._make_buckets()
+        if k in self.bucket_of and (self.active or k in self.ready):
+            out = self._grouped(k, x)
+            if self.reshard and self.active:
+                self.sources[out.untyped_storage().data_ptr()] = (x, m, out, k)
+            return out
+        prefetched = self.pending.pop(k, None)
+        self._prefetch(k + 1)
+        self.counts["gathered"] += 1
+        if prefetched is not None:
+            self.counts["prefetched"] += 1
+            out = _Gathered.apply(x, m, groups, prefetched)
+        else:
+            out = move(x, m, groups)
+        if self.reshard and self.active:  # the entry holds `out` so its memory is not reused for another
+            self.sources[out.untyped_storage().data_ptr()] = (x, m, out, None)  # tensor before forward ends
+        return out
+
+    def _prefetch(self, k: int) -> None:
+        if k >= len(self.order) or k in self.pending:
+            return
+        name, m, steps = self.order[k]
+        x = self.feed.get(name)
+        if x is None or len(steps) != 1:
+            return
+        step = steps[0]
+        group = self.groups.group(step.axis)
+        n = self.groups.size(step.axis)
+        inp = x.detach().movedim(step.dim, 0).contiguous()
+        buf = inp.new_empty((n * inp.shape[0],) + tuple(inp.shape[1:]))
+        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        work = fn(buf, inp, group=group, async_op=True)
+        self.pending[k] = (work, buf, step.dim)
+
+    @contextlib.contextmanager
+    def forward(self, feed: dict):
+        """Around one forward: `feed` maps placeholder names to the tensors fed to them."""
+        self.feed = feed
+        self.active = True
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack) if self.reshard \
+            else contextlib.nullcontext()
+        self.cached.clear()
+        self.packed = {}
+        try:
+            with hooks:
+                yield
+        finally:
+            for work, _, _ in self.pending.values():
+                work.wait()
+            if self.next_bucket is not None:
+                self.next_bucket[1].wait()
+                self.next_bucket = None
+            self.pending.clear()
+            self.ready.clear()
+            self.sources.clear()
+            self.feed = {}
+            self.active = False
+
+    # --- saved tensors ----------------------------------------------------------------------
+    def _pack(self, t: torch.Tensor):
+        if t.layout != torch.strided or t.device.type == "meta":
+            return t
+        source = self.sources.get(t.untyped_storage().data_ptr())
+        if source is None:
+            note_saved(t)
+            return t
+        x, m, _, k = source
+        if k is not None:
+            self.packed.setdefault(self.bucket_of[k], []).append((k, x))
+        return _Recipe(x, m, self.groups, t.size(), t.stride(), t.storage_offset(), k)
+
+    def _unpack(self, packed):
+        if not isinstance(packed, _Recipe):
+            return packed
+        self.counts["regathered"] += 1
+        if packed.k is None:
+            full = redistribute_local(packed.x.detach(), packed.m.src, packed.m.dst, packed.groups)
+        else:
+            full = self._regathered(packed.k)
+        return full.as_strided(packed.size, packed.stride, packed.offset)
+
+    def _regathered(self, k: int) -> torch.Tensor:
+        """Weight k gathered again in backward: the first of its bucket to be unpacked
+        gathers every weight of the bucket that forward saved, in one call."""
+        if k not in self.cached:
+            saved = self.packed.get(self.bucket_of[k], [])
+            members = list(dict.fromkeys(j for j, _ in saved))
+            shard = dict(saved)
+            uses = {j: sum(1 for i, _ in saved if i == j) for j in members}
+            work, buf = self._launch_bucket(members, [shard[j] for j in members])
+            work.wait()
+            for j, t in self._split_bucket(members, [shard[j] for j in members], buf).items():
+                self.cached[j] = [t, uses[j]]
+        entry = self.cached[k]
+        entry[1] -= 1
+        if entry[1] <= 0:
+            del self.cached[k]
+        return entry[0]
+
+
+class _Recipe:
+    __slots__ = ("x", "m", "groups", "size", "stride", "offset", "k")
+
+    def __init__(self, x, m, groups, size, stride, offset, k=None):
+        self.x, self.m, self.groups = x, m, groups
+        self.size, self.stride, self.offset = size, stride, offset
+        self.k = k   # a grouped gather's index (its bucket is gathered again at once), or None
+
+
+class _Gathered(torch.autograd.Function):
+    """A prefetched all-gather: forward waits for it; backward is the move's backward."""
+
+    @staticmethod
+    def forward(ctx, x, m, groups, prefetched):
+        ctx.m, ctx.groups = m, groups
+        work, buf, dim = prefetched
+        work.wait()
+        return buf.movedim(0, dim).contiguous() if dim else buf
+
+    @staticmethod
+    def backward(ctx, grad):
+        m = ctx.m
+        return redistribute_local(grad, m.grad_src, m.grad_dst, ctx.groups), None, None, None
+
+
+
+class _GroupGathered(torch.autograd.Function):
+    """A grouped gather: forward hands out the weight its bucket gathered; backward passes
+    the whole gradient to the bucket's reduce-scatter (Regather.add_grad) and returns zero
+    for the shard, to which Regather.finish adds the reduced piece."""
+
+    @staticmethod
+    def forward(ctx, x, regather, k):
+        ctx.regather, ctx.k = regather, k
+        ctx.x = x   # (the shard parameter, a leaf: not saved through the saved-tensor hooks)
+        return regather.take(k)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.regather.add_grad(ctx.k, ctx.x, grad)
+        return torch.zeros_like(ctx.x), None, None

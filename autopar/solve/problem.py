@@ -1,0 +1,587 @@
+"""The planning problem: every graph node with its strategy menu and costs, every edge with
+its resharding costs, identical layers folded into one set of choices.
+
+Built once per (graph, mesh) from the graph walk (graph.py), the layer sharing
+(layers.py) and the menus (menus.py); solved for the best plan and for the hand-written
+layouts (the same problem with menus restricted; reduce.py folds it for the ILP).
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import math
+
+import numpy as np
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+from autopar.cost import prices as C
+from autopar.mesh import Mesh
+from autopar.cost.redistribution import plan_redistribute
+from autopar.ops import Strategy, op_arg
+from autopar.ops.attention_rule import ATTENTION_OPS
+from autopar.ops.attention_rule import private_holdings
+from autopar.trace.export import Traced
+from autopar.solve.graph import VIEWS, Choice, EdgeKey, PNode, add_gradient_sums, build_nodes
+from autopar.solve.layers import share_layers
+from autopar.solve.menus import build_menus, zero_layout
+from autopar.cost.saved import Saved, is_alias, saved_by
+
+UNUSABLE = float("inf")  # a choice pair the runtime cannot run as planned: the ILP never picks it
+
+
+class Problem:
+    def __init__(self, traced: Traced, mesh: Mesh, precision=None, grouped_gathers: bool = True):
+        """precision: an autopar.MixedPrecision (the graph is then traced from the model cast
+        to its param_dtype, see autopar.cost.precision.cast_for_trace), or None.  grouped_gathers:
+        whether the runtime gathers ZeRO-3 weights in buckets (`grouped_pair`): it does for
+        a whole model, not (yet) inside pipeline stages."""
+        self.traced = traced
+        self.mesh = mesh
+        self.precision = precision
+        self.grouped_gathers = grouped_gathers
+        self.nodes, self.by_fx = build_nodes(traced)
+        self.readers, self.gradsum_of = add_gradient_sums(self.nodes)
+        shared = share_layers(self.nodes, self.readers, self.gradsum_of)
+        self.layer_groups, self.tie, self.block = shared.layer_groups, shared.tie, shared.block
+        self.fallback_ops, self.warnings = build_menus(self.nodes, self.readers, mesh)
+        self._find_saved()
+        self._build_costs()
+
+    # --- what ops keep for backward -------------------------------------------------------------
+    def _find_saved(self):
+        """holdings[n]: (key, kind, index, global bytes) of every tensor op n keeps for
+        backward (problem/saved.py); key names the storage (None: its own), and savers[key]
+        counts its holders, so a storage several ops keep is charged once."""
+        gpu = not self.mesh.device.name.lower().startswith("cpu")
+        self.holdings: dict[int, list] = {}
+        self.derived: dict = {}      # see remembered (the overlapped copies share it)
+        self.savers: dict = {}
+        for pn in self.nodes:
+            if pn.kind != "op" or not pn.requires_grad or pn.op in VIEWS:
+                continue
+            items = saved_by(pn.node, [self.nodes[src].requires_grad for src, _ in pn.inputs], gpu)
+            if items is None:  # cannot run on meta: its activation operands, as read
+                items = [Saved("in", k) for k in range(len(pn.inputs))]
+            held = []
+            for it in items:
+                if it.kind == "in":
+                    if it.index >= len(pn.inputs):
+                        continue
+                    key = self.storage_root(*pn.inputs[it.index])
+                    if self.nodes[key[0]].kind != "op":
+                        # a parameter, buffer or input: not an activation, unless the plan
+                        # reads it through a move whose copy is then kept (kept_bytes)
+                        held.append((None, "leaf", it.index, 0.0))
+                        continue
+                    root = self.nodes[key[0]]
+                    held.append((key, "in", it.index, math.prod(root.out_shapes[key[1]]) *
+                                 root.out_dtypes[key[1]].itemsize))
+                elif it.kind == "out":
+                    if it.index >= len(pn.out_shapes):
+                        continue
+                    held.append(((pn.index, it.index), "out", it.index,
+                                 math.prod(pn.out_shapes[it.index]) * pn.out_dtypes[it.index].itemsize))
+                else:
+                    held.append((None, "new", 0, it.nbytes))
+            self.holdings[pn.index] = held
+            for key, *_ in held:
+                if key is not None:
+                    self.savers[key] = self.savers.get(key, 0) + 1
+
+    def storage_root(self, src: int, out: int) -> tuple:
+        """(node, output) whose storage tensor src[out] lives in: views followed back."""
+        while True:
+            pn = self.nodes[src]
+            if pn.kind != "op" or not pn.inputs or not is_alias(pn.node):
+                return src, out
+            src, out = pn.inputs[0]
+
+    def held_bytes(self, pn: PNode, s: Strategy, item) -> float:
+        """Local bytes of one holding of op pn under strategy s (its whole storage's share
+        in the layout pn reads or makes it)."""
+        mesh = self.mesh
+        _, kind, index, nbytes = item
+        if kind == "leaf":
+            return 0.0
+        if kind.startswith("own "):   # kept by an op run whole when it communicates inside
+            if not s.comm:            # (recompute.ModeCosts, selective)
+                return 0.0
+            kind = kind[4:]
+        if kind == "in":
+            src, o = pn.inputs[index]
+            shape = self.nodes[src].out_shapes[o]
+            return nbytes * C.local_numel(shape, s.inputs[index], mesh.shape) / max(1, math.prod(shape))
+        if kind in ("out", "result"):   # (result: the op's output as it returns it)
+            shape = pn.out_shapes[index]
+            return nbytes * C.local_numel(shape, s.outputs[index], mesh.shape) / max(1, math.prod(shape))
+        # a new tensor: split as the op's largest operand is
+        shapes = [(self.nodes[src].out_shapes[o], p) for (src, o), p in zip(pn.inputs, s.inputs)]
+        shapes += list(zip(pn.out_shapes, s.outputs))
+        shape, p = max(shapes, key=lambda sp: math.prod(sp[0]) if sp[0] else 1)
+        return nbytes * C.local_numel(shape, p, mesh.shape) / max(1, math.prod(shape) if shape else 1)
+
+    def remembered(self, kind: str, key, make):
+        """make(), computed once per problem and (kind, key): what planning derives from a
+        problem and asks for again (a recompute assignment's costs, an edge's collectives)."""
+        table = self.derived.setdefault(kind, {})
+        if key not in table:
+            table[key] = make()
+        return table[key]
+
+    def held_array(self, pn: PNode, item) -> np.ndarray:
+        """held_bytes of one holding under each of pn's representative's strategies, kept
+        per (representative, holding's kind, index and bytes): identical layers hold alike."""
+        return self.remembered("held", (pn.rep, *item[1:]), lambda: np.array(
+            [self.held_bytes(pn, s, item) for s in self.nodes[pn.rep].strategies]))
+
+    def saved_entries(self) -> list:
+        """(node index, holding) of everything the ops keep when nothing is recomputed."""
+        return [(n, item) for n, held in self.holdings.items() for item in held]
+
+    def kept_bytes(self, choice: dict, entries) -> float:
+        """The activation bytes per device a solved choice keeps, storage by storage as the
+        plan lays them out (the ILP's per-node shares are its linear estimate): a tensor
+        read in its producer's layout is the producer's storage (aliases followed), read
+        through a move it is the move's new tensor of the reader's local size (a slice of
+        the leading dim alone stays a view of its source; a slice of a collective's buffer
+        is copied out by the runtime), and a storage several ops keep counts once."""
+        storages: dict = {}
+        total = 0.0
+        for n, item in entries:
+            pn = self.nodes[n]
+            s = self.nodes[pn.rep].strategies[choice[n]]
+            key, kind, index, _ = item
+            if kind.startswith("own ") and not s.comm:
+                continue
+            base = kind.removeprefix("own ")
+            if s.comm and base in ("in", "out") and self._private(pn, s, base, index):
+                # an op that communicates inside (Ulysses, the causal ring, expert all-to-alls)
+                # keeps what its inner kernel read and made: buffers of its own
+                storages[("own", n, base, index)] = self.held_bytes(pn, s, item)
+                continue
+            if base == "out":
+                key = (n, index)
+            kind = base
+            if kind in ("in", "leaf"):
+                src, o = pn.inputs[index]
+                found = self._storage_as_read(src, o, tuple(s.inputs[index]), choice, (n, index))
+                if found is not None:
+                    storages[found[0]] = found[1]
+            elif key is None:
+                total += self.held_bytes(pn, s, item)
+            else:
+                storages[key] = self.held_bytes(pn, s, item)
+        return total + sum(storages.values())
+
+    def _private(self, pn: PNode, s: Strategy, kind: str, index: int) -> bool:
+        """Whether op pn, communicating inside under s, keeps ("in"/"out", index) in a
+        buffer of its own (ops/attention_rule.private_holdings)."""
+        causal = pn.op == "autopar.window_attention" or bool(op_arg(pn.node, 5, "is_causal", False))
+        own = private_holdings(s, causal)
+        return own is None or (kind, index) in own
+
+    def _storage_as_read(self, src: int, out: int, layout: tuple, choice: dict, reader: tuple):
+        """(storage key, local bytes) of tensor src[out] as a reader gets it in `layout`;
+        None for a parameter, buffer or input's own storage."""
+        a = self.nodes[src]
+        if a.kind not in ("op", "param", "input"):
+            return None
+        made = tuple(self.nodes[a.rep].strategies[choice[src]].outputs[out])
+        shape, item = a.out_shapes[out], a.out_dtypes[out].itemsize
+        steps = plan_redistribute(made, layout, self.mesh.shape) if made != layout else ()
+        if any(st.kind != "chunk" or st.dim != 0 for st in steps):   # (a slice of dim 0 is a view)
+            moves = [st for st in steps if st.is_collective]
+            if a.kind == "param" and moves and all(st.kind == "all_gather" for st in moves):
+                return None   # a gathered weight is dropped after forward and gathered again
+            return ("moved", src, out, layout), C.local_numel(shape, layout, self.mesh.shape) * item
+        if a.kind != "op":
+            return None
+        if a.inputs and is_alias(a.node):
+            up, o = a.inputs[0]
+            sa = self.nodes[a.rep].strategies[choice[src]]
+            return self._storage_as_read(up, o, tuple(sa.inputs[0]), choice, (src, 0))
+        return (src, out), C.local_numel(shape, made, self.mesh.shape) * item
+
+    # --- costs ------------------------------------------------------------------------------
+    def _build_costs(self):
+        self.choices: dict[int, list[Choice]] = {}
+        for pn in self.nodes:
+            if pn.rep != pn.index:
+                continue
+            work = (C.measure_flops(pn.node, [self.nodes[src].requires_grad for src, _ in pn.inputs])
+                    if pn.kind == "op" else C.OpWork(0.0, 0.0))
+            self.choices[pn.index] = [self._choice(pn, s, work) for s in pn.strategies]
+        self.edges: list[EdgeKey] = []   # every concrete edge
+        for pn in self.nodes:
+            for k, (src, out) in enumerate(pn.inputs):
+                self.edges.append(EdgeKey("data", src, pn.index, out, k))
+                gs = self.gradsum_of.get((src, out))
+                if gs is not None:
+                    self.edges.append(EdgeKey("grad_in", pn.index, gs, out, k))
+        for (src, out), gs in self.gradsum_of.items():
+            self.edges.append(EdgeKey("grad_out", gs, src, out, 0))
+        self.edge_classes: dict[EdgeKey, int] = {}
+        for e in self.edges:
+            key = self.rep_edge(e)
+            self.edge_classes[key] = self.edge_classes.get(key, 0) + 1
+        self.counts: dict[int, int] = {}
+        for pn in self.nodes:
+            self.counts[pn.rep] = self.counts.get(pn.rep, 0) + 1
+        self.edge_forward: dict[EdgeKey, np.ndarray] = {}   # data edges: the forward moves alone
+        self.edge_bucketed: dict[EdgeKey, np.ndarray] = {}  # parameter gradients: their bucketed reductions
+        self.edge_gathers: dict[EdgeKey, np.ndarray] = {}   # weights read: their forward all-gathers
+        self.edge_costs = {key: self._edge_matrix(key) for key in self.edge_classes}
+
+    def overlapped(self, hidden: float, prefetched: float = 0.0) -> "Problem":
+        """This problem with each parameter gradient's bucketed reduction priced at
+        (1 - hidden) of its seconds and each weight's forward gathers at (1 - prefetched):
+        a linear stand-in for the overlap of gradient buckets with backward
+        (solution.hidden_gradient_seconds) and of prefetched gathers with forward
+        (solution.hidden_prefetch_seconds), the shares being what a plan hides.  The copy
+        shares everything but its edge costs."""
+        out = copy.copy(self)
+        out.edge_costs = {k: m - hidden * self.edge_bucketed.get(k, 0.0) - prefetched * self.edge_gathers.get(k, 0.0)
+                          for k, m in self.edge_costs.items()}
+        return out
+
+    def rep_edge(self, e: EdgeKey) -> EdgeKey:
+        return e._replace(a=self.nodes[e.a].rep, b=self.nodes[e.b].rep)
+
+    def _choice(self, pn: PNode, s: Strategy, work: C.OpWork) -> Choice:
+        mesh = self.mesh
+        mem = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0}
+        comm = [0.0] * mesh.ndim
+        if pn.kind == "param":
+            return self._param_choice(pn, s)
+        if pn.kind != "op":
+            return Choice(0.0, tuple(comm), mem)
+        in_bytes = sum(C.local_numel(self.nodes[src].out_shapes[o], p, mesh.shape) *
+                       self.nodes[src].out_dtypes[o].itemsize
+                       for (src, o), p in zip(pn.inputs, s.inputs))
+        out_bytes = sum(C.local_numel(shape, p, mesh.shape) * d.itemsize
+                        for shape, d, p in zip(pn.out_shapes, pn.out_dtypes, s.outputs))
+        dtype = pn.out_dtypes[0] if pn.out_dtypes else torch.float32
+        forward = 0.0
+        if pn.op in VIEWS:
+            compute = 0.0
+        else:
+            attention = pn.op in ATTENTION_OPS
+            compute = C.roofline(work.fwd_flops / s.factor, in_bytes + out_bytes, dtype, mesh, attention=attention)
+            forward = compute
+            if pn.requires_grad:
+                compute += C.roofline(work.bwd_flops / s.factor, 2 * (in_bytes + out_bytes), dtype, mesh, kernels=2,
+                                      attention=attention)
+        # kept for backward (see _find_saved): a storage several ops keep is stored once, so
+        # each holder carries its share
+        mem["activations"] = sum(self.held_bytes(pn, s, it) / (self.savers[it[0]] if it[0] is not None else 1)
+                                 for it in self.holdings.get(pn.index, ()))
+        if s.comm:  # per-row collectives of a named strategy, on the rows this rank holds
+            first = self.nodes[pn.inputs[0][0]]
+            rows_shape = first.out_shapes[pn.inputs[0][1]][:1]
+            item = first.out_dtypes[pn.inputs[0][1]].itemsize
+            rows = C.local_numel(rows_shape, [p if isinstance(p, Shard) and p.dim == 0 else Replicate()
+                                              for p in s.inputs[0]], mesh.shape)
+            for kind, axis, per_row in s.comm:
+                comm[axis] += C.collective_time(kind, per_row * item * rows, axis, mesh)
+        # working memory: while the op runs backward, the gradients of its outputs, of its
+        # inputs and of the tensors it makes and keeps (a composite's inner results, such as
+        # a cross entropy's log-probabilities) are live beside what was saved; a view
+        # allocates nothing
+        work = 0.0 if pn.op in VIEWS else in_bytes + out_bytes + sum(
+            self.held_bytes(pn, s, it) for it in self.holdings.get(pn.index, ()) if it[1] == "new")
+        return Choice(compute, tuple(comm), mem, forward_s=forward + sum(comm) / 2, work=work)
+
+    def _param_choice(self, pn: PNode, s: Strategy) -> Choice:
+        """Model states of a parameter stored in layout s.outputs[0] (ZeRO, Rajbhandari et al.
+        2020): weights `item` bytes per local element, gradients `item`, optimizer states
+        C.state_bytes (Adam's two moments, plus float32 master weights under mixed
+        precision).  ZeRO-1/2 over axes Z of n ranks: each rank keeps ceil(local / n)
+        elements of the optimizer state (and, stage 2, of the gradient), steps only those
+        (cost.optimizer_seconds), and after the optimizer step the updated parameter is
+        all-gathered over Z.  Offload moves the
+        optimizer state to host memory and pays the host link for the gradient going down
+        and the weights coming up, plus the host's optimizer step."""
+        mesh = self.mesh
+        comm = [0.0] * mesh.ndim
+        mem = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0}
+        layout = s.outputs[0]
+        numel = C.local_numel(pn.out_shapes[0], layout, mesh.shape)
+        item = pn.out_dtypes[0].itemsize
+        mem["params"] = numel * item
+        if not pn.requires_grad:
+            return Choice(0.0, tuple(comm), mem, numel * item)
+        state = C.state_bytes(item, self.precision is not None)
+        n = math.prod(mesh.shape[a] for a in s.zero_axes)
+        owned = math.ceil(numel / n) if s.zero else numel
+        mem["grads"] = (owned if s.zero == 2 else numel) * item
+        mem["optimizer"] = 0.0 if s.offload else owned * state
+        compute = C.optimizer_seconds(owned, item, self.precision is not None, mesh) if not s.offload else 0.0
+        for st in self.zero_gather_steps(pn, s):
+            comm[st.axis] += st.seconds
+        if s.offload:
+            dev = mesh.device
+            per_param = dev.optimizer[0] if dev.optimizer else 0.0   # the host loops over parameters too
+            compute = 2 * owned * item / dev.host_bandwidth + owned / dev.host_optimizer_rate + per_param
+        return Choice(compute, tuple(comm), mem, numel * (2 * item + state))
+
+    def zero_gather_steps(self, pn: PNode, s: Strategy) -> tuple:
+        """The all-gathers that spread a ZeRO-1/2 parameter's updated chunks after the step."""
+        if not s.zero:
+            return ()
+        layout = s.outputs[0]
+        shape, item = pn.out_shapes[0], pn.out_dtypes[0].itemsize
+        steps = self._redistribute(shape, item, zero_layout(layout, s.zero_axes), layout)
+        return C.bucketed(steps, math.prod(shape) * item, ("all_gather",))
+
+    def grad_destination(self, pn: PNode, s: Strategy, out: int = 0) -> tuple:
+        """The layout the gradient of tensor pn[out] must reach when pn takes strategy s:
+        its own layout with Partial made Replicate, and for a ZeRO-2 parameter split over
+        the ZeRO axes (reduce-scattered, not all-reduced)."""
+        target = tuple(C.grad_target(x) for x in s.outputs[out])
+        if pn.kind == "param" and s.zero == 2:
+            target = zero_layout(target, s.zero_axes)
+        return target
+
+    def _redistribute(self, shape, itemsize, src, dst):
+        """C.redistribute, remembered per problem."""
+        return self.remembered("redistribution", (shape, itemsize, src, dst),
+                               lambda: C.redistribute(shape, itemsize, src, dst, self.mesh))
+
+    def edge_steps(self, e: EdgeKey, i: int, j: int):
+        """Forward and backward collectives on edge `e` (between representatives) when its
+        ends take choices i (of e.a) and j (of e.b); remembered per problem (assemble asks
+        for the same few pairs on every layer, and once per plan it compares)."""
+        return self.remembered("edge steps", (e, i, j), lambda: self._edge_steps(e, i, j))
+
+    def _edge_steps(self, e: EdgeKey, i: int, j: int):
+        a, b = self.nodes[e.a], self.nodes[e.b]
+        if e.kind == "grad_in":   # consumer a's gradient joins the sum b
+            g = a.strategies[i].grads[e.operand]
+            if g is None:
+                return (), ()
+            shape, item = b.out_shapes[0], b.out_dtypes[0].itemsize
+            return (), self._redistribute(shape, item, tuple(g), b.strategies[j].outputs[0])
+        if e.kind == "grad_out":  # the sum a reaches the layout of tensor b[out]
+            shape, item = a.out_shapes[0], a.out_dtypes[0].itemsize
+            target = self.grad_destination(b, b.strategies[j], e.out)
+            steps = self._redistribute(shape, item, a.strategies[i].outputs[0], target)
+            if b.kind == "param":
+                steps = C.bucketed(steps, math.prod(shape) * item, bucket_kinds(b.strategies[j]))
+            return (), steps
+        p = a.strategies[i].outputs[e.out]
+        q = b.strategies[j].inputs[e.operand]
+        g = b.strategies[j].grads[e.operand]
+        shape, item = a.out_shapes[e.out], a.out_dtypes[e.out].itemsize
+        fwd = self._redistribute(shape, item, p, q)
+        bwd = ()
+        if a.requires_grad and g is not None:
+            if (e.a, e.out) not in self._summed:
+                bwd = self._redistribute(shape, item, g, self.grad_destination(a, a.strategies[i], e.out))
+                if a.kind == "param":
+                    bwd = C.bucketed(bwd, math.prod(shape) * item, bucket_kinds(a.strategies[i]))
+            if a.kind == "param":  # gathered for use, dropped after forward: gather again for backward
+                if self.grouped_pair(a.strategies[i], fwd, bwd):
+                    whole = math.prod(shape) * item
+                    fwd = C.bucketed(fwd, whole, ("all_gather",))
+                    bwd = C.bucketed(bwd, whole, ("reduce_scatter",))
+                bwd = bwd + tuple(st for st in fwd if st.kind == "all_gather")
+        return fwd, bwd
+
+    def grouped_pair(self, s: Strategy, fwd: tuple, bwd: tuple) -> bool:
+        """Whether a weight stored under s and read through moves fwd (its gradient back
+        through bwd) is gathered in buckets (autopar/runtime/reshard.py): plain ZeRO-3, the
+        weight sharded on an axis where it is read whole, the move one all-gather and its
+        gradient's one reduce-scatter on that axis, nothing else synchronising it.  Its
+        gathers, the one again in backward and the reduce-scatter then pay `bucket_share`
+        of their calls' fixed cost, and the reduce-scatter runs on the bucket stream."""
+        return (self.grouped_gathers and not s.zero and not s.offload and len(fwd) == 1 and len(bwd) == 1
+                and fwd[0].kind == "all_gather" and bwd[0].kind == "reduce_scatter" and fwd[0].axis == bwd[0].axis)
+
+    @functools.cached_property
+    def _summed(self) -> set:
+        """Tensors (by representative) whose gradient goes through a gradient-sum node."""
+        return {(self.nodes[src].rep, out) for src, out in self.gradsum_of}
+
+    def _edge_matrix(self, e: EdgeKey) -> np.ndarray:
+        """Seconds of edge `e` for every pair of choices (rows: e.a's, columns: e.b's): what
+        `edge_steps` prices, computed once per distinct pair of layouts and spread by index
+        arrays (a 3-axis mesh gives menus of ~125 choices, so edges of ~15,000 pairs)."""
+        a, b = self.nodes[e.a], self.nodes[e.b]
+        code = C.layout_code
+        if e.kind == "grad_in":   # consumer a's gradient (None: none) joins the sum b
+            shape, item = b.out_shapes[0], b.out_dtypes[0].itemsize
+            grads = [s.grads[e.operand] for s in a.strategies]
+            has = np.array([g is not None for g in grads])
+            src = _codes([code(g) if g is not None else None for g in grads])
+            dst = _codes([code(s.outputs[0]) for s in b.strategies])
+            return np.where(has[:, None], self._seconds_table(shape, item, src, dst), 0.0)
+        if e.kind == "grad_out":  # the sum a reaches the layout of tensor b[out]
+            shape, item = a.out_shapes[0], a.out_dtypes[0].itemsize
+            src = _codes([code(s.outputs[0]) for s in a.strategies])
+            dst = _codes([code(self.grad_destination(b, s, e.out)) for s in b.strategies])
+            m = self._seconds_table(shape, item, src, dst)
+            if b.kind == "param":
+                m = m - self._bucketed(b, 1, shape, item, src, dst)
+                self.edge_bucketed[e] = self._bucket_seconds
+            own = _codes([_shape_key(code(s.outputs[0])) for s in a.strategies])
+            theirs = _codes([_shape_key(code(s.outputs[e.out])) for s in b.strategies])
+            return np.where(own[1][:, None] == theirs[1][None, :], m, m + UNUSABLE)
+        shape, item = a.out_shapes[e.out], a.out_dtypes[e.out].itemsize
+        p = _codes([code(s.outputs[e.out]) for s in a.strategies])
+        q = _codes([code(s.inputs[e.operand]) for s in b.strategies])
+        m = self._seconds_table(shape, item, p, q)
+        self.edge_forward[e] = m
+        if not a.requires_grad:
+            return m
+        grads = [s.grads[e.operand] for s in b.strategies]
+        has = np.array([g is not None for g in grads])
+        bwd = np.zeros_like(m)
+        grouped = None
+        if (e.a, e.out) not in self._summed:
+            g = _codes([code(x) if x is not None else None for x in grads])
+            dest = _codes([code(self.grad_destination(a, s, e.out)) for s in a.strategies])
+            bwd = self._seconds_table(shape, item, dest, g, reverse=True)
+            if a.kind == "param":
+                bwd = bwd - self._bucketed(a, 0, shape, item, dest, g, reverse=True)
+                bucket = self._bucket_seconds
+                if self.grouped_gathers:   # grouped_pair, for every pair at once
+                    plain = np.array([not s.zero and not s.offload for s in a.strategies])
+                    grouped = (plain[:, None] & has[None, :] & self._flags(p, q, 8)
+                               & self._flags(dest, g, 9, reverse=True))
+                    if not grouped.any():
+                        grouped = None
+                    else:
+                        share = C.bucket_share(math.prod(shape) * item)
+                        scattered = self._seconds_table(shape, item, dest, g, reverse=True, share=share)
+                        bwd = np.where(grouped, 0.0, bwd)
+                        bucket = np.where(grouped, scattered, bucket)
+                        m = np.where(grouped, self._seconds_table(shape, item, p, q, share=share), m)
+                        self.edge_forward[e] = m
+                self.edge_bucketed[e] = np.where(has[None, :], bucket, 0.0)
+        if a.kind == "param":  # gathered for use, dropped after forward: gather again for backward
+            gathered = self._seconds_table(shape, item, p, q, gathers=True)
+            if grouped is not None:   # the whole move is the gather; the reduce-scatter is the bucket's
+                gathered = np.where(grouped, m, gathered)
+                bwd = bwd + np.where(grouped, self.edge_bucketed[e], 0.0)
+            self.edge_gathers[e] = gathered
+            bwd = bwd + gathered
+        return m + np.where(has[None, :], bwd, 0.0)
+
+    def _flags(self, src, dst, row: int, reverse=False) -> np.ndarray:
+        """[choices of src, choices of dst] booleans of redistribute_price's flag `row`."""
+        lines = self._lines(src, dst, reverse)
+        return lines[row, 0][np.ix_(src[1], dst[1])] > 0.5
+
+    def _lines(self, src, dst, reverse=False) -> np.ndarray:
+        """redistribute_price between the distinct layouts of `_codes` pairs src and dst:
+        [PRICE_ROWS, algorithms, distinct src, distinct dst] (`reverse`: each priced from
+        the dst layout to the src one)."""
+        rows, cols = self._layout_ids(src[0]), self._layout_ids(dst[0])
+        return self._prices(cols, rows).transpose(0, 1, 3, 2) if reverse else self._prices(rows, cols)
+
+    def _bucketed(self, param: PNode, side: int, shape, item, src, dst, reverse=False) -> np.ndarray:
+        """The part of a parameter gradient's reduction (`_seconds_table` of the same
+        arguments) that its bucket pays: the fixed cost of its all-reduces, and of its
+        reduce-scatters where the parameter is ZeRO-2 (bucketed by the runtime; ZeRO-3's
+        run per parameter), less the gradient's own share (cost.bucket_share).  side: whether
+        the parameter's choices are the table's rows (0) or columns (1)."""
+        si, di = src[1], dst[1]
+        whole = (math.prod(shape) if shape else 1) * item
+        if whole == 0:
+            return np.zeros((len(si), len(di)))
+        lines = self._lines(src, dst, reverse)
+        best = (lines[0] + lines[1] * whole).argmin(axis=0)   # the algorithm _seconds_table takes
+        pick = lambda row: np.take_along_axis(row, best[None], axis=0)[0][np.ix_(si, di)]
+        zero2 = np.array([s.zero == 2 for s in param.strategies])
+        zero2 = zero2[:, None] if side == 0 else zero2[None, :]
+        fixed = pick(lines[4]) + np.where(zero2, pick(lines[5]), 0.0)
+        per_byte = pick(lines[6]) + np.where(zero2, pick(lines[7]), 0.0)
+        share = C.bucket_share(whole)
+        self._bucket_seconds = fixed * share + per_byte * whole   # what the bucket stream runs
+        return fixed * (1.0 - share)
+
+    def _seconds_table(self, shape, item, src, dst, reverse=False, gathers=False, share=1.0) -> np.ndarray:
+        """[choices of src, choices of dst] seconds of redistributing a tensor of `shape` from
+        each row's layout to each column's (`reverse`: from each column's to each row's);
+        `gathers`: only the all-gathers among those steps; `share`: of the calls' fixed
+        seconds (a bucket's member's, cost.bucket_share).  src, dst: `_codes` pairs, a None
+        code standing for no tensor (0 s).  Each pair of layouts is priced once per problem,
+        as a line in the tensor's bytes (cost.redistribute_price), and scaled to this tensor."""
+        si, di = src[1], dst[1]
+        whole = (math.prod(shape) if shape else 1) * item
+        if whole == 0:
+            return np.zeros((len(si), len(di)))
+        lines = self._lines(src, dst, reverse)
+        fixed, per_byte = (lines[2], lines[3]) if gathers else (lines[0], lines[1])
+        return (fixed * share + per_byte * whole).min(axis=0)[np.ix_(si, di)]   # the cheapest algorithm
+
+    def _layout_ids(self, codes) -> np.ndarray:
+        ids = self._price_book["ids"]
+        return np.array([ids.setdefault(c, len(ids)) for c in codes], dtype=int)
+
+    def _prices(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+        """[PRICE_ROWS, algorithms, len(src), len(dst)]: redistribute_price between layouts by id, each
+        computed once."""
+        book = self._price_book
+        table = book["table"]
+        size = len(book["ids"])
+        if size > table.shape[2]:  # grow, unknown prices NaN
+            grown = np.full(table.shape[:2] + (2 * size, 2 * size), np.nan)
+            grown[:, :, :table.shape[2], :table.shape[3]] = table
+            book["table"] = table = grown
+        sub = table[:, :, src[:, None], dst[None, :]]
+        missing = np.isnan(sub[0, 0])
+        if missing.any():
+            code = list(book["ids"])
+            for x, y in zip(*np.nonzero(missing)):
+                s, d = code[src[x]], code[dst[y]]
+                table[:, :, src[x], dst[y]] = 0.0 if s is None or d is None else C.redistribute_price(s, d, self.mesh)
+            sub = table[:, :, src[:, None], dst[None, :]]
+        return sub
+
+    @functools.cached_property
+    def _price_book(self) -> dict:
+        """Layout code -> id (None: no tensor, priced 0), and [4, algorithms, id, id]
+        redistribute_price."""
+        return {"ids": {}, "table": np.full((C.PRICE_ROWS, len(self.mesh.device.algorithms), 0, 0), np.nan)}
+
+    # --- queries ----------------------------------------------------------------------------
+    def node_cost(self, rep: int) -> np.ndarray:
+        return np.array([c.time for c in self.choices[rep]])
+
+    def node_memory(self, rep: int) -> np.ndarray:
+        return np.array([sum(c.memory.values()) for c in self.choices[rep]])
+
+    def node_activations(self, rep: int) -> np.ndarray:
+        return np.array([c.memory["activations"] for c in self.choices[rep]])
+
+    def node_work(self, rep: int) -> np.ndarray:
+        return np.array([c.work for c in self.choices[rep]])
+
+    def node_plain_memory(self, rep: int) -> np.ndarray:
+        return np.array([sum(c.memory.values()) if c.plain_memory is None else c.plain_memory
+                         for c in self.choices[rep]])
+
+
+
+def bucket_kinds(s: Strategy) -> tuple:
+    """The reductions of a parameter's gradient the runtime runs in buckets under strategy s:
+    all-reduces, and a ZeRO-2 parameter's reduce-scatters (a ZeRO-3 weight's reduce-scatter
+    joins a bucket where its moves are grouped: Problem.grouped_pair)."""
+    return ("all_reduce", "reduce_scatter") if s.zero == 2 else ("all_reduce",)
+
+
+def _codes(keys: list):
+    """(distinct keys in first-seen order, index of each key among them): a menu's layouts
+    grouped so a cost is computed once per distinct layout."""
+    distinct: dict = {}
+    ids = np.array([distinct.setdefault(k, len(distinct)) for k in keys], dtype=int)
+    return list(distinct), ids
+
+
+def _shape_key(code: tuple) -> tuple:
+    """What `same_local_shape` compares: the shard dim per axis, Replicate and Partial alike."""
+    return tuple(c if c >= 0 else -1 for c in code)
+
+

@@ -1,0 +1,245 @@
+"""Activation recomputation as a per-layer choice of the plan.
+
+Each repeated layer (a transformer block) keeps its activations for backward in one of
+three ways:
+
+  none       what autograd saves: every op's saved operands and outputs;
+  selective  the layer runs under activation checkpointing with a policy that keeps the
+             outputs of the expensive operations (matrix products with a weight,
+             attention, experts) and recomputes the cheap ones between them (norms,
+             activations, dropout, residual adds, rotary embeddings, and with eager
+             attention the attention core: QK^T, softmax, dropout, times V, whose
+             s^2-sized tensors are Megatron's reason for selective recomputation);
+  full       the layer keeps only its inputs and runs its whole forward again in backward.
+
+The cost model prices each: the activation bytes a layer keeps per device and the
+forward (compute and the collectives inside the layer) that backward runs again.  Memory
+a recomputed layer needs during its own backward (its activations made again, one layer
+at a time) is part of the plan's working memory (working_bytes), not of its activations.
+The ILP chooses per set of identical layers (problem/layers.py: all alike, or even and
+odd layers apart), so that under a tight budget half the layers can recompute and half
+keep everything.
+"""
+from __future__ import annotations
+
+import math
+
+from autopar.solve.graph import VIEWS
+from autopar.plan.records import Recompute
+
+MODES = ("none", "selective", "full")
+
+# ops whose outputs "selective" keeps, when one operand is a weight (matrix products) or
+# always (attention and experts: the expensive core of a layer)
+PRODUCTS = frozenset({"aten.linear", "aten.mm", "aten.addmm", "aten.bmm", "aten.matmul", "aten.baddbmm",
+                      "aten.einsum"})
+ALWAYS_KEPT = frozenset({"aten.scaled_dot_product_attention", "autopar.window_attention", "autopar.experts"})
+
+
+def check_mode(recompute) -> str | None:
+    """The `recompute=` argument of autopar.plan: None (the ILP chooses) or one of MODES."""
+    if recompute is None or recompute in MODES:
+        return recompute
+    raise ValueError(f"recompute={recompute!r} is not a recomputation policy; choose one of "
+                     f"{', '.join(repr(m) for m in MODES)} (or leave it None to let the planner choose per layer)")
+
+
+def reads_weight(problem, pn) -> bool:
+    """Whether op pn reads a parameter, directly or through views."""
+    todo = [src for src, _ in pn.inputs]
+    while todo:
+        n = problem.nodes[todo.pop()]
+        if n.kind == "param":
+            return True
+        if n.kind == "op" and (n.op in VIEWS):
+            todo.extend(src for src, _ in n.inputs)
+    return False
+
+
+def kept_by_selective(problem, pn) -> bool:
+    """Whether "selective" keeps op pn's outputs (see the module docstring)."""
+    if pn.kind != "op":
+        return False
+    if pn.op in ALWAYS_KEPT:
+        return True
+    return pn.op in PRODUCTS and reads_weight(problem, pn)
+
+
+class ModeCosts:
+    """What a recompute assignment (layer path -> mode) changes in a Problem, per
+    representative node (summed over the nodes it stands for): the activation bytes
+    `activations[rep][choice]` (replacing the Choice's), the seconds of forward run again
+    `extra[rep][choice]`, and per edge class the forward moves run again `edge_extra[key]`."""
+
+    def __init__(self, problem, modes: dict):
+        import numpy as np
+        self.modes = dict(modes)
+        nodes = problem.nodes
+        layer = layer_paths(problem)
+        kept = {pn.index for pn in nodes if kept_by_selective(problem, pn)}
+        entries = []     # (node index, holding)
+        holders: dict = {}
+
+        def hold(n, item):
+            entries.append((n, item))
+            if item[0] is not None:
+                holders[item[0]] = holders.get(item[0], 0) + 1
+
+        for n, held in problem.holdings.items():
+            mode = self.modes.get(layer.get(n), "none")
+            if mode == "none":
+                for item in held:
+                    hold(n, item)
+            elif mode == "selective" and n in kept:   # its outputs, and what else its kernel
+                pn = nodes[n]                            # returns (attention's log-sum-exp)
+                for j, shape in enumerate(pn.out_shapes):
+                    hold(n, ((n, j), "result", j, math.prod(shape) * pn.out_dtypes[j].itemsize))
+                for item in held:
+                    if item[1] == "new":
+                        hold(n, item)
+                    elif item[1] in ("in", "out"):   # under a strategy that communicates inside, the
+                        hold(n, (None, "own " + item[1], item[2], item[3]))   # op runs whole (Recompute.whole)
+        members: dict = {}   # layer path -> its nodes' indices, ascending
+        for n, path in layer.items():
+            members.setdefault(path, []).append(n)
+        for path, mode in self.modes.items():
+            if mode == "none":
+                continue
+            for pn in (nodes[n] for n in sorted(members.get(path, ()))):
+                if pn.kind != "op":
+                    continue
+                for k, (src, o) in enumerate(pn.inputs):
+                    if layer.get(src) == path:
+                        continue   # (a region holds every input it reads, rotary tables and masks too,
+                    key = problem.storage_root(src, o)   # as its ops read them: after their moves)
+                    root = nodes[key[0]]
+                    if root.kind != "op":
+                        hold(pn.index, (None, "leaf", k, 0.0))   # (counted only as a move's copy)
+                        continue
+                    hold(pn.index, (key, "in", k, math.prod(root.out_shapes[key[1]]) * root.out_dtypes[key[1]].itemsize))
+        self.entries = entries
+        self.activations: dict = {}
+        keeps: dict = {}   # node index -> bytes it keeps under its layer's mode, per strategy
+        for n, item in entries:
+            pn = nodes[n]
+            share = holders[item[0]] if item[0] is not None else 1
+            arr = problem.held_array(pn, item) / share
+            self.activations[pn.rep] = self.activations.get(pn.rep, 0.0) + arr
+            keeps[n] = keeps.get(n, 0.0) + arr
+        self.keeps = keeps
+        # per recomputed layer, its ops: (node index, rep, what the node still keeps); what
+        # the layer keeps without recomputing, less that, is made again in its backward
+        self.members: dict = {}
+        for n, path in layer.items():
+            if self.modes.get(path, "none") != "none" and nodes[n].kind == "op":
+                self.members.setdefault(path, []).append((n, nodes[n].rep, keeps.get(n)))
+        self.extra: dict = {}
+        self.edge_extra: dict = {}
+        forward: dict = {}   # rep -> its strategies' forward seconds
+        moving: dict = {}    # edge class -> its forward moves' seconds, None where it moves nothing
+        for pn in nodes:
+            mode = self.modes.get(layer.get(pn.index), "none")
+            if mode == "none" or pn.kind != "op":
+                continue
+            if not (mode == "selective" and pn.index in kept):
+                if pn.rep not in forward:
+                    forward[pn.rep] = np.array([c.forward_s for c in problem.choices[pn.rep]])
+                self.extra[pn.rep] = self.extra.get(pn.rep, 0.0) + forward[pn.rep]
+        for e in problem.edges:
+            if e.kind != "data" or self.modes.get(layer.get(e.b), "none") == "none":
+                continue
+            key = problem.rep_edge(e)
+            if key not in moving:
+                fwd = problem.edge_forward.get(key)
+                moving[key] = fwd if fwd is not None and fwd.any() else None
+            if moving[key] is not None:
+                self.edge_extra[key] = self.edge_extra.get(key, 0.0) + moving[key]
+
+    def activation_bytes(self, choice: dict) -> float:
+        """Activation bytes per device of a choice under these modes."""
+        return float(sum(arr[choice[rep]] for rep, arr in self.activations.items()))
+
+    def remade(self, problem, choice: dict) -> dict:
+        """Layer path -> the activation bytes its backward makes again (live while that
+        layer's backward runs, one layer at a time)."""
+        out = {}
+        for path, members in self.members.items():
+            total = 0.0
+            for n, rep, kept in members:
+                c = choice[n]
+                total += problem.choices[rep][c].memory["activations"] - (0.0 if kept is None else kept[c])
+            out[path] = max(total, 0.0)
+        return out
+
+    def seconds(self, choice: dict) -> float:
+        """Seconds per step of the forward the recomputed layers run again."""
+        return float(sum(arr[choice[rep]] for rep, arr in self.extra.items()) +
+                     sum(m[choice[key.a], choice[key.b]] for key, m in self.edge_extra.items()))
+
+
+def mode_costs(problem, modes: dict) -> ModeCosts:
+    """ModeCosts(problem, modes), built once per problem and assignment (a plan's solves,
+    its overlap-aware re-solves and assemble all price the same one)."""
+    return problem.remembered("mode costs", tuple(sorted(modes.items())), lambda: ModeCosts(problem, modes))
+
+
+def beyond_linear(problem, choice: dict, costs: ModeCosts | None = None) -> tuple:
+    """(exact activation bytes, working bytes, what the two add to the ILP's linear memory
+    sum) of a solved choice under recompute costs (None: nothing recomputed)."""
+    if costs is None:
+        entries = problem.saved_entries()
+        linear = sum(problem.choices[pn.rep][choice[pn.index]].memory["activations"] for pn in problem.nodes)
+    else:
+        entries, linear = costs.entries, costs.activation_bytes(choice)
+    exact = problem.kept_bytes(choice, entries)
+    work = working_bytes(problem, choice, costs)
+    return exact, work, exact - linear + work
+
+
+def working_bytes(problem, choice: dict, costs: ModeCosts | None = None) -> float:
+    """The most memory live at one moment beyond the model states and the saved
+    activations: over the ops, the gradients of an op's outputs and inputs while its
+    backward runs (Choice.work, in the op's layouts), plus, inside a recomputed layer, the
+    activations that layer makes again for its backward.  Saved activations are all still
+    held at the start of backward, where the largest op (the logits and their loss) often
+    runs, so the plan's peak is states + activations + this."""
+    layer = layer_paths(problem)
+    remade = costs.remade(problem, choice) if costs is not None else {}
+    peak = 0.0
+    for pn in problem.nodes:
+        if pn.kind == "op":
+            peak = max(peak, problem.choices[pn.rep][choice[pn.index]].work + remade.get(layer.get(pn.index), 0.0))
+    return peak
+
+
+def layer_paths(problem) -> dict:
+    """node index -> "prefix.i" of the repeated layer it belongs to."""
+    return {n: f"{prefix}.{i}" for n, (prefix, i) in problem.block.items()}
+
+
+def layer_slots(problem) -> list:
+    """(prefix, indices) of each set of identical layers with more than one layer."""
+    return [(prefix, tuple(ix)) for prefix, ix in problem.layer_groups if len(ix) > 1]
+
+
+def recompute_record(problem, choice, predicted, forced):
+    """The plan's Recompute record for a solved choice (None: nothing recomputed and
+    nothing forced)."""
+    modes = dict(getattr(choice, "modes", None) or {})
+    if not modes:
+        return None if forced is None else Recompute({}, forced=forced)
+    layer = layer_paths(problem)
+    kept = tuple(pn.name for pn in problem.nodes
+                 if modes.get(layer.get(pn.index)) == "selective" and kept_by_selective(problem, pn))
+    whole = tuple(pn.name for pn in problem.nodes if pn.name in kept
+                  and problem.nodes[pn.rep].strategies[choice[pn.index]].comm)
+    keeping = problem.kept_bytes(choice, problem.saved_entries())
+    added = mode_costs(problem, modes).seconds(choice)
+    note = ""
+    if "selective" in modes.values():
+        fused = any(pn.op in ALWAYS_KEPT for pn in problem.nodes if layer.get(pn.index) in modes)
+        note = ("selective keeps the projections' and the fused attention's outputs (fused attention holds no "
+                "s x s tensors, so what it drops is the norms, activations, dropout masks and rotary tables)"
+                if fused else "selective recomputes the attention core (QK^T, softmax, dropout, x V) and the "
+                              "cheap ops, keeping the projections' outputs")
+    return Recompute(modes, kept, float(keeping - predicted.memory["activations"]), added, forced, note, whole)
