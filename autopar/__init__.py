@@ -3,15 +3,16 @@ import logging as _logging
 
 from autopar.mesh import DeviceSpec, Mesh
 from autopar.plan.plan import Plan
-from autopar.solve.pipeline_search import Pipeline
+from autopar.solve.pipeline_options import Pipeline
 from autopar.cost.precision import MixedPrecision
 from autopar.solve.ilp import InfeasibleError
 from autopar.trace.export import TraceError
-from autopar.solve.planner import plan  # last: `autopar.plan` is this function, not the autopar/plan/ folder
+from autopar.solve.planner import plan, random_plans  # last: `autopar.plan` is this function, not the autopar/plan/ folder
 
 _logging.getLogger("autopar").addHandler(_logging.NullHandler())
 
-__all__ = ["Mesh", "DeviceSpec", "MixedPrecision", "Pipeline", "Plan", "plan", "compile", "InfeasibleError", "TraceError"]
+__all__ = ["Mesh", "DeviceSpec", "MixedPrecision", "Pipeline", "Plan", "plan", "random_plans", "compile",
+           "InfeasibleError", "TraceError"]
 
 
 def compile(model, mesh, example_inputs=(), **kwargs):

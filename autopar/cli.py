@@ -35,7 +35,7 @@ import autopar
 from autopar.plan.html import write_report
 from autopar.mesh import parse_shape
 from autopar.models import PRESETS, ConfigError, build, list_models
-from autopar.solve.pipeline_search import SCHEDULE_CHOICES
+from autopar.solve.pipeline_options import SCHEDULE_CHOICES
 from autopar.plan.plan import PlanFileError
 from autopar.plan.records import format_bytes, format_seconds
 from autopar.solve.recompute import MODES

@@ -205,7 +205,7 @@ def forward_collectives(spec: tuple, plan_dict: dict) -> list:
     """(kind, mesh axis, module of the reading op) of every forward collective the compiled
     graph runs in its moves."""
     from autopar.passes.collectives import move
-    from autopar.solve.graph import module_path
+    from autopar.trace.paths import module_path
     from autopar.passes.redistribute import plan_redistribute
     plan = Plan.from_dict(plan_dict)
     model, args, kwargs = build_case(spec)

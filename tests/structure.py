@@ -1,10 +1,14 @@
-"""How straight the flow is: import cycles, private names imported across modules, and
-library imports hidden inside functions, among autopar's own files.
+"""How straight the flow is: import cycles, private names imported across modules, library
+imports hidden inside functions, modules missing from the design's module map, and imports
+that go up the map, among autopar's own files.
 
-    python tests/structure.py          # prints the counts and each finding; exit 1 if any
+    python tests/structure.py            # prints the counts and each finding; exit 1 if any
+    python tests/structure.py --metrics  # largest file, class and function, module-level state
 
-Library files are autopar/, passes/, runtime/ and models/ (installed as autopar,
-autopar.passes, autopar.runtime, autopar.models).  An import cycle is a set of modules that
+Library files are everything under autopar/.  The module map is the fenced block headed
+`modules` in docs/DESIGN.md: stage headings (`[trace]`) in flow order, each followed by its
+modules (`autopar/trace/export.py   what it does`).  A module may import from its own stage
+and the stages above it; importing from a stage below is an upward import.  An import cycle is a set of modules that
 import each other, directly or through others (a strongly connected component of the
 module graph; a package's __init__ re-exporting its own modules does not count).  A
 private name is one starting with "_" (not a dunder) taken from another module by
@@ -133,10 +137,97 @@ def findings() -> dict:
             if in_function and (module, target) not in ALLOWED_DEFERRED:
                 deferred.append(f"{module} imports {target} inside a function")
     cycles = [sorted(c) for c in nx.strongly_connected_components(graph) if len(c) > 1]
-    return {"cycles": cycles, "private": private, "deferred": deferred, "reach_ins": reach_ins(files)}
+    return {"cycles": cycles, "private": private, "deferred": deferred, "reach_ins": reach_ins(files),
+            **map_findings(files, graph.edges)}
+
+
+MAP_FILE = "docs/DESIGN.md"
+
+
+def module_map(text: str) -> dict:
+    """module name -> (stage index, stage name), read from the `modules` block of the design page."""
+    block = text.split("```modules\n", 1)
+    if len(block) < 2:
+        return {}
+    stages, out = [], {}
+    for line in block[1].split("```", 1)[0].splitlines():
+        line = line.strip()
+        if line.startswith("[") and "]" in line:
+            stages.append(line[1:line.index("]")])
+        elif line.startswith("autopar/") and stages:
+            path = Path(line.split()[0])
+            parts = [p for p in path.with_suffix("").parts if p != "__init__"]
+            out[".".join(parts)] = (len(stages) - 1, stages[-1])
+    return out
+
+
+def map_findings(files: dict, edges) -> dict:
+    """Modules the map misses or names without a file, and imports that go up the map."""
+    listed = module_map((ROOT / MAP_FILE).read_text()) if (ROOT / MAP_FILE).exists() else {}
+    missing = sorted(m for m, p in files.items() if m not in listed and not _only_docstring(p))
+    stale = sorted(m for m in listed if m not in files)
+    upward = sorted(f"{a} ({listed[a][1]}) imports {b} ({listed[b][1]})" for a, b in edges
+                    if a in listed and b in listed and listed[b][0] > listed[a][0])
+    return {"unmapped": missing, "mapped_without_file": stale, "upward": upward}
+
+
+def _only_docstring(path: Path) -> bool:
+    """A package's __init__ that only describes its folder: the map names the folder's modules."""
+    body = ast.parse(path.read_text()).body
+    return all(isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant) for n in body)
+
+
+def metrics() -> dict:
+    """The sizes a newcomer meets: largest file, class (methods) and function, and the
+    module-level mutable state (a module-level dict, list or set that code mutates later)."""
+    files = module_files()
+    biggest_file = max((len(p.read_text().splitlines()), m) for m, p in files.items())
+    classes, functions, state = [], [], []
+    mutators = {"append", "extend", "add", "update", "setdefault", "pop", "popitem", "clear", "insert",
+                "remove", "discard"}
+    for module, path in files.items():
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                methods = [n for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+                classes.append((len(methods), node.end_lineno - node.lineno + 1, f"{module}.{node.name}"))
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                functions.append((node.end_lineno - node.lineno + 1, f"{module}.{node.name}"))
+        mutable = set()
+        for node in tree.body:
+            value = getattr(node, "value", None)
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, ast.AnnAssign) else []
+            if value is not None and (isinstance(value, (ast.Dict, ast.List, ast.Set)) or (
+                    isinstance(value, ast.Call) and isinstance(value.func, ast.Name)
+                    and value.func.id in ("dict", "list", "set", "defaultdict", "OrderedDict"))):
+                mutable |= {t.id for t in targets if isinstance(t, ast.Name)}
+        touched = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in mutators \
+                    and isinstance(node.func.value, ast.Name):
+                touched.add(node.func.value.id)
+            elif isinstance(node, (ast.Assign, ast.AugAssign, ast.Delete)):
+                for t in (node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]):
+                    if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name):
+                        touched.add(t.value.id)
+            elif isinstance(node, ast.Global):
+                touched |= set(node.names)
+        state += [f"{module}.{name}" for name in sorted(mutable & touched)]
+    readme = (ROOT / "README.md").read_text().split()
+    return {"largest file": f"{biggest_file[1]}: {biggest_file[0]} lines",
+            "largest class": "{2}: {0} methods, {1} lines".format(*max(classes)),
+            "longest function": "{1}: {0} lines".format(*max(functions)),
+            "module-level mutable state": f"{len(state)}: {', '.join(state)}",
+            "README words": str(len(readme)), "library files": str(len(files)),
+            "library lines": str(sum(len(p.read_text().splitlines()) for p in files.values()))}
 
 
 def main() -> int:
+    if "--metrics" in sys.argv:
+        for name, value in metrics().items():
+            print(f"{name}: {value}")
+        return 0
     found = findings()
     for kind, items in found.items():
         print(f"{kind}: {len(items)}")

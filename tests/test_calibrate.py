@@ -18,7 +18,7 @@ from autopar.cost.prices import BUCKET_BYTES, axis_link, collective_time
 from autopar.mesh import PRESETS, DeviceSpec
 from autopar.models import build
 import autopar.solve.pipeline_search as pipeline_search
-from autopar.solve.solution import hidden_gradient_seconds, hidden_prefetch_seconds
+from autopar.solve.assemble import hidden_gradient_seconds, hidden_prefetch_seconds
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
 

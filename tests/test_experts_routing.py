@@ -118,8 +118,9 @@ def train_routed(routing: str, plan_dict: dict) -> dict:
 
 def _plan(routing: str, shape: tuple, names: tuple, layout: str | None = None, seed: int | None = None):
     model, kwargs = routed_mixtral(routing)
-    plan = autopar.plan(model, autopar.Mesh(shape, names, device="cpu"), example_kwargs=kwargs, compare=False,
-                        layout=layout, random_seed=seed)
+    mesh = autopar.Mesh(shape, names, device="cpu")
+    plan = autopar.plan(model, mesh, example_kwargs=kwargs, compare=False, layout=layout) if seed is None else \
+        autopar.random_plans(model, mesh, example_kwargs=kwargs, compare=False, layout=layout, seed=seed)[0]
     return plan, {n.strategy for n in plan.nodes if n.op == "autopar.experts"}
 
 

@@ -166,7 +166,7 @@ def all_reduces_per_step(spec: tuple, plan_dict: dict, check_finite: bool, sampl
 @functools.lru_cache(maxsize=None)
 def random_plan(seed: int) -> dict:
     model, args, _ = build_case(GPT)
-    return autopar.plan(model, autopar.Mesh(*MESH, device="cpu"), args, random_seed=[seed])[0].to_dict()
+    return autopar.random_plans(model, autopar.Mesh(*MESH, device="cpu"), args, seed=seed)[0].to_dict()
 
 
 @functools.lru_cache(maxsize=None)

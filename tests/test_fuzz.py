@@ -59,7 +59,7 @@ def _plan(spec: Spec, mesh, kind: str, seed: int):
     if kind == "solver":
         return autopar.plan(model, mesh, example, compare=False)
     if kind == "random":
-        return autopar.plan(model, mesh, example, compare=False, random_seed=seed)
+        return autopar.random_plans(model, mesh, example, compare=False, seed=seed)[0]
     return autopar.plan(model, mesh, example, compare=False, layout=kind)
 
 

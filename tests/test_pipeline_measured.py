@@ -27,7 +27,7 @@ import torch
 from autopar.runtime.pass_times import PassTimes, pass_times
 from autopar.cost.schedules import Timeline
 from autopar.plan.gantt import gantt_svg
-from autopar.cost import schedules as simulate
+from autopar.cost.schedules import simulate
 
 BUBBLE_TOL = 0.10
 CASES = [("gpipe", 4), ("gpipe", 8), ("1f1b", 4), ("1f1b", 8)]

@@ -33,15 +33,18 @@ def _spec(model: str, layers: int) -> tuple:
     return ("autopar", model, (("n_layers", layers),))
 
 
-def pipelined_plan(spec, shape, names, groups, schedule, layout=None, microbatches=None, random_seed=None,
+def pipelined_plan(spec, shape, names, groups, schedule, layout=None, microbatches=None, seed=None,
                    mixed_precision=None):
     model, args, kwargs = build_case(spec)
     virtual = 2 if schedule == "interleaved-1f1b" else None
     fixed = autopar.Pipeline(axis=names[0], groups=groups, schedule=schedule, virtual=virtual,
                              microbatches=microbatches)
-    return autopar.plan(model, autopar.Mesh(shape, names, device="cpu"), args, example_kwargs=kwargs or None,
-                        compare=False, layout=layout, random_seed=random_seed, pipeline=fixed,
-                        mixed_precision=mixed_precision)
+    mesh = autopar.Mesh(shape, names, device="cpu")
+    kw = dict(example_kwargs=kwargs or None, compare=False, layout=layout, pipeline=fixed,
+              mixed_precision=mixed_precision)
+    if seed is not None:
+        return autopar.random_plans(model, mesh, args, seed=seed, **kw)[0]
+    return autopar.plan(model, mesh, args, **kw)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -139,7 +142,7 @@ def test_random_stage_plans_train_like_one_device(pool4):
     failures = []
     for seed, schedule in zip(range(3), ["1f1b", "gpipe", "zero-bubble"]):
         spec = _spec("llama-tiny" if seed % 2 else "gpt-tiny", 4)
-        plan = pipelined_plan(spec, (2, 2), ("pp", "dp"), 2, schedule, microbatches=2, random_seed=seed)
+        plan = pipelined_plan(spec, (2, 2), ("pp", "dp"), 2, schedule, microbatches=2, seed=seed)
         result = pool4.run(train_and_compare, spec, plan.to_dict())[0]
         if not result["ok"]:
             failures.append(f"seed {seed} {schedule}: {result}")
@@ -150,7 +153,7 @@ def test_measured_gantt_of_a_compiled_pipeline(pool4, tmp_path):
     """A compiled 4-stage 1F1B run records every forward and backward pass of every rank;
     the passes of each rank follow the 1F1B order and the Gantt picture is written."""
     from autopar.plan.gantt import gantt_svg
-    from autopar.cost import schedules as simulate
+    from autopar.cost.schedules import simulate
     spec = _spec("gpt-tiny", 4)
     plan = pipelined_plan(spec, (4,), ("pp",), 4, "1f1b", microbatches=4)
     timeline = pool4.run(compiled_pipeline_events, spec, plan.to_dict())[0]

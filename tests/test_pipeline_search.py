@@ -1,6 +1,7 @@
 """Pipeline stage search (autopar.solve.pipeline_search via autopar.plan(pipeline=True))."""
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -9,15 +10,18 @@ from torch.distributed.tensor import Shard
 import autopar
 from autopar.mesh import parse_bytes
 from autopar.models import build
-from autopar.solve.pipeline_search import _balanced_cuts, search
-from autopar.solve.solution import build_problem, step_lower_bound
+from autopar.solve.overlap import step_lower_bound
+from autopar.solve.pipeline_candidates import balanced_cuts
+from autopar.solve.pipeline_search import search
+from autopar.solve.solution import build_problem
+from autopar.solve.solved import SolveOptions
 
 
 def test_balanced_cuts_minimise_the_slowest_stage():
-    assert _balanced_cuts([1.0] * 8, 4, 0.0, 0.0) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert balanced_cuts([1.0] * 8, 4, 0.0, 0.0) == [(0, 2), (2, 4), (4, 6), (6, 8)]
     # a heavy prefix (embedding) pushes layers away from the first stage
-    assert _balanced_cuts([1.0] * 6, 2, 2.0, 0.0) == [(0, 2), (2, 6)]
-    assert _balanced_cuts([5.0, 1.0, 1.0, 1.0], 2, 0.0, 0.0) == [(0, 1), (1, 4)]
+    assert balanced_cuts([1.0] * 6, 2, 2.0, 0.0) == [(0, 2), (2, 6)]
+    assert balanced_cuts([5.0, 1.0, 1.0, 1.0], 2, 0.0, 0.0) == [(0, 1), (1, 4)]
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +55,7 @@ def test_plain_plan_is_skipped_only_where_it_cannot_win(slow_network_plan):
     model, example = build("gpt2-1.5b", device="meta", batch=16)
     mesh = autopar.Mesh((8, 8), ("node", "gpu"), device="h100", bandwidth=(2.5e9, 450e9))
     plain = autopar.plan(model, mesh, example, compare=False)
-    bound = step_lower_bound(build_problem(model, mesh, example, None).problem, 60.0)
+    bound = step_lower_bound(build_problem(model, mesh, example, None).problem)
     assert plan.pipeline.step_s < bound <= plain.predicted.step_s * (1 + 1e-9)
     assert plan.pipeline.no_pipeline_step_s > plan.pipeline.step_s
 
@@ -82,13 +86,9 @@ def test_split_pass_cuts_the_planned_graph_at_the_stage_boundaries(slow_network_
     import re
     from types import SimpleNamespace
 
-    from autopar.passes.annotate import annotate
-    from autopar.passes.collectives import insert_collectives
-    from autopar.passes.localize import localize
-    from autopar.passes.pipeline_split import assign_stages, layer_stages, split_stages
+    from autopar.passes.rewrite import param_names, rewrite, stage_graphs
     from autopar.trace.batching import first_microbatch
-    from autopar.solve.graph import module_path
-    from autopar.runtime.build import param_names
+    from autopar.trace.paths import module_path
     from autopar.trace.export import trace
 
     plan, _ = slow_network_plan
@@ -96,13 +96,7 @@ def test_split_pass_cuts_the_planned_graph_at_the_stage_boundaries(slow_network_
     model, example = build("gpt2-1.5b", device="meta", batch=16)
     (args, _) = first_microbatch((tuple(example), None), 16, 16 // pp.microbatches)
     traced = trace(model, args)
-    gm = traced.graph
-    annotate(gm, plan, traced.params, traced.tied)
-    insert_collectives(gm, plan, SimpleNamespace(), defer=param_names(traced))  # groups: never run here
-    localize(gm, plan)
-    stage_of = assign_stages(gm, traced.user_inputs, pp.layer_prefix,
-                             layer_stages(pp.stages, pp.layer_indices))
-    stages = split_stages(gm, traced.user_inputs, stage_of, len(pp.stages))
+    stages = stage_graphs(rewrite(traced, plan, SimpleNamespace()), plan)  # groups: never run here
     assert len(stages) == len(pp.stages) >= 2
     name_of = param_names(traced)
     for st, (a, b) in zip(stages, pp.stages):
@@ -139,6 +133,49 @@ def test_search_builds_each_problem_once(monkeypatch, fixed):
     assert len(built) == len(set(built)), built
     if fixed is not None:
         assert plan.pipeline.pipelined and len(built) == 2   # the whole mesh and the one fixed candidate
+
+
+def test_forked_workers_build_each_problem_once_and_export_once_each(monkeypatch, tmp_path):
+    """Costing candidates in three processes (autopar/solve/pipeline_workers.py), the
+    processes together build one Problem per (sub-mesh, microbatch rows) key, each in one
+    process, and each process runs torch.export once: this one the whole batch, the first
+    forked worker the largest other microbatch size, the second its own size (a trace is
+    written from an export cached in the same process and another's outline,
+    autopar/trace/rebatch.py; the workers fork before any export).  gpt-tiny on 2 x 2
+    inside one node: both axes are cut, in 2, with 4 or 8 microbatches (2 and 1 rows),
+    besides the whole batch of 8: five keys in three microbatch sizes.  Each process
+    appends a line per build and per export to a file, so the forked ones are counted."""
+    import torch
+    import autopar.solve.solution as solution
+    log = tmp_path / "calls"
+    original_problem, original_export = solution.Problem, torch.export.export
+
+    def record(line):
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()} {line}\n")
+
+    def counting_problem(traced, mesh, precision=None, grouped_gathers=True):
+        rows = {tuple(n.meta["val"].shape)[0] for n in traced.graph.graph.nodes
+                if n.op == "placeholder" and n.target in traced.user_inputs}
+        record(f"build {mesh.shape} {sorted(rows)}")
+        return original_problem(traced, mesh, precision, grouped_gathers)
+
+    def counting_export(*args, **kwargs):
+        record("export")
+        return original_export(*args, **kwargs)
+
+    monkeypatch.setattr(solution, "Problem", counting_problem)
+    monkeypatch.setattr(torch.export, "export", counting_export)
+    model, example = build("gpt-tiny", device="meta", batch=8, n_layers=7)   # (a model no other test traced)
+    mesh = autopar.Mesh((2, 2), ("node", "gpu"), device="h100", bandwidth=(2e9, 300e9))
+    choice = search(model, mesh, example, options=SolveOptions(workers=3))
+    calls = [line.split(" ", 1) for line in log.read_text().splitlines()]
+    builds = sorted(what for _, what in calls if what.startswith("build"))
+    assert builds == ["build (1, 2) [1]", "build (1, 2) [2]", "build (2, 1) [1]", "build (2, 1) [2]",
+                      "build (2, 2) [8]"], calls
+    exporters = [pid for pid, what in calls if what == "export"]
+    assert len(exporters) == len(set(exporters)) == 3 and str(os.getpid()) in exporters, calls
+    assert choice.candidates >= 2
 
 
 def test_tight_budget_recomputes_inside_the_stages():
@@ -199,7 +236,7 @@ def test_search_never_loses_to_the_plain_plan(name, batch, shape, bandwidth, bud
     assert _step(searched) <= plain.predicted.step_s * (1 + 1e-9), (searched.pipeline.summary, plain.predicted)
     # the bound that lets the planner skip the plain plan holds for the plan it skips
     problem = build_problem(model, mesh, example, None, autopar.MixedPrecision.of("bf16")).problem
-    bound = step_lower_bound(problem, 60.0)
+    bound = step_lower_bound(problem)
     assert 0 < bound <= plain.predicted.step_s * (1 + 1e-9)
     if not searched.pipeline.pipelined:
         assert searched.predicted.step_s == pytest.approx(plain.predicted.step_s, rel=1e-9)
@@ -225,9 +262,9 @@ def test_parallel_costing_gives_the_same_choice(caplog):
     model, example = build("gpt-tiny", device="meta", batch=8)
     mesh = autopar.Mesh((2, 2), ("node", "gpu"), device="h100", bandwidth=(2e9, 300e9))
     with caplog.at_level("INFO", logger="autopar"):
-        two = search(model, mesh, example, workers=2)
+        two = search(model, mesh, example, options=SolveOptions(workers=2))
     assert any("workers in" in r.getMessage() for r in caplog.records)
-    one = search(model, mesh, example, workers=1)
+    one = search(model, mesh, example, options=SolveOptions(workers=1))
     fields = ("axis", "n_groups", "submesh", "stages", "schedule", "n_microbatches", "n_virtual", "step_s", "memory",
               "candidates", "recompute")
     assert [getattr(two, f) for f in fields] == [getattr(one, f) for f in fields]

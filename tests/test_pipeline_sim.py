@@ -11,7 +11,7 @@ import pytest
 
 from autopar.cost.schedules import SCHEDULES, Event, Timeline, bubble_formula
 from autopar.plan.gantt import gantt_svg
-from autopar.cost import schedules as simulate
+from autopar.cost.schedules import simulate
 
 EPS = 1e-9
 

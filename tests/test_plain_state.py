@@ -182,7 +182,7 @@ def save_for_plain(spec: tuple, plan_dict: dict, path: str) -> dict:
     dcp.save({"model": cm.state_dict(), "optim": opt.state_dict()}, checkpoint_id=f"{path}/bare")
     dcp.save(cm.state_dict(), checkpoint_id=f"{path}/top")
     old = f"{path}/format1"
-    dcp.save({"model": sharded_state(cm, fused_whole=False, aliases=False)}, checkpoint_id=old)
+    dcp.save({"model": sharded_state(cm.rank_state, fused_whole=False, aliases=False)}, checkpoint_id=old)
     if dist.get_rank() == 0:
         with open(f"{path}/autopar/autopar.json") as f:
             record = json.load(f)
@@ -197,7 +197,7 @@ def save_for_plain(spec: tuple, plan_dict: dict, path: str) -> dict:
     moved = _differ(cm.full_state_dict(), full)
     autopar.checkpoint.load(old, cm)
     out.update(moved=bool(moved), format1_differs=_differ(cm.full_state_dict(), full),
-               old_keys=sorted(sharded_state(cm, fused_whole=False, aliases=False)))
+               old_keys=sorted(sharded_state(cm.rank_state, fused_whole=False, aliases=False)))
     out["full"] = full if dist.get_rank() == 0 else None
     return out
 

@@ -80,13 +80,17 @@ def test_ilp_objective_is_the_predicted_step(name, shape):
     strategies are the same number before overlap: what the ILP optimises is what the plan
     shows, less what gradient buckets hide behind backward (which the ILP cannot see; the
     planner solves once more with buckets discounted by that share and keeps the faster)."""
-    from autopar.solve.solution import assemble, build_problem, solve_problem, solve_summed
+    from autopar.solve.assemble import predict
+    from autopar.solve.overlap import solve_problem
+    from autopar.solve.recompute_search import solve_summed
+    from autopar.solve.solution import build_problem
     from autopar.solve.ilp import MEMORY_TIE_BREAK
     model, example = build(name, device="meta")
     mesh = autopar.Mesh(shape, ("dp", "tp")[-len(shape):], device="h100")
     problem = build_problem(model, mesh, example, {}).problem
-    choice, sol, _ = solve_summed(problem, None, None, 60.0)
-    pred = assemble(problem, choice)[2]
+    summed = solve_summed(problem, None, None)
+    sol = summed.solution
+    pred = predict(problem, summed.choice)
     seconds = pred.step_s + pred.hidden_s
     held = pred.memory_total - pred.memory["working"]   # the tie-break sees ZeRO states whole:
     low, high = seconds + MEMORY_TIE_BREAK * held, seconds + MEMORY_TIE_BREAK * held * mesh.size
@@ -95,5 +99,5 @@ def test_ilp_objective_is_the_predicted_step(name, shape):
     # the plan returned is never slower, overlap counted, than the summed optimum
     plan = autopar.plan(model, mesh, example, compare=False)
     assert plan.predicted.step_s <= pred.step_s * (1 + 1e-9)
-    assert assemble(problem, solve_problem(problem, None, None, 60.0)[0])[2].step_s == \
+    assert predict(problem, solve_problem(problem, None, None).choice).step_s == \
         pytest.approx(plan.predicted.step_s, rel=1e-9)

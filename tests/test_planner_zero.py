@@ -75,12 +75,14 @@ def test_zero3_weights_are_priced_as_the_runtimes_buckets():
     stages) prices every call whole."""
     from autopar.solve.layouts import zero3
     from autopar.cost.prices import bucket_share
-    from autopar.solve.solution import assemble, build_problem, solve_problem
+    from autopar.solve.assemble import predict
+    from autopar.solve.overlap import solve_problem
+    from autopar.solve.solution import build_problem
     model, example = build("gpt-tiny", device="meta")
     mesh = autopar.Mesh((4,), ("dp",), device="h100")
     grouped = build_problem(model, mesh, example, {}).problem
     alone = build_problem(model, mesh, example, {}, grouped_gathers=False).problem
-    choice = solve_problem(grouped, zero3, None, 60.0)[0]
+    choice = solve_problem(grouped, zero3, None).choice
     checked = 0
     for e in grouped.edges:
         a = grouped.nodes[e.a]
@@ -105,7 +107,7 @@ def test_zero3_weights_are_priced_as_the_runtimes_buckets():
             assert mine.seconds < theirs.seconds
         checked += 1
     assert checked >= 10
-    mine, theirs = assemble(grouped, choice)[2], assemble(alone, choice)[2]
+    mine, theirs = predict(grouped, choice), predict(alone, choice)
     assert mine.step_s < theirs.step_s
     # the reduce-scatters now run on the bucket stream beside backward
     assert mine.overlappable_s - mine.prefetchable_s > theirs.overlappable_s - theirs.prefetchable_s

@@ -16,7 +16,8 @@ import torch.fx as fx
 from autopar.models import build
 from autopar.trace.rebatch import outline, rebatched
 from autopar.solve.forked import forked_map
-from autopar.trace.export import adopt_outlines, exported_outlines, graph_signature, trace
+from autopar.trace.cache import TRACES
+from autopar.trace.export import graph_signature, trace
 
 LAYERS = 7   # (enough layers to be unrolled: the search's traces are)
 
@@ -58,7 +59,7 @@ def test_written_trace_is_the_export(family):
 
 
 def test_planning_traces_are_written_once_two_are_exported(caplog):
-    """Through autopar.trace.export's cache, as the pipeline search traces its microbatch sizes:
+    """Through the process's trace cache (autopar/trace/cache.py), as the pipeline search traces its microbatch sizes:
     the third size and later are written, at 1 and 6 rows (outside and between the two
     exported) equal to their exports."""
     model, at = _inputs("ours", seq=24)   # (a sequence length no other test traces: the cache is the process's)
@@ -79,10 +80,10 @@ def test_a_trace_exported_in_another_process_serves_by_its_outline(caplog):
 
     def export(rows):
         traced = trace(model, *at(rows), unroll=True, shared=True)
-        return pickle.dumps(exported_outlines(traced)) if rows == 2 else None
+        return pickle.dumps(TRACES.exported_outlines(traced)) if rows == 2 else None
 
     found = forked_map(export, [8, 2], 2)[1]
-    adopt_outlines(pickle.loads(found))
+    TRACES.adopt_outlines(pickle.loads(found))
     with caplog.at_level(logging.INFO, logger="autopar"):
         written = trace(model, *at(4), unroll=True, shared=True)
     assert any("traced at 4 rows" in r.getMessage() and "at 8 and 2 rows" in r.getMessage()

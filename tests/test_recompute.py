@@ -10,10 +10,11 @@ import pytest
 import autopar
 from autopar.models import build
 from autopar.plan.plan import Plan
-from autopar.solve.recompute import layer_slots, mode_costs
-from autopar.solve.solution import (
-    _bound_under, _byte_price, _solve_modes, _state_bytes, _unbudgeted_bound, build_problem,
-    mode_assignments, solve_summed)
+from autopar.solve.recompute import layer_slots
+from autopar.solve.fitting import solve_modes
+from autopar.solve.recompute_search import HeldPlan, RecomputeCandidate, byte_price, mode_assignments, solve_summed
+from autopar.solve.solution import build_problem
+from autopar.solve.solved import SolveOptions
 from rc_cases import losses_and_params, saved_bytes
 from rt_cases import build_case, check_mixed_precision, mixed_precision_vs_reference, train_and_compare
 
@@ -127,7 +128,7 @@ def test_random_plans_activations_counted_in_their_layouts(pool4, spec):
     is a view of), within 5 % of the measurement on every rank, for 5 random plans of
     each model (10 in all)."""
     model, args, kwargs = build_case(spec)
-    plans = autopar.plan(model, _mesh(), args, example_kwargs=kwargs or None, random_seed=[0, 1, 2, 3, 4])
+    plans = autopar.random_plans(model, _mesh(), args, example_kwargs=kwargs or None, seed=0, count=5)
     rows = []
     for plan in plans:
         for r in pool4.run(saved_bytes, spec, plan.to_dict()):
@@ -230,24 +231,27 @@ def test_skipped_recompute_assignments_could_not_win(frac, monkeypatch):
     model, example = build("gpt2-124m", device="meta", batch=16, seq=1024)
     mesh = autopar.Mesh((8,), ("dp",), device="h100")
     problem = build_problem(model, mesh, example, None, autopar.MixedPrecision.of("bf16")).problem
-    need = solve_summed(problem, None, None, 60.0)[2]
+    need = solve_summed(problem, None, None).memory
     budget = need * frac
-    chosen = solve_summed(problem, None, budget, 60.0)
-    assert chosen[2] <= budget * (1 + 1e-6)
+    chosen = solve_summed(problem, None, budget)
+    assert chosen.memory <= budget * (1 + 1e-6)
     every = []
-    for modes, periods in [(None, (1, 2))] + mode_assignments(problem, layer_slots(problem), None):
+    for candidate in [RecomputeCandidate(None, (1, 2))] + mode_assignments(problem, layer_slots(problem), None):
         try:
-            every.append(_solve_modes(problem, None, budget, 60.0, False, modes, periods)[1].objective)
+            every.append(solve_modes(problem, None, budget, SolveOptions(), candidate.modes,
+                                     periods=candidate.periods).objective)
         except autopar.InfeasibleError:
             pass
     assert len(every) >= 2
-    assert chosen[1].objective == pytest.approx(min(every), rel=1e-6)
-    assert chosen[0].modes, "the budget binds: something is recomputed"
+    assert chosen.objective == pytest.approx(min(every), rel=1e-6)
+    assert chosen.choice.modes, "the budget binds: something is recomputed"
     for workers in ("1", "3"):
         monkeypatch.setenv("AUTOPAR_WORKERS", workers)
-        again = solve_summed(problem, None, budget, 60.0)
-        assert (dict(again[0]), again[0].modes, again[1].objective) == (dict(chosen[0]), chosen[0].modes,
-                                                                         chosen[1].objective)
+        again = solve_summed(problem, None, budget)
+        assert (dict(again.choice), again.choice.modes, again.objective) == (dict(chosen.choice), chosen.choice.modes,
+                                                                             chosen.objective)
+    again = solve_summed(problem, None, budget, SolveOptions(workers=2))   # (the option, as autopar.plan passes it)
+    assert (dict(again.choice), again.objective) == (dict(chosen.choice), chosen.objective)
 
 
 @pytest.mark.parametrize("frac", [0.9, 0.8])
@@ -259,20 +263,21 @@ def test_recompute_bounds_hold_from_the_keep_everything_reserve(frac):
     model, example = build("llama3-8b", device="meta", batch=16, seq=2048, n_layers=4, dim=2048, n_heads=16)
     mesh = autopar.Mesh((4, 2), ("dp", "tp"), device="h100")
     problem = build_problem(model, mesh, example, None, autopar.MixedPrecision.of("bf16")).problem
-    need = solve_summed(problem, None, None, 60.0)[2]
+    options = SolveOptions()
+    need = solve_summed(problem, None, None, options).memory
     budget = need * frac
-    seen: dict = {}
-    keep = _solve_modes(problem, None, budget, 60.0, False, None, seen=seen)
-    reserve = seen["extra"]
-    price = _byte_price(problem, None, budget - reserve, 60.0)
+    keep = solve_modes(problem, None, budget, options)
+    reserve = keep.beyond
+    price = byte_price(problem, None, budget - reserve, options)
     assert price > 0
-    held = _state_bytes(problem, keep[0])
+    held = HeldPlan.of(problem, keep.choice)
     by_witness = 0
-    for modes, periods in mode_assignments(problem, layer_slots(problem), None):
-        piece = _unbudgeted_bound(problem, None, periods, mode_costs(problem, modes), 60.0, price)
-        bound = _bound_under(piece, budget, reserve, held)
-        by_witness += bound > _bound_under(piece, budget, reserve)
-        found = _solve_modes(problem, None, budget, 60.0, False, modes, periods, {"extra": reserve})
-        assert bound <= found[1].objective * (1 + 1e-9), (modes, bound, found[1].objective)
+    for candidate in mode_assignments(problem, layer_slots(problem), None):
+        piece = candidate.lagrangian(problem, None, price, options)
+        bound = piece.bound_under(budget, reserve, held)
+        by_witness += bound > piece.bound_under(budget, reserve)
+        found = solve_modes(problem, None, budget, options, candidate.modes, periods=candidate.periods,
+                            reserve=reserve)
+        assert bound <= found.objective * (1 + 1e-9), (candidate.modes, bound, found.objective)
     if frac == 0.8:
         assert by_witness, "the plan keeping every activation lowered no cap: the case does not test it"

@@ -35,7 +35,7 @@ def plans_for(model_key: str, shape: tuple) -> dict:
             continue  # tests/test_sequence_parallel.py trains those on these models
         out[layout] = autopar.plan(model, mesh, args, example_kwargs=kwargs or None, compare=False, layout=layout)
     seeds = range(RANDOM_PER_MESH * len(MESHES))[list(MESHES).index(shape)::len(MESHES)]
-    for p in autopar.plan(model, mesh, args, example_kwargs=kwargs or None, random_seed=list(seeds)):
+    for p in autopar.random_plans(model, mesh, args, example_kwargs=kwargs or None, seeds=seeds):
         out[p.origin] = p
     return {k: p.to_dict() for k, p in out.items()}
 
@@ -158,7 +158,7 @@ def test_training_matches_one_device_on_two_ranks(pool2, model_key):
     mesh = autopar.Mesh((2,), ("tp",), device="cpu")
     plans = [autopar.plan(model, mesh, args, compare=False, layout=layout)
              for layout in ("data-parallel", "megatron-tp", "zero3")]
-    plans += autopar.plan(model, mesh, args, random_seed=[100, 101, 102, 103])
+    plans += autopar.random_plans(model, mesh, args, seed=100, count=4)
     failures = []
     for plan in plans:
         result = pool2.run(train_and_compare, spec, plan.to_dict())[0]

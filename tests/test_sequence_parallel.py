@@ -131,7 +131,7 @@ def test_random_plans_with_sequence_strategies(pool4):
     mesh, with whatever the other ops drew) train like one device."""
     model, args, kwargs = build_case(GPT)
     mesh = autopar.Mesh((2, 2), ("dp", "sp"), device="cpu")
-    plans = autopar.plan(model, mesh, args, compare=False, random_seed=list(range(40)))
+    plans = autopar.random_plans(model, mesh, args, compare=False, seed=0, count=40)
     chosen = [p for p in plans if _attention_kinds(p) & {"ring", "ulysses"}][:4]
     assert len(chosen) == 4
     assert {"ring", "ulysses"} <= set().union(*(_attention_kinds(p) for p in chosen))

@@ -1,12 +1,14 @@
 """The flow stays straight: no import cycles among library files, no private names taken
 from other modules, no library imports hidden in functions, no object reading another's
-private attributes (tests/structure.py)."""
+private attributes, every module on the design's module map and no import going up it
+(tests/structure.py)."""
 from structure import findings
 
 
 def test_no_cycles_private_imports_deferred_imports_or_reach_ins():
     found = findings()
-    assert found == {"cycles": [], "private": [], "deferred": [], "reach_ins": []}, found
+    assert found == {"cycles": [], "private": [], "deferred": [], "reach_ins": [], "unmapped": [],
+                     "mapped_without_file": [], "upward": []}, found
 
 
 def test_the_checker_sees_a_cycle(tmp_path, monkeypatch):
@@ -19,9 +21,14 @@ def test_the_checker_sees_a_cycle(tmp_path, monkeypatch):
     (pkg / "b.py").write_text("def f():\n    from .a import _g\n\n\nclass Owner:\n    def __init__(self):\n"
                               "        self._parts = []\n\n\ndef peek(owner):\n    return owner._parts\n")
     monkeypatch.setattr(structure, "ROOT", tmp_path)
-    monkeypatch.setattr(structure, "PACKAGES", {"autopar": "autopar"})
+    (pkg / "c.py").write_text("X = 1\n")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "DESIGN.md").write_text("```modules\n[first]\nautopar/b.py   b\n[second]\n"
+                                                  "autopar/a.py   a\nautopar/gone.py   not there\n```\n")
     found = structure.findings()
     assert found["cycles"] == [["autopar.a", "autopar.b"]]
     assert found["private"] == ["autopar.b imports _g from autopar.a"]
     assert found["deferred"] == ["autopar.b imports autopar.a inside a function"]
     assert found["reach_ins"] == ["autopar.b:11 reads owner._parts"]
+    assert found["unmapped"] == ["autopar.c"] and found["mapped_without_file"] == ["autopar.gone"]
+    assert found["upward"] == ["autopar.b (first) imports autopar.a (second)"]

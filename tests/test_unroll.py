@@ -13,7 +13,7 @@ import torch.fx as fx
 
 import autopar
 from autopar.models import build
-from autopar.solve.graph import module_path
+from autopar.trace.paths import LayerPath, block_of, layer_of, layer_path, module_path
 from autopar.trace.export import graph_signature, trace
 from autopar.trace.unroll import MIN_LAYERS, repeated_layers
 
@@ -114,3 +114,20 @@ def test_a_plan_from_an_unrolled_trace_compiles_against_the_full_graph():
                           vocab=128)
     plan = autopar.plan(model, autopar.Mesh((2, 2), ("dp", "tp")), tuple(inputs), compare=False)
     assert plan.graph == graph_signature(trace(model, tuple(inputs), cache=False).graph)
+
+
+def test_layer_of_reads_the_number_after_the_prefix():
+    """One parser of a layer index (autopar/trace/paths.py): without a prefix the first
+    numbered component after the first; with one, only the component right after it."""
+    assert layer_of("model.layers.3.mlp") == 3 and layer_of("model.layers.12") == 12
+    assert layer_of("model.layers.3.mlp.experts.5") == 3 and layer_of("3.mlp") is None
+    assert layer_of("model.layers.x3.mlp") is None and layer_of("") is None
+    assert layer_of("model.layers.3.mlp", "model.layers") == 3
+    assert layer_of("model.layers.3", "model.layers") == 3
+    assert layer_of("encoder.model.layers.3", "model.layers") is None
+    assert layer_of("model.layersX.3", "model.layers") is None
+    assert layer_of("model.layers.norm.3", "model.layers") is None
+    assert layer_of("blocks.1.experts.5", "blocks.1.experts") == 5
+    assert layer_path("model.layers.3.mlp.up") == LayerPath("model.layers", 3, "mlp.up")
+    assert str(layer_path("model.layers.03")) == "model.layers.3"
+    assert block_of("blocks.3.attn.q") == ("blocks", 3) and block_of("lm_head") is None

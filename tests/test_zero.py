@@ -86,7 +86,7 @@ def test_random_plans_include_zero_states_and_train_like_one_device(pool4):
     spec = MODELS_ZERO["gpt-tiny"]
     model, args, _ = build_case(spec)
     mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="cpu")
-    plans = autopar.plan(model, mesh, args, random_seed=[7, 8, 9])
+    plans = autopar.random_plans(model, mesh, args, seed=7, count=3)
     stages = {s.stage for p in plans for s in p.param_states.values()}
     assert stages >= {1, 2}
     assert any(s.offload for p in plans for s in p.param_states.values())

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from autopar.solve.graph import module_path
+from autopar.trace.paths import module_path
 
 
 class ModeError(RuntimeError):

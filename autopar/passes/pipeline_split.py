@@ -25,12 +25,11 @@ where the last stage sends the graph's flat outputs.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from torch import fx
 
-from autopar.solve.graph import module_path
+from autopar.trace.paths import layer_of, module_path
 
 
 class SplitError(ValueError):
@@ -63,7 +62,6 @@ def layer_stages(stages, layer_indices) -> dict:
 
 def assign_stages(gm: fx.GraphModule, user_inputs, layer_prefix: str, stage_of_layer: dict) -> dict:
     """node -> stage for every node that carries activations (see the module docstring)."""
-    pattern = re.compile(rf"^{re.escape(layer_prefix)}\.(\d+)(?:\.|$)")
     user_inputs = set(user_inputs)
     reads_input, reads_param = set(), set()
     stage: dict = {}
@@ -81,9 +79,9 @@ def assign_stages(gm: fx.GraphModule, user_inputs, layer_prefix: str, stage_of_l
             reads_param.add(node)
         if node not in reads_input or node not in reads_param:
             continue
-        m = pattern.match(module_path(node))
-        hinted[node] = m is not None
-        hint = stage_of_layer.get(int(m.group(1)), 0) if m else 0
+        layer = layer_of(module_path(node), layer_prefix)
+        hinted[node] = layer is not None
+        hint = stage_of_layer.get(layer, 0) if layer is not None else 0
         stage[node] = max([hint] + [stage[a] for a in ins if a in stage])  # the earliest it can run
     last = max(stage_of_layer.values(), default=0)
     for node in reversed(list(stage)):  # a node outside the layers runs as late as its readers allow

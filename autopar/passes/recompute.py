@@ -19,7 +19,7 @@ import operator
 
 import torch.fx as fx
 
-from autopar.solve.graph import module_path
+from autopar.trace.paths import module_path
 
 
 class RecomputeError(ValueError):

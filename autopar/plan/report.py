@@ -3,12 +3,12 @@ pipeline, precision, model states, hand-written layouts, collectives) and a per-
 table whose identical repeated layers collapse into one row."""
 from __future__ import annotations
 
-import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 from autopar.ops.attention_rule import ATTENTION_OPS
 from autopar.plan.records import format_bytes, format_seconds, show
+from autopar.trace.paths import layer_path
 
 
 def sequence_lines(plan) -> list:
@@ -214,8 +214,7 @@ def node_layout(n) -> str:
 
 def _generic(module: str, layers) -> tuple[str, int | None]:
     for prefix, indices in layers:
-        m = re.match(re.escape(prefix) + r"\.(\d+)(\.|$)(.*)", module)
-        if m and int(m.group(1)) in indices:
-            rest = (m.group(2) + m.group(3)) if m.group(3) else ""
-            return f"{prefix}.{{}}{rest}", int(m.group(1))
+        found = layer_path(module, prefix)
+        if found is not None and found.index in indices:
+            return f"{prefix}.{{}}" + (f".{found.rest}" if found.rest else ""), found.index
     return module or "(model)", None

@@ -1,22 +1,20 @@
-"""What compile builds before the model class: the per-rank graph (trace, then the passes:
-the plan written in, collectives between layouts, local shapes, device, random streams)
-and this rank's initial parameter shards."""
+"""What compile builds before the model class: this rank's graph (the model traced, the
+passes run on it by autopar/passes/rewrite.py, then placed on this rank's device with its
+random ops on their streams) and this rank's initial parameter shards."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.distributed as dist
 
-from autopar.passes.annotate import PlanMismatch, annotate
-from autopar.passes.collectives import insert_collectives, local_input_layouts
-from autopar.passes.localize import localize, place_on
-from autopar.passes.modes import ModeSwitch, mode_switch
+from autopar.passes.localize import place_on
+from autopar.passes.rewrite import Rewritten, rewrite
 from autopar.passes.shard_params import init_sharded, shard_full_model
 from autopar.plan.plan import Plan
 from autopar.cost.precision import cast_for_trace, meta_inputs
-from autopar.trace.export import TraceError, graph_signature, trace
+from autopar.trace.export import TraceError, trace
 
 from autopar.runtime.inputs import expected_inputs
 from autopar.runtime.process import device_of
@@ -25,51 +23,40 @@ from autopar.runtime.rng import RandomStreams
 log = logging.getLogger("autopar")
 
 
-@dataclass
-class Rewritten:
-    """What `rewrite` makes of a model and a plan: the traced training graph, the per-rank
-    graph the passes made of it, how it switches to eval mode, its random streams, and
-    (local_inputs) the layout of each user input."""
+@dataclass(frozen=True, kw_only=True)
+class RankGraph(Rewritten):
+    """The passes' Rewritten as this rank runs it: its graph placed on the device, random
+    ops drawing from `streams`; inputs: the runtime.inputs.Expected of each user input,
+    read before the passes (global shapes)."""
 
-    traced: object
-    graph: object
-    modes: ModeSwitch
     streams: RandomStreams
-    inputs: list          # runtime.inputs.Expected per user input
-    grad_sync: dict       # parameter name -> mesh axes the runtime all-reduces its gradient over
-    output_reduce: dict   # output index -> Move of a Partial scalar the runtime sums (the loss)
-    input_layouts: list | None = None
+    inputs: list
+
+    def __str__(self) -> str:
+        return f"{super().__str__()}; {len(self.streams.sites)} random ops on streams"
 
 
-def rewrite(model, plan: Plan, groups, example_inputs, example_kwargs, precision, device_type: str,
-            seed_of_job: int, local_inputs: bool = False) -> Rewritten:
-    """Trace `model` (cast to param_dtype under mixed precision) in train and eval mode and
-    run the passes on the training graph: the plan written into it, collectives between
-    layouts, local shapes, the device, random ops on their streams (autopar/runtime/rng.py)."""
+def rank_graph(model, plan: Plan, groups, example_inputs, example_kwargs, precision, device_type: str,
+               seed_of_job: int, local_inputs: bool = False) -> RankGraph:
+    """Trace `model` (cast to param_dtype under mixed precision) in train and eval mode, run
+    the passes on the training graph (autopar/passes/rewrite.py), then put the graph on this
+    rank's device and its random ops on their streams (autopar/runtime/rng.py)."""
     if precision is not None:
         example_inputs, example_kwargs = meta_inputs((tuple(example_inputs), example_kwargs))
         model = cast_for_trace(model, precision.param_dtype)
     traced = trace(model, tuple(example_inputs), example_kwargs)
-    if plan.graph and plan.graph != graph_signature(traced.graph):
-        raise PlanMismatch(f"the plan was made for another graph than this model traces to (graph signature "
-                           f"{plan.graph}, this model's {graph_signature(traced.graph)}): another model, size, "
-                           f"input shape or dtype. Plan again for this model and these inputs")
     try:
         evaluated = trace(model, tuple(example_inputs), example_kwargs, mode="eval")
-        modes = mode_switch(traced.graph, evaluated.graph, traced.buffers)
     except TraceError as exc:  # training needs only the training graph; eval mode says why it is missing
-        modes = ModeSwitch(reason=f"the model could not be traced in eval mode ({exc})")
+        evaluated = exc
     expected = expected_inputs(traced.graph, traced.user_inputs)
-    gm = traced.graph
-    annotate(gm, plan, traced.params, traced.tied)
-    input_layouts = local_input_layouts(gm, set(traced.user_inputs)) if local_inputs else None
-    inserted = insert_collectives(gm, plan, groups, defer=param_names(traced))
-    localize(gm, plan)
+    rewritten = rewrite(traced, plan, groups, evaluated=evaluated, local_inputs=local_inputs)
     device = device_of(device_type)
-    place_on(gm, device)
+    place_on(rewritten.graph, device)
     streams = RandomStreams(seed_of_job, groups, device)
-    streams.install(gm)
-    return Rewritten(traced, gm, modes, streams, expected, inserted.grad_sync, inserted.output_reduce, input_layouts)
+    streams.install(rewritten.graph)
+    return RankGraph(**{f.name: getattr(rewritten, f.name) for f in fields(Rewritten)}, streams=streams,
+                     inputs=expected)
 
 
 def initial_shards(model, placements: dict, groups, on_meta: bool, seed, parts) -> dict:
@@ -104,8 +91,3 @@ def _rank0_values(model) -> dict:
         dist.broadcast(t, src=0)
         out[n] = t.cpu()
     return out
-
-
-def param_names(traced) -> dict:
-    """placeholder -> the parameter's name (tied weights: several placeholders, one name)."""
-    return {ph: traced.tied.get(name, name) for ph, name in traced.params.items()}

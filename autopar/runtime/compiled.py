@@ -21,22 +21,24 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-import autopar
+from autopar.solve.planner import plan as make_plan
 from autopar.mesh import Mesh
 from autopar.passes.redistribute import MeshGroups
 from autopar.plan.plan import Plan
 from autopar.cost.precision import MixedPrecision
 
-from autopar.runtime.build import initial_shards, rewrite
+from autopar.runtime.build import initial_shards, rank_graph
 from autopar.runtime.faults import (
     DEFAULT_TIMEOUT_S, CollectiveError, NonFiniteError, collectives_named, set_timeout)
 from autopar.runtime.inputs import CHECKED_CALLS, SAMPLE_EVERY
 from autopar.runtime.model import CompiledModel, UnevenInputs
+from autopar.runtime.options import RunOptions
 from autopar.runtime.pipelined import compile_pipelined
 from autopar.runtime.process import CompileError, device_mesh, ensure_process_group
 from autopar.runtime.recompute import apply_recompute
 from autopar.runtime.reshard import Regather
 from autopar.runtime.runner import GraphRunner
+from autopar.runtime.state import build_rank_state
 
 __all__ = ["compile", "CompiledModel", "CompileError", "UnevenInputs", "CollectiveError", "NonFiniteError"]
 
@@ -103,7 +105,7 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=N
     own included): a stalled rank ends every rank with a CollectiveError naming the
     collective (autopar/runtime/faults.py).  check_finite: train_step raises NonFiniteError on
     every rank when the loss or a gradient is NaN or infinite (one scalar all-reduce per
-    step); also settable later as cm.check_finite.  check_inputs: during the first this
+    step); the user may switch it later as cm.check_finite.  check_inputs: during the first this
     many calls the ranks compare a hash of their inputs (autopar/runtime/inputs.py): without
     local_inputs every rank must pass the same global batch (0 turns it off).
     check_inputs_every: after those calls, every this many-th call's inputs are compared by
@@ -113,20 +115,20 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=N
     evaluate at different speeds."""
     timeout = check_timeout(timeout)
     check_options(bucket_mb, check_inputs, check_inputs_every)
+    options = RunOptions(timeout_s=float(timeout), check_finite=bool(check_finite), compared_calls=int(check_inputs),
+                         sample_every=int(check_inputs_every), bucket_mb=bucket_mb,
+                         reshard_after_forward=reshard_after_forward)
     ensure_process_group()
     set_timeout(timeout)
     with collectives_named("compile", timeout):
-        cm = _compile(model, mesh, example_inputs, example_kwargs, plan, memory_budget, seed, bucket_mb,
-                      local_inputs, mixed_precision, reshard_after_forward)
+        cm = _compile(model, mesh, example_inputs, example_kwargs, plan, memory_budget, seed, local_inputs,
+                      mixed_precision, options)
     set_timeout(timeout)   # (the groups compile made since)
-    cm.timeout_s, cm.check_finite = float(timeout), bool(check_finite)
-    cm.io.check.compared_calls = int(check_inputs)
-    cm.io.check.sample_every = int(check_inputs_every)
     return cm
 
 
-def _compile(model, mesh, example_inputs, example_kwargs, plan, memory_budget, seed, bucket_mb, local_inputs,
-             mixed_precision, reshard_after_forward) -> "CompiledModel":
+def _compile(model, mesh, example_inputs, example_kwargs, plan, memory_budget, seed, local_inputs,
+             mixed_precision, options: RunOptions) -> "CompiledModel":
     start = time.perf_counter()
     world = dist.get_world_size()
     if world != mesh.size:
@@ -159,22 +161,22 @@ def _compile(model, mesh, example_inputs, example_kwargs, plan, memory_budget, s
         torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
     if pipelined:
         cm = compile_pipelined(model, mesh, example_inputs, example_kwargs, plan, on_meta=on_meta, seed=seed,
-                               bucket_mb=bucket_mb, precision=precision, device_type=device_type,
-                               reshard_after_forward=reshard_after_forward, seed_of_job=seed_of_job)
+                               options=options, precision=precision, device_type=device_type,
+                               seed_of_job=seed_of_job)
     else:
         groups = MeshGroups(device_mesh(device_type, mesh))
-        rewritten = rewrite(model, plan, groups, example_inputs, example_kwargs, precision, device_type,
-                            seed_of_job, local_inputs)
+        rewritten = rank_graph(model, plan, groups, example_inputs, example_kwargs, precision, device_type,
+                               seed_of_job, local_inputs)
         shards = initial_shards(model, plan.param_placements, groups, on_meta, seed, rewritten.traced.parts)
         traced = rewritten.traced
         # ZeRO-3 weights whose gradient nothing else synchronises gather and reduce in buckets
         alone = frozenset(ph for ph, name in traced.params.items()
                           if not rewritten.grad_sync.get(name) and not getattr(plan.param_states.get(name), "stage", 0))
-        regather = Regather(rewritten.graph, set(traced.params), reshard_after_forward, groups, alone,
-                            int(bucket_mb * 2**20))
+        regather = Regather(rewritten.graph, set(traced.params), options.reshard_after_forward, groups, alone,
+                            options.bucket_bytes)
         apply_recompute(rewritten.graph, plan, rewritten.streams)
-        cm = CompiledModel(rewritten, plan, groups, shards, model, device_type, bucket_mb, precision,
-                           lambda m: GraphRunner(m, regather))
+        state = build_rank_state(rewritten, plan, groups, shards, model, device_type, precision)
+        cm = CompiledModel(rewritten, state, options, lambda m: GraphRunner(m, regather))
     cm.train(model.training)
     log.info("compiled %s for %s on rank %d in %.2fs", type(model).__name__, mesh, dist.get_rank(),
              time.perf_counter() - start)
@@ -188,7 +190,7 @@ def _plan_once(model, mesh: Mesh, example_inputs, example_kwargs, memory_budget,
     made = [None]
     if dist.get_rank() == 0:
         try:
-            made = [autopar.plan(model, mesh, example_inputs, example_kwargs=example_kwargs,
+            made = [make_plan(model, mesh, example_inputs, example_kwargs=example_kwargs,
                                  memory_budget=memory_budget, compare=False,
                                  mixed_precision=mixed_precision).to_dict()]
         except Exception as exc:  # every rank must leave the broadcast below

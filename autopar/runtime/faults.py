@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from autopar.runtime.grad_norms import local_grads
+
 DEFAULT_TIMEOUT_S = 600.0   # compile(timeout=...)'s default: torch's gloo default is 30 minutes
 
 _TIMED_OUT = ("timed out", "timeout", "deadline exceeded")
@@ -144,7 +146,7 @@ def check_step(model, loss: torch.Tensor, step: int, finite: bool = True, sample
     flag = torch.zeros(1, dtype=torch.float64, device=device)
     if finite:
         total = loss.detach().double().reshape(()).clone()
-        grads = [g for _, g in model.local_grads()]
+        grads = [g for _, g in local_grads(model.rank_state)]
         if grads:
             norms = torch._foreach_norm([g.detach() for g in grads])
             total = total + torch.stack([n.double().to(device) for n in norms]).sum()
@@ -169,7 +171,7 @@ def check_step(model, loss: torch.Tensor, step: int, finite: bool = True, sample
     # gradient on any rank: one MIN all-reduce of [first, -(loss non-finite), -(any) per rank]
     world, rank = dist.get_world_size(), dist.get_rank()
     order = {name: k for k, name in enumerate(model.parameter_order())}
-    mine = [order.get(model.name_of[key], math.inf) for key, g in model.local_grads()
+    mine = [order.get(model.name_of[key], math.inf) for key, g in local_grads(model.rank_state)
             if not bool(torch.isfinite(g).all())]
     told = torch.zeros(1 + 2 * world, dtype=torch.float64, device=device)
     told[0] = min(mine, default=math.inf)

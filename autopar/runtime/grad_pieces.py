@@ -19,6 +19,7 @@ plain tensors: torch's own clip_grad_norm_ is right for them.
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import Shard
 
 NORMS = {torch.linalg.vector_norm, torch.linalg.norm, torch.linalg.matrix_norm, torch.norm, torch.Tensor.norm,
          torch._foreach_norm}
@@ -91,3 +92,24 @@ def drop_absent(params) -> None:
     for p in params:
         if is_absent(p.grad):
             p.grad = None
+
+
+def pieces_of(state) -> dict:
+    """key -> why this rank's gradient of it is only a piece of the whole, for `state`
+    (runtime/state.RankState): parameters split over some mesh axis and ZeRO-2 ones;
+    replicated ones are whole."""
+    axes = state.plan.mesh.axis_names
+    out = {}
+    for key, p in state.shards.items():
+        if not p.requires_grad:
+            continue
+        name = state.name_of[key]
+        split = [f"{axes[a]} ({pl})" for a, pl in enumerate(state.plan.param_placements[name])
+                 if isinstance(pl, Shard)]
+        lay = state.zero_layouts.get(key)
+        if lay is not None and lay.stage == 2:
+            out[key] = (f"the gradient of {name!r} is reduce-scattered into ZeRO-2 chunks over "
+                        f"{[axes[a] for a in lay.reduce_axes + lay.rest_axes]}")
+        elif split:
+            out[key] = f"this rank holds a shard of the gradient of {name!r}, split over {', '.join(split)}"
+    return out

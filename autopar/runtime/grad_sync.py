@@ -28,31 +28,36 @@ from autopar.runtime.zero import reduce_scatter_finish, reduce_scatter_start
 class GradSync:
     FIRST_BUCKET_MB = 1.0  # the first bucket is small so communication starts early in backward
 
-    def __init__(self, module, sync_axes: dict, groups, bucket_mb: float, zero_layouts=None, reduce_dtype=None):
-        """sync_axes: parameter key in module.shards -> mesh axes to all-reduce its gradient over;
-        groups: the MeshGroups; zero_layouts: key -> ZeroLayout of ZeRO-1/2 parameters (stage-2
-        ones are reduce-scattered over their layout's reduce axes instead)."""
-        self.hold: set = set()  # keys whose hooks never launch (finish() reduces them)
+    def __init__(self, shards, sync_axes: dict, groups, bucket_mb: float, zero_layouts=None, reduce_dtype=None,
+                 zero_grads: dict | None = None, pieces: dict | None = None, hold=frozenset()):
+        """shards: parameter key -> this rank's shard (runtime/state.RankState.shards);
+        sync_axes: key -> mesh axes to all-reduce its gradient over; groups: the MeshGroups;
+        zero_layouts: key -> ZeroLayout of ZeRO-1/2 parameters (stage-2 ones are
+        reduce-scattered over their layout's reduce axes instead); zero_grads: the dict that
+        receives ZeRO-2 chunks (RankState.zero_grads); pieces: key -> why its gradient here is
+        only a piece (runtime/grad_pieces.py); hold: keys whose hooks never launch, reduced by
+        finish() (a weight two of a rank's pipeline stages read)."""
+        self.hold = frozenset(hold)
         self.hooked = 0
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.first_bytes = int(min(bucket_mb, self.FIRST_BUCKET_MB) * 2**20)
         self.pending_bytes: dict[tuple, int] = {}
         self.enabled = True
         self.layouts = {k: lay for k, lay in (zero_layouts or {}).items() if lay.stage == 2}
-        self.params = {key: module.shards[key] for key in list(sync_axes) + list(self.layouts)}
+        self.shards = shards
+        self.params = {key: shards[key] for key in list(sync_axes) + list(self.layouts)}
         self.axes = {k: ("rs",) + self.layouts[k].geometry if k in self.layouts else tuple(v)
                      for k, v in {**sync_axes, **dict.fromkeys(self.layouts)}.items()}
         self.groups = groups
         self.groups_of = groups.group_of
         self.reduce_dtype = reduce_dtype
-        self.zero_grads: dict = {}  # ZeRO-2 key -> this rank's chunk of the summed gradient
+        self.zero_grads: dict = {} if zero_grads is None else zero_grads  # ZeRO-2 key -> this rank's chunk
         self.pending: dict[tuple, list] = {}
         self.in_flight: list = []
         self.flats: dict = {}   # (bucket's parameters, dtype) -> its flat buffer, reused every step
         self.done: set = set()
         self.key_of = {id(p): key for key, p in self.params.items()}
-        self.module = module
-        self.pieces: dict = {}  # key -> why its gradient here is only a piece (autopar/runtime/grad_pieces.py)
+        self.pieces: dict = dict(pieces or {})
         for key, p in self.params.items():
             p.register_post_accumulate_grad_hook(self._hook(key))
 
@@ -139,9 +144,8 @@ class GradSync:
                 summed.copy_(flat[offset:].view_as(summed))
         self.in_flight.clear()
         self.done.clear()
-        shards = self.module.shards
         for key, what in self.pieces.items():
-            mark(shards[key], what)
+            mark(self.shards[key], what)
 
     def begin(self) -> None:
         """Before a forward: ZeRO-2 stand-in gradients go, so backward accumulates afresh."""

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch.distributed.tensor import Shard
 
-from autopar.solve.graph import module_path
+from autopar.trace.paths import module_path
 
 CHECKED_CALLS = 3
 SAMPLE_EVERY = 10   # after the first calls, every this many-th is compared (InputCheck.sample_every)
@@ -175,14 +175,17 @@ class InputCheck:
     their noise.  Three float64 or more would cost gloo about 2 ms more per call, hence the
     two slots (InputCheck.slots)."""
 
-    def __init__(self, expected: list[Expected], groups, batch_scale: int = 1):
+    def __init__(self, expected: list[Expected], groups, batch_scale: int = 1, layouts: list | None = None,
+                 compared_calls: int = CHECKED_CALLS, sample_every: int = SAMPLE_EVERY):
+        """layouts: each input's layout with local_inputs=True (None: global inputs);
+        batch_scale: a pipelined plan is traced for one of this many microbatches."""
         self.expected = expected
         self.groups = groups
-        self.layouts = None          # per input, with local_inputs=True (set by compile)
-        self.batch_scale = batch_scale  # a pipelined plan is traced for one of this many microbatches
+        self.layouts = layouts
+        self.batch_scale = batch_scale
         self.calls = 0
-        self.compared_calls = CHECKED_CALLS   # compile(check_inputs=...): calls whose inputs ranks compare
-        self.sample_every = SAMPLE_EVERY      # after those, every this many-th call compared by its hashes
+        self.compared_calls = int(compared_calls)   # compile(check_inputs=...): calls whose inputs ranks compare
+        self.sample_every = int(sample_every)       # after those, every this many-th call compared by its hashes
         self.pending: InputSample | None = None   # a sampled call's hashes, for the step's reduction
         self._folding = False
 

@@ -48,15 +48,17 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
 from autopar.trace.batching import batch_size, first_microbatch
 from autopar.mesh import Mesh
 from autopar.passes.collectives import move
-from autopar.passes.pipeline_split import assign_stages, layer_stages, split_stages
 from autopar.passes.redistribute import MeshGroups
+from autopar.passes.rewrite import param_names, stage_graphs
 
-from autopar.runtime.build import initial_shards, param_names, rewrite
-from autopar.runtime.model import CompiledModel, param_key
+from autopar.runtime.build import initial_shards, rank_graph
+from autopar.runtime.model import CompiledModel
+from autopar.runtime.options import RunOptions
 from autopar.runtime.process import CompileError
 from autopar.runtime.recompute import apply_recompute
 from autopar.runtime.reshard import Regather
 from autopar.runtime.runner import gather_counts_of, loss_of
+from autopar.runtime.state import build_rank_state, param_key
 
 log = logging.getLogger("autopar")
 
@@ -87,8 +89,7 @@ def group_mesh(device_type: str, mesh: Mesh, axis: str, groups: int):
 
 
 def compile_pipelined(model, mesh: Mesh, example_inputs, example_kwargs, plan, *, on_meta: bool, seed,
-                      bucket_mb: float, precision, device_type: str, seed_of_job: int,
-                      reshard_after_forward: bool = True) -> CompiledModel:
+                      options: RunOptions, precision, device_type: str, seed_of_job: int) -> CompiledModel:
     """compile() for a plan with pipeline stages (see the module docstring): a CompiledModel
     whose runner is a PipelineRunner over this rank's stages."""
     info = plan.pipeline
@@ -103,7 +104,6 @@ def compile_pipelined(model, mesh: Mesh, example_inputs, example_kwargs, plan, *
         raise CompileError("the plan does not name the repeated layers its stages cut between; plan again "
                            "with this version of autopar")
     n_groups, n_mb = info.groups, info.microbatches
-    n_stages = len(info.stages)
     batch = batch_size(example_inputs, example_kwargs)
     if batch % n_mb:
         raise CompileError(f"the plan splits the batch into {n_mb} microbatches; the inputs' batch of {batch} "
@@ -113,11 +113,9 @@ def compile_pipelined(model, mesh: Mesh, example_inputs, example_kwargs, plan, *
     groups = MeshGroups(sub)
     group = dm.get_coordinate()[0]
     args, kwargs = first_microbatch((tuple(example_inputs), example_kwargs), batch, batch // n_mb)
-    rewritten = rewrite(model, plan, groups, args, kwargs, precision, device_type, seed_of_job)
-    traced, gm = rewritten.traced, rewritten.graph
-    stage_of = assign_stages(gm, traced.user_inputs, info.layer_prefix,
-                             layer_stages(info.stages, info.layer_indices))
-    stages = split_stages(gm, traced.user_inputs, stage_of, n_stages)
+    rewritten = rank_graph(model, plan, groups, args, kwargs, precision, device_type, seed_of_job)
+    traced = rewritten.traced
+    stages = stage_graphs(rewritten, plan)
     name_of = param_names(traced)
     readers: dict = {}   # parameter name -> device groups whose stages read it
     for st in stages:
@@ -128,15 +126,34 @@ def compile_pipelined(model, mesh: Mesh, example_inputs, example_kwargs, plan, *
     # through every module, so the values equal the whole model's)
     mine = {name: pl for name, pl in plan.param_placements.items() if group in readers.get(name, ())}
     shards = initial_shards(model, mine, groups, on_meta, seed, traced.parts)
+    state = build_rank_state(rewritten, plan, groups, shards, model, device_type, precision,
+                             holders={param_key(name): len(gs) for name, gs in readers.items()})
     planned = traced.parts.named_parameters(model)
-    params = {name: tuple(p.shape) for name, p in planned.items()}
-    dtypes = {name: p.dtype for name, p in planned.items()}
+    meta = {name: (tuple(planned[name].shape), state.compute_dtype_of(planned[name].dtype)) for name in readers}
+    feeds = stage_feeds(stages, group, n_groups, name_of, traced.buffers)
+    # gradient buckets start during each stage's last backward; a weight that two of this
+    # rank's stages read is complete only after both, so GradSync.finish reduces it
+    read_by: dict = {}
+    for feed in feeds.values():
+        for key in dict.fromkeys(key for kind, key in feed if kind == "param"):   # (tied: one weight, twice)
+            read_by[key] = read_by.get(key, 0) + 1
+    pieces = {key: f"device group {group} holds the gradient of {state.name_of[key]!r} for its pipeline stages only"
+              for key in read_by if state.shards[key].requires_grad}   # one device group's part of the model's
 
     def runner(cm: CompiledModel) -> PipelineRunner:
-        meta = {name: (params[name], cm.compute_dtype_of(dtypes[name])) for name in readers}
-        return PipelineRunner(cm, dm, group, stages, readers, meta, reshard_after_forward, name_of, traced.buffers)
+        return PipelineRunner(cm, dm, group, stages, feeds, readers, meta, options.reshard_after_forward)
 
-    return CompiledModel(rewritten, plan, groups, shards, model, device_type, bucket_mb, precision, runner)
+    return CompiledModel(rewritten, state, options, runner, batch_scale=n_mb, pieces=pieces,
+                         hold=frozenset(key for key, n in read_by.items() if n > 1))
+
+
+def stage_feeds(stages: list, group: int, n_groups: int, param_of: dict, buffer_of: dict) -> dict:
+    """Stage index -> what feeds each of its parameter placeholders, ("param", key) or
+    ("buffer", key), for the stages device group `group` runs.  param_of / buffer_of:
+    placeholder -> parameter (tied: the owner's name) / buffer name."""
+    return {st.index: [("param", param_key(param_of[ph])) if ph in param_of else ("buffer", param_key(buffer_of[ph]))
+                       for ph in st.params]
+            for st in stages if st.index % n_groups == group}
 
 
 class _StageModule(nn.Module):
@@ -174,11 +191,11 @@ class PipelineRunner:
 
     pipelined = True
 
-    def __init__(self, model: CompiledModel, dm, group: int, stages: list, readers: dict, meta: dict,
-                 reshard_after_forward: bool, param_of: dict, buffer_of: dict):
-        """readers: parameter name -> device groups whose stages read it; meta: name -> (whole
-        shape, compute dtype); param_of / buffer_of: placeholder -> parameter (tied: the
-        owner's name) / buffer name."""
+    def __init__(self, model: CompiledModel, dm, group: int, stages: list, feeds: dict, readers: dict, meta: dict,
+                 reshard_after_forward: bool):
+        """feeds: stage index -> its parameter placeholders' feed (stage_feeds), for this
+        rank's stages; readers: parameter name -> device groups whose stages read it; meta:
+        name -> (whole shape, compute dtype)."""
         info = model.plan.pipeline
         self.model = model
         self.dm = dm
@@ -186,7 +203,6 @@ class PipelineRunner:
         self.n_groups = info.groups
         self.n_stages = len(stages)
         self.n_mb = info.microbatches
-        model.io.check.batch_scale = self.n_mb  # traced for one microbatch, called with the batch
         self.schedule_name = info.schedule
         self.pp_group = dm.get_group(STAGE_AXIS)
         self.last_group = (self.n_stages - 1) % self.n_groups
@@ -195,32 +211,17 @@ class PipelineRunner:
         self.owner = {name: min(gs) for name, gs in readers.items()}
         self.meta = meta
         self.tied = self._tied_groups(readers)
-        self.groups_reading = {param_key(name): len(gs) for name, gs in readers.items()}
         self.stage_modules = []
         pipeline_stages = []
         for st in stages:
-            if st.index % self.n_groups != group:
+            if st.index not in feeds:
                 continue
-            feed = [("param", param_key(param_of[ph])) if ph in param_of else ("buffer", param_key(buffer_of[ph]))
-                    for ph in st.params]
             regather = Regather(st.graph_module, set(st.params), reshard_after_forward, model.groups)
             apply_recompute(st.graph_module, model.plan, model.streams, pipelined=True)
-            module = _StageModule(st, model, feed, regather)
+            module = _StageModule(st, model, feeds[st.index], regather)
             self.stage_modules.append(module)
             pipeline_stages.append(PipelineStage(module, st.index, self.n_stages, model.device, group=self.pp_group))
         self.pipeline_stages = pipeline_stages
-        # gradient buckets start during each stage's last backward; a weight that two of this
-        # rank's stages read is complete only after both, so finish() reduces it
-        readers_here: dict = {}
-        for module in self.stage_modules:
-            for key in module.params:
-                readers_here[key] = readers_here.get(key, 0) + 1
-        sync = model.grad_sync
-        sync.hold = {key for key, n in readers_here.items() if n > 1}
-        for key in readers_here:  # every gradient here is one device group's part of the model's
-            if model.shards[key].requires_grad:
-                sync.pieces.setdefault(key, f"device group {group} holds the gradient of {model.name_of[key]!r} "
-                                            f"for its pipeline stages only")
         for stage in pipeline_stages:
             for name in ("backward_one_chunk", "backward_weight_one_chunk"):
                 setattr(stage, name, self._sync_on_last(getattr(stage, name)))
@@ -233,10 +234,6 @@ class PipelineRunner:
         log.info("pipelined %d stages (%s, %d microbatches); this rank holds stages %s of device group %d",
                  self.n_stages, self.schedule_name, self.n_mb, [s.index for s in stages
                                                                 if s.index % self.n_groups == group], group)
-
-    def groups_holding(self, key: str) -> int:
-        """Device groups holding a copy of weight `key` (2 for a tied embedding and head)."""
-        return self.groups_reading.get(key, 1)
 
     def graphs(self) -> list:
         return [m.graph_module for m in self.stage_modules]
@@ -357,6 +354,3 @@ class PipelineRunner:
             dist.broadcast(t, group_src=self.owner[name], group=self.pp_group)
             out[name] = t
         return out
-
-    def sharded_state_error(self) -> str | None:
-        return None   # each rank gives its stages' parameters, DTensors over its device group's sub-mesh

@@ -1,9 +1,9 @@
 """How a compiled model runs its graph: the parts both kinds of plan share, and the runner
 of an unpipelined plan.
 
-A CompiledModel (autopar/runtime/model.py) holds what every plan has: this rank's parameter
-shards and buffers, the gradient synchronisation, the optimizer plumbing, whole-tensor
-gathering.  What differs between a plan without stages and one with them is how a step
+A CompiledModel (autopar/runtime/model.py) holds what every plan has: this rank's state
+(runtime/state.RankState: shards, buffers, master weights), the gradient synchronisation,
+the feed of the graph.  What differs between a plan without stages and one with them is how a step
 runs, and that is a runner's job:
 
 - `GraphRunner` (here) runs the one per-rank graph: forward on the global batch (or this
@@ -17,9 +17,8 @@ of them leave the graph as Partial sums.
 
 A runner answers the same questions for the model: forward(args, kwargs),
 train_step(args, kwargs), backward(loss), no_sync(), graphs(), gather_counts(),
-groups_holding(key) (how many device groups hold a copy of a weight), whole(local) (whole
-tensors gathered from the device group holding each), predicted_memory() and
-sharded_state_error() (why state_dict() cannot give DTensors, or None).
+whole(local) (whole tensors gathered from the device group holding each) and
+predicted_memory().
 """
 from __future__ import annotations
 
@@ -29,7 +28,9 @@ from torch.utils import _pytree as pytree
 from autopar.passes.collectives import move
 
 from autopar.runtime.inputs import InputCheck
+from autopar.runtime.options import RunOptions
 from autopar.runtime.process import CompileError
+from autopar.runtime.state import param_key
 
 
 class GraphIO:
@@ -75,6 +76,28 @@ class GraphIO:
         if self.out_spec is not None:
             return pytree.tree_unflatten(list(flat), self.out_spec)
         return flat[0] if len(flat) == 1 else tuple(flat)
+
+
+def graph_io(rewritten, groups, options: RunOptions, batch_scale: int = 1) -> GraphIO:
+    """The GraphIO of this rank's graph (runtime/build.RankGraph): each placeholder fed with
+    a parameter shard (a tied weight: its owner's), a buffer or a user input, the inputs
+    checked as `options` says.  batch_scale: a pipelined plan's microbatches per batch."""
+    traced, gm = rewritten.traced, rewritten.graph
+    order = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        if node.target in traced.params:
+            name = traced.params[node.target]
+            order.append(("param", param_key(traced.tied.get(name, name))))
+        elif node.target in traced.buffers:
+            order.append(("buffer", param_key(traced.buffers[node.target])))
+        else:
+            order.append(("input", None))
+    check = InputCheck(rewritten.inputs, groups, batch_scale, rewritten.input_layouts, options.compared_calls,
+                       options.sample_every)
+    return GraphIO(order, [n.target for n in gm.graph.nodes if n.op == "placeholder"], traced.in_spec,
+                   traced.out_spec, rewritten.output_reduce, check)
 
 
 class GraphRunner:
@@ -147,9 +170,6 @@ class GraphRunner:
     def gather_counts(self) -> dict:
         return gather_counts_of([self.regather])
 
-    def groups_holding(self, key: str) -> int:
-        return 1
-
     def whole(self, local: dict, dtype=None) -> dict:
         """Whole tensors by name: this rank's are already whole."""
         return dict(local)
@@ -157,9 +177,6 @@ class GraphRunner:
     def predicted_memory(self) -> dict:
         parts = dict(self.model.plan.predicted.memory)
         return dict(parts, total=sum(parts.values()))
-
-    def sharded_state_error(self) -> str | None:
-        return None
 
 
 def gather_counts_of(regathers) -> dict:

@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from autopar.passes.shard_params import shard_of
 
-from autopar.runtime.zero import WrappedOptimizer
+from autopar.runtime.sharded_optimizer import WrappedOptimizer
 
 ELEMENTWISE = frozenset({torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax,
                          torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Adagrad,
@@ -44,19 +44,20 @@ def owners(sizes: dict, world: int) -> dict:
 
 
 class WholeParamOptimizer(WrappedOptimizer):
-    """`cls` on whole parameters, each on its owner rank (see the module docstring)."""
+    """`cls` on whole parameters, each on its owner rank (see the module docstring);
+    `rank_state` is the compiled model's runtime/state.RankState."""
 
-    def __init__(self, cm, cls, **kwargs):  # noqa: D107
-        self.keys = [k for k, p in cm.shards.items() if p.requires_grad]
-        shapes = {k: cm.full_shape(k) for k in self.keys}
+    def __init__(self, rank_state, cls, **kwargs):  # noqa: D107
+        self.keys = [k for k, p in rank_state.shards.items() if p.requires_grad]
+        shapes = {k: rank_state.full_shape(k) for k in self.keys}
         self.owner = owners({k: torch.Size(s).numel() for k, s in shapes.items()}, dist.get_world_size())
         me = dist.get_rank()
-        device = next(iter(cm.shards.values())).device
-        self.whole = {k: nn.Parameter(torch.empty(shapes[k], dtype=cm.shards[k].dtype, device=device))
+        device = next(iter(rank_state.shards.values())).device
+        self.whole = {k: nn.Parameter(torch.empty(shapes[k], dtype=rank_state.shards[k].dtype, device=device))
                       for k in self.keys if self.owner[k] == me}
         # a rank that owns nothing still has param_groups (for LR schedulers)
         params = list(self.whole.values()) or [nn.Parameter(torch.zeros(0, device=device))]
-        super().__init__(cm, cls(params, **kwargs))
+        super().__init__(rank_state, cls(params, **kwargs))
 
     def __repr__(self) -> str:
         return f"WholeParamOptimizer({self.optimizer!r}, {len(self.whole)} of {len(self.keys)} parameters here)"
@@ -65,25 +66,24 @@ class WholeParamOptimizer(WrappedOptimizer):
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("autopar's optimizers take no closure: call cm.train_step, then step()")
-        cm = self.cm
+        state = self.rank_state
         for key in self.keys:  # gather (every rank takes part), the owner keeps
-            grad, value = cm.whole_grad(key), cm.whole_value(key)
+            grad, value = state.whole_grad(key), state.whole(key, state.local_value(key))
             if key in self.whole:
                 self.whole[key].copy_(value)
                 self.whole[key].grad = grad
         self.optimizer.step()
         for key in self.keys:
-            p = cm.shards[key]
+            p = state.shards[key]
             value = self.whole[key].detach() if key in self.whole else torch.empty(
-                cm.full_shape(key), dtype=p.dtype, device=p.device)
+                state.full_shape(key), dtype=p.dtype, device=p.device)
             dist.broadcast(value, src=self.owner[key])
-            p.copy_(shard_of(value, cm.plan.param_placements[cm.name_of[key]], cm.groups))
+            p.copy_(shard_of(value, state.plan.param_placements[state.name_of[key]], state.groups))
         for w in self.whole.values():
             w.grad = None
 
     def zero_grad(self, set_to_none: bool = True):
         self.optimizer.zero_grad(set_to_none=set_to_none)
         for key in self.keys:
-            self.cm.shards[key].grad = None
-        self.cm.zero_grad_chunks.clear()
-
+            self.rank_state.shards[key].grad = None
+        self.rank_state.zero_grads.clear()

@@ -16,7 +16,8 @@ P-chunk, of which it keeps its R-th part; the all-gather after the step runs ove
 Mixed precision: the module computes with param_dtype weights; the optimizer updates
 float32 master weights (its owned chunk of them under ZeRO-1/2) and copies them back.
 Offload: master weights and optimizer state live on the host (CPU), gradients go down and
-updated weights come up each step.
+updated weights come up each step.  The optimizer that runs on the chunks and masters is
+runtime/sharded_optimizer.ShardedOptimizer; the layouts are part of runtime/state.RankState.
 """
 from __future__ import annotations
 
@@ -25,7 +26,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 from autopar.passes.redistribute import reduce_scatter_rows
 
@@ -162,113 +162,3 @@ def buckets(keys: list, layouts: dict, sizes: dict, limit_bytes: int) -> list:
         if run:
             out.append(run)
     return out
-
-
-class WrappedOptimizer(torch.optim.Optimizer):
-    """A torch optimizer (`self.optimizer`) that runs on tensors the compiled model `cm`
-    derives from its shards; param_groups, state, state_dict and load_state_dict are the
-    wrapped optimizer's, so LR schedulers work.  Subclasses set up `optimizer` and define
-    step and zero_grad."""
-
-    def __init__(self, cm, optimizer):  # noqa: D107 (no Optimizer.__init__: it would register the
-        # parameters a second time; the wrapped optimizer owns them)
-        self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = {}, {}
-        self._optimizer_state_dict_pre_hooks, self._optimizer_state_dict_post_hooks = {}, {}
-        self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = {}, {}
-        self.cm = cm
-        self.optimizer = optimizer
-        self.defaults = optimizer.defaults
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value):
-        self.optimizer.param_groups = value
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, value):
-        self.optimizer.state = value
-
-    def state_dict(self):
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state):
-        self.optimizer.load_state_dict(state)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.optimizer!r})"
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """The compiled model's clip_grad_norm_ (every shard and ZeRO chunk counted once)."""
-        return self.cm.clip_grad_norm_(max_norm, norm_type)
-
-
-class ShardedOptimizer(WrappedOptimizer):
-    """Any torch optimizer, run on what this rank owns of every parameter.
-
-    For a parameter without ZeRO-1/2 it updates the local shard itself (or its float32
-    master under mixed precision); for a ZeRO-1/2 parameter only the owned chunk of the flat
-    local tensor (a view into the parameter, or its master chunk), after which the chunks are
-    all-gathered.  Elementwise optimizers (SGD, Adam, AdamW, ...) therefore compute exactly
-    what they compute on the whole model.  zero_grad, state_dict, load_state_dict and
-    param_groups are the wrapped optimizer's (its state is this rank's part)."""
-
-    def __init__(self, cm, cls, bucket_bytes: int, **kwargs):  # noqa: D107
-        self.bucket_bytes = bucket_bytes
-        self.entries = []  # (key, parameter, layout or None, target the optimizer updates)
-        targets = []
-        for key, p in cm.shards.items():
-            if not p.requires_grad:
-                continue
-            lay = cm.zero_layouts.get(key)
-            target = cm.masters.get(key)
-            if target is None:
-                target = p if lay is None else nn.Parameter(p.detach().view(-1)[lay.start: lay.end])
-            self.entries.append((key, p, lay, target))
-            targets.append(target)
-        super().__init__(cm, cls(targets, **kwargs))
-        self.gathered = [k for k, _, lay, _ in self.entries if lay is not None]
-
-    def _grad_of(self, key, p, lay):
-        if lay is None:
-            return p.grad
-        if lay.stage == 2:
-            return self.cm.zero_grad_chunks.get(key)
-        return None if p.grad is None else p.grad.view(-1)[lay.start: lay.end]
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        if closure is not None:
-            raise ValueError("autopar's sharded optimizer takes no closure: call cm.train_step, then step()")
-        temporary = []
-        for key, p, lay, target in self.entries:
-            if target is p:
-                continue  # the optimizer reads p.grad itself
-            g = self._grad_of(key, p, lay)
-            target.grad = None if g is None else g.to(target.device, target.dtype)
-            temporary.append(target)
-        self.optimizer.step()
-        for key, p, lay, target in self.entries:
-            if target is p or target.grad is None:
-                continue
-            if key in self.cm.masters:  # master -> the compute weights
-                dst = p.view(-1)[lay.start: lay.end] if lay is not None else p
-                dst.copy_(target.view_as(dst))
-        for t in temporary:
-            t.grad = None
-        shards, layouts = self.cm.shards, self.cm.zero_layouts
-        sizes = {k: shards[k].numel() * shards[k].element_size() for k in self.gathered}
-        for run in buckets(self.gathered, layouts, sizes, self.bucket_bytes):
-            all_gather_chunks([shards[k] for k in run], [layouts[k] for k in run], self.cm.groups)
-
-    def zero_grad(self, set_to_none: bool = True):
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-        for _, p, _, _ in self.entries:
-            p.grad = None
-        self.cm.zero_grad_chunks.clear()

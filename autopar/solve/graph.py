@@ -3,7 +3,6 @@ input (PNode), the edges between them (EdgeKey), the costs of one choice (Choice
 gradient-sum node for every tensor several ops read."""
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -13,7 +12,7 @@ import torch.fx as fx
 from autopar.ops import NO_OUTPUT, TRIVIAL, op_name, outputs_of, tensor_args
 from autopar.ops.rules import ELEMENTWISE, LINEAR_ELEMENTWISE
 from autopar.trace.export import Traced
-from autopar.trace.unroll import module_path
+from autopar.trace.paths import module_path
 
 # Views cost neither time nor memory (an alias is where a tensor's readers share one move,
 # trace.share_reads); linear elementwise ops and views save nothing for backward.
@@ -76,17 +75,6 @@ class Choice:
     @property
     def time(self) -> float:
         return self.compute + sum(self.comm)
-
-
-_BLOCK = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
-
-
-def block_of(path: str):
-    """'blocks.3.attn.q' -> ('blocks', 3): the repeated layer a node belongs to, if any."""
-    m = _BLOCK.match(path)
-    if not m:
-        return None
-    return m.group(1), int(m.group(2))
 
 
 def build_nodes(traced: Traced) -> tuple[list, dict]:

@@ -11,6 +11,11 @@ and a 3-axis mesh (menus of ~125 layouts, edges of ~15,000 pairs) costs no ILP. 
 leaves goes to CP-SAT, each edge shrunk to its distinct rows and columns.  The search is
 single-threaded and stopped by deterministic time, so the same inputs always give the
 same plan.
+
+The model's three constraint families, each built by its own function (_solve_ilp writes
+the formulation out): one-hot choices (_one_hot_choices), edge consistency
+(_edge_consistency: an edge's pair variables agree with its two nodes' choices) and the
+memory budget (_memory_budget).
 """
 from __future__ import annotations
 
@@ -88,11 +93,9 @@ def solve(costs, edges, memory=None, budget=None, allowed=None, *, time_limit=60
         cap = int(budget / unit)
     if PRESOLVE:
         scale = _scale([np.where(a, c, 0.0) for a, c in zip(allowed, costs)], [m for _, _, m in edges])
-        choice, *ilp = _solve_presolved([np.round(c * scale) for c in costs],
-                                        [(u, v, np.round(m * scale)) for u, v, m in edges], mem_units, cap, allowed,
-                                        time_limit)
-        obj, bound = ilp[0] / scale, ilp[1] / scale
-        slack = ilp[5]
+        ilp = _solve_presolved([np.round(c * scale) for c in costs],
+                               [(u, v, np.round(m * scale)) for u, v, m in edges], mem_units, cap, allowed, time_limit)
+        slack = ilp.slack
     else:
         folded, kept = _fold_edges(costs, edges)
         finite = [np.where(allowed[n], folded[n], 0.0) for n in range(n_nodes)]
@@ -100,21 +103,18 @@ def solve(costs, edges, memory=None, budget=None, allowed=None, *, time_limit=60
         ilp = _solve_ilp([np.round(c * scale) for c in folded],
                          [(u, v, np.round(m * scale), r, c) for u, v, m, r, c in kept], mem_units, cap, allowed,
                          time_limit)
-        choice, *ilp = ilp
-        obj, bound = ilp[0] / scale, ilp[1] / scale
         slack = budget is None
-    optimal = ilp[2]
-    sol = Solution(tuple(int(i) for i in choice), obj, bound, optimal,
+    obj, bound, optimal = ilp.objective / scale, ilp.bound / scale, ilp.optimal
+    sol = Solution(tuple(int(i) for i in ilp.choice), obj, bound, optimal,
                    0.0 if optimal or obj == 0 else max(0.0, (obj - bound) / obj),
-                   ilp[3], ilp[4], time.perf_counter() - start, slack)
+                   ilp.variables, ilp.constraints, time.perf_counter() - start, slack)
     log.info("%s", sol)
     return sol
 
 
-def _solve_presolved(costs, edges, memory, cap, allowed, time_limit):
-    """solve() on integer costs through _Presolve: (choice, objective, bound, optimal,
-    variables, constraints, slack), objective and bound in integer units; slack: the
-    fastest plan ignoring memory fits.
+def _solve_presolved(costs, edges, memory, cap, allowed, time_limit) -> "_Solved":
+    """solve() on integer costs through _Presolve, objective and bound in integer units;
+    slack: the fastest plan ignoring memory fits.
 
     Under a memory budget the problem is first presolved without it: when the fastest
     plan ignoring memory fits anyway, it is the answer (no plan under the budget can be
@@ -128,7 +128,7 @@ def _solve_presolved(costs, edges, memory, cap, allowed, time_limit):
             if sum(memory[n][i] for n, i in enumerate(choice)) <= cap:
                 log.info("presolve: %s; the fastest plan fits the memory budget (%.2fs)", free,
                          time.perf_counter() - start)
-                return choice, free.offset, free.offset, True, 0, 0, True
+                return _Solved(choice, free.offset, free.offset, True, slack=True)
     pre = _Presolve(costs, edges, memory, cap, allowed)
     pre.run()
     log.info("presolve: %s (%.2fs)", pre, time.perf_counter() - start)
@@ -140,11 +140,11 @@ def _solve_presolved(costs, edges, memory, cap, allowed, time_limit):
         cols, col_of = _distinct(rows, 1)
         kept.append((index[u], index[v], cols, row_of, col_of))
     binding = pre.mem is not None
-    choice, obj, bound, optimal, variables, constraints = _solve_ilp(
-        [pre.cost[n] for n in nodes], kept, [pre.mem[n] for n in nodes] if binding else None,
-        cap - pre.mem_offset if binding else None, None, time_limit)
-    choice = pre.expand({n: int(pre.keep[n][i]) for n, i in zip(nodes, choice)})
-    return choice, obj + pre.offset, bound + pre.offset, optimal, variables, constraints, memory is None
+    ilp = _solve_ilp([pre.cost[n] for n in nodes], kept, [pre.mem[n] for n in nodes] if binding else None,
+                     cap - pre.mem_offset if binding else None, None, time_limit)
+    choice = pre.expand({n: int(pre.keep[n][i]) for n, i in zip(nodes, ilp.choice)})
+    return _Solved(choice, ilp.objective + pre.offset, ilp.bound + pre.offset, ilp.optimal, ilp.variables,
+                   ilp.constraints, memory is None)
 
 
 def _scale(costs, matrices) -> float:
@@ -178,52 +178,45 @@ def _fold_edges(costs, edges):
     return costs, kept
 
 
-def _solve_ilp(costs, kept, memory, cap, allowed, time_limit):
-    """The CP-SAT model over integer costs: a one-hot per node, a one-hot over (row class,
-    column class) pairs per kept edge tied to the two nodes' choices, the memory knapsack.
-    Returns (choice per node, objective, bound, optimal, variables, constraints); an empty
-    problem is solved without CP-SAT."""
+@dataclass(frozen=True)
+class _Solved:
+    """What the CP-SAT model (or the presolve alone) gives, in integer objective units:
+    the choice per node, the objective and its proven bound, whether optimal, the model's
+    size, and whether the fastest plan ignoring memory fits (slack)."""
+
+    choice: list
+    objective: float
+    bound: float
+    optimal: bool
+    variables: int = 0
+    constraints: int = 0
+    slack: bool = False
+
+
+def _solve_ilp(costs, kept, memory, cap, allowed, time_limit) -> _Solved:
+    """The CP-SAT model over integer costs c, edge matrices M and memories m:
+
+        minimise   sum_n sum_i c[n][i] x[n][i]  +  sum_(u,v) sum_(r,k) M[r, k] e[u,v][r, k]
+        subject to one-hot choices      sum_i x[n][i] = 1                 for every node n
+                   edge consistency     sum_k e[u,v][r, k] = sum_(i in row class r) x[u][i]
+                                        sum_r e[u,v][r, k] = sum_(j in column class k) x[v][j]
+                                                                          for every kept edge
+                   memory budget        sum_n sum_i m[n][i] x[n][i] <= cap
+
+    x[n][i]: node n takes choice i (only allowed choices get a variable); e[u,v][r, k]: the
+    edge's source is in row class r and its destination in column class k (equal rows and
+    columns of M merged, finite pairs only).  An empty problem is solved without CP-SAT."""
     if not costs:
-        return [], 0.0, 0.0, True, 0, 0
+        return _Solved([], 0.0, 0.0, True)
     from ortools.sat.python import cp_model
 
     model = cp_model.CpModel()
-    x = []
-    for n, c in enumerate(costs):
-        vs = [model.NewBoolVar(f"x{n}_{i}") if allowed is None or allowed[n][i] else None for i in range(len(c))]
-        model.AddExactlyOne([v for v in vs if v is not None])
-        x.append(vs)
-    objective = []
-    for n, c in enumerate(costs):
-        for i, v in enumerate(x[n]):
-            if v is not None and int(c[i]):
-                objective.append(int(c[i]) * v)
+    x = _one_hot_choices(model, costs, allowed)
+    objective = [int(c[i]) * v for n, c in enumerate(costs) for i, v in enumerate(x[n]) if v is not None and int(c[i])]
     for u, v, m, row_of, col_of in kept:
-        pairs = {}
-        row_members = {}
-        col_members = {}
-        for i, r in enumerate(row_of):
-            if x[u][i] is not None:
-                row_members.setdefault(int(r), []).append(x[u][i])
-        for j, c in enumerate(col_of):
-            if x[v][j] is not None:
-                col_members.setdefault(int(c), []).append(x[v][j])
-        for r in row_members:
-            for c in col_members:
-                if not np.isfinite(m[r, c]):
-                    continue
-                e = model.NewBoolVar(f"e{u}_{v}_{r}_{c}")
-                pairs[(r, c)] = e
-                if int(m[r, c]):
-                    objective.append(int(m[r, c]) * e)
-        for r, members in row_members.items():
-            model.Add(sum(pairs[(r, c)] for c in col_members if (r, c) in pairs) == sum(members))
-        for c, members in col_members.items():
-            model.Add(sum(pairs[(r, c)] for r in row_members if (r, c) in pairs) == sum(members))
+        objective.extend(_edge_consistency(model, x, u, v, m, row_of, col_of))
     if cap is not None:
-        terms = [int(memory[n][i]) * v for n in range(len(costs)) for i, v in enumerate(x[n])
-                 if v is not None and int(memory[n][i])]
-        model.Add(sum(terms) <= int(cap))
+        _memory_budget(model, x, memory, cap)
     model.Minimize(sum(objective))
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
@@ -243,8 +236,54 @@ def _solve_ilp(costs, kept, memory, cap, allowed, time_limit):
         raise InfeasibleError("no assignment of strategies fits the memory budget")
     choice = [next(i for i, v in enumerate(xs) if v is not None and solver.Value(v)) for xs in x]
     proto = model.Proto()
-    return (choice, solver.ObjectiveValue(), solver.BestObjectiveBound(), status == cp_model.OPTIMAL,
-            len(proto.variables), len(proto.constraints))
+    return _Solved(choice, solver.ObjectiveValue(), solver.BestObjectiveBound(), status == cp_model.OPTIMAL,
+                   len(proto.variables), len(proto.constraints))
+
+
+def _one_hot_choices(model, costs, allowed) -> list:
+    """One-hot choices: a boolean x[n][i] per allowed choice i of node n (None where not
+    allowed), exactly one true per node."""
+    x = []
+    for n, c in enumerate(costs):
+        vs = [model.NewBoolVar(f"x{n}_{i}") if allowed is None or allowed[n][i] else None for i in range(len(c))]
+        model.AddExactlyOne([v for v in vs if v is not None])
+        x.append(vs)
+    return x
+
+
+def _edge_consistency(model, x, u, v, m, row_of, col_of) -> list:
+    """Edge consistency of one kept edge (u, v) with matrix m over (row class, column
+    class): a boolean per finite pair whose sums over a row class equal that class's
+    source choices and over a column class its destination choices, so exactly the pair of
+    the two nodes' choices is true.  Returns its objective terms."""
+    pairs, objective = {}, []
+    row_members, col_members = {}, {}
+    for i, r in enumerate(row_of):
+        if x[u][i] is not None:
+            row_members.setdefault(int(r), []).append(x[u][i])
+    for j, c in enumerate(col_of):
+        if x[v][j] is not None:
+            col_members.setdefault(int(c), []).append(x[v][j])
+    for r in row_members:
+        for c in col_members:
+            if not np.isfinite(m[r, c]):
+                continue
+            e = model.NewBoolVar(f"e{u}_{v}_{r}_{c}")
+            pairs[(r, c)] = e
+            if int(m[r, c]):
+                objective.append(int(m[r, c]) * e)
+    for r, members in row_members.items():
+        model.Add(sum(pairs[(r, c)] for c in col_members if (r, c) in pairs) == sum(members))
+    for c, members in col_members.items():
+        model.Add(sum(pairs[(r, c)] for r in row_members if (r, c) in pairs) == sum(members))
+    return objective
+
+
+def _memory_budget(model, x, memory, cap) -> None:
+    """The memory budget: the chosen memories (integer units of budget / 1e9) sum to at most cap."""
+    terms = [int(memory[n][i]) * v for n in range(len(x)) for i, v in enumerate(x[n])
+             if v is not None and int(memory[n][i])]
+    model.Add(sum(terms) <= int(cap))
 
 
 _CHUNK = 1 << 22  # elements of one temporary [choices, choices, choices] array

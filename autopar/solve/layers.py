@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from autopar.solve.graph import block_of
+from autopar.trace.paths import block_of
 
 SHARE_PERIOD = 2  # see share_layers and reduce_problem(period=...)
 

@@ -9,68 +9,124 @@ import math
 import random
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
 
-from autopar.solve import layouts as B
-from autopar.mesh import Mesh, parse_bytes
-from autopar.trace.batching import batch_size
-from autopar.solve.pipeline_search import search, stage_problem
 from autopar.cost.precision import MixedPrecision
-from autopar.plan.plan import ParamState, PipelineLayout, Plan, SolverStats, Timing
-from autopar.solve.problem import Problem
-from autopar.solve.menus import same_local_shape
-from autopar.solve.recompute import check_mode, layer_slots, recompute_record
-from autopar.solve.solution import (
-    Built, assemble, build_problem, solve_problem, solve_summed, step_lower_bound)
+from autopar.mesh import Mesh, parse_bytes
+from autopar.plan.plan import ParamState, Plan, SolverStats, Timing
+from autopar.solve import layouts as B
+from autopar.solve.assemble import assemble, predict
 from autopar.solve.ilp import InfeasibleError
+from autopar.solve.menus import same_local_shape
+from autopar.solve.overlap import solve_problem, step_lower_bound
+from autopar.solve.pipeline_options import Pipeline
+from autopar.solve.pipeline_costs import stage_problem
+from autopar.solve.pipeline_search import search
+from autopar.solve.problem import Problem
+from autopar.solve.recompute import check_mode, layer_slots, recompute_record
+from autopar.solve.recompute_search import solve_summed
+from autopar.solve.solution import Built, build_problem
+from autopar.solve.solved import SolveOptions
+from autopar.trace.batching import batch_size
 from autopar.trace.export import graph_signature
 
 log = logging.getLogger("autopar")
 
 
+@dataclass(frozen=True)
+class Request:
+    """What autopar.plan (or autopar.random_plans) was asked, read once: the model's example
+    inputs (the global batch), the memory budget in bytes per device (None: the device's
+    memory), whether to compare the hand-written layouts, how to solve (SolveOptions), the
+    layout to stay within, the precision, the pipeline (None: no search; an
+    autopar.Pipeline, possibly empty: its fixed fields), the recomputation policy, and the
+    random seeds (None: the best plan, not random ones)."""
+
+    example_inputs: tuple
+    example_kwargs: dict | None
+    budget: float | None
+    compare: bool
+    options: SolveOptions
+    layout: str | None
+    mixed_precision: MixedPrecision | None
+    pipeline: Pipeline | None
+    searched: bool            # pipeline=True: the search may also answer "no pipeline"
+    recompute: str | None
+    seeds: tuple | None = None
+
+
 def plan(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=None,
-         memory_budget=None, compare: bool = True, time_limit: float = 60.0, layout: str | None = None,
-         random_seed=None, mixed_precision=None, pipeline=False, recompute=None):
+         memory_budget=None, compare: bool = True, time_limit: float = 60.0, workers: int | None = None,
+         layout: str | None = None, mixed_precision=None, pipeline=False, recompute=None) -> Plan:
     """Choose a sharding for every node of `model` on `mesh`.
 
     example_inputs: tensors (real, fake or meta) of the global batch, as the model's forward
     takes them.  memory_budget: bytes per device ('70GiB' works); None means the device's
     memory.  compare: also cost the hand-written layouts (data parallel, ZeRO-3, Megatron).
+    time_limit: CP-SAT's deterministic seconds per ILP; workers: processes that plan at
+    once (None: $AUTOPAR_WORKERS, else the cores this process may use; the plan is the same
+    for any number).
     layout: instead of the best plan, the best plan within one hand-written layout (a name
-    from `autopar.solve.layouts.layouts(mesh)`, e.g. "data-parallel").  random_seed: instead,
-    a random valid plan (every node's strategy drawn from its menu): for testing the passes;
-    a list of seeds gives a list of plans (the model is traced and costed once).
+    from `autopar.solve.layouts.layouts(mesh)`, e.g. "data-parallel").
     mixed_precision: an autopar.MixedPrecision (or "bf16", "fp16", a torch dtype); costs and
     memory are then those of the low-precision compute with float32 master weights.
     pipeline: True to also search pipeline stages (autopar.solve.pipeline_search): when cutting
     the model into stages is faster, the plan returned is each stage's plan on its sub-mesh
     for one microbatch, and `plan.pipeline` says how many stages, where they are cut, the
     schedule and the microbatch count.  An autopar.Pipeline fixes some of those (axis,
-    groups, schedule, microbatches, virtual) and always pipelines; `layout` and
-    `random_seed` then apply to the stages' plan.
+    groups, schedule, microbatches, virtual) and always pipelines; `layout` then applies to
+    the stages' plan.
     recompute: None lets the ILP choose activation recomputation per set of identical
     layers (autopar/solve/recompute.py) when the budget needs it; "none", "selective" or "full"
     forces that policy on every repeated layer (for comparisons).  With pipeline=..., the
     search picks one policy for every layer of the stages (the fastest that fits).
+    Random valid plans, for testing the passes: autopar.random_plans.
     """
+    request = _request(example_inputs, example_kwargs, memory_budget, compare, time_limit, workers, layout,
+                       mixed_precision, pipeline, recompute, None)
     with _collector_spared():
-        return _plan(model, mesh, example_inputs, example_kwargs, memory_budget, compare, time_limit, layout,
-                     random_seed, mixed_precision, pipeline, recompute)
+        return _plan(model, mesh, request)[0]
 
 
-def _plan(model, mesh, example_inputs, example_kwargs, memory_budget, compare, time_limit, layout, random_seed,
-          mixed_precision, pipeline, recompute):
-    mixed_precision = MixedPrecision.of(mixed_precision)
-    recompute = check_mode(recompute)
-    if pipeline:
-        return _plan_with_pipeline(model, mesh, example_inputs, example_kwargs, memory_budget, compare,
-                                   time_limit, mixed_precision, None if pipeline is True else pipeline,
-                                   layout, random_seed, recompute)
-    start = time.perf_counter()
+def random_plans(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, seed: int = 0, count: int = 1,
+                 seeds=None, example_kwargs=None, memory_budget=None, compare: bool = True,
+                 time_limit: float = 60.0, workers: int | None = None, layout: str | None = None,
+                 mixed_precision=None, pipeline=False, recompute=None) -> list[Plan]:
+    """`count` random valid plans of `model` on `mesh`, drawn with seeds seed, seed + 1, ...
+    (or with `seeds`, when given): every node's strategy drawn uniformly from its menu, for
+    testing the passes; each plan's origin is "random:<seed>".  The model is traced and
+    costed once.  The other arguments are autopar.plan's; with pipeline=..., the stages are
+    searched as plan() does and one seed draws the stages' plan (count 1)."""
+    drawn = tuple(seeds) if seeds is not None else tuple(range(seed, seed + count))
+    if not drawn:
+        raise ValueError("random_plans: count must be at least 1 (or seeds non-empty)")
+    if pipeline is not False and len(drawn) != 1:
+        raise ValueError(f"random_plans with pipeline=... draws one plan of the stages, not {len(drawn)}: "
+                         f"pass count=1 (or one seed)")
+    request = _request(example_inputs, example_kwargs, memory_budget, compare, time_limit, workers, layout,
+                       mixed_precision, pipeline, recompute, drawn)
+    with _collector_spared():
+        return _plan(model, mesh, request)
+
+
+def _request(example_inputs, example_kwargs, memory_budget, compare, time_limit, workers, layout, mixed_precision,
+             pipeline, recompute, seeds) -> Request:
     budget = parse_bytes(memory_budget, "memory_budget") if memory_budget is not None else None
-    built = build_problem(model, mesh, example_inputs, example_kwargs, mixed_precision)
-    return _plan_built(built, model, mesh, budget, compare, time_limit, layout, random_seed, start, recompute)
+    return Request(example_inputs, example_kwargs, budget, compare, SolveOptions(time_limit, workers), layout,
+                   MixedPrecision.of(mixed_precision), None if pipeline is False or pipeline is None
+                   else (Pipeline() if pipeline is True else pipeline), pipeline is True, check_mode(recompute),
+                   seeds)
+
+
+def _plan(model, mesh, request: Request) -> list[Plan]:
+    """The plan (or the random plans) `request` asks for, in a list."""
+    if request.pipeline is not None:
+        return [_plan_with_pipeline(model, mesh, request)]
+    start = time.perf_counter()
+    built = build_problem(model, mesh, request.example_inputs, request.example_kwargs, request.mixed_precision)
+    return _plans_built(built, model, mesh, request, start, request.recompute)
 
 
 _SPARED = {"depth": 0, "restore": None}   # plans in progress (threads, nested calls); how to restore gc
@@ -104,139 +160,147 @@ def _collector_spared():
                     gc.unfreeze()
 
 
-def _plan_built(built: Built, model, mesh: Mesh, budget, compare, time_limit, layout, random_seed, start,
-                recompute=None, staged=False):
+def _plans_built(built: Built, model, mesh: Mesh, request: Request, start, recompute,
+                 staged=False) -> list[Plan]:
+    """_plan_built, or the random plans when the request has seeds, in a list."""
+    if request.seeds is None:
+        return [_plan_built(built, model, mesh, request, start, recompute, staged)]
+    _check_layout(built.problem, model, mesh, request.layout)
+    return [_make_plan(built.problem, model, mesh, _random_choice(built.problem, s), None, f"random:{s}", {},
+                       request.budget, Timing(trace_s=built.trace_s, costs_s=built.costs_s,
+                                              total_s=time.perf_counter() - start))
+            for s in request.seeds]
+
+
+def _plan_built(built: Built, model, mesh: Mesh, request: Request, start, recompute, staged=False) -> Plan:
     """plan() from a traced and costed problem (the pipeline search's, when it made one).
+    recompute: the policy (the request's, or the one the search chose for the stages).
     staged: the problem is one microbatch of a pipelined model, whose stages' memory the
     pipeline search checked: the whole model is then planned without a budget."""
-    problem, t_trace, t_build = built.problem, built.trace_s, built.costs_s
-    limit = budget if budget is not None else mesh.device.memory
-    rules = B.layouts(mesh)
-    every = B.layouts(mesh, every=True)
-    if any(pn.op == "autopar.experts" for pn in problem.nodes):
-        rules["expert-parallel"] = every["expert-parallel"]
-    if layout is not None and layout not in every:
-        raise ValueError(f"unknown layout {layout!r} for mesh {mesh}; choose one of {sorted(every)}")
-    origin = "ilp" if layout is None else f"layout:{layout}"
-    if layout is not None and B.unavailable(every[layout], problem):
-        raise ValueError(f"layout {layout!r} is not possible for {type(model).__name__} on {mesh}: "
-                         f"{B.unavailable(every[layout], problem)}")
-    if random_seed is not None:
-        seeds = [random_seed] if isinstance(random_seed, int) else list(random_seed)
-        made = [_make_plan(problem, model, mesh, _random_choice(problem, s), None, f"random:{s}", {}, budget,
-                           Timing(trace_s=t_trace, costs_s=t_build, total_s=time.perf_counter() - start))
-                for s in seeds]
-        return made[0] if isinstance(random_seed, int) else made
+    problem, layout, options = built.problem, request.layout, request.options
+    limit = request.budget if request.budget is not None else mesh.device.memory
+    every = _check_layout(problem, model, mesh, layout)
     try:
         plain_modes = layout is None and recompute in (None, "none")
-        if plain_modes and staged and built.summed is not None:
-            best, sol, _ = built.summed   # the plan the pipeline search priced its stages by
-        elif plain_modes and built.solved is not None and built.solved[2] <= limit:
-            best, sol, _ = built.solved  # the unbudgeted optimum fits: the budgeted one is the same
-        else:
+        best = built.known(limit, staged) if plain_modes else None
+        if best is None:
             # (the unbudgeted summed optimum, when it fits, is the budgeted one's first step)
-            summed = built.summed if plain_modes and built.summed is not None and built.summed[2] <= limit else None
-            best, sol, _ = solve_problem(problem, every.get(layout), None if layout or staged else limit,
-                                         time_limit, recompute=recompute, summed=summed)
+            best = solve_problem(problem, every.get(layout), None if layout or staged else limit, options,
+                                 recompute=recompute, summed=built.first_step(limit) if plain_modes else None)
     except InfeasibleError:
-        raise _infeasible(problem, model, mesh, limit, time_limit, recompute) from None
-    compared, choices = {}, {}
-    if compare:
-        for name, rule in rules.items():
-            if not B.relevant(name, problem):
-                continue
-            if B.unavailable(rule, problem):
-                compared[name] = B.unavailable(rule, problem)
-                continue
-            try:
-                # (summed, not re-solved for overlap: a hand-written layout leaves few choices)
-                c, _, _ = solve_summed(problem, rule, None, time_limit, recompute=recompute)
-                compared[name] = assemble(problem, c)[2]
-                choices[name] = c
-            except InfeasibleError as exc:
-                compared[name] = str(exc)
+        raise _infeasible(problem, model, mesh, limit, options, recompute) from None
+    choice, compared = best.choice, {}
+    if request.compare:
+        compared, choices = _compare_layouts(problem, mesh, options, recompute)
         if layout is None and not staged:
-            best = _faster_layout(problem, best, compared, choices, limit)
-    timing = Timing(trace_s=t_trace, costs_s=t_build, solve_s=sol.seconds, total_s=time.perf_counter() - start)
-    result = _make_plan(problem, model, mesh, best, sol, origin, compared, budget, timing, recompute)
-    log.info("planned %s on %s in %.2fs (trace %.2fs)", type(model).__name__, mesh, time.perf_counter() - start, t_trace)
+            choice = _faster_layout(problem, choice, compared, choices, limit)
+    timing = Timing(trace_s=built.trace_s, costs_s=built.costs_s, solve_s=best.solution.seconds,
+                    total_s=time.perf_counter() - start)
+    origin = "ilp" if layout is None else f"layout:{layout}"
+    result = _make_plan(problem, model, mesh, choice, best.solution, origin, compared, request.budget, timing,
+                        recompute)
+    log.info("planned %s on %s in %.2fs (trace %.2fs)", type(model).__name__, mesh, time.perf_counter() - start,
+             built.trace_s)
     return result
 
 
-def _plan_with_pipeline(model, mesh, example_inputs, example_kwargs, memory_budget, compare, time_limit,
-                        mixed_precision, fixed=None, layout=None, random_seed=None, recompute=None) -> Plan:
+def _check_layout(problem, model, mesh: Mesh, layout) -> dict:
+    """Every hand-written layout of `mesh` (name -> rule); raises ValueError for a `layout`
+    that is unknown or not possible for this model."""
+    every = B.layouts(mesh, every=True)
+    if layout is not None and layout not in every:
+        raise ValueError(f"unknown layout {layout!r} for mesh {mesh}; choose one of {sorted(every)}")
+    if layout is not None and B.unavailable(every[layout], problem):
+        raise ValueError(f"layout {layout!r} is not possible for {type(model).__name__} on {mesh}: "
+                         f"{B.unavailable(every[layout], problem)}")
+    return every
+
+
+def _compare_layouts(problem, mesh: Mesh, options: SolveOptions, recompute) -> tuple:
+    """(name -> Prediction, or why not, of each hand-written layout relevant to the problem;
+    name -> its choice, of those solved)."""
+    rules = B.layouts(mesh)
+    if any(pn.op == "autopar.experts" for pn in problem.nodes):
+        rules["expert-parallel"] = B.layouts(mesh, every=True)["expert-parallel"]
+    compared, choices = {}, {}
+    for name, rule in rules.items():
+        if not B.relevant(name, problem):
+            continue
+        if B.unavailable(rule, problem):
+            compared[name] = B.unavailable(rule, problem)
+            continue
+        try:
+            # (summed, not re-solved for overlap: a hand-written layout leaves few choices)
+            c = solve_summed(problem, rule, None, options, recompute=recompute).choice
+            compared[name] = predict(problem, c)
+            choices[name] = c
+        except InfeasibleError as exc:
+            compared[name] = str(exc)
+    return compared, choices
+
+
+def _plan_with_pipeline(model, mesh, request: Request) -> Plan:
+    """The pipeline search's plan: the winner's stage plan with its PipelineLayout, or the
+    plan without stages when that is not slower."""
     start = time.perf_counter()
-    if random_seed is not None and not isinstance(random_seed, int):
-        raise ValueError("with pipeline=..., random_seed takes one seed, not a list")
-    choice = search(model, mesh, example_inputs, example_kwargs, memory_budget=memory_budget,
-                    time_limit=time_limit, fixed=fixed, mixed_precision=mixed_precision, recompute=recompute)
-    budget = parse_bytes(memory_budget, "memory_budget") if memory_budget is not None else None
-    plain = None
+    fixed = None if request.searched else request.pipeline
+    choice = search(model, mesh, request.example_inputs, request.example_kwargs, memory_budget=request.budget,
+                    options=request.options, fixed=fixed, mixed_precision=request.mixed_precision,
+                    recompute=request.recompute)
     if choice.axis is not None and fixed is None and choice.plain is not None:
-        # the search never loses: the plain plan, planned as pipeline=False plans it (under the
-        # budget, with ZeRO and recomputation chosen by the ILP), is kept when it is not slower;
-        # it is not planned when no plan without stages can be as fast as the pipeline (the
-        # bound costs three solves: asked only where the search's own estimate of the plain
-        # plan is clearly slower than the pipeline)
-        clearly = choice.no_pipeline_s > 1.1 * choice.step_s
-        bound = step_lower_bound(choice.plain.problem, time_limit) if clearly else 0.0
-        if bound > choice.step_s * (1 + 1e-6):
-            log.info("no plan without stages can beat the best pipeline (%.4g ms): any takes at least %.4g ms "
-                     "(solution.step_lower_bound)", choice.step_s * 1e3, bound * 1e3)
-        else:
-            try:
-                plain = _plan_built(choice.plain, model, mesh, budget, compare, time_limit, layout, random_seed,
-                                    time.perf_counter(), recompute)
-            except InfeasibleError:
-                plain = None
+        plain = _plain_plan(model, mesh, request, choice)
         if plain is not None and plain.predicted.step_s <= choice.step_s:
             log.info("the plan without stages (%.4g ms) is not slower than the best pipeline (%.4g ms): keeping it",
                      plain.predicted.step_s * 1e3, choice.step_s * 1e3)
             summary = (f"pipeline: none (the best of {choice.candidates} pipelined layouts, {choice.step_s * 1e3:.1f} "
                        f"ms, was not faster than {plain.predicted.step_s * 1e3:.1f} ms without stages)")
-            info = PipelineLayout(axis=None, groups=1, submesh=tuple(mesh.shape),
-                                  stages=((0, len(choice.layer_indices)),),
-                                  schedule="none", microbatches=1, virtual=1, step_s=plain.predicted.step_s,
-                                  no_pipeline_step_s=plain.predicted.step_s, bubble=0.0,
-                                  stage_s=(plain.predicted.step_s,), memory=(plain.predicted.memory_total,),
-                                  full_mesh=mesh, summary=summary, layer_prefix=choice.layer_prefix,
-                                  layer_indices=tuple(choice.layer_indices),
-                                  group_memory=(dict(plain.predicted.memory),), candidates=choice.candidates)
+            info = choice.unpipelined(mesh, plain.predicted).layout(mesh, summary)
             timing = dataclasses.replace(plain.timing, pipeline_search_s=choice.seconds,
                                          total_s=time.perf_counter() - start)
             return dataclasses.replace(plain, pipeline=info, timing=timing)
-    if plain is not None:
-        choice = dataclasses.replace(choice, no_pipeline_s=plain.predicted.step_s)
+        if plain is not None:
+            choice = dataclasses.replace(choice, no_pipeline_s=plain.predicted.step_s)
     built = choice.built  # the winner's problem, as the search traced, costed and solved it
     if built is None:  # (a candidate whose problem was dropped while a better one led, or a worker's)
-        built = stage_problem(model, mesh, example_inputs, example_kwargs, mixed_precision, tuple(choice.submesh),
-                              batch_size(example_inputs, example_kwargs) // choice.n_microbatches)
+        built = stage_problem(model, mesh, request.example_inputs, request.example_kwargs, request.mixed_precision,
+                              tuple(choice.submesh),
+                              batch_size(request.example_inputs, request.example_kwargs) // choice.n_microbatches)
     staged = choice.axis is not None
-    result = _plan_built(built, model, built.problem.mesh, budget, compare, time_limit, layout, random_seed,
-                         time.perf_counter(), choice.recompute if staged else recompute, staged)
-    info = PipelineLayout(axis=choice.axis, groups=choice.n_groups, submesh=tuple(choice.submesh),
-                          stages=tuple(tuple(s) for s in choice.stages), schedule=choice.schedule,
-                          microbatches=choice.n_microbatches, virtual=choice.n_virtual, step_s=choice.step_s,
-                          no_pipeline_step_s=choice.no_pipeline_s, bubble=choice.bubble,
-                          stage_s=tuple(choice.stage_s), memory=tuple(choice.memory), full_mesh=mesh,
-                          summary=str(choice), layer_prefix=choice.layer_prefix,
-                          layer_indices=tuple(choice.layer_indices), group_memory=tuple(choice.group_memory),
-                          candidates=choice.candidates)
+    result = _plans_built(built, model, built.problem.mesh, request, time.perf_counter(),
+                          choice.recompute if staged else request.recompute, staged)[0]
     timing = dataclasses.replace(result.timing, pipeline_search_s=choice.seconds, total_s=time.perf_counter() - start)
-    return dataclasses.replace(result, pipeline=info, timing=timing)
+    return dataclasses.replace(result, pipeline=choice.layout(mesh), timing=timing)
 
 
-def _infeasible(problem, model, mesh, limit, time_limit, recompute=None) -> InfeasibleError:
+def _plain_plan(model, mesh, request: Request, choice) -> Plan | None:
+    """The search never loses: the plain plan, planned as pipeline=False plans it (under the
+    budget, with ZeRO and recomputation chosen by the ILP), to keep when it is not slower
+    than the best pipeline; None where it is not planned: no plan without stages can be as
+    fast as the pipeline (the bound costs three solves: asked only where the search's own
+    estimate of the plain plan is clearly slower than the pipeline), or none fits."""
+    clearly = choice.no_pipeline_s > 1.1 * choice.step_s
+    bound = step_lower_bound(choice.plain.problem, request.options) if clearly else 0.0
+    if bound > choice.step_s * (1 + 1e-6):
+        log.info("no plan without stages can beat the best pipeline (%.4g ms): any takes at least %.4g ms "
+                 "(overlap.step_lower_bound)", choice.step_s * 1e3, bound * 1e3)
+        return None
+    try:
+        return _plans_built(choice.plain, model, mesh, request, time.perf_counter(), request.recompute)[0]
+    except InfeasibleError:
+        return None
+
+
+def _infeasible(problem, model, mesh, limit, options: SolveOptions, recompute=None) -> InfeasibleError:
     """The error for a budget no plan fits: the least memory any plan needs, what it is made
     of, and what would make the model fit (recomputation among it, with what it saves)."""
     layered = bool(layer_slots(problem))
-    keep, _, kept_floor = solve_problem(problem, None, None, time_limit, minimise_memory=True, recompute="none")
+    keep = solve_problem(problem, None, None, options, minimise_memory=True, recompute="none")
+    kept_floor = keep.memory
     least = recompute if recompute in ("selective", "full") else ("full" if layered and recompute is None else "none")
-    if least != "none":
-        choice, _, floor = solve_problem(problem, None, None, time_limit, minimise_memory=True, recompute=least)
-    else:
-        choice, floor = keep, kept_floor
-    memory = assemble(problem, choice)[2].memory
+    least_plan = solve_problem(problem, None, None, options, minimise_memory=True, recompute=least) \
+        if least != "none" else keep
+    choice, floor = least_plan.choice, least_plan.memory
+    memory = predict(problem, choice).memory
     gib = 2**30
     parts = ", ".join(f"{k} {v / gib:.2f}" for k, v in memory.items())
     states = floor - memory["activations"] - memory["working"]
@@ -250,7 +314,7 @@ def _infeasible(problem, model, mesh, limit, time_limit, recompute=None) -> Infe
                      f"so a smaller batch per step (gradient accumulation keeps the global batch)")
     if layered and least == "none":
         try:
-            full = solve_problem(problem, None, None, time_limit, minimise_memory=True, recompute="full")[2]
+            full = solve_problem(problem, None, None, options, minimise_memory=True, recompute="full").memory
             hints.append(f"recomputing activations in backward: recompute='full' (or None, to let the planner "
                          f"choose per layer) saves {(kept_floor - full) / gib:.2f} GiB per device, for a least of "
                          f"{full / gib:.2f} GiB")
@@ -276,11 +340,11 @@ def _infeasible(problem, model, mesh, limit, time_limit, recompute=None) -> Infe
 
 def _faster_layout(problem, best, compared: dict, choices: dict, limit):
     """The ILP sums communication; the step it predicts subtracts what gradient buckets
-    hide behind backward (solution.hidden_gradient_seconds), which no linear objective
+    hide behind backward (assemble.hidden_gradient_seconds), which no linear objective
     sees.  So a hand-written layout compared with the plan can come out faster once
     overlap is counted: then that layout's choice is the plan (within the budget), and the
     log says so."""
-    mine = assemble(problem, best)[2]
+    mine = predict(problem, best)
     fits = {n: p for n, p in compared.items() if n in choices and p.memory_total <= limit}
     if not fits:
         return best
@@ -288,13 +352,13 @@ def _faster_layout(problem, best, compared: dict, choices: dict, limit):
     if fits[name].step_s < mine.step_s * (1 - 1e-9):
         log.info("%s is predicted faster than the ILP's choice once backward's overlap is counted "
                  "(%.4g ms against %.4g ms): planning with it", name, fits[name].step_s * 1e3, mine.step_s * 1e3)
-        chosen = choices[name]
-        return chosen
+        return choices[name]
     return best
 
 
 def _make_plan(problem, model, mesh, choice, sol, origin, compared, budget, timing, recompute=None) -> Plan:
-    nodes, collectives, predicted, grad_sums = assemble(problem, choice)
+    assembled = assemble(problem, choice)
+    nodes, predicted = assembled.nodes, assembled.predicted
     chosen = recompute_record(problem, choice, predicted, recompute)
     parts = problem.traced.parts
     params, states = {}, {}
@@ -310,9 +374,9 @@ def _make_plan(problem, model, mesh, choice, sol, origin, compared, budget, timi
                                      bound_s=sol.bound, variables=sol.variables, constraints=sol.constraints)
     return Plan(mesh=mesh, model=type(model).__name__,
                 param_placements=_order_params(model, params, parts), nodes=tuple(nodes[i] for i in sorted(nodes)),
-                collectives=tuple(collectives), predicted=predicted, solver=solver, baselines=compared,
+                collectives=assembled.collectives, predicted=predicted, solver=solver, baselines=compared,
                 memory_budget=budget, fallback_ops=tuple(problem.fallback_ops),
-                layers=tuple((p, tuple(ix)) for p, ix in problem.layer_groups), grad_sums=grad_sums,
+                layers=tuple((p, tuple(ix)) for p, ix in problem.layer_groups), grad_sums=assembled.grad_sums,
                 origin=origin, timing=timing, param_states={k: states[k] for k in _order_params(model, states, parts)},
                 precision=problem.precision,
                 frozen=tuple(n for n, p in model.named_parameters() if not p.requires_grad),

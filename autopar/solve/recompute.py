@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from autopar.solve.graph import VIEWS
 from autopar.plan.records import Recompute
 
@@ -72,55 +74,14 @@ class ModeCosts:
     `extra[rep][choice]`, and per edge class the forward moves run again `edge_extra[key]`."""
 
     def __init__(self, problem, modes: dict):
-        import numpy as np
         self.modes = dict(modes)
         nodes = problem.nodes
         layer = layer_paths(problem)
         kept = {pn.index for pn in nodes if kept_by_selective(problem, pn)}
-        entries = []     # (node index, holding)
-        holders: dict = {}
-
-        def hold(n, item):
-            entries.append((n, item))
-            if item[0] is not None:
-                holders[item[0]] = holders.get(item[0], 0) + 1
-
-        for n, held in problem.holdings.items():
-            mode = self.modes.get(layer.get(n), "none")
-            if mode == "none":
-                for item in held:
-                    hold(n, item)
-            elif mode == "selective" and n in kept:   # its outputs, and what else its kernel
-                pn = nodes[n]                            # returns (attention's log-sum-exp)
-                for j, shape in enumerate(pn.out_shapes):
-                    hold(n, ((n, j), "result", j, math.prod(shape) * pn.out_dtypes[j].itemsize))
-                for item in held:
-                    if item[1] == "new":
-                        hold(n, item)
-                    elif item[1] in ("in", "out"):   # under a strategy that communicates inside, the
-                        hold(n, (None, "own " + item[1], item[2], item[3]))   # op runs whole (Recompute.whole)
-        members: dict = {}   # layer path -> its nodes' indices, ascending
-        for n, path in layer.items():
-            members.setdefault(path, []).append(n)
-        for path, mode in self.modes.items():
-            if mode == "none":
-                continue
-            for pn in (nodes[n] for n in sorted(members.get(path, ()))):
-                if pn.kind != "op":
-                    continue
-                for k, (src, o) in enumerate(pn.inputs):
-                    if layer.get(src) == path:
-                        continue   # (a region holds every input it reads, rotary tables and masks too,
-                    key = problem.storage_root(src, o)   # as its ops read them: after their moves)
-                    root = nodes[key[0]]
-                    if root.kind != "op":
-                        hold(pn.index, (None, "leaf", k, 0.0))   # (counted only as a move's copy)
-                        continue
-                    hold(pn.index, (key, "in", k, math.prod(root.out_shapes[key[1]]) * root.out_dtypes[key[1]].itemsize))
-        self.entries = entries
+        self.entries, holders = _holdings(problem, self.modes, layer, kept)
         self.activations: dict = {}
         keeps: dict = {}   # node index -> bytes it keeps under its layer's mode, per strategy
-        for n, item in entries:
+        for n, item in self.entries:
             pn = nodes[n]
             share = holders[item[0]] if item[0] is not None else 1
             arr = problem.held_array(pn, item) / share
@@ -133,27 +94,7 @@ class ModeCosts:
         for n, path in layer.items():
             if self.modes.get(path, "none") != "none" and nodes[n].kind == "op":
                 self.members.setdefault(path, []).append((n, nodes[n].rep, keeps.get(n)))
-        self.extra: dict = {}
-        self.edge_extra: dict = {}
-        forward: dict = {}   # rep -> its strategies' forward seconds
-        moving: dict = {}    # edge class -> its forward moves' seconds, None where it moves nothing
-        for pn in nodes:
-            mode = self.modes.get(layer.get(pn.index), "none")
-            if mode == "none" or pn.kind != "op":
-                continue
-            if not (mode == "selective" and pn.index in kept):
-                if pn.rep not in forward:
-                    forward[pn.rep] = np.array([c.forward_s for c in problem.choices[pn.rep]])
-                self.extra[pn.rep] = self.extra.get(pn.rep, 0.0) + forward[pn.rep]
-        for e in problem.edges:
-            if e.kind != "data" or self.modes.get(layer.get(e.b), "none") == "none":
-                continue
-            key = problem.rep_edge(e)
-            if key not in moving:
-                fwd = problem.edge_forward.get(key)
-                moving[key] = fwd if fwd is not None and fwd.any() else None
-            if moving[key] is not None:
-                self.edge_extra[key] = self.edge_extra.get(key, 0.0) + moving[key]
+        self.extra, self.edge_extra = _forward_again(problem, self.modes, layer, kept)
 
     def activation_bytes(self, choice: dict) -> float:
         """Activation bytes per device of a choice under these modes."""
@@ -175,6 +116,82 @@ class ModeCosts:
         """Seconds per step of the forward the recomputed layers run again."""
         return float(sum(arr[choice[rep]] for rep, arr in self.extra.items()) +
                      sum(m[choice[key.a], choice[key.b]] for key, m in self.edge_extra.items()))
+
+
+def _holdings(problem, modes: dict, layer: dict, kept: set) -> tuple:
+    """(entries: (node index, holding) of what backward keeps under `modes`; holders:
+    storage -> how many entries hold it).  A layer that keeps everything holds what
+    autograd saves; selectively, only the kept ops' outputs (and what else their kernels
+    return); a recomputed layer also holds the inputs it reads from outside itself."""
+    nodes = problem.nodes
+    entries = []
+    holders: dict = {}
+
+    def hold(n, item):
+        entries.append((n, item))
+        if item[0] is not None:
+            holders[item[0]] = holders.get(item[0], 0) + 1
+
+    for n, held in problem.holdings.items():
+        mode = modes.get(layer.get(n), "none")
+        if mode == "none":
+            for item in held:
+                hold(n, item)
+        elif mode == "selective" and n in kept:   # its outputs, and what else its kernel
+            pn = nodes[n]                            # returns (attention's log-sum-exp)
+            for j, shape in enumerate(pn.out_shapes):
+                hold(n, ((n, j), "result", j, math.prod(shape) * pn.out_dtypes[j].itemsize))
+            for item in held:
+                if item[1] == "new":
+                    hold(n, item)
+                elif item[1] in ("in", "out"):   # under a strategy that communicates inside, the
+                    hold(n, (None, "own " + item[1], item[2], item[3]))   # op runs whole (Recompute.whole)
+    members: dict = {}   # layer path -> its nodes' indices, ascending
+    for n, path in layer.items():
+        members.setdefault(path, []).append(n)
+    for path, mode in modes.items():
+        if mode == "none":
+            continue
+        for pn in (nodes[n] for n in sorted(members.get(path, ()))):
+            if pn.kind != "op":
+                continue
+            for k, (src, o) in enumerate(pn.inputs):
+                if layer.get(src) == path:
+                    continue   # (a region holds every input it reads, rotary tables and masks too,
+                key = problem.storage_root(src, o)   # as its ops read them: after their moves)
+                root = nodes[key[0]]
+                if root.kind != "op":
+                    hold(pn.index, (None, "leaf", k, 0.0))   # (counted only as a move's copy)
+                    continue
+                hold(pn.index, (key, "in", k, math.prod(root.out_shapes[key[1]]) * root.out_dtypes[key[1]].itemsize))
+    return entries, holders
+
+
+def _forward_again(problem, modes: dict, layer: dict, kept: set) -> tuple:
+    """(rep -> seconds per strategy of the forward recomputed layers run again; edge class
+    -> seconds per layout pair of the forward moves they run again)."""
+    extra: dict = {}
+    edge_extra: dict = {}
+    forward: dict = {}   # rep -> its strategies' forward seconds
+    moving: dict = {}    # edge class -> its forward moves' seconds, None where it moves nothing
+    for pn in problem.nodes:
+        mode = modes.get(layer.get(pn.index), "none")
+        if mode == "none" or pn.kind != "op":
+            continue
+        if not (mode == "selective" and pn.index in kept):
+            if pn.rep not in forward:
+                forward[pn.rep] = np.array([c.forward_s for c in problem.choices[pn.rep]])
+            extra[pn.rep] = extra.get(pn.rep, 0.0) + forward[pn.rep]
+    for e in problem.edges:
+        if e.kind != "data" or modes.get(layer.get(e.b), "none") == "none":
+            continue
+        key = problem.rep_edge(e)
+        if key not in moving:
+            fwd = problem.edge_forward.get(key)
+            moving[key] = fwd if fwd is not None and fwd.any() else None
+        if moving[key] is not None:
+            edge_extra[key] = edge_extra.get(key, 0.0) + moving[key]
+    return extra, edge_extra
 
 
 def mode_costs(problem, modes: dict) -> ModeCosts:

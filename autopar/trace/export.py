@@ -19,10 +19,10 @@ import torch
 import torch.fx as fx
 
 from autopar.trace.attention import window_attention, window_mask
+from autopar.trace.cache import TRACES, batch_family, fingerprint
 from autopar.trace.experts import experts_as_op
 from autopar.trace.fused import Parts, as_linear, split_fused
-from autopar.trace.rebatch import outline, rebatched
-from autopar.trace.unroll import cut_to_three, plain_attributes, planning_module, repeated_layers
+from autopar.trace.unroll import cut_to_three, planning_module, repeated_layers
 from autopar.trace.unroll import unroll as unroll_graph
 
 log = logging.getLogger("autopar")
@@ -64,31 +64,9 @@ def _module_of_error(exc: BaseException, model: torch.nn.Module) -> str:
     return found or type(model).__name__
 
 
-_CACHE: dict = {}
-UNROLLED = "|unrolled"   # cache key suffix of unrolled traces (autopar/trace/unroll.py)
-
-
-def _fingerprint(model: torch.nn.Module, example_inputs, example_kwargs) -> str:
-    """Everything the traced graph depends on that can be read without running the model:
-    module types and their plain attributes (configs, flags, sizes, training mode), the
-    names, shapes, dtypes, devices and ties of parameters and buffers, and the inputs'
-    structure, shapes and dtypes."""
-    parts = []
-    for name, mod in model.named_modules(remove_duplicate=False):
-        attrs = sorted((k, repr(v)) for k, v in plain_attributes(mod).items())
-        parts.append((name, type(mod).__module__, type(mod).__qualname__, mod.training, attrs))
-    first: dict[int, str] = {}
-    for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):
-        parts.append((name, first.setdefault(id(t), name), tuple(t.shape), str(t.dtype), str(t.device), t.requires_grad))
-    flat, spec = torch.utils._pytree.tree_flatten((tuple(example_inputs), example_kwargs))
-    parts.append(str(spec))
-    parts.extend((tuple(x.shape), str(x.dtype), str(x.device)) if isinstance(x, torch.Tensor) else repr(x) for x in flat)
-    return repr(parts)
-
-
 def model_fingerprint(model: torch.nn.Module) -> str:
-    """_fingerprint of the model alone (no inputs)."""
-    return _fingerprint(model, (), {})
+    """The fingerprint (autopar/trace/cache.py) of the model alone (no inputs)."""
+    return fingerprint(model, (), {})
 
 
 @contextlib.contextmanager
@@ -117,10 +95,10 @@ def trace(model: torch.nn.Module | fx.GraphModule, example_inputs: tuple, exampl
     """The training-IR graph of `model(*example_inputs, **example_kwargs)` in `mode` (see
     in_mode: plans are made on the training graph; the runtime derives eval from both).
 
-    Traces are cached in the process by a fingerprint of the model's structure, its modules'
-    train/eval flags and the inputs' shapes (see _fingerprint), so planning and compiling the
-    same model, or compiling it with several plans, traces once; each caller gets its own
-    copy of the graph.  cache=False always traces.
+    Traces are cached in the process (autopar/trace/cache.py: TRACES) by a fingerprint of the
+    model's structure, its modules' train/eval flags and the inputs' shapes (cache.fingerprint),
+    so planning and compiling the same model, or compiling it with several plans, traces once;
+    each caller gets its own copy of the graph unless `shared`.  cache=False always traces.
 
     unroll: when the model's layers are one list of alike modules, export three of them and
     write the graph of the others from theirs (autopar/trace/unroll.py): the same graph, node for
@@ -129,93 +107,27 @@ def trace(model: torch.nn.Module | fx.GraphModule, example_inputs: tuple, exampl
 
     shared: return the cached trace itself, not a copy, for callers that only read the
     graph (planning: a copy of a 9,000-node graph costs 0.3-1 s, once per pipeline
-    candidate); a caller that rewrites the graph (the runtime's passes) takes a copy."""
+    candidate); a caller that rewrites the graph (the runtime's passes) takes a copy.  What a
+    holder of a shared trace may and may not do: cache.TraceCache."""
     with in_mode(model, mode):
         return _trace_cached(model, example_inputs, example_kwargs, cache, unroll, shared)
 
 
 def _trace_cached(model, example_inputs, example_kwargs, cache: bool, unroll: bool = False,
                   shared: bool = False) -> Traced:
-    key = _fingerprint(model, example_inputs, example_kwargs or {}) if cache else None
-    for k in (key, key + UNROLLED if unroll and key else None):  # a full trace serves an unrolled one too
-        if k is not None and k in _CACHE:
-            return _CACHE[k] if shared else _CACHE[k].copy()
-    family = _batch_family(model, example_inputs, example_kwargs or {}) if unroll and key is not None else None
-    traced = _rebatched(family) if family is not None else None
-    if traced is None:
-        traced = _trace(model, example_inputs, example_kwargs, unroll)
-        if family is not None:
-            _BATCHES.setdefault(family[0], {})[family[1]] = key + UNROLLED
-    if key is not None:
-        _CACHE[key + UNROLLED if unroll else key] = traced
-        return traced if shared else traced.copy()
-    return traced
-
-
-_BATCHES: dict = {}   # a model's fingerprint with its batch left out -> {batch: cache key of its exported trace}
-_OUTLINES: dict = {}  # the same fingerprint -> {batch: rebatch.Outline}: of exports here, and of another process's
-
-
-def _batch_family(model, example_inputs, example_kwargs) -> tuple | None:
-    """(the fingerprint of model and inputs with the inputs' leading dim left out, that
-    dim) when every tensor input has one and they agree; else None."""
-    flat = torch.utils._pytree.tree_leaves((tuple(example_inputs), example_kwargs))
-    sizes = {x.shape[0] for x in flat if isinstance(x, torch.Tensor) and x.dim() > 0}
-    if len(sizes) != 1:
-        return None
-    batch = sizes.pop()
-    rows = torch.utils._pytree.tree_map(
-        lambda x: x.new_empty((0, *x.shape[1:])) if isinstance(x, torch.Tensor) and x.dim() > 0 else x,
-        (tuple(example_inputs), example_kwargs))
-    return _fingerprint(model, rows[0], rows[1]), batch
-
-
-def _rebatched(family) -> Traced | None:
-    """The planning trace at family's batch written from two traces of the same model at
-    other batches (autopar/trace/rebatch.py): an exported one cached here, and another cached here
-    or outlined by another process (adopt_outlines); else None."""
-    fingerprint, batch = family
-    full = [(b, k) for b, k in _BATCHES.get(fingerprint, {}).items() if k in _CACHE and b != batch]
-    if not full:
-        return None
-    a, key_a = full[0]
-    others = [b for b, _ in full[1:]] + [b for b in _OUTLINES.get(fingerprint, {}) if b != a]   # (an outline at this batch serves)
-    if not others:
-        return None
-    b = others[0]
-    start = time.perf_counter()
-    traced = rebatched(_CACHE[key_a], _outline(fingerprint, b), (a, b), batch)
+    if not cache:
+        return _trace(model, example_inputs, example_kwargs, unroll)
+    key = fingerprint(model, example_inputs, example_kwargs or {})
+    traced = TRACES.find(key, unroll)
     if traced is not None:
-        log.info("traced at %d rows in %.2fs: written from the traces at %d and %d rows (autopar/trace/rebatch.py)",
-                 batch, time.perf_counter() - start, a, b)
-    return traced
-
-
-def exported_outlines(traced: Traced) -> dict:
-    """{fingerprint: {batch: Outline}} of the exported planning traces of the model and
-    inputs `traced` (a planning trace this process cached) is one of, for another process
-    to write other batches from (adopt_outlines); {} when it is not an export."""
-    for fingerprint, keys in _BATCHES.items():
-        if any(_CACHE.get(key) is traced for key in keys.values()):
-            return {fingerprint: {b: _outline(fingerprint, b) for b, key in keys.items() if key in _CACHE}}
-    return {}
-
-
-def _outline(fingerprint, batch: int):
-    """The Outline of the family's trace at `batch` (adopted, or made once from the export)."""
-    outlines = _OUTLINES.setdefault(fingerprint, {})
-    if batch not in outlines:
-        outlines[batch] = outline(_CACHE[_BATCHES[fingerprint][batch]])
-    return outlines[batch]
-
-
-def adopt_outlines(found: dict) -> None:
-    """Take exported_outlines() of another process: traces at other batches are then written
-    from one exported here and one of those."""
-    for fingerprint, outlines in found.items():
-        mine = _OUTLINES.setdefault(fingerprint, {})
-        for b, o in outlines.items():
-            mine.setdefault(b, o)
+        return traced if shared else traced.copy()
+    family = batch_family(model, example_inputs, example_kwargs or {}) if unroll else None
+    traced = TRACES.written(family) if family is not None else None
+    exported = traced is None
+    if exported:
+        traced = _trace(model, example_inputs, example_kwargs, unroll)
+    TRACES.store(key, traced, unroll, family if exported else None)
+    return traced if shared else traced.copy()
 
 
 @contextlib.contextmanager

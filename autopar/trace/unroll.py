@@ -35,6 +35,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from autopar.trace.paths import layer_of, module_path
+
 try:   # (a GraphModule that writes its Python code when first run or printed)
     from torch.fx._lazy_graph_module import _LazyGraphModule as _PlanningModule
 except ImportError:   # pragma: no cover - older torch
@@ -50,17 +52,6 @@ def planning_module(root: torch.nn.Module, graph: fx.Graph) -> fx.GraphModule:
     planning reads a written graph and never runs it, and writing the code of a
     9,000-node graph takes about half a second."""
     return _PlanningModule(root, graph)
-
-
-def module_path(node: fx.Node) -> str:
-    """The path of the innermost module a node of an export ran in ("layers.3.attention")."""
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return ""
-    path = list(stack.values())[-1][0]
-    # torch.export writes L['self'].blocks[0].attn style paths in some versions
-    path = re.sub(r"^L\['self'\]\.?", "", path)
-    return re.sub(r"\[(\d+)\]", r".\1", path)
 
 
 @dataclass(frozen=True)
@@ -163,24 +154,24 @@ def unroll(graph: fx.Graph, params: dict, buffers: dict, found: Layers) -> Unrol
     path = found.path
     names = {**params, **buffers}
     nodes = list(graph.nodes)
-    layer_of = {nd: _layer_index(nd, path, names) for nd in nodes}
+    in_layer = {nd: _layer_index(nd, path, names) for nd in nodes}
     compute = [nd for nd in nodes if nd.op not in ("placeholder", "output")]
     starts = []
     for want in range(3):
-        at = next((k for k, nd in enumerate(compute) if layer_of[nd] == want), None)
+        at = next((k for k, nd in enumerate(compute) if in_layer[nd] == want), None)
         if at is None or (starts and at <= starts[-1]):
             return None
         starts.append(at)
-    last = max(k for k, nd in enumerate(compute) if layer_of[nd] == 2)
+    last = max(k for k, nd in enumerate(compute) if in_layer[nd] == 2)
     prefix, seg0, seg1 = compute[:starts[0]], compute[starts[0]:starts[1]], compute[starts[1]:starts[2]]
     seg2, suffix = compute[starts[2]:last + 1], compute[last + 1:]
     expect = [(prefix, None), (seg0, 0), (seg1, 1), (seg2, 2), (suffix, None)]
-    if any(layer_of[nd] not in (None, want) for part, want in expect for nd in part):
+    if any(in_layer[nd] not in (None, want) for part, want in expect for nd in part):
         return None
     if any(nd.op != "call_function" for nd in seg0 + seg1 + seg2):
         return None
     place = {nd: (k, i) for i, seg in enumerate((seg0, seg1, seg2)) for k, nd in enumerate(seg)}
-    if not _alike(seg0, seg1, place, layer_of, names, path):
+    if not _alike(seg0, seg1, place, in_layer, names, path):
         return None
     # what each part may read: a layer the one before it and shared nodes; the suffix the last layer
     for part, allowed, own in ((seg0, {0}, 0), (seg1, {0, 1}, 1), (seg2, {1, 2}, 2), (suffix, {2}, None),
@@ -189,7 +180,7 @@ def unroll(graph: fx.Graph, params: dict, buffers: dict, found: Layers) -> Unrol
             for src in nd.all_input_nodes:
                 if src in place and place[src][1] not in allowed:
                     return None
-                if src.op == "placeholder" and layer_of[src] not in (None, own):
+                if src.op == "placeholder" and in_layer[src] not in (None, own):
                     return None
     output = nodes[-1]
     if any(src in place and place[src][1] != 2 for src in output.all_input_nodes):
@@ -197,20 +188,17 @@ def unroll(graph: fx.Graph, params: dict, buffers: dict, found: Layers) -> Unrol
     numbering = _numbering(compute)
     if numbering is None:
         return None
-    return _write(nodes, prefix, seg0, seg1, seg2, suffix, place, layer_of, names, params, found, numbering)
+    return _write(nodes, prefix, seg0, seg1, seg2, suffix, place, in_layer, names, params, found, numbering)
 
 
 def _layer_index(node: fx.Node, path: str, names: dict):
     """0, 1 or 2: the layer of the three-layer graph a node belongs to (a placeholder by its
     model name, an op by its module), else None."""
     where = names.get(node.name) if node.op == "placeholder" else module_path(node)
-    if not where or not where.startswith(path + "."):
-        return None
-    head = where[len(path) + 1:].split(".", 1)[0]
-    return int(head) if head.isdigit() else None
+    return layer_of(where, path) if where else None
 
 
-def _alike(seg0: list, seg1: list, place: dict, layer_of: dict, names: dict, path: str) -> bool:
+def _alike(seg0: list, seg1: list, place: dict, in_layer: dict, names: dict, path: str) -> bool:
     """Layers 0 and 1 trace to the same ops at the same positions, reading the same shared
     nodes, their own parameters under the same names, and their own ops at the same
     positions (layer 1 reads layer 0's outputs where layer 0 reads the prefix's)."""
@@ -221,7 +209,7 @@ def _alike(seg0: list, seg1: list, place: dict, layer_of: dict, names: dict, pat
         if src in place:
             k, i = place[src]
             return ("own", k) if i == layer else ("before", k)
-        if layer_of.get(src) is not None:
+        if in_layer.get(src) is not None:
             return ("param", names[src.name][len(path) + 1:].split(".", 1)[-1])
         return ("shared", src)
 
@@ -279,7 +267,7 @@ def _split_name(name: str):
     return (m.group(1), int(m.group(2))) if m else (name, 0)
 
 
-def _write(nodes, prefix, seg0, seg1, seg2, suffix, place, layer_of, names, params, found,
+def _write(nodes, prefix, seg0, seg1, seg2, suffix, place, in_layer, names, params, found,
            numbering) -> Unrolled | None:
     """The full graph: placeholders (layer 1's repeated as layers 2 .. n-2 right after its
     own, layer 2's renamed to n-1), then prefix, layers 0 and 1, the copies, the last layer
@@ -291,7 +279,7 @@ def _write(nodes, prefix, seg0, seg1, seg2, suffix, place, layer_of, names, para
     out_params, out_buffers = {}, {}
     placeholders = [nd for nd in nodes if nd.op == "placeholder"]
     for nd in placeholders:
-        if layer_of[nd] is not None and _placeholder_name(nd.name in params, names[nd.name]) != nd.name:
+        if in_layer[nd] is not None and _placeholder_name(nd.name in params, names[nd.name]) != nd.name:
             return None
 
     def renamed(model_name: str, layer: int) -> str:
@@ -309,13 +297,13 @@ def _write(nodes, prefix, seg0, seg1, seg2, suffix, place, layer_of, names, para
 
     last_of_layer1 = {}
     for nd in placeholders:
-        if layer_of[nd] == 1:
+        if in_layer[nd] == 1:
             last_of_layer1[nd.name in params] = nd
     for nd in placeholders:
-        layer = layer_of[nd]
+        layer = in_layer[nd]
         add_placeholder(nd, n - 1 if layer == 2 else layer)
         if nd is last_of_layer1.get(nd.name in params):
-            group = [p for p in placeholders if layer_of[p] == 1 and (p.name in params) == (nd.name in params)]
+            group = [p for p in placeholders if in_layer[p] == 1 and (p.name in params) == (nd.name in params)]
             for j in range(2, n - 1):
                 for p in group:
                     add_placeholder(p, j)
@@ -334,8 +322,8 @@ def _write(nodes, prefix, seg0, seg1, seg2, suffix, place, layer_of, names, para
                 if layer == n - 1:
                     return new[(seg1[k], n - 2)]
                 return new[(src, layer)]
-            if src.op == "placeholder" and layer_of[src] is not None:
-                lay = layer_of[src]
+            if src.op == "placeholder" and in_layer[src] is not None:
+                lay = in_layer[src]
                 return new[(src, n - 1 if lay == 2 else (layer if lay == 1 else lay))]
             return new[(src, None)]
         return read

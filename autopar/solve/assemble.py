@@ -1,0 +1,196 @@
+"""From a choice of strategies to the plan's facts: per-node records, the collectives the
+choice implies, and the predicted step time (overlap counted) and memory per device."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.plan.plan import Collective, NodeChoice, Prediction
+from autopar.solve.problem import Problem
+from autopar.solve.recompute import beyond_linear, mode_costs
+
+CATEGORIES = ("params", "grads", "optimizer", "activations", "working")
+
+
+@dataclass(frozen=True)
+class Assembled:
+    """A choice's facts.  nodes: node index -> NodeChoice (gradient sums left out);
+    collectives: every collective the plan runs, in node order; predicted: the step's
+    time and memory; grad_sums: "source:output" -> the layout its gradient sum takes."""
+
+    nodes: dict
+    collectives: tuple
+    predicted: Prediction
+    grad_sums: dict
+
+    def __str__(self) -> str:
+        return f"{len(self.nodes)} nodes, {len(self.collectives)} collectives; {self.predicted}"
+
+
+def predict(problem: Problem, choice: dict) -> Prediction:
+    """assemble(problem, choice).predicted."""
+    return assemble(problem, choice).predicted
+
+
+def assemble(problem: Problem, choice: dict) -> Assembled:
+    """Per-node choices, the collectives they imply and the predicted step time and memory."""
+    tally = _Tally(problem, choice)
+    nodes: dict[int, NodeChoice] = {}
+    grad_sums = {}
+    for pn in problem.nodes:
+        s = problem.nodes[pn.rep].strategies[choice[pn.index]]
+        c = problem.choices[pn.rep][choice[pn.index]]
+        tally.node(pn, s, c)
+        edge_comm = tally.edges(pn)
+        if pn.kind == "gradsum":
+            src, out = pn.source
+            grad_sums[f"{problem.nodes[src].name}:{out}"] = s.outputs[0]
+            continue
+        nodes[pn.index] = NodeChoice(pn.name, pn.op, pn.module if pn.kind != "param" else pn.param_name,
+                                     s.name, tuple(s.split), tuple(s.inputs), tuple(s.outputs), tuple(s.grads),
+                                     c.compute, sum(c.comm) + edge_comm, sum(c.memory.values()), tuple(s.reduced))
+    return Assembled(nodes, tuple(tally.collectives), tally.prediction(), grad_sums)
+
+
+class _Tally:
+    """What assemble adds up over the nodes of one choice, in node order: compute,
+    communication per mesh axis, memory per category, the collectives, and per op what the
+    two-stream overlap models need (hidden_gradient_seconds, hidden_prefetch_seconds)."""
+
+    def __init__(self, problem: Problem, choice: dict):
+        self.problem, self.choice = problem, choice
+        self.compute = 0.0
+        self.comm = [0.0] * problem.mesh.ndim
+        self.memory = dict.fromkeys(CATEGORIES, 0.0)
+        self.collectives = []
+        self.backward = {}   # op index -> [its backward compute, the synchronous communication of its backward]
+        self.forward = {}    # op index -> its forward compute and synchronous forward communication
+        self.gathers = {}    # op index -> seconds of the prefetchable weight gathers it waits for
+        self.bucketed = {}   # op index -> seconds of gradient buckets that become ready when its backward ends
+        self.first_reader = _first_readers(problem)
+        self.edges_into: dict = {}
+        for e in problem.edges:  # a data edge belongs to its consumer, a gradient edge to its tensor's producer
+            owner = e.b if e.kind == "data" else (e.b if e.kind == "grad_out" else problem.nodes[e.b].source[0])
+            self.edges_into.setdefault(owner, []).append(e)
+
+    def node(self, pn, s, c) -> None:
+        """A node's own compute, communication and memory under strategy s (costs c)."""
+        names = self.problem.mesh.axis_names
+        self.compute += c.compute
+        if pn.kind == "op":
+            fwd = c.forward_s - sum(c.comm) / 2
+            self.backward[pn.index] = [c.compute - fwd, sum(c.comm) / 2]
+            self.forward[pn.index] = fwd + sum(c.comm) / 2
+        if pn.kind == "param" and s.zero:  # ZeRO-1/2: updated weights all-gathered after the step
+            for st in self.problem.zero_gather_steps(pn, s):
+                self.comm[st.axis] += st.seconds
+                self.collectives.append(Collective("all_gather", (names[st.axis],), st.nbytes, "step",
+                                                   pn.param_name, pn.param_name, st.seconds, st.algorithm))
+        else:
+            for a, t in enumerate(c.comm):
+                self.comm[a] += t
+                if t:
+                    self.collectives.append(Collective("all_reduce", (names[a],), 0.0, "forward", pn.name,
+                                                       pn.name, t))
+        for k, v in c.memory.items():
+            self.memory[k] += v
+
+    def edges(self, pn) -> float:
+        """The redistributions of the edges `pn` owns; returns their seconds."""
+        problem, choice, names = self.problem, self.choice, self.problem.mesh.axis_names
+        edge_comm = 0.0
+        for e in self.edges_into.get(pn.index, ()):
+            fwd, bwd = problem.edge_steps(problem.rep_edge(e), choice[e.a], choice[e.b])
+            src = problem.nodes[e.a] if e.kind == "data" else problem.nodes[e.b]
+            param = problem.nodes[e.a] if e.kind == "data" else (pn if pn.kind == "param" else None)
+            prefetched = (e.kind == "data" and param is not None and param.kind == "param" and len(fwd) == 1
+                          and fwd[0].kind == "all_gather")   # the runtime prefetches exactly these
+            for phase, steps in (("forward", fwd), ("backward", bwd)):
+                for st in steps:
+                    if phase == "forward" and pn.index in self.forward:
+                        if prefetched:
+                            self.gathers[pn.index] = self.gathers.get(pn.index, 0.0) + st.seconds
+                        else:
+                            self.forward[pn.index] += st.seconds
+                    self.comm[st.axis] += st.seconds
+                    edge_comm += st.seconds
+                    if phase == "backward" and st.bucketed and st.kind != "all_gather":   # a gradient bucket
+                        at = pn.index if e.kind == "data" else self.first_reader.get(param.index)
+                        self.bucketed[at] = self.bucketed.get(at, 0.0) + st.seconds
+                    elif phase == "backward" and pn.index in self.backward:
+                        self.backward[pn.index][1] += st.seconds
+                    self.collectives.append(Collective(st.kind, (names[st.axis],), st.nbytes, phase, pn.name,
+                                                       src.param_name or src.name, st.seconds, st.algorithm))
+        return edge_comm
+
+    def prediction(self) -> Prediction:
+        """The step: compute (recomputed forwards included) plus communication less what
+        overlaps, and the memory with exact activations and working memory."""
+        problem, choice, mesh = self.problem, self.choice, self.problem.mesh
+        compute, memory = self.compute, self.memory
+        modes = getattr(choice, "modes", None)
+        costs = mode_costs(problem, modes) if modes else None
+        if costs is not None:  # recomputed layers: their forward run again
+            compute += costs.seconds(choice)
+        memory["activations"], memory["working"], _ = beyond_linear(problem, choice, costs)
+        comm_by_axis = {mesh.axis_names[a]: self.comm[a] for a in range(mesh.ndim)}
+        # a CPU rank's collectives reduce on the cores its compute uses: nothing is hidden there
+        overlap = mesh.device.asynchronous
+        prefetch = hidden_prefetch_seconds(self.forward, self.gathers) if overlap else 0.0
+        hidden = (hidden_gradient_seconds(self.backward, self.bucketed) if overlap else 0.0) + prefetch
+        return Prediction(compute + sum(self.comm) - hidden, compute, comm_by_axis, memory, hidden,
+                          sum(self.bucketed.values()) + sum(self.gathers.values()), prefetch,
+                          sum(self.gathers.values()))
+
+
+def _first_readers(problem: Problem) -> dict:
+    """Parameter node index -> the first op (in forward order) that reads it: its gradient is
+    whole once that op's backward has run."""
+    out = {}
+    for pn in problem.nodes:
+        if pn.kind == "op":
+            for src, _ in pn.inputs:
+                out.setdefault(src, pn.index)
+    return out
+
+
+def hidden_prefetch_seconds(forward: dict, gathers: dict) -> float:
+    """How much of the weight gathers forward hides (autopar/runtime/reshard.py): two streams, the
+    device running each op's forward (compute and synchronous communication) in order, and
+    the communication stream gathering weights one ahead: the first gather runs when its
+    op is reached, and each gather starts the next one, which runs while the ops up to its
+    reader compute.  An op waits for its own gather; what the stream did meanwhile is
+    hidden."""
+    clock = busy = 0.0
+    ready = {}
+    readers = sorted(i for i, t in gathers.items() if t > 0)
+    nxt = dict(zip(readers, readers[1:]))
+    free = 0.0
+    for index in sorted(set(forward) | set(readers)):
+        if index in gathers and gathers[index] > 0:
+            clock = max(clock, ready[index]) if index in ready else clock + gathers[index]
+            if index in nxt:
+                after = nxt[index]
+                free = ready[after] = max(free, clock) + gathers[after]
+        own = forward.get(index, 0.0)
+        clock += own
+        busy += own
+    return max(0.0, sum(gathers.values()) - (clock - busy))
+
+
+def hidden_gradient_seconds(backward: dict, bucketed: dict) -> float:
+    """How much of the bucketed gradient communication backward hides: two streams, the
+    device running each op's backward (its compute and synchronous communication) in
+    reverse forward order, and the communication stream reducing each gradient bucket once
+    the backward of its parameter's first reader has run and the stream is free.  Backward
+    ends when both have finished; what the bucket stream did before that is hidden."""
+    clock = free = 0.0
+    total = 0.0
+    for index in sorted(set(backward) | set(bucketed), reverse=True):
+        own, sync = backward.get(index, (0.0, 0.0))
+        clock += own + sync
+        seconds = bucketed.get(index, 0.0)
+        if seconds:
+            free = max(free, clock) + seconds
+            total += seconds
+    return max(0.0, total - max(0.0, free - clock))
+

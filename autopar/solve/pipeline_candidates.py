@@ -1,0 +1,190 @@
+"""One pipeline candidate evaluated (autopar/solve/pipeline_search.py): cut the layers into
+stages, run the schedule through the simulator, check memory; and the record of what the
+search chose (PipelineChoice), from which the plan's PipelineLayout is built.
+
+Cuts.  Layers are the units: stage s holds a contiguous run of layers, the first stage also
+the prefix, the last the suffix.  For S stages the cuts minimise the slowest stage (the
+bubble and the steady state both scale with it; a dynamic programme over layer counts).
+
+Schedule.  Each (p, S, schedule, microbatches) candidate is run through the simulator
+(autopar.cost.schedules) with the stage times: the step is its makespan plus the slowest
+stage's once-per-step synchronisation.  Crossing a cut costs the boundary activation (and
+its gradient) over the cut axis.  Memory per device: the stage's model states plus its
+activations per microbatch times the microbatches it holds in flight (GPipe: all of them;
+1F1B: S - s), which must fit the budget.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from autopar.cost.schedules import simulate
+from autopar.mesh import Mesh
+from autopar.plan.plan import PipelineLayout, Prediction
+from autopar.solve.pipeline_costs import STATES, LayerCosts, StageParts
+from autopar.solve.solution import Built
+
+
+@dataclass(frozen=True)
+class PipelineChoice:
+    """What the search chose.  axis: the mesh axis split into `n_groups` device groups (None:
+    no pipeline); stages: (first layer, last layer + 1) per stage, stage 0 also holding the
+    prefix and the last stage the suffix; submesh: each group's mesh shape."""
+
+    axis: str | None
+    n_groups: int
+    submesh: tuple
+    stages: tuple
+    schedule: str
+    n_microbatches: int
+    n_virtual: int
+    step_s: float
+    bubble: float
+    stage_s: tuple
+    memory: tuple          # bytes per device of each device group
+    candidates: int = 0
+    seconds: float = 0.0
+    no_pipeline_s: float = 0.0
+    rejected: dict = field(default_factory=dict)   # reason -> count
+    layer_prefix: str = ""  # module path of the repeated layers ("blocks" for blocks.0, blocks.1, ...)
+    layer_indices: tuple = ()  # their indices in order; stages count positions in this list
+    group_memory: tuple = ()   # per device group: {params, grads, optimizer, activations, working} bytes per device
+    recompute: str = "none"    # what every repeated layer keeps for backward (autopar/solve/recompute.py)
+    built: Built | None = field(default=None, compare=False, repr=False)  # the problem of one stage's plan
+    plain: Built | None = field(default=None, compare=False, repr=False)  # the unpipelined problem (whole batch)
+    send_s: float = 0.0           # one activation's (or gradient's) trip across a cut
+    sends_overlap: bool = False   # sends delay only their receiver (asynchronous devices)
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def rank(self) -> tuple:
+        """The order the search picks by: fastest step, then fewest stages."""
+        return self.step_s, self.n_stages
+
+    def __str__(self) -> str:
+        if self.axis is None:
+            return (f"pipeline: none (best pipelined candidate of {self.candidates} was not faster; "
+                    f"step {self.step_s * 1e3:.1f} ms)")
+        cuts = ", ".join(f"{a}-{b - 1}" for a, b in self.stages)
+        return (f"pipeline: {self.n_stages} stages over {self.axis} (layers {cuts}), each on sub-mesh "
+                f"{'x'.join(map(str, self.submesh))}; {self.schedule} with {self.n_microbatches} microbatches"
+                + (f", {self.n_virtual} virtual stages per group" if self.n_virtual > 1 else "")
+                + f"; step {self.step_s * 1e3:.1f} ms (no pipeline: {self.no_pipeline_s * 1e3:.1f} ms), "
+                f"bubble {self.bubble:.1%}, memory per device up to {max(self.memory) / 2**30:.2f} GiB"
+                + (f"; every layer recomputed ({self.recompute})" if self.recompute != "none" else "")
+                + (f"; each send across a cut {self.send_s * 1e3:.2f} ms, "
+                   + ("overlapped with the sender's compute" if self.sends_overlap else "added to both stages")
+                   if self.send_s else ""))
+
+    def layout(self, full_mesh: Mesh, summary: str | None = None) -> PipelineLayout:
+        """The plan's PipelineLayout of this choice (summary: str(self) unless given)."""
+        return PipelineLayout(axis=self.axis, groups=self.n_groups, submesh=tuple(self.submesh),
+                              stages=tuple(tuple(s) for s in self.stages), schedule=self.schedule,
+                              microbatches=self.n_microbatches, virtual=self.n_virtual, step_s=self.step_s,
+                              no_pipeline_step_s=self.no_pipeline_s, bubble=self.bubble,
+                              stage_s=tuple(self.stage_s), memory=tuple(self.memory), full_mesh=full_mesh,
+                              summary=str(self) if summary is None else summary, layer_prefix=self.layer_prefix,
+                              layer_indices=tuple(self.layer_indices), group_memory=tuple(self.group_memory),
+                              candidates=self.candidates)
+
+    def unpipelined(self, mesh: Mesh, predicted: Prediction) -> "PipelineChoice":
+        """This search's record with the plan without stages kept instead: one group on the
+        whole mesh holding every layer, at `predicted` (that plan's) step and memory."""
+        step = predicted.step_s
+        return dataclasses.replace(self, axis=None, n_groups=1, submesh=tuple(mesh.shape),
+                                   stages=((0, len(self.layer_indices)),), schedule="none", n_microbatches=1,
+                                   n_virtual=1, step_s=step, no_pipeline_s=step, bubble=0.0, stage_s=(step,),
+                                   memory=(predicted.memory_total,), group_memory=(dict(predicted.memory),))
+
+
+def plain_choices(costs: LayerCosts | None, mesh: Mesh, built: Built | None) -> list[PipelineChoice]:
+    """The plan without stages under each recompute mode (the whole batch on the whole mesh)."""
+    out = []
+    for mode, parts in (costs.by_mode.items() if costs is not None else ()):
+        members = parts.members
+        step = sum(c.forward_s + c.backward_s + c.once_s for c in members)
+        held = {k: sum(getattr(c, k) for c in members) for k in (*STATES, "activations")}
+        held["working"] = max(c.working for c in members)
+        mem = sum(held.values())
+        out.append(PipelineChoice(None, 1, mesh.shape, ((0, len(parts.layers)),), "none", 1, 1, step, 0.0, (step,),
+                                  (mem,), group_memory=(held,), recompute=mode, built=built))
+    return out
+
+
+def evaluate(parts: StageParts, copies, send, n_stages, p, v, schedule, n_mb, limit,
+             overlap=False) -> PipelineChoice | None:
+    """Cut the layers into n_stages, simulate the schedule, check memory (None: over the
+    limit).  copies: the model states the last stage holds again
+    (weights tied to the first stage's).  send: one activation's (or gradient's) trip
+    across a cut.  The schedules post sends without waiting for them; on an asynchronous
+    device (overlap) a send delays only the stage that receives it (the simulated
+    dependency's latency) while the sender computes on; on CPU ranks the transfer runs on
+    the cores the compute uses and adds to both."""
+    layers, prefix, suffix = list(parts.layers), parts.prefix, parts.suffix
+    paid = 0.0 if overlap else send
+    units = [c.forward_s + c.backward_s for c in layers]
+    cuts = balanced_cuts(units, n_stages, units and (prefix.forward_s + prefix.backward_s),
+                         suffix.forward_s + suffix.backward_s)
+    fwd, bwd, once, acts, work = [], [], [], [], []
+    held_states = {k: [] for k in STATES}
+    for s, (a, b) in enumerate(cuts):
+        members = layers[a:b] + ([prefix] if s == 0 else []) + ([suffix, copies] if s == n_stages - 1 else [])
+        fwd.append(sum(c.forward_s for c in members) + (paid if s < n_stages - 1 else 0.0))
+        bwd.append(sum(c.backward_s for c in members) + (paid if s > 0 else 0.0))
+        once.append(sum(c.once_s for c in members))
+        for k, kept in held_states.items():
+            kept.append(sum(getattr(c, k) for c in members))
+        acts.append(sum(c.activations for c in members))
+        work.append(max(c.working for c in members))
+    ratio = sum(bwd) / max(sum(fwd), 1e-30)
+    if v > 1:  # group g holds stages g, g + p, ...: its chunks' times add up
+        group_f = [sum(fwd[g::p]) for g in range(p)]
+        tl = simulate(schedule, p, n_mb, stage_times=group_f, backward_ratio=ratio, n_virtual=v,
+                      comm_time=send - paid)
+    else:
+        tl = simulate(schedule, n_stages, n_mb, stage_times=fwd, backward_ratio=ratio, comm_time=send - paid)
+    memory, group_memory = [], []
+    for g in range(p):
+        held = tl.max_in_flight(g)
+        mine = range(g, n_stages, p)
+        held_parts = {k: sum(kept[s] for s in mine) for k, kept in held_states.items()}
+        held_parts["activations"] = max(acts[s] for s in mine) * held
+        held_parts["working"] = max(work[s] for s in mine)
+        group_memory.append(held_parts)
+        memory.append(sum(held_parts.values()))
+    if max(memory) > limit:
+        return None
+    group_once = [sum(once[s] for s in range(g, n_stages, p)) for g in range(p)]
+    step = tl.makespan + max(group_once)
+    return PipelineChoice(None, p, (), tuple(cuts), schedule, n_mb, v, step, tl.bubble_fraction,
+                          tuple(f + b for f, b in zip(fwd, bwd)), tuple(memory), group_memory=tuple(group_memory),
+                          send_s=send, sends_overlap=overlap)
+
+
+def balanced_cuts(units, n_stages, head, tail):
+    """Contiguous runs of layers minimising the slowest stage (stage 0 also carries `head`,
+    the last `tail`): dynamic programme over (stages used, layers placed)."""
+    n = len(units)
+    prefix = [0.0]
+    for u in units:
+        prefix.append(prefix[-1] + u)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(n_stages + 1)]
+    back = [[0] * (n + 1) for _ in range(n_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, n_stages + 1):
+        for j in range(s, n - (n_stages - s) + 1):
+            for i in range(s - 1, j):
+                t = prefix[j] - prefix[i] + (head if s == 1 else 0.0) + (tail if s == n_stages else 0.0)
+                cand = max(best[s - 1][i], t)
+                if cand < best[s][j] - 1e-15:
+                    best[s][j], back[s][j] = cand, i
+    cuts, j = [], n
+    for s in range(n_stages, 0, -1):
+        i = back[s][j]
+        cuts.append((i, j))
+        j = i
+    return cuts[::-1]

@@ -1,0 +1,268 @@
+"""Stage costs for the pipeline search (autopar/solve/pipeline_search.py).
+
+For each sub-mesh and microbatch size the whole model is planned by the intra-stage ILP
+(tensor, data parallelism and ZeRO inside the stage) on a microbatch; the plan's per-node
+times are summed per repeated layer, plus what runs before the first layer (embeddings)
+and after the last (head, loss).  Every op pays the device's op latency once per pass
+(forward, and twice in backward; cost.roofline): small microbatches are not free, which
+is what keeps small models on fast networks out of pipelines.  Per microbatch a layer
+costs its compute and activation communication; its gradient synchronisation, optimizer
+step and optimizer all-gathers run once per step.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields
+
+from autopar.cost.prices import local_numel
+from autopar.mesh import Mesh
+from autopar.solve.assemble import assemble
+from autopar.solve.ilp import InfeasibleError
+from autopar.solve.recompute import ModeCosts, kept_by_selective, layer_paths
+from autopar.solve.solution import Built, build_problem
+from autopar.solve.solved import SolveOptions
+from autopar.trace.batching import batch_size, first_microbatch
+
+BACKWARD_SHARE = 2.0 / 3.0   # of a trainable op's per-microbatch seconds: backward runs two matmuls per forward one
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """Seconds and bytes of one candidate stage layout, per microbatch unless noted."""
+
+    forward_s: float
+    backward_s: float
+    once_s: float        # per step: gradient synchronisation, optimizer all-gathers
+    params: float        # bytes of parameters,
+    grads: float         # ... of gradients
+    optimizer: float     # ... and of optimizer states (with master weights)
+    activations: float   # bytes kept for backward per microbatch
+    working: float = 0.0  # the most any one op needs beyond them while it runs (recompute.working_bytes)
+
+    @property
+    def states(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+
+STATES = ("params", "grads", "optimizer")
+
+
+@dataclass(frozen=True)
+class StageParts:
+    """One recompute mode's costs of a candidate: each repeated layer's, in order, and what
+    runs before the first layer (prefix) and after the last (suffix)."""
+
+    layers: tuple
+    prefix: StageCost
+    suffix: StageCost
+
+    @property
+    def members(self) -> list:
+        return [self.prefix, *self.layers, self.suffix]
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """A candidate's costs split per repeated layer: by_mode, recompute mode -> StageParts;
+    boundary: bytes per device of the tensor crossing a cut; layer_prefix and
+    layer_indices: the repeated layers (`layer_prefix`.<i>); copies: the model states the
+    last stage holds again (weights tied to the first stage's)."""
+
+    by_mode: dict
+    boundary: float
+    layer_prefix: str
+    layer_indices: tuple
+    copies: StageCost
+
+
+def stage_problem(model, mesh, example_inputs, example_kwargs, mixed_precision, sub_shape, mb_size) -> Built:
+    """The traced and costed problem of one stage candidate: the model on a sub-mesh of
+    `mesh` shaped `sub_shape` (same links), for a microbatch of `mb_size` rows.  Pipeline
+    stages gather their ZeRO-3 weights one by one (autopar/runtime/pipelined.py): only the whole
+    mesh's candidate prices them grouped."""
+    sub = Mesh(sub_shape, mesh.axis_names, device=mesh.device, bandwidth=mesh.bandwidth, latency=mesh.latency)
+    batch = batch_size(example_inputs, example_kwargs)
+    args, kwargs = first_microbatch((tuple(example_inputs), example_kwargs), batch, mb_size)
+    return build_problem(model, sub, args, kwargs, mixed_precision, tuple(sub_shape) == tuple(mesh.shape))
+
+
+class StageCosts:
+    """(sub-mesh shape, microbatch rows) -> LayerCosts of the candidate stage, each built,
+    solved and split once in this process (forked workers fill their own copies and send
+    back what they costed: adopt).  The problems built here are kept only for the whole
+    mesh and the best candidate so far (keep_only): the planner reuses them."""
+
+    def __init__(self, model, mesh: Mesh, example_inputs, example_kwargs, mixed_precision, options: SolveOptions,
+                 modes: tuple):
+        self.model, self.mesh = model, mesh
+        self.example_inputs, self.example_kwargs = example_inputs, example_kwargs
+        self.mixed_precision, self.options, self.modes = mixed_precision, options, modes
+        self.whole = (tuple(mesh.shape), batch_size(example_inputs, example_kwargs))
+        self._costs: dict = {}
+        self._problems: dict = {}
+
+    def __call__(self, key) -> LayerCosts | None:
+        if key not in self._costs:
+            built = self._problems[key] = stage_problem(self.model, self.mesh, self.example_inputs,
+                                                        self.example_kwargs, self.mixed_precision, *key)
+            self._costs[key] = layer_costs(built, self.model, self.options, self.modes)
+            if key == self.whole and self._costs[key] is not None:
+                # the plan without stages as the planner solves it with no budget (the
+                # overlap-aware second solve; Built.unbudgeted), while the other processes
+                # cost candidates: the planner takes it when it fits
+                built.unbudgeted(self.options)
+        return self._costs[key]
+
+    def share(self, groups) -> dict:
+        """{key: costs} over groups of keys (pipeline_workers.deal), costed here."""
+        return {key: self(key) for group in groups for key in group}
+
+    def missing(self, keys) -> list:
+        return [k for k in keys if k not in self._costs]
+
+    def adopt(self, costed: dict) -> None:
+        """Costs another process computed (pipeline_workers.Costed.costs)."""
+        self._costs.update(costed)
+
+    def problem(self, key) -> Built | None:
+        """The problem built here for `key`, while kept."""
+        return self._problems.get(key)
+
+    def keep_only(self, best: Built | None) -> None:
+        """Forget every problem but `best` and the whole mesh's."""
+        for key in [k for k, b in self._problems.items() if b is not best and k != self.whole]:
+            del self._problems[key]
+
+
+def layer_costs(built: Built, model, options: SolveOptions, modes=("none",)) -> LayerCosts | None:
+    """Plan the built problem by its summed optimum (Built.summed: the stage costs below add
+    up the plan's seconds, so that is the plan they price best) and split the plan's costs
+    per repeated layer; None when nothing fits.  Under a recompute mode (every repeated
+    layer alike) a layer keeps what recompute.ModeCosts says, its backward runs again the
+    forward of the ops it does not keep, and its working memory includes what it makes
+    again."""
+    problem = built.problem
+    try:
+        choice = built.summed(options).choice
+    except InfeasibleError:
+        return None
+    assembled = assemble(problem, choice)
+    if not problem.layer_groups:
+        raise ValueError(f"{type(model).__name__} has no repeated layers (modules named like blocks.0, "
+                         f"blocks.1, ...) to cut into pipeline stages")
+    prefix_name, indices = max(problem.layer_groups, key=lambda g: len(g[1]))
+    pattern = re.compile(re.escape(prefix_name) + r"\.(\d+)(\.|$)")
+    position = {i: k for k, i in enumerate(sorted(indices))}
+    split = _Split(problem, choice, assembled, pattern, position)
+    by_mode = {mode: split.parts(mode, prefix_name, indices) for mode in modes}
+    return LayerCosts(by_mode, _boundary_bytes(problem, choice, pattern), prefix_name, tuple(sorted(indices)),
+                      StageCost(**split.buckets["copies"]))
+
+
+class _Split:
+    """A plan's seconds and bytes added up per bucket: each repeated layer (by position),
+    "prefix", "suffix", and "copies" (states of tied weights the last stage holds again);
+    each bucket a dict of StageCost's fields."""
+
+    def __init__(self, problem, choice, assembled, pattern, position):
+        self.problem, self.choice = problem, choice
+        once: dict = {}
+        params = {pn.param_name for pn in problem.nodes if pn.kind == "param"}
+        for c in assembled.collectives:  # per-step collectives: gradients of parameters, the optimizer's gathers
+            if (c.phase == "backward" and c.tensor in params) or c.phase == "step":
+                once[c.node] = once.get(c.node, 0.0) + c.seconds
+        self.keys, self.forward = {}, {}   # node index -> its bucket; op -> the forward seconds it runs per microbatch
+        self.buckets = {k: dict.fromkeys((f.name for f in fields(StageCost)), 0.0)
+                        for k in ["prefix", "suffix", "copies", *range(len(position))]}
+        seen_layer = False
+        for idx in sorted(assembled.nodes):
+            pn, n = problem.nodes[idx], assembled.nodes[idx]
+            m = pattern.match(n.module or "")
+            if m and int(m.group(1)) in position:
+                key = position[int(m.group(1))]
+                seen_layer = seen_layer or pn.kind == "op"
+            elif pn.kind == "param":
+                key = "prefix" if _first_reader_before_layers(problem, pn, pattern) else "suffix"
+            else:
+                key = "suffix" if seen_layer else "prefix"
+            self.keys[idx] = key
+            self._add(idx, pn, n, key, once, pattern)
+
+    def _add(self, idx, pn, n, key, once, pattern) -> None:
+        b = self.buckets[key]
+        c = self.problem.choices[pn.rep][self.choice[idx]]
+        total = n.compute_s + n.comm_s
+        o = once.get(n.name, 0.0) + ((once.get(n.module, 0.0) + n.compute_s) if pn.kind == "param" else 0.0)
+        per_mb = max(total - o, 0.0)
+        bwd_share = BACKWARD_SHARE if pn.requires_grad else 0.0
+        f = per_mb * (1 - bwd_share)
+        b["backward_s"] += per_mb * bwd_share
+        b["forward_s"] += f
+        self.forward[idx] = f if pn.kind == "op" else 0.0
+        b["once_s"] += o
+        for kind in (*STATES, "activations"):
+            b[kind] += c.memory[kind]
+        b["working"] = max(b["working"], c.work if pn.kind == "op" else 0.0)
+        if key == "prefix" and pn.kind == "param" and _read_after_layers(self.problem, pn, pattern):
+            for kind in STATES:   # a tied head: the last stage holds it too
+                self.buckets["copies"][kind] += c.memory[kind]
+
+    def parts(self, mode: str, prefix_name: str, indices) -> StageParts:
+        """The StageParts under recompute `mode` on every repeated layer."""
+        problem, choice = self.problem, self.choice
+        got = {k: dict(b) for k, b in self.buckets.items()}
+        if mode != "none":
+            costs = ModeCosts(problem, {f"{prefix_name}.{i}": mode for i in indices})
+            layer = layer_paths(problem)
+            remade = costs.remade(problem, choice)
+            for b in got.values():
+                b["activations"] = 0.0
+            for idx, key in self.keys.items():
+                b = got[key]
+                kept = costs.keeps.get(idx)
+                b["activations"] += 0.0 if kept is None else float(kept[choice[idx]])
+                path = layer.get(idx)
+                if path in costs.modes and problem.nodes[idx].kind == "op":
+                    if not (mode == "selective" and kept_by_selective(problem, problem.nodes[idx])):
+                        b["backward_s"] += self.forward[idx]   # backward runs its forward again
+                    work = problem.choices[problem.nodes[idx].rep][choice[idx]].work
+                    b["working"] = max(b["working"], float(work + remade[path]))
+        return StageParts(tuple(StageCost(**got[k]) for k in range(len(indices))), StageCost(**got["prefix"]),
+                          StageCost(**got["suffix"]))
+
+
+def _first_reader_before_layers(problem, pn, pattern) -> bool:
+    """A parameter outside the layers belongs to the prefix if it is read before any layer
+    (embeddings; a tied head reads it again at the end: the prefix owns it)."""
+    readers = [r for r, _ in problem.readers.get((pn.index, 0), [])]
+    if not readers:
+        return True
+    first = min(readers)
+    return not any(problem.nodes[r].kind == "op" and pattern.match(problem.nodes[r].module or "")
+                   for r in range(first))
+
+
+def _read_after_layers(problem, pn, pattern) -> bool:
+    """Whether a parameter is also read after the last repeated layer (a head tied to the
+    input embedding): the last stage then holds a copy of it."""
+    readers = [r for r, _ in problem.readers.get((pn.index, 0), [])]
+    layer_ops = [i for i, n in enumerate(problem.nodes) if n.kind == "op" and pattern.match(n.module or "")]
+    return bool(readers and layer_ops) and max(readers) > max(layer_ops)
+
+
+def _boundary_bytes(problem, choice, pattern) -> float:
+    """Bytes per device of the tensor that flows from one layer into the next (the largest
+    such tensor: the residual stream)."""
+    best = 0.0
+    for pn in problem.nodes:
+        m = pattern.match(pn.module or "")
+        if pn.kind != "op" or not m:
+            continue
+        for src, out in pn.inputs:
+            sm = pattern.match(problem.nodes[src].module or "")
+            if sm and sm.group(1) != m.group(1):
+                s = problem.nodes[src]
+                layout = problem.nodes[s.rep].strategies[choice[src]].outputs[out]
+                nbytes = local_numel(s.out_shapes[out], layout, problem.mesh.shape) * s.out_dtypes[out].itemsize
+                best = max(best, nbytes)
+    return best
