@@ -4,7 +4,7 @@ ILP over every choice.
 On a (2, 2, 2) mesh an op over [batch, seq, hidden] has ~5^3 = 125 layouts against ~5^2 = 25
 on (2, 4), so an edge between two such ops has ~15,000 layout pairs instead of ~600: the
 plain pair formulation of gpt-tiny grows from 15,813 ILP variables to 306,787.  The solver's
-presolve (autopar.solve.ilp._Presolve) folds into node costs what needs no ILP, exactly; these
+presolve (autopar.solve.presolve.Presolve) folds into node costs what needs no ILP, exactly; these
 tests hold it to the size and time bounds and to the optimum of the uncompressed ILP
 (autopar.solve.ilp.PRESOLVE = False builds that one).
 """

@@ -127,19 +127,31 @@ def redistribute_codes(shape, itemsize: int, src: tuple, dst: tuple, mesh: Mesh)
                  for kind, a, share, fixed, per_byte in priced[k])
 
 
-PRICE_ROWS = 10   # redistribute_price: total, all-gathers, the lines of the reductions, two flags
+class Row:
+    """The rows of a `redistribute_price` table, by name: the whole move's line (fixed
+    seconds, seconds per byte), its all-gathers' line, the fixed and per-byte parts of its
+    all-reduces and reduce-scatters, and two flags (1.0 where the whole move is one
+    all-gather, or one reduce-scatter)."""
+    FIXED, PER_BYTE = 0, 1
+    GATHER_FIXED, GATHER_PER_BYTE = 2, 3
+    ALL_REDUCE_FIXED, REDUCE_SCATTER_FIXED = 4, 5
+    ALL_REDUCE_PER_BYTE, REDUCE_SCATTER_PER_BYTE = 6, 7
+    ONE_ALL_GATHER, ONE_REDUCE_SCATTER = 8, 9
+
+
+PRICE_ROWS = 10   # the rows of a redistribute_price table (Row)
 BUCKET_BYTES = 25 * 2**20   # the runtime's gradient buckets (autopar.compile's bucket_mb default)
 
 
 def redistribute_price(src: tuple, dst: tuple, mesh: Mesh) -> np.ndarray:
     """`redistribute_codes` as straight lines in the tensor's bytes B > 0, one per collective
-    algorithm of the device: [PRICE_ROWS, algorithms]: seconds = fixed + per_byte * B (rows 0, 1);
-    the same two numbers for its all-gathers alone (rows 2, 3: the ones a parameter repeats
-    in backward); the fixed seconds of its all-reduces (row 4) and of its reduce-scatters
-    (row 5), which a parameter's gradient shares with the rest of its bucket
-    (`bucket_share`), and the seconds per byte of its all-reduces (row 6) and
-    reduce-scatters (row 7); 1.0 in row 8 where the whole move is one all-gather and in row 9
-    where it is one reduce-scatter (the moves of a ZeRO-3 weight the runtime groups into
+    algorithm of the device: [PRICE_ROWS, algorithms], rows named by `Row`: seconds = fixed +
+    per_byte * B (FIXED, PER_BYTE); the same two numbers for its all-gathers alone
+    (GATHER_*: the ones a parameter repeats in backward); the fixed seconds of its
+    all-reduces and reduce-scatters (*_FIXED), which a parameter's gradient shares with the
+    rest of its bucket (`bucket_share`), and their seconds per byte (*_PER_BYTE); 1.0 in
+    ONE_ALL_GATHER where the whole move is one all-gather and in ONE_REDUCE_SCATTER where it
+    is one reduce-scatter (the moves of a ZeRO-3 weight the runtime groups into
     buckets, autopar/runtime/reshard.py).  Lets a whole table of layout pairs be priced once and
     scaled to every tensor size, where the cheapest algorithm is taken."""
     algorithms = mesh.device.algorithms
@@ -148,20 +160,20 @@ def redistribute_price(src: tuple, dst: tuple, mesh: Mesh) -> np.ndarray:
         return out
     steps = plan_rows(src, dst, mesh.shape)
     if len(steps) == 1 and steps[0][0] in ("all_gather", "reduce_scatter"):
-        out[8 if steps[0][0] == "all_gather" else 9] = 1.0
+        out[Row.ONE_ALL_GATHER if steps[0][0] == "all_gather" else Row.ONE_REDUCE_SCATTER] = 1.0
     for j, alg in enumerate(algorithms):
         for kind, _, _, f, b in _price_rows(src, dst, mesh, alg):
-            out[0, j] += f
-            out[1, j] += b
+            out[Row.FIXED, j] += f
+            out[Row.PER_BYTE, j] += b
             if kind == "all_gather":
-                out[2, j] += f
-                out[3, j] += b
+                out[Row.GATHER_FIXED, j] += f
+                out[Row.GATHER_PER_BYTE, j] += b
             elif kind == "all_reduce":
-                out[4, j] += f
-                out[6, j] += b
+                out[Row.ALL_REDUCE_FIXED, j] += f
+                out[Row.ALL_REDUCE_PER_BYTE, j] += b
             elif kind == "reduce_scatter":
-                out[5, j] += f
-                out[7, j] += b
+                out[Row.REDUCE_SCATTER_FIXED, j] += f
+                out[Row.REDUCE_SCATTER_PER_BYTE, j] += b
     return out
 
 

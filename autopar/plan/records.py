@@ -93,9 +93,9 @@ class Prediction:
     """Step time and memory per device by kind.  The step is compute plus communication
     per mesh axis less `hidden_s`: the communication that runs while the device computes,
     out of `overlappable_s`.  Two kinds overlap: gradient buckets reduced while backward
-    runs (autopar.solve.solution.hidden_gradient_seconds) and, of which `prefetch_hidden_s` out
+    runs (autopar.solve.assemble.hidden_gradient_seconds) and, of which `prefetch_hidden_s` out
     of `prefetchable_s`, ZeRO-3 weight gathers started one ahead while forward runs
-    (autopar.solve.solution.hidden_prefetch_seconds)."""
+    (autopar.solve.assemble.hidden_prefetch_seconds)."""
 
     step_s: float
     compute_s: float

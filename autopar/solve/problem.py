@@ -16,6 +16,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from autopar.cost import prices as C
+from autopar.cost.layout_prices import LayoutPrices, menu
 from autopar.mesh import Mesh
 from autopar.cost.redistribution import plan_redistribute
 from autopar.ops import Strategy, op_arg
@@ -40,6 +41,7 @@ class Problem:
         self.mesh = mesh
         self.precision = precision
         self.grouped_gathers = grouped_gathers
+        self.prices = LayoutPrices(mesh)   # each pair of layouts priced once for every edge
         self.nodes, self.by_fx = build_nodes(traced)
         self.readers, self.gradsum_of = add_gradient_sums(self.nodes)
         shared = share_layers(self.nodes, self.readers, self.gradsum_of)
@@ -413,24 +415,25 @@ class Problem:
             shape, item = b.out_shapes[0], b.out_dtypes[0].itemsize
             grads = [s.grads[e.operand] for s in a.strategies]
             has = np.array([g is not None for g in grads])
-            src = _codes([code(g) if g is not None else None for g in grads])
-            dst = _codes([code(s.outputs[0]) for s in b.strategies])
-            return np.where(has[:, None], self._seconds_table(shape, item, src, dst), 0.0)
+            src = menu([code(g) if g is not None else None for g in grads])
+            dst = menu([code(s.outputs[0]) for s in b.strategies])
+            return np.where(has[:, None], self.prices.seconds(shape, item, src, dst), 0.0)
         if e.kind == "grad_out":  # the sum a reaches the layout of tensor b[out]
             shape, item = a.out_shapes[0], a.out_dtypes[0].itemsize
-            src = _codes([code(s.outputs[0]) for s in a.strategies])
-            dst = _codes([code(self.grad_destination(b, s, e.out)) for s in b.strategies])
-            m = self._seconds_table(shape, item, src, dst)
+            src = menu([code(s.outputs[0]) for s in a.strategies])
+            dst = menu([code(self.grad_destination(b, s, e.out)) for s in b.strategies])
+            m = self.prices.seconds(shape, item, src, dst)
             if b.kind == "param":
-                m = m - self._bucketed(b, 1, shape, item, src, dst)
-                self.edge_bucketed[e] = self._bucket_seconds
-            own = _codes([_shape_key(code(s.outputs[0])) for s in a.strategies])
-            theirs = _codes([_shape_key(code(s.outputs[e.out])) for s in b.strategies])
-            return np.where(own[1][:, None] == theirs[1][None, :], m, m + UNUSABLE)
+                bucketed = self.prices.bucketed(shape, item, src, dst, _zero2(b)[None, :])
+                m = m - bucketed.paid_here
+                self.edge_bucketed[e] = bucketed.bucket_seconds
+            own = menu([_shape_key(code(s.outputs[0])) for s in a.strategies])
+            theirs = menu([_shape_key(code(s.outputs[e.out])) for s in b.strategies])
+            return np.where(own.index[:, None] == theirs.index[None, :], m, m + UNUSABLE)
         shape, item = a.out_shapes[e.out], a.out_dtypes[e.out].itemsize
-        p = _codes([code(s.outputs[e.out]) for s in a.strategies])
-        q = _codes([code(s.inputs[e.operand]) for s in b.strategies])
-        m = self._seconds_table(shape, item, p, q)
+        p = menu([code(s.outputs[e.out]) for s in a.strategies])
+        q = menu([code(s.inputs[e.operand]) for s in b.strategies])
+        m = self.prices.seconds(shape, item, p, q)
         self.edge_forward[e] = m
         if not a.requires_grad:
             return m
@@ -439,112 +442,35 @@ class Problem:
         bwd = np.zeros_like(m)
         grouped = None
         if (e.a, e.out) not in self._summed:
-            g = _codes([code(x) if x is not None else None for x in grads])
-            dest = _codes([code(self.grad_destination(a, s, e.out)) for s in a.strategies])
-            bwd = self._seconds_table(shape, item, dest, g, reverse=True)
+            g = menu([code(x) if x is not None else None for x in grads])
+            dest = menu([code(self.grad_destination(a, s, e.out)) for s in a.strategies])
+            bwd = self.prices.seconds(shape, item, dest, g, reverse=True)
             if a.kind == "param":
-                bwd = bwd - self._bucketed(a, 0, shape, item, dest, g, reverse=True)
-                bucket = self._bucket_seconds
+                bucketed = self.prices.bucketed(shape, item, dest, g, _zero2(a)[:, None], reverse=True)
+                bwd = bwd - bucketed.paid_here
+                bucket = bucketed.bucket_seconds
                 if self.grouped_gathers:   # grouped_pair, for every pair at once
                     plain = np.array([not s.zero and not s.offload for s in a.strategies])
-                    grouped = (plain[:, None] & has[None, :] & self._flags(p, q, 8)
-                               & self._flags(dest, g, 9, reverse=True))
+                    grouped = (plain[:, None] & has[None, :] & self.prices.flags(p, q, C.Row.ONE_ALL_GATHER)
+                               & self.prices.flags(dest, g, C.Row.ONE_REDUCE_SCATTER, reverse=True))
                     if not grouped.any():
                         grouped = None
                     else:
                         share = C.bucket_share(math.prod(shape) * item)
-                        scattered = self._seconds_table(shape, item, dest, g, reverse=True, share=share)
+                        scattered = self.prices.seconds(shape, item, dest, g, reverse=True, share=share)
                         bwd = np.where(grouped, 0.0, bwd)
                         bucket = np.where(grouped, scattered, bucket)
-                        m = np.where(grouped, self._seconds_table(shape, item, p, q, share=share), m)
+                        m = np.where(grouped, self.prices.seconds(shape, item, p, q, share=share), m)
                         self.edge_forward[e] = m
                 self.edge_bucketed[e] = np.where(has[None, :], bucket, 0.0)
         if a.kind == "param":  # gathered for use, dropped after forward: gather again for backward
-            gathered = self._seconds_table(shape, item, p, q, gathers=True)
+            gathered = self.prices.seconds(shape, item, p, q, gathers=True)
             if grouped is not None:   # the whole move is the gather; the reduce-scatter is the bucket's
                 gathered = np.where(grouped, m, gathered)
                 bwd = bwd + np.where(grouped, self.edge_bucketed[e], 0.0)
             self.edge_gathers[e] = gathered
             bwd = bwd + gathered
         return m + np.where(has[None, :], bwd, 0.0)
-
-    def _flags(self, src, dst, row: int, reverse=False) -> np.ndarray:
-        """[choices of src, choices of dst] booleans of redistribute_price's flag `row`."""
-        lines = self._lines(src, dst, reverse)
-        return lines[row, 0][np.ix_(src[1], dst[1])] > 0.5
-
-    def _lines(self, src, dst, reverse=False) -> np.ndarray:
-        """redistribute_price between the distinct layouts of `_codes` pairs src and dst:
-        [PRICE_ROWS, algorithms, distinct src, distinct dst] (`reverse`: each priced from
-        the dst layout to the src one)."""
-        rows, cols = self._layout_ids(src[0]), self._layout_ids(dst[0])
-        return self._prices(cols, rows).transpose(0, 1, 3, 2) if reverse else self._prices(rows, cols)
-
-    def _bucketed(self, param: PNode, side: int, shape, item, src, dst, reverse=False) -> np.ndarray:
-        """The part of a parameter gradient's reduction (`_seconds_table` of the same
-        arguments) that its bucket pays: the fixed cost of its all-reduces, and of its
-        reduce-scatters where the parameter is ZeRO-2 (bucketed by the runtime; ZeRO-3's
-        run per parameter), less the gradient's own share (cost.bucket_share).  side: whether
-        the parameter's choices are the table's rows (0) or columns (1)."""
-        si, di = src[1], dst[1]
-        whole = (math.prod(shape) if shape else 1) * item
-        if whole == 0:
-            return np.zeros((len(si), len(di)))
-        lines = self._lines(src, dst, reverse)
-        best = (lines[0] + lines[1] * whole).argmin(axis=0)   # the algorithm _seconds_table takes
-        pick = lambda row: np.take_along_axis(row, best[None], axis=0)[0][np.ix_(si, di)]
-        zero2 = np.array([s.zero == 2 for s in param.strategies])
-        zero2 = zero2[:, None] if side == 0 else zero2[None, :]
-        fixed = pick(lines[4]) + np.where(zero2, pick(lines[5]), 0.0)
-        per_byte = pick(lines[6]) + np.where(zero2, pick(lines[7]), 0.0)
-        share = C.bucket_share(whole)
-        self._bucket_seconds = fixed * share + per_byte * whole   # what the bucket stream runs
-        return fixed * (1.0 - share)
-
-    def _seconds_table(self, shape, item, src, dst, reverse=False, gathers=False, share=1.0) -> np.ndarray:
-        """[choices of src, choices of dst] seconds of redistributing a tensor of `shape` from
-        each row's layout to each column's (`reverse`: from each column's to each row's);
-        `gathers`: only the all-gathers among those steps; `share`: of the calls' fixed
-        seconds (a bucket's member's, cost.bucket_share).  src, dst: `_codes` pairs, a None
-        code standing for no tensor (0 s).  Each pair of layouts is priced once per problem,
-        as a line in the tensor's bytes (cost.redistribute_price), and scaled to this tensor."""
-        si, di = src[1], dst[1]
-        whole = (math.prod(shape) if shape else 1) * item
-        if whole == 0:
-            return np.zeros((len(si), len(di)))
-        lines = self._lines(src, dst, reverse)
-        fixed, per_byte = (lines[2], lines[3]) if gathers else (lines[0], lines[1])
-        return (fixed * share + per_byte * whole).min(axis=0)[np.ix_(si, di)]   # the cheapest algorithm
-
-    def _layout_ids(self, codes) -> np.ndarray:
-        ids = self._price_book["ids"]
-        return np.array([ids.setdefault(c, len(ids)) for c in codes], dtype=int)
-
-    def _prices(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
-        """[PRICE_ROWS, algorithms, len(src), len(dst)]: redistribute_price between layouts by id, each
-        computed once."""
-        book = self._price_book
-        table = book["table"]
-        size = len(book["ids"])
-        if size > table.shape[2]:  # grow, unknown prices NaN
-            grown = np.full(table.shape[:2] + (2 * size, 2 * size), np.nan)
-            grown[:, :, :table.shape[2], :table.shape[3]] = table
-            book["table"] = table = grown
-        sub = table[:, :, src[:, None], dst[None, :]]
-        missing = np.isnan(sub[0, 0])
-        if missing.any():
-            code = list(book["ids"])
-            for x, y in zip(*np.nonzero(missing)):
-                s, d = code[src[x]], code[dst[y]]
-                table[:, :, src[x], dst[y]] = 0.0 if s is None or d is None else C.redistribute_price(s, d, self.mesh)
-            sub = table[:, :, src[:, None], dst[None, :]]
-        return sub
-
-    @functools.cached_property
-    def _price_book(self) -> dict:
-        """Layout code -> id (None: no tensor, priced 0), and [4, algorithms, id, id]
-        redistribute_price."""
-        return {"ids": {}, "table": np.full((C.PRICE_ROWS, len(self.mesh.device.algorithms), 0, 0), np.nan)}
 
     # --- queries ----------------------------------------------------------------------------
     def node_cost(self, rep: int) -> np.ndarray:
@@ -572,12 +498,9 @@ def bucket_kinds(s: Strategy) -> tuple:
     return ("all_reduce", "reduce_scatter") if s.zero == 2 else ("all_reduce",)
 
 
-def _codes(keys: list):
-    """(distinct keys in first-seen order, index of each key among them): a menu's layouts
-    grouped so a cost is computed once per distinct layout."""
-    distinct: dict = {}
-    ids = np.array([distinct.setdefault(k, len(distinct)) for k in keys], dtype=int)
-    return list(distinct), ids
+def _zero2(param: PNode) -> np.ndarray:
+    """Per choice of a parameter: whether it is ZeRO-2 (its gradient reduce-scatters in buckets)."""
+    return np.array([s.zero == 2 for s in param.strategies])
 
 
 def _shape_key(code: tuple) -> tuple:

@@ -1,0 +1,125 @@
+"""Redistribution prices between whole menus of layouts, each pair of layouts priced once.
+
+A problem's edges ask for [choices of the producer, choices of the consumer] seconds of
+moving one tensor; on a 3-axis mesh menus hold ~125 layouts, so an edge has ~15,000
+pairs, and the same pairs come back on every edge of the same shape.  `LayoutPrices`
+keeps one table per mesh: layout code -> id, and per pair of ids the `redistribute_price`
+lines (rows named by `prices.Row`, one column per collective algorithm), so a tensor's
+seconds are two numbers per pair scaled by its bytes and minimised over algorithms.
+
+A menu is given as a `Menu` (its distinct layout codes, and the index of each choice's
+code among them: `menu(codes)`); a None code stands for no tensor and is priced 0 s.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from autopar.cost import prices as C
+from autopar.mesh import Mesh
+
+
+@dataclass(frozen=True)
+class Menu:
+    """A menu's layouts grouped so each distinct layout is priced once: `codes` in first-seen
+    order, and `index[i]` the position of choice i's code among them."""
+
+    codes: list
+    index: np.ndarray
+
+
+def menu(keys: list) -> Menu:
+    distinct: dict = {}
+    index = np.array([distinct.setdefault(k, len(distinct)) for k in keys], dtype=int)
+    return Menu(list(distinct), index)
+
+
+@dataclass(frozen=True)
+class Bucketed:
+    """What a parameter gradient's reduction costs where the runtime buckets it
+    (autopar/runtime/grad_sync.py), [choices, choices]: `paid_here` the fixed cost of the
+    calls less the gradient's own share (what the step saves by bucketing, to subtract
+    from the edge), `bucket_seconds` what the bucket stream runs for this gradient."""
+
+    paid_here: np.ndarray
+    bucket_seconds: np.ndarray
+
+
+class LayoutPrices:
+    """The price table of one mesh: grows as layouts are met, prices a pair once."""
+
+    def __init__(self, mesh: Mesh):
+        self.mesh = mesh
+        self.ids: dict = {}
+        self.table = np.full((C.PRICE_ROWS, len(mesh.device.algorithms), 0, 0), np.nan)
+
+    def lines(self, src: Menu, dst: Menu, reverse: bool = False) -> np.ndarray:
+        """[PRICE_ROWS, algorithms, distinct src, distinct dst] redistribute_price lines
+        (`reverse`: each priced from the dst layout to the src one)."""
+        rows, cols = self._ids(src.codes), self._ids(dst.codes)
+        return self._priced(cols, rows).transpose(0, 1, 3, 2) if reverse else self._priced(rows, cols)
+
+    def flags(self, src: Menu, dst: Menu, row: int, reverse: bool = False) -> np.ndarray:
+        """[choices of src, choices of dst] booleans of the flag row `row` (prices.Row.ONE_*)."""
+        return self.lines(src, dst, reverse)[row, 0][np.ix_(src.index, dst.index)] > 0.5
+
+    def seconds(self, shape, item: int, src: Menu, dst: Menu, reverse: bool = False, gathers: bool = False,
+                share: float = 1.0) -> np.ndarray:
+        """[choices of src, choices of dst] seconds of moving a tensor of `shape` (elements of
+        `item` bytes) from each row's layout to each column's (`reverse`: from each column's
+        to each row's), the cheapest algorithm per pair; `gathers`: only the all-gathers
+        among the steps; `share`: of the calls' fixed seconds (a bucket member's,
+        prices.bucket_share)."""
+        whole = (math.prod(shape) if shape else 1) * item
+        if whole == 0:
+            return np.zeros((len(src.index), len(dst.index)))
+        lines = self.lines(src, dst, reverse)
+        fixed, per_byte = ((lines[C.Row.GATHER_FIXED], lines[C.Row.GATHER_PER_BYTE]) if gathers
+                           else (lines[C.Row.FIXED], lines[C.Row.PER_BYTE]))
+        return (fixed * share + per_byte * whole).min(axis=0)[np.ix_(src.index, dst.index)]
+
+    def bucketed(self, shape, item: int, src: Menu, dst: Menu, zero2: np.ndarray,
+                 reverse: bool = False) -> Bucketed:
+        """The bucketed part of a parameter gradient's reduction priced by `seconds` with the
+        same arguments: the fixed cost of its all-reduces, and of its reduce-scatters where
+        `zero2` (broadcastable to [src, dst]: the parameter's ZeRO-2 choices; ZeRO-3's run per
+        parameter), less the gradient's own share of the calls."""
+        whole = (math.prod(shape) if shape else 1) * item
+        if whole == 0:
+            empty = np.zeros((len(src.index), len(dst.index)))
+            return Bucketed(empty, empty)
+        lines = self.lines(src, dst, reverse)
+        best = (lines[C.Row.FIXED] + lines[C.Row.PER_BYTE] * whole).argmin(axis=0)   # `seconds`' algorithm
+
+        def pick(row):
+            return np.take_along_axis(row, best[None], axis=0)[0][np.ix_(src.index, dst.index)]
+
+        fixed = pick(lines[C.Row.ALL_REDUCE_FIXED]) + np.where(zero2, pick(lines[C.Row.REDUCE_SCATTER_FIXED]), 0.0)
+        per_byte = (pick(lines[C.Row.ALL_REDUCE_PER_BYTE])
+                    + np.where(zero2, pick(lines[C.Row.REDUCE_SCATTER_PER_BYTE]), 0.0))
+        share = C.bucket_share(whole)
+        return Bucketed(fixed * (1.0 - share), fixed * share + per_byte * whole)
+
+    def _ids(self, codes) -> np.ndarray:
+        return np.array([self.ids.setdefault(c, len(self.ids)) for c in codes], dtype=int)
+
+    def _priced(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+        """[PRICE_ROWS, algorithms, len(src), len(dst)] between layouts by id, each pair
+        computed once (the table grows as layouts are met; unknown prices are NaN)."""
+        size = len(self.ids)
+        if size > self.table.shape[2]:
+            grown = np.full(self.table.shape[:2] + (2 * size, 2 * size), np.nan)
+            grown[:, :, :self.table.shape[2], :self.table.shape[3]] = self.table
+            self.table = grown
+        sub = self.table[:, :, src[:, None], dst[None, :]]
+        missing = np.isnan(sub[0, 0])
+        if missing.any():
+            code = list(self.ids)
+            for x, y in zip(*np.nonzero(missing)):
+                s, d = code[src[x]], code[dst[y]]
+                self.table[:, :, src[x], dst[y]] = 0.0 if s is None or d is None else C.redistribute_price(
+                    s, d, self.mesh)
+            sub = self.table[:, :, src[:, None], dst[None, :]]
+        return sub
