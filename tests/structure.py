@@ -179,7 +179,8 @@ def _only_docstring(path: Path) -> bool:
 
 def metrics() -> dict:
     """The sizes a newcomer meets: largest file, class (methods) and function, and the
-    module-level mutable state (a module-level dict, list or set that code mutates later)."""
+    module-level mutable state (a module-level dict, list or set that code mutates later, or
+    an instance of a class of the same module)."""
     files = module_files()
     biggest_file = max((len(p.read_text().splitlines()), m) for m, p in files.items())
     classes, functions, state = [], [], []
@@ -202,6 +203,11 @@ def metrics() -> dict:
                     isinstance(value, ast.Call) and isinstance(value.func, ast.Name)
                     and value.func.id in ("dict", "list", "set", "defaultdict", "OrderedDict"))):
                 mutable |= {t.id for t in targets if isinstance(t, ast.Name)}
+        classes_here = {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
+        for node in tree.body:   # a module-level instance of a class of its own holds state too (a cache)
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and isinstance(
+                    node.value.func, ast.Name) and node.value.func.id in classes_here:
+                state += [f"{module}.{t.id}" for t in node.targets if isinstance(t, ast.Name)]
         touched = set()
         for node in ast.walk(tree):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in mutators \

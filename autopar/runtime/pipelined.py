@@ -41,7 +41,6 @@ import logging
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                          ScheduleInterleavedZeroBubble)
 
@@ -54,7 +53,7 @@ from autopar.passes.rewrite import param_names, stage_graphs
 from autopar.runtime.build import initial_shards, rank_graph
 from autopar.runtime.model import CompiledModel
 from autopar.runtime.options import RunOptions
-from autopar.runtime.process import CompileError
+from autopar.runtime.process import STAGE_AXIS, CompileError, group_mesh
 from autopar.runtime.recompute import apply_recompute
 from autopar.runtime.reshard import Regather
 from autopar.runtime.runner import gather_counts_of, loss_of
@@ -62,7 +61,6 @@ from autopar.runtime.state import build_rank_state, param_key
 
 log = logging.getLogger("autopar")
 
-STAGE_AXIS = "_stage"  # the device-group dimension added in front of the mesh's own axes
 
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
@@ -70,23 +68,6 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": S
 
 
 MULTI_STAGE = {"interleaved-1f1b", "zero-bubble"}  # schedules that take a list of this rank's stages
-
-_MESHES: dict = {}
-
-
-def group_mesh(device_type: str, mesh: Mesh, axis: str, groups: int):
-    """A DeviceMesh of shape (groups, *per-stage shape) named (STAGE_AXIS, *mesh.axis_names):
-    device group g holds the ranks whose coordinate on `axis` lies in [g*q, (g+1)*q),
-    q = shape[axis] / groups."""
-    key = (device_type, mesh.shape, mesh.axis_names, axis, groups)
-    if key not in _MESHES:
-        a = mesh.axis_names.index(axis)
-        q = mesh.shape[a] // groups
-        ranks = torch.arange(mesh.size).reshape(mesh.shape)
-        ranks = ranks.reshape(mesh.shape[:a] + (groups, q) + mesh.shape[a + 1:]).movedim(a, 0)
-        _MESHES[key] = DeviceMesh(device_type, ranks, mesh_dim_names=(STAGE_AXIS, *mesh.axis_names))
-    return _MESHES[key]
-
 
 def compile_pipelined(model, mesh: Mesh, example_inputs, example_kwargs, plan, *, on_meta: bool, seed,
                       options: RunOptions, precision, device_type: str, seed_of_job: int) -> CompiledModel:

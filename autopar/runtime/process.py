@@ -7,7 +7,7 @@ import os
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autopar.mesh import Mesh
 
@@ -66,12 +66,29 @@ def device_of(device_type: str) -> torch.device:
     return torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
 
 
-_MESHES: dict = {}
+_MESHES: dict = {}   # the process's DeviceMeshes, so process groups are made once
 
 
 def device_mesh(device_type: str, mesh: Mesh):
-    """One DeviceMesh per (device, shape, names): process groups are made once."""
+    """One DeviceMesh per (device, shape, names)."""
     key = (device_type, mesh.shape, mesh.axis_names)
     if key not in _MESHES:
         _MESHES[key] = init_device_mesh(device_type, mesh.shape, mesh_dim_names=mesh.axis_names)
+    return _MESHES[key]
+
+
+STAGE_AXIS = "_stage"  # the device-group dimension added in front of the mesh's own axes
+
+
+def group_mesh(device_type: str, mesh: Mesh, axis: str, groups: int):
+    """A DeviceMesh of shape (groups, *per-stage shape) named (STAGE_AXIS, *mesh.axis_names):
+    device group g holds the ranks whose coordinate on `axis` lies in [g*q, (g+1)*q),
+    q = shape[axis] / groups.  Made once per process, as device_mesh's."""
+    key = (device_type, mesh.shape, mesh.axis_names, axis, groups)
+    if key not in _MESHES:
+        a = mesh.axis_names.index(axis)
+        q = mesh.shape[a] // groups
+        ranks = torch.arange(mesh.size).reshape(mesh.shape)
+        ranks = ranks.reshape(mesh.shape[:a] + (groups, q) + mesh.shape[a + 1:]).movedim(a, 0)
+        _MESHES[key] = DeviceMesh(device_type, ranks, mesh_dim_names=(STAGE_AXIS, *mesh.axis_names))
     return _MESHES[key]

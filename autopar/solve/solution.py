@@ -17,7 +17,8 @@ from autopar.solve.overlap import solve_problem
 from autopar.solve.problem import Problem
 from autopar.solve.recompute_search import solve_summed
 from autopar.solve.solved import SolveOptions, Solved
-from autopar.trace.export import model_fingerprint, trace
+from autopar.trace.cache import TRACES
+from autopar.trace.export import trace
 
 log = logging.getLogger("autopar")
 
@@ -88,19 +89,6 @@ def planning_trace(model, args, kwargs, mixed_precision=None):
     """The trace build_problem plans (cached per model and input shapes: autopar.trace.export)."""
     if mixed_precision is not None:
         args, kwargs = meta_inputs((tuple(args), kwargs))
-        return trace(_cast(model, mixed_precision.param_dtype), args, kwargs, unroll=True, shared=True)
+        cast = TRACES.cast(model, mixed_precision.param_dtype, cast_for_trace)   # one copy per model and dtype
+        return trace(cast, args, kwargs, unroll=True, shared=True)
     return trace(model, tuple(args), kwargs, unroll=True, shared=True)
-
-
-_CAST: dict = {}   # (fingerprint, dtype) of the model last cast for tracing -> its cast copy
-
-
-def _cast(model, dtype):
-    """cast_for_trace, remembered for the last model and dtype while the model's fingerprint
-    (autopar.trace.export: structure, attributes, shapes) is unchanged: the pipeline search traces
-    one model at every microbatch size (a copy of llama3-8b takes 0.03 s)."""
-    key = (model_fingerprint(model), dtype)
-    if key not in _CAST:
-        _CAST.clear()
-        _CAST[key] = cast_for_trace(model, dtype)
-    return _CAST[key]

@@ -64,11 +64,6 @@ def _module_of_error(exc: BaseException, model: torch.nn.Module) -> str:
     return found or type(model).__name__
 
 
-def model_fingerprint(model: torch.nn.Module) -> str:
-    """The fingerprint (autopar/trace/cache.py) of the model alone (no inputs)."""
-    return fingerprint(model, (), {})
-
-
 @contextlib.contextmanager
 def in_mode(model: torch.nn.Module, mode: str):
     """Run the body with `model` in `mode`, then give every submodule its own flag back.
