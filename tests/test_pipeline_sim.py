@@ -195,3 +195,12 @@ def test_gantt_measured_events_normalised(tmp_path):
 
 def test_all_schedules_listed():
     assert SCHEDULES == ("naive", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+
+
+def test_one_list_of_schedules_from_simulator_to_runtime():
+    """The schedules a plan may name (the search's, the CLI's, autopar.Pipeline's) are the
+    simulator's less "naive", and the runtime has a torch schedule class for each."""
+    from autopar.runtime.pipelined import SCHEDULES as RUNS
+    from autopar.solve.pipeline_options import SCHEDULE_CHOICES
+    assert SCHEDULE_CHOICES == tuple(s for s in SCHEDULES if s != "naive")
+    assert set(RUNS) == set(SCHEDULE_CHOICES)

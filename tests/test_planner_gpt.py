@@ -1,5 +1,6 @@
 """Transformer oracles: Megatron inside a block when weights dominate; never worse than the
 layouts a person writes by hand."""
+import logging
 from collections import Counter
 
 import pytest
@@ -101,3 +102,16 @@ def test_ilp_objective_is_the_predicted_step(name, shape):
     assert plan.predicted.step_s <= pred.step_s * (1 + 1e-9)
     assert predict(problem, solve_problem(problem, None, None).choice).step_s == \
         pytest.approx(plan.predicted.step_s, rel=1e-9)
+
+
+def test_heads_an_axis_cannot_split_are_warned_once_per_plan(caplog):
+    """GPT-2's 12 heads do not divide over an axis of 8: the plan says so in its notes, and
+    the log says it once, however many problems the pipeline search builds."""
+    model, example = build("gpt2-124m", device="meta", batch=16)
+    mesh = autopar.Mesh((8, 8), ("node", "gpu"), device="h100")
+    with caplog.at_level(logging.WARNING, logger="autopar"):
+        plan = autopar.plan(model, mesh, example, compare=False, pipeline=True)
+    warned = [r.getMessage() for r in caplog.records if "cannot be split by heads" in r.getMessage()]
+    assert len(warned) == len(set(warned)) >= 1, warned   # each (heads, axis) once
+    assert any("12 query and 12 key/value heads" in w and "'gpu' of 8" in w for w in warned)
+    assert {w.removeprefix("autopar: ") for w in warned} == {n for n in plan.notes if "cannot be split by heads" in n}

@@ -20,6 +20,8 @@ from autopar.solve.graph import PNode
 
 log = logging.getLogger("autopar")
 
+HEADS_NOTE = "cannot be split by heads"   # in the note an attention's head count leaves (see _say_why_heads_stay_whole)
+
 
 def build_menus(nodes: list, readers: dict, mesh: Mesh) -> tuple[list, list]:
     """Every representative node's strategies (ops from their annotation, parameters their
@@ -79,19 +81,19 @@ def build_menus(nodes: list, readers: dict, mesh: Mesh) -> tuple[list, list]:
 
 
 def _say_why_heads_stay_whole(pn: PNode, in_shapes, mesh: Mesh, messages: list) -> None:
-    """One log line per head count and mesh axis that cannot split attention heads."""
+    """One note per head count and mesh axis that cannot split attention heads (the planner
+    logs the chosen plan's notes once: a pipeline search builds many problems)."""
     heads = _heads_before_view(pn.node.args[0]) or in_shapes[0][1]
     kv = (_heads_before_view(pn.node.args[1]) or in_shapes[1][1]) if len(in_shapes) > 1 else heads
     for name, n in zip(mesh.axis_names, mesh.shape):
         if n > 1 and (heads % n or kv % n):
             msg = (f"autopar: attention in {pn.module or pn.name} has {heads} query and {kv} key/value heads, "
-                   f"which do not divide over mesh axis {name!r} of {n}: its projections cannot be split by heads "
+                   f"which do not divide over mesh axis {name!r} of {n}: its projections {HEADS_NOTE} "
                    f"on that axis (a rank would hold part of a head), so the plan gathers them there, splits "
                    f"the batch, or keeps attention whole. For tensor parallelism over heads use an axis whose "
                    f"size divides {math.gcd(heads, kv)}")
             if msg.split(" has ", 1)[1] not in {m.split(" has ", 1)[-1] for m in messages}:
                 messages.append(msg)
-                log.warning(msg)
 
 
 def _sequence_split(pn: PNode, in_shapes, mesh: Mesh, messages: list) -> list:

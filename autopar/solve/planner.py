@@ -19,7 +19,7 @@ from autopar.plan.plan import ParamState, Plan, SolverStats, Timing
 from autopar.solve import layouts as B
 from autopar.solve.assemble import assemble, predict
 from autopar.solve.ilp import InfeasibleError
-from autopar.solve.menus import same_local_shape
+from autopar.solve.menus import HEADS_NOTE, same_local_shape
 from autopar.solve.overlap import solve_problem, step_lower_bound
 from autopar.solve.pipeline_options import Pipeline
 from autopar.solve.pipeline_costs import stage_problem
@@ -87,7 +87,7 @@ def plan(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, example_kwarg
     request = _request(example_inputs, example_kwargs, memory_budget, compare, time_limit, workers, layout,
                        mixed_precision, pipeline, recompute, None)
     with _collector_spared():
-        return _plan(model, mesh, request)[0]
+        return _warned(_plan(model, mesh, request))[0]
 
 
 def random_plans(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, seed: int = 0, count: int = 1,
@@ -108,7 +108,15 @@ def random_plans(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, seed:
     request = _request(example_inputs, example_kwargs, memory_budget, compare, time_limit, workers, layout,
                        mixed_precision, pipeline, recompute, drawn)
     with _collector_spared():
-        return _plan(model, mesh, request)
+        return _warned(_plan(model, mesh, request))
+
+
+def _warned(plans: list) -> list:
+    """Log once what the plans' notes say a user must know: attention heads an axis cannot
+    split (why tensor parallelism stops short there)."""
+    for note in dict.fromkeys(n for p in plans for n in p.notes if HEADS_NOTE in n):
+        log.warning("autopar: %s", note)
+    return plans
 
 
 def _request(example_inputs, example_kwargs, memory_budget, compare, time_limit, workers, layout, mixed_precision,
