@@ -147,7 +147,7 @@ def test_view_after_attention_under_sequence_layouts(pool4, tmp_path, layout, fu
     """Found by the draws: nanoGPT's `y.transpose(1, 2).contiguous().view(b, s, h)` after
     attention.  The trace drops the `.contiguous()` (a no-op for the traced kernel's
     output), so ring and Ulysses attention must return their output in the traced layout
-    (passes/local_ops.in_dim_order) or the `.view` fails."""
+    (autopar/passes/local_ops.py, in_dim_order) or the `.view` fails."""
     spec = Spec(blocks=("attn_fused" if fused else "attn", "mlp"), hidden=32, view_after_attention=True, seq=16)
     loop = Loop(steps=2)
     mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="cpu")

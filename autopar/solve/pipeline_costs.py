@@ -11,7 +11,6 @@ step and optimizer all-gathers run once per step.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, fields
 
 from autopar.cost.prices import local_numel
@@ -22,6 +21,7 @@ from autopar.solve.recompute import ModeCosts, kept_by_selective, layer_paths
 from autopar.solve.solution import Built, build_problem
 from autopar.solve.solved import SolveOptions
 from autopar.trace.batching import batch_size, first_microbatch
+from autopar.trace.paths import layer_of
 
 BACKWARD_SHARE = 2.0 / 3.0   # of a trainable op's per-microbatch seconds: backward runs two matmuls per forward one
 
@@ -151,11 +151,10 @@ def layer_costs(built: Built, model, options: SolveOptions, modes=("none",)) -> 
         raise ValueError(f"{type(model).__name__} has no repeated layers (modules named like blocks.0, "
                          f"blocks.1, ...) to cut into pipeline stages")
     prefix_name, indices = max(problem.layer_groups, key=lambda g: len(g[1]))
-    pattern = re.compile(re.escape(prefix_name) + r"\.(\d+)(\.|$)")
     position = {i: k for k, i in enumerate(sorted(indices))}
-    split = _Split(problem, choice, assembled, pattern, position)
+    split = _Split(problem, choice, assembled, prefix_name, position)
     by_mode = {mode: split.parts(mode, prefix_name, indices) for mode in modes}
-    return LayerCosts(by_mode, _boundary_bytes(problem, choice, pattern), prefix_name, tuple(sorted(indices)),
+    return LayerCosts(by_mode, _boundary_bytes(problem, choice, prefix_name), prefix_name, tuple(sorted(indices)),
                       StageCost(**split.buckets["copies"]))
 
 
@@ -164,7 +163,7 @@ class _Split:
     "prefix", "suffix", and "copies" (states of tied weights the last stage holds again);
     each bucket a dict of StageCost's fields."""
 
-    def __init__(self, problem, choice, assembled, pattern, position):
+    def __init__(self, problem, choice, assembled, prefix: str, position):
         self.problem, self.choice = problem, choice
         once: dict = {}
         params = {pn.param_name for pn in problem.nodes if pn.kind == "param"}
@@ -177,18 +176,18 @@ class _Split:
         seen_layer = False
         for idx in sorted(assembled.nodes):
             pn, n = problem.nodes[idx], assembled.nodes[idx]
-            m = pattern.match(n.module or "")
-            if m and int(m.group(1)) in position:
-                key = position[int(m.group(1))]
+            layer = layer_of(n.module or "", prefix)
+            if layer in position:
+                key = position[layer]
                 seen_layer = seen_layer or pn.kind == "op"
             elif pn.kind == "param":
-                key = "prefix" if _first_reader_before_layers(problem, pn, pattern) else "suffix"
+                key = "prefix" if _first_reader_before_layers(problem, pn, prefix) else "suffix"
             else:
                 key = "suffix" if seen_layer else "prefix"
             self.keys[idx] = key
-            self._add(idx, pn, n, key, once, pattern)
+            self._add(idx, pn, n, key, once, prefix)
 
-    def _add(self, idx, pn, n, key, once, pattern) -> None:
+    def _add(self, idx, pn, n, key, once, prefix: str) -> None:
         b = self.buckets[key]
         c = self.problem.choices[pn.rep][self.choice[idx]]
         total = n.compute_s + n.comm_s
@@ -203,7 +202,7 @@ class _Split:
         for kind in (*STATES, "activations"):
             b[kind] += c.memory[kind]
         b["working"] = max(b["working"], c.work if pn.kind == "op" else 0.0)
-        if key == "prefix" and pn.kind == "param" and _read_after_layers(self.problem, pn, pattern):
+        if key == "prefix" and pn.kind == "param" and _read_after_layers(self.problem, pn, prefix):
             for kind in STATES:   # a tied head: the last stage holds it too
                 self.buckets["copies"][kind] += c.memory[kind]
 
@@ -231,36 +230,37 @@ class _Split:
                           StageCost(**got["suffix"]))
 
 
-def _first_reader_before_layers(problem, pn, pattern) -> bool:
+def _first_reader_before_layers(problem, pn, prefix: str) -> bool:
     """A parameter outside the layers belongs to the prefix if it is read before any layer
     (embeddings; a tied head reads it again at the end: the prefix owns it)."""
     readers = [r for r, _ in problem.readers.get((pn.index, 0), [])]
     if not readers:
         return True
     first = min(readers)
-    return not any(problem.nodes[r].kind == "op" and pattern.match(problem.nodes[r].module or "")
+    return not any(problem.nodes[r].kind == "op" and layer_of(problem.nodes[r].module or "", prefix) is not None
                    for r in range(first))
 
 
-def _read_after_layers(problem, pn, pattern) -> bool:
+def _read_after_layers(problem, pn, prefix: str) -> bool:
     """Whether a parameter is also read after the last repeated layer (a head tied to the
     input embedding): the last stage then holds a copy of it."""
     readers = [r for r, _ in problem.readers.get((pn.index, 0), [])]
-    layer_ops = [i for i, n in enumerate(problem.nodes) if n.kind == "op" and pattern.match(n.module or "")]
+    layer_ops = [i for i, n in enumerate(problem.nodes)
+                 if n.kind == "op" and layer_of(n.module or "", prefix) is not None]
     return bool(readers and layer_ops) and max(readers) > max(layer_ops)
 
 
-def _boundary_bytes(problem, choice, pattern) -> float:
+def _boundary_bytes(problem, choice, prefix: str) -> float:
     """Bytes per device of the tensor that flows from one layer into the next (the largest
     such tensor: the residual stream)."""
     best = 0.0
     for pn in problem.nodes:
-        m = pattern.match(pn.module or "")
-        if pn.kind != "op" or not m:
+        layer = layer_of(pn.module or "", prefix)
+        if pn.kind != "op" or layer is None:
             continue
         for src, out in pn.inputs:
-            sm = pattern.match(problem.nodes[src].module or "")
-            if sm and sm.group(1) != m.group(1):
+            before = layer_of(problem.nodes[src].module or "", prefix)
+            if before is not None and before != layer:
                 s = problem.nodes[src]
                 layout = problem.nodes[s.rep].strategies[choice[src]].outputs[out]
                 nbytes = local_numel(s.out_shapes[out], layout, problem.mesh.shape) * s.out_dtypes[out].itemsize
