@@ -7,12 +7,12 @@ from __future__ import annotations
 import pickle
 
 import torch
-import torch.fx as fx
 
 import autopar
 from autopar.models import build
 from autopar.trace.cache import TRACES, TraceCache, batch_family, fingerprint
 from autopar.trace.export import graph_signature, trace
+from test_rebatch import _facts as facts   # (per node: op, name, target, wiring, tensor facts)
 
 
 def _llama(batch: int, seq: int):
@@ -22,25 +22,12 @@ def _llama(batch: int, seq: int):
     return model, tuple(inputs)
 
 
-def _facts(traced) -> list:
-    """Per node: op, name, target, wiring, and its tensor's shape, stride, dtype and
-    requires_grad (what a written trace must equal its export in)."""
-    def val(v):
-        if isinstance(v, torch.Tensor):
-            return tuple(v.shape), tuple(v.stride()), v.dtype, v.requires_grad
-        if isinstance(v, (list, tuple)):
-            return tuple(val(x) for x in v)
-        return repr(v)
-    return [(n.op, n.name, str(n.target), repr(fx.node.map_arg((n.args, n.kwargs), lambda a: a.name)),
-             val(n.meta.get("val"))) for n in traced.graph.graph.nodes]
-
-
 def _snapshot(traced) -> tuple:
     """Everything a holder of a shared trace could change: the nodes themselves (by
     identity), their facts, meta keys and module stacks, the graph's code, and the Traced's
     dicts and lists."""
     nodes = list(traced.graph.graph.nodes)
-    return ([id(n) for n in nodes], _facts(traced), [sorted(n.meta) for n in nodes],
+    return ([id(n) for n in nodes], facts(traced), [sorted(n.meta) for n in nodes],
             [repr(n.meta.get("nn_module_stack")) for n in nodes], id(traced.graph), id(traced.graph.graph),
             dict(traced.params), dict(traced.buffers), list(traced.user_inputs), dict(traced.tied),
             {k: (tuple(v.shape), v.dtype) for k, v in traced.constants.items()}, sorted(traced.parts.parts))
@@ -72,7 +59,7 @@ def test_a_copy_is_the_callers_to_rewrite():
     before = _snapshot(shared)
     mine = trace(model, inputs, unroll=True)
     assert mine is not shared and mine.graph is not shared.graph
-    assert _facts(mine) == _facts(shared)
+    assert facts(mine) == facts(shared)
     graph = mine.graph.graph
     first = next(n for n in graph.nodes if n.op == "call_function")
     with graph.inserting_after(first):
@@ -118,7 +105,7 @@ def test_outlines_adopted_from_another_cache_write_a_batch_equal_to_its_export()
     here.adopt_outlines(found)
     written = here.written(family[4])
     assert written is not None and len(here) == 1
-    assert _facts(written) == _facts(trace(model, at[4], cache=False, unroll=True))
+    assert facts(written) == facts(trace(model, at[4], cache=False, unroll=True))
 
     here.clear()
     assert len(here) == 0 and here.written(family[4]) is None
