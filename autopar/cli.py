@@ -482,7 +482,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mesh", required=True, help="axis sizes joined by 'x', outermost first: 8x8, 64, 2x4")
     p.add_argument("--axes", help="comma-separated axis names, one per mesh axis (default dp / dp,tp)")
     p.add_argument("--device", default="h100",
-                   help="device preset (h100, a100, cpu; default h100) or a profile from `autopar calibrate`")
+                   help=f"device preset ({', '.join(autopar.mesh.PRESETS)}; default h100) or a profile from `autopar calibrate`")
     p.add_argument("--bandwidth", metavar="GB/S,...",
                    help="link bandwidth per mesh axis in GB/s, e.g. 2.5,450 for a slow network between nodes "
                         "(default: the device's, by whether the axis is inside a node)")

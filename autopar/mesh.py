@@ -146,23 +146,44 @@ def _achievable(peaks: dict) -> tuple:
     return tuple((name, GEMM * flops) for name, flops in peaks.items())
 
 
+def _gpu(name: str, peaks: dict, hbm: float, memory: float, nvlink: float, network: float, source: str,
+         **extra) -> DeviceSpec:
+    """A GPU preset from datasheet numbers (FLOP/s per dtype, HBM bytes/s, usable bytes, NVLink
+    bytes/s per direction, network bytes/s per GPU), each times the efficiencies above."""
+    return DeviceSpec(name, _achievable(peaks), mem_bandwidth=HBM * hbm, memory=memory,
+                      intra_bandwidth=NVLINK * nvlink, inter_bandwidth=NETWORK * network, devices_per_node=8,
+                      algorithms=NCCL, op_latency=LAUNCH, source=source, **extra)
+
+
+_HOPPER = {"float32": 67e12, "tfloat32": 494e12, "bfloat16": 989e12, "float16": 989e12}   # H100/H200 SXM, dense
+_AMPERE = {"float32": 19.5e12, "tfloat32": 156e12, "bfloat16": 312e12, "float16": 312e12}  # A100 SXM, dense
+_SXM_SOURCE = "{} datasheet peaks times typical efficiencies (autopar.mesh.GEMM ...)"
+
 PRESETS: dict[str, DeviceSpec] = {
     # H100 SXM (datasheet): 989 TFLOP/s dense bf16, 67 TFLOP/s fp32 (no tensor cores),
     # 494 tf32, 3.35 TB/s HBM3, NVLink 4 at 450 GB/s per direction, 400 Gb/s InfiniBand
-    # (50 GB/s) per GPU; each times the efficiency above.
-    "h100": DeviceSpec("h100", _achievable({"float32": 67e12, "tfloat32": 494e12, "bfloat16": 989e12,
-                                            "float16": 989e12}),
-                       mem_bandwidth=HBM * 3.35e12, memory=USABLE, intra_bandwidth=NVLINK * 450e9,
-                       inter_bandwidth=NETWORK * 50e9, devices_per_node=8, host_bandwidth=55e9,
-                       algorithms=NCCL, op_latency=LAUNCH,
-                       source="H100 SXM datasheet peaks times typical efficiencies (autopar.mesh.GEMM ...)"),
+    # (50 GB/s) per GPU; each times the efficiency above.  "h100" is this part.
+    "h100": _gpu("h100", _HOPPER, 3.35e12, USABLE, 450e9, 50e9, _SXM_SOURCE.format("H100 SXM"), host_bandwidth=55e9),
+    "h100-sxm": _gpu("h100-sxm", _HOPPER, 3.35e12, USABLE, 450e9, 50e9, _SXM_SOURCE.format("H100 SXM"),
+                     host_bandwidth=55e9),
+    # H100 with 96 GB of HBM2e at a 500 W power limit (the parts of torchtitan's published
+    # H100 runs, "Grand Teton"): 2.4 TB/s as stated there; its peak is stated only as
+    # between the SXM and NVL parts, so the NVL datasheet's 835 TFLOP/s dense bf16 (60 fp32,
+    # 418 tf32) is taken, the lower end; 400 Gb/s RDMA per GPU as stated.
+    "h100-hbm2e-500w": _gpu("h100-hbm2e-500w", {"float32": 60e12, "tfloat32": 418e12, "bfloat16": 835e12,
+                                                 "float16": 835e12}, 2.4e12, 94 * GiB, 450e9, 50e9,
+                            "H100 96 GB HBM2e 500 W: NVL datasheet peaks (a lower bound), torchtitan's "
+                            "stated bandwidths; times typical efficiencies", host_bandwidth=55e9),
+    # H200 SXM (datasheet): the H100 SXM's compute, 141 GB of HBM3e at 4.8 TB/s (about 139.5 GiB
+    # usable, as the one-GPU check saw), NVLink 4, 400 Gb/s InfiniBand per GPU.
+    "h200": _gpu("h200", _HOPPER, 4.8e12, 139 * GiB, 450e9, 50e9, _SXM_SOURCE.format("H200 SXM"),
+                 host_bandwidth=55e9),
     # A100 SXM 80GB (datasheet): 312 TFLOP/s bf16, 19.5 fp32, 156 tf32, 2.04 TB/s, NVLink 3
-    # at 300 GB/s, 200 Gb/s InfiniBand (25 GB/s); each times the efficiency above.
-    "a100": DeviceSpec("a100", _achievable({"float32": 19.5e12, "tfloat32": 156e12, "bfloat16": 312e12,
-                                            "float16": 312e12}),
-                       mem_bandwidth=HBM * 2.04e12, memory=USABLE, intra_bandwidth=NVLINK * 300e9,
-                       inter_bandwidth=NETWORK * 25e9, devices_per_node=8, algorithms=NCCL, op_latency=LAUNCH,
-                       source="A100 SXM datasheet peaks times typical efficiencies (autopar.mesh.GEMM ...)"),
+    # at 300 GB/s, 200 Gb/s InfiniBand (25 GB/s); each times the efficiency above.  "a100" is this part.
+    "a100": _gpu("a100", _AMPERE, 2.04e12, USABLE, 300e9, 25e9, _SXM_SOURCE.format("A100 SXM")),
+    "a100-80gb": _gpu("a100-80gb", _AMPERE, 2.04e12, USABLE, 300e9, 25e9, _SXM_SOURCE.format("A100 SXM 80GB")),
+    # A100 SXM 40GB (datasheet): the same compute, 1.555 TB/s HBM2, 40 GB (about 39.4 GiB usable).
+    "a100-40gb": _gpu("a100-40gb", _AMPERE, 1.555e12, 39 * GiB, 300e9, 25e9, _SXM_SOURCE.format("A100 SXM 40GB")),
     # A CPU rank (one process of a few cores) talking gloo over loopback: what `autopar
     # calibrate` measured for 4 ranks sharing the 2 cores of this project's CI machine (one
     # intra-op thread each), rounded.  Ops run eagerly: each op's latency adds to its work.

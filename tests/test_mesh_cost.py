@@ -30,6 +30,24 @@ def test_presets_and_inner_axes_inside_a_node():
     assert autopar.Mesh((16, 64), ("dp", "tp")).size == 1024
 
 
+def test_gpu_variants_have_presets_and_the_short_names_are_the_sxm_parts():
+    """h100 is the SXM part and a100 the 80 GB one (their plans do not change); the other
+    variants differ where their datasheets do: HBM bandwidth and size, and the 500 W HBM2e
+    H100's lower compute peak."""
+    def same_but_name(a, b):
+        return {**PRESETS[a].to_dict(), "name": "", "source": ""} == {**PRESETS[b].to_dict(), "name": "", "source": ""}
+    assert same_but_name("h100", "h100-sxm") and same_but_name("a100", "a100-80gb")
+    bf16 = {k: PRESETS[k].peak_flops(torch.bfloat16) for k in PRESETS if k != "cpu"}
+    assert bf16["h200"] == bf16["h100-sxm"] == pytest.approx(0.75 * 989e12)
+    assert bf16["h100-hbm2e-500w"] == pytest.approx(0.75 * 835e12)
+    assert bf16["a100-40gb"] == bf16["a100-80gb"] == pytest.approx(0.75 * 312e12)
+    hbm = {k: PRESETS[k].mem_bandwidth for k in PRESETS}
+    assert hbm["h200"] > hbm["h100-sxm"] > hbm["h100-hbm2e-500w"] > hbm["a100-80gb"] > hbm["a100-40gb"]
+    mem = {k: PRESETS[k].memory / 2**30 for k in PRESETS}
+    assert (mem["a100-40gb"], mem["a100-80gb"], mem["h100-hbm2e-500w"], mem["h200"]) == (39, 79, 94, 139)
+    assert autopar.Mesh((8,), ("dp",), device="h200").device.name == "h200"
+
+
 def test_bad_meshes_say_what_to_do():
     with pytest.raises(ValueError, match="one name per axis"):
         autopar.Mesh((2, 2), ("dp",))
