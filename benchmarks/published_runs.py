@@ -16,7 +16,14 @@ preset of its GPU, and compares tokens per second per GPU:
                 (Narayanan et al. 2021: 96 l h^2 (1 + s/6h + V/16lh), recomputation
                 counted; Megatron-LM's README, model FLOPs: 72 l h^2 (1 + s/6h) + 6 V h)
 
-and prints every row (pred/meas), then per source and overall the median |pred/meas - 1|
+A run that accumulates gradients over several micro-steps (global batch / (micro batch x
+data-parallel degree) of them) is planned on one micro-step's batch, whose activations
+are what the device holds, and its step is that many planned steps (each micro-step
+gathers and reduces as FSDP does without no_sync; a DDP run that skips the all-reduce
+until the last micro-step is charged it every time, an overestimate where it is not
+hidden).
+
+It prints every row (pred/meas), then per source and overall the median |pred/meas - 1|
 and Spearman's rank correlation, for the fitting rows and the held-out rows apart (the
 split is in the data file, made by a fixed rule before anything was predicted; nothing in
 autopar is fitted on the held-out rows).
@@ -34,6 +41,7 @@ Run:
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
 import random
@@ -77,12 +85,26 @@ def measured_tokens_per_s(run: dict) -> tuple[float | None, str]:
     return None, "no throughput this script can read"
 
 
+def accumulation(run: dict) -> int:
+    """Gradient-accumulation steps of a run without pipeline stages: global batch / (micro
+    batch x data-parallel degree); each runs forward and backward on micro x dp sequences
+    (its activations are what memory holds), so the planned batch is that and the step is
+    that many planned steps.  1 where not published (or with stages: the pipeline's
+    microbatches are planned as the schedule runs them)."""
+    par, g, mb = run["parallel"], run.get("global_batch_sequences"), run.get("micro_batch")
+    if not g or not mb or (par.get("pp") or 1) > 1:
+        return 1
+    steps = g / (mb * (par.get("dp") or 1))
+    return int(steps) if steps >= 1 and steps == int(steps) else 1
+
+
 def build_model(run: dict):
-    """The run's model on the meta device, with `batch` sequences of seq_len tokens."""
+    """The run's model on the meta device, with a step's sequences of seq_len tokens (the
+    global batch, or one accumulation step of it)."""
     mod, seq = run["model"], run["seq_len"]
-    batch = run.get("global_batch_sequences")
-    if not batch:
+    if not run.get("global_batch_sequences"):
         raise ValueError("no global batch published")
+    batch = run["global_batch_sequences"] // accumulation(run)
     if mod["family"] == "llama":
         ffn = mod.get("ffn_hidden")
         # the SwiGLU width as published: rounding int(8 dim / 3) up to a multiple of itself gives it
@@ -141,8 +163,26 @@ def forced(run: dict) -> tuple[autopar.Mesh, dict]:
     return mesh, kw
 
 
-def replay(run: dict) -> dict:
-    """One row: predicted and measured tokens/s/GPU, or why it was not planned."""
+def free_plan(run: dict, model, example, mesh: autopar.Mesh, forced_kw: dict) -> dict:
+    """autopar's own plan of the same job: nothing forced, stages searched where the run has a
+    pp axis; its predicted step against the forced layout's, and what differs."""
+    kw = {"compare": False, "mixed_precision": forced_kw["mixed_precision"]}
+    if "pipeline" in forced_kw:
+        kw["pipeline"] = autopar.Pipeline(axis="pp")
+    start = time.perf_counter()
+    plan = autopar.plan(model, mesh, example, **kw)
+    step = (plan.pipeline.step_s if plan.pipeline is not None else plan.predicted.step_s) * accumulation(run)
+    what = (f"{len(plan.pipeline.stages)} stages, {plan.pipeline.schedule} x {plan.pipeline.microbatches}"
+            if plan.pipeline is not None else "no stages")
+    if plan.recompute is not None and plan.recompute.layers:
+        modes = collections.Counter(plan.recompute.layers.values())
+        what += ", recompute " + ", ".join(f"{mode} x{n}" for mode, n in sorted(modes.items()))
+    return {"free_step_s": step, "free_plan_s": time.perf_counter() - start, "free": what}
+
+
+def replay(run: dict, free: bool = True) -> dict:
+    """One row: predicted and measured tokens/s/GPU, or why it was not planned; with `free`,
+    also autopar's own plan for the job."""
     row = {"id": run["id"], "source": run["source"], "split": run["split"], "gpu": run["hardware"]["gpu"],
            "gpus": run["hardware"]["gpus"], "model": run["model"]["name"]}
     meas, how = measured_tokens_per_s(run)
@@ -157,12 +197,21 @@ def replay(run: dict) -> dict:
         row["plan_s"] = time.perf_counter() - start
     except Exception as exc:   # a row autopar cannot force is reported, not hidden
         return {**row, "skipped": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
-    tokens = example[0].numel()
-    step = plan.pipeline.step_s if plan.pipeline is not None else plan.predicted.step_s
-    row.update(layout=kw["layout"], pipeline=str(kw.get("pipeline") or ""), step_s=step,
+    steps = accumulation(run)
+    tokens = example[0].numel() * steps
+    step = (plan.pipeline.step_s if plan.pipeline is not None else plan.predicted.step_s) * steps
+    row.update(layout=kw["layout"], pipeline=str(kw.get("pipeline") or ""), step_s=step, accumulation=steps,
                predicted=tokens / (step * row["gpus"]), ratio=tokens / (step * row["gpus"]) / meas,
                memory_gib=(max(plan.pipeline.memory) if plan.pipeline is not None else plan.predicted.memory_total) / 2**30, measured_memory_gib=run["measured"].get("memory_gib"),
-               preset_exact=PRESET_OF.get(run["hardware"]["gpu"], ("", False))[1])
+               preset_exact=PRESET_OF.get(run["hardware"]["gpu"], ("", False))[1],
+               over_memory=bool((max(plan.pipeline.memory) if plan.pipeline is not None else plan.predicted.memory_total)
+               > mesh.device.memory))
+    if free:
+        try:
+            row.update(free_plan(run, model, example, mesh, kw))
+            row["speedup"] = step / row["free_step_s"]
+        except Exception as exc:
+            row["free"] = f"not planned: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
     return row
 
 
@@ -202,6 +251,7 @@ def main(argv=None) -> int:
     parser.add_argument("--sample", type=int, default=24,
                         help="at most this many rows per source, drawn with a fixed seed (0: all)")
     parser.add_argument("--json", help="write the rows here as JSON")
+    parser.add_argument("--no-free", action="store_true", help="skip autopar's own plan of each job")
     args = parser.parse_args(argv)
     runs = json.loads(DATA.read_text())["runs"]
     runs = [r for r in runs if (args.fp8 or not r.get("fp8")) and (not args.source or r["source"] in args.source)]
@@ -215,14 +265,17 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     start = time.perf_counter()
     rows = []
-    print(f"{'run':<52} {'split':<8} {'layout':<22} {'meas':>8} {'pred':>8} {'pred/meas':>9}  plan")
+    print(f"{'run':<52} {'split':<8} {'layout':<22} {'meas':>8} {'pred':>8} {'pred/meas':>9}  plan   "
+          f"free plan: speedup over the published layout")
     for run in runs:
-        r = replay(run)
+        r = replay(run, free=not args.no_free)
         rows.append(r)
         if "ratio" in r:
-            flag = "" if r["preset_exact"] else "  (preset is a bound)"
+            flag = ("" if r["preset_exact"] else "  (preset is a bound)") + (
+                f"  (over memory: {r['memory_gib']:.0f} GiB predicted)" if r["over_memory"] else "")
+            speed = f"{r['speedup']:.2f}x ({r['free']})" if "speedup" in r else r.get("free", "")
             print(f"{r['id'][:52]:<52} {r['split']:<8} {r['layout'][:22]:<22} {r['measured']:>8.0f} "
-                  f"{r['predicted']:>8.0f} {r['ratio']:>9.2f}  {r['plan_s']:.1f}s{flag}", flush=True)
+                  f"{r['predicted']:>8.0f} {r['ratio']:>9.2f}  {r['plan_s']:.1f}s  {speed}{flag}", flush=True)
         else:
             print(f"{r['id'][:52]:<52} {r['split']:<8} skipped: {r['skipped']}", flush=True)
     print(f"\n{len([r for r in rows if 'ratio' in r])} of {len(rows)} rows planned in "
@@ -230,8 +283,24 @@ def main(argv=None) -> int:
     print(f"{'source':<24} {'split':<9} {'rows':>4} {'median |pred/meas-1|':>21} {'Spearman':>9}")
     for group, split, n, err, rho in summary(rows):
         print(f"{group:<24} {split:<9} {n:>4} {err:>20.1%} {rho:>9.2f}")
+    freed = [r for r in rows if "speedup" in r]
+    if freed:
+        slower = [r["id"] for r in freed if r["speedup"] < 0.999 and not r["over_memory"]]
+        print(f"\nautopar's own plans: median {statistics.median(r['speedup'] for r in freed):.2f}x the published "
+              f"layout's predicted throughput (range {min(r['speedup'] for r in freed):.2f}-"
+              f"{max(r['speedup'] for r in freed):.2f}x); predicted slower than a published layout that fits: "
+              f"{', '.join(slower) or 'none'}")
+    over = [r["id"] for r in rows if r.get("over_memory")]
+    if over:
+        print(f"published layouts predicted not to fit where they ran ({len(over)}): {', '.join(over)}")
+    memory = [r for r in rows if "ratio" in r and r.get("measured_memory_gib")]
+    if memory:
+        print("\nmemory, where the source states it (GiB per GPU, predicted / measured):")
+        for r in memory:
+            print(f"  {r['id'][:52]:<52} {r['memory_gib']:6.1f} / {r['measured_memory_gib']:6.1f} = "
+                  f"{r['memory_gib'] / r['measured_memory_gib']:.2f}")
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        Path(args.json).write_text(json.dumps(rows, indent=1, default=float))
     return 0
 
 

@@ -1,0 +1,46 @@
+"""The published-runs replay (benchmarks/published_runs.py): the data file's rows carry their
+sources and the fixed fit/held-out split, and one row replays into the numbers the script
+reports (predicted tokens/s/GPU from the forced plan's step, against the source's)."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import published_runs as R  # noqa: E402
+
+RUNS = json.loads(R.DATA.read_text())["runs"]
+
+
+def test_rows_name_their_source_and_the_split_follows_the_fixed_rule():
+    ids = [r["id"] for r in RUNS]
+    assert len(ids) == len(set(ids)) >= 25
+    assert all(r["reference"] and r["source"] for r in RUNS)
+    for k, r in enumerate(sorted(RUNS, key=lambda r: r["id"])):   # decided before anything was predicted
+        assert r["split"] == ("held_out" if k % 3 == 2 else "fit"), r["id"]
+    assert all(r["fp8"] == (r["precision"] == "fp8") for r in RUNS)
+    sources = {r["source"] for r in RUNS if not r["fp8"]}
+    assert len([s for s in sources if sum(r["source"] == s and not r["fp8"] for r in RUNS) >= 4]) >= 4
+
+
+def test_measured_throughput_is_read_in_the_sources_own_terms():
+    nar = next(r for r in RUNS if r["id"] == "nar21-a100-gpt39b-512gpu-tp8-pp2")
+    value, how = R.measured_tokens_per_s(nar)
+    assert value == pytest.approx(nar["derived"]["tokens_per_s_per_gpu_from_paper_flops"]) and "paper" in how
+    meg = next(r for r in RUNS if r["source"] == "megatron-lm-readme")
+    value, _ = R.measured_tokens_per_s(meg)
+    m, s = meg["model"], meg["seq_len"]
+    per_token = 72 * m["n_layers"] * m["hidden"] ** 2 * (1 + s / (6 * m["hidden"])) + 6 * m["vocab"] * m["hidden"]
+    assert value == pytest.approx(meg["measured"]["tflops_per_gpu"] * 1e12 / per_token)
+
+
+def test_one_row_replays_into_predicted_over_measured():
+    run = next(r for r in RUNS if r["id"] == "kor22-a100-gpt22b-8gpu-tp8-pp1-sp-selective")
+    row = R.replay(run, free=False)
+    tokens = run["global_batch_sequences"] * run["seq_len"]
+    assert row["layout"] == "megatron-sp" and row["measured"] == pytest.approx(tokens / (run["measured"]["step_s"] * 8))
+    assert row["predicted"] == pytest.approx(tokens / (row["step_s"] * 8))
+    assert row["ratio"] == pytest.approx(row["predicted"] / row["measured"])
+    assert 0.5 < row["ratio"] < 2.0   # a sanity band, not the accuracy target (see the script's summary)
