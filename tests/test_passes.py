@@ -626,3 +626,46 @@ def test_a_split_mean_is_its_share():
     x = torch.arange(8.0)
     halves = [scaled_op(torch.ops.aten.mean.default, 0.5, part) for part in (x[:4], x[4:])]
     assert [h.item() for h in halves] == [0.75, 2.75] and sum(halves).item() == x.mean().item() == 3.5
+
+
+# ---------------------------------------------------------------- a move keeps the traced layout
+
+class ViewedAttention(nn.Module):
+    """Attention whose output goes through `.transpose(1, 2).contiguous().view(b, s, h)`: the
+    kernel's output is stored seq-major, so the trace drops the `.contiguous()` and views the
+    transpose directly."""
+
+    def __init__(self, h: int = 16, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.out = (nn.Linear(h, h, dtype=torch.float64) for _ in range(4))
+
+    def forward(self, x):
+        b, s, h = x.shape
+        q, k, v = (t(x).view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).contiguous().view(b, s, h)).pow(2).mean()
+
+
+def test_a_moved_attention_output_keeps_the_traced_layout_so_its_view_runs():
+    """Under a plan that moves attention's output to another layout before the transpose and
+    view, the moved tensor is laid out as the traced one (seq-major), so the view works and
+    the loss equals one device's."""
+    torch.manual_seed(0)
+    model = ViewedAttention()
+    x = torch.randn(4, 8, 16, dtype=torch.float64)
+    mesh = autopar.Mesh((2,), ("tp",), device="cpu")
+    for plan in autopar.random_plans(model, mesh, (x,), compare=False, seeds=range(40)):
+        traced = trace(model, (x,))
+        rewritten = rewrite(traced, plan, WorldAxis())
+        moved = [n for n in rewritten.graph.graph.nodes if n.op == "call_function" and n.target is move
+                 and n.args[0].target is torch.ops.aten.scaled_dot_product_attention.default]
+        if moved:
+            break
+    else:
+        pytest.fail("no plan of 40 moves the attention output")
+    want = model(x).detach()
+    outs = [out[0] for out, _ in run_per_rank(traced, plan, model, {"x": x}, backward=False)]
+    got = sum(outs) if 0 in rewritten.output_reduce else outs[0]
+    torch.testing.assert_close(got, want)
+    assert moved[0].args[3] == (0, 2, 1, 3)   # [batch, heads, seq, dim] stored batch, seq, heads, dim

@@ -26,6 +26,7 @@ from torch.utils import _pytree as pytree
 from autopar.ops import tensor_args
 from autopar.solve.menus import same_local_shape
 
+from autopar.passes.local_ops import dim_order, in_dim_order
 from autopar.passes.redistribute import redistribute
 
 
@@ -43,8 +44,21 @@ class Move:
         return self.src != self.dst or self.grad_src != self.grad_dst
 
 
-def move(x: torch.Tensor, m: Move, groups) -> torch.Tensor:
-    return redistribute(x, m.src, m.dst, m.grad_src, m.grad_dst, groups)
+def move(x: torch.Tensor, m: Move, groups, order: tuple | None = None) -> torch.Tensor:
+    """x moved from layout m.src to m.dst (its gradient from m.grad_src to m.grad_dst).
+    order: where the traced tensor was not laid out plainly in memory (an attention kernel's
+    output is [batch, heads, seq, dim] stored seq-major), the dims' order to lay the moved
+    tensor out in, as the traced one was: the graph may `.view` a transpose of it, which
+    works only in that layout (the trace dropped a `.contiguous()` that was a no-op there)."""
+    return in_dim_order(redistribute(x, m.src, m.dst, m.grad_src, m.grad_dst, groups), order)
+
+
+def _move_args(x: fx.Node, spec: fx.Node, groups_node: fx.Node) -> tuple:
+    """move's arguments for tensor x: the traced layout's dim order only where it is not the
+    plain one (parameters and most activations are plain: no argument, no copy)."""
+    order = dim_order(x)
+    plain = order is None or order == tuple(range(len(order)))
+    return (x, spec, groups_node) if plain else (x, spec, groups_node, order)
 
 
 def local_input_layouts(gm: fx.GraphModule, user_inputs) -> list:
@@ -175,7 +189,7 @@ def insert_collectives(gm: fx.GraphModule, plan, groups, defer: dict | None = No
             with graph.inserting_after(groups_node):
                 spec = attr(Move(p, p, tuple(w), deferred(x, tuple(w), grad_target(p))))
             with graph.inserting_after(spec):
-                summed[x] = graph.call_function(move, (x, spec, groups_node))
+                summed[x] = graph.call_function(move, _move_args(x, spec, groups_node))
             summed[x].meta["val"] = x.meta.get("val")
         return summed[x], p, tuple(w)
 
@@ -206,7 +220,7 @@ def insert_collectives(gm: fx.GraphModule, plan, groups, defer: dict | None = No
                 continue
             with graph.inserting_before(node):
                 groups_node = get_attr(graph, "_autopar_groups")
-                moved = graph.call_function(move, (src, attr(m), groups_node))
+                moved = graph.call_function(move, _move_args(src, attr(m), groups_node))
             moved.meta["val"] = x.meta.get("val")  # the same global tensor, in another layout
             replacement.append(moved)
         _replace_operands(node, replacement)

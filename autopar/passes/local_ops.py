@@ -39,6 +39,17 @@ def expert_parallel_on_axis(x, index, weight, gate, up, down, act: str, n_expert
     return expert_parallel(x, index, weight, gate, up, down, act, n_experts, groups.group(axis))
 
 
+def dim_order(node) -> tuple | None:
+    """The dims of a node's traced output (the first, for ops with several) from outermost
+    to innermost in memory, or None where the trace holds no tensor."""
+    val = node.meta.get("val")
+    val = val[0] if isinstance(val, (tuple, list)) else val
+    if not isinstance(val, torch.Tensor):
+        return None
+    stride = val.stride()
+    return tuple(sorted(range(val.dim()), key=lambda d: (-stride[d], d)))
+
+
 def in_dim_order(x: torch.Tensor, order: tuple | None) -> torch.Tensor:
     """x laid out in memory with its dims in `order` (outermost first), as the op it stands
     for laid out its output.  The graph after an attention may `.view` the output's

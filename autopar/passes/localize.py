@@ -122,7 +122,7 @@ def _to_sequence_parallel_attention(node, choice):
     """Ring or Ulysses attention over the axis whose split is named so (attention_ops.py)."""
     (axis, kind), = [(a, l) for a, l in enumerate(choice.split) if l in ("ring", "ulysses")]
     q, k, v = node.args[:3]
-    order = _dim_order(node)
+    order = local_ops.dim_order(node)
     if op_name(node) == "autopar.window_attention":  # (q, k, v, window, scale, gqa): causal
         window, scale, gqa = node.args[3:6]
         node.target = local_ops.ring_attention_on_axis if kind == "ring" else local_ops.ulysses_window_on_axis
@@ -140,17 +140,6 @@ def _to_sequence_parallel_attention(node, choice):
         node.args = (q, k, v, mask, dropout_p, causal, scale, bool(node.kwargs.get("enable_gqa", False)), axis,
                      _groups_node(node), order)
     node.kwargs = {}
-
-
-def _dim_order(node) -> tuple | None:
-    """The dims of the traced output (the first, for ops with several) from outermost to
-    innermost in memory, or None where the trace holds no tensor."""
-    val = node.meta.get("val")
-    val = val[0] if isinstance(val, (tuple, list)) else val
-    if not isinstance(val, torch.Tensor):
-        return None
-    stride = val.stride()
-    return tuple(sorted(range(val.dim()), key=lambda d: (-stride[d], d)))
 
 
 def _to_vocab_parallel_embedding(node, choice, axes):
