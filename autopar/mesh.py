@@ -5,6 +5,7 @@ the runtime turns it into a torch `DeviceMesh` of the same shape and axis names.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import numbers
@@ -12,6 +13,72 @@ import re
 from dataclasses import asdict, dataclass, field, fields, replace
 
 import torch
+
+
+@dataclass(frozen=True)
+class KernelEfficiency:
+    """How close a GPU's kernels come to the rates in its DeviceSpec, by shape
+    (autopar.cost.kernels uses it; a device without one is priced as a plain roofline).
+
+    The DeviceSpec's `flops` are what a large, square GEMM sustains; a smaller or skinnier
+    one runs below that for two reasons this describes.
+    sms: streaming multiprocessors.  tiles: the GEMM output tiles the library picks from,
+    (rows, columns, rate relative to the largest tile): a GEMM whose tiles leave SMs idle in
+    its last wave (wave quantisation) or whose edges pad a tile runs slower, and the
+    library takes whichever tile wastes least.  k_half: the reduction length at which a
+    tile's fixed prologue and epilogue equal its main loop (efficiency k / (k + k_half),
+    normalised to a 8192-long reduction).
+    attention: (forward, backward) rate of the fused flash-attention kernel as a fraction
+    of `flops`, at head dim 128 and long sequences, counting only the blocks a causal mask
+    leaves (the kernel skips the rest); head_dim_exponent: the rate scales as
+    (head_dim / 128) ** exponent below 128; attention_seq_half: the sequence length at
+    which per-block overheads halve the rate (rate x s / (s + half)).
+    attention_kernel: "flash" (a fused kernel that never writes the score matrix, at the
+    rates above) or "unfused" (two batched GEMMs over the whole score square, no causal
+    skip, and a softmax, mask and dropout that read and write the s x s scores
+    `score_passes` (forward, backward) times each, at memory bandwidth: attention before
+    fused kernels, as Megatron-LM ran it in 2021-22).
+    gap: device seconds between two dependent kernels (launch and tail), paid per kernel
+    on top of its work.  Sources per preset in autopar/mesh.py."""
+
+    sms: int
+    tiles: tuple = ((128, 256, 1.0), (128, 128, 0.92), (64, 128, 0.78), (64, 64, 0.55), (16, 64, 0.3))
+    k_half: float = 64.0
+    attention: tuple = (0.75, 0.6)
+    head_dim_exponent: float = 0.2
+    attention_seq_half: float = 128.0
+    attention_kernel: str = "flash"
+    score_passes: tuple = (4.0, 8.0)
+    gap: float = 1.5e-6
+
+    def with_attention(self, kernel: str) -> "KernelEfficiency":
+        """These kernels with another attention implementation: "flash-attn-2" (the presets'
+        rates; what torch's scaled_dot_product_attention runs), "flash-attn-1" (half those
+        rates: FlashAttention-2 is about twice as fast, Dao 2023, fig. 4-7) or "unfused"
+        (the score matrix materialised, see attention_kernel)."""
+        if kernel == "flash-attn-2":
+            return self
+        if kernel == "flash-attn-1":
+            return replace(self, attention=tuple(a / 2 for a in self.attention))
+        if kernel == "unfused":
+            return replace(self, attention_kernel="unfused")
+        raise ValueError(f"unknown attention kernel {kernel!r}; one of 'flash-attn-2', 'flash-attn-1', 'unfused'")
+
+    def to_dict(self) -> dict:
+        return {"sms": self.sms, "tiles": [list(t) for t in self.tiles], "k_half": self.k_half,
+                "attention": list(self.attention), "head_dim_exponent": self.head_dim_exponent,
+                "attention_seq_half": self.attention_seq_half, "attention_kernel": self.attention_kernel,
+                "score_passes": list(self.score_passes), "gap": self.gap}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "KernelEfficiency":
+        d = dict(data)
+        d["tiles"] = tuple((int(a), int(b), float(r)) for a, b, r in d.get("tiles", cls.tiles))
+        d["attention"] = tuple(float(x) for x in d.get("attention", cls.attention))
+        d["score_passes"] = tuple(float(x) for x in d.get("score_passes", cls.score_passes))
+        if d.get("attention_kernel", "flash") not in ("flash", "unfused"):
+            raise ValueError(f"kernels attention_kernel {d['attention_kernel']!r}: one of 'flash', 'unfused'")
+        return cls(**d)
 
 
 @dataclass(frozen=True)
@@ -44,7 +111,9 @@ class DeviceSpec:
     parameter tensor, seconds per element); empty: priced as memory traffic
     (cost.optimizer_seconds).  attention_flops: FLOP/s of the fused attention kernel per
     dtype where it runs slower than matrix multiplies (a CPU's flash attention at small
-    head sizes); empty: `flops`.  source: where the numbers come from.
+    head sizes); empty: `flops`.  kernels: how a GPU's kernels fall below these rates by
+    shape (KernelEfficiency); None: every op is a roofline at `flops` and `mem_bandwidth`.
+    source: where the numbers come from.
     """
 
     name: str
@@ -66,6 +135,7 @@ class DeviceSpec:
     source: str = ""
     optimizer: tuple = ()
     attention_flops: tuple = ()
+    kernels: KernelEfficiency | None = None
 
     def link(self, kind: str, inside: bool) -> tuple | None:
         """(bandwidth, latency, launch) measured for `kind` on the link class, or None."""
@@ -82,6 +152,7 @@ class DeviceSpec:
         d["links"] = [list(x) for x in self.links]
         d["optimizer"] = list(self.optimizer)
         d["attention_flops"] = [list(f) for f in self.attention_flops]
+        d["kernels"] = self.kernels.to_dict() if self.kernels is not None else None
         return d
 
     @classmethod
@@ -97,6 +168,7 @@ class DeviceSpec:
         d["links"] = tuple((str(k), str(w), float(b), float(lat), float(ln)) for k, w, b, lat, ln in d.get("links", ()))
         d["optimizer"] = tuple(float(x) for x in d.get("optimizer", ()))
         d["attention_flops"] = tuple((str(k), float(v)) for k, v in d.get("attention_flops", ()))
+        d["kernels"] = KernelEfficiency.from_dict(d["kernels"]) if d.get("kernels") else None
         return cls(**d)
 
     def save(self, path) -> None:
@@ -149,11 +221,23 @@ def _achievable(peaks: dict) -> tuple:
 def _gpu(name: str, peaks: dict, hbm: float, memory: float, nvlink: float, network: float, source: str,
          **extra) -> DeviceSpec:
     """A GPU preset from datasheet numbers (FLOP/s per dtype, HBM bytes/s, usable bytes, NVLink
-    bytes/s per direction, network bytes/s per GPU), each times the efficiencies above."""
+    bytes/s per direction, network bytes/s per GPU), each times the efficiencies above; its
+    kernels (KernelEfficiency) by architecture, Hopper where the bf16 peak is Hopper's class."""
+    kernels = HOPPER_KERNELS if peaks["bfloat16"] > 500e12 else AMPERE_KERNELS
     return DeviceSpec(name, _achievable(peaks), mem_bandwidth=HBM * hbm, memory=memory,
                       intra_bandwidth=NVLINK * nvlink, inter_bandwidth=NETWORK * network, devices_per_node=8,
-                      algorithms=NCCL, op_latency=LAUNCH, source=source, **extra)
+                      algorithms=NCCL, op_latency=LAUNCH, source=source, kernels=kernels, **extra)
 
+
+# How the presets' kernels fall below those rates by shape (KernelEfficiency).  SMs from the
+# datasheets (H100/H200 SXM 132, A100 108).  Flash attention's rate per FLOP it computes
+# (a causal mask's skipped blocks not counted), as a fraction of the preset's GEMM rate:
+# FlashAttention-2 on A100 (Dao 2023, fig. 4-6: up to 73 % of the bf16 peak forward, 63 %
+# backward, head dim 128; 0.70 and 0.60 of 312 TFLOP/s against the preset's 234) and on
+# H100 SXM (Shah et al. 2024, FlashAttention-3, fig. 5-6: FlashAttention-2 about 350 TFLOP/s
+# forward and 295 backward at head dim 128, long sequences; against the preset's 742).
+HOPPER_KERNELS = KernelEfficiency(sms=132, attention=(0.47, 0.40))
+AMPERE_KERNELS = KernelEfficiency(sms=108, attention=(0.93, 0.80))
 
 _HOPPER = {"float32": 67e12, "tfloat32": 494e12, "bfloat16": 989e12, "float16": 989e12}   # H100/H200 SXM, dense
 _AMPERE = {"float32": 19.5e12, "tfloat32": 156e12, "bfloat16": 312e12, "float16": 312e12}  # A100 SXM, dense
@@ -320,6 +404,18 @@ class Mesh:
             span *= size
             inside.append(span <= per_node)
         return tuple(reversed(inside))
+
+    def placement(self, axes) -> tuple[int, int]:
+        """(ranks per node, nodes) of one group of devices along mesh `axes` (a name, an index
+        or several; the other coordinates fixed): devices are numbered row-major, the last axis
+        fastest, and fill nodes of devices_per_node in that order (as `inside_node`).  A dp=64
+        axis outside nothing spans 8 nodes with 8 ranks in each; outside tp=8, 64 nodes with 1."""
+        axes = [self.axis(a) for a in ((axes,) if isinstance(axes, (str, int)) else axes)]
+        strides = [math.prod(self.shape[a + 1:]) for a in axes]
+        nodes = {sum(i * s for i, s in zip(index, strides)) // self.device.devices_per_node
+                 for index in itertools.product(*(range(self.shape[a]) for a in axes))}
+        ranks = math.prod(self.shape[a] for a in axes)
+        return max(1, ranks // len(nodes)), len(nodes)
 
     @staticmethod
     def _per_axis(values, names, what):

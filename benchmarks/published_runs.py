@@ -17,11 +17,11 @@ preset of its GPU, and compares tokens per second per GPU:
                 counted; Megatron-LM's README, model FLOPs: 72 l h^2 (1 + s/6h) + 6 V h)
 
 A run that accumulates gradients over several micro-steps (global batch / (micro batch x
-data-parallel degree) of them) is planned on one micro-step's batch, whose activations
-are what the device holds, and its step is that many planned steps (each micro-step
-gathers and reduces as FSDP does without no_sync; a DDP run that skips the all-reduce
-until the last micro-step is charged it every time, an overestimate where it is not
-hidden).
+data-parallel degree) of them; one sequence each where the source does not say) is
+planned on one micro-step's batch, whose activations are what the device holds, and its
+step is that many micro-steps' forward and backward (with FSDP's gathers and
+reduce-scatters in each) plus, once, the optimizer step, the weight gathers after it and,
+for a run that is not FSDP, the gradient reduction (`step_seconds`).
 
 It prints every row (pred/meas), then per source and overall the median |pred/meas - 1|
 and Spearman's rank correlation, for the fitting rows and the held-out rows apart (the
@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import math
 import random
@@ -89,13 +90,35 @@ def accumulation(run: dict) -> int:
     """Gradient-accumulation steps of a run without pipeline stages: global batch / (micro
     batch x data-parallel degree); each runs forward and backward on micro x dp sequences
     (its activations are what memory holds), so the planned batch is that and the step is
-    that many planned steps.  1 where not published (or with stages: the pipeline's
+    that many planned steps.  A micro batch the source does not state is taken as one
+    sequence (the smallest, so the layout is not charged activations it may never have
+    held).  1 where the global batch is not published (or with stages: the pipeline's
     microbatches are planned as the schedule runs them)."""
-    par, g, mb = run["parallel"], run.get("global_batch_sequences"), run.get("micro_batch")
-    if not g or not mb or (par.get("pp") or 1) > 1:
+    par, g, mb = run["parallel"], run.get("global_batch_sequences"), run.get("micro_batch") or 1
+    if not g or (par.get("pp") or 1) > 1:
         return 1
     steps = g / (mb * (par.get("dp") or 1))
     return int(steps) if steps >= 1 and steps == int(steps) else 1
+
+
+def step_seconds(plan, run: dict) -> float:
+    """Seconds of the run's whole step from the plan of one micro-step: every micro-step
+    runs forward and backward (and, under FSDP / ZeRO-3, gathers its weights and
+    reduce-scatters its gradients); the optimizer step and the weights' gathers after it
+    run once, and so, where the run is not FSDP, does the gradient reduction (DDP's
+    no_sync, Megatron's reduction on the last micro-batch), of which only what backward
+    does not hide counts."""
+    if plan.pipeline is not None:
+        return plan.pipeline.step_s
+    pred, steps = plan.predicted, accumulation(run)
+    if steps == 1:
+        return pred.step_s
+    par = run["parallel"]
+    once = sum(n.compute_s for n in plan.nodes if n.op == "parameter")   # the optimizer's step
+    once += sum(c.seconds for c in plan.collectives_of(phase="step"))
+    if not (par.get("fsdp") or (par.get("zero") or 0) >= 3):
+        once += max(pred.overlappable_s - pred.hidden_s, 0.0)
+    return steps * (pred.step_s - once) + once
 
 
 def build_model(run: dict):
@@ -134,7 +157,11 @@ def forced(run: dict) -> tuple[autopar.Mesh, dict]:
     shape = tuple(d for _, d in degrees if d > 1) or (1,)
     names = tuple(a for a, d in degrees if d > 1) or ("dp",)
     preset, _ = PRESET_OF.get(run["hardware"]["gpu"], ("h100", False))
-    mesh = autopar.Mesh(shape, names, device=preset)
+    device = autopar.mesh.PRESETS[preset]
+    # the run's attention implementation (the data file says which its software stack ran)
+    device = dataclasses.replace(device, kernels=device.kernels.with_attention(run.get("attention_kernel",
+                                                                                      "flash-attn-2")))
+    mesh = autopar.Mesh(shape, names, device=device)
     sharded = par.get("fsdp") or (par.get("zero") or 0) >= 3
     tp, cp = (par.get("tp") or 1) > 1, (par.get("cp") or 1) > 1
     if cp and tp:
@@ -145,7 +172,9 @@ def forced(run: dict) -> tuple[autopar.Mesh, dict]:
     elif tp:
         sp = par.get("sequence_parallel") or run.get("recompute") == "selective" and run["source"] == "korthikanti2022"
         kind = "megatron-sp" if sp else "megatron-tp"
-        layout = kind if alone else "megatron-tp x zero3" if sharded else f"{kind} x dp"
+        zero = par.get("zero") or 0
+        layout = kind if alone else "megatron-tp x zero3" if sharded else \
+            f"megatron-tp x zero{zero}" if zero in (1, 2) else f"{kind} x dp"
     elif sharded:
         layout = "zero3"
     elif (par.get("zero") or 0) in (1, 2):
@@ -171,7 +200,7 @@ def free_plan(run: dict, model, example, mesh: autopar.Mesh, forced_kw: dict) ->
         kw["pipeline"] = autopar.Pipeline(axis="pp")
     start = time.perf_counter()
     plan = autopar.plan(model, mesh, example, **kw)
-    step = (plan.pipeline.step_s if plan.pipeline is not None else plan.predicted.step_s) * accumulation(run)
+    step = step_seconds(plan, run)
     what = (f"{len(plan.pipeline.stages)} stages, {plan.pipeline.schedule} x {plan.pipeline.microbatches}"
             if plan.pipeline is not None else "no stages")
     if plan.recompute is not None and plan.recompute.layers:
@@ -199,7 +228,7 @@ def replay(run: dict, free: bool = True) -> dict:
         return {**row, "skipped": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
     steps = accumulation(run)
     tokens = example[0].numel() * steps
-    step = (plan.pipeline.step_s if plan.pipeline is not None else plan.predicted.step_s) * steps
+    step = step_seconds(plan, run)
     row.update(layout=kw["layout"], pipeline=str(kw.get("pipeline") or ""), step_s=step, accumulation=steps,
                predicted=tokens / (step * row["gpus"]), ratio=tokens / (step * row["gpus"]) / meas,
                memory_gib=(max(plan.pipeline.memory) if plan.pipeline is not None else plan.predicted.memory_total) / 2**30, measured_memory_gib=run["measured"].get("memory_gib"),

@@ -173,18 +173,17 @@ def test_reference_models_have_a_rule_for_every_op():
 def test_compute_cost_is_a_roofline_over_the_local_shard():
     """A 4096 x 4096 linear on 4096 rows is compute-bound on an H100: forward 2*b*h*h FLOPs,
     backward twice that (input and weight gradients; the first layer computes only the
-    weight's), divided by the ways the strategy splits the work."""
+    weight's), divided by the ways the strategy splits the work, at the GEMM rate times
+    the efficiency of the local shape (autopar.cost.kernels): large GEMMs like these, whole
+    or split four ways, run within 12 % of the rate, never above it."""
     mesh = autopar.Mesh(4, "tp", device="h100")
     problem, linears = _menu("mlp", mesh, "aten.linear", hidden=4096, batch=4096)
     first, second = linears[0], linears[1]
     peak = mesh.device.peak_flops(torch.float32)
-    for s, c in zip(first.strategies, problem.choices[first.index]):
-        assert c.compute == pytest.approx(2 * 2 * 4096**3 / s.factor / peak, rel=1e-6), s.name
-    pn = second
-    flops = 3 * 2 * 4096 * 4096 * 4096
-    peak = mesh.device.peak_flops(torch.float32)
-    for s, c in zip(pn.strategies, problem.choices[pn.index]):
-        assert c.compute == pytest.approx(flops / s.factor / peak, rel=1e-6), s.name
+    for pn, flops in ((first, 2 * 2 * 4096**3), (second, 3 * 2 * 4096**3)):
+        for s, c in zip(pn.strategies, problem.choices[pn.index]):
+            ideal = flops / s.factor / peak
+            assert ideal <= c.compute <= 1.12 * ideal, (s.name, c.compute / ideal)
 
 
 class _Router(nn.Module):

@@ -217,7 +217,10 @@ def test_llama3_8b_256k_tokens_on_eight_h100():
     assert plan.predicted.memory_total <= 80 * 2**30
     assert plan.recompute is not None and plan.recompute.layers
     kinds = {n.split[0] for n in plan.nodes if n.op == "aten.scaled_dot_product_attention"}
-    assert kinds and kinds <= {"ring", "ulysses"}, kinds
+    assert kinds and kinds <= {"ring", "ulysses", "heads"}, kinds
+    if "heads" in kinds:   # Ulysses spelled out: the sequence split everywhere else, all-to-alls into heads
+        assert {n.strategy for n in plan.nodes if n.op == "aten.linear"} == {"cp=b1"}
+        assert any(c.kind == "all_to_all" for c in plan.collectives)
     print(f"llama3-8b 1x262144 on 8 H100: {262144 / 8 / plan.predicted.step_s:.0f} tokens/s/GPU predicted, "
           f"{plan.predicted}; attention {kinds}; {len(plan.recompute.layers)} layers recomputed")
 
@@ -254,7 +257,7 @@ def test_skipped_recompute_assignments_could_not_win(frac, monkeypatch):
     assert (dict(again.choice), again.objective) == (dict(chosen.choice), chosen.objective)
 
 
-@pytest.mark.parametrize("frac", [0.9, 0.8])
+@pytest.mark.parametrize("frac", [0.9, 0.85])
 def test_recompute_bounds_hold_from_the_keep_everything_reserve(frac):
     """Each assignment's Lagrangian bound, taken under budget - reserve where the plan
     keeping every activation (or the priced plan) shows that some plan of the assignment
@@ -279,5 +282,5 @@ def test_recompute_bounds_hold_from_the_keep_everything_reserve(frac):
         found = solve_modes(problem, None, budget, options, candidate.modes, periods=candidate.periods,
                             reserve=reserve)
         assert bound <= found.objective * (1 + 1e-9), (candidate.modes, bound, found.objective)
-    if frac == 0.8:
+    if frac == 0.85:
         assert by_witness, "the plan keeping every activation lowered no cap: the case does not test it"

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from autopar.cost import collectives
 from autopar.cost import prices as C
 from autopar.mesh import Mesh
 
@@ -53,7 +54,7 @@ class LayoutPrices:
     def __init__(self, mesh: Mesh):
         self.mesh = mesh
         self.ids: dict = {}
-        self.table = np.full((C.PRICE_ROWS, len(mesh.device.algorithms), 0, 0), np.nan)
+        self.table = np.full((C.PRICE_ROWS, collectives.columns(mesh.device), 0, 0), np.nan)
 
     def lines(self, src: Menu, dst: Menu, reverse: bool = False) -> np.ndarray:
         """[PRICE_ROWS, algorithms, distinct src, distinct dst] redistribute_price lines
@@ -78,7 +79,13 @@ class LayoutPrices:
         lines = self.lines(src, dst, reverse)
         fixed, per_byte = ((lines[C.Row.GATHER_FIXED], lines[C.Row.GATHER_PER_BYTE]) if gathers
                            else (lines[C.Row.FIXED], lines[C.Row.PER_BYTE]))
-        return (fixed * share + per_byte * whole).min(axis=0)[np.ix_(src.index, dst.index)]
+        if share == 1.0:
+            return (fixed + per_byte * whole).min(axis=0)[np.ix_(src.index, dst.index)]
+        # the algorithm is the one the tensor's own size picks (as prices.redistribute lists
+        # it); the bucket then shares that choice's fixed seconds
+        best = (lines[C.Row.FIXED] + lines[C.Row.PER_BYTE] * whole).argmin(axis=0)[None]
+        seconds = np.take_along_axis(fixed * share + per_byte * whole, best, axis=0)[0]
+        return seconds[np.ix_(src.index, dst.index)]
 
     def bucketed(self, shape, item: int, src: Menu, dst: Menu, zero2: np.ndarray,
                  reverse: bool = False) -> Bucketed:

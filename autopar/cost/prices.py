@@ -1,4 +1,5 @@
-"""The cost model: compute as a roofline, communication as alpha-beta per mesh axis, memory.
+"""The cost model's prices: compute (a roofline on CPU ranks; GPU kernels by shape in
+autopar.cost.kernels), collectives, redistributions and FLOP counts.
 
 All times are seconds per training step on one device; all sizes are bytes per device.
 
@@ -10,10 +11,12 @@ under the ring:
     all-reduce      L + 2(n-1) a + 2(n-1)/n * bytes / B   (a reduce-scatter and an all-gather in one call)
     all-to-all      L + (n-1) a + (n-1)/n * bytes / B
 
-L is the fixed cost of one collective call (launch and synchronisation).  Where the
-device's library runs other algorithms too (DeviceSpec.algorithms: NCCL's double binary
-tree), each call is priced at the cheapest (autopar.cost.collectives: the tree's logarithmic
-latency wins on small all-reduces and on many ranks).
+L is the fixed cost of one collective call (launch and synchronisation).  That is the
+model of gloo (the CPU preset), of a calibrated device's measured lines and of an axis
+given its own bandwidth or latency.  A device that runs NCCL (the GPU presets) is priced as
+NCCL runs each call instead (autopar.cost.nccl): its algorithm and protocol by message
+size, on the group's placement over nodes (k ranks per node share k NICs), each call at
+the cheapest line (autopar.cost.collectives).
 
 A redistribution costs exactly the steps the runtime runs: `autopar.cost.redistribution`
 plans them (axis by axis, shrinking steps before growing ones, an all-to-all where a shard
@@ -22,6 +25,7 @@ bytes a rank holds when it runs.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 
@@ -30,8 +34,9 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from autopar.cost import collectives
-from autopar.mesh import Mesh
+from autopar.cost import collectives, nccl
+from autopar.cost.collectives import Line
+from autopar.mesh import NCCL, Mesh
 from autopar.cost.redistribution import COLLECTIVES, layout_code, plan_rows
 
 
@@ -84,17 +89,61 @@ def axis_link(kind: str, axis: int, mesh: Mesh) -> tuple:
     return bandwidth, latency, launch
 
 
+def runs_nccl(kind: str, axes: tuple, mesh: Mesh) -> bool:
+    """Whether `kind` calls on mesh `axes` are priced by autopar.cost.nccl: the device runs
+    NCCL (DeviceSpec.algorithms == autopar.mesh.NCCL), has no measured line for `kind` on
+    these axes' links (`autopar calibrate`'s lines are kept), and the user gave none of the
+    axes its own bandwidth or latency (Mesh(bandwidth=..., latency=...): those axes keep the
+    alpha-beta lines of autopar.cost.collectives with the numbers given)."""
+    dev = mesh.device
+    if dev.algorithms != NCCL:
+        return False
+    for a in axes:
+        inside = mesh.inside[a]
+        own = ((dev.intra_bandwidth, dev.intra_latency) if inside else (dev.inter_bandwidth, dev.inter_latency))
+        if dev.link(kind, inside) is not None or (mesh.bandwidth[a], mesh.latency[a]) != own:
+            return False
+    return True
+
+
+@functools.lru_cache(maxsize=4096)
+def axis_lines(kind: str, axes: tuple, mesh: Mesh) -> tuple:
+    """The `Line`s one `kind` call may run as on the group of ranks along mesh `axes` (one
+    axis, or the several one all-reduce spans), bytes as in `collective_time`.  Under NCCL
+    (`runs_nccl`): autopar.cost.nccl on the group's placement (`Mesh.placement`), the lines
+    cheapest at some size, labelled "algorithm/protocol".  Otherwise: one line per algorithm
+    of the device (autopar.cost.collectives) with `axis_link`, on one axis."""
+    if runs_nccl(kind, axes, mesh):
+        dev = mesh.device
+        per_node, nodes = mesh.placement(axes)
+        group = nccl.Group(math.prod(mesh.shape[a] for a in axes), per_node, nodes)
+        return nccl.lines(kind, group, nccl.family(dev.name), dev.intra_bandwidth, dev.inter_bandwidth)
+    (axis,) = axes
+    bandwidth, latency, launch = axis_link(kind, axis, mesh)
+    return tuple(Line(alg, *collectives.line(kind, alg, mesh.shape[axis], bandwidth, latency, launch))
+                 for alg in mesh.device.algorithms)
+
+
 def send_time(nbytes: float, axis: int, mesh: Mesh) -> float:
-    """One point-to-point send of `nbytes` between neighbours on `axis` (a pipeline cut)."""
+    """One point-to-point send of `nbytes` between neighbours on `axis` (a pipeline cut).
+    Under NCCL: one send/recv pair (autopar.cost.nccl.send_lines), over NVLink where the
+    axis lies inside a node, else through one NIC."""
+    if runs_nccl("send", (axis,), mesh):
+        dev = mesh.device
+        lines = nccl.send_lines(mesh.inside[axis], nccl.family(dev.name), dev.intra_bandwidth, dev.inter_bandwidth)
+        return min(ln.seconds(nbytes) for ln in lines)
     bandwidth, latency, launch = axis_link("send", axis, mesh)
     return launch + latency + nbytes / bandwidth
 
 
 def collective_choice(kind: str, nbytes: float, axis: int, mesh: Mesh) -> tuple:
-    """(algorithm, seconds) of one collective call on mesh axis `axis`: the cheapest of the
-    device's algorithms (autopar.cost.collectives)."""
-    bandwidth, latency, launch = axis_link(kind, axis, mesh)
-    return collectives.choose(kind, nbytes, mesh.shape[axis], bandwidth, latency, launch, mesh.device.algorithms)
+    """(algorithm, seconds) of one collective call on mesh axis `axis`: the cheapest of its
+    `axis_lines` (ties: the first)."""
+    lines = axis_lines(kind, (axis,), mesh)
+    if mesh.shape[axis] <= 1 or nbytes == 0:
+        return lines[0].algorithm, 0.0
+    best = min(lines, key=lambda ln: ln.seconds(nbytes))
+    return best.algorithm, best.seconds(nbytes)
 
 
 def collective_time(kind: str, nbytes: float, axis: int, mesh: Mesh) -> float:
@@ -121,10 +170,10 @@ def redistribute_codes(shape, itemsize: int, src: tuple, dst: tuple, mesh: Mesh)
     if src == dst:
         return ()
     whole = (math.prod(shape) if shape else 1) * itemsize
-    priced = [_price_rows(src, dst, mesh, alg) for alg in mesh.device.algorithms]
-    k = min(range(len(priced)), key=lambda i: sum(f + b * whole for _, _, _, f, b in priced[i]))
-    return tuple(CommStep(kind, a, whole * share, fixed + per_byte * whole, mesh.device.algorithms[k], fixed)
-                 for kind, a, share, fixed, per_byte in priced[k])
+    priced = _price_rows(src, dst, mesh)
+    k = min(range(len(priced)), key=lambda i: sum(f + b * whole for _, _, _, f, b, _ in priced[i]))
+    return tuple(CommStep(kind, a, whole * share, fixed + per_byte * whole, algorithm, fixed)
+                 for kind, a, share, fixed, per_byte, algorithm in priced[k])
 
 
 class Row:
@@ -153,16 +202,18 @@ def redistribute_price(src: tuple, dst: tuple, mesh: Mesh) -> np.ndarray:
     ONE_ALL_GATHER where the whole move is one all-gather and in ONE_REDUCE_SCATTER where it
     is one reduce-scatter (the moves of a ZeRO-3 weight the runtime groups into
     buckets, autopar/runtime/reshard.py).  Lets a whole table of layout pairs be priced once and
-    scaled to every tensor size, where the cheapest algorithm is taken."""
-    algorithms = mesh.device.algorithms
-    out = np.zeros((PRICE_ROWS, len(algorithms)))
+    scaled to every tensor size, where the cheapest algorithm is taken.  The columns are
+    `_price_rows`': one per algorithm of a library priced in autopar.cost.collectives; under
+    NCCL, collectives.NCCL_COLUMNS lines of (algorithm, protocol) choices, each the cheapest
+    over a stretch of sizes."""
+    out = np.zeros((PRICE_ROWS, collectives.columns(mesh.device)))
     if src == dst:
         return out
     steps = plan_rows(src, dst, mesh.shape)
     if len(steps) == 1 and steps[0][0] in ("all_gather", "reduce_scatter"):
         out[Row.ONE_ALL_GATHER if steps[0][0] == "all_gather" else Row.ONE_REDUCE_SCATTER] = 1.0
-    for j, alg in enumerate(algorithms):
-        for kind, _, _, f, b in _price_rows(src, dst, mesh, alg):
+    for j, column in enumerate(_price_rows(src, dst, mesh)):
+        for kind, _, _, f, b, _ in column:
             out[Row.FIXED, j] += f
             out[Row.PER_BYTE, j] += b
             if kind == "all_gather":
@@ -185,34 +236,56 @@ def bucket_share(nbytes: float) -> float:
     return min(1.0, nbytes / BUCKET_BYTES)
 
 
-def _price_rows(src: tuple, dst: tuple, mesh: Mesh, algorithm: str = "ring") -> list:
-    """(kind, axis, share, fixed s, s per byte of the whole tensor) per collective of the
-    planned steps under `algorithm`, share being the fraction of the whole tensor
-    `collective_time` reads (an all-gather's output, any other's input).
+def _price_rows(src: tuple, dst: tuple, mesh: Mesh) -> list:
+    """The planned steps' collectives priced, as columns (`collectives.columns`): each a list
+    of (kind, axis, share, fixed s, s per byte of the whole tensor, algorithm) per
+    collective, share being the fraction of the whole tensor `collective_time` reads (an
+    all-gather's output, any other's input).  Column j runs every collective under the
+    device's j-th algorithm; under NCCL, column j is one of the few combinations of
+    (algorithm, protocol) per collective that is the cheapest over some stretch of the
+    tensor's sizes (`collectives.combine`).
 
-    An all-reduce over several axes is one call, priced as a hierarchical one and listed
-    per axis, fastest axis first: that axis reduce-scatters and all-gathers the whole
-    local tensor, the next one all-reduces the 1/n left, and so on; one launch in all."""
-    rows = []
+    An all-reduce over several axes is one call (autopar/runtime/grad_sync.py), listed per
+    axis, fastest axis first.  Under NCCL it is priced as one call on the group of all those
+    axes (the first row; the others cost 0 s).  Otherwise as a hierarchical one: the fastest
+    axis reduce-scatters and all-gathers the whole local tensor, the next one all-reduces the
+    1/n left, and so on; one launch in all."""
+    algorithms = mesh.device.algorithms
+    steps = []   # (kind, axis, share, lines in the whole tensor's bytes; None: priced with the step before)
     for kind, a, _, _, share, span in plan_rows(src, dst, mesh.shape):
         if kind not in COLLECTIVES:
             continue
         if kind == "all_reduce":
             levels = sorted((a,) + span, key=lambda x: -axis_link(kind, x, mesh)[0]) if span else (a,)
+            if runs_nccl(kind, levels, mesh):
+                for i, x in enumerate(levels):
+                    steps.append((kind, x, share, None if i else tuple(ln.scaled(share) for ln in
+                                                                        axis_lines(kind, tuple(levels), mesh))))
+                    share /= mesh.shape[x]
+                continue
             first = True
             for x in levels:
                 bandwidth, latency, launch = axis_link(kind, x, mesh)
-                f, b = collectives.line(kind, algorithm, mesh.shape[x], bandwidth, latency, launch if first else 0.0)
-                rows.append((kind, x, share, f, b * share))
+                steps.append((kind, x, share, tuple(
+                    Line(alg, *collectives.line(kind, alg, mesh.shape[x], bandwidth, latency,
+                                                launch if first else 0.0)).scaled(share) for alg in algorithms)))
                 share, first = share / mesh.shape[x], False
             continue
-        n = mesh.shape[a]  # > 1: the planner gives axes of size 1 no step
         if kind == "all_gather":
-            share *= n
-        bandwidth, latency, launch = axis_link(kind, a, mesh)
-        f, b = collectives.line(kind, algorithm, n, bandwidth, latency, launch)
-        rows.append((kind, a, share, f, b * share))
-    return rows
+            share *= mesh.shape[a]  # > 1: the planner gives axes of size 1 no step
+        steps.append((kind, a, share, tuple(ln.scaled(share) for ln in axis_lines(kind, (a,), mesh))))
+    if algorithms == NCCL:
+        chosen = collectives.combine([lines for *_, lines in steps if lines is not None], collectives.NCCL_COLUMNS)
+    else:
+        chosen = [tuple(lines[j] for *_, lines in steps) for j in range(len(algorithms))]
+    columns = []
+    for picks in chosen:
+        picks, rows, last = iter(picks), [], None
+        for kind, a, share, lines in steps:
+            last = next(picks) if lines is not None else Line(last.algorithm, 0.0, 0.0)
+            rows.append((kind, a, share, last.fixed, last.per_byte, last.algorithm))
+        columns.append(rows)
+    return columns
 
 
 def grad_target(placement):

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
+from autopar.cost import kernels as K
 from autopar.cost import prices as C
 from autopar.cost.layout_prices import LayoutPrices, menu
 from autopar.mesh import Mesh
@@ -268,12 +269,10 @@ class Problem:
         if pn.op in VIEWS:
             compute = 0.0
         else:
-            attention = pn.op in ATTENTION_OPS
-            compute = C.roofline(work.fwd_flops / s.factor, in_bytes + out_bytes, dtype, mesh, attention=attention)
-            forward = compute
+            compute = forward = self._op_seconds(pn, s, work.fwd_flops / s.factor, in_bytes + out_bytes, dtype)
             if pn.requires_grad:
-                compute += C.roofline(work.bwd_flops / s.factor, 2 * (in_bytes + out_bytes), dtype, mesh, kernels=2,
-                                      attention=attention)
+                compute += self._op_seconds(pn, s, work.bwd_flops / s.factor, 2 * (in_bytes + out_bytes), dtype,
+                                            backward=True)
         # kept for backward (see _find_saved): a storage several ops keep is stored once, so
         # each holder carries its share
         mem["activations"] = sum(self.held_bytes(pn, s, it) / (self.savers[it[0]] if it[0] is not None else 1)
@@ -293,6 +292,17 @@ class Problem:
         work = 0.0 if pn.op in VIEWS else in_bytes + out_bytes + sum(
             self.held_bytes(pn, s, it) for it in self.holdings.get(pn.index, ()) if it[1] == "new")
         return Choice(compute, tuple(comm), mem, forward_s=forward + sum(comm) / 2, work=work)
+
+    def _op_seconds(self, pn: PNode, s: Strategy, flops: float, nbytes: float, dtype, backward: bool = False) -> float:
+        """Seconds of one op's forward (or backward: two kernels) under strategy s: by its
+        kernel's shape on a device that describes its kernels (cost.kernels), else a
+        roofline."""
+        mesh = self.mesh
+        count = 2 if backward else 1
+        if mesh.device.kernels is None:
+            return C.roofline(flops, nbytes, dtype, mesh, kernels=count, attention=pn.op in ATTENTION_OPS)
+        shapes = [K.local_shape(self.nodes[src].out_shapes[o], p, mesh.shape) for (src, o), p in zip(pn.inputs, s.inputs)]
+        return K.seconds(K.kernel_of(pn.op, pn.node, shapes), flops, nbytes, dtype, mesh, backward=backward, count=count)
 
     def _param_choice(self, pn: PNode, s: Strategy) -> Choice:
         """Model states of a parameter stored in layout s.outputs[0] (ZeRO, Rajbhandari et al.
