@@ -43,12 +43,15 @@ class Solved:
     memory: bytes per device the plan needs, the ILP's linear sum plus `beyond`; beyond:
     what it needs past that sum (recompute.beyond_linear: the working memory of its busiest
     op or recomputed layer, activations counted storage by storage), where the next solve
-    of the same problem starts its working-memory reserve."""
+    of the same problem starts its working-memory reserve.  kept: where this plan recomputes
+    layers, the plan the same budget fits keeping every activation (when one fits), whose
+    summed objective lost but whose overlap may still win (overlap.solve_problem)."""
 
     choice: Assignment
     solution: Solution
     memory: float
     beyond: float = 0.0
+    kept: "Solved | None" = None
 
     @property
     def objective(self) -> float:
