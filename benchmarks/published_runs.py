@@ -21,7 +21,10 @@ data-parallel degree) of them; one sequence each where the source does not say) 
 planned on one micro-step's batch, whose activations are what the device holds, and its
 step is that many micro-steps' forward and backward (with FSDP's gathers and
 reduce-scatters in each) plus, once, the optimizer step, the weight gathers after it and,
-for a run that is not FSDP, the gradient reduction (`step_seconds`).
+for a run that is not FSDP, the gradient reduction (`step_seconds`).  Overlaps a run states
+that autopar's runtime does not have (Megatron-LM's parameter-gather and tensor-parallel
+communication overlap) are taken off the same way; a pipelined run's step is the
+schedule's.
 
 It prints every row (pred/meas), then per source and overall the median |pred/meas - 1|
 and Spearman's rank correlation, for the fitting rows and the held-out rows apart (the
@@ -110,15 +113,18 @@ def step_seconds(plan, run: dict) -> float:
     does not hide counts."""
     if plan.pipeline is not None:
         return plan.pipeline.step_s
-    pred, steps = plan.predicted, accumulation(run)
-    if steps == 1:
-        return pred.step_s
-    par = run["parallel"]
-    once = sum(n.compute_s for n in plan.nodes if n.op == "parameter")   # the optimizer's step
-    once += sum(c.seconds for c in plan.collectives_of(phase="step"))
-    if not (par.get("fsdp") or (par.get("zero") or 0) >= 3):
-        once += max(pred.overlappable_s - pred.hidden_s, 0.0)
-    return steps * (pred.step_s - once) + once
+    pred, steps, par = plan.predicted, accumulation(run), run["parallel"]
+    optimizer = sum(n.compute_s for n in plan.nodes if n.op == "parameter")
+    gathers = sum(c.seconds for c in plan.collectives_of(phase="step"))
+    grads = 0.0 if par.get("fsdp") or (par.get("zero") or 0) >= 3 else max(pred.overlappable_s - pred.hidden_s, 0.0)
+    # overlaps the run has and autopar's runtime does not: Megatron-LM's --overlap-param-gather
+    # hides the distributed optimizer's gathers behind the next step's first forward (about a
+    # third of a micro-step's compute), --tp-comm-overlap the tensor-parallel collectives
+    # behind the GEMMs they feed
+    shown = max(gathers - pred.compute_s / 3, 0.0) if par.get("dp_overlap") else gathers
+    tp_hidden = pred.comm_s.get("tp", 0.0) if par.get("tp_comm_overlap") else 0.0
+    once = optimizer + gathers + grads
+    return steps * (pred.step_s - once - tp_hidden) + optimizer + shown + grads
 
 
 def build_model(run: dict):
@@ -281,6 +287,7 @@ def main(argv=None) -> int:
                         help="at most this many rows per source, drawn with a fixed seed (0: all)")
     parser.add_argument("--json", help="write the rows here as JSON")
     parser.add_argument("--no-free", action="store_true", help="skip autopar's own plan of each job")
+    parser.add_argument("--markdown", help="write the summary and every row here as a markdown table")
     args = parser.parse_args(argv)
     runs = json.loads(DATA.read_text())["runs"]
     runs = [r for r in runs if (args.fp8 or not r.get("fp8")) and (not args.source or r["source"] in args.source)]
@@ -330,7 +337,29 @@ def main(argv=None) -> int:
                   f"{r['memory_gib'] / r['measured_memory_gib']:.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1, default=float))
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(rows))
     return 0
+
+
+def markdown(rows: list) -> str:
+    """The summary per source and split, then every row, as markdown tables."""
+    out = ["| source | split | rows | median \\|pred/meas - 1\\| | Spearman |", "| --- | --- | --- | --- | --- |"]
+    out += [f"| {g} | {split} | {n} | {err:.1%} | {rho:.2f} |" for g, split, n, err, rho in summary(rows)]
+    out += ["", "| run | source | split | forced layout | measured tok/s/GPU | predicted | pred/meas | memory GiB "
+            "(predicted / measured) | autopar's own plan (speedup over the published layout) |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        if "ratio" not in r:
+            out.append(f"| {r['id']} | {r['source']} | {r['split']} | not planned: {r['skipped']} | | | | | |")
+            continue
+        memory = f"{r['memory_gib']:.1f}" + (f" / {r['measured_memory_gib']:.1f}" if r.get("measured_memory_gib") else "")
+        if r["over_memory"]:
+            memory += " (over)"
+        free = f"{r['speedup']:.2f}x ({r['free']})" if "speedup" in r else r.get("free", "")
+        out.append(f"| {r['id']} | {r['source']} | {r['split']} | {r['layout']} | {r['measured']:.0f} | "
+                   f"{r['predicted']:.0f} | {r['ratio']:.2f} | {memory} | {free} |")
+    return "\n".join(out) + "\n"
 
 
 if __name__ == "__main__":
