@@ -28,9 +28,11 @@ class KernelEfficiency:
     library takes whichever tile wastes least.  k_half: the reduction length at which a
     tile's fixed prologue and epilogue equal its main loop (efficiency k / (k + k_half),
     normalised to a 8192-long reduction).
-    attention: (forward, backward) rate of the fused flash-attention kernel as a fraction
-    of `flops`, at head dim 128 and long sequences, counting only the blocks a causal mask
-    leaves (the kernel skips the rest); head_dim_exponent: the rate scales as
+    attention: (forward, backward) rate of the fused attention kernel torch's
+    scaled_dot_product_attention runs on this part today, as a fraction of `flops`, at head
+    dim 128 and long sequences, counting only the blocks a causal mask leaves (the kernel
+    skips the rest); attention_kernels: other named kernels' (forward, backward) rates
+    (older software: "flash-attn-2", "flash-attn-1"; see with_attention); head_dim_exponent: the rate scales as
     (head_dim / 128) ** exponent below 128; attention_seq_half: the sequence length at
     which per-block overheads halve the rate (rate x s / (s + half)).
     attention_kernel: "flash" (a fused kernel that never writes the score matrix, at the
@@ -38,6 +40,10 @@ class KernelEfficiency:
     skip, and a softmax, mask and dropout that read and write the s x s scores
     `score_passes` (forward, backward) times each, at memory bandwidth: attention before
     fused kernels, as Megatron-LM ran it in 2021-22).
+    reduction: the share of the memory bandwidth norms and softmax reach (they reduce along
+    rows; fitted to the one-H200 check of 2026-11-26, docs/gpu/: layer norm, RMS norm and
+    softmax forward and backward ran at 0.30-0.78 of the elementwise roofline, geometric
+    mean 0.53).
     gap: device seconds between two dependent kernels (launch and tail), paid per kernel
     on top of its work.  Sources per preset in autopar/mesh.py."""
 
@@ -45,36 +51,43 @@ class KernelEfficiency:
     tiles: tuple = ((128, 256, 1.0), (128, 128, 0.92), (64, 128, 0.78), (64, 64, 0.55), (16, 64, 0.3))
     k_half: float = 64.0
     attention: tuple = (0.75, 0.6)
+    attention_kernels: tuple = ()
     head_dim_exponent: float = 0.2
     attention_seq_half: float = 128.0
     attention_kernel: str = "flash"
     score_passes: tuple = (4.0, 8.0)
+    reduction: float = 0.53
     gap: float = 1.5e-6
 
     def with_attention(self, kernel: str) -> "KernelEfficiency":
-        """These kernels with another attention implementation: "flash-attn-2" (the presets'
-        rates; what torch's scaled_dot_product_attention runs), "flash-attn-1" (half those
-        rates: FlashAttention-2 is about twice as fast, Dao 2023, fig. 4-7) or "unfused"
-        (the score matrix materialised, see attention_kernel)."""
-        if kernel == "flash-attn-2":
+        """These kernels with another attention implementation: "sdpa" (torch's
+        scaled_dot_product_attention today: `attention`), a named kernel of
+        `attention_kernels` ("flash-attn-2", "flash-attn-1": the software of a given year),
+        or "unfused" (the score matrix materialised, see attention_kernel)."""
+        named = dict(self.attention_kernels)
+        if kernel == "sdpa":
             return self
-        if kernel == "flash-attn-1":
-            return replace(self, attention=tuple(a / 2 for a in self.attention))
+        if kernel in named:
+            return replace(self, attention=tuple(named[kernel]))
         if kernel == "unfused":
             return replace(self, attention_kernel="unfused")
-        raise ValueError(f"unknown attention kernel {kernel!r}; one of 'flash-attn-2', 'flash-attn-1', 'unfused'")
+        raise ValueError(f"unknown attention kernel {kernel!r}; one of {['sdpa', *named, 'unfused']}")
 
     def to_dict(self) -> dict:
         return {"sms": self.sms, "tiles": [list(t) for t in self.tiles], "k_half": self.k_half,
-                "attention": list(self.attention), "head_dim_exponent": self.head_dim_exponent,
+                "attention": list(self.attention),
+                "attention_kernels": [[name, list(rates)] for name, rates in self.attention_kernels],
+                "head_dim_exponent": self.head_dim_exponent,
                 "attention_seq_half": self.attention_seq_half, "attention_kernel": self.attention_kernel,
-                "score_passes": list(self.score_passes), "gap": self.gap}
+                "score_passes": list(self.score_passes), "reduction": self.reduction, "gap": self.gap}
 
     @classmethod
     def from_dict(cls, data: dict) -> "KernelEfficiency":
         d = dict(data)
         d["tiles"] = tuple((int(a), int(b), float(r)) for a, b, r in d.get("tiles", cls.tiles))
         d["attention"] = tuple(float(x) for x in d.get("attention", cls.attention))
+        d["attention_kernels"] = tuple((str(name), tuple(float(x) for x in rates))
+                                       for name, rates in d.get("attention_kernels", ()))
         d["score_passes"] = tuple(float(x) for x in d.get("score_passes", cls.score_passes))
         if d.get("attention_kernel", "flash") not in ("flash", "unfused"):
             raise ValueError(f"kernels attention_kernel {d['attention_kernel']!r}: one of 'flash', 'unfused'")
@@ -230,14 +243,21 @@ def _gpu(name: str, peaks: dict, hbm: float, memory: float, nvlink: float, netwo
 
 
 # How the presets' kernels fall below those rates by shape (KernelEfficiency).  SMs from the
-# datasheets (H100/H200 SXM 132, A100 108).  Flash attention's rate per FLOP it computes
-# (a causal mask's skipped blocks not counted), as a fraction of the preset's GEMM rate:
-# FlashAttention-2 on A100 (Dao 2023, fig. 4-6: up to 73 % of the bf16 peak forward, 63 %
-# backward, head dim 128; 0.70 and 0.60 of 312 TFLOP/s against the preset's 234) and on
-# H100 SXM (Shah et al. 2024, FlashAttention-3, fig. 5-6: FlashAttention-2 about 350 TFLOP/s
-# forward and 295 backward at head dim 128, long sequences; against the preset's 742).
-HOPPER_KERNELS = KernelEfficiency(sms=132, attention=(0.47, 0.40))
-AMPERE_KERNELS = KernelEfficiency(sms=108, attention=(0.93, 0.80))
+# datasheets (H100/H200 SXM 132, A100 108).  Attention's rate per FLOP it computes (a causal
+# mask's skipped blocks not counted), as a fraction of the preset's GEMM rate:
+# - today's torch scaled_dot_product_attention on Hopper: measured on one H200 (torch 2.11,
+#   benchmarks/gpu_check.py, 2026-11-26, docs/gpu/): causal, head dim 128, 8,192 tokens,
+#   620 TFLOP/s forward and 373 backward against the preset's 742: 0.84 and 0.50;
+# - FlashAttention-2 on H100 SXM (Shah et al. 2024, FlashAttention-3, fig. 5-6: about 350
+#   TFLOP/s forward and 295 backward at head dim 128): 0.47 and 0.40; on A100 (Dao 2023,
+#   fig. 4-6: 73 % of the bf16 peak forward, 63 % backward): 0.93 and 0.80, which is also
+#   what torch's kernel runs there;
+# - FlashAttention-1: half FlashAttention-2's rates (Dao 2023: FlashAttention-2 is about
+#   twice as fast).
+HOPPER_KERNELS = KernelEfficiency(sms=132, attention=(0.84, 0.50),
+                                  attention_kernels=(("flash-attn-2", (0.47, 0.40)), ("flash-attn-1", (0.235, 0.20))))
+AMPERE_KERNELS = KernelEfficiency(sms=108, attention=(0.93, 0.80),
+                                  attention_kernels=(("flash-attn-2", (0.93, 0.80)), ("flash-attn-1", (0.465, 0.40))))
 
 _HOPPER = {"float32": 67e12, "tfloat32": 494e12, "bfloat16": 989e12, "float16": 989e12}   # H100/H200 SXM, dense
 _AMPERE = {"float32": 19.5e12, "tfloat32": 156e12, "bfloat16": 312e12, "float16": 312e12}  # A100 SXM, dense

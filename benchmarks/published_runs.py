@@ -165,8 +165,7 @@ def forced(run: dict) -> tuple[autopar.Mesh, dict]:
     preset, _ = PRESET_OF.get(run["hardware"]["gpu"], ("h100", False))
     device = autopar.mesh.PRESETS[preset]
     # the run's attention implementation (the data file says which its software stack ran)
-    device = dataclasses.replace(device, kernels=device.kernels.with_attention(run.get("attention_kernel",
-                                                                                      "flash-attn-2")))
+    device = dataclasses.replace(device, kernels=device.kernels.with_attention(run.get("attention_kernel", "sdpa")))
     mesh = autopar.Mesh(shape, names, device=device)
     sharded = par.get("fsdp") or (par.get("zero") or 0) >= 3
     tp, cp = (par.get("tp") or 1) > 1, (par.get("cp") or 1) > 1
@@ -198,6 +197,30 @@ def forced(run: dict) -> tuple[autopar.Mesh, dict]:
     return mesh, kw
 
 
+def terms(plan, run: dict) -> dict:
+    """The parts of a plan's step per micro-step, by name: compute, communication per mesh
+    axis less what overlaps, or, pipelined, the schedule's step and bubble; and what the
+    run's own overlaps take off (step_seconds)."""
+    if plan.pipeline is not None:
+        pp = plan.pipeline
+        return {"pipeline step": pp.step_s}
+    pred = plan.predicted
+    out = {"compute": pred.compute_s, "hidden communication": -pred.hidden_s}
+    out.update({f"communication on {axis}": s for axis, s in pred.comm_s.items()})
+    out["the run's own overlaps"] = step_seconds(plan, run) / accumulation(run) - pred.step_s
+    return out
+
+
+def deciding(forced: dict, free: dict, slower: bool) -> str:
+    """The term whose difference most explains why the free plan is slower (the one it
+    pays most more for) or faster (the one it saves most on)."""
+    names = sorted(set(forced) | set(free))
+    delta_of = {k: free.get(k, 0.0) - forced.get(k, 0.0) for k in names}
+    name = max(names, key=delta_of.get) if slower else min(names, key=delta_of.get)
+    delta = delta_of[name]
+    return f"{name} {'+' if delta >= 0 else '-'}{abs(delta) * 1e3:.1f} ms per micro-step"
+
+
 def free_plan(run: dict, model, example, mesh: autopar.Mesh, forced_kw: dict) -> dict:
     """autopar's own plan of the same job: nothing forced, stages searched where the run has a
     pp axis; its predicted step against the forced layout's, and what differs."""
@@ -212,7 +235,8 @@ def free_plan(run: dict, model, example, mesh: autopar.Mesh, forced_kw: dict) ->
     if plan.recompute is not None and plan.recompute.layers:
         modes = collections.Counter(plan.recompute.layers.values())
         what += ", recompute " + ", ".join(f"{mode} x{n}" for mode, n in sorted(modes.items()))
-    return {"free_step_s": step, "free_plan_s": time.perf_counter() - start, "free": what}
+    return {"free_step_s": step, "free_plan_s": time.perf_counter() - start, "free": what,
+            "free_terms": terms(plan, run)}
 
 
 def replay(run: dict, free: bool = True) -> dict:
@@ -245,6 +269,11 @@ def replay(run: dict, free: bool = True) -> dict:
         try:
             row.update(free_plan(run, model, example, mesh, kw))
             row["speedup"] = step / row["free_step_s"]
+            if abs(row["speedup"] - 1) > 0.005:
+                why = deciding(terms(plan, run), row.pop("free_terms"), row["speedup"] < 1)
+                row["free"] += f"; decides: {why}"
+            else:
+                row.pop("free_terms")
         except Exception as exc:
             row["free"] = f"not planned: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
     return row

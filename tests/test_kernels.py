@@ -43,18 +43,29 @@ def test_small_and_skinny_gemms_run_below_the_large_rate():
     assert spill < 0.75 * full
 
 
-def test_flash_attention_rates_match_the_published_flashattention2_figures():
-    # H100 SXM, head dim 128, causal, 16k tokens: FlashAttention-2 about 350 TFLOP/s forward
-    # and 295 backward per FLOP it computes (Shah et al. 2024); the counter counts the square
+def test_attention_rates_match_the_published_and_measured_figures():
     b, h, s, d = 1, 32, 16384, 128
     shape = K.FlashAttention(s, s, d, causal=True)
-    square = 4 * b * h * s * s * d
-    fwd = K.seconds(shape, square, 0.0, BF16, H100)
-    bwd = K.seconds(shape, 2 * square, 0.0, BF16, H100, backward=True, count=2)
+    square = 4 * b * h * s * s * d   # the counter counts the whole square; the kernel computes half
+    # H100 SXM, head dim 128, causal, 16k tokens: FlashAttention-2 about 350 TFLOP/s forward
+    # and 295 backward per FLOP it computes (Shah et al. 2024)
+    fa2 = autopar.Mesh((8,), ("dp",), device=dataclasses.replace(
+        PRESETS["h100"], kernels=PRESETS["h100"].kernels.with_attention("flash-attn-2")))
+    fwd = K.seconds(shape, square, 0.0, BF16, fa2)
+    bwd = K.seconds(shape, 2 * square, 0.0, BF16, fa2, backward=True, count=2)
     assert square / 2 / fwd == pytest.approx(350e12, rel=0.05)
     assert square / bwd == pytest.approx(295e12, rel=0.05)
+    # torch's own kernel today, as one H200 measured it (8,192 tokens: 882 us forward, 3,830
+    # forward and backward; docs/gpu/2026-11-26-h200-gpu_check-after-reliability.json)
+    h200 = autopar.Mesh((1,), ("dp",), device="h200")
+    short = K.FlashAttention(8192, 8192, 128, causal=True)
+    sq = 4 * 32 * 8192 * 8192 * 128
+    fwd_m = K.seconds(short, sq, 0.0, BF16, h200)
+    both = fwd_m + K.seconds(short, 2 * sq, 0.0, BF16, h200, backward=True, count=2)
+    assert fwd_m == pytest.approx(882e-6, rel=0.1)
+    assert both == pytest.approx(3830e-6, rel=0.1)
     # without the mask the kernel computes the whole square: about twice the time
-    full = K.seconds(dataclasses.replace(shape, causal=False), square, 0.0, BF16, H100)
+    full = K.seconds(dataclasses.replace(shape, causal=False), square, 0.0, BF16, fa2)
     assert full / fwd == pytest.approx(2.0, rel=0.02)
     # smaller heads and short sequences run slower per FLOP
     small = K.attention_efficiency(K.FlashAttention(512, 512, 64, True), H100.device.kernels, False)
@@ -78,8 +89,11 @@ def test_unfused_attention_pays_for_the_score_matrix():
 
 def test_attention_kernel_choices_and_bad_names():
     kern = PRESETS["h100"].kernels
-    assert kern.with_attention("flash-attn-2") == kern
-    assert kern.with_attention("flash-attn-1").attention == tuple(a / 2 for a in kern.attention)
+    assert kern.with_attention("sdpa") == kern
+    fa2 = kern.with_attention("flash-attn-2").attention
+    assert fa2 != kern.attention
+    assert kern.with_attention("flash-attn-1").attention == tuple(a / 2 for a in fa2)
+    assert PRESETS["a100"].kernels.with_attention("flash-attn-2") == PRESETS["a100"].kernels.with_attention("sdpa")
     with pytest.raises(ValueError, match="unknown attention kernel 'flash-attn-9'"):
         kern.with_attention("flash-attn-9")
     with pytest.raises(ValueError, match="attention_kernel 'fused'"):
@@ -142,3 +156,19 @@ def test_small_models_are_priced_slower_per_flop_than_large_ones():
     small, large = mfu(768, 12, 6), mfu(4096, 4, 32)
     assert small < 0.9 * large < large <= 1.0
     assert not math.isnan(small)
+
+
+def test_norms_run_below_the_bandwidth_and_adds_backward_is_free():
+    """Norms and softmax reduce along rows and stream at KernelEfficiency.reduction of the
+    bandwidth an elementwise kernel reaches; an add of two same-shaped tensors hands its
+    gradient on without a kernel (the one-H200 check measured add's forward and backward
+    at the forward's time)."""
+    dev = H100.device
+    nbytes = 2 * 16384 * 4096 * 2
+    norm = K.seconds(K.kernel_of("aten.layer_norm", None, [(16384, 4096)]), 0.0, nbytes, BF16, H100)
+    plain = K.seconds(None, 0.0, nbytes, BF16, H100)
+    assert norm - dev.kernels.gap == pytest.approx((plain - dev.kernels.gap) / dev.kernels.reduction)
+    add = K.kernel_of("aten.add", None, [(4, 8), (4, 8)])
+    assert K.seconds(add, 0.0, nbytes, BF16, H100, backward=True, count=2) == 0.0
+    bias = K.kernel_of("aten.add", None, [(4, 8), (8,)])   # broadcast: backward sums over rows
+    assert bias is None and K.seconds(bias, 0.0, nbytes, BF16, H100, backward=True, count=2) > 0

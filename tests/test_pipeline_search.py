@@ -245,7 +245,8 @@ def test_search_never_loses_to_the_plain_plan(name, batch, shape, bandwidth, bud
     # the bound that lets the planner skip the plain plan holds for the plan it skips
     problem = build_problem(model, mesh, example, None, autopar.MixedPrecision.of("bf16")).problem
     bound = step_lower_bound(problem)
-    assert 0 < bound <= plain.predicted.step_s * (1 + 1e-9)
+    # (the bound comes from the ILP's integer units, each term rounded: 1e-6 relative slack)
+    assert 0 < bound <= plain.predicted.step_s * (1 + 1e-6)
     if not searched.pipeline.pipelined:
         assert searched.predicted.step_s == pytest.approx(plain.predicted.step_s, rel=1e-9)
     elif searched.pipeline.no_pipeline_step_s != pytest.approx(plain.predicted.step_s, rel=1e-9):

@@ -14,6 +14,8 @@ as `prices.roofline` does; a GPU preset prices:
         c = 1/2 + 64 / s_kv with a causal mask (the kernel skips the blocks above the
         diagonal; the FLOP counter counts the whole square), else 1; a = the forward or
         backward fraction of F; d = head dim (capped at 128); s = the query length
+    norms and softmax:      max(bytes / (M r), flops / F) + gap per kernel, r = KernelEfficiency.reduction
+    add, sub of one shape:  forward as below; backward free (the gradient is handed on)
     anything else:          max(bytes / M, flops / F) + gap per kernel
 
 F is the device's GEMM rate (DeviceSpec.flops: what a large square GEMM sustains), M its
@@ -35,6 +37,13 @@ from autopar.mesh import KernelEfficiency, Mesh
 
 MATMUL_OPS = frozenset({"aten.linear", "aten.mm", "aten.addmm", "aten.bmm", "aten.matmul"})
 FLASH_OPS = frozenset({"aten.scaled_dot_product_attention"})
+# memory-bound kernels that reduce along rows (mean and variance, a maximum and a sum): they
+# stream below the bandwidth an elementwise kernel reaches (KernelEfficiency.reduction)
+REDUCTION_OPS = frozenset({"aten.layer_norm", "aten.native_layer_norm", "aten.rms_norm", "aten.group_norm",
+                           "aten.softmax", "aten._softmax", "aten.log_softmax", "aten._log_softmax"})
+# ops whose backward hands the output's gradient to each operand as it is (no kernel) where
+# the operands have one shape
+PASS_THROUGH_OPS = frozenset({"aten.add", "aten.sub"})
 REFERENCE_K = 8192   # the reduction length of the GEMM a device's `flops` describe
 SPLIT_K_MIN = 256    # the shortest reduction slice a split-K GEMM gives one tile
 
@@ -66,6 +75,18 @@ class FlashAttention:
             ", causal" if self.causal else "")
 
 
+@dataclass(frozen=True)
+class Streamed:
+    """A memory-bound kernel: `reduction` (norms, softmax) or elementwise; `pass_through`:
+    its backward runs no kernel."""
+
+    reduction: bool = False
+    pass_through: bool = False
+
+    def __str__(self) -> str:
+        return "reduction" if self.reduction else "elementwise" + (" (backward free)" if self.pass_through else "")
+
+
 def local_shape(shape, placements, mesh_shape) -> tuple:
     """The shape a rank holds of a tensor of global `shape` laid out as `placements`
     (a dim split over an axis of n ranks keeps ceil(size / n))."""
@@ -76,10 +97,14 @@ def local_shape(shape, placements, mesh_shape) -> tuple:
     return tuple(out)
 
 
-def kernel_of(op: str, node: fx.Node, shapes: list) -> Gemm | FlashAttention | None:
+def kernel_of(op: str, node: fx.Node, shapes: list) -> Gemm | FlashAttention | Streamed | None:
     """The kernel shape of one op from its tensor operands' local shapes (in operand
-    order), or None where the op is not a GEMM or flash attention (or its shapes are not
-    the usual ones)."""
+    order): a GEMM, fused attention, a memory-bound reduction or pass-through op, or None
+    (any other op, or shapes that are not the usual ones)."""
+    if op in REDUCTION_OPS:
+        return Streamed(reduction=True)
+    if op in PASS_THROUGH_OPS and len(shapes) >= 1 and all(tuple(x) == tuple(shapes[0]) for x in shapes):
+        return Streamed(pass_through=True)
     if op in MATMUL_OPS:
         if op == "aten.addmm":
             shapes = shapes[1:]
@@ -157,6 +182,8 @@ def seconds(kernel: Gemm | FlashAttention | None, flops: float, nbytes: float, d
     dev = mesh.device
     kernels = dev.kernels
     rate = dev.peak_flops(dtype)
+    if isinstance(kernel, Streamed) and kernel.pass_through and backward:
+        return 0.0
     if isinstance(kernel, Gemm):
         m, n, k, b = kernel.m, kernel.n, kernel.k, kernel.batch
         if backward:
@@ -169,6 +196,8 @@ def seconds(kernel: Gemm | FlashAttention | None, flops: float, nbytes: float, d
         work = unfused_attention_seconds(kernel, flops, nbytes, rate, mesh, backward)
     elif isinstance(kernel, FlashAttention):
         work = max(flops / (rate * attention_efficiency(kernel, kernels, backward)), nbytes / dev.mem_bandwidth)
+    elif isinstance(kernel, Streamed) and kernel.reduction:
+        work = max(flops / rate, nbytes / (dev.mem_bandwidth * kernels.reduction))
     else:
         work = max(flops / rate, nbytes / dev.mem_bandwidth)
     device = work + count * kernels.gap
