@@ -2,7 +2,7 @@
 several layouts and meshes, after calibrating the cost model on the same ranks.
 
 1. `autopar calibrate` (autopar/runtime/calibrate.py) measures the ranks: matmul and memory rates,
-   op latency, and every collective on a (4,) mesh (full groups and pairs); cached per
+   op latency, and every collective on a (ranks,) mesh (full groups and pairs); cached per
    cluster, so a second run reuses it (--recalibrate measures again).
 2. Each case plans the model with the calibrated device (`autopar.plan(..., layout=...)`:
    the best plan within a hand-written layout, or the solver's own plan), compiles it,
@@ -17,8 +17,10 @@ Then a paper check, planned on one process: Llama-3-8B on 8 H100 with FSDP (ZeRO
 8,192-token sequence per GPU, bf16, selective recomputation, predicted tokens/s/GPU next
 to torchtitan's measured 5,762.
 
-Run (4 ranks share this machine's 2 cores; one intra-op thread each):
+Run (4 ranks share this machine's 2 cores; one intra-op thread each; or 2 ranks, one per
+core, with a set of 2-rank layouts):
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 4 benchmarks/cost_accuracy.py
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 benchmarks/cost_accuracy.py
     ... --steps 10 --warmup 3 --hidden 256 --n-layers 4 --batch 8 --seq 64
 """
 from __future__ import annotations
@@ -39,7 +41,19 @@ import autopar
 from autopar.models import build
 from autopar.runtime.calibrate import calibrate
 
-# (label, mesh shape, axis names, plan keywords)
+# (label, mesh shape, axis names, plan keywords), per world size
+CASES_2 = [
+    ("data-parallel (2,)", (2,), ("dp",), {"layout": "data-parallel"}),
+    ("zero2 (2,)", (2,), ("dp",), {"layout": "zero2"}),
+    ("zero3 (2,)", (2,), ("dp",), {"layout": "zero3"}),
+    ("megatron-tp (2,)", (2,), ("tp",), {"layout": "megatron-tp"}),
+    ("megatron-sp (2,)", (2,), ("tp",), {"layout": "megatron-sp"}),
+    ("ulysses (2,)", (2,), ("tp",), {"layout": "ulysses"}),
+    ("context-parallel (2,)", (2,), ("tp",), {"layout": "context-parallel"}),
+    ("solver (2,)", (2,), ("dp",), {}),
+    ("2 stages (1f1b)", (2,), ("pp",),
+     {"pipeline": autopar.Pipeline(axis="pp", groups=2, schedule="1f1b", microbatches=4)}),
+]
 CASES = [
     ("data-parallel (4,)", (4,), ("dp",), {"layout": "data-parallel"}),
     ("zero2 (4,)", (4,), ("dp",), {"layout": "zero2"}),
@@ -92,7 +106,7 @@ def timed_steps(cm, optimizer, inputs, warmup: int, steps: int) -> float:
 
 def measure(args, spec) -> list:
     rows = []
-    for label, shape, names, kw in CASES:
+    for label, shape, names, kw in (CASES if dist.get_world_size() == 4 else CASES_2):
         torch.manual_seed(0)
         model, example = build("gpt-tiny", hidden=args.hidden, n_heads=args.n_heads, n_layers=args.n_layers,
                                batch=args.batch, seq=args.seq)
@@ -144,10 +158,11 @@ def main() -> None:
     args = parser.parse_args()
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    if dist.get_world_size() != 4:
-        raise SystemExit("run on 4 ranks: torchrun --nproc_per_node 4 benchmarks/cost_accuracy.py")
+    world = dist.get_world_size()
+    if world not in (2, 4):
+        raise SystemExit("run on 2 or 4 ranks: torchrun --nproc_per_node 4 benchmarks/cost_accuracy.py")
     start = time.perf_counter()
-    spec = calibrate((4,), ("dp",), force=args.recalibrate)
+    spec = calibrate((world,), ("dp",), force=args.recalibrate)
     log0(f"calibrated in {time.perf_counter() - start:.1f} s: {spec.source}")
     log0(f"GPT hidden {args.hidden}, {args.n_layers} layers, batch {args.batch} x {args.seq}; "
          f"{args.steps} timed steps after {args.warmup}")
