@@ -18,11 +18,9 @@ needed beyond the ILP's sum, so the plan returned is the same for any number of 
 """
 from __future__ import annotations
 
-import dataclasses
-
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from autopar.solve.fitting import priced_solve, solve_modes
 from autopar.solve.forked import forked_map, worker_count
@@ -183,7 +181,7 @@ def solve_summed(problem: Problem, rule, budget, options: SolveOptions = SolveOp
     held = HeldPlan.of(problem, keep.choice) if keep is not None else None
     bounds = [float("inf") if piece is None else piece.bound_under(budget, reserve, held) for piece in pieces]
     found = _search(problem, rule, budget, options, tried, bounds, keep, reserve)
-    return dataclasses.replace(found, kept=keep) if keep is not None and found is not keep else found
+    return replace(found, kept=keep) if keep is not None and found is not keep else found
 
 
 def _keep_all_and_bounds(problem: Problem, rule, budget, options: SolveOptions, tried: list,
