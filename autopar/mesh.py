@@ -45,7 +45,12 @@ class KernelEfficiency:
     softmax forward and backward ran at 0.30-0.78 of the elementwise roofline, geometric
     mean 0.53).
     gap: device seconds between two dependent kernels (launch and tail), paid per kernel
-    on top of its work.  Sources per preset in autopar/mesh.py."""
+    on top of its work.
+    misaligned: the share of its rate a 16- or 8-bit GEMM keeps when a row of an operand or
+    of its output is not a whole number of 16-byte vectors (the reduction length k or the
+    output width n not a multiple of 8 two-byte elements): the library then runs an
+    older kernel that loads elements one by one (GPT-2's 50,257-token vocabulary is the
+    usual case).  Sources per preset in autopar/mesh.py."""
 
     sms: int
     tiles: tuple = ((128, 256, 1.0), (128, 128, 0.92), (64, 128, 0.78), (64, 64, 0.55), (16, 64, 0.3))
@@ -58,6 +63,7 @@ class KernelEfficiency:
     score_passes: tuple = (4.0, 8.0)
     reduction: float = 0.53
     gap: float = 1.5e-6
+    misaligned: float = 0.5
 
     def with_attention(self, kernel: str) -> "KernelEfficiency":
         """These kernels with another attention implementation: "sdpa" (torch's
@@ -79,7 +85,8 @@ class KernelEfficiency:
                 "attention_kernels": [[name, list(rates)] for name, rates in self.attention_kernels],
                 "head_dim_exponent": self.head_dim_exponent,
                 "attention_seq_half": self.attention_seq_half, "attention_kernel": self.attention_kernel,
-                "score_passes": list(self.score_passes), "reduction": self.reduction, "gap": self.gap}
+                "score_passes": list(self.score_passes), "reduction": self.reduction, "gap": self.gap,
+                "misaligned": self.misaligned}
 
     @classmethod
     def from_dict(cls, data: dict) -> "KernelEfficiency":
@@ -126,6 +133,11 @@ class DeviceSpec:
     dtype where it runs slower than matrix multiplies (a CPU's flash attention at small
     head sizes); empty: `flops`.  kernels: how a GPU's kernels fall below these rates by
     shape (KernelEfficiency); None: every op is a roofline at `flops` and `mem_bandwidth`.
+    host_op: host seconds autopar's runtime spends on each traced op of the graph, once in
+    forward and once more in backward where it has a gradient, views included (the
+    generated code, autograd and the dispatcher): on an asynchronous device the step's
+    forward and backward take at least their sum however small the kernels
+    (autopar.solve.assemble).  0: no such floor.
     source: where the numbers come from.
     """
 
@@ -149,6 +161,7 @@ class DeviceSpec:
     optimizer: tuple = ()
     attention_flops: tuple = ()
     kernels: KernelEfficiency | None = None
+    host_op: float = 0.0
 
     def link(self, kind: str, inside: bool) -> tuple | None:
         """(bandwidth, latency, launch) measured for `kind` on the link class, or None."""
@@ -225,6 +238,12 @@ NCCL = ("ring", "tree")   # NCCL's all-reduce algorithms (its tuner picks per ca
 GEMM, HBM, NVLINK, NETWORK = 0.75, 0.90, 0.80, 0.90
 USABLE = 79 * GiB   # 80 GB parts show CUDA about 79.6 GiB; the CUDA context takes about 0.5 GiB
 LAUNCH = 4e-6       # seconds per kernel launch through PyTorch's eager dispatch
+# host seconds per traced op and direction in autopar's runtime (DeviceSpec.host_op): measured
+# on one H100's host (docs/gpu/2026-11-26-h100-host.txt): GPT-2 124M (310 traced ops, 308
+# with a gradient) and a 4-layer Llama (283, 246) trained on 64 tokens, where the kernels take
+# almost nothing, spent 18.05 and 13.46 ms per forward and backward: 29.2 and 25.4 us per op
+# and direction, 27 on average
+HOST_OP = 27e-6
 
 
 def _achievable(peaks: dict) -> tuple:
@@ -239,7 +258,8 @@ def _gpu(name: str, peaks: dict, hbm: float, memory: float, nvlink: float, netwo
     kernels = HOPPER_KERNELS if peaks["bfloat16"] > 500e12 else AMPERE_KERNELS
     return DeviceSpec(name, _achievable(peaks), mem_bandwidth=HBM * hbm, memory=memory,
                       intra_bandwidth=NVLINK * nvlink, inter_bandwidth=NETWORK * network, devices_per_node=8,
-                      algorithms=NCCL, op_latency=LAUNCH, source=source, kernels=kernels, **extra)
+                      algorithms=NCCL, op_latency=LAUNCH, source=source, kernels=kernels, host_op=HOST_OP,
+                      **extra)
 
 
 # How the presets' kernels fall below those rates by shape (KernelEfficiency).  SMs from the
@@ -254,9 +274,17 @@ def _gpu(name: str, peaks: dict, hbm: float, memory: float, nvlink: float, netwo
 #   what torch's kernel runs there;
 # - FlashAttention-1: half FlashAttention-2's rates (Dao 2023: FlashAttention-2 is about
 #   twice as fast).
-HOPPER_KERNELS = KernelEfficiency(sms=132, attention=(0.84, 0.50),
+# A GEMM with a row that is not a whole number of 16-byte vectors (KernelEfficiency.misaligned):
+# - Hopper, measured on one H100 (torch 2.11, benchmarks/gpu_profile.py, docs/gpu/2026-11-26-h100-*.txt):
+#   GPT-2's language-model head, 8,192 tokens x 768 -> 50,257, ran its forward and both
+#   backward GEMMs on a Turing-generation tensor-core kernel at 95-148 TFLOP/s, 123 on
+#   average: 0.17 of the preset's 742;
+# - Ampere: padding nanoGPT's vocabulary from 50,257 to 50,304 made its A100 step about 25 %
+#   faster (Karpathy, nanoGPT, 2023); with the head a quarter of the FLOPs, the misaligned
+#   GEMMs ran at about half the aligned rate: 0.5.
+HOPPER_KERNELS = KernelEfficiency(sms=132, attention=(0.84, 0.50), misaligned=0.17,
                                   attention_kernels=(("flash-attn-2", (0.47, 0.40)), ("flash-attn-1", (0.235, 0.20))))
-AMPERE_KERNELS = KernelEfficiency(sms=108, attention=(0.93, 0.80),
+AMPERE_KERNELS = KernelEfficiency(sms=108, attention=(0.93, 0.80), misaligned=0.5,
                                   attention_kernels=(("flash-attn-2", (0.93, 0.80)), ("flash-attn-1", (0.465, 0.40))))
 
 _HOPPER = {"float32": 67e12, "tfloat32": 494e12, "bfloat16": 989e12, "float16": 989e12}   # H100/H200 SXM, dense

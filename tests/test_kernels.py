@@ -43,6 +43,33 @@ def test_small_and_skinny_gemms_run_below_the_large_rate():
     assert spill < 0.75 * full
 
 
+def test_a_gemm_with_rows_off_16_bytes_runs_on_the_slow_kernel():
+    # GPT-2's head: 8,192 tokens x 768 -> 50,257.  Measured on one H100 (docs/gpu/): its
+    # three GEMMs together took 15.4 ms, 123 TFLOP/s; padded to 50,304 they run aligned
+    flops = 2 * 8192 * 768 * 50257
+    odd, padded = K.Gemm(8192, 50257, 768), K.Gemm(8192, 50304, 768)
+    assert not odd.aligned(2) and padded.aligned(2)
+    assert not K.Gemm(8192, 4096, 770).aligned(2)          # an odd reduction length too
+    assert K.Gemm(8191, 4096, 4096).aligned(2)                          # the row count does not matter
+    fwd = K.seconds(odd, flops, 0.0, BF16, H100)
+    bwd = K.seconds(odd, 2 * flops, 0.0, BF16, H100, backward=True)
+    assert fwd + bwd == pytest.approx(15.4e-3, rel=0.15)
+    assert K.seconds(padded, flops, 0.0, BF16, H100) < 0.25 * fwd
+    # float32 rows are whole vectors every 4 elements, but float32 GEMMs run on the SIMT
+    # units, which pay nothing for it
+    assert K.Gemm(64, 4100, 64).aligned(4) and not K.Gemm(64, 4100, 64).aligned(2)
+    assert K.seconds(odd, flops, 0.0, torch.float32, H100) == pytest.approx(
+        K.seconds(padded, flops, 0.0, torch.float32, H100), rel=0.01)
+    assert K._itemsize("bfloat16") == 2 and K._itemsize("tfloat32") == 4 and K._itemsize(torch.float32) == 4
+    # the plan of GPT-2 on one H100 pays for it: about 15 ms of its step
+    model, ex = build("gpt2-124m", device="meta", n_layers=1, batch=8, seq=1024)
+    mesh = autopar.Mesh((1,), ("dp",), device="h100")
+    odd_step = autopar.plan(model, mesh, ex, compare=False, mixed_precision=BF16).step_s
+    model, ex = build("gpt2-124m", device="meta", n_layers=1, batch=8, seq=1024, vocab=50304)
+    padded_step = autopar.plan(model, mesh, ex, compare=False, mixed_precision=BF16).step_s
+    assert odd_step - padded_step == pytest.approx(15.4e-3 - 3 * flops / 742e12, rel=0.25)
+
+
 def test_attention_rates_match_the_published_and_measured_figures():
     b, h, s, d = 1, 32, 16384, 128
     shape = K.FlashAttention(s, s, d, causal=True)

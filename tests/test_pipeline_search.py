@@ -184,18 +184,17 @@ def test_forked_workers_build_each_problem_once_and_export_once_each(monkeypatch
 
 def test_tight_budget_recomputes_inside_the_stages():
     """gpt2-1.5b with 16 layers at 4,096 tokens on 8 x 8 H100: under 7 GiB the stages keep
-    every activation; under 5.25 GiB no layout that keeps them all fits (the least, 8 stages
-    of two layers, needs 5.29 GiB) and the search recomputes every layer of its stages;
-    under 4 GiB too.  Each is slower than the one before, and the plan carries the policy
-    for every layer.  (Measured with the kernel-aware presets and NCCL's collectives: 965.8,
-    1433.8 and 1349.5 ms would not be monotone, so the 4 GiB plan, which searches the gpu
-    axis as well, is compared only with the first.)  The stages are asked for (an empty
+    every activation; under 1.6 GiB no layout that keeps them all fits (the least, 8 stages
+    of two layers with microbatches of one sequence, needs 1.62 GiB) and the search
+    recomputes every layer of its stages (selective); under 1.25 GiB full.  Each is slower
+    than the one before (measured 2026-11-26: 865.1, 942.8 and 1216.7 ms), and the plan
+    carries the policy for every layer.  The stages are asked for (an empty
     autopar.Pipeline()): without them the plain plan, with ZeRO and recomputation of its
     own, is faster at these budgets and pipeline=True returns it."""
     model, example = build("gpt2-1.5b", device="meta", batch=64, seq=4096, max_seq=4096, n_layers=16)
     mesh = autopar.Mesh((8, 8), ("node", "gpu"), device="h100", bandwidth=(2.5e9, 450e9))
     steps = []
-    for budget, recomputes in (("7GiB", False), ("5.25GiB", True), ("4GiB", True)):
+    for budget, recomputes in (("7GiB", False), ("1.6GiB", True), ("1.25GiB", True)):
         plan = autopar.plan(model, mesh, example, compare=False, pipeline=autopar.Pipeline(),
                             memory_budget=budget)
         pp = plan.pipeline
@@ -208,7 +207,7 @@ def test_tight_budget_recomputes_inside_the_stages():
             mode = modes.pop()
             assert len(plan.recompute.layers) == 16 and f"recomputed ({mode})" in pp.summary
         steps.append(pp.step_s)
-    assert steps[0] < steps[1] and steps[0] < steps[2], steps
+    assert steps[0] < steps[1] < steps[2], steps
 
 
 def _step(plan) -> float:
@@ -261,8 +260,8 @@ def test_search_logs_its_progress(caplog):
         autopar.plan(model, mesh, example, compare=False, pipeline=True)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("pipeline search:")]
     assert lines, [r.getMessage() for r in caplog.records]
-    total = int(lines[-1].split(" of ")[1].split()[0])
-    assert total >= 2 and f"{total} of {total} " in lines[-1] and "best so far" in lines[-1]
+    done, total = (int(x.split()[-1] if i == 0 else x.split()[0]) for i, x in enumerate(lines[-1].split(" of ")[:2]))
+    assert total >= 2 and 0 <= done <= total and "best so far" in lines[-1], lines[-1]
 
 
 def test_parallel_costing_gives_the_same_choice(caplog):

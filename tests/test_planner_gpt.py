@@ -71,7 +71,9 @@ def test_weight_dominated_gpt2_puts_megatron_on_tp():
     for name, pred in plan.baselines.items():
         if not isinstance(pred, str):
             assert plan.predicted.step_s <= pred.step_s * (1 + 1e-9), name
-    if plan.predicted.hidden_s > 0:   # data parallel on dp: most of its gradient sum is hidden
+    if plan.predicted.hidden_s > 0 and all(plan.zero_stage(n) in (0, 3) for n in plan.param_placements):
+        # data parallel on dp: most of its gradient sum is hidden (ZeRO-1/2, which the
+        # optimizer step's 20 passes over the state can make worth it, gathers after the step)
         assert plan.predicted.hidden_s > 0.5 * plan.predicted.comm_s["dp"]
 
 
@@ -92,7 +94,7 @@ def test_ilp_objective_is_the_predicted_step(name, shape):
     summed = solve_summed(problem, None, None)
     sol = summed.solution
     pred = predict(problem, summed.choice)
-    seconds = pred.step_s + pred.hidden_s
+    seconds = pred.step_s + pred.hidden_s - pred.host_bound_s   # (the host's floor: the same for every plan)
     held = pred.memory_total - pred.memory["working"]   # the tie-break sees ZeRO states whole:
     low, high = seconds + MEMORY_TIE_BREAK * held, seconds + MEMORY_TIE_BREAK * held * mesh.size
     assert low * (1 - 1e-6) <= sol.objective <= high * (1 + 1e-6)

@@ -9,7 +9,10 @@ as `prices.roofline` does; a GPU preset prices:
         e(m, n, k) = best over tiles (th, tw, r) of  r x m n z / (waves x sms x th tw)
                      x  (k/z) / (k/z + k_half)  /  (8192 / (8192 + k_half))
         waves = ceil(t z / sms),  t = ceil(m / th) ceil(n / tw) tiles, z = 1 or, where
-        t < sms, the split-K factor min(sms // t, k // 256) that spreads the reduction
+        t < sms, the split-K factor min(sms // t, k // 256) that spreads the reduction;
+        times KernelEfficiency.misaligned where a 16- or 8-bit GEMM's k or n is not a whole
+        number of 16-byte vectors (the library falls back to a kernel that loads elements
+        one at a time; float32 GEMMs run on the SIMT units, which load them so anyway)
     flash attention:        flops x c / (F a (d / 128)^p s / (s + s_half)) + gap
         c = 1/2 + 64 / s_kv with a causal mask (the kernel skips the blocks above the
         diagonal; the FLOP counter counts the whole square), else 1; a = the forward or
@@ -59,6 +62,13 @@ class Gemm:
 
     def __str__(self) -> str:
         return f"GEMM {self.m}x{self.k} @ {self.k}x{self.n}" + (f" x {self.batch}" if self.batch > 1 else "")
+
+    def aligned(self, itemsize: int) -> bool:
+        """Whether every operand's and the output's rows are whole 16-byte vectors.  The
+        rows are k long (the input, the weight) and n long (the output); the backward's
+        GEMMs read and write the same three tensors, so one answer holds for all three."""
+        step = max(1, 16 // max(1, itemsize))
+        return self.k % step == 0 and self.n % step == 0
 
 
 @dataclass(frozen=True)
@@ -175,6 +185,14 @@ def unfused_attention_seconds(shape: FlashAttention, flops: float, nbytes: float
     return flops / (rate * eff) + (passes * scores + nbytes) / mesh.device.mem_bandwidth
 
 
+def _itemsize(dtype) -> int:
+    """Bytes per element of a torch dtype or its name ("bfloat16"; "tfloat32" is 4)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype.itemsize
+    found = getattr(torch, str(dtype).replace("torch.", "").replace("tfloat32", "float32"), None)
+    return found.itemsize if isinstance(found, torch.dtype) else 2
+
+
 def seconds(kernel: Gemm | FlashAttention | None, flops: float, nbytes: float, dtype: torch.dtype, mesh: Mesh,
             backward: bool = False, count: int = 1) -> float:
     """Device seconds of `count` kernels of this shape doing `flops` and moving `nbytes` in
@@ -191,6 +209,9 @@ def seconds(kernel: Gemm | FlashAttention | None, flops: float, nbytes: float, d
             eff = 2 / sum(1 / max(e, 1e-6) for e in grads)
         else:
             eff = gemm_efficiency(m, n, k, kernels, b)
+        item = _itemsize(dtype)
+        if item <= 2 and not kernel.aligned(item):   # (tensor-core kernels; float32 runs on the SIMT units)
+            eff *= kernels.misaligned
         work = max(flops / (rate * max(eff, 1e-6)), nbytes / dev.mem_bandwidth)
     elif isinstance(kernel, FlashAttention) and kernels.attention_kernel == "unfused":
         work = unfused_attention_seconds(kernel, flops, nbytes, rate, mesh, backward)

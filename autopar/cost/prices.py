@@ -306,19 +306,33 @@ def roofline(flops: float, nbytes: float, dtype: torch.dtype, mesh: Mesh, kernel
 
 
 def optimizer_seconds(elements: float, param_itemsize: int, mixed_precision: bool, mesh: Mesh) -> float:
-    """Adam's step over one parameter's `elements`: memory-bound, it reads the gradient and
-    reads and writes the weight and both moments (and the float32 master weight under
-    mixed precision).  On a GPU torch's multi-tensor Adam updates every parameter in a few
-    launches, so no launch is charged per parameter; a CPU rank runs the for-loop Adam,
-    about ten eager ops per parameter.  A calibrated device has the step measured."""
+    """Adam's step over one parameter's `elements`: memory-bound.  On a GPU torch's
+    multi-tensor AdamW updates every parameter in a few launches (no launch is charged per
+    parameter) but in eight passes over the state: weight decay, the first moment's lerp,
+    the second moment's scale and addcmul, its square root, the bias correction and the
+    epsilon into a temporary, and the update: ADAMW_ACCESSES reads and writes of an element
+    of the updated tensor (20 x 4 = 80 bytes per float32 element).  Under mixed precision
+    the gradient is cast to float32 before and the float32 master copied into the weight
+    after (runtime/sharded_optimizer.py): 2 (4 + param bytes) more.  Measured on one H100
+    (docs/gpu/2026-11-26-h100-host.txt): 26-29 ps per element in float32 and 33 with
+    master weights, against 27 and 31 here.  A CPU rank runs the for-loop Adam, about ten
+    eager ops per parameter, priced as one read and write of the weight, gradient and
+    state.  A calibrated device has the step measured."""
     if not elements:
         return 0.0
     if mesh.device.optimizer:   # measured (autopar calibrate)
         per_param, per_element = mesh.device.optimizer
         return per_param + per_element * elements
     state = state_bytes(param_itemsize, mixed_precision)
-    nbytes = elements * (3 * param_itemsize + 2 * state)
-    return roofline(0.0, nbytes, torch.float32, mesh, kernels=0 if mesh.device.asynchronous else 10)
+    if not mesh.device.asynchronous:
+        nbytes = elements * (3 * param_itemsize + 2 * state)
+        return roofline(0.0, nbytes, torch.float32, mesh, kernels=10)
+    updated = 4 if mixed_precision else param_itemsize
+    nbytes = elements * (ADAMW_ACCESSES * updated + (2 * (4 + param_itemsize) if mixed_precision else 0))
+    return roofline(0.0, nbytes, torch.float32, mesh, kernels=0)
+
+
+ADAMW_ACCESSES = 20   # element reads and writes of torch's multi-tensor AdamW step (optimizer_seconds)
 
 
 @dataclass(frozen=True)

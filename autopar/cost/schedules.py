@@ -24,6 +24,7 @@ Qi et al. 2023 ("Zero Bubble Pipeline Parallelism").
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 KINDS = ("F", "B", "W")
@@ -87,7 +88,15 @@ class Timeline:
 
     def on(self, rank: int) -> list:
         """The events of `rank`, in start order."""
-        return sorted((e for e in self.events if e.rank == rank), key=lambda e: e.start)
+        return list(self._by_rank.get(rank, ()))
+
+    @cached_property
+    def _by_rank(self) -> dict:
+        """rank -> its events in start order (sorted once: the search asks for every rank)."""
+        out: dict = {}
+        for e in self.events:
+            out.setdefault(e.rank, []).append(e)
+        return {r: sorted(es, key=lambda e: e.start) for r, es in out.items()}
 
     @property
     def makespan(self) -> float:

@@ -95,7 +95,9 @@ class Prediction:
     out of `overlappable_s`.  Two kinds overlap: gradient buckets reduced while backward
     runs (autopar.solve.assemble.hidden_gradient_seconds) and, of which `prefetch_hidden_s` out
     of `prefetchable_s`, ZeRO-3 weight gathers started one ahead while forward runs
-    (autopar.solve.assemble.hidden_prefetch_seconds)."""
+    (autopar.solve.assemble.hidden_prefetch_seconds).  host_bound_s: what the step's compute
+    was raised by to the host's time issuing the ops (DeviceSpec.host_op; 0 where the kernels
+    take longer)."""
 
     step_s: float
     compute_s: float
@@ -105,6 +107,7 @@ class Prediction:
     overlappable_s: float = 0.0   # the gradient buckets' and prefetched gathers' communication, hidden or not
     prefetch_hidden_s: float = 0.0
     prefetchable_s: float = 0.0
+    host_bound_s: float = 0.0
 
     @property
     def memory_total(self) -> float:
@@ -118,7 +121,8 @@ class Prediction:
             ([f"{format_seconds(self.prefetch_hidden_s)} of weight gathers behind forward"]
              if self.prefetch_hidden_s > 1e-12 else [])
         hidden = f", hidden: {' and '.join(parts)}" if parts else ""
-        return (f"step {format_seconds(self.step_s)} (compute {format_seconds(self.compute_s)}; comm {comm}{hidden}); "
+        host = f", host-bound: +{format_seconds(self.host_bound_s)}" if self.host_bound_s > 1e-12 else ""
+        return (f"step {format_seconds(self.step_s)} (compute {format_seconds(self.compute_s)}{host}; comm {comm}{hidden}); "
                 f"memory {format_bytes(self.memory_total)} ({mem})")
 
 

@@ -59,6 +59,8 @@ class _Tally:
     def __init__(self, problem: Problem, choice: dict):
         self.problem, self.choice = problem, choice
         self.compute = 0.0
+        self.op_compute = 0.0   # the ops' forward and backward, without the optimizer step
+        self.host = 0.0         # the host's seconds issuing them (DeviceSpec.host_op)
         self.comm = [0.0] * problem.mesh.ndim
         self.memory = dict.fromkeys(CATEGORIES, 0.0)
         self.collectives = []
@@ -77,6 +79,8 @@ class _Tally:
         names = self.problem.mesh.axis_names
         self.compute += c.compute
         if pn.kind == "op":
+            self.op_compute += c.compute
+            self.host += self.problem.mesh.device.host_op * (2 if pn.requires_grad else 1)
             fwd = c.forward_s - sum(c.comm) / 2
             self.backward[pn.index] = [c.compute - fwd, sum(c.comm) / 2]
             self.forward[pn.index] = fwd + sum(c.comm) / 2
@@ -124,13 +128,19 @@ class _Tally:
 
     def prediction(self) -> Prediction:
         """The step: compute (recomputed forwards included) plus communication less what
-        overlaps, and the memory with exact activations and working memory."""
+        overlaps, and the memory with exact activations and working memory.  On an
+        asynchronous device the host issues the ops while earlier ones run, so forward and
+        backward take the longer of their kernels and the host's time issuing them
+        (DeviceSpec.host_op per op and direction): a small model on a fast GPU is bound by
+        its host."""
         problem, choice, mesh = self.problem, self.choice, self.problem.mesh
         compute, memory = self.compute, self.memory
         modes = getattr(choice, "modes", None)
         costs = mode_costs(problem, modes) if modes else None
         if costs is not None:  # recomputed layers: their forward run again
             compute += costs.seconds(choice)
+        host_bound = max(0.0, self.host - self.op_compute) if mesh.device.asynchronous else 0.0
+        compute += host_bound
         memory["activations"], memory["working"], _ = beyond_linear(problem, choice, costs)
         comm_by_axis = {mesh.axis_names[a]: self.comm[a] for a in range(mesh.ndim)}
         # a CPU rank's collectives reduce on the cores its compute uses: nothing is hidden there
@@ -139,7 +149,7 @@ class _Tally:
         hidden = (hidden_gradient_seconds(self.backward, self.bucketed) if overlap else 0.0) + prefetch
         return Prediction(compute + sum(self.comm) - hidden, compute, comm_by_axis, memory, hidden,
                           sum(self.bucketed.values()) + sum(self.gathers.values()), prefetch,
-                          sum(self.gathers.values()))
+                          sum(self.gathers.values()), host_bound)
 
 
 def _first_readers(problem: Problem) -> dict:

@@ -16,6 +16,7 @@ activations per microbatch times the microbatches it holds in flight (GPipe: all
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 from autopar.cost.schedules import simulate
@@ -54,6 +55,7 @@ class PipelineChoice:
     plain: Built | None = field(default=None, compare=False, repr=False)  # the unpipelined problem (whole batch)
     send_s: float = 0.0           # one activation's (or gradient's) trip across a cut
     sends_overlap: bool = False   # sends delay only their receiver (asynchronous devices)
+    stage_layout: str | None = None   # the hand-written layout the stages were priced in (None: the free plan)
 
     @property
     def n_stages(self) -> int:
@@ -75,6 +77,7 @@ class PipelineChoice:
                 + f"; step {self.step_s * 1e3:.1f} ms (no pipeline: {self.no_pipeline_s * 1e3:.1f} ms), "
                 f"bubble {self.bubble:.1%}, memory per device up to {max(self.memory) / 2**30:.2f} GiB"
                 + (f"; every layer recomputed ({self.recompute})" if self.recompute != "none" else "")
+                + (f"; stages laid out as {self.stage_layout}" if self.stage_layout else "")
                 + (f"; each send across a cut {self.send_s * 1e3:.2f} ms, "
                    + ("overlapped with the sender's compute" if self.sends_overlap else "added to both stages")
                    if self.send_s else ""))
@@ -94,7 +97,7 @@ class PipelineChoice:
         """This search's record with the plan without stages kept instead: one group on the
         whole mesh holding every layer, at `predicted` (that plan's) step and memory."""
         step = predicted.step_s
-        return dataclasses.replace(self, axis=None, n_groups=1, submesh=tuple(mesh.shape),
+        return dataclasses.replace(self, axis=None, n_groups=1, submesh=tuple(mesh.shape), stage_layout=None,
                                    stages=((0, len(self.layer_indices)),), schedule="none", n_microbatches=1,
                                    n_virtual=1, step_s=step, no_pipeline_s=step, bubble=0.0, stage_s=(step,),
                                    memory=(predicted.memory_total,), group_memory=(dict(predicted.memory),))
@@ -114,16 +117,13 @@ def plain_choices(costs: LayerCosts | None, mesh: Mesh, built: Built | None) -> 
     return out
 
 
-def evaluate(parts: StageParts, copies, send, n_stages, p, v, schedule, n_mb, limit,
-             overlap=False) -> PipelineChoice | None:
-    """Cut the layers into n_stages, simulate the schedule, check memory (None: over the
-    limit).  copies: the model states the last stage holds again
-    (weights tied to the first stage's).  send: one activation's (or gradient's) trip
-    across a cut.  The schedules post sends without waiting for them; on an asynchronous
-    device (overlap) a send delays only the stage that receives it (the simulated
-    dependency's latency) while the sender computes on; on CPU ranks the transfer runs on
-    the cores the compute uses and adds to both."""
-    layers, prefix, suffix = list(parts.layers), parts.prefix, parts.suffix
+SLOWER = "slower"   # what evaluate returns for a candidate that cannot beat the best found
+
+
+def _stages(parts: StageParts, copies, send, n_stages, overlap) -> tuple:
+    """The layers cut into n_stages (balanced_cuts) and each stage's forward, backward and
+    once-per-step seconds, model states, activations and working bytes."""
+    layers, prefix, suffix = parts.layers, parts.prefix, parts.suffix
     paid = 0.0 if overlap else send
     units = [c.forward_s + c.backward_s for c in layers]
     cuts = balanced_cuts(units, n_stages, units and (prefix.forward_s + prefix.backward_s),
@@ -131,7 +131,7 @@ def evaluate(parts: StageParts, copies, send, n_stages, p, v, schedule, n_mb, li
     fwd, bwd, once, acts, work = [], [], [], [], []
     held_states = {k: [] for k in STATES}
     for s, (a, b) in enumerate(cuts):
-        members = layers[a:b] + ([prefix] if s == 0 else []) + ([suffix, copies] if s == n_stages - 1 else [])
+        members = list(layers[a:b]) + ([prefix] if s == 0 else []) + ([suffix, copies] if s == n_stages - 1 else [])
         fwd.append(sum(c.forward_s for c in members) + (paid if s < n_stages - 1 else 0.0))
         bwd.append(sum(c.backward_s for c in members) + (paid if s > 0 else 0.0))
         once.append(sum(c.once_s for c in members))
@@ -139,7 +139,34 @@ def evaluate(parts: StageParts, copies, send, n_stages, p, v, schedule, n_mb, li
             kept.append(sum(getattr(c, k) for c in members))
         acts.append(sum(c.activations for c in members))
         work.append(max(c.working for c in members))
+    return cuts, fwd, bwd, once, held_states, acts, work
+
+
+def floor(parts: StageParts, copies, send, n_stages, p, n_mb, overlap=False) -> float:
+    """The fastest any schedule could run this candidate: no device group runs its passes
+    faster than one after another, then its once-per-step work.  The search simulates
+    candidates in order of it and stops where it exceeds the best step found."""
+    _, fwd, bwd, once, _, _, _ = _stages(parts, copies, send, n_stages, overlap)
+    ratio = sum(bwd) / max(sum(fwd), 1e-30)   # (the simulator runs backward at this share of forward)
+    return n_mb * max(sum(fwd[g::p]) for g in range(p)) * (1 + ratio) + max(sum(once[g::p]) for g in range(p))
+
+
+def evaluate(parts: StageParts, copies, send, n_stages, p, v, schedule, n_mb, limit,
+             overlap=False, beat: float = float("inf")) -> PipelineChoice | None | str:
+    """Cut the layers into n_stages, simulate the schedule, check memory (None: over the
+    limit; SLOWER: no schedule could make it faster than `beat` seconds, so it is not
+    simulated).  copies: the model states the last stage holds again
+    (weights tied to the first stage's).  send: one activation's (or gradient's) trip
+    across a cut.  The schedules post sends without waiting for them; on an asynchronous
+    device (overlap) a send delays only the stage that receives it (the simulated
+    dependency's latency) while the sender computes on; on CPU ranks the transfer runs on
+    the cores the compute uses and adds to both."""
+    cuts, fwd, bwd, once, held_states, acts, work = _stages(parts, copies, send, n_stages, overlap)
+    paid = 0.0 if overlap else send
     ratio = sum(bwd) / max(sum(fwd), 1e-30)
+    group_once = [sum(once[s] for s in range(g, n_stages, p)) for g in range(p)]
+    if floor(parts, copies, send, n_stages, p, n_mb, overlap) > beat * (1 + 1e-9):
+        return SLOWER
     if v > 1:  # group g holds stages g, g + p, ...: its chunks' times add up
         group_f = [sum(fwd[g::p]) for g in range(p)]
         tl = simulate(schedule, p, n_mb, stage_times=group_f, backward_ratio=ratio, n_virtual=v,
@@ -157,7 +184,6 @@ def evaluate(parts: StageParts, copies, send, n_stages, p, v, schedule, n_mb, li
         memory.append(sum(held_parts.values()))
     if max(memory) > limit:
         return None
-    group_once = [sum(once[s] for s in range(g, n_stages, p)) for g in range(p)]
     step = tl.makespan + max(group_once)
     return PipelineChoice(None, p, (), tuple(cuts), schedule, n_mb, v, step, tl.bubble_fraction,
                           tuple(f + b for f, b in zip(fwd, bwd)), tuple(memory), group_memory=tuple(group_memory),
@@ -166,7 +192,13 @@ def evaluate(parts: StageParts, copies, send, n_stages, p, v, schedule, n_mb, li
 
 def balanced_cuts(units, n_stages, head, tail):
     """Contiguous runs of layers minimising the slowest stage (stage 0 also carries `head`,
-    the last `tail`): dynamic programme over (stages used, layers placed)."""
+    the last `tail`): dynamic programme over (stages used, layers placed); each answer
+    remembered (the search asks again for every schedule and microbatch count)."""
+    return _balanced_cuts(tuple(units), n_stages, head or 0.0, tail)
+
+
+@functools.lru_cache(maxsize=4096)
+def _balanced_cuts(units, n_stages, head, tail):
     n = len(units)
     prefix = [0.0]
     for u in units:

@@ -11,10 +11,12 @@ step and optimizer all-gathers run once per step.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, fields
 
 from autopar.cost.prices import local_numel
 from autopar.mesh import Mesh
+from autopar.solve import layouts as B
 from autopar.solve.assemble import assemble
 from autopar.solve.ilp import InfeasibleError
 from autopar.solve.recompute import ModeCosts, kept_by_selective, layer_paths
@@ -66,13 +68,21 @@ class LayerCosts:
     """A candidate's costs split per repeated layer: by_mode, recompute mode -> StageParts;
     boundary: bytes per device of the tensor crossing a cut; layer_prefix and
     layer_indices: the repeated layers (`layer_prefix`.<i>); copies: the model states the
-    last stage holds again (weights tied to the first stage's)."""
+    last stage holds again (weights tied to the first stage's).  layout: the hand-written
+    layout the stage plan follows (None: the free summed optimum); alternatives: the same
+    candidate's costs under the layouts of STAGE_LAYOUTS, each a LayerCosts."""
 
     by_mode: dict
     boundary: float
     layer_prefix: str
     layer_indices: tuple
     copies: StageCost
+    layout: str | None = None
+    alternatives: tuple = ()
+
+    def variants(self) -> list:
+        """This candidate's costs and its alternatives', the free plan first."""
+        return [self, *self.alternatives]
 
 
 def stage_problem(model, mesh, example_inputs, example_kwargs, mixed_precision, sub_shape, mb_size) -> Built:
@@ -140,22 +150,55 @@ def layer_costs(built: Built, model, options: SolveOptions, modes=("none",)) -> 
     per repeated layer; None when nothing fits.  Under a recompute mode (every repeated
     layer alike) a layer keeps what recompute.ModeCosts says, its backward runs again the
     forward of the ops it does not keep, and its working memory includes what it makes
-    again."""
+    again.
+
+    The summed optimum knows nothing of memory: where a stage must recompute to fit, a
+    slower layout that keeps less may win (Megatron-SP splits the norms' and residuals'
+    activations by sequence, so selective recomputation fits where the free plan needs full;
+    Korthikanti et al. 2022).  So the candidate is priced under each of stage_layouts too
+    (LayerCosts.alternatives), and the search takes whichever is fastest once it fits."""
     problem = built.problem
     try:
         choice = built.summed(options).choice
     except InfeasibleError:
         return None
-    assembled = assemble(problem, choice)
     if not problem.layer_groups:
         raise ValueError(f"{type(model).__name__} has no repeated layers (modules named like blocks.0, "
                          f"blocks.1, ...) to cut into pipeline stages")
+    alternatives = []
+    for name, rule in stage_layouts(problem).items():
+        try:
+            ruled = built.laid_out(name, rule, options).choice
+        except InfeasibleError:
+            continue
+        alternatives.append(_split_costs(problem, ruled, modes, name))
+    return dataclasses.replace(_split_costs(problem, choice, modes, None), alternatives=tuple(alternatives))
+
+
+def stage_layouts(problem) -> dict:
+    """name -> rule of the hand-written layouts a stage candidate is priced in besides its
+    free plan: Megatron-SP where the stage's mesh has a dimension to split and the model
+    has attention (solve/layouts.py)."""
+    mesh = problem.mesh
+    if not any(n > 1 for n in mesh.shape):
+        return {}
+    rules = B.layouts(mesh)
+    name = "megatron-sp" if "megatron-sp" in rules else "megatron-sp x dp"
+    rule = rules.get(name)
+    if rule is None or not B.relevant(name, problem) or B.unavailable(rule, problem):
+        return {}
+    return {name: rule}
+
+
+def _split_costs(problem, choice, modes, layout) -> LayerCosts:
+    """A plan's costs split per repeated layer under each recompute mode."""
+    assembled = assemble(problem, choice)
     prefix_name, indices = max(problem.layer_groups, key=lambda g: len(g[1]))
     position = {i: k for k, i in enumerate(sorted(indices))}
     split = _Split(problem, choice, assembled, prefix_name, position)
     by_mode = {mode: split.parts(mode, prefix_name, indices) for mode in modes}
     return LayerCosts(by_mode, _boundary_bytes(problem, choice, prefix_name), prefix_name, tuple(sorted(indices)),
-                      StageCost(**split.buckets["copies"]))
+                      StageCost(**split.buckets["copies"]), layout)
 
 
 class _Split:

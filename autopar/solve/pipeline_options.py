@@ -74,7 +74,7 @@ class Cut:
 @dataclass(frozen=True)
 class SearchSpace:
     """The search's settings: the mesh, the global batch, the memory limit per device, the
-    schedules and microbatch counts to try (None: 2p and 4p for p groups), what the user
+    schedules and microbatch counts to try (None: 2p, 4p and one row each for p groups), what the user
     fixed, and the recompute modes the stages may take (fastest first)."""
 
     mesh: Mesh
@@ -122,6 +122,10 @@ class SearchSpace:
         if self.microbatches is not None:
             return [m for m in self.microbatches if self.batch % m == 0]
         counts = [m for m in (2 * p, 4 * p) if m <= self.batch and self.batch % m == 0]  # B = p: a large bubble
+        if self.batch > 4 * p:
+            # microbatches of one row: the least activation memory per microbatch in flight
+            # and the smallest bubble, what Megatron-LM runs at scale (Narayanan et al. 2021)
+            counts.append(self.batch)
         return counts or ([p] if self.batch % p == 0 else [])
 
     def virtuals(self, schedule: str) -> tuple:

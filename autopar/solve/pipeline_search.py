@@ -27,7 +27,7 @@ import time
 
 from autopar.cost.prices import send_time
 from autopar.mesh import parse_bytes
-from autopar.solve.pipeline_candidates import PipelineChoice, evaluate, plain_choices
+from autopar.solve.pipeline_candidates import SLOWER, PipelineChoice, evaluate, floor, plain_choices
 from autopar.solve.pipeline_costs import StageCosts
 from autopar.solve.pipeline_options import SCHEDULE_CHOICES, Cut, Pipeline, SearchSpace
 from autopar.solve.pipeline_workers import cost_in_parallel, trace_and_cost
@@ -36,6 +36,7 @@ from autopar.solve.solved import SolveOptions
 from autopar.trace.batching import batch_size
 
 log = logging.getLogger("autopar")
+SLOWER_REASON = "slower than the best found, whatever the schedule"
 
 
 class _Found:
@@ -128,44 +129,74 @@ def _fastest_plain(plain: list, limit) -> PipelineChoice | None:
 
 
 def _search_axes(space: SearchSpace, costs: StageCosts, axes, found: _Found, start) -> None:
-    """Cost and evaluate every candidate that cuts one of `axes`."""
+    """Cost every candidate that cuts one of `axes`, then evaluate them fastest floor first
+    (pipeline_candidates.floor: the step no schedule can beat), stopping where the floor
+    exceeds the best step found: only the candidates that could still win are simulated."""
     todo = space.cuts(axes)
     cost_in_parallel(costs, costs.missing(space.keys(axes)), costs.options.workers)
-    for done, cut in enumerate(todo, 1):
+    tasks = []
+    for cut in todo:
         if costs(space.key(cut)) is None:
             found.reject("no plan fits a stage")
             continue
-        _place(space, costs, cut, found)
-        found.keep_best_problem(costs)
-        _progress(done, len(todo), space.mesh.axis_names[cut.axis], cut, found, start)
+        tasks += _tasks(space, costs, cut)
+    tasks.sort(key=lambda t: t[0])
+    done = 0
+    for low, cut, got, schedule, v, mode, parts, send in tasks:
+        best = found.best()
+        if best is not None and low > best.step_s * (1 + 1e-9):
+            break
+        _place(space, costs, cut, got, schedule, v, mode, parts, send, found)
+        done += 1
+        if done % 50 == 0:
+            _progress(done, len(tasks), found, start)
+    if len(tasks) > done:
+        found.rejected[SLOWER_REASON] = found.rejected.get(SLOWER_REASON, 0) + len(tasks) - done
+    _progress(done, len(tasks), found, start)
+    found.keep_best_problem(costs)
 
 
-def _place(space: SearchSpace, costs: StageCosts, cut: Cut, found: _Found) -> None:
-    """Evaluate one cut under every schedule, virtual stage count and recompute mode; per
-    schedule and virtual count the first mode that fits is kept (modes go from fastest to
-    least memory)."""
+def _tasks(space: SearchSpace, costs: StageCosts, cut: Cut) -> list:
+    """(floor, cut, stage costs, schedule, virtual count, recompute mode, its parts, send
+    seconds) of every layout of one cut: each stage layout (the free plan's and the
+    hand-written ones of pipeline_costs.stage_layouts), schedule, virtual stage count and
+    recompute mode."""
     mesh, fixed = space.mesh, space.fixed
     key = space.key(cut)
-    got = costs(key)
     p, n_mb, name = cut.groups, cut.microbatches, mesh.axis_names[cut.axis]
-    send = send_time(got.boundary, cut.axis, mesh)  # one activation (or gradient) across a cut
-    for schedule in space.schedules:
-        for v in space.virtuals(schedule):
-            n_stages = p * v
-            if len(got.layer_indices) < n_stages or (schedule == "interleaved-1f1b" and n_mb % p):
-                continue
-            if fixed is not None and not fixed.allows(name, p, schedule, n_mb, v):
-                continue
-            for mode, parts in got.by_mode.items():
-                choice = evaluate(parts, got.copies, send, n_stages, p, v, schedule, n_mb, space.limit,
-                                  mesh.device.asynchronous)
-                if choice is None:
-                    found.reject("over the memory budget")
+    out = []
+    for got in costs(key).variants():   # the free stage plan, then the hand-written ones
+        send = send_time(got.boundary, cut.axis, mesh)  # one activation (or gradient) across a cut
+        for schedule in space.schedules:
+            for v in space.virtuals(schedule):
+                n_stages = p * v
+                if len(got.layer_indices) < n_stages or (schedule == "interleaved-1f1b" and n_mb % p):
                     continue
-                found.add(dataclasses.replace(choice, axis=name, n_groups=p, submesh=tuple(key[0]),
-                                              layer_prefix=got.layer_prefix, layer_indices=got.layer_indices,
-                                              recompute=mode, built=costs.problem(key)))
-                break
+                if fixed is not None and not fixed.allows(name, p, schedule, n_mb, v):
+                    continue
+                for mode, parts in got.by_mode.items():
+                    low = floor(parts, got.copies, send, n_stages, p, n_mb, mesh.device.asynchronous)
+                    out.append((low, cut, got, schedule, v, mode, parts, send))
+    return out
+
+
+def _place(space: SearchSpace, costs: StageCosts, cut: Cut, got, schedule, v, mode, parts, send,
+           found: _Found) -> None:
+    """Simulate one layout and keep it where it fits the memory budget."""
+    mesh = space.mesh
+    p, n_mb = cut.groups, cut.microbatches
+    best = found.best()
+    choice = evaluate(parts, got.copies, send, p * v, p, v, schedule, n_mb, space.limit, mesh.device.asynchronous,
+                      best.step_s if best is not None else float("inf"))
+    if choice is SLOWER:
+        found.reject(SLOWER_REASON)
+    elif choice is None:
+        found.reject("over the memory budget")
+    else:
+        found.add(dataclasses.replace(choice, axis=mesh.axis_names[cut.axis], n_groups=p,
+                                      submesh=tuple(space.key(cut)[0]), layer_prefix=got.layer_prefix,
+                                      layer_indices=got.layer_indices, recompute=mode,
+                                      built=costs.problem(space.key(cut)), stage_layout=got.layout))
 
 
 def _nothing_fits(model, space: SearchSpace, found: _Found, base) -> ValueError:
@@ -178,13 +209,13 @@ def _nothing_fits(model, space: SearchSpace, found: _Found, base) -> ValueError:
                       f"per device on {mesh}")
 
 
-def _progress(done, total, axis, cut: Cut, found: _Found, start) -> None:
-    """One INFO line per sub-mesh and microbatch size searched: how far, the best so far."""
+def _progress(done, total, found: _Found, start) -> None:
+    """One INFO line every 50 layouts simulated and one at the end: how far, the best so
+    far (the layouts not simulated cannot beat it)."""
     best = found.best()
     what = "none fits yet" if best is None else (
         f"best so far {best.step_s * 1e3:.1f} ms ("
         + (f"{best.n_stages} stages over {best.axis}, {best.schedule}, {best.n_microbatches} microbatches"
            if best.axis is not None else "no pipeline") + ")")
-    log.info("pipeline search: %d of %d sub-meshes x microbatch counts costed (%s split in %d, %d microbatches); "
-             "%d layouts fit; %s; %.1fs", done, total, axis, cut.groups, cut.microbatches, len(found.choices), what,
-             time.perf_counter() - start)
+    log.info("pipeline search: %d of %d layouts simulated (fastest floor first; the rest cannot be faster); "
+             "%d fit; %s; %.1fs", done, total, len(found.choices), what, time.perf_counter() - start)

@@ -169,10 +169,10 @@ def _collector_spared():
 
 
 def _plans_built(built: Built, model, mesh: Mesh, request: Request, start, recompute,
-                 staged=False) -> list[Plan]:
+                 staged=False, stage_layout=None) -> list[Plan]:
     """_plan_built, or the random plans when the request has seeds, in a list."""
     if request.seeds is None:
-        return [_plan_built(built, model, mesh, request, start, recompute, staged)]
+        return [_plan_built(built, model, mesh, request, start, recompute, staged, stage_layout)]
     _check_layout(built.problem, model, mesh, request.layout)
     return [_make_plan(built.problem, model, mesh, _random_choice(built.problem, s), None, f"random:{s}", {},
                        request.budget, Timing(trace_s=built.trace_s, costs_s=built.costs_s,
@@ -180,21 +180,25 @@ def _plans_built(built: Built, model, mesh: Mesh, request: Request, start, recom
             for s in request.seeds]
 
 
-def _plan_built(built: Built, model, mesh: Mesh, request: Request, start, recompute, staged=False) -> Plan:
+def _plan_built(built: Built, model, mesh: Mesh, request: Request, start, recompute, staged=False,
+                stage_layout=None) -> Plan:
     """plan() from a traced and costed problem (the pipeline search's, when it made one).
     recompute: the policy (the request's, or the one the search chose for the stages).
     staged: the problem is one microbatch of a pipelined model, whose stages' memory the
-    pipeline search checked: the whole model is then planned without a budget."""
+    pipeline search checked: the whole model is then planned without a budget, in the
+    hand-written `stage_layout` where the search priced the stages in one."""
     problem, layout, options = built.problem, request.layout, request.options
     limit = request.budget if request.budget is not None else mesh.device.memory
     every = _check_layout(problem, model, mesh, layout)
+    rule = every.get(layout if layout is not None or not staged else stage_layout)
     try:
         plain_modes = layout is None and recompute in (None, "none")
-        best = built.known(limit, staged) if plain_modes else None
+        best = built.known(limit, staged, stage_layout if staged else None) if plain_modes else None
         if best is None:
             # (the unbudgeted summed optimum, when it fits, is the budgeted one's first step)
-            best = solve_problem(problem, every.get(layout), None if layout or staged else limit, options,
-                                 recompute=recompute, summed=built.first_step(limit) if plain_modes else None)
+            best = solve_problem(problem, rule, None if layout or staged else limit, options,
+                                 recompute=recompute,
+                                 summed=built.first_step(limit) if plain_modes and rule is None else None)
     except InfeasibleError:
         raise _infeasible(problem, model, mesh, limit, options, recompute) from None
     choice, compared = best.choice, {}
@@ -275,7 +279,8 @@ def _plan_with_pipeline(model, mesh, request: Request) -> Plan:
                               batch_size(request.example_inputs, request.example_kwargs) // choice.n_microbatches)
     staged = choice.axis is not None
     result = _plans_built(built, model, built.problem.mesh, request, time.perf_counter(),
-                          choice.recompute if staged else request.recompute, staged)[0]
+                          choice.recompute if staged else request.recompute, staged,
+                          choice.stage_layout if staged else None)[0]
     timing = dataclasses.replace(result.timing, pipeline_search_s=choice.seconds, total_s=time.perf_counter() - start)
     return dataclasses.replace(result, pipeline=choice.layout(mesh), timing=timing)
 

@@ -35,6 +35,7 @@ class Built:
         self.costs_s = costs_s
         self._summed: Solved | None = None
         self._solved: Solved | None = None
+        self._laid_out: dict = {}   # hand-written layout name -> its summed optimum (laid_out)
 
     def __repr__(self) -> str:
         return (f"Built({len(self.problem.nodes)} nodes on {self.problem.mesh}, traced in {self.trace_s:.2f}s, "
@@ -47,17 +48,27 @@ class Built:
             self._summed = solve_summed(self.problem, None, None, options)
         return self._summed
 
+    def laid_out(self, name: str, rule, options: SolveOptions) -> Solved:
+        """solve_summed under the hand-written layout `name` (its `rule`), no budget: a
+        pipeline stage priced as an expert lays it out (pipeline_costs.layer_costs)."""
+        if name not in self._laid_out:
+            self._laid_out[name] = solve_summed(self.problem, rule, None, options)
+        return self._laid_out[name]
+
     def unbudgeted(self, options: SolveOptions) -> Solved:
         """solve_problem with no layout rule and no budget (its first step: `summed`)."""
         if self._solved is None:
             self._solved = solve_problem(self.problem, None, None, options, summed=self.summed(options))
         return self._solved
 
-    def known(self, limit: float, staged: bool) -> Solved | None:
+    def known(self, limit: float, staged: bool, layout: str | None = None) -> Solved | None:
         """A plan solved already that is the planner's answer with no layout rule and no
         forced recomputation, or None: staged (one microbatch of a pipeline whose stages'
-        memory the search checked), the summed plan the search priced the stages by; else
-        the unbudgeted optimum when it fits `limit` (the budgeted one is then the same)."""
+        memory the search checked), the summed plan the search priced the stages by (under
+        the hand-written `layout` it priced them in, when it did); else the unbudgeted
+        optimum when it fits `limit` (the budgeted one is then the same)."""
+        if staged and layout is not None:
+            return self._laid_out.get(layout)
         if staged and self._summed is not None:
             return self._summed
         if self._solved is not None and self._solved.memory <= limit:
