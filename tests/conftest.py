@@ -72,6 +72,7 @@ SAMPLED = {   # test -> cases kept in the fast tier
     "test_faults_round3.py::test_a_nan_gradient_on_one_rank_stops_every_rank": 5,
     "test_sequence_parallel.py::test_sequence_layouts_train_like_one_device": 5,
     "test_planner_3axis.py::test_presolve_equals_full_ilp_on_random_graphs": 10,
+    "test_user_models.py::test_user_attention_trains_like_one_device": 2,
 }
 
 

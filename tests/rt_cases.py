@@ -44,6 +44,11 @@ def build_case(spec: tuple):
                 module.forward = functools.partial(checkpoint, module.forward, use_reentrant=True)
         return model, args, kwargs
     torch.manual_seed(0)
+    if kind == "user":  # ("user", "nano" | "titan"): attention as users write it (tests/user_models.py)
+        from user_models import SmallLM
+        model = SmallLM(spec[1])
+        g = torch.Generator().manual_seed(1)
+        return model, (torch.randint(0, 128, (4, 16), generator=g), torch.randint(0, 128, (4, 16), generator=g)), {}
     if kind == "autopar":
         from autopar.models import build
         model, example = build(spec[1], **dict(spec[2]))

@@ -77,7 +77,8 @@ ELEMENTWISE = LINEAR_ELEMENTWISE | {
     "aten.zeros_like", "aten.ones_like", "aten.full_like", "aten.empty_like", "aten.lerp",
     "aten.addcmul", "aten.addcdiv", "aten.leaky_relu", "aten.hardtanh", "aten.elu", "aten.mish",
     "aten.floor", "aten.ceil", "aten.round", "aten.trunc", "aten.fmod", "aten.remainder",
-    "aten.floor_divide", "aten.tril", "aten.triu",
+    "aten.floor_divide", "aten.tril", "aten.triu", "aten.polar", "aten.real", "aten.imag", "aten.conj",
+    "aten.conj_physical", "aten.resolve_conj", "aten.angle",
 }
 
 
@@ -158,6 +159,16 @@ def _transpose_rule(node, ins, outs):
         perm[a], perm[b] = perm[b], perm[a]
     letters = [f"d{i}" for i in range(rank)]
     return parse(f"{' '.join(letters)} -> {' '.join(letters[p] for p in perm)}", ins, outs, linear=True)
+
+
+def _complex_view_rule(node, ins, outs):
+    """view_as_complex: (..., 2) real pairs -> (...) complex; view_as_real the inverse.  The
+    pair dim never splits; the others keep their letters (linear: a Partial passes)."""
+    if _packet(node) == "aten.view_as_complex":
+        letters = [f"d{i}" for i in range(len(ins[0]) - 1)]
+        return parse(f"{' '.join(letters + ['p^'])} -> {' '.join(letters)}", ins, outs, linear=True)
+    letters = [f"d{i}" for i in range(len(ins[0]))]
+    return parse(f"{' '.join(letters)} -> {' '.join(letters + ['p^'])}", ins, outs, linear=True)
 
 
 def _unsqueeze_squeeze_rule(node, ins, outs):
@@ -451,6 +462,7 @@ RULES = {
     "aten.numpy_T": _transpose_rule,
     "aten.unsqueeze": _unsqueeze_squeeze_rule, "aten.squeeze": _unsqueeze_squeeze_rule,
     "aten.expand": _expand_rule,
+    "aten.view_as_complex": _complex_view_rule, "aten.view_as_real": _complex_view_rule,
     "aten.slice": _slice_rule, "aten.select": _select_rule, "aten.narrow": _slice_rule,
     "aten.cat": _cat_rule, "aten.concat": _cat_rule, "aten.stack": _stack_rule,
     "aten.split": _split_rule, "aten.split_with_sizes": _split_rule, "aten.chunk": _split_rule,
@@ -491,7 +503,7 @@ NO_OUTPUT = {"aten._assert_tensor_metadata", "aten._assert_scalar", "aten.sym_co
 # Views and unary elementwise ops: cheap, so they take the layout their producer offers.
 TRIVIAL = {"aten.view", "aten.reshape", "aten._unsafe_view", "aten.transpose", "aten.permute",
            "aten.t", "aten.numpy_T", "aten.unsqueeze", "aten.squeeze", "aten.expand", "aten.flatten",
-           "aten.unflatten"} | ELEMENTWISE
+           "aten.unflatten", "aten.view_as_complex", "aten.view_as_real"} | ELEMENTWISE
 
 # Collectives a named strategy runs inside the op when a letter splits:
 # (kind, bytes as a fraction of the output's first-dim count times 4 bytes).

@@ -31,6 +31,7 @@ from autopar.runtime.inputs import InputCheck
 from autopar.runtime.options import RunOptions
 from autopar.runtime.process import CompileError
 from autopar.runtime.state import param_key
+from autopar.trace.loss import describe, pick_loss
 
 
 class GraphIO:
@@ -191,17 +192,10 @@ def gather_counts_of(regathers) -> dict:
 
 
 def loss_of(out) -> torch.Tensor:
-    """The scalar to differentiate: the output itself, its `.loss` (Hugging Face) or its first."""
-    if isinstance(out, torch.Tensor):
-        loss = out
-    elif getattr(out, "loss", None) is not None:
-        loss = out.loss
-    elif isinstance(out, dict) and "loss" in out:
-        loss = out["loss"]
-    elif isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
-        loss = out[0]
-    else:
-        raise CompileError(f"train_step needs the model to return a loss; it returned {type(out).__name__}")
-    if loss.numel() != 1:
-        raise CompileError(f"train_step needs a scalar loss; the model returned shape {tuple(loss.shape)}")
+    """The scalar to differentiate: the output itself, its `.loss` (Hugging Face) or its
+    first (autopar.trace.loss.pick_loss; planning and compiling check it first)."""
+    loss, why = pick_loss(out)
+    if loss is None:
+        raise CompileError(f"train_step needs the model to return a scalar loss; it returned {describe(out)}: "
+                           f"{why} (see autopar.trace.loss: return the loss, or wrap the model with it)")
     return loss

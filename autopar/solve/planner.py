@@ -225,6 +225,14 @@ def _check_layout(problem, model, mesh: Mesh, layout) -> dict:
     if layout is not None and B.unavailable(every[layout], problem):
         raise ValueError(f"layout {layout!r} is not possible for {type(model).__name__} on {mesh}: "
                          f"{B.unavailable(every[layout], problem)}")
+    if layout is not None and layout.startswith(("context-parallel", "ulysses")) and not B.relevant(layout, problem):
+        log.warning("layout %r splits attention by sequence, but %s has no fused attention op "
+                    "(torch.nn.functional.scaled_dot_product_attention) to split: its attention is "
+                    "written out in matmuls and softmax, which this layout keeps whole, so it trains as %s. "
+                    "Call scaled_dot_product_attention in the model's attention to split it by sequence",
+                    layout, type(model).__name__,
+                    "Megatron-style tensor parallelism" if "megatron" in layout else
+                    "ZeRO-3" if "zero3" in layout else "data parallelism")
     return every
 
 

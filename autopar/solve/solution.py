@@ -19,6 +19,7 @@ from autopar.solve.recompute_search import solve_summed
 from autopar.solve.solved import SolveOptions, Solved
 from autopar.trace.cache import TRACES
 from autopar.trace.export import trace
+from autopar.trace.loss import check_loss_output
 
 log = logging.getLogger("autopar")
 
@@ -89,6 +90,7 @@ def build_problem(model, mesh, args, kwargs, mixed_precision=None, grouped_gathe
     graph the runtime traces, checked by its signature when the plan is compiled."""
     start = time.perf_counter()
     traced = planning_trace(model, args, kwargs, mixed_precision)
+    check_loss_output(model, traced)
     t_trace = time.perf_counter() - start
     problem = Problem(traced, mesh, mixed_precision, grouped_gathers)
     t_build = time.perf_counter() - start - t_trace

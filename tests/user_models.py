@@ -1,0 +1,111 @@
+"""Attention as users write it in their own code, for tests/test_user_models.py: the
+nanoGPT way (fused q|k|v projection, heads by `.view`, the output put back with
+`.transpose(1, 2).contiguous().view(...)`) and the torchtitan way (complex rotary
+embeddings through view_as_complex / view_as_real, key/value heads repeated with
+expand + reshape, the same `.contiguous().view`).  Written here from the formulas; each
+model returns its loss."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def rotary_table(head_dim: int, length: int, theta: float = 10000.0) -> torch.Tensor:
+    """e^{i t w_j} for positions t and frequencies w_j = theta^(-2j / head_dim): [length, head_dim / 2] complex."""
+    freqs = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(length, dtype=torch.float64), freqs)
+    return torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
+
+
+def rotate(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """x [batch, seq, heads, head_dim] rotated pairwise by the complex table [seq, head_dim / 2]."""
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    turned = torch.view_as_real(pairs * table.view(1, pairs.shape[1], 1, pairs.shape[-1])).flatten(3)
+    return turned.type_as(x)
+
+
+def repeat_heads(x: torch.Tensor, times: int) -> torch.Tensor:
+    """[batch, seq, kv_heads, d] -> [batch, seq, kv_heads * times, d], each head repeated in place."""
+    if times == 1:
+        return x
+    b, s, h, d = x.shape
+    return x.unsqueeze(3).expand(b, s, h, times, d).reshape(b, s, h * times, d)
+
+
+class NanoAttention(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.c_attn = nn.Linear(dim, 3 * dim)
+        self.c_proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, t, c = x.size()
+        q, k, v = self.c_attn(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
+
+
+class TitanAttention(nn.Module):
+    def __init__(self, dim: int, heads: int, kv_heads: int, max_seq: int, theta: float = 10000.0):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.wq = nn.Linear(dim, heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(heads * self.head_dim, dim, bias=False)
+        self.register_buffer("freqs_cis", rotary_table(self.head_dim, max_seq, theta), persistent=False)
+
+    def forward(self, x, *unused):
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, -1, self.head_dim)
+        k = self.wk(x).view(b, s, -1, self.head_dim)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        table = self.freqs_cis[:s]
+        q, k = rotate(q, table), rotate(k, table)
+        k, v = repeat_heads(k, self.heads // self.kv_heads), repeat_heads(v, self.heads // self.kv_heads)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        y = y.transpose(1, 2).contiguous()
+        return self.wo(y.view(b, s, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, attention: nn.Module):
+        super().__init__()
+        self.ln_1, self.attn, self.ln_2 = nn.LayerNorm(dim), attention, nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class SmallLM(nn.Module):
+    """Embeddings, two blocks of `kind` attention ("nano" or "titan"), a head, the loss."""
+
+    def __init__(self, kind: str, vocab: int = 128, dim: int = 32, heads: int = 4, layers: int = 2, seq: int = 16):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, dim), nn.Embedding(seq, dim)
+        make = (lambda: NanoAttention(dim, heads)) if kind == "nano" else (lambda: TitanAttention(dim, heads, 2, seq))
+        self.h = nn.ModuleList(Block(dim, make()) for _ in range(layers))
+        self.ln_f, self.lm_head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx, targets):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.size(1), device=idx.device))
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def titan_llama(model) -> nn.Module:
+    """autopar.models' Llama with every layer's attention replaced by TitanAttention of the
+    same shapes (complex rotary embeddings; the model's own real cos/sin tables unused)."""
+    config = model.config
+    device = model.tok_embeddings.weight.device
+    for layer in model.layers:
+        titan = TitanAttention(config.dim, config.n_heads, config.n_kv_heads, config.max_seq, config.rope_theta)
+        layer.attention = titan.to(device)
+    return model
