@@ -44,6 +44,10 @@ def build_case(spec: tuple):
                 module.forward = functools.partial(checkpoint, module.forward, use_reentrant=True)
         return model, args, kwargs
     torch.manual_seed(0)
+    if kind == "hf-wrapped":  # ("hf-wrapped",): hf-llama behind a loss wrapper taking (ids, labels)
+        from user_models import LabelsLoss
+        model, _, kwargs = build_case(("hf-llama",))
+        return LabelsLoss(model), (kwargs["input_ids"], kwargs["labels"]), {}
     if kind == "user":  # ("user", "nano" | "titan"): attention as users write it (tests/user_models.py)
         from user_models import SmallLM
         model = SmallLM(spec[1])

@@ -46,3 +46,16 @@ def test_titan_llama_plans_like_autopars_llama():
     assert theirs.step_s == pytest.approx(ours.step_s, rel=0.02)
     assert theirs.memory_per_device == pytest.approx(ours.memory_per_device, rel=0.03)
     assert theirs.memory_per_device >= ours.memory_per_device
+
+
+def test_a_hugging_face_model_behind_a_loss_wrapper_takes_ring_attention(pool2):
+    """hf-llama called as `model(input_ids=x, labels=y).loss` inside a module taking (x, y):
+    no mask is passed, so the trace keeps attention causal (not a dense mask) and the ring
+    splits it by sequence; it trains like one device."""
+    spec = ("hf-wrapped",)
+    plan_dict = plan_for(spec, "context-parallel", shape=(2,), names=("cp",))
+    plan = autopar.Plan.from_dict(plan_dict)
+    attention = [n for n in plan.nodes if n.op == "aten.scaled_dot_product_attention"]
+    assert attention and all(n.split[0] == "ring" for n in attention), [n.split for n in attention]
+    result = pool2.run(train_and_compare, spec, plan_dict)[0]
+    assert result["ok"], result

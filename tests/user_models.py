@@ -100,6 +100,17 @@ class SmallLM(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
+class LabelsLoss(nn.Module):
+    """A Hugging Face causal LM behind the wrapper users write: (ids, labels) -> its loss."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids, labels):
+        return self.model(input_ids=ids, labels=labels).loss
+
+
 def titan_llama(model) -> nn.Module:
     """autopar.models' Llama with every layer's attention replaced by TitanAttention of the
     same shapes (complex rotary embeddings; the model's own real cos/sin tables unused)."""

@@ -76,8 +76,10 @@ def sequence_strategies(base: list, in_shapes, out_shape, mesh_shape, axis_names
 def _unfit(kind, n, seq, heads, kv_heads, has_mask, mask_shape, causal) -> str | None:
     if kind == "ring":
         if has_mask:
-            return ("an explicit attention mask (the ring takes causal or no masks; pass is_causal=True "
-                    "instead of a dense causal mask)")
+            return ("an explicit attention mask (the ring takes a causal mask or none: a decoder passes "
+                    "is_causal=True instead of a dense causal mask, and a Hugging Face model called without "
+                    "attention_mask or position_ids is traced so; a bidirectional encoder with no padding "
+                    "passes no mask at all)")
         if seq % (2 * n):
             return f"sequence {seq} does not divide into {2 * n} chunks (2 x the axis size), pad it to a multiple"
         return None

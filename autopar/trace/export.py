@@ -146,32 +146,48 @@ def _checkpoints_inline():
 
 
 @contextlib.contextmanager
-def _causal_masks_as_flags(example_inputs: tuple, example_kwargs: dict, windows: bool = True):
+def _causal_masks_as_flags(model, windows: bool = True):
     """Hugging Face models build a dense causal mask when they see torch.export, where eager
     runs pass `is_causal=True` to attention instead (no padding mask, one sequence per row,
-    query and key lengths equal).  When the user passes neither an attention mask nor
-    position ids (so positions are the model's own 0..s-1), trace them as they run eagerly:
-    attention then knows its mask is causal, which ring attention needs (a dense mask could
-    say anything).  A padding mask or packed sequences still build the dense mask.
+    query and key lengths equal).  When a Hugging Face model inside `model` is called with
+    neither an attention mask nor position ids (so positions are its own 0..s-1), trace it
+    as it runs eagerly: attention then knows its mask is causal, which ring attention needs
+    (a dense mask could say anything).  Whether it was is read from the call itself (a
+    forward pre-hook on each Hugging Face model), so it holds however many inputs the outer
+    module takes (a loss wrapper's `(x, y)` included).  A padding mask or packed sequences
+    still build the dense mask.
 
     windows: sliding-window layers skip their dense mask too, and their attention call
     (which gets `sliding_window=w`) runs as autopar::window_attention (autopar/trace/attention.py).
     Yields the counts (windowed masks skipped, windowed attention calls): a model that
     skipped masks but made no such call must be traced again with windows=False."""
     masking = sys.modules.get("transformers.masking_utils")
+    library = sys.modules.get("transformers")
     names = ("is_torchdynamo_exporting", "find_packed_sequence_indices", "_ignore_causal_mask_sdpa")
-    given = {k for k, v in example_kwargs.items() if v is not None}
     counts = {"skipped": 0, "calls": 0}
-    if masking is None or not all(hasattr(masking, n) for n in names) or len(example_inputs) > 1 \
-            or given & {"attention_mask", "position_ids", "cache_position", "past_key_values"}:
+    pretrained = getattr(library, "PreTrainedModel", None) if library is not None else None
+    hf_models = [m for m in model.modules() if pretrained is not None and isinstance(m, pretrained)]
+    if masking is None or not all(hasattr(masking, n) for n in names) or not hf_models:
         yield counts
         return
     own = {n: getattr(masking, n) for n in names}
     registry = _attention_registry() if windows else None
     own_sdpa = registry.get("sdpa") if registry is not None else None
+    plain = [True]   # the Hugging Face model running now got no mask, positions or cache
+
+    def called(module, args, kwargs):
+        given = {k for k, v in kwargs.items() if v is not None}
+        plain[0] = len(args) <= 1 and not given & {"attention_mask", "position_ids", "cache_position",
+                                                    "past_key_values"}
+
+    def exporting():
+        return False if plain[0] else own["is_torchdynamo_exporting"]()
+
+    def packed(position_ids):
+        return None if plain[0] else own["find_packed_sequence_indices"](position_ids)
 
     def ignore(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size=None):
-        if local_attention_size is None or own_sdpa is None:
+        if local_attention_size is None or own_sdpa is None or not plain[0]:
             return own["_ignore_causal_mask_sdpa"](padding_mask, q_length, kv_length, q_offset, kv_offset,
                                                    local_attention_size)
         skip = own["_ignore_causal_mask_sdpa"](padding_mask, q_length, kv_length, q_offset, kv_offset, None)
@@ -180,7 +196,7 @@ def _causal_masks_as_flags(example_inputs: tuple, example_kwargs: dict, windows:
 
     def sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         window = kwargs.get("sliding_window")
-        if window is not None and attention_mask is None and query.shape[2] > 1:
+        if plain[0] and window is not None and attention_mask is None and query.shape[2] > 1:
             counts["calls"] += 1
             if not dropout:
                 scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
@@ -190,14 +206,17 @@ def _causal_masks_as_flags(example_inputs: tuple, example_kwargs: dict, windows:
             attention_mask = window_mask(pos, pos, int(window))[None, None]
         return own_sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
-    masking.is_torchdynamo_exporting = lambda: False
-    masking.find_packed_sequence_indices = lambda position_ids: None
+    hooks = [m.register_forward_pre_hook(called, with_kwargs=True) for m in hf_models]
+    masking.is_torchdynamo_exporting = exporting
+    masking.find_packed_sequence_indices = packed
     masking._ignore_causal_mask_sdpa = ignore
     if own_sdpa is not None:
         registry["sdpa"] = sdpa
     try:
         yield counts
     finally:
+        for h in hooks:
+            h.remove()
         for n, f in own.items():
             setattr(masking, n, f)
         if own_sdpa is not None:
@@ -273,7 +292,7 @@ def _export(model, example_inputs: tuple, example_kwargs: dict, found):
             stack.enter_context(experts_as_op(model))
             if found is not None:
                 stack.enter_context(cut_to_three(found))
-            seen = stack.enter_context(_causal_masks_as_flags(example_inputs, example_kwargs, windows=windows))
+            seen = stack.enter_context(_causal_masks_as_flags(model, windows=windows))
             return torch.export.export(model, example_inputs, example_kwargs, strict=False), seen
 
     try:
