@@ -1,6 +1,7 @@
 """Attention as users write it (tests/user_models.py): nanoGPT's `.contiguous().view` after
 attention and torchtitan's complex rotary embeddings train like one device under every
-sequence and tensor layout and the solver's own plan, with no op left replicated; and
+sequence and tensor layout and the solver's own plan, attention written with einsum under
+Megatron and the solver's plan, with no op left replicated; and
 torchtitan's Llama-3-8B plans like autopar.models' own."""
 import warnings
 
@@ -12,7 +13,8 @@ from rt_cases import plan_for, train_and_compare
 from user_models import titan_llama
 
 LAYOUTS = ["ulysses x dp", "context-parallel x dp", "megatron-tp x dp", None]
-CASES = [(kind, layout) for kind in ("nano", "titan") for layout in LAYOUTS]
+CASES = [(kind, layout) for kind in ("nano", "titan") for layout in LAYOUTS] + [
+    ("einsum", "megatron-tp x dp"), ("einsum", None)]   # (no fused attention: nothing to split by sequence)
 
 
 @pytest.mark.parametrize("kind, layout", CASES)
@@ -24,6 +26,9 @@ def test_user_attention_trains_like_one_device(pool4, kind, layout):
     if kind == "titan" and layout is not None:   # the rotation stays split like its q and k (heads, or sequence)
         rotated = [n for n in plan.nodes if n.op in ("aten.view_as_complex", "aten.view_as_real")]
         assert rotated and all(any(s is not None for s in n.split) for n in rotated), rotated
+    if kind == "einsum" and layout is not None:   # Megatron splits both einsums by heads
+        products = [n for n in plan.nodes if n.op == "aten.einsum"]
+        assert len(products) == 4 and all(n.split[1] == "h" for n in products), [n.split for n in products]
     result = pool4.run(train_and_compare, ("user", kind), plan_dict)[0]
     assert result["ok"], result
 

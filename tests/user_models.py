@@ -48,6 +48,26 @@ class NanoAttention(nn.Module):
         return self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
 
 
+class EinsumAttention(nn.Module):
+    """Attention written out with torch.einsum (x-transformers' way): scores, a causal mask
+    filled in, softmax, the weighted sum, heads merged back."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.to_q, self.to_k, self.to_v = (nn.Linear(dim, dim, bias=False) for _ in range(3))
+        self.to_out = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = (f(x).view(b, n, self.heads, c // self.heads).transpose(1, 2) for f in (self.to_q, self.to_k, self.to_v))
+        sim = torch.einsum("b h i d, b h j d -> b h i j", q, k) * (c // self.heads) ** -0.5
+        future = torch.ones(n, n, dtype=torch.bool, device=x.device).triu(1)
+        attn = sim.masked_fill(future, float("-inf")).softmax(dim=-1)
+        out = torch.einsum("b h i j, b h j d -> b h i d", attn, v)
+        return self.to_out(out.transpose(1, 2).reshape(b, n, c))
+
+
 class TitanAttention(nn.Module):
     def __init__(self, dim: int, heads: int, kv_heads: int, max_seq: int, theta: float = 10000.0):
         super().__init__()
@@ -83,12 +103,13 @@ class Block(nn.Module):
 
 
 class SmallLM(nn.Module):
-    """Embeddings, two blocks of `kind` attention ("nano" or "titan"), a head, the loss."""
+    """Embeddings, two blocks of `kind` attention ("nano", "einsum" or "titan"), a head, the loss."""
 
     def __init__(self, kind: str, vocab: int = 128, dim: int = 32, heads: int = 4, layers: int = 2, seq: int = 16):
         super().__init__()
         self.wte, self.wpe = nn.Embedding(vocab, dim), nn.Embedding(seq, dim)
-        make = (lambda: NanoAttention(dim, heads)) if kind == "nano" else (lambda: TitanAttention(dim, heads, 2, seq))
+        make = {"nano": lambda: NanoAttention(dim, heads), "einsum": lambda: EinsumAttention(dim, heads),
+                "titan": lambda: TitanAttention(dim, heads, 2, seq)}[kind]
         self.h = nn.ModuleList(Block(dim, make()) for _ in range(layers))
         self.ln_f, self.lm_head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
 

@@ -309,6 +309,35 @@ def _matmul_rule(node, ins, outs):
     return parse("* m k+, * k+ n -> * m n", ins, outs)
 
 
+def _einsum_rule(node, ins, outs):
+    """torch.einsum as the GEMMs it is: each subscript a letter, those summed over (in an
+    input, not in the output) split into Partial sums, "..." leading every operand as `*`.
+    None (replicated) for a repeated subscript in one operand (a diagonal), an ellipsis
+    elsewhere, or a subscript whose sizes differ between operands (broadcast)."""
+    equation = str(node.args[0]).replace(" ", "")
+    if "->" not in equation:
+        return None
+    lhs, rhs = equation.split("->")
+    terms = lhs.split(",")
+    if len(terms) != len(ins):
+        return None
+    sizes: dict = {}
+    specs = []
+    for term, shape in zip(terms + [rhs], list(ins) + [outs[0]]):
+        star = term.startswith("...")
+        letters = term[3:] if star else term
+        if "." in letters or len(set(letters)) != len(letters) or not letters.isalpha():
+            return None
+        for c, n in zip(letters, shape[len(shape) - len(letters):]):
+            if sizes.setdefault(c, n) != n:
+                return None
+        specs.append((star, letters))
+    kept = set(specs[-1][1])
+    text = [" ".join((["*"] if star else []) + [c + ("+" if c not in kept else "") for c in letters])
+            for star, letters in specs]
+    return parse(f"{', '.join(text[:-1])} -> {text[-1]}", ins, outs)
+
+
 def _addmm_rule(node, ins, outs):
     bias = "n" if len(ins[0]) == 1 else "m n"
     return parse(f"{bias}, m k+, k+ n -> m n", ins, outs, partial_inputs={0})
@@ -463,6 +492,7 @@ RULES = {
     "aten.unsqueeze": _unsqueeze_squeeze_rule, "aten.squeeze": _unsqueeze_squeeze_rule,
     "aten.expand": _expand_rule,
     "aten.view_as_complex": _complex_view_rule, "aten.view_as_real": _complex_view_rule,
+    "aten.einsum": _einsum_rule,
     "aten.slice": _slice_rule, "aten.select": _select_rule, "aten.narrow": _slice_rule,
     "aten.cat": _cat_rule, "aten.concat": _cat_rule, "aten.stack": _stack_rule,
     "aten.split": _split_rule, "aten.split_with_sizes": _split_rule, "aten.chunk": _split_rule,
