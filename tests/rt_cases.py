@@ -44,6 +44,17 @@ def build_case(spec: tuple):
                 module.forward = functools.partial(checkpoint, module.forward, use_reentrant=True)
         return model, args, kwargs
     torch.manual_seed(0)
+    if kind == "hf-deepseek":  # ("hf-deepseek",): DeepSeek-V3's latent attention, grouped router, shared expert
+        import transformers as tf
+        cfg = tf.DeepseekV3Config(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                  num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8,
+                                  n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, q_lora_rank=32,
+                                  kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                                  first_k_dense_replace=1, n_group=2, topk_group=1, use_cache=False,
+                                  max_position_embeddings=64)
+        model = tf.DeepseekV3ForCausalLM(cfg)
+        ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
+        return model, (), {"input_ids": ids, "labels": ids}
     if kind == "hf-wrapped":  # ("hf-wrapped",): hf-llama behind a loss wrapper taking (ids, labels)
         from user_models import LabelsLoss
         model, _, kwargs = build_case(("hf-llama",))

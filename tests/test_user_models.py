@@ -64,3 +64,20 @@ def test_a_hugging_face_model_behind_a_loss_wrapper_takes_ring_attention(pool2):
     assert attention and all(n.split[0] == "ring" for n in attention), [n.split for n in attention]
     result = pool2.run(train_and_compare, spec, plan_dict)[0]
     assert result["ok"], result
+
+
+@pytest.mark.parametrize("layout, shape, names", [(None, (2, 2), ("dp", "tp")), ("megatron-tp", (4,), ("tp",))])
+def test_deepseek_v3_latent_attention_and_grouped_router(pool4, layout, shape, names):
+    """Hugging Face's DeepSeek-V3 (multi-head latent attention, whose keys are assembled by
+    writing into slices of a new tensor; a group-limited router, whose mask is built by
+    scatter_): the writes are traced as slice_scatter and scatter (autopar/trace/functional.py),
+    so nothing runs replicated, and it trains like one device."""
+    spec = ("hf-deepseek",)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        plan_dict = plan_for(spec, layout, shape=shape, names=names)
+    plan = autopar.Plan.from_dict(plan_dict)
+    ops = {n.op for n in plan.nodes}
+    assert {"aten.slice_scatter", "aten.scatter"} <= ops and not {"aten.copy_", "aten.scatter_"} & ops
+    result = pool4.run(train_and_compare, spec, plan_dict)[0]
+    assert result["ok"], result

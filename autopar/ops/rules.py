@@ -78,7 +78,7 @@ ELEMENTWISE = LINEAR_ELEMENTWISE | {
     "aten.addcmul", "aten.addcdiv", "aten.leaky_relu", "aten.hardtanh", "aten.elu", "aten.mish",
     "aten.floor", "aten.ceil", "aten.round", "aten.trunc", "aten.fmod", "aten.remainder",
     "aten.floor_divide", "aten.tril", "aten.triu", "aten.polar", "aten.real", "aten.imag", "aten.conj",
-    "aten.conj_physical", "aten.resolve_conj", "aten.angle",
+    "aten.conj_physical", "aten.resolve_conj", "aten.angle", "aten.fill",
 }
 
 
@@ -435,6 +435,29 @@ def _gather_rule(node, ins, outs):
     return parse(f"{' '.join(src)}, {' '.join(ids)} -> {' '.join(ids)}", ins, outs)
 
 
+def _scatter_rule(node, ins, outs):
+    """scatter(self, dim, index, value or src): the output is self's shape; `dim` never
+    splits, the other dims split alike in self, index (and src) where their sizes agree."""
+    x = ins[0]
+    dim = _dim(node.args[1], len(x))
+
+    def letters(shape, tag):
+        return " ".join(f"d{i}" if i != dim and i < len(x) and x[i] == shape[i] else f"{tag}{i}^"
+                        for i in range(len(shape)))
+    operands = [letters(x, "x")] + [letters(shape, t) for shape, t in zip(ins[1:], "ys")]
+    return parse(f"{', '.join(operands)} -> {operands[0]}", ins, outs)
+
+
+def _slice_scatter_rule(node, ins, outs):
+    """slice_scatter(self, src, dim, ...): src written into a slice of self along `dim`,
+    which never splits; the other dims split alike."""
+    x = ins[0]
+    dim = _dim(op_arg(node, 2, "dim", 0), len(x))
+    src = " ".join(f"d{i}" if i != dim else "y^" for i in range(len(x)))
+    dst = " ".join(f"d{i}" if i != dim else "x^" for i in range(len(x)))
+    return parse(f"{dst}, {src} -> {dst}", ins, outs)
+
+
 def _pointwise_loss_rule(node, ins, outs):
     """mse_loss, l1_loss, binary_cross_entropy...: elementwise, then a mean or sum over all
     elements (every letter splits, giving a Partial loss) or none."""
@@ -514,6 +537,7 @@ RULES = {
     "aten.binary_cross_entropy_with_logits": _pointwise_loss_rule,
     "aten.broadcast_tensors": _broadcast_tensors_rule,
     "aten.index": _index_rule, "aten.gather": _gather_rule,
+    "aten.scatter": _scatter_rule, "aten.slice_scatter": _slice_scatter_rule,
     "aten.arange": _factory_rule, "aten.ones": _factory_rule, "aten.zeros": _factory_rule,
     "aten.full": _factory_rule, "aten.empty": _factory_rule, "aten.new_ones": _factory_rule,
     "aten.new_zeros": _factory_rule, "aten.new_full": _factory_rule, "aten.new_empty": _factory_rule,

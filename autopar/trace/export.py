@@ -21,6 +21,7 @@ import torch.fx as fx
 from autopar.trace.attention import window_attention, window_mask
 from autopar.trace.cache import TRACES, batch_family, fingerprint
 from autopar.trace.experts import experts_as_op
+from autopar.trace.functional import functionalize_writes
 from autopar.trace.fused import Parts, as_linear, split_fused
 from autopar.trace.unroll import cut_to_three, planning_module, repeated_layers
 from autopar.trace.unroll import unroll as unroll_graph
@@ -267,6 +268,7 @@ def _trace(model: torch.nn.Module | fx.GraphModule, example_inputs: tuple, examp
         tied[name] = first.setdefault(id(p), name)
     known = {ph: ep.constants[name] for ph, name in lifted.items()
              if isinstance(ep.constants.get(name), torch.Tensor) and not ep.constants[name].is_meta}
+    functionalize_writes(gm)
     as_linear(gm, params)
     parts = split_fused(gm, params, tied, known)
     share_reads(gm)
