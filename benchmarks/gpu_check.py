@@ -23,7 +23,7 @@ measured):
    same device; max |loss difference| over the steps.
 2. calibrate: `autopar calibrate` (autopar/runtime/calibrate.py) on this rank: matmul and attention
    FLOP/s per dtype, memory bandwidth, op latency and the AdamW line, next to the preset
-   (h100 for an H100 and for an H200, which has no preset; a100; cpu).  Later sections
+   (h100, h200, a100; h100 for another GPU; cpu).  Later sections
    predict with this profile, and with the preset beside it.
 3. ops: about a dozen ops (matmuls large, skinny and small; causal attention at a few
    sequence lengths and head sizes; add, GELU, SiLU; layer and RMS norm; softmax), each the
@@ -175,7 +175,9 @@ def choose_setup(args) -> Setup:
                      f"CPU ({torch.get_num_threads()} threads)")
     name = torch.cuda.get_device_name()
     low = name.lower()
-    if "h100" in low:
+    if "h200" in low:
+        preset, note = "h200", ""
+    elif "h100" in low:
         preset, note = "h100", ""
     elif "a100" in low:
         preset, note = "a100", ""
