@@ -1,6 +1,6 @@
-"""A model must return its loss: planning says so, with the fix, for one that returns
-logits (autopar/trace/loss.py), and a forced sequence layout on a model without a fused
-attention op says it has nothing to split."""
+"""A model must return its loss: planning warns, and train_step refuses, with the fix, for
+one that returns logits (autopar/trace/loss.py); and a forced sequence layout on a model
+without a fused attention op says it has nothing to split."""
 import logging
 
 import pytest
@@ -58,18 +58,30 @@ def tokens(*shape):
     (Logits(), (tokens(4, 8),), "a tensor of shape (4, 8, 32)"),
     (LogitsThenLoss(), (tokens(4, 8), tokens(4, 8)), "a tuple of 2 (a tensor of shape (4, 8, 32), a tensor of shape ())"),
 ])
-def test_a_model_that_returns_logits_is_refused_with_the_fix(model, inputs, shown):
-    with pytest.raises(ValueError) as err:
-        autopar.plan(model, MESH, inputs, compare=False)
-    text = str(err.value)
-    assert text.startswith(f"{type(model).__name__} returned {shown}")
-    assert "not a scalar" in text and WRAPPER in text and "autopar.compile(WithLoss(model)" in text
+def test_a_model_that_returns_logits_is_told_the_fix_when_planned(model, inputs, shown, caplog):
+    # (planned it is: a compiled model may be called for its outputs; train_step refuses it)
+    with caplog.at_level(logging.WARNING, logger="autopar"):
+        plan = autopar.plan(model, MESH, inputs, compare=False)
+    said = [r.getMessage() for r in caplog.records if "train_step will refuse" in r.getMessage()]
+    assert len(said) == 1 and plan.step_s > 0
+    assert f"{type(model).__name__} returned {shown}" in said[0]
+    assert "not a scalar" in said[0] and WRAPPER in said[0] and "autopar.compile(WithLoss(model)" in said[0]
+
+
+def test_train_step_refuses_logits_with_the_fix(pool2):
+    from user_models import train_step_on_logits
+    message = pool2.run(train_step_on_logits)[0]
+    assert message.startswith("train_step needs the model to return a scalar loss: the model returned a tensor of "
+                              "shape (4, 8, 32)"), message
+    assert WRAPPER in message
 
 
 @pytest.mark.parametrize("model", [LossThenLogits(), Entries(), WithLoss(Logits())])
-def test_a_loss_first_a_loss_entry_or_the_wrapper_plans(model):
-    plan = autopar.plan(model, MESH, (tokens(4, 8), tokens(4, 8)), compare=False)
+def test_a_loss_first_a_loss_entry_or_the_wrapper_plans(model, caplog):
+    with caplog.at_level(logging.WARNING, logger="autopar"):
+        plan = autopar.plan(model, MESH, (tokens(4, 8), tokens(4, 8)), compare=False)
     assert plan.step_s > 0 and plan.param_placements
+    assert not [r for r in caplog.records if "train_step will refuse" in r.getMessage()]
 
 
 def test_the_rule_train_step_uses():

@@ -141,3 +141,27 @@ def titan_llama(model) -> nn.Module:
         titan = TitanAttention(config.dim, config.n_heads, config.n_kv_heads, config.max_seq, config.rope_theta)
         layer.attention = titan.to(device)
     return model
+
+
+def train_step_on_logits() -> str:
+    """(A job on every rank of a pool.)  What train_step says for a model returning logits."""
+    import autopar
+    import torch.distributed as dist
+    from autopar.runtime.process import CompileError
+
+    class Logits(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = nn.Embedding(32, 16), nn.Linear(16, 32)
+
+        def forward(self, x):
+            return self.head(self.emb(x))
+
+    torch.manual_seed(0)
+    x = torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(0))
+    cm = autopar.compile(Logits(), autopar.Mesh((dist.get_world_size(),), ("dp",), device="cpu"), (x,))
+    try:
+        cm.train_step(x)
+    except CompileError as exc:
+        return str(exc)
+    return "no error"

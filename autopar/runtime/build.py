@@ -15,10 +15,9 @@ from autopar.passes.shard_params import init_sharded, shard_full_model
 from autopar.plan.plan import Plan
 from autopar.cost.precision import cast_for_trace, meta_inputs
 from autopar.trace.export import TraceError, trace
-from autopar.trace.loss import not_a_loss, traced_output
 
 from autopar.runtime.inputs import expected_inputs
-from autopar.runtime.process import CompileError, device_of
+from autopar.runtime.process import device_of
 from autopar.runtime.rng import RandomStreams
 
 log = logging.getLogger("autopar")
@@ -46,9 +45,6 @@ def rank_graph(model, plan: Plan, groups, example_inputs, example_kwargs, precis
         example_inputs, example_kwargs = meta_inputs((tuple(example_inputs), example_kwargs))
         model = cast_for_trace(model, precision.param_dtype)
     traced = trace(model, tuple(example_inputs), example_kwargs)
-    wrong = not_a_loss(model, traced_output(traced.graph, traced.out_spec))
-    if wrong is not None:   # (before the first train_step)
-        raise CompileError(wrong)
     try:
         evaluated = trace(model, tuple(example_inputs), example_kwargs, mode="eval")
     except TraceError as exc:  # training needs only the training graph; eval mode says why it is missing

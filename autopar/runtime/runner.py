@@ -31,7 +31,7 @@ from autopar.runtime.inputs import InputCheck
 from autopar.runtime.options import RunOptions
 from autopar.runtime.process import CompileError
 from autopar.runtime.state import param_key
-from autopar.trace.loss import describe, pick_loss
+from autopar.trace.loss import not_a_loss, pick_loss
 
 
 class GraphIO:
@@ -193,9 +193,8 @@ def gather_counts_of(regathers) -> dict:
 
 def loss_of(out) -> torch.Tensor:
     """The scalar to differentiate: the output itself, its `.loss` (Hugging Face) or its
-    first (autopar.trace.loss.pick_loss; planning and compiling check it first)."""
-    loss, why = pick_loss(out)
+    first (autopar.trace.loss.pick_loss; planning warns when there is none)."""
+    loss, _ = pick_loss(out)
     if loss is None:
-        raise CompileError(f"train_step needs the model to return a scalar loss; it returned {describe(out)}: "
-                           f"{why} (see autopar.trace.loss: return the loss, or wrap the model with it)")
+        raise CompileError(f"train_step needs the model to return a scalar loss: {not_a_loss('the model', out)}")
     return loss

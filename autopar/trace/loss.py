@@ -1,6 +1,8 @@
-"""Which output of a model is the loss training differentiates, and a clear error, when a
-model is planned or compiled, for one that returns something else (logits, a tuple led by
-logits, a dict without "loss"), rather than at its first train_step.
+"""Which output of a model is the loss training differentiates, and what a user is told
+when it returns something else (logits, a tuple led by logits, a dict without "loss"):
+a warning when the model is planned (a compiled model may still be called for its
+outputs, `cm(x)`, so planning it is not an error), and at `train_step` an error with the
+same fix.
 
 The rule (pick_loss) is the one `train_step` uses (autopar/runtime/runner.loss_of): the
 output itself when it is a tensor, its `.loss` (Hugging Face's ModelOutput), its "loss"
@@ -8,9 +10,13 @@ entry, or the first element of a tuple or list; and it must hold one element.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+
+log = logging.getLogger("autopar")
 
 WRAPPER = """    class WithLoss(torch.nn.Module):
         def __init__(self, model):
@@ -54,11 +60,12 @@ def describe(out) -> str:
 
 
 def not_a_loss(model, out) -> str | None:
-    """The error message for a model whose output `out` has no scalar loss, or None."""
+    """The message for a model whose output `out` has no scalar loss, or None."""
     loss, why = pick_loss(out)
     if loss is not None:
         return None
-    return (f"{type(model).__name__} returned {describe(out)}: {why}. autopar trains the loss the "
+    name = model if isinstance(model, str) else type(model).__name__
+    return (f"{name} returned {describe(out)}: {why}. autopar trains the loss the "
             f"model returns. Either make forward return it (a scalar; the first value when it "
             f"returns several, or a .loss / 'loss' entry), or wrap the model with its loss and plan "
             f"the wrapper with (inputs, targets) as example inputs:\n\n{WRAPPER}\n\n"
@@ -76,12 +83,15 @@ def traced_output(gm: fx.GraphModule, out_spec):
     return pytree.tree_unflatten(list(values), out_spec)
 
 
-def check_loss_output(model, traced) -> None:
-    """Raise ValueError (see not_a_loss) when the traced model returns no scalar loss."""
+def check_loss_output(model, traced) -> str | None:
+    """Warn (logger "autopar", once per plan) when the traced model returns no scalar loss:
+    its forward can be planned and called, but train_step will refuse it.  Returns the
+    message, or None."""
     try:
         out = traced_output(traced.graph, traced.out_spec)
     except Exception:   # an output structure this cannot rebuild: train_step checks it
-        return
+        return None
     message = not_a_loss(model, out)
     if message is not None:
-        raise ValueError(message)
+        log.warning("cm.train_step will refuse this model: %s", message)
+    return message
