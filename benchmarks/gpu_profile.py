@@ -7,8 +7,9 @@ on an H100; run it as gpu_check.py's docstring says (PYTHONPATH with the carried
 
 The cost model's constants read from it (2026-11-26, one H100, docs/gpu/2026-11-26-h100-*.txt):
 KernelEfficiency.misaligned (GPT-2's 50,257-wide head on a fallback GEMM kernel),
-DeviceSpec.host_op (host seconds per traced op and direction) and the optimizer's passes
-(autopar.cost.prices.optimizer_seconds).  Each model prints its measured forward and
+DeviceSpec.host_op (host seconds per traced op and direction), the optimizer's passes
+(autopar.cost.prices.optimizer_seconds) and the host time of recomputation
+(autopar.solve.assemble.RECOMPUTE_HOST; docs/gpu/2026-11-26-h200-recompute-profile.txt).  Each model prints its measured forward and
 backward, its optimizer step and zero_grad, and the plan's prediction; the full-size runs
 print the profiler's kernel table too.
 """
@@ -89,6 +90,33 @@ def main() -> None:
                 print(table.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70), flush=True)
             del cm, opt
             torch.cuda.empty_cache()
+    recomputation(preset, device)
+
+
+def recomputation(preset: str, device) -> None:
+    """GPT-2 124M's forward and backward with no, full and selective recomputation: the
+    wall clock against the kernels and the host (autopar/solve/assemble.RECOMPUTE_HOST)."""
+    for mode in ("none", "full", "selective"):
+        torch.manual_seed(0)
+        model, example = build("gpt2-124m", device="meta", batch=8, seq=1024)
+        plan = autopar.plan(model, autopar.Mesh((1,), ("dp",), device=preset), example, compare=False,
+                            mixed_precision=torch.bfloat16, recompute=mode)
+        cm = autopar.compile(model, plan.mesh, example, plan=plan, seed=0, check_finite=False, check_inputs=0)
+        batch = tuple(torch.randint(0, model.config.vocab, t.shape, device=device) for t in example)
+        for _ in range(3):
+            cm.train_step(*batch)
+        passes = median_seconds(lambda: cm.train_step(*batch))
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(2):
+                cm.train_step(*batch)
+            torch.cuda.synchronize()
+        table = prof.key_averages()
+        print(f"=== recompute {mode}: train_step {passes * 1e3:.2f} ms; kernels and operators "
+              f"{sum(e.self_device_time_total for e in table) / 2 / 1e3:.2f} ms, host "
+              f"{sum(e.self_cpu_time_total for e in table) / 2 / 1e3:.2f} ms per step (profiled); "
+              f"predicted step {plan.step_s * 1e3:.2f} ms", flush=True)
+        del cm
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -14,10 +14,9 @@ parameter or buffer, is left as it is (it runs replicated, correctly).
 """
 from __future__ import annotations
 
-import torch.fx as fx
-
-from torch._ops import OpOverload
 import torch
+import torch.fx as fx
+from torch._ops import OpOverload
 
 aten = torch.ops.aten
 
