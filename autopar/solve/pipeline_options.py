@@ -9,6 +9,8 @@ too when no layout over those fits the budget.  autopar.Pipeline(axis=...) names
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 from autopar.cost.schedules import SCHEDULES
@@ -17,6 +19,7 @@ from autopar.mesh import Mesh
 # The schedules a pipeline may run: the simulator's (autopar.cost.schedules.SCHEDULES), less
 # "naive" (one microbatch at a time, which no runtime schedule runs).
 SCHEDULE_CHOICES = tuple(s for s in SCHEDULES if s != "naive")
+DATA_AXES = ("dp", "data", "fsdp", "zero", "ddp", "batch")   # axis names that split a stage's rows
 
 
 @dataclass(frozen=True)
@@ -112,20 +115,24 @@ class SearchSpace:
         return [Cut(axis, p, n_mb) for axis, size in enumerate(mesh.shape) if axis in axes
                 for p in (d for d in range(2, size + 1) if size % d == 0)
                 if fixed is None or fixed.allows(mesh.axis_names[axis], p, None, None, None)
-                for n_mb in self.microbatch_counts(p)]
+                for n_mb in self.microbatch_counts(p, axis)]
 
     def keys(self, axes) -> list:
         """The keys the candidates over `axes` are costed at, once each, in order."""
         return list(dict.fromkeys(self.key(cut) for cut in self.cuts(axes)))
 
-    def microbatch_counts(self, p: int) -> list:
+    def microbatch_counts(self, p: int, axis: int | None = None) -> list:
+        """2p and 4p microbatches, and microbatches of one row per data-parallel rank of the
+        stage (the least activation memory in flight and the smallest bubble, what
+        Megatron-LM runs at scale, Narayanan et al. 2021): the stage's axes named for data
+        parallelism (DATA_AXES) split its rows, the others (tensor parallelism) do not."""
         if self.microbatches is not None:
             return [m for m in self.microbatches if self.batch % m == 0]
         counts = [m for m in (2 * p, 4 * p) if m <= self.batch and self.batch % m == 0]  # B = p: a large bubble
-        if self.batch > 4 * p:
-            # microbatches of one row: the least activation memory per microbatch in flight
-            # and the smallest bubble, what Megatron-LM runs at scale (Narayanan et al. 2021)
-            counts.append(self.batch)
+        rows = math.prod(n for a, (n, name) in enumerate(zip(self.mesh.shape, self.mesh.axis_names))
+                         if a != axis and name.lower() in DATA_AXES)
+        if self.batch % rows == 0 and self.batch // rows > 4 * p:
+            counts.append(self.batch // rows)
         return counts or ([p] if self.batch % p == 0 else [])
 
     def virtuals(self, schedule: str) -> tuple:
