@@ -132,15 +132,19 @@ class _Tally:
         asynchronous device the host issues the ops while earlier ones run, so forward and
         backward take the longer of their kernels and the host's time issuing them
         (DeviceSpec.host_op per op and direction): a small model on a fast GPU is bound by
-        its host.  A recomputed layer's host time is added whole (RECOMPUTE_HOST)."""
+        its host, the more so where it recomputes (RECOMPUTE_HOST)."""
         problem, choice, mesh = self.problem, self.choice, self.problem.mesh
         compute, memory = self.compute, self.memory
         modes = getattr(choice, "modes", None)
         costs = mode_costs(problem, modes) if modes else None
-        if costs is not None:  # recomputed layers: their forward run again, and the host issues it
-            compute += costs.seconds(choice) + mesh.device.host_op * RECOMPUTE_HOST * sum(
+        host, kernels = self.host, self.op_compute
+        if costs is not None:  # recomputed layers: their forward run again, and the host issues it again
+            again = costs.seconds(choice)
+            compute += again
+            kernels += again
+            host += mesh.device.host_op * RECOMPUTE_HOST * sum(
                 len(members) for path, members in costs.members.items() if costs.modes.get(path, "none") != "none")
-        host_bound = max(0.0, self.host - self.op_compute) if mesh.device.asynchronous else 0.0
+        host_bound = max(0.0, host - kernels) if mesh.device.asynchronous else 0.0
         compute += host_bound
         memory["activations"], memory["working"], _ = beyond_linear(problem, choice, costs)
         comm_by_axis = {mesh.axis_names[a]: self.comm[a] for a in range(mesh.ndim)}
@@ -153,14 +157,17 @@ class _Tally:
                           sum(self.gathers.values()), host_bound)
 
 
-# Host seconds of each op of a recomputed layer, in DeviceSpec.host_op, added to the step:
-# its forward issued again plus the runtime's recomputation machinery (saved-tensor hooks;
-# selective's dispatch mode, which sees every op), which the device waits for.  Measured on
+# Host seconds of each op of a recomputed layer, in DeviceSpec.host_op, counted in the host's
+# time (the step's floor): its forward issued again plus the runtime's recomputation
+# machinery (saved-tensor hooks; selective's dispatch mode, which sees every op).  Measured on
 # one H200's host, bf16 (docs/gpu/2026-11-26-h200-recompute-profile.txt and
 # -gpu_check-after-h100-terms.txt): GPT-2 124M's passes (12 layers of 25 traced ops, batch
 # 8 x 1,024) took 38.85 ms, +21.5 with every layer recomputed in full (72 us per op) and
 # +28.5 selectively (95 us), while their kernels took 3 ms more; a 4-layer Llama (264 ops)
-# +11.4 ms selectively (43 us).  One factor for both modes, 72 us / 27 us: 2.6.
+# +11.4 ms selectively (43 us).  One factor for both modes, 72 us / 27 us: 2.6.  On that
+# host-bound model the step grew by the whole host time, more than a floor gives; added
+# whole, it made Megatron-LM's published full-recomputation runs, whose kernels are long,
+# 15-20 % too slow, so it is a floor.
 RECOMPUTE_HOST = 2.6
 
 
