@@ -66,7 +66,6 @@ def functionalize_writes(gm: fx.GraphModule) -> int:
         if node.op != "call_function":
             continue
         name = _packet(node)
-        order = {n: i for i, n in enumerate(graph.nodes)}
         if name in WRITES and _fresh(node.args[0]):
             base, view = node.args[0], None
             overload = getattr(WRITES[name], node.target._overloadname, None)
@@ -87,6 +86,7 @@ def functionalize_writes(gm: fx.GraphModule) -> int:
             args = (base, src, dim, start, end, step)
         else:
             continue
+        order = {n: i for i, n in enumerate(graph.nodes)}   # (only where a write was found: rare)
         if _views_live_after(base, node, order, {view} if view is not None else set()):
             continue
         with graph.inserting_after(node):
