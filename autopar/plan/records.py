@@ -88,6 +88,22 @@ class ParamState:
         return ", ".join(t for t in (text, "offload" if self.offload else "") if t)
 
 
+def peak_bytes(memory: dict, step_memory: float = 0.0) -> float:
+    """A step's peak memory per device from its parts (bytes by kind, as Prediction.memory):
+    the states (weights, optimizer states) are held throughout; on top of them the peak is
+    the larger of two moments.  At the start of backward every saved activation is held and
+    the largest op (the logits and their loss, often) works, while no gradient exists yet
+    (optimizer.zero_grad leaves none); in the optimizer step every gradient is held and the
+    step's temporaries are allocated.  Measured on one H100 (bf16, one rank,
+    docs/gpu/2026-11-26-h100-gpu_memory.txt and gpu_check): this matches the peaks of GPT-2
+    and Llama steps within 2.5 %, where the sum of all five kinds was 4-10 % high.  Under
+    gradient accumulation or a pipeline the gradients of earlier micro-batches are held at
+    backward's start too (the pipeline search counts them so)."""
+    states = memory.get("params", 0.0) + memory.get("optimizer", 0.0)
+    backward = memory.get("activations", 0.0) + memory.get("working", 0.0)
+    return states + max(backward, memory.get("grads", 0.0) + step_memory)
+
+
 @dataclass(frozen=True)
 class Prediction:
     """Step time and memory per device by kind.  The step is compute plus communication
@@ -108,14 +124,18 @@ class Prediction:
     prefetch_hidden_s: float = 0.0
     prefetchable_s: float = 0.0
     host_bound_s: float = 0.0
+    step_memory: float = 0.0   # what the optimizer step allocates while it runs (cost.prices.step_temporary_bytes)
 
     @property
     def memory_total(self) -> float:
-        return sum(self.memory.values())
+        """The peak per device (peak_bytes): the larger of backward's start and the optimizer step."""
+        return peak_bytes(self.memory, self.step_memory)
 
     def __str__(self) -> str:
         comm = ", ".join(f"{k} {format_seconds(v)}" for k, v in self.comm_s.items())
         mem = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.memory.items())
+        if self.step_memory:
+            mem += f"; the optimizer step's temporaries {format_bytes(self.step_memory)}"
         behind = self.hidden_s - self.prefetch_hidden_s
         parts = ([f"{format_seconds(behind)} behind backward"] if behind > 1e-12 else []) + \
             ([f"{format_seconds(self.prefetch_hidden_s)} of weight gathers behind forward"]

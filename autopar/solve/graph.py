@@ -71,6 +71,7 @@ class Choice:
     plain_memory: float | None = None  # what the memory tie-break sees (ZeRO savings left out)
     forward_s: float = 0.0             # the forward alone (what recomputation runs again)
     work: float = 0.0                  # bytes live beyond the saved ones while it runs (see Problem._choice)
+    step_memory: float = 0.0           # bytes the optimizer step allocates while it updates this parameter
 
     @property
     def time(self) -> float:

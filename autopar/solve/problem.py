@@ -335,7 +335,9 @@ class Problem:
             dev = mesh.device
             per_param = dev.optimizer[0] if dev.optimizer else 0.0   # the host loops over parameters too
             compute = 2 * owned * item / dev.host_bandwidth + owned / dev.host_optimizer_rate + per_param
-        return Choice(compute, tuple(comm), mem, numel * (2 * item + state))
+        step = 0.0 if s.offload else owned * C.step_temporary_bytes(item, self.precision is not None,
+                                                                    mesh.device.asynchronous)
+        return Choice(compute, tuple(comm), mem, numel * (2 * item + state), step_memory=step)
 
     def zero_gather_steps(self, pn: PNode, s: Strategy) -> tuple:
         """The all-gathers that spread a ZeRO-1/2 parameter's updated chunks after the step."""

@@ -201,8 +201,15 @@ def mode_costs(problem, modes: dict) -> ModeCosts:
 
 
 def beyond_linear(problem, choice: dict, costs: ModeCosts | None = None) -> tuple:
-    """(exact activation bytes, working bytes, what the two add to the ILP's linear memory
-    sum) of a solved choice under recompute costs (None: nothing recomputed)."""
+    """(exact activation bytes, working bytes, what the plan needs beyond the ILP's linear
+    memory sum) of a solved choice under recompute costs (None: nothing recomputed).  The
+    ILP sums states, gradients and its activation estimate; the plan is held to states and
+    gradients plus the larger of the exact activations with the working memory and the
+    optimizer step's temporaries.  That bounds the peak (plan.records.peak_bytes, where the
+    gradients are not yet there at backward's start) from above: the planner keeps that
+    margin, room for gradient accumulation, and plans as it did before the peak was split
+    into its two moments (a lower, plan-dependent reserve made the budgeted search's plans
+    less monotonic in the budget)."""
     if costs is None:
         entries = problem.saved_entries()
         linear = sum(problem.choices[pn.rep][choice[pn.index]].memory["activations"] for pn in problem.nodes)
@@ -210,7 +217,8 @@ def beyond_linear(problem, choice: dict, costs: ModeCosts | None = None) -> tupl
         entries, linear = costs.entries, costs.activation_bytes(choice)
     exact = problem.kept_bytes(choice, entries)
     work = working_bytes(problem, choice, costs)
-    return exact, work, exact - linear + work
+    step = sum(problem.choices[pn.rep][choice[pn.index]].step_memory for pn in problem.nodes if pn.kind == "param")
+    return exact, work, max(exact + work, step) - linear
 
 
 def working_bytes(problem, choice: dict, costs: ModeCosts | None = None) -> float:
