@@ -93,6 +93,7 @@ def main(argv=None) -> list:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--cases", help="comma-separated recompute[:allocator] cases (default: all five)")
     parser.add_argument("--out")
     parser.add_argument("--one", help=argparse.SUPPRESS)   # recompute mode, in a child process
     args = parser.parse_args(argv)
@@ -103,7 +104,9 @@ def main(argv=None) -> list:
     gib = 2 ** 30
     print(f"{'recompute':<10} {'allocator':<26} {'predicted':>10} {'allocated':>10} {'reserved':>10} "
           f"{'pred/alloc':>10} {'pred/res':>9} {'res/alloc':>9}  step pred/meas")
-    for recompute, conf in CASES:
+    cases = CASES if not args.cases else [tuple((c + ":").split(":", 1)) for c in args.cases.split(",")]
+    cases = [(r, conf.rstrip(":")) for r, conf in cases]
+    for recompute, conf in cases:
         env = dict(os.environ)
         if conf:
             env["PYTORCH_CUDA_ALLOC_CONF"] = conf

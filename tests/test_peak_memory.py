@@ -64,3 +64,53 @@ def test_predicted_peaks_match_the_h100s_measured_ones(recompute):
     assert states + m["activations"] + m["working"] == pytest.approx(backward, rel=0.02)
     assert states + m["grads"] + pred.step_memory == pytest.approx(step, rel=0.02)
     assert pred.memory_total == pytest.approx(max(backward, step), rel=0.02)
+
+
+def _optimizer(chunk_bytes, masters: bool):
+    """A ShardedOptimizer over three bf16 weights of one rank (float32 masters where
+    `masters`), with gradients as backward leaves them."""
+    from types import SimpleNamespace
+
+    from autopar.runtime.sharded_optimizer import ShardedOptimizer
+
+    gen = torch.Generator().manual_seed(0)
+    dtype = torch.bfloat16 if masters else torch.float32
+    shards = {k: torch.nn.Parameter(torch.randn(n, generator=gen).to(dtype))
+              for k, n in (("a", 300), ("b", 40), ("c", 500))}
+    state = SimpleNamespace(shards=shards, zero_layouts={}, zero_grads={}, groups=None,
+                            masters={k: torch.nn.Parameter(p.detach().float()) for k, p in shards.items()}
+                            if masters else {})
+    opt = ShardedOptimizer(state, torch.optim.AdamW, 1 << 20, chunk_bytes, lr=0.1, weight_decay=0.1)
+    return opt, shards, gen
+
+
+@pytest.mark.parametrize("masters", [True, False])
+def test_stepping_in_runs_equals_one_step(masters, monkeypatch):
+    """Stepped in runs of at most 1,600 bytes (three runs: a + b, then c alone, larger than a
+    run), every weight, master and moment equals the step over all at once, and the
+    gradients backward left are still there after the step."""
+    seen = []
+    results = []
+    for chunk in (None, 1600):
+        opt, shards, gen = _optimizer(chunk, masters)
+        inner_step = opt.optimizer.step
+        monkeypatch.setattr(opt.optimizer, "step", lambda *a, _s=inner_step, _o=opt: (
+            seen.append((chunk, sum(1 for g in _o.optimizer.param_groups for p in g["params"]
+                                    if p.grad is not None))), _s(*a))[1])
+        for _ in range(3):
+            for p in shards.values():
+                p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+            grads = {k: p.grad for k, p in shards.items()}
+            opt.step()
+            assert all(shards[k].grad is grads[k] for k in shards)
+            opt.zero_grad()
+        results.append(({k: p.detach().clone() for k, p in shards.items()},
+                        [{n: v.clone() for n, v in s.items()} for s in opt.optimizer.state.values()]))
+    (w0, s0), (w1, s1) = results
+    for k in w0:
+        assert torch.equal(w0[k], w1[k]), k
+    for a, b in zip(s0, s1):
+        for n in a:
+            assert torch.equal(a[n], b[n]), n
+    assert [n for c, n in seen if c is None] == [3, 3, 3]
+    assert [n for c, n in seen if c == 1600] == [2, 1] * 3

@@ -47,6 +47,24 @@ def state_bytes(param_itemsize: int, mixed_precision: bool) -> float:
     return 12.0 if mixed_precision else 2.0 * param_itemsize
 
 
+# The runtime steps an elementwise optimizer over runs of at most this many bytes of updated
+# tensors (autopar/runtime/sharded_optimizer.ShardedOptimizer.step), so the step's
+# temporaries take one run's size: 1 GiB of float32 masters under mixed precision makes
+# 2 GiB of temporaries, against 11 GB for a 1.4 B-parameter model stepped at once.
+STEP_CHUNK_BYTES = 1 << 30
+
+
+def step_temporary_total(per_param, mixed_precision: bool, foreach: bool) -> float:
+    """The optimizer step's temporaries at their largest: each parameter's
+    (step_temporary_bytes x its stepped elements, `per_param`) add up within one run of at
+    most STEP_CHUNK_BYTES of updated tensors, or one larger tensor alone."""
+    per_param = list(per_param)
+    if not per_param:
+        return 0.0
+    cap = STEP_CHUNK_BYTES * step_temporary_bytes(4, mixed_precision, foreach) / 4
+    return min(sum(per_param), max(cap, max(per_param)))
+
+
 def step_temporary_bytes(param_itemsize: int, mixed_precision: bool, foreach: bool) -> float:
     """Bytes per stepped parameter element the optimizer step allocates while it runs, on top
     of the states: under mixed precision each gradient's float32 copy (the runtime hands the
@@ -55,7 +73,8 @@ def step_temporary_bytes(param_itemsize: int, mixed_precision: bool, foreach: bo
     tensors (the denominator sqrt(v) + eps).  Measured on one H100 for a 1.4 B-parameter
     Llama slice under bf16 mixed precision: the step's peak was 11.14 GB above the states
     and gradients, 2 x 4 bytes x 1.39 B elements (docs/gpu/2026-11-26-h100-gpu_memory.txt).
-    On a CPU Adam loops over the tensors one at a time: its temporaries are one tensor's."""
+    On a CPU Adam loops over the tensors one at a time: its temporaries are one tensor's.
+    The runtime steps in runs (STEP_CHUNK_BYTES; step_temporary_total adds them up)."""
     master = 4 if mixed_precision else param_itemsize
     return (4.0 if mixed_precision else 0.0) + (master if foreach else 0.0)
 

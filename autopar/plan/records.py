@@ -94,9 +94,10 @@ def peak_bytes(memory: dict, step_memory: float = 0.0) -> float:
     the larger of two moments.  At the start of backward every saved activation is held and
     the largest op (the logits and their loss, often) works, while no gradient exists yet
     (optimizer.zero_grad leaves none); in the optimizer step every gradient is held and the
-    step's temporaries are allocated.  Measured on one H100 (bf16, one rank,
-    docs/gpu/2026-11-26-h100-gpu_memory.txt and gpu_check): this matches the peaks of GPT-2
-    and Llama steps within 2.5 %, where the sum of all five kinds was 4-10 % high.  Under
+    step's temporaries are allocated (in runs: cost.prices.step_temporary_total).  Measured
+    on one H100 (bf16, one rank; docs/gpu/2026-11-26-h100-gpu_memory.txt): Llama-3-8B-wide
+    layers at 8,192 tokens within 0.3 % at both moments; GPT-2 and Llama steps of
+    gpu_check within 2.5 %, where the sum of all five kinds was 4-10 % high.  Under
     gradient accumulation or a pipeline the gradients of earlier micro-batches are held at
     backward's start too (the pipeline search counts them so)."""
     states = memory.get("params", 0.0) + memory.get("optimizer", 0.0)

@@ -16,6 +16,7 @@ import logging
 import torch
 from torch.distributed.tensor import Shard
 
+from autopar.cost.prices import STEP_CHUNK_BYTES
 from autopar.runtime.process import CompileError
 from autopar.runtime.sharded_optimizer import (
     CheckpointError, ShardedOptimizer, WrappedOptimizer, load_optimizer_state_dict, optimizer_state_dict)
@@ -45,7 +46,10 @@ def build_optimizer(state, cls, elementwise: bool | None, *, pipelined: bool, bu
         optimizer = WholeParamOptimizer(state, cls, **kwargs)
         log.info("%s runs on whole parameters (%s)", cls.__name__, optimizer)
         return optimizer
-    return ShardedOptimizer(state, cls, bucket_bytes, **kwargs)
+    # an elementwise torch optimizer keeps its state per tensor: it may step in runs (the
+    # optimizer step's temporaries then take one run's size, cost.prices.STEP_CHUNK_BYTES)
+    chunk = STEP_CHUNK_BYTES if cls in ELEMENTWISE else None
+    return ShardedOptimizer(state, cls, bucket_bytes, chunk, **kwargs)
 
 
 def entries_of(state, optimizer) -> tuple:

@@ -18,6 +18,7 @@ through `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`:
 Random ops replay: a region records the forward call count of the random streams
 (autopar/runtime/rng.py) when it runs, and runs again under that count, so every dropout mask
 recomputed in backward is the one forward drew, even after later microbatches' forwards.
+So checkpointing is told not to save and restore the devices' random state itself.
 
 `measure_saved(cm, *args, **kwargs)` runs one training step and returns the bytes kept
 for backward on this rank (storages counted once; parameters, buffers and the inputs left
@@ -212,7 +213,13 @@ class Region(nn.Module):
             return self._run(calls, *inputs)
         contexts = _replayable_contexts if self.replays else _selective_contexts
         extra = {"context_fn": contexts} if self.mode == "selective" else {}
-        return checkpoint(self._run, calls, *inputs, use_reentrant=False, **extra)
+        # every random op of the graph draws from its own stream, seeded by the forward call
+        # count the region replays (autopar/runtime/rng.py): checkpointing's own saving and
+        # restoring of the devices' random state is redundant there, and on a GPU it cost
+        # 7 ms of GPT-2 124M's 61 ms step with every layer recomputed (one H100,
+        # docs/gpu/2026-11-26-h100-recompute-rng-probe.txt)
+        return checkpoint(self._run, calls, *inputs, use_reentrant=False,
+                          preserve_rng_state=self.streams is None, **extra)
 
 
 def apply_recompute(gm: fx.GraphModule, plan, streams, pipelined: bool = False) -> list:

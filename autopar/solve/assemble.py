@@ -63,7 +63,6 @@ class _Tally:
         self.host = 0.0         # the host's seconds issuing them (DeviceSpec.host_op)
         self.comm = [0.0] * problem.mesh.ndim
         self.memory = dict.fromkeys(CATEGORIES, 0.0)
-        self.step_memory = 0.0   # the optimizer step's temporaries (Choice.step_memory)
         self.collectives = []
         self.backward = {}   # op index -> [its backward compute, the synchronous communication of its backward]
         self.forward = {}    # op index -> its forward compute and synchronous forward communication
@@ -98,7 +97,6 @@ class _Tally:
                                                        pn.name, t))
         for k, v in c.memory.items():
             self.memory[k] += v
-        self.step_memory += c.step_memory
 
     def edges(self, pn) -> float:
         """The redistributions of the edges `pn` owns; returns their seconds."""
@@ -156,7 +154,7 @@ class _Tally:
         hidden = (hidden_gradient_seconds(self.backward, self.bucketed) if overlap else 0.0) + prefetch
         return Prediction(compute + sum(self.comm) - hidden, compute, comm_by_axis, memory, hidden,
                           sum(self.bucketed.values()) + sum(self.gathers.values()), prefetch,
-                          sum(self.gathers.values()), host_bound, self.step_memory)
+                          sum(self.gathers.values()), host_bound, problem.step_memory(choice))
 
 
 # Host seconds of each op of a recomputed layer, in DeviceSpec.host_op, counted in the host's

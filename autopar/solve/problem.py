@@ -138,6 +138,12 @@ class Problem:
         return self.remembered("held", (pn.rep, *item[1:]), lambda: np.array(
             [self.held_bytes(pn, s, item) for s in self.nodes[pn.rep].strategies]))
 
+    def step_memory(self, choice: dict) -> float:
+        """The optimizer step's temporaries under a solved choice (cost.prices.step_temporary_total)."""
+        return C.step_temporary_total((self.choices[pn.rep][choice[pn.index]].step_memory for pn in self.nodes
+                                       if pn.kind == "param"), self.precision is not None,
+                                      self.mesh.device.asynchronous)
+
     def saved_entries(self) -> list:
         """(node index, holding) of everything the ops keep when nothing is recomputed."""
         return [(n, item) for n, held in self.holdings.items() for item in held]

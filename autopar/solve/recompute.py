@@ -217,8 +217,7 @@ def beyond_linear(problem, choice: dict, costs: ModeCosts | None = None) -> tupl
         entries, linear = costs.entries, costs.activation_bytes(choice)
     exact = problem.kept_bytes(choice, entries)
     work = working_bytes(problem, choice, costs)
-    step = sum(problem.choices[pn.rep][choice[pn.index]].step_memory for pn in problem.nodes if pn.kind == "param")
-    return exact, work, max(exact + work, step) - linear
+    return exact, work, max(exact + work, problem.step_memory(choice)) - linear
 
 
 def working_bytes(problem, choice: dict, costs: ModeCosts | None = None) -> float:
