@@ -171,7 +171,10 @@ def test_budget_sweep_is_ordered():
     model, example = build("gpt2-124m", device="meta", batch=16, seq=1024)
     mesh = autopar.Mesh((8,), ("dp",), device="h100")
     free = autopar.plan(model, mesh, example, compare=False, mixed_precision="bf16", recompute="none")
-    need = free.predicted.memory_total
+    # what the free plan holds with its gradients beside its activations: the planner's own
+    # measure (solve/recompute.beyond_linear), a little above the peak it reports
+    need = sum(free.predicted.memory.values())
+    assert free.predicted.memory_total <= need
     steps = []
     for frac in (1.0, 0.8, 0.6, 0.5, 0.45):
         plan = autopar.plan(model, mesh, example, compare=False, mixed_precision="bf16", memory_budget=need * frac)
