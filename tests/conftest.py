@@ -59,6 +59,7 @@ SAMPLED = {   # test -> cases kept in the fast tier
     "test_semantics.py::test_frozen_parameters_stay_frozen": 1,
     "test_hf_models.py::test_family_trains_like_one_device": 4,
     "test_hf_models.py::test_mixture_of_experts_trains_like_one_device": 2,
+    "test_hf_models.py::test_further_moe_families_train_like_one_device": 1,
     "test_hf_models.py::test_megatron_meets_its_closed_form": 6,
     "test_pipeline_runtime.py::test_every_schedule_trains_like_one_device": 3,
     "test_pipeline_runtime.py::test_three_dimensional_layouts_train_like_one_device": 1,

@@ -13,7 +13,9 @@ block they have (what the planner must get right for each):
   autopar's own GPT with fused_qkv): planned as one matmul per part;
 - fused-parallel: a fused multi-query projection in a parallel block (Falcon);
 - moe: a top-k router and stacked experts (Mixtral, Qwen2-MoE with a shared expert, OLMoE
-  with full-width QK norms, Qwen3-MoE with per-head QK norms, GraniteMoE).
+  with full-width QK norms, Qwen3-MoE with per-head QK norms, GraniteMoE); MOE_MORE: eight
+  further families (DeepSeek-V2 and -V3 with latent attention, shared experts and
+  group-limited routers, GLM-4-MoE, ERNIE-4.5-MoE, Hunyuan-MoE, dots.llm1, MiniMax, FlexOlmo).
 
 Every config has hidden 64, 8 heads (4 key-value heads where the family groups them; head
 dim 8), 2 layers and a vocabulary of 128, so a
@@ -86,12 +88,38 @@ def _configs(layers: int = LAYERS):
                  lambda: tf.GPTJConfig(vocab_size=VOCAB, n_positions=64, n_embd=HIDDEN, n_layer=layers, n_head=HEADS,
                                        rotary_dim=8, use_cache=False)),
         "gpt_neox": ("parallel", tf.GPTNeoXForCausalLM, lambda: tf.GPTNeoXConfig(**_common(layers, ))),
+        # eight further MoE families (shared experts, group-limited routers, latent attention)
+        "deepseek_v2": ("moe", tf.DeepseekV2ForCausalLM, lambda: tf.DeepseekV2Config(**_common(
+            layers, num_key_value_heads=HEADS, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=HIDDEN,
+            n_shared_experts=1, first_k_dense_replace=0, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8,
+            qk_rope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1))),
+        "deepseek_v3": ("moe", tf.DeepseekV3ForCausalLM, lambda: tf.DeepseekV3Config(**_common(
+            layers, num_key_value_heads=HEADS, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=HIDDEN,
+            n_shared_experts=1, first_k_dense_replace=0, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+            qk_rope_head_dim=8, v_head_dim=8, n_group=2, topk_group=1))),
+        "glm4_moe": ("moe", tf.Glm4MoeForCausalLM, lambda: tf.Glm4MoeConfig(**_common(
+            layers, num_key_value_heads=KV_HEADS, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=HIDDEN,
+            n_shared_experts=1, first_k_dense_replace=0, n_group=1, topk_group=1, head_dim=HIDDEN // HEADS))),
+        "ernie4_5_moe": ("moe", tf.Ernie4_5_MoeForCausalLM, lambda: tf.Ernie4_5_MoeConfig(**_common(
+            layers, num_key_value_heads=KV_HEADS, moe_num_experts=4, moe_k=2, moe_intermediate_size=HIDDEN,
+            moe_layer_start_index=0))),
+        "hunyuan_v1_moe": ("moe", tf.HunYuanMoEV1ForCausalLM, lambda: tf.HunYuanMoEV1Config(**_common(
+            layers, num_key_value_heads=KV_HEADS, num_experts=4, moe_topk=2, head_dim=HIDDEN // HEADS))),
+        "dots1": ("moe", tf.Dots1ForCausalLM, lambda: tf.Dots1Config(**_common(
+            layers, num_key_value_heads=KV_HEADS, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=HIDDEN,
+            n_shared_experts=1, first_k_dense_replace=0, n_group=1, topk_group=1, head_dim=HIDDEN // HEADS))),
+        "minimax": ("moe", tf.MiniMaxForCausalLM, lambda: tf.MiniMaxConfig(**_common(
+            layers, num_key_value_heads=KV_HEADS, num_local_experts=4, num_experts_per_tok=2, head_dim=HIDDEN // HEADS))),
+        "flex_olmo": ("moe", tf.FlexOlmoForCausalLM, lambda: tf.FlexOlmoConfig(**_common(
+            layers, num_key_value_heads=KV_HEADS, num_experts=4, num_experts_per_tok=2, pad_token_id=0))),
         "phi": ("parallel", tf.PhiForCausalLM, lambda: tf.PhiConfig(**_common(layers, ))),
     }
 
 
 FUSED = ["gpt2", "phi3", "gpt_bigcode", "gpt_fused", "falcon"]
 MOE = ["mixtral", "qwen2_moe", "olmoe", "qwen3_moe", "granitemoe"]  # experts as one op (autopar/trace/experts.py)
+MOE_MORE = ["deepseek_v2", "deepseek_v3", "glm4_moe", "ernie4_5_moe", "hunyuan_v1_moe", "dots1", "minimax",
+            "flex_olmo"]
 FAMILIES = ["llama", "qwen2", "mistral", "gemma", "stablelm", "starcoder2", "gemma2", "qwen3", "gptj", "gpt_neox",
             "phi", "cohere"]
 

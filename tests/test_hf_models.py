@@ -48,7 +48,7 @@ def test_every_op_has_a_rule(name, model):
 
 # --- architecture families: Megatron's closed form and one-device numerics ---------------------
 
-from hf_archs import FAMILIES, FUSED, HIDDEN, MOE, block_class, build  # noqa: E402
+from hf_archs import FAMILIES, FUSED, HIDDEN, MOE, MOE_MORE, block_class, build  # noqa: E402
 from rt_cases import train_and_compare  # noqa: E402
 
 PER_BLOCK = {"sequential": 2, "post-norm": 2, "qk-norm": 2, "parallel": 1, "fused": 2,
@@ -207,3 +207,39 @@ def test_head_count_that_does_not_divide_is_explained(caplog):
         autopar.plan(even, autopar.Mesh((4,), ("tp",), device="cpu"),
                      example_kwargs={"input_ids": ids, "labels": ids}, compare=False)
     assert not [r for r in caplog.records if "key/value heads" in r.getMessage()]
+
+
+@pytest.mark.parametrize("family", MOE_MORE)
+def test_further_moe_families_shard_their_experts(family):
+    """Eight further Hugging Face MoE families: the experts become one planned op, the
+    expert-parallel layout splits every expert weight over tp with no op left replicated,
+    and the solver's own plan on (2, 2) has no fallback either."""
+    model, kwargs = build(family)
+    mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="cpu")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ep = autopar.plan(model, mesh, example_kwargs=kwargs, compare=False, layout="expert-parallel")
+        ilp = autopar.plan(model, mesh, example_kwargs=kwargs, compare=False)
+    assert not [str(w.message) for w in caught if "no sharding rule" in str(w.message)]
+    assert ep.fallback_ops == () and ilp.fallback_ops == ()
+    kinds = {n.strategy for n in ep.nodes if n.op == "autopar.experts"}
+    assert kinds == {"dp=tokens tp=expert-parallel"}, kinds
+    experts = {n: p for n, p in ep.param_placements.items() if ".experts." in n}
+    assert experts and all(p[-1] == Shard(0) for p in experts.values()), experts
+
+
+@pytest.mark.parametrize("family", MOE_MORE)
+def test_further_moe_families_train_like_one_device(pool4, family):
+    """The same eight trained 3 AdamW steps on 4 gloo ranks equal one device under the
+    expert-parallel layout and the solver's plan on (2, 2)."""
+    model, kwargs = build(family)
+    mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="cpu")
+    plans = {"expert-parallel": autopar.plan(model, mesh, example_kwargs=kwargs, compare=False,
+                                             layout="expert-parallel"),
+             "ilp": autopar.plan(model, mesh, example_kwargs=kwargs, compare=False)}
+    failures = []
+    for label, plan in plans.items():
+        result = pool4.run(train_and_compare, ("hf-arch", family), plan.to_dict())[0]
+        if not result["ok"]:
+            failures.append(f"{label}: loss {result['loss']:.2e} grad {result['grad']} param {result['param']}")
+    assert not failures, "\n".join(failures)
