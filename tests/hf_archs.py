@@ -110,6 +110,11 @@ def _configs(layers: int = LAYERS):
             n_shared_experts=1, first_k_dense_replace=0, n_group=1, topk_group=1, head_dim=HIDDEN // HEADS))),
         "minimax": ("moe", tf.MiniMaxForCausalLM, lambda: tf.MiniMaxConfig(**_common(
             layers, num_key_value_heads=KV_HEADS, num_local_experts=4, num_experts_per_tok=2, head_dim=HIDDEN // HEADS))),
+        # Llama-4: a sigmoid router whose scores scale the tokens, repeated once per expert, and
+        # the experts as batched matmuls over every token (no dispatch), beside a shared expert
+        "llama4": ("moe-dense", tf.Llama4ForCausalLM, lambda: tf.Llama4TextConfig(**{**_common(
+            layers, num_key_value_heads=KV_HEADS, num_local_experts=4, num_experts_per_tok=1,
+            intermediate_size_mlp=2 * HIDDEN, head_dim=HIDDEN // HEADS), "intermediate_size": HIDDEN})),
         "flex_olmo": ("moe", tf.FlexOlmoForCausalLM, lambda: tf.FlexOlmoConfig(**_common(
             layers, num_key_value_heads=KV_HEADS, num_experts=4, num_experts_per_tok=2, pad_token_id=0))),
         "phi": ("parallel", tf.PhiForCausalLM, lambda: tf.PhiConfig(**_common(layers, ))),

@@ -243,3 +243,22 @@ def test_further_moe_families_train_like_one_device(pool4, family):
         if not result["ok"]:
             failures.append(f"{label}: loss {result['loss']:.2e} grad {result['grad']} param {result['param']}")
     assert not failures, "\n".join(failures)
+
+
+def test_llama4_router_and_dense_experts_train_like_one_device(pool4):
+    """Llama-4's MoE repeats the router-scaled tokens once per expert (`repeat`) and runs the
+    experts as batched matmuls over them: nothing runs replicated, and 3 AdamW steps on 4
+    ranks equal one device under the solver's plan on (2, 2) and Megatron's layout on (4,)."""
+    model, kwargs = build("llama4")
+    plans = {"ilp (2, 2)": autopar.plan(model, autopar.Mesh((2, 2), ("dp", "tp"), device="cpu"),
+                                        example_kwargs=kwargs, compare=False),
+             "megatron-tp (4,)": autopar.plan(model, autopar.Mesh((4,), ("tp",), device="cpu"),
+                                              example_kwargs=kwargs, compare=False, layout="megatron-tp")}
+    assert all(plan.fallback_ops == () for plan in plans.values())
+    assert any(n.op == "aten.repeat" for n in plans["ilp (2, 2)"].nodes)
+    failures = []
+    for label, plan in plans.items():
+        result = pool4.run(train_and_compare, ("hf-arch", "llama4"), plan.to_dict())[0]
+        if not result["ok"]:
+            failures.append(f"{label}: loss {result['loss']:.2e} grad {result['grad']} param {result['param']}")
+    assert not failures, "\n".join(failures)

@@ -191,6 +191,22 @@ def _expand_rule(node, ins, outs):
     return parse(f"{' '.join(src)} -> {' '.join(dst)}", ins, outs, linear=True)
 
 
+def _repeat_rule(node, ins, outs):
+    """repeat tiles its input: a dim repeated once keeps its letter (a Partial passes: the
+    op is linear); a tiled dim and the new leading dims never split."""
+    reps = [int(r) for r in node.args[1]]
+    lead = len(outs[0]) - len(ins[0])
+    src, dst = [], ["1"] * lead
+    for i, s in enumerate(ins[0]):
+        if reps[i + lead] == 1:
+            src.append(f"d{i}" if s != 1 else "1")
+            dst.append(f"d{i}" if s != 1 else "1")
+        else:
+            src.append(f"x{i}^")
+            dst.append(f"y{i}^")
+    return parse(f"{' '.join(src)} -> {' '.join(dst)}", ins, outs, linear=True)
+
+
 def _slice_rule(node, ins, outs):
     rank = len(ins[0])
     dim = _dim(op_arg(node, 1, "dim", 0), rank)
@@ -513,7 +529,7 @@ RULES = {
     "aten.transpose": _transpose_rule, "aten.permute": _transpose_rule, "aten.t": _transpose_rule,
     "aten.numpy_T": _transpose_rule,
     "aten.unsqueeze": _unsqueeze_squeeze_rule, "aten.squeeze": _unsqueeze_squeeze_rule,
-    "aten.expand": _expand_rule,
+    "aten.expand": _expand_rule, "aten.repeat": _repeat_rule,
     "aten.view_as_complex": _complex_view_rule, "aten.view_as_real": _complex_view_rule,
     "aten.einsum": _einsum_rule,
     "aten.slice": _slice_rule, "aten.select": _select_rule, "aten.narrow": _slice_rule,
