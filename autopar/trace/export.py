@@ -23,6 +23,7 @@ from autopar.trace.cache import TRACES, batch_family, fingerprint
 from autopar.trace.experts import experts_as_op
 from autopar.trace.functional import functionalize_writes
 from autopar.trace.fused import Parts, as_linear, split_fused
+from autopar.trace.paths import module_path
 from autopar.trace.unroll import cut_to_three, planning_module, repeated_layers
 from autopar.trace.unroll import unroll as unroll_graph
 
@@ -268,6 +269,7 @@ def _trace(model: torch.nn.Module | fx.GraphModule, example_inputs: tuple, examp
         tied[name] = first.setdefault(id(p), name)
     known = {ph: ep.constants[name] for ph, name in lifted.items()
              if isinstance(ep.constants.get(name), torch.Tensor) and not ep.constants[name].is_meta}
+    refuse_data_dependent_shapes(gm, type(model).__name__)
     functionalize_writes(gm)
     as_linear(gm, params)
     parts = split_fused(gm, params, tied, known)
@@ -276,6 +278,30 @@ def _trace(model: torch.nn.Module | fx.GraphModule, example_inputs: tuple, examp
                  if name in set(lifted.values()) and isinstance(value, torch.Tensor) and not value.is_meta}
     return Traced(gm, params, buffers, list(sig.user_inputs), tied, ep.call_spec.in_spec, ep.call_spec.out_spec,
                   constants, parts)
+
+
+def refuse_data_dependent_shapes(gm: fx.GraphModule, model_name: str) -> None:
+    """A TraceError naming the first op whose output's size is known only when the step runs
+    (a `.tolist()` of token counts, `nonzero`, a boolean mask): planning prices and splits
+    every tensor by its shape, so such a graph cannot be planned, and it used to fail later
+    with an unrelated TypeError."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        vals = node.meta.get("val")
+        vals = vals if isinstance(vals, (tuple, list)) else (vals,)
+        for val in vals:
+            if isinstance(val, torch.Tensor) and not all(isinstance(d, int) for d in val.shape):
+                module = module_path(node) or "the model's top level"
+                shape = ", ".join(str(d) for d in val.shape)
+                raise TraceError(
+                    f"{model_name}: {node.target} in {module} makes a tensor of shape ({shape}) whose size "
+                    f"depends on the data (known only when the step runs: a .tolist() of token counts, "
+                    f"nonzero, a boolean mask or a bincount split). autopar plans every tensor by its "
+                    f"shape, so it cannot plan this. Fix: route without data-dependent sizes. A dropless "
+                    f"experts module with stacked weights (gate_up_proj [experts, 2 * inner, hidden], "
+                    f"down_proj [experts, hidden, inner], as Hugging Face's MoE families write it) is "
+                    f"taken whole as autopar's experts op; or pad each expert's tokens to a fixed capacity")
 
 
 def _placeholders(ep) -> tuple:
