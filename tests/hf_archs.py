@@ -115,6 +115,11 @@ def _configs(layers: int = LAYERS):
         "llama4": ("moe-dense", tf.Llama4ForCausalLM, lambda: tf.Llama4TextConfig(**{**_common(
             layers, num_key_value_heads=KV_HEADS, num_local_experts=4, num_experts_per_tok=1,
             intermediate_size_mlp=2 * HIDDEN, head_dim=HIDDEN // HEADS), "intermediate_size": HIDDEN})),
+        # GPT-OSS: biased experts with interleaved gate and up columns and a clamped gate,
+        # attention sinks, sliding-window layers among full ones
+        "gpt_oss": ("moe", tf.GptOssForCausalLM, lambda: tf.GptOssConfig(**_common(
+            layers, num_key_value_heads=KV_HEADS, num_local_experts=4, num_experts_per_tok=2, head_dim=HIDDEN // HEADS,
+            layer_types=["sliding_attention", "full_attention"][:layers] * (layers // 2 or 1), sliding_window=8))),
         "flex_olmo": ("moe", tf.FlexOlmoForCausalLM, lambda: tf.FlexOlmoConfig(**_common(
             layers, num_key_value_heads=KV_HEADS, num_experts=4, num_experts_per_tok=2, pad_token_id=0))),
         "phi": ("parallel", tf.PhiForCausalLM, lambda: tf.PhiConfig(**_common(layers, ))),
@@ -124,7 +129,7 @@ def _configs(layers: int = LAYERS):
 FUSED = ["gpt2", "phi3", "gpt_bigcode", "gpt_fused", "falcon"]
 MOE = ["mixtral", "qwen2_moe", "olmoe", "qwen3_moe", "granitemoe"]  # experts as one op (autopar/trace/experts.py)
 MOE_MORE = ["deepseek_v2", "deepseek_v3", "glm4_moe", "ernie4_5_moe", "hunyuan_v1_moe", "dots1", "minimax",
-            "flex_olmo"]
+            "flex_olmo", "gpt_oss"]
 FAMILIES = ["llama", "qwen2", "mistral", "gemma", "stablelm", "starcoder2", "gemma2", "qwen3", "gptj", "gpt_neox",
             "phi", "cohere"]
 

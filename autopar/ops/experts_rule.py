@@ -16,6 +16,10 @@ axis does one of:
   assuming balanced routing: (n - 1) / n of them leave the rank).
 
 At most one axis does "e", "i" or "te"; the others split tokens or nothing.
+
+With biases (gate_bias and up_bias [experts, inner], down_bias [experts, hidden]) they go
+with their experts ("e", "te": Shard(0)); "i" is not offered, as every rank's partial sum
+would add the down projection's bias again.
 """
 from __future__ import annotations
 
@@ -30,27 +34,41 @@ KINDS = (None, "t", "e", "i", "te")
 _R, _P = Replicate(), Partial()
 
 
-def _axis(kind):
-    """(inputs, outputs, grads) placements of one axis: per operand x, index, weight, gate, up, down."""
+def _axis(kind, biased: bool = False):
+    """(inputs, outputs, grads) placements of one axis: per operand x, index, weight, gate,
+    up, down (and gate_bias, up_bias, down_bias when `biased`)."""
     s0 = Shard(0)
     if kind is None:
-        return (_R,) * 6, (_R,), (_R,) * 6
-    if kind == "t":
-        return (s0, s0, s0, _R, _R, _R), (s0,), (s0, s0, s0, _P, _P, _P)
-    if kind == "e":
-        return (_R, _R, _R, s0, s0, s0), (_P,), (_P, _R, _P, s0, s0, s0)
-    if kind == "i":
-        return (_R, _R, _R, Shard(1), Shard(1), Shard(2)), (_P,), (_P, _R, _P, Shard(1), Shard(1), Shard(2))
-    return (s0,) * 6, (s0,), (s0,) * 6  # "te"
+        ins, out, grads = (_R,) * 6, (_R,), (_R,) * 6
+        bias, bias_grad = _R, _R
+    elif kind == "t":
+        ins, out, grads = (s0, s0, s0, _R, _R, _R), (s0,), (s0, s0, s0, _P, _P, _P)
+        bias, bias_grad = _R, _P
+    elif kind == "e":
+        ins, out, grads = (_R, _R, _R, s0, s0, s0), (_P,), (_P, _R, _P, s0, s0, s0)
+        bias, bias_grad = s0, s0
+    elif kind == "i":
+        ins, out, grads = (_R, _R, _R, Shard(1), Shard(1), Shard(2)), (_P,), (_P, _R, _P, Shard(1), Shard(1), Shard(2))
+        bias, bias_grad = None, None   # (not offered with biases)
+    else:  # "te"
+        ins, out, grads = (s0,) * 6, (s0,), (s0,) * 6
+        bias, bias_grad = s0, s0
+    if biased:
+        ins, grads = ins + (bias,) * 3, grads + (bias_grad,) * 3
+    return ins, out, grads
 
 
 def experts_strategies(in_shapes, mesh_shape, axis_names, needs_grad) -> list[Strategy]:
     tokens, k = in_shapes[1]
     n_experts, inner = in_shapes[3][0], in_shapes[3][1]
     hidden = in_shapes[0][-1]
+    biased = len(in_shapes) == 9
+    count = len(in_shapes)
     out = []
     for split in itertools.product(KINDS, repeat=len(mesh_shape)):
         if any(n == 1 and kind is not None for kind, n in zip(split, mesh_shape)):
+            continue
+        if biased and "i" in split:
             continue
         if sum(1 for kind in split if kind not in (None, "t")) > 1:
             continue
@@ -59,10 +77,10 @@ def experts_strategies(in_shapes, mesh_shape, axis_names, needs_grad) -> list[St
         inner_ways = math.prod(n for kind, n in zip(split, mesh_shape) if kind == "i")
         if tokens % token_ways or n_experts % expert_ways or inner % inner_ways:
             continue
-        per_axis = [_axis(kind) for kind in split]
-        inputs = tuple(tuple(ax[0][i] for ax in per_axis) for i in range(6))
+        per_axis = [_axis(kind, biased) for kind in split]
+        inputs = tuple(tuple(ax[0][i] for ax in per_axis) for i in range(count))
         outputs = (tuple(ax[1][0] for ax in per_axis),)
-        grads = tuple(tuple(ax[2][i] for ax in per_axis) if needs_grad[i] else None for i in range(6))
+        grads = tuple(tuple(ax[2][i] for ax in per_axis) if needs_grad[i] else None for i in range(count))
         # dispatch and combine, forward and backward: four all-to-alls of tokens x k rows
         comm = tuple(("all_to_all", a, 4 * k * hidden) for a, kind in enumerate(split) if kind == "te")
         reduced = tuple(a for a, kind in enumerate(split) if kind in ("e", "i"))

@@ -28,15 +28,19 @@ def shard_offset(global_size: int, placements, dim: int, groups) -> tuple[int, i
     return start, length
 
 
-def experts_of_this_rank(x, index, weight, gate, up, down, act: str, axis: int, groups):
+def experts_of_this_rank(x, index, weight, gate, up, down, act: str, axis: int, groups, gate_bias=None,
+                         up_bias=None, down_bias=None):
     """The experts op with experts split over `axis` and tokens whole: this rank runs the
-    rows routed to its experts; the output is a Partial sum over the axis."""
-    return experts(x, index, weight, gate, up, down, act, groups.coordinate(axis) * gate.shape[0])
+    rows routed to its experts (their biases too); the output is a Partial sum over the axis."""
+    return experts(x, index, weight, gate, up, down, act, groups.coordinate(axis) * gate.shape[0], gate_bias,
+                   up_bias, down_bias)
 
 
-def expert_parallel_on_axis(x, index, weight, gate, up, down, act: str, n_experts: int, axis: int, groups):
+def expert_parallel_on_axis(x, index, weight, gate, up, down, act: str, n_experts: int, axis: int, groups,
+                            gate_bias=None, up_bias=None, down_bias=None):
     """The experts op with tokens and experts split over `axis`: all-to-all dispatch and combine."""
-    return expert_parallel(x, index, weight, gate, up, down, act, n_experts, groups.group(axis))
+    return expert_parallel(x, index, weight, gate, up, down, act, n_experts, groups.group(axis), gate_bias,
+                           up_bias, down_bias)
 
 
 def dim_order(node) -> tuple | None:

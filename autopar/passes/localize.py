@@ -110,12 +110,18 @@ def _to_local_experts(node, choice):
     expert parallelism with all-to-all dispatch); tokens or the inner dim split need nothing."""
     n_experts = _global_shape(node, 3)[0]
     axes = {kind: axis for axis, kind in enumerate(choice.split) if kind in ("e", "te")}
+    names = ("gate_bias", "up_bias", "down_bias")
+    biases = {n: node.kwargs[n] if n in node.kwargs else (node.args[8 + i] if len(node.args) > 8 + i else None)
+              for i, n in enumerate(names)}
+    biases = {n: b for n, b in biases.items() if b is not None}
     if "e" in axes:
         node.target = local_ops.experts_of_this_rank
         node.args = tuple(node.args[:7]) + (axes["e"], _groups_node(node))
+        node.kwargs = biases
     elif "te" in axes:
         node.target = local_ops.expert_parallel_on_axis
         node.args = tuple(node.args[:7]) + (n_experts, axes["te"], _groups_node(node))
+        node.kwargs = biases
 
 
 def _to_sequence_parallel_attention(node, choice):

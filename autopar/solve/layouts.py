@@ -198,10 +198,28 @@ def megatron_zero(tp: int, stage: int):
     return allowed
 
 
-def _expert_weights(problem) -> set:
-    """Indices of the parameters a mixture-of-experts op reads as expert weights."""
-    return {problem.nodes[src].index for pn in problem.nodes if pn.kind == "op" and pn.op == "autopar.experts"
-            for src, _ in pn.inputs[3:6] if problem.nodes[src].kind == "param"}
+# ops that only view an expert weight on its way to the experts op (GPT-OSS's interleaved
+# gate and up columns, transposed weights): they keep the expert dim first
+_WEIGHT_VIEWS = frozenset({"aten.slice", "aten.transpose", "aten.t", "aten.permute", "aten.view", "aten.reshape",
+                           "aten.unsqueeze", "aten.squeeze"})
+
+
+def _expert_weights(problem) -> tuple:
+    """(indices of the parameters a mixture-of-experts op reads as expert weights or biases,
+    indices of the view ops between such a parameter and the op)."""
+    params, between = set(), set()
+    for pn in problem.nodes:
+        if pn.kind != "op" or pn.op != "autopar.experts":
+            continue
+        for src, _ in pn.inputs[3:]:
+            node, path = problem.nodes[src], []
+            while node.kind == "op" and node.op in _WEIGHT_VIEWS and len(node.inputs) == 1:
+                path.append(node.index)
+                node = problem.nodes[node.inputs[0][0]]
+            if node.kind == "param":
+                params.add(node.index)
+                between.update(path)
+    return params, between
 
 
 def expert_parallel(mesh):
@@ -211,12 +229,17 @@ def expert_parallel(mesh):
     ep = tp_axis(mesh)
     weights = per_problem(_expert_weights)
 
+    def by_expert(placements, n) -> bool:
+        return all((isinstance(p, Shard) and p.dim == 0) if a == ep else isinstance(p, Replicate)
+                   for a, p in enumerate(placements) if n[a] > 1)
+
     def allowed(problem, pn, strategy) -> bool:
         n = problem.mesh.shape
-        if pn.kind == "param" and pn.index in weights(problem):
-            return _plain(strategy) and all(
-                (isinstance(p, Shard) and p.dim == 0) if a == ep else isinstance(p, Replicate)
-                for a, p in enumerate(strategy.outputs[0]) if n[a] > 1)
+        params, between = weights(problem)
+        if pn.kind == "param" and pn.index in params:
+            return _plain(strategy) and by_expert(strategy.outputs[0], n)
+        if pn.index in between:
+            return by_expert(strategy.inputs[0], n) and by_expert(strategy.outputs[0], n)
         if pn.kind == "op" and pn.op == "autopar.experts":
             return all(kind == ("te" if a == ep else "t") for a, kind in enumerate(strategy.split) if n[a] > 1)
         return data_parallel(problem, pn, strategy)

@@ -11,6 +11,11 @@ autopar calls such a module through one op instead:
         -> [tokens, hidden]:  sum_s weight[t, s] * down[e] @ (act(gate[e] @ x[t]) * (up[e] @ x[t])),
                               e = index[t, s]
 
+Experts with biases (GPT-OSS: gate_up_proj_bias, down_proj_bias) pass them as three more
+operands, gate_bias and up_bias [E, inner] and down_bias [E, hidden], added after each
+product; act "swiglu_oai:<alpha>:<limit>" is GPT-OSS's gate: (clamp(up, -limit, limit) + 1)
+* g * sigmoid(alpha * g), g = clamp(gate, max=limit).
+
 Every token reaches all k experts it picked (dropless: no capacity, nothing dropped).
 The op's strategies (autopar/ops/experts_rule.py) split tokens (data parallel), experts
 with tokens whole (each rank its experts' share, a Partial sum), the inner dim (tensor
@@ -35,19 +40,38 @@ ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, 
                "relu": F.relu}
 
 
-def experts_math(x, index, weight, gate, up, down, act: str, first: int = 0):
+def _gated(act: str):
+    """(g, u) -> the gated activation of one expert's gate and up products."""
+    if act.startswith("swiglu_oai:"):
+        alpha, limit = (float(v) for v in act.split(":")[1:])
+
+        def oai(g, u):
+            g = g.clamp(max=limit)
+            return (u.clamp(min=-limit, max=limit) + 1) * (g * torch.sigmoid(g * alpha))
+        return oai
+    f = ACTIVATIONS[act]
+    return lambda g, u: f(g) * u
+
+
+def experts_math(x, index, weight, gate, up, down, act: str, first: int = 0, gate_bias=None, up_bias=None,
+                 down_bias=None):
     """The experts' output (differentiable): experts [first, first + gate.shape[0]) of the
-    model's, given as local weights; rows routed to other experts contribute zero."""
+    model's, given as local weights (and biases); rows routed to other experts contribute zero."""
     tokens, k = index.shape
     flat = index.reshape(-1)
     out = x.new_zeros(tokens * k, x.shape[-1])
-    f = ACTIVATIONS[act]
+    f = _gated(act)
     for e in range(gate.shape[0]):
         rows = (flat == first + e).nonzero().squeeze(-1)
         if rows.numel() == 0:
             continue
         h = x[rows // k]
-        y = (f(h @ gate[e].T) * (h @ up[e].T)) @ down[e].T
+        g, u = h @ gate[e].T, h @ up[e].T
+        if gate_bias is not None:
+            g, u = g + gate_bias[e], u + up_bias[e]
+        y = f(g, u) @ down[e].T
+        if down_bias is not None:
+            y = y + down_bias[e]
         out = out.index_put((rows,), y)
     return _combine(out, weight, tokens, k, x.dtype)
 
@@ -62,22 +86,26 @@ def _combine(rows, weight, tokens: int, k: int, dtype):
 
 @torch.library.custom_op("autopar::experts", mutates_args=())
 def experts(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-            down: torch.Tensor, act: str, first: int = 0) -> torch.Tensor:
+            down: torch.Tensor, act: str, first: int = 0, gate_bias: torch.Tensor | None = None,
+            up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None) -> torch.Tensor:
     """first: the model's index of the first expert whose weights are given (a rank holding
-    some of the experts: rows routed elsewhere contribute zero)."""
-    return experts_math(x, index, weight, gate, up, down, act, first)
+    some of the experts: rows routed elsewhere contribute zero).  The biases: all three or none."""
+    return experts_math(x, index, weight, gate, up, down, act, first, gate_bias, up_bias, down_bias)
 
 
 @experts.register_fake
-def _(x, index, weight, gate, up, down, act, first=0):
+def _(x, index, weight, gate, up, down, act, first=0, gate_bias=None, up_bias=None, down_bias=None):
     return x.new_empty(x.shape)
 
 
-def _recomputed_grads(grad, x, index, weight, gate, up, down, act, first):
-    """Gradients of x, weight, gate, up, down: the forward run again under autograd."""
+def _recomputed_grads(grad, x, index, weight, gate, up, down, act, first, biases=(None, None, None)):
+    """Gradients of x, weight, gate, up, down and the biases given: the forward run again
+    under autograd."""
     with torch.enable_grad():
-        leaves = [t.detach().requires_grad_(True) for t in (x, weight, gate, up, down)]
-        out = experts_math(leaves[0], index, leaves[1], leaves[2], leaves[3], leaves[4], act, first)
+        given = [t for t in (x, weight, gate, up, down, *biases) if t is not None]
+        leaves = [t.detach().requires_grad_(True) for t in given]
+        bias_leaves = leaves[5:] if biases[0] is not None else [None, None, None]
+        out = experts_math(leaves[0], index, leaves[1], leaves[2], leaves[3], leaves[4], act, first, *bias_leaves)
         grads = torch.autograd.grad(out, leaves, grad, allow_unused=True)
     return tuple(g if g is not None else torch.zeros_like(t) for g, t in zip(grads, leaves))
 
@@ -98,18 +126,24 @@ def _(grad, x, index, weight, gate, up, down, act, first=0):
 
 
 def _setup(ctx, inputs, output):
-    x, index, weight, gate, up, down, act, first = inputs
-    ctx.save_for_backward(x, index, weight, gate, up, down)
+    x, index, weight, gate, up, down, act, first, gate_bias, up_bias, down_bias = inputs
+    ctx.biased = gate_bias is not None
+    ctx.save_for_backward(x, index, weight, gate, up, down, *((gate_bias, up_bias, down_bias) if ctx.biased else ()))
     ctx.act, ctx.first = act, first
 
 
 def _backward(ctx, grad):
-    x, index, weight, gate, up, down = ctx.saved_tensors
+    x, index, weight, gate, up, down, *biases = ctx.saved_tensors
     if x.device.type == "meta":
         gx, gw, gg, gu, gd = experts_backward(grad, x, index, weight, gate, up, down, ctx.act, ctx.first)
+        gb = tuple(b.new_empty(b.shape) for b in biases)
     else:
-        gx, gw, gg, gu, gd = _recomputed_grads(grad, x, index, weight, gate, up, down, ctx.act, ctx.first)
-    return gx, None, gw, gg, gu, gd, None, None
+        got = _recomputed_grads(grad, x, index, weight, gate, up, down, ctx.act, ctx.first,
+                                tuple(biases) if biases else (None, None, None))
+        gx, gw, gg, gu, gd = got[:5]
+        gb = got[5:]
+    gb = tuple(gb) if ctx.biased else (None, None, None)
+    return (gx, None, gw, gg, gu, gd, None, None, *gb)
 
 
 experts.register_autograd(_backward, setup_context=_setup)
@@ -155,7 +189,8 @@ class _AllToAll(torch.autograd.Function):
         return back, None, None, None
 
 
-def expert_parallel(x, index, weight, gate, up, down, act: str, n_experts: int, group):
+def expert_parallel(x, index, weight, gate, up, down, act: str, n_experts: int, group, gate_bias=None,
+                    up_bias=None, down_bias=None):
     """The op on one rank of an expert-parallel axis (`group`, n ranks): x [tokens / n, hidden]
     this rank's tokens; gate, up, down the weights of experts [r * E / n, (r + 1) * E / n).
 
@@ -181,7 +216,7 @@ def expert_parallel(x, index, weight, gate, up, down, act: str, n_experts: int, 
     got = _AllToAll.apply(rows, recv_sizes, send_sizes, group)
     first = dist.get_rank(group) * local
     ones = torch.ones(got.shape[0], 1, dtype=got.dtype, device=got.device)
-    done = experts(got, got_ids.unsqueeze(-1), ones, gate, up, down, act, first)
+    done = experts(got, got_ids.unsqueeze(-1), ones, gate, up, down, act, first, gate_bias, up_bias, down_bias)
     back = _AllToAll.apply(done, send_sizes, recv_sizes, group)
     out = torch.empty_like(back).index_copy(0, order, back)  # rows in (token, slot) order again
     return _combine(out, weight, tokens, k, x.dtype)
@@ -207,10 +242,17 @@ def why_not(module) -> str | None:
     gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
     if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor) or gate_up.dim() != 3:
         return "no stacked gate_up_proj / down_proj weights"
-    for flag, want in (("has_gate", True), ("has_bias", False), ("has_post_expert_norm", False),
-                       ("is_concatenated", True)):
+    oai = _is_oai(module)
+    for flag, want in (("has_gate", True), ("has_post_expert_norm", False)):
         if getattr(module, flag, want) != want:
             return f"{flag}={not want}"
+    if not oai and (getattr(module, "has_bias", False) or not getattr(module, "is_concatenated", True)):
+        return "biases or interleaved gate and up outside GPT-OSS's gate"
+    if oai:
+        if not all(isinstance(getattr(module, n, None), torch.Tensor)
+                   for n in ("gate_up_proj_bias", "down_proj_bias")):
+            return "GPT-OSS's gate without its two biases"
+        return None
     apply_gate = getattr(type(module), "_apply_gate", None)
     if apply_gate is not None and getattr(apply_gate, "__name__", "") != "_default_apply_gate":
         return "a custom gate"
@@ -219,13 +261,28 @@ def why_not(module) -> str | None:
     return None
 
 
+def _is_oai(module) -> bool:
+    """GPT-OSS's experts: interleaved gate and up columns, biases, its clamped gate."""
+    gate = getattr(type(module), "_apply_gate", None)
+    return (getattr(gate, "__qualname__", "") == "GptOssExperts._apply_gate" and hasattr(module, "alpha")
+            and hasattr(module, "limit"))
+
+
 def _forward(module, hidden_states, top_k_index, top_k_weights):
     transposed = bool(getattr(module, "is_transposed", False))
-    gate, up = module.gate_up_proj.chunk(2, dim=2 if transposed else 1)  # planned as two parts
+    if _is_oai(module):   # columns alternate gate, up; the biases likewise
+        gate_up, bias = module.gate_up_proj, module.gate_up_proj_bias
+        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+        gate_bias, up_bias = bias[..., ::2], bias[..., 1::2]
+        act = f"swiglu_oai:{float(module.alpha)!r}:{float(module.limit)!r}"
+        biases = (gate_bias, up_bias, module.down_proj_bias)
+    else:
+        gate, up = module.gate_up_proj.chunk(2, dim=2 if transposed else 1)  # planned as two parts
+        act, biases = _activation(module), ()
     down = module.down_proj
     if transposed:
         gate, up, down = gate.transpose(1, 2), up.transpose(1, 2), down.transpose(1, 2)
-    return experts(hidden_states, top_k_index, top_k_weights, gate, up, down, _activation(module))
+    return experts(hidden_states, top_k_index, top_k_weights, gate, up, down, act, 0, *biases)
 
 
 def is_experts_module(module) -> bool:
