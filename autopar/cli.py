@@ -224,7 +224,8 @@ def _cmd_plan(args) -> int:
     try:
         plan = autopar.plan(model, mesh, inputs, example_kwargs=kwargs, memory_budget=args.budget,
                             compare=not args.no_compare, mixed_precision=mixed, pipeline=pipeline,
-                            recompute=None if args.recompute == "auto" else args.recompute)
+                            recompute=None if args.recompute == "auto" else args.recompute,
+                            moe_imbalance=getattr(args, "moe_imbalance", None))
     except autopar.InfeasibleError as exc:
         print(f"autopar: {exc}", file=sys.stderr)
         return 1
@@ -504,6 +505,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recompute", choices=("auto", *MODES), default="auto",
                    help="activation recomputation: auto (the solver chooses per layer where memory needs it; "
                         "default) or one policy for every repeated layer")
+    p.add_argument("--moe-imbalance", type=float, metavar="R",
+                   help="mixture of experts: the busiest expert rank's routed rows over the mean "
+                        "(default: uniformly random routing)")
     p.add_argument("--no-compare", action="store_true", help="do not cost the hand-written layouts")
     p.add_argument("--save", metavar="PATH", help="write the plan as JSON (autopar.Plan.load reads it)")
     p.add_argument("--html", metavar="PATH", help="write the plan's HTML report (as `autopar report` does)")

@@ -124,11 +124,11 @@ def test_search_builds_each_problem_once(monkeypatch, fixed):
     built = []
     original = solution.Problem
 
-    def counting(traced, mesh, precision=None, grouped_gathers=True):
+    def counting(traced, mesh, precision=None, grouped_gathers=True, moe_imbalance=None):
         inputs = tuple(tuple(n.meta["val"].shape) for n in traced.graph.graph.nodes
                        if n.op == "placeholder" and n.target in traced.user_inputs)
         built.append((mesh.shape, inputs))
-        return original(traced, mesh, precision, grouped_gathers)
+        return original(traced, mesh, precision, grouped_gathers, moe_imbalance)
 
     monkeypatch.setattr(solution, "Problem", counting)
     model, example = build("gpt-tiny", device="meta", batch=8)
@@ -158,11 +158,11 @@ def test_forked_workers_build_each_problem_once_and_export_once_each(monkeypatch
         with open(log, "a") as f:
             f.write(f"{os.getpid()} {line}\n")
 
-    def counting_problem(traced, mesh, precision=None, grouped_gathers=True):
+    def counting_problem(traced, mesh, precision=None, grouped_gathers=True, moe_imbalance=None):
         rows = {tuple(n.meta["val"].shape)[0] for n in traced.graph.graph.nodes
                 if n.op == "placeholder" and n.target in traced.user_inputs}
         record(f"build {mesh.shape} {sorted(rows)}")
-        return original_problem(traced, mesh, precision, grouped_gathers)
+        return original_problem(traced, mesh, precision, grouped_gathers, moe_imbalance)
 
     def counting_export(*args, **kwargs):
         record("export")

@@ -47,6 +47,18 @@ def state_bytes(param_itemsize: int, mixed_precision: bool) -> float:
     return 12.0 if mixed_precision else 2.0 * param_itemsize
 
 
+def routing_imbalance(rows: int, ranks: int) -> float:
+    """The busiest rank's share of a mixture-of-experts op's routed rows over the mean share,
+    expected when `rows` (tokens x k) pick experts uniformly at random and `ranks` ranks
+    hold equal shares of the experts: the maximum load of m balls in n bins, m/n +
+    sqrt(2 (m/n) ln n) for m >> n ln n (Raab and Steger 1998), over m/n.  A dropless op
+    runs as long as its busiest rank; a trained router is less even than random, which
+    `autopar.plan(moe_imbalance=...)` states."""
+    if ranks <= 1 or rows <= 0:
+        return 1.0
+    return 1.0 + math.sqrt(2.0 * ranks * math.log(ranks) / rows)
+
+
 # The runtime steps an elementwise optimizer over runs of at most this many bytes of updated
 # tensors (autopar/runtime/sharded_optimizer.ShardedOptimizer.step), so the step's
 # temporaries take one run's size: 1 GiB of float32 masters under mixed precision makes

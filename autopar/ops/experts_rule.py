@@ -13,7 +13,8 @@ axis does one of:
 - "te" expert parallelism: tokens and experts split on the same axis; each rank sends
   the rows of its tokens to the ranks holding their experts and takes the results back
   (two all-to-alls forward, two backward, each of tokens x k rows of hidden values
-  assuming balanced routing: (n - 1) / n of them leave the rank).
+  assuming balanced routing: (n - 1) / n of them leave the rank; Problem.routing_factor
+  then prices the busiest rank).
 
 At most one axis does "e", "i" or "te"; the others split tokens or nothing.
 

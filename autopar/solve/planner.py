@@ -55,11 +55,13 @@ class Request:
     searched: bool            # pipeline=True: the search may also answer "no pipeline"
     recompute: str | None
     seeds: tuple | None = None
+    moe_imbalance: float | None = None
 
 
 def plan(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=None,
          memory_budget=None, compare: bool = True, time_limit: float = 60.0, workers: int | None = None,
-         layout: str | None = None, mixed_precision=None, pipeline=False, recompute=None) -> Plan:
+         layout: str | None = None, mixed_precision=None, pipeline=False, recompute=None,
+         moe_imbalance: float | None = None) -> Plan:
     """Choose a sharding for every node of `model` on `mesh`.
 
     example_inputs: tensors (real, fake or meta) of the global batch, as the model's forward
@@ -82,10 +84,14 @@ def plan(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, example_kwarg
     layers (autopar/solve/recompute.py) when the budget needs it; "none", "selective" or "full"
     forces that policy on every repeated layer (for comparisons).  With pipeline=..., the
     search picks one policy for every layer of the stages (the fastest that fits).
+    moe_imbalance: for mixture-of-experts models, the busiest expert-holding rank's routed
+    rows over the mean (dropless experts run as long as their busiest rank; a trained
+    router is seldom even); None prices uniformly random routing
+    (autopar.cost.prices.routing_imbalance: close to 1 for large batches).
     Random valid plans, for testing the passes: autopar.random_plans.
     """
     request = _request(example_inputs, example_kwargs, memory_budget, compare, time_limit, workers, layout,
-                       mixed_precision, pipeline, recompute, None)
+                       mixed_precision, pipeline, recompute, None, moe_imbalance)
     with _collector_spared():
         return _warned(_plan(model, mesh, request))[0]
 
@@ -93,7 +99,8 @@ def plan(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, example_kwarg
 def random_plans(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, seed: int = 0, count: int = 1,
                  seeds=None, example_kwargs=None, memory_budget=None, compare: bool = True,
                  time_limit: float = 60.0, workers: int | None = None, layout: str | None = None,
-                 mixed_precision=None, pipeline=False, recompute=None) -> list[Plan]:
+                 mixed_precision=None, pipeline=False, recompute=None,
+                 moe_imbalance: float | None = None) -> list[Plan]:
     """`count` random valid plans of `model` on `mesh`, drawn with seeds seed, seed + 1, ...
     (or with `seeds`, when given): every node's strategy drawn uniformly from its menu, for
     testing the passes; each plan's origin is "random:<seed>".  The model is traced and
@@ -106,7 +113,7 @@ def random_plans(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, seed:
         raise ValueError(f"random_plans with pipeline=... draws one plan of the stages, not {len(drawn)}: "
                          f"pass count=1 (or one seed)")
     request = _request(example_inputs, example_kwargs, memory_budget, compare, time_limit, workers, layout,
-                       mixed_precision, pipeline, recompute, drawn)
+                       mixed_precision, pipeline, recompute, drawn, moe_imbalance)
     with _collector_spared():
         return _warned(_plan(model, mesh, request))
 
@@ -120,12 +127,18 @@ def _warned(plans: list) -> list:
 
 
 def _request(example_inputs, example_kwargs, memory_budget, compare, time_limit, workers, layout, mixed_precision,
-             pipeline, recompute, seeds) -> Request:
+             pipeline, recompute, seeds, moe_imbalance=None) -> Request:
     budget = parse_bytes(memory_budget, "memory_budget") if memory_budget is not None else None
+    if moe_imbalance is not None:
+        if isinstance(moe_imbalance, bool) or not isinstance(moe_imbalance, (int, float)) or not moe_imbalance >= 1:
+            raise ValueError(f"moe_imbalance={moe_imbalance!r}: give the busiest expert rank's load over the mean "
+                             f"load as a number of at least 1 (1.0: perfectly balanced routing; 1.5: the busiest "
+                             f"rank gets half again its share), or None for uniformly random routing")
+        moe_imbalance = float(moe_imbalance)
     return Request(example_inputs, example_kwargs, budget, compare, SolveOptions(time_limit, workers), layout,
                    MixedPrecision.of(mixed_precision), None if pipeline is False or pipeline is None
                    else (Pipeline() if pipeline is True else pipeline), pipeline is True, check_mode(recompute),
-                   seeds)
+                   seeds, moe_imbalance)
 
 
 def _plan(model, mesh, request: Request) -> list[Plan]:
@@ -133,7 +146,8 @@ def _plan(model, mesh, request: Request) -> list[Plan]:
     if request.pipeline is not None:
         return [_plan_with_pipeline(model, mesh, request)]
     start = time.perf_counter()
-    built = build_problem(model, mesh, request.example_inputs, request.example_kwargs, request.mixed_precision)
+    built = build_problem(model, mesh, request.example_inputs, request.example_kwargs, request.mixed_precision,
+                          moe_imbalance=request.moe_imbalance)
     return _plans_built(built, model, mesh, request, start, request.recompute)
 
 
@@ -266,7 +280,7 @@ def _plan_with_pipeline(model, mesh, request: Request) -> Plan:
     fixed = None if request.searched else request.pipeline
     choice = search(model, mesh, request.example_inputs, request.example_kwargs, memory_budget=request.budget,
                     options=request.options, fixed=fixed, mixed_precision=request.mixed_precision,
-                    recompute=request.recompute)
+                    recompute=request.recompute, moe_imbalance=request.moe_imbalance)
     if choice.axis is not None and fixed is None and choice.plain is not None:
         plain = _plain_plan(model, mesh, request, choice)
         if plain is not None and plain.predicted.step_s <= choice.step_s:
@@ -284,7 +298,8 @@ def _plan_with_pipeline(model, mesh, request: Request) -> Plan:
     if built is None:  # (a candidate whose problem was dropped while a better one led, or a worker's)
         built = stage_problem(model, mesh, request.example_inputs, request.example_kwargs, request.mixed_precision,
                               tuple(choice.submesh),
-                              batch_size(request.example_inputs, request.example_kwargs) // choice.n_microbatches)
+                              batch_size(request.example_inputs, request.example_kwargs) // choice.n_microbatches,
+                              request.moe_imbalance)
     staged = choice.axis is not None
     result = _plans_built(built, model, built.problem.mesh, request, time.perf_counter(),
                           choice.recompute if staged else request.recompute, staged,
@@ -403,8 +418,22 @@ def _make_plan(problem, model, mesh, choice, sol, origin, compared, budget, timi
                 frozen=tuple(n for n, p in model.named_parameters() if not p.requires_grad),
                 graph=graph_signature(problem.traced.graph),
                 notes=tuple(m.removeprefix("autopar: ") for m in problem.warnings
-                            if not m.startswith("autopar: no sharding rule")),
+                            if not m.startswith("autopar: no sharding rule")) + _routing_notes(problem, choice),
                 recompute=chosen)
+
+
+def _routing_notes(problem, choice) -> tuple:
+    """What a mixture-of-experts plan's price assumes about routing: the busiest expert
+    rank's rows over the mean, as priced (Problem.routing_factor)."""
+    factors = [problem.routing_factor(pn, problem.nodes[pn.rep].strategies[choice[pn.index]])
+               for pn in problem.nodes if pn.kind == "op" and pn.op == "autopar.experts"]
+    split = [f for f in factors if f > 1.0]
+    if not split:
+        return ()
+    how = (f"moe_imbalance={problem.moe_imbalance:g}" if problem.moe_imbalance is not None
+           else "uniformly random routing of this batch; a trained router is seldom as even: say how uneven "
+                "with autopar.plan(moe_imbalance=...)")
+    return (f"experts priced as long as their busiest rank: {max(split):.3f}x the mean rows ({how})",)
 
 
 def _order_params(model, params: dict, parts) -> dict:

@@ -33,14 +33,17 @@ UNUSABLE = float("inf")  # a choice pair the runtime cannot run as planned: the 
 
 
 class Problem:
-    def __init__(self, traced: Traced, mesh: Mesh, precision=None, grouped_gathers: bool = True):
+    def __init__(self, traced: Traced, mesh: Mesh, precision=None, grouped_gathers: bool = True,
+                 moe_imbalance: float | None = None):
         """precision: an autopar.MixedPrecision (the graph is then traced from the model cast
         to its param_dtype, see autopar.cost.precision.cast_for_trace), or None.  grouped_gathers:
         whether the runtime gathers ZeRO-3 weights in buckets (`grouped_pair`): it does for
-        a whole model, not (yet) inside pipeline stages."""
+        a whole model, not (yet) inside pipeline stages.  moe_imbalance: the busiest expert
+        rank's load over the mean (None: uniformly random routing, C.routing_imbalance)."""
         self.traced = traced
         self.mesh = mesh
         self.precision = precision
+        self.moe_imbalance = moe_imbalance
         self.grouped_gathers = grouped_gathers
         self.prices = LayoutPrices(mesh)   # each pair of layouts priced once for every edge
         self.nodes, self.by_fx = build_nodes(traced)
@@ -291,6 +294,10 @@ class Problem:
                                               for p in s.inputs[0]], mesh.shape)
             for kind, axis, per_row in s.comm:
                 comm[axis] += C.collective_time(kind, per_row * item * rows, axis, mesh)
+        if pn.op == "autopar.experts":  # experts split: the step waits for the busiest rank
+            uneven = self.routing_factor(pn, s)
+            compute, forward = compute * uneven, forward * uneven
+            comm = [t * uneven for t in comm]
         # working memory: while the op runs backward, the gradients of its outputs, of its
         # inputs and of the tensors it makes and keeps (a composite's inner results, such as
         # a cross entropy's log-probabilities) are live beside what was saved; a view
@@ -309,6 +316,17 @@ class Problem:
             return C.roofline(flops, nbytes, dtype, mesh, kernels=count, attention=pn.op in ATTENTION_OPS)
         shapes = [K.local_shape(self.nodes[src].out_shapes[o], p, mesh.shape) for (src, o), p in zip(pn.inputs, s.inputs)]
         return K.seconds(K.kernel_of(pn.op, pn.node, shapes), flops, nbytes, dtype, mesh, backward=backward, count=count)
+
+    def routing_factor(self, pn: PNode, s: Strategy) -> float:
+        """How much longer than balanced routing a mixture-of-experts op runs under strategy
+        s: its busiest expert-holding rank's load over the mean (1 where experts are whole)."""
+        ways = math.prod(self.mesh.shape[a] for a, kind in enumerate(s.split) if kind in ("e", "te"))
+        if ways <= 1:
+            return 1.0
+        if self.moe_imbalance is not None:
+            return float(self.moe_imbalance)
+        src, o = pn.inputs[1]
+        return C.routing_imbalance(math.prod(self.nodes[src].out_shapes[o]), ways)
 
     def _param_choice(self, pn: PNode, s: Strategy) -> Choice:
         """Model states of a parameter stored in layout s.outputs[0] (ZeRO, Rajbhandari et al.

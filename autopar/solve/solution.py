@@ -82,7 +82,7 @@ class Built:
         return self._summed if self._summed is not None and self._summed.memory <= limit else None
 
 
-def build_problem(model, mesh, args, kwargs, mixed_precision=None, grouped_gathers=True) -> Built:
+def build_problem(model, mesh, args, kwargs, mixed_precision=None, grouped_gathers=True, moe_imbalance=None) -> Built:
     """Trace `model` on (args, kwargs) and build its strategy menus and costs on `mesh`
     (grouped_gathers: see Problem).
     Under mixed precision what runs is traced: the model cast to param_dtype on meta inputs.
@@ -92,7 +92,7 @@ def build_problem(model, mesh, args, kwargs, mixed_precision=None, grouped_gathe
     traced = planning_trace(model, args, kwargs, mixed_precision)
     check_loss_output(model, traced)
     t_trace = time.perf_counter() - start
-    problem = Problem(traced, mesh, mixed_precision, grouped_gathers)
+    problem = Problem(traced, mesh, mixed_precision, grouped_gathers, moe_imbalance)
     t_build = time.perf_counter() - start - t_trace
     log.info("built strategy menus and costs in %.2fs", t_build)
     return Built(problem, t_trace, t_build)
