@@ -54,6 +54,7 @@ SLOW = {
     "test_training_loop.py::test_repeated_planning_does_not_grow_memory",
     "test_user_models.py::test_deepseek_v3_latent_attention_and_grouped_router",
     "test_hf_models.py::test_llama4_router_and_dense_experts_train_like_one_device",
+    "test_hf_models.py::test_mamba_plans_per_distinct_block_and_trains_like_one_device",
 }
 SAMPLED = {   # test -> cases kept in the fast tier
     "test_runtime.py::test_training_matches_one_device": 4,

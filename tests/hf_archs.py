@@ -120,6 +120,10 @@ def _configs(layers: int = LAYERS):
         "gpt_oss": ("moe", tf.GptOssForCausalLM, lambda: tf.GptOssConfig(**_common(
             layers, num_key_value_heads=KV_HEADS, num_local_experts=4, num_experts_per_tok=2, head_dim=HIDDEN // HEADS,
             layer_types=["sliding_attention", "full_attention"][:layers] * (layers // 2 or 1), sliding_window=8))),
+        # Mamba: a selective state-space scan with a depthwise causal conv1d, no attention
+        "mamba": ("ssm", tf.MambaForCausalLM, lambda: tf.MambaConfig(
+            vocab_size=VOCAB, hidden_size=HIDDEN, state_size=8, num_hidden_layers=layers, expand=2, conv_kernel=4,
+            use_cache=False)),
         "flex_olmo": ("moe", tf.FlexOlmoForCausalLM, lambda: tf.FlexOlmoConfig(**_common(
             layers, num_key_value_heads=KV_HEADS, num_experts=4, num_experts_per_tok=2, pad_token_id=0))),
         "phi": ("parallel", tf.PhiForCausalLM, lambda: tf.PhiConfig(**_common(layers, ))),

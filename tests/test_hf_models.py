@@ -262,3 +262,30 @@ def test_llama4_router_and_dense_experts_train_like_one_device(pool4):
         if not result["ok"]:
             failures.append(f"{label}: loss {result['loss']:.2e} grad {result['grad']} param {result['param']}")
     assert not failures, "\n".join(failures)
+
+
+def test_mamba_plans_per_distinct_block_and_trains_like_one_device(pool4):
+    """Mamba (selective scan, depthwise conv1d): nothing runs replicated (conv1d splits its
+    channels with their filters), twelve layers cost the ILP what two do (identical layers
+    share one choice), and 3 AdamW steps on 4 ranks equal one device under the solver's
+    plan on (2, 2) and (4,) and a random plan that splits the conv's channels."""
+    mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="cpu")
+    deep, kwargs = build("mamba", layers=12)
+    deep_plan = autopar.plan(deep, mesh, example_kwargs=kwargs, compare=False)
+    model, kwargs = build("mamba")
+    plans = {"ilp (2, 2)": autopar.plan(model, mesh, example_kwargs=kwargs, compare=False),
+             "ilp (4,)": autopar.plan(model, autopar.Mesh((4,), ("tp",), device="cpu"), example_kwargs=kwargs,
+                                      compare=False),
+             # a random valid plan that splits both layers' conv1d channels (one with tokens too)
+             "random:2 (2, 2)": autopar.random_plans(model, mesh, example_kwargs=kwargs, compare=False,
+                                                     seeds=[2])[0]}
+    assert {n.strategy for n in plans["random:2 (2, 2)"].nodes if n.op == "aten.conv1d"} == {"dp=n tp=c", "dp=c tp=n"}
+    assert deep_plan.fallback_ops == () and all(p.fallback_ops == () for p in plans.values())
+    assert deep_plan.solver.choice_nodes == plans["ilp (2, 2)"].solver.choice_nodes
+    assert deep_plan.solver.graph_nodes > 4 * plans["ilp (2, 2)"].solver.graph_nodes
+    failures = []
+    for label, plan in plans.items():
+        result = pool4.run(train_and_compare, ("hf-arch", "mamba"), plan.to_dict())[0]
+        if not result["ok"]:
+            failures.append(f"{label}: loss {result['loss']:.2e} grad {result['grad']} param {result['param']}")
+    assert not failures, "\n".join(failures)

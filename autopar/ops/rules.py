@@ -315,6 +315,25 @@ def _linear_rule(node, ins, outs):
     return parse(spec, ins, outs, partial_inputs={2}, alias=(("col", "col"), ("row", "row")))
 
 
+def _conv1d_rule(node, ins, outs):
+    """conv1d over [batch, channels, length]: the batch splits; so do the output channels,
+    with their filters (weight dim 0) and bias, where each reads its own input channel
+    (depthwise, groups = channels: Mamba's) or every input channel (groups = 1, the input
+    then whole); the length never splits (each output reads a window of inputs)."""
+    if len(ins[0]) != 3:
+        return None
+    groups = int(op_arg(node, 6, "groups", 1))
+    channels, filters = ins[0][1], ins[1][0]
+    if groups == channels == filters and ins[1][1] == 1:
+        x, w, out, b = "n c l^", "c 1 k^", "n c m^", "c"
+    elif groups == 1:
+        x, w, out, b = "n i^ l^", "c i^ k^", "n c m^", "c"
+    else:
+        x, w, out, b = "n i^ l^", "c^ j^ k^", "n c^ m^", "c^"
+    spec = f"{x}, {w}" + (f", {b}" if len(ins) == 3 else "") + f" -> {out}"
+    return parse(spec, ins, outs)
+
+
 def _matmul_rule(node, ins, outs):
     a, b = ins[0], ins[1]
     if len(a) == 1 or len(b) == 1:
@@ -529,7 +548,7 @@ RULES = {
     "aten.transpose": _transpose_rule, "aten.permute": _transpose_rule, "aten.t": _transpose_rule,
     "aten.numpy_T": _transpose_rule,
     "aten.unsqueeze": _unsqueeze_squeeze_rule, "aten.squeeze": _unsqueeze_squeeze_rule,
-    "aten.expand": _expand_rule, "aten.repeat": _repeat_rule,
+    "aten.expand": _expand_rule, "aten.repeat": _repeat_rule, "aten.conv1d": _conv1d_rule,
     "aten.view_as_complex": _complex_view_rule, "aten.view_as_real": _complex_view_rule,
     "aten.einsum": _einsum_rule,
     "aten.slice": _slice_rule, "aten.select": _select_rule, "aten.narrow": _slice_rule,

@@ -68,6 +68,8 @@ def localize(gm: fx.GraphModule, plan) -> fx.GraphModule:
             size = local_shape(outs[0].shape, choice.outputs[0], mesh_shape)
             d = dim % len(node.args[0].meta["val"].shape)
             node.args = (node.args[0], dim, size[d:d + len(sizes)])
+        elif name == "aten.conv1d" and outs:
+            _to_local_groups(node, choice, mesh_shape)
         split_reduced = tuple(choice.reduced)
         _out_of_place_on_moves(node)
         if name == "autopar.experts":
@@ -87,6 +89,23 @@ def localize(gm: fx.GraphModule, plan) -> fx.GraphModule:
     graph.lint()
     gm.recompile()
     return gm
+
+
+def _to_local_groups(node, choice, mesh_shape) -> None:
+    """A depthwise conv1d (groups = channels) whose channels are split: one group per
+    channel this rank holds (ops/rules._conv1d_rule splits no other grouped conv)."""
+    groups = int(op_arg(node, 6, "groups", 1))
+    weight = node.args[1].meta["val"].shape
+    if groups <= 1 or groups != weight[0]:
+        return
+    local = local_shape(weight, choice.inputs[1], mesh_shape)[0]
+    if local != groups:
+        args = list(node.args) + [None] * (7 - len(node.args))
+        defaults = (None, None, None, [1], [0], [1], 1)
+        args = [a if a is not None or i < 3 else defaults[i] for i, a in enumerate(args)]
+        args[6] = local
+        node.args = tuple(args)
+        node.kwargs = {k: v for k, v in node.kwargs.items() if k != "groups"}
 
 
 def _out_of_place_on_moves(node) -> None:
