@@ -99,13 +99,10 @@ def _to_local_groups(node, choice, mesh_shape) -> None:
     if groups <= 1 or groups != weight[0]:
         return
     local = local_shape(weight, choice.inputs[1], mesh_shape)[0]
-    if local != groups:
-        args = list(node.args) + [None] * (7 - len(node.args))
-        defaults = (None, None, None, [1], [0], [1], 1)
-        args = [a if a is not None or i < 3 else defaults[i] for i, a in enumerate(args)]
-        args[6] = local
-        node.args = tuple(args)
-        node.kwargs = {k: v for k, v in node.kwargs.items() if k != "groups"}
+    if local != groups and len(node.args) > 6:
+        node.args = node.args[:6] + (local,) + node.args[7:]
+    elif local != groups:
+        node.kwargs = {**node.kwargs, "groups": local}
 
 
 def _out_of_place_on_moves(node) -> None:
