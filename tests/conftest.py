@@ -78,6 +78,7 @@ SAMPLED = {   # test -> cases kept in the fast tier
     "test_sequence_parallel.py::test_sequence_layouts_train_like_one_device": 5,
     "test_planner_3axis.py::test_presolve_equals_full_ilp_on_random_graphs": 10,
     "test_user_models.py::test_user_attention_trains_like_one_device": 1,
+    "test_grouped_experts.py::test_sorted_moe_trains_like_one_device": 1,
 }
 
 

@@ -91,11 +91,61 @@ class TitanAttention(nn.Module):
         return self.wo(y.view(b, s, -1))
 
 
+class GroupedExperts(nn.Module):
+    """Experts the way torchtitan-style code writes them: stacked weights, called with the
+    rows already sorted by expert and each expert's row count (read with .tolist(), so the
+    split sizes are known only when the step runs)."""
+
+    def __init__(self, dim: int, hidden: int, experts: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(experts, hidden, dim) * dim ** -0.5)
+        self.w2 = nn.Parameter(torch.randn(experts, dim, hidden) * hidden ** -0.5)
+        self.w3 = nn.Parameter(torch.randn(experts, hidden, dim) * dim ** -0.5)
+
+    def forward(self, rows, counts):
+        sizes = counts.tolist()
+        outs = []
+        for e, part in enumerate(torch.split(rows[:sum(sizes)], sizes, dim=0)):
+            h = F.silu(part @ self.w1[e].transpose(-2, -1)) * (part @ self.w3[e].transpose(-2, -1))
+            outs.append(h @ self.w2[e].transpose(-2, -1))
+        return torch.cat(outs, dim=0)
+
+
+class SortedMoE(nn.Module):
+    """Sigmoid router with top-k, rows reordered by expert with argsort, grouped experts on
+    the token counts (histc), the outputs weighted and scattered back with scatter_add, plus
+    a shared expert."""
+
+    def __init__(self, dim: int, hidden: int = 48, experts: int = 4, k: int = 2):
+        super().__init__()
+        self.k, self.experts = k, experts
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.grouped = GroupedExperts(dim, hidden, experts)
+        self.shared = nn.Sequential(nn.Linear(dim, hidden, bias=False), nn.SiLU(), nn.Linear(hidden, dim, bias=False))
+
+    def forward(self, x):
+        b, s, d = x.shape
+        x = x.view(-1, d)
+        scores = torch.sigmoid(self.router(x))
+        top, chosen = torch.topk(scores, self.k, dim=-1)
+        top = top / top.sum(-1, keepdim=True)
+        counts = torch.histc(chosen.view(-1).float(), bins=self.experts, min=0, max=self.experts).long()
+        order = torch.argsort(chosen.view(-1), stable=True)
+        weights = top.view(-1)[order]
+        token = (order // self.k).reshape(-1, 1).expand(-1, d)
+        rows = torch.gather(x, 0, token)
+        out = self.grouped(rows, counts)
+        out = out * weights.reshape(-1, 1)
+        y = self.shared(x).scatter_add(0, token, out)
+        return y.view(b, s, d)
+
+
 class Block(nn.Module):
-    def __init__(self, dim: int, attention: nn.Module):
+    def __init__(self, dim: int, attention: nn.Module, mlp: nn.Module | None = None):
         super().__init__()
         self.ln_1, self.attn, self.ln_2 = nn.LayerNorm(dim), attention, nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+        self.mlp = mlp if mlp is not None else nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(),
+                                                             nn.Linear(4 * dim, dim))
 
     def forward(self, x):
         x = x + self.attn(self.ln_1(x))
@@ -103,14 +153,17 @@ class Block(nn.Module):
 
 
 class SmallLM(nn.Module):
-    """Embeddings, two blocks of `kind` attention ("nano", "einsum" or "titan"), a head, the loss."""
+    """Embeddings, two blocks of `kind` attention ("nano", "einsum" or "titan"; "titan-moe":
+    titan attention and SortedMoE for the MLP), a head, the loss."""
 
     def __init__(self, kind: str, vocab: int = 128, dim: int = 32, heads: int = 4, layers: int = 2, seq: int = 16):
         super().__init__()
         self.wte, self.wpe = nn.Embedding(vocab, dim), nn.Embedding(seq, dim)
         make = {"nano": lambda: NanoAttention(dim, heads), "einsum": lambda: EinsumAttention(dim, heads),
-                "titan": lambda: TitanAttention(dim, heads, 2, seq)}[kind]
-        self.h = nn.ModuleList(Block(dim, make()) for _ in range(layers))
+                "titan": lambda: TitanAttention(dim, heads, 2, seq),
+                "titan-moe": lambda: TitanAttention(dim, heads, 2, seq)}[kind]
+        mlp = (lambda: SortedMoE(dim)) if kind == "titan-moe" else (lambda: None)
+        self.h = nn.ModuleList(Block(dim, make(), mlp()) for _ in range(layers))
         self.ln_f, self.lm_head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
 
     def forward(self, idx, targets):

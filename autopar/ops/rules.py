@@ -471,8 +471,9 @@ def _gather_rule(node, ins, outs):
 
 
 def _scatter_rule(node, ins, outs):
-    """scatter(self, dim, index, value or src): the output is self's shape; `dim` never
-    splits, the other dims split alike in self, index (and src) where their sizes agree."""
+    """scatter, scatter_add, index_add (self, dim, index, value or src): the output is
+    self's shape; `dim` never splits, the other dims split alike in self, index (and src)
+    where their sizes agree."""
     x = ins[0]
     dim = _dim(node.args[1], len(x))
 
@@ -572,7 +573,8 @@ RULES = {
     "aten.binary_cross_entropy_with_logits": _pointwise_loss_rule,
     "aten.broadcast_tensors": _broadcast_tensors_rule,
     "aten.index": _index_rule, "aten.gather": _gather_rule,
-    "aten.scatter": _scatter_rule, "aten.slice_scatter": _slice_scatter_rule,
+    "aten.scatter": _scatter_rule, "aten.scatter_add": _scatter_rule, "aten.index_add": _scatter_rule,
+    "aten.slice_scatter": _slice_scatter_rule,
     "aten.arange": _factory_rule, "aten.ones": _factory_rule, "aten.zeros": _factory_rule,
     "aten.full": _factory_rule, "aten.empty": _factory_rule, "aten.new_ones": _factory_rule,
     "aten.new_zeros": _factory_rule, "aten.new_full": _factory_rule, "aten.new_empty": _factory_rule,

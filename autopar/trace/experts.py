@@ -28,6 +28,7 @@ The op's own implementation is the one-device reference: a loop over experts, ex
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 
 import torch
@@ -289,12 +290,153 @@ def is_experts_module(module) -> bool:
     return hasattr(module, "gate_up_proj") and hasattr(module, "down_proj") and hasattr(module, "has_gate")
 
 
+# --- grouped experts: rows already sorted by expert, with each expert's row count --------------
+#
+# torchtitan-style code (and code like it) keeps three stacked weights w1, w3 [experts, inner,
+# hidden] and w2 [experts, hidden, inner] (or each transposed) and calls the module with the
+# routed rows sorted by expert and the row count of every expert: `experts(rows, counts)`.
+# Inside, the counts become split sizes (`.tolist()`) or grouped-matmul offsets, so the
+# rows' sizes depend on the data and nothing can be planned.  While tracing, such a module
+# runs the experts op instead, each row carrying its expert's id, computed from the counts
+# with fixed shapes (rows past the counted ones get no expert and a zero output, like the
+# padding such code appends):
+#
+#     ids[r] = #{e : ends[e] <= r},  ends = cumsum(counts)
+
+
+def grouped_weights(module) -> tuple | None:
+    """(w1, w2, w3): the module's own three stacked expert weights, named w1, w2, w3 (or
+    with a suffix, w1_EFD), w1 and w3 of one shape [E, a, b] and w2 [E, b, a]; else None."""
+    found = {}
+    for name, p in module.named_parameters(recurse=False):
+        for key in ("w1", "w2", "w3"):
+            if name == key or name.startswith(key + "_"):
+                found[key] = p
+    if len(found) != 3 or any(p.dim() != 3 for p in found.values()):
+        return None
+    w1, w2, w3 = found["w1"], found["w2"], found["w3"]
+    if w1.shape != w3.shape or w2.shape != (w1.shape[0], w1.shape[2], w1.shape[1]):
+        return None
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return (w1, w2, w3) if len(positional) == 2 else None
+
+
+def _grouped_operands(w1, w2, w3, transposed: bool):
+    """gate, up, down as the experts op takes them ([E, inner, hidden], [E, hidden, inner])."""
+    if transposed:   # w1 [E, inner, hidden]: rows @ w1[e].T
+        return w1, w3, w2
+    return w1.transpose(1, 2), w3.transpose(1, 2), w2.transpose(1, 2)
+
+
+def row_experts(counts, rows: int):
+    """Each of `rows` sorted rows' expert: the number of experts whose rows end at or before it."""
+    ends = torch.cumsum(counts.reshape(-1), 0)
+    return torch.searchsorted(ends, torch.arange(rows, device=ends.device, dtype=ends.dtype), right=True)
+
+
+def _probe_grouped(module, weights) -> bool | None:
+    """Which layout reproduces the module (True: w1 [E, inner, hidden], used transposed;
+    False: [E, hidden, inner]); None where neither does (another activation, a cast to a
+    lower precision, a bias).  Runs the module once on a few random rows with random
+    weights of its shapes (distinct per expert where they are small; else one expert's,
+    repeated, so nothing large is allocated)."""
+    w1, w2, w3 = weights
+    n_experts, a, b = w1.shape
+    gen = torch.Generator().manual_seed(0)
+    small = 3 * w1.numel() <= 1 << 22
+
+    def weight(shape):
+        if small:
+            return torch.randn(shape, generator=gen)
+        return torch.randn((1, *shape[1:]), generator=gen).expand(shape)
+
+    probe = {"w1": weight(w1.shape), "w2": weight(w2.shape), "w3": weight(w3.shape)}
+    names = {id(p): n for n, p in module.named_parameters(recurse=False)}
+    given = {names[id(w)]: probe[key] for key, w in zip(("w1", "w2", "w3"), weights)}
+    counts = torch.zeros(n_experts, dtype=torch.long)
+    counts[0], counts[-1] = 2, 1
+    for transposed in (True, False):
+        width = b if transposed else a
+        rows = torch.randn(3, width, generator=gen)
+        try:
+            with torch.no_grad():
+                expected = torch.func.functional_call(module, given, (rows, counts))
+        except Exception:
+            continue
+        gate, up, down = _grouped_operands(probe["w1"], probe["w2"], probe["w3"], transposed)
+        ids = row_experts(counts, rows.shape[0]).unsqueeze(-1)
+        got = experts_math(rows, ids, torch.ones(3, 1), gate, up, down, "silu")
+        if expected.shape == got.shape and torch.allclose(expected, got, rtol=1e-5, atol=1e-6):
+            return transposed
+    return None
+
+
+def _grouped_forward(module, rows, counts):
+    if isinstance(counts, (list, tuple)):
+        counts = listed_counts(counts, rows.device)
+    w1, w2, w3 = grouped_weights(module)
+    gate, up, down = _grouped_operands(w1, w2, w3, module._autopar_transposed)
+    ids = row_experts(counts, rows.shape[0]).unsqueeze(-1)
+    ones = torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device)
+    return experts(rows, ids, ones, gate, up, down, "silu", 0)
+
+
+# `.tolist()` of a 1-D integer tensor while tracing: the list's values are known only when
+# the step runs; a grouped module given that list reads the tensor instead.
+_LISTED: dict = {}
+
+
+def listed_counts(counts, device):
+    """The tensor a list of counts came from (its `.tolist()` while tracing), or the list
+    as a tensor where its values are plain numbers."""
+    hit = _LISTED.get(id(counts))
+    if hit is not None and hit[0] is counts:
+        return hit[1]
+    if all(isinstance(c, int) for c in counts):
+        return torch.tensor(list(counts), device=device)
+    raise TypeError("grouped experts called with counts that are neither a tensor nor its .tolist()")
+
+
+@contextlib.contextmanager
+def _tolist_remembered():
+    original = torch.Tensor.tolist
+
+    def tolist(self):
+        out = original(self)
+        if isinstance(out, list) and self.dim() == 1 and not self.is_floating_point():
+            _LISTED[id(out)] = (out, self)
+        return out
+
+    torch.Tensor.tolist = tolist
+    try:
+        yield
+    finally:
+        torch.Tensor.tolist = original
+        _LISTED.clear()
+
+
 @contextlib.contextmanager
 def experts_as_op(model: torch.nn.Module):
     """While tracing, every experts module the op covers runs through it; the others are
     traced as they are (their grouped matmuls then run replicated, with the usual warning)."""
     patched = []
     for name, module in model.named_modules():
+        weights = grouped_weights(module)
+        if weights is not None:
+            transposed = _probe_grouped(module, weights)
+            if transposed is None:
+                log.warning("autopar: grouped experts in %s traced as written: no layout of the experts op "
+                            "(silu(rows @ w1) * (rows @ w3) @ w2, in the weights' own precision) reproduces "
+                            "them", name)
+                continue
+            module._autopar_transposed = transposed
+            module.forward = _grouped_forward.__get__(module)
+            patched.append(module)
+            continue
         if not is_experts_module(module):
             continue
         reason = why_not(module)
@@ -304,7 +446,10 @@ def experts_as_op(model: torch.nn.Module):
         module.forward = _forward.__get__(module)
         patched.append(module)
     try:
-        yield len(patched)
+        with _tolist_remembered():
+            yield len(patched)
     finally:
         for module in patched:
             del module.forward
+            if hasattr(module, "_autopar_transposed"):
+                del module._autopar_transposed
