@@ -127,6 +127,12 @@ def _configs(layers: int = LAYERS):
         "flex_olmo": ("moe", tf.FlexOlmoForCausalLM, lambda: tf.FlexOlmoConfig(**_common(
             layers, num_key_value_heads=KV_HEADS, num_experts=4, num_experts_per_tok=2, pad_token_id=0))),
         "phi": ("parallel", tf.PhiForCausalLM, lambda: tf.PhiConfig(**_common(layers, ))),
+        # JetMoE: experts and attention experts as grouped linear layers called with the rows
+        # sorted by expert and split sizes read with .tolist() (known only when the step runs)
+        "jetmoe": ("moe-grouped", tf.JetMoeForCausalLM, lambda: tf.JetMoeConfig(
+            vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=layers, num_key_value_heads=KV_HEADS // 2,
+            kv_channels=HIDDEN // HEADS, intermediate_size=HIDDEN, num_local_experts=4, num_experts_per_tok=2,
+            use_cache=False)),
     }
 
 

@@ -53,3 +53,48 @@ def test_a_bad_imbalance_is_refused(bad):
     with pytest.raises(ValueError, match="moe_imbalance"):
         autopar.plan(model, autopar.Mesh((2,), ("tp",), device="cpu"), example_kwargs=kwargs, compare=False,
                      moe_imbalance=bad)
+
+
+def test_measured_imbalance_is_the_sample_batchs_busiest_rank():
+    """moe_imbalance="measured" runs the model once on the example batch: the factor priced
+    for experts split over 2 ranks is the busiest half's routed rows over the mean, counted
+    here independently from the router's own choices."""
+    import torch
+    from autopar.trace.experts import measure_routing
+    model, kwargs = build("mixtral")
+    chosen = []
+
+    def keep(module, args, output):   # the top-k experts each token picked, per layer
+        chosen.append(next(t for t in output if not t.is_floating_point()))
+    gates = [m for n, m in model.named_modules() if n.endswith("mlp.gate")]
+    handles = [g.register_forward_hook(keep) for g in gates]
+    with torch.no_grad():
+        model(**kwargs)
+    for h in handles:
+        h.remove()
+    worst = 0.0
+    for picked in chosen:
+        per_rank = torch.bincount((picked.reshape(-1) >= 2).long(), minlength=2).double()   # experts 0-1, 2-3
+        worst = max(worst, float(per_rank.max() / per_rank.mean()))
+    measured = measure_routing(model, (), kwargs)
+    assert measured[2] == pytest.approx(worst)
+    assert set(measured) == {2, 4} and measured[4] >= measured[2] >= 1.0
+    mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="h100")
+    plans = {r: autopar.plan(model, mesh, example_kwargs=kwargs, compare=False, layout="expert-parallel",
+                             moe_imbalance=r) for r in (1.0, "measured")}
+    assert _experts_seconds(plans["measured"]) == pytest.approx(measured[2] * _experts_seconds(plans[1.0]), rel=1e-6)
+    assert f"{measured[2]:.3f}x the mean rows (measured on the example batch" in str(plans["measured"])
+
+
+def test_measuring_needs_real_tensors_and_experts():
+    import torch
+    model, kwargs = build("llama")
+    with pytest.raises(ValueError, match="no experts module"):
+        autopar.plan(model, autopar.Mesh((2,), ("tp",), device="cpu"), example_kwargs=kwargs, compare=False,
+                     moe_imbalance="measured")
+    with torch.device("meta"):
+        model, _ = build("mixtral")
+    meta = {k: v.to("meta") for k, v in kwargs.items()}
+    with pytest.raises(ValueError, match="real tensors"):
+        autopar.plan(model, autopar.Mesh((2,), ("tp",), device="cpu"), example_kwargs=meta, compare=False,
+                     moe_imbalance="measured")

@@ -131,6 +131,10 @@ def kernel_of(op: str, node: fx.Node, shapes: list) -> Gemm | FlashAttention | S
         else:
             m, batch = math.prod(a[:-1]), 1
         return Gemm(int(max(m, 1)), int(max(n, 1)), int(max(k, 1)), int(max(batch, 1)))
+    if op == "autopar.grouped_linear" and len(shapes) == 3 and len(shapes[2]) == 3:
+        # one GEMM per expert, of its share of the rows (balanced routing)
+        rows, (experts, n, k) = shapes[0][0], shapes[2]
+        return Gemm(int(max(rows // max(experts, 1), 1)), int(max(n, 1)), int(max(k, 1)), int(max(experts, 1)))
     if op in FLASH_OPS:
         if len(shapes) < 3 or len(shapes[0]) < 2 or len(shapes[1]) < 2:
             return None

@@ -462,6 +462,12 @@ def _index_rule(node, ins, outs):
     return parse(f"{', '.join(specs)} -> {' '.join(before + lead + after)}", ins, outs)
 
 
+def _grouped_linear_rule(node, ins, outs):
+    """autopar::grouped_linear(x [rows, in], ids [rows], weight [experts, out, in]): rows are
+    independent, so like a linear layer; the experts dim never splits."""
+    return parse("rows in+, rows, experts^ out in+ -> rows out", ins, outs)
+
+
 def _gather_rule(node, ins, outs):
     x, idx = ins[0], ins[1]
     dim = _dim(node.args[1], len(x))
@@ -572,7 +578,7 @@ RULES = {
     "aten.binary_cross_entropy": _pointwise_loss_rule,
     "aten.binary_cross_entropy_with_logits": _pointwise_loss_rule,
     "aten.broadcast_tensors": _broadcast_tensors_rule,
-    "aten.index": _index_rule, "aten.gather": _gather_rule,
+    "aten.index": _index_rule, "aten.gather": _gather_rule, "autopar.grouped_linear": _grouped_linear_rule,
     "aten.scatter": _scatter_rule, "aten.scatter_add": _scatter_rule, "aten.index_add": _scatter_rule,
     "aten.slice_scatter": _slice_scatter_rule,
     "aten.arange": _factory_rule, "aten.ones": _factory_rule, "aten.zeros": _factory_rule,

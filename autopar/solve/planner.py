@@ -30,6 +30,7 @@ from autopar.solve.recompute_search import solve_summed
 from autopar.solve.solution import Built, build_problem
 from autopar.solve.solved import SolveOptions
 from autopar.trace.batching import batch_size
+from autopar.trace.experts import measure_routing
 from autopar.trace.export import graph_signature
 
 log = logging.getLogger("autopar")
@@ -55,13 +56,13 @@ class Request:
     searched: bool            # pipeline=True: the search may also answer "no pipeline"
     recompute: str | None
     seeds: tuple | None = None
-    moe_imbalance: float | None = None
+    moe_imbalance: float | dict | None = None   # a number, or measured: {ways: factor}
 
 
 def plan(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=None,
          memory_budget=None, compare: bool = True, time_limit: float = 60.0, workers: int | None = None,
          layout: str | None = None, mixed_precision=None, pipeline=False, recompute=None,
-         moe_imbalance: float | None = None) -> Plan:
+         moe_imbalance: float | str | None = None) -> Plan:
     """Choose a sharding for every node of `model` on `mesh`.
 
     example_inputs: tensors (real, fake or meta) of the global batch, as the model's forward
@@ -86,10 +87,13 @@ def plan(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, example_kwarg
     search picks one policy for every layer of the stages (the fastest that fits).
     moe_imbalance: for mixture-of-experts models, the busiest expert-holding rank's routed
     rows over the mean (dropless experts run as long as their busiest rank; a trained
-    router is seldom even); None prices uniformly random routing
+    router is seldom even); "measured" runs the model once on the example batch (real
+    tensors) and prices each split by the load its ranks would see
+    (autopar.trace.experts.measure_routing); None prices uniformly random routing
     (autopar.cost.prices.routing_imbalance: close to 1 for large batches).
     Random valid plans, for testing the passes: autopar.random_plans.
     """
+    moe_imbalance = _measured(model, moe_imbalance, example_inputs, example_kwargs)
     request = _request(example_inputs, example_kwargs, memory_budget, compare, time_limit, workers, layout,
                        mixed_precision, pipeline, recompute, None, moe_imbalance)
     with _collector_spared():
@@ -100,7 +104,7 @@ def random_plans(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, seed:
                  seeds=None, example_kwargs=None, memory_budget=None, compare: bool = True,
                  time_limit: float = 60.0, workers: int | None = None, layout: str | None = None,
                  mixed_precision=None, pipeline=False, recompute=None,
-                 moe_imbalance: float | None = None) -> list[Plan]:
+                 moe_imbalance: float | str | None = None) -> list[Plan]:
     """`count` random valid plans of `model` on `mesh`, drawn with seeds seed, seed + 1, ...
     (or with `seeds`, when given): every node's strategy drawn uniformly from its menu, for
     testing the passes; each plan's origin is "random:<seed>".  The model is traced and
@@ -112,6 +116,7 @@ def random_plans(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, seed:
     if pipeline is not False and len(drawn) != 1:
         raise ValueError(f"random_plans with pipeline=... draws one plan of the stages, not {len(drawn)}: "
                          f"pass count=1 (or one seed)")
+    moe_imbalance = _measured(model, moe_imbalance, example_inputs, example_kwargs)
     request = _request(example_inputs, example_kwargs, memory_budget, compare, time_limit, workers, layout,
                        mixed_precision, pipeline, recompute, drawn, moe_imbalance)
     with _collector_spared():
@@ -126,14 +131,24 @@ def _warned(plans: list) -> list:
     return plans
 
 
+def _measured(model, moe_imbalance, example_inputs, example_kwargs):
+    """moe_imbalance="measured": {experts' ways: busiest rank over the mean} of the sample batch."""
+    if not (isinstance(moe_imbalance, str) and moe_imbalance == "measured"):
+        return moe_imbalance
+    return measure_routing(model, tuple(example_inputs), dict(example_kwargs or {}))
+
+
 def _request(example_inputs, example_kwargs, memory_budget, compare, time_limit, workers, layout, mixed_precision,
              pipeline, recompute, seeds, moe_imbalance=None) -> Request:
     budget = parse_bytes(memory_budget, "memory_budget") if memory_budget is not None else None
-    if moe_imbalance is not None:
+    if isinstance(moe_imbalance, dict):   # measured per number of expert-holding ranks
+        moe_imbalance = dict(sorted(moe_imbalance.items()))
+    elif moe_imbalance is not None:
         if isinstance(moe_imbalance, bool) or not isinstance(moe_imbalance, (int, float)) or not moe_imbalance >= 1:
             raise ValueError(f"moe_imbalance={moe_imbalance!r}: give the busiest expert rank's load over the mean "
                              f"load as a number of at least 1 (1.0: perfectly balanced routing; 1.5: the busiest "
-                             f"rank gets half again its share), or None for uniformly random routing")
+                             f"rank gets half again its share), \"measured\" to measure it on the example batch, "
+                             f"or None for uniformly random routing")
         moe_imbalance = float(moe_imbalance)
     return Request(example_inputs, example_kwargs, budget, compare, SolveOptions(time_limit, workers), layout,
                    MixedPrecision.of(mixed_precision), None if pipeline is False or pipeline is None
@@ -430,9 +445,14 @@ def _routing_notes(problem, choice) -> tuple:
     split = [f for f in factors if f > 1.0]
     if not split:
         return ()
-    how = (f"moe_imbalance={problem.moe_imbalance:g}" if problem.moe_imbalance is not None
-           else "uniformly random routing of this batch; a trained router is seldom as even: say how uneven "
-                "with autopar.plan(moe_imbalance=...)")
+    if isinstance(problem.moe_imbalance, dict):
+        how = "measured on the example batch: " + ", ".join(
+            f"{f:.3f} over {ways} ranks" for ways, f in problem.moe_imbalance.items())
+    elif problem.moe_imbalance is not None:
+        how = f"moe_imbalance={problem.moe_imbalance:g}"
+    else:
+        how = ("uniformly random routing of this batch; a trained router is seldom as even: say how uneven "
+               "with autopar.plan(moe_imbalance=...)")
     return (f"experts priced as long as their busiest rank: {max(split):.3f}x the mean rows ({how})",)
 
 

@@ -323,7 +323,9 @@ class Problem:
         ways = math.prod(self.mesh.shape[a] for a, kind in enumerate(s.split) if kind in ("e", "te"))
         if ways <= 1:
             return 1.0
-        if self.moe_imbalance is not None:
+        if isinstance(self.moe_imbalance, dict) and ways in self.moe_imbalance:   # measured
+            return float(self.moe_imbalance[ways])
+        if self.moe_imbalance is not None and not isinstance(self.moe_imbalance, dict):
             return float(self.moe_imbalance)
         src, o = pn.inputs[1]
         return C.routing_imbalance(math.prod(self.nodes[src].out_shapes[o]), ways)

@@ -35,7 +35,8 @@ MODES = ("none", "selective", "full")
 # always (attention and experts: the expensive core of a layer)
 PRODUCTS = frozenset({"aten.linear", "aten.mm", "aten.addmm", "aten.bmm", "aten.matmul", "aten.baddbmm",
                       "aten.einsum"})
-ALWAYS_KEPT = frozenset({"aten.scaled_dot_product_attention", "autopar.window_attention", "autopar.experts"})
+ALWAYS_KEPT = frozenset({"aten.scaled_dot_product_attention", "autopar.window_attention", "autopar.experts",
+                         "autopar.grouped_linear"})
 
 
 def check_mode(recompute) -> str | None:

@@ -269,6 +269,52 @@ def _is_oai(module) -> bool:
             and hasattr(module, "limit"))
 
 
+# --- routing measured on a sample batch -------------------------------------------------------
+
+_RECORDERS: list = []   # while measure_routing runs: lists of (expert ids, expert count)
+
+
+def _record(ids, n_experts: int) -> None:
+    if _RECORDERS:
+        _RECORDERS[-1].append((ids.detach().reshape(-1), int(n_experts)))
+
+
+def measure_routing(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None) -> dict:
+    """The busiest rank's routed rows over the mean, per number of ranks the experts split
+    over: {ways: factor}, the worst layer's, measured by running the model once (no
+    gradients) on the sample batch with its experts modules taken as the experts op.  Rows
+    are counted per contiguous block of E / ways experts, as expert parallelism places
+    them; rows past the counted ones (padding) count for no rank."""
+    tensors = [t for t in (*args, *(kwargs or {}).values()) if isinstance(t, torch.Tensor)]
+    tensors += [p for p in model.parameters()]
+    if any(t.device.type == "meta" for t in tensors):
+        raise ValueError("moe_imbalance='measured' runs the model on the sample batch: give real tensors (the "
+                         "model and example inputs on a device, not meta), or state the load as a number")
+    seen: list = []
+    _RECORDERS.append(seen)
+    try:
+        with experts_as_op(model), torch.no_grad():
+            model(*args, **(kwargs or {}))
+    finally:
+        _RECORDERS.pop()
+    if not seen:
+        raise ValueError("moe_imbalance='measured': the model has no experts module autopar takes as its experts "
+                         "op (Hugging Face's stacked experts, or grouped w1/w2/w3 experts), so there is no "
+                         "routing to measure")
+    factors: dict = {}
+    for ids, n_experts in seen:
+        ids = ids[(ids >= 0) & (ids < n_experts)]
+        if ids.numel() == 0:
+            continue
+        per_expert = torch.bincount(ids, minlength=n_experts).double()
+        for ways in range(2, n_experts + 1):
+            if n_experts % ways:
+                continue
+            load = per_expert.view(ways, -1).sum(1)
+            factors[ways] = max(factors.get(ways, 1.0), float(load.max() / load.mean()))
+    return factors
+
+
 def _forward(module, hidden_states, top_k_index, top_k_weights):
     transposed = bool(getattr(module, "is_transposed", False))
     if _is_oai(module):   # columns alternate gate, up; the biases likewise
@@ -283,6 +329,7 @@ def _forward(module, hidden_states, top_k_index, top_k_weights):
     down = module.down_proj
     if transposed:
         gate, up, down = gate.transpose(1, 2), up.transpose(1, 2), down.transpose(1, 2)
+    _record(top_k_index, gate.shape[0])
     return experts(hidden_states, top_k_index, top_k_weights, gate, up, down, act, 0, *biases)
 
 
@@ -381,6 +428,7 @@ def _grouped_forward(module, rows, counts):
     w1, w2, w3 = grouped_weights(module)
     gate, up, down = _grouped_operands(w1, w2, w3, module._autopar_transposed)
     ids = row_experts(counts, rows.shape[0]).unsqueeze(-1)
+    _record(ids, gate.shape[0])
     ones = torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device)
     return experts(rows, ids, ones, gate, up, down, "silu", 0)
 
@@ -401,21 +449,38 @@ def listed_counts(counts, device):
     raise TypeError("grouped experts called with counts that are neither a tensor nor its .tolist()")
 
 
+def _tensor_classes() -> list:
+    """torch.Tensor and the tracing subclasses with their own tolist."""
+    classes = [torch.Tensor]
+    with contextlib.suppress(ImportError):
+        from torch._subclasses.fake_tensor import FakeTensor
+        from torch._subclasses.functional_tensor import FunctionalTensor
+        classes += [c for c in (FunctionalTensor, FakeTensor) if "tolist" in c.__dict__]
+    return classes
+
+
 @contextlib.contextmanager
 def _tolist_remembered():
-    original = torch.Tensor.tolist
+    originals = {cls: cls.__dict__.get("tolist") for cls in _tensor_classes()}
 
-    def tolist(self):
-        out = original(self)
-        if isinstance(out, list) and self.dim() == 1 and not self.is_floating_point():
-            _LISTED[id(out)] = (out, self)
-        return out
+    def remembering(original):
+        def tolist(self):
+            out = original(self)
+            if isinstance(out, list) and self.dim() == 1 and not self.is_floating_point():
+                _LISTED[id(out)] = (out, self)
+            return out
+        return tolist
 
-    torch.Tensor.tolist = tolist
+    for cls, original in originals.items():   # (torch.Tensor inherits its tolist from the C base)
+        cls.tolist = remembering(original or cls.tolist)
     try:
         yield
     finally:
-        torch.Tensor.tolist = original
+        for cls, original in originals.items():
+            if original is None:
+                del cls.tolist
+            else:
+                cls.tolist = original
         _LISTED.clear()
 
 

@@ -21,6 +21,7 @@ import torch.fx as fx
 from autopar.trace.attention import window_attention, window_mask
 from autopar.trace.cache import TRACES, batch_family, fingerprint
 from autopar.trace.experts import experts_as_op
+from autopar.trace.grouped_linear import grouped_linears_as_op
 from autopar.trace.functional import functionalize_writes
 from autopar.trace.fused import Parts, as_linear, split_fused
 from autopar.trace.paths import module_path
@@ -298,10 +299,15 @@ def refuse_data_dependent_shapes(gm: fx.GraphModule, model_name: str) -> None:
                     f"{model_name}: {node.target} in {module} makes a tensor of shape ({shape}) whose size "
                     f"depends on the data (known only when the step runs: a .tolist() of token counts, "
                     f"nonzero, a boolean mask or a bincount split). autopar plans every tensor by its "
-                    f"shape, so it cannot plan this. Fix: route without data-dependent sizes. A dropless "
-                    f"experts module with stacked weights (gate_up_proj [experts, 2 * inner, hidden], "
-                    f"down_proj [experts, hidden, inner], as Hugging Face's MoE families write it) is "
-                    f"taken whole as autopar's experts op; or pad each expert's tokens to a fixed capacity")
+                    f"shape, so it cannot plan this. Fix: route without data-dependent sizes. autopar "
+                    f"takes whole, as its experts op, a dropless experts module with stacked weights "
+                    f"(gate_up_proj [experts, 2 * inner, hidden] and down_proj [experts, hidden, inner], "
+                    f"as Hugging Face's MoE families write them; or w1, w3 [experts, inner, hidden] and "
+                    f"w2 [experts, hidden, inner] called with rows sorted by expert and their counts, as "
+                    f"torchtitan does), and as its grouped linear op a module with one stacked weight "
+                    f"[experts, out, in] called with sorted rows and their sizes (JetMoE's): keep the "
+                    f"data-dependent split inside such a module; or pad each expert's tokens to a fixed "
+                    f"capacity")
 
 
 def _placeholders(ep) -> tuple:
@@ -318,6 +324,7 @@ def _export(model, example_inputs: tuple, example_kwargs: dict, found):
         with contextlib.ExitStack() as stack:
             stack.enter_context(_checkpoints_inline())
             stack.enter_context(experts_as_op(model))
+            stack.enter_context(grouped_linears_as_op(model))
             if found is not None:
                 stack.enter_context(cut_to_three(found))
             seen = stack.enter_context(_causal_masks_as_flags(model, windows=windows))
