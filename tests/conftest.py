@@ -79,6 +79,7 @@ SAMPLED = {   # test -> cases kept in the fast tier
     "test_planner_3axis.py::test_presolve_equals_full_ilp_on_random_graphs": 10,
     "test_user_models.py::test_user_attention_trains_like_one_device": 1,
     "test_grouped_experts.py::test_sorted_moe_trains_like_one_device": 1,
+    "test_grouped_experts.py::test_jetmoe_trains_like_one_device": 1,
 }
 
 
