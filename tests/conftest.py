@@ -55,6 +55,8 @@ SLOW = {
     "test_user_models.py::test_deepseek_v3_latent_attention_and_grouped_router",
     "test_hf_models.py::test_llama4_router_and_dense_experts_train_like_one_device",
     "test_hf_models.py::test_mamba_plans_per_distinct_block_and_trains_like_one_device",
+    "test_inductor.py::test_inductor_with_recomputation",
+    "test_inductor.py::test_eval_and_train_switch_the_compiled_graph",
 }
 SAMPLED = {   # test -> cases kept in the fast tier
     "test_runtime.py::test_training_matches_one_device": 4,
@@ -80,6 +82,7 @@ SAMPLED = {   # test -> cases kept in the fast tier
     "test_user_models.py::test_user_attention_trains_like_one_device": 1,
     "test_grouped_experts.py::test_sorted_moe_trains_like_one_device": 1,
     "test_grouped_experts.py::test_jetmoe_trains_like_one_device": 1,
+    "test_inductor.py::test_inductor_trains_like_one_device": 1,
 }
 
 

@@ -146,14 +146,16 @@ def excess(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def train_and_compare(spec: tuple, plan_dict: dict, steps: int = 3, clip: float | None = None,
-                      optim: str = "adamw") -> dict:
+                      optim: str = "adamw", backend: str = "eager") -> dict:
     """Train `steps` AdamW steps under the plan and on one device; the worst differences.
     clip: both clip gradients to that norm (cm.clip_grad_norm_ against torch's); the
-    gradients compared are the clipped ones, the norms in "norms" (compiled, one device)."""
+    gradients compared are the clipped ones, the norms in "norms" (compiled, one device).
+    backend: compile's (under "inductor", "regions" counts the compiled regions and
+    "failed" those that ran eagerly)."""
     plan = Plan.from_dict(plan_dict)
     losses, grads, params, norms = reference(spec, steps, clip, optim)
     model, args, kwargs = build_case(spec)
-    cm = autopar.compile(model, plan.device_mesh(), args, example_kwargs=kwargs or None, plan=plan)
+    cm = autopar.compile(model, plan.device_mesh(), args, example_kwargs=kwargs or None, plan=plan, backend=backend)
     cls, options = OPTIMIZERS[optim]
     opt = cm.build_optimizer(cls, **options)
     worst = {"loss": 0.0, "grad": (-1.0, ""), "param": (-1.0, ""), "optimizer": type(opt).__name__}
@@ -186,6 +188,8 @@ def train_and_compare(spec: tuple, plan_dict: dict, steps: int = 3, clip: float 
     worst["all_to_all_moves"] = all_to_all_moves(cm.graphs(), plan.mesh.shape)
     worst["synced_by_buckets"] = len(cm.grad_sync.params)
     worst["reduced_during_backward"] = cm.grad_sync.hooked
+    regions = cm.runner.regions() if hasattr(cm.runner, "regions") else []
+    worst["regions"], worst["failed"] = len(regions), sum(r.failed for r in regions)
     return worst
 
 
@@ -572,3 +576,26 @@ def plan_for(spec: tuple, layout: str | None, shape=(2, 2), names=("dp", "tp"), 
     mesh = autopar.Mesh(shape, names, device="cpu")
     return autopar.plan(model, mesh, args, example_kwargs=kwargs or None, compare=False, layout=layout,
                         pipeline=pipeline or False, mixed_precision=mixed_precision).to_dict()
+
+
+def eval_train_eval(spec: tuple, plan_dict: dict, backend: str = "eager") -> dict:
+    """eval() forward against the plain model's in eval mode (dropout off); then train() and
+    a training step (dropout on; no optimizer step, so the weights stay); then eval() again:
+    its forward against the same plain one.  The worst difference, and the compiled regions."""
+    plan = Plan.from_dict(plan_dict)
+    model, args, kwargs = build_case(spec)
+    plain = copy.deepcopy(model).eval()
+    cm = autopar.compile(model, plan.device_mesh(), args, example_kwargs=kwargs or None, plan=plan, backend=backend)
+    with torch.no_grad():
+        want = float(_loss(plain(*args, **kwargs)))
+    worst = 0.0
+    for _ in range(2):
+        cm.eval()
+        with torch.no_grad():
+            worst = max(worst, abs(float(_loss(cm(*args, **kwargs))) - want))
+        cm.train()
+        trained = float(cm.train_step(*args, **kwargs))
+        cm.zero_grad()
+    regions = cm.runner.regions() if hasattr(cm.runner, "regions") else []
+    return {"eval": worst, "eval_loss": want, "train_loss": trained, "regions": len(regions),
+            "failed": sum(r.failed for r in regions)}

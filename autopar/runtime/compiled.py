@@ -30,6 +30,7 @@ from autopar.cost.precision import MixedPrecision
 from autopar.runtime.build import initial_shards, rank_graph
 from autopar.runtime.faults import (
     DEFAULT_TIMEOUT_S, CollectiveError, NonFiniteError, collectives_named, set_timeout)
+from autopar.runtime.inductor import check_backend
 from autopar.runtime.inputs import CHECKED_CALLS, SAMPLE_EVERY
 from autopar.runtime.model import CompiledModel, UnevenInputs
 from autopar.runtime.options import RunOptions
@@ -85,7 +86,7 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=N
             local_inputs: bool = False, mixed_precision=None,
             reshard_after_forward: bool = True, timeout: float = DEFAULT_TIMEOUT_S,
             check_finite: bool = True, check_inputs: int = CHECKED_CALLS,
-            check_inputs_every: int = SAMPLE_EVERY) -> "CompiledModel":
+            check_inputs_every: int = SAMPLE_EVERY, backend: str = "eager") -> "CompiledModel":
     """Compile `model` for `mesh` with `plan` (a Plan, a path to a saved one, or None to plan now).
 
     A model on the meta device is initialised shard by shard (with `seed` if given); a model
@@ -112,12 +113,18 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=N
     a hash that rides in the step's NaN-check all-reduce (no extra collective where the
     step makes that all-reduce; 0 turns it off).  timeout is at
     least MIN_TIMEOUT_S (1 s): a minute or more leaves room for ranks that load data or
-    evaluate at different speeds."""
+    evaluate at different speeds.
+
+    backend: "eager" runs the rank's graph op by op; "inductor" compiles its compute
+    between collectives with torch.compile (autopar/runtime/inductor.py: regions compile on
+    the first step, a region Inductor cannot compile runs eagerly with a warning; results
+    match eager to float rounding, not bit for bit).  Not yet with pipeline stages."""
     timeout = check_timeout(timeout)
+    backend = check_backend(backend)
     check_options(bucket_mb, check_inputs, check_inputs_every)
     options = RunOptions(timeout_s=float(timeout), check_finite=bool(check_finite), compared_calls=int(check_inputs),
                          sample_every=int(check_inputs_every), bucket_mb=bucket_mb,
-                         reshard_after_forward=reshard_after_forward)
+                         reshard_after_forward=reshard_after_forward, backend=backend)
     ensure_process_group()
     set_timeout(timeout)
     with collectives_named("compile", timeout):
@@ -148,6 +155,9 @@ def _compile(model, mesh, example_inputs, example_kwargs, plan, memory_budget, s
     if mixed_precision is not None and precision != mixed_precision:
         raise CompileError(f"the plan was made for {precision or 'full precision'}, not {mixed_precision}; "
                            f"plan with mixed_precision={mixed_precision!r} or compile without it")
+    if pipelined and options.backend != "eager":
+        raise CompileError(f"backend={options.backend!r} does not run pipeline stages yet; compile a pipelined "
+                           f"plan with backend='eager' (or plan without pipeline stages)")
     if pipelined and local_inputs:
         raise CompileError("a pipelined plan takes the global batch (its schedule splits it into microbatches); "
                            "compile it without local_inputs=True")

@@ -82,6 +82,7 @@ class CompiledModel(nn.Module):
         self.bucket_bytes = options.bucket_bytes
         self.timeout_s = options.timeout_s        # the collective timeout errors name
         self.check_finite = options.check_finite  # runtime/faults.check_step (the user may switch it)
+        self.backend = options.backend            # how the runner runs the graph (runtime/inductor.py)
         self.steps = 0                            # train_step calls so far (errors name the step)
         self._optimizers: list = []
         self.io = graph_io(rewritten, state.groups, options, batch_scale)

@@ -27,6 +27,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.passes.collectives import move
 
+from autopar.runtime.inductor import compile_regions
 from autopar.runtime.inputs import InputCheck
 from autopar.runtime.options import RunOptions
 from autopar.runtime.process import CompileError
@@ -112,6 +113,7 @@ class GraphRunner:
         self.model = model
         self.graph_module = model.graph_module
         self.regather = regather
+        self.compiled: dict = {}   # backend "inductor": training mode -> (split module, its regions)
         self.loss_axes: tuple = ()   # mesh axes the last train_step summed the loss over (runtime/faults.seen_alike)
 
     def graphs(self) -> list:
@@ -124,12 +126,28 @@ class GraphRunner:
         m.grad_sync.begin()
         feed = m.io.feed(flat, m, m.device)
         m.streams.calls += 1
+        module = self._module()
         if self.regather:
             with self.regather.forward(dict(zip(m.io.placeholders, feed))):
-                out = self.graph_module(*feed)
+                out = module(*feed)
         else:
-            out = self.graph_module(*feed)
+            out = module(*feed)
         return list(out) if isinstance(out, (tuple, list)) else [out]
+
+    def _module(self):
+        """What runs the graph: the graph module itself (eager), or under backend "inductor"
+        its compiled regions, cut once per training mode (train() and eval() rewrite the
+        graph's flags, autopar/passes/modes.py)."""
+        if getattr(self.model, "backend", "eager") == "eager":
+            return self.graph_module
+        mode = self.model.training
+        if mode not in self.compiled:
+            self.compiled[mode] = compile_regions(self.graph_module)
+        return self.compiled[mode][0]
+
+    def regions(self) -> list:
+        """The compiled regions (backend "inductor") of every mode run so far."""
+        return [r for _, regions in self.compiled.values() for r in regions]
 
     def forward(self, args, kwargs):
         flat = self.run(args, kwargs)

@@ -1,0 +1,139 @@
+"""compile(backend="inductor"): each rank's graph run as Inductor-compiled regions.
+
+After every pass, the rank's graph is cut into maximal runs of nodes, in graph order, of
+two kinds:
+
+- compute: ATen ops (and `getitem` of their tuples) that draw no random numbers;
+- the rest: the plan's collectives (`move`), ZeRO-3 gathers, the runtime's random draws
+  (dropout masks from autopar's own streams, replayed under recomputation), recomputed
+  regions, autopar's own ops (attention over a mesh axis, experts), anything else.
+
+Every compute run with at least MIN_OPS ops that are not views is compiled by
+`torch.compile(backend="inductor", fullgraph=True, dynamic=False)`: Inductor fuses its
+memory-bound chains (norms, activations, residual adds, dropout's mask product) into few
+kernels, and AOTAutograd builds the run's backward.  The rest runs eagerly between the
+compiled runs, so every collective runs as the plan priced it, in its place, and the
+runtime's hooks (gradient buckets, ZeRO-3 regathers) see the same tensors as under eager.
+What Inductor is not given: the collectives themselves (they are not reordered or
+bucketed by Inductor; the runtime's buckets stay as planned) and recomputed regions
+(checkpointed as under eager).
+
+A run Inductor cannot compile runs eagerly, with one warning naming its first ops and the
+error; a compile error never changes a result.  Inductor's FX graph cache (on by default)
+keeps the compiled kernels across processes, so a restarted job compiles from the cache.
+Fused kernels reorder floating-point operations, so results match eager to rounding (about
+1e-6 relative in float32), not bit for bit.
+"""
+from __future__ import annotations
+
+import logging
+import operator
+import time
+import warnings
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.fx.passes.split_module import split_module
+
+log = logging.getLogger("autopar")
+
+BACKENDS = ("eager", "inductor")
+MIN_OPS = 2   # a run with fewer non-view ops is not worth a compiled region
+_RANDOM = {"bernoulli", "rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "dropout",
+           "native_dropout", "normal", "uniform", "multinomial", "randperm", "exponential"}
+_VIEWS = {"view", "reshape", "_unsafe_view", "transpose", "permute", "t", "unsqueeze", "squeeze", "expand",
+          "alias", "detach", "flatten", "unflatten", "slice", "select", "split", "chunk", "unbind", "as_strided"}
+
+
+def check_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}: choose one of {', '.join(BACKENDS)} (eager runs the rank's graph "
+                         f"op by op; inductor compiles its compute between collectives with torch.compile)")
+    return backend
+
+
+def _aten_name(node: fx.Node) -> str | None:
+    """The ATen op's name (`mm`, `add`...) of a node that calls one, else None."""
+    target = node.target
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        name = str(target)
+        if name.startswith("aten."):
+            return name.split(".")[1]
+    return None
+
+
+def is_compute(node: fx.Node) -> bool:
+    """Whether a node may run inside a compiled region."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return True
+    name = _aten_name(node)
+    return name is not None and name not in _RANDOM
+
+
+class CompiledRegion(nn.Module):
+    """One run of compute nodes: the Inductor-compiled module, or the eager one where
+    compiling failed (said once)."""
+
+    def __init__(self, eager: fx.GraphModule, label: str):
+        super().__init__()
+        self.eager = eager
+        self.label = label
+        # (kept out of the module tree: the compiled module wraps `eager`, registered above)
+        self.__dict__["compiled"] = torch.compile(eager, backend="inductor", fullgraph=True, dynamic=False)
+        self.failed = False
+        self.compile_s = None
+
+    def forward(self, *args):
+        if self.failed:
+            return self.eager(*args)
+        if self.compile_s is None:   # the first call compiles: time it
+            start = time.perf_counter()
+            try:
+                out = self.compiled(*args)
+            except Exception as exc:   # a region Inductor cannot compile runs eagerly
+                self.failed = True
+                reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                warnings.warn(f"autopar: Inductor could not compile the region {self.label} "
+                              f"({type(exc).__name__}: {reason[:300]}); it runs eagerly", stacklevel=2)
+                return self.eager(*args)
+            self.compile_s = time.perf_counter() - start
+            log.info("autopar: compiled region %s in %.1f s", self.label, self.compile_s)
+            return out
+        return self.compiled(*args)
+
+
+def compile_regions(gm: fx.GraphModule) -> tuple[fx.GraphModule, list]:
+    """gm cut into runs (module docstring), its compute runs wrapped as CompiledRegions;
+    returns (the split module, the regions)."""
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
+    run_of: dict = {}
+    part, kind = 0, None
+    for node in nodes:
+        k = is_compute(node)
+        if k != kind:
+            part, kind = part + 1, k
+        run_of[node] = part
+    compute_parts = {run_of[n] for n in nodes if is_compute(n)}
+    heavy = {p: sum(1 for n in nodes if run_of[n] == p and _aten_name(n) not in _VIEWS and is_compute(n)
+                    and n.target is not operator.getitem) for p in compute_parts}
+    first = {}
+    for node in nodes:
+        first.setdefault(run_of[node], node)
+    split = split_module(gm, gm, lambda n: run_of.get(n, 0), keep_original_order=True)
+    regions = []
+    for p in sorted(compute_parts):
+        name = f"submod_{p}"
+        sub = getattr(split, name, None)
+        if sub is None or heavy[p] < MIN_OPS:
+            continue
+        ops = [_aten_name(n) or "getitem" for n in sub.graph.nodes if n.op == "call_function"]
+        where = first[p].meta.get("nn_module_stack") or {}
+        module = next(reversed(where.values()))[0] if where else ""
+        label = f"{len(regions) + 1} ({len(ops)} ops from {ops[0]}{f' in {module}' if module else ''})"
+        region = CompiledRegion(sub, label)
+        setattr(split, name, region)
+        regions.append(region)
+    return split, regions

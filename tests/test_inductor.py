@@ -1,0 +1,95 @@
+"""compile(backend="inductor"): the rank's compute between collectives compiled by
+Inductor (autopar/runtime/inductor.py).  Every parallel form trains like one device on 4
+gloo ranks (fused kernels reorder float operations: compared within rt_cases' 1e-5
+relative tolerance, as every other form); a region Inductor cannot compile runs eagerly
+with one warning; train() and eval() switch the compiled graph like the eager one."""
+import warnings
+
+import pytest
+import torch
+
+import autopar
+from autopar.runtime.inductor import CompiledRegion, check_backend, compile_regions
+from rt_cases import eval_train_eval, plan_for, train_and_compare
+
+GPT = ("autopar", "gpt-tiny", ())
+LLAMA = ("autopar", "llama-tiny", ())
+CASES = [(GPT, "data-parallel", (4,), ("dp",)), (GPT, "zero3", (4,), ("dp",)),
+         (GPT, "megatron-tp x dp", (2, 2), ("dp", "tp")), (GPT, "megatron-sp", (4,), ("tp",)),
+         (LLAMA, "ulysses x dp", (2, 2), ("dp", "tp")), (LLAMA, "context-parallel x dp", (2, 2), ("dp", "tp")),
+         (LLAMA, None, (2, 2), ("dp", "tp")), (("hf-arch", "mixtral"), "expert-parallel", (2, 2), ("dp", "tp")),
+         (("hf-arch", "qwen2"), "megatron-tp x dp", (2, 2), ("dp", "tp")),
+         (("hf-dropout", "gpt2"), "megatron-tp x dp", (2, 2), ("dp", "tp"))]   # dropout masks from autopar's streams
+
+
+@pytest.mark.parametrize("spec, layout, shape, names", CASES, ids=lambda x: x if isinstance(x, str) else None)
+def test_inductor_trains_like_one_device(pool4, spec, layout, shape, names):
+    plan_dict = plan_for(spec, layout, shape=shape, names=names)
+    result = pool4.run(train_and_compare, spec, plan_dict, 3, None, "adamw", "inductor")[0]
+    assert result["ok"], result
+    assert result["regions"] > 0 and result["failed"] == 0, result
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_inductor_with_recomputation(pool4, recompute):
+    import copy
+    from rt_cases import build_case
+    model, args, _ = build_case(GPT)
+    plan = autopar.plan(model, autopar.Mesh((2, 2), ("dp", "tp"), device="cpu"), args, compare=False,
+                        layout="megatron-tp x dp", recompute=recompute)
+    assert plan.recompute is not None and plan.recompute.layers
+    result = pool4.run(train_and_compare, GPT, plan.to_dict(), 3, None, "adamw", "inductor")[0]
+    assert result["ok"], result
+
+
+def _graph():
+    """A small ATen graph, as the rank's graphs are: ((x @ w).relu() + 1).sin().sum()."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    x, w = torch.randn(4, 8), torch.randn(8, 3, requires_grad=True)
+    gm = make_fx(lambda x, w: ((x @ w).relu() + 1).sin().sum())(x, w.detach())
+    return gm, x, w
+
+
+def test_a_region_inductor_cannot_compile_runs_eagerly_with_one_warning():
+    gm, x, w = _graph()
+    expected = gm(x, w)
+    split, regions = compile_regions(gm)
+    assert len(regions) == 1
+
+    def broken(*args):
+        raise RuntimeError("lowering failed for aten.sin")
+    regions[0].__dict__["compiled"] = broken
+    with pytest.warns(UserWarning, match="could not compile the region 1 .*lowering failed.*runs eagerly"):
+        got = split(x, w)
+    assert torch.equal(got, expected) and regions[0].failed
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(split(x, w), expected)   # said once
+
+
+def test_regions_compile_and_keep_the_gradient():
+    gm, x, w = _graph()
+    expected = gm(x, w)
+    (gw,) = torch.autograd.grad(expected, w)
+    split, regions = compile_regions(gm)
+    got = split(x, w)
+    (gw2,) = torch.autograd.grad(got, w)
+    assert isinstance(regions[0], CompiledRegion) and not regions[0].failed and regions[0].compile_s is not None
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gw2, gw, rtol=1e-5, atol=1e-6)
+
+
+def test_an_unknown_backend_is_refused():
+    with pytest.raises(ValueError, match="backend='tvm'.*eager, inductor"):
+        check_backend("tvm")
+
+
+def test_eval_and_train_switch_the_compiled_graph(pool4):
+    """GPT-2 with dropout 0.1: eval(), train() with a step, eval() again: each mode runs its
+    own compiled regions, and eval's loss equals the plain model's in eval mode both times
+    (the training step's loss, with dropout, differs from it)."""
+    spec = ("hf-dropout", "gpt2")
+    result = pool4.run(eval_train_eval, spec, plan_for(spec, "megatron-tp x dp"), "inductor")[0]
+    assert result["eval"] <= 1e-5 * abs(result["eval_loss"]), result
+    assert abs(result["train_loss"] - result["eval_loss"]) > 1e-3, result   # dropout was on in between
+    assert result["regions"] > 0 and result["failed"] == 0, result
