@@ -89,7 +89,8 @@ class CompiledRegion(nn.Module):
     def forward(self, *args):
         if self.failed:
             return self.eager(*args)
-        if self.compile_s is None:   # the first call compiles: time it
+        if self.compile_s is None:   # the first call compiles: say so, and time it
+            log.info("autopar: Inductor compiling region %s ...", self.label)
             start = time.perf_counter()
             try:
                 out = self.compiled(*args)
@@ -136,4 +137,7 @@ def compile_regions(gm: fx.GraphModule) -> tuple[fx.GraphModule, list]:
         region = CompiledRegion(sub, label)
         setattr(split, name, region)
         regions.append(region)
+    log.info("autopar: backend inductor: %d compiled regions (the first step compiles them; Inductor's FX graph "
+             "cache keeps them for later processes); %d runs of compute too small to compile run eagerly",
+             len(regions), len(compute_parts) - len(regions))
     return split, regions

@@ -1,0 +1,131 @@
+"""Inductor against eager, and against torch's own compiled data parallelism: median step
+of one model under one layout, four ways, on gloo ranks.
+
+- autopar eager: `autopar.compile(..., plan=plan)` (the rank's graph op by op);
+- autopar inductor: the same plan, `backend="inductor"` (autopar/runtime/inductor.py);
+- torch: the plain model under `torch.compile`, wrapped as torch's own data parallelism
+  does it: DistributedDataParallel for the data-parallel layout, FSDP2's `fully_shard` per
+  block and on the root for ZeRO-3.
+
+The same model (seed 0), the same global batch split alike, AdamW, every step between
+barriers, median of `--steps` after `--warmup` (the first step of a compiled variant is its
+compile, printed beside it).  Ratios are against autopar eager, measured in the same run.
+
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 4 benchmarks/compiled.py
+    ... --models gpt,llama --layouts data-parallel,zero3 --steps 8 --warmup 2
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch
+import torch.distributed as dist
+
+import autopar
+from autopar.models import build
+
+MODELS = {"gpt": ("gpt-tiny", dict(hidden=256, n_heads=4, n_layers=4)),
+          "llama": ("llama-tiny", dict(dim=256, n_heads=4, n_kv_heads=2, n_layers=4, max_seq=128))}
+
+
+def say(text: str) -> None:
+    if dist.get_rank() == 0:
+        print(text, flush=True)
+
+
+def _timed(step, steps: int, warmup: int) -> tuple[float, float]:
+    """(first step's seconds, the median of the timed steps)."""
+    times = []
+    for i in range(warmup + steps):
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return times[0], statistics.median(times[warmup:])
+
+
+def _model(name: str, batch: int, seq: int):
+    preset, size = MODELS[name]
+    torch.manual_seed(0)
+    return build(preset, batch=batch, seq=seq, **size)
+
+
+def autopar_variant(name, layout, backend, args):
+    model, example = _model(name, args.batch, args.seq)
+    mesh = autopar.Mesh((dist.get_world_size(),), ("dp",), device="cpu")
+    plan = autopar.plan(model, mesh, example, compare=False, layout=layout)
+    cm = autopar.compile(model, mesh, example, plan=plan, backend=backend)
+    opt = cm.build_optimizer(torch.optim.AdamW, lr=1e-4)
+
+    def step():
+        cm.train_step(*example)
+        opt.step()
+        opt.zero_grad()
+    return _timed(step, args.steps, args.warmup)
+
+
+def torch_variant(name, layout, args):
+    """The plain model, compiled, under DDP (data-parallel) or FSDP2 (zero3); each rank its
+    slice of the global batch."""
+    model, example = _model(name, args.batch, args.seq)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = tuple(t.chunk(world)[rank] for t in example)
+    if layout == "data-parallel":
+        from torch.nn.parallel import DistributedDataParallel
+        wrapped = DistributedDataParallel(model)
+        run = torch.compile(wrapped)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("cpu", (world,))
+        blocks = getattr(model, "blocks", None) or getattr(model, "layers", None) or getattr(model, "h", None)
+        for block in blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        run = torch.compile(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step():
+        run(*local).backward()
+        opt.step()
+        opt.zero_grad()
+    return _timed(step, args.steps, args.warmup)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="gpt,llama")
+    parser.add_argument("--layouts", default="data-parallel,zero3")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    say(f"{dist.get_world_size()} gloo ranks, {torch.get_num_threads()} thread each; batch {args.batch} x {args.seq}; "
+        f"median of {args.steps} steps after {args.warmup}")
+    say(f"{'model':<6} {'layout':<14} {'autopar eager':>14} {'autopar inductor':>17} {'torch + compile':>16} "
+        f"{'inductor / eager':>17} {'inductor / torch':>17}   first steps (compile)")
+    for name in args.models.split(","):
+        for layout in args.layouts.split(","):
+            eager_first, eager = autopar_variant(name, layout, "eager", args)
+            ind_first, ind = autopar_variant(name, layout, "inductor", args)
+            try:
+                ref_first, ref = torch_variant(name, layout, args)
+            except Exception as exc:   # the baseline failing leaves the rest
+                say(f"  torch baseline failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+                ref_first, ref = float("nan"), float("nan")
+            say(f"{name:<6} {layout:<14} {eager * 1e3:11.1f} ms {ind * 1e3:14.1f} ms {ref * 1e3:13.1f} ms "
+                f"{ind / eager:17.2f} {ind / ref:17.2f}   eager {eager_first:.1f} s, inductor {ind_first:.1f} s, "
+                f"torch {ref_first:.1f} s")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
