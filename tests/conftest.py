@@ -58,6 +58,8 @@ SLOW = {
     "test_inductor.py::test_inductor_with_recomputation",
     "test_recompute.py::test_recompute_bounds_hold_from_the_keep_everything_reserve",   # 32 s
     "test_inductor.py::test_eval_and_train_switch_the_compiled_graph",
+    "test_inductor.py::test_inductor_runs_pipeline_stages",
+    "test_inductor.py::test_zero_bubble_under_inductor_is_refused",
 }
 SAMPLED = {   # test -> cases kept in the fast tier
     "test_runtime.py::test_training_matches_one_device": 4,

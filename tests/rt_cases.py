@@ -599,3 +599,15 @@ def eval_train_eval(spec: tuple, plan_dict: dict, backend: str = "eager") -> dic
     regions = cm.runner.regions() if hasattr(cm.runner, "regions") else []
     return {"eval": worst, "eval_loss": want, "train_loss": trained, "regions": len(regions),
             "failed": sum(r.failed for r in regions)}
+
+
+def compile_error_of(spec: tuple, plan_dict: dict, backend: str) -> str:
+    """What autopar.compile raises for this plan and backend ("" if it compiles)."""
+    from autopar.runtime.process import CompileError
+    plan = Plan.from_dict(plan_dict)
+    model, args, kwargs = build_case(spec)
+    try:
+        autopar.compile(model, plan.device_mesh(), args, example_kwargs=kwargs or None, plan=plan, backend=backend)
+    except CompileError as exc:
+        return str(exc)
+    return ""

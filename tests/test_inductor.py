@@ -93,3 +93,30 @@ def test_eval_and_train_switch_the_compiled_graph(pool4):
     assert result["eval"] <= 1e-5 * abs(result["eval_loss"]), result
     assert abs(result["train_loss"] - result["eval_loss"]) > 1e-3, result   # dropout was on in between
     assert result["regions"] > 0 and result["failed"] == 0, result
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b"])
+def test_inductor_runs_pipeline_stages(pool4, schedule):
+    """Two device groups of 2 (pp x dp), GPT of 4 layers: each stage's graph runs as compiled
+    regions under the schedule's microbatches, equal to one device."""
+    from rt_cases import build_case
+    spec = ("autopar", "gpt-tiny", (("n_layers", 4),))
+    model, args, _ = build_case(spec)
+    virtual = 2 if schedule == "interleaved-1f1b" else None
+    plan = autopar.plan(model, autopar.Mesh((2, 2), ("pp", "dp"), device="cpu"), args, compare=False,
+                        pipeline=autopar.Pipeline(axis="pp", groups=2, schedule=schedule, virtual=virtual,
+                                                  microbatches=2))
+    result = pool4.run(train_and_compare, spec, plan.to_dict(), 3, None, "adamw", "inductor")[0]
+    assert result["ok"], result
+    assert result["regions"] > 0 and result["failed"] == 0, result
+
+
+def test_zero_bubble_under_inductor_is_refused(pool2):
+    from rt_cases import build_case, compile_error_of
+    spec = ("autopar", "gpt-tiny", (("n_layers", 4),))
+    model, args, _ = build_case(spec)
+    plan = autopar.plan(model, autopar.Mesh((2,), ("pp",), device="cpu"), args, compare=False,
+                        pipeline=autopar.Pipeline(axis="pp", groups=2, schedule="zero-bubble",
+                                                  microbatches=2))
+    message = pool2.run(compile_error_of, spec, plan.to_dict(), "inductor")[0]
+    assert "zero-bubble" in message and "backend='eager'" in message, message

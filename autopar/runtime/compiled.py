@@ -118,7 +118,7 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=N
     backend: "eager" runs the rank's graph op by op; "inductor" compiles its compute
     between collectives with torch.compile (autopar/runtime/inductor.py: regions compile on
     the first step, a region Inductor cannot compile runs eagerly with a warning; results
-    match eager to float rounding, not bit for bit).  Not yet with pipeline stages."""
+    match eager to float rounding, not bit for bit).  Not yet with the zero-bubble schedule."""
     timeout = check_timeout(timeout)
     backend = check_backend(backend)
     check_options(bucket_mb, check_inputs, check_inputs_every)
@@ -155,9 +155,10 @@ def _compile(model, mesh, example_inputs, example_kwargs, plan, memory_budget, s
     if mixed_precision is not None and precision != mixed_precision:
         raise CompileError(f"the plan was made for {precision or 'full precision'}, not {mixed_precision}; "
                            f"plan with mixed_precision={mixed_precision!r} or compile without it")
-    if pipelined and options.backend != "eager":
-        raise CompileError(f"backend={options.backend!r} does not run pipeline stages yet; compile a pipelined "
-                           f"plan with backend='eager' (or plan without pipeline stages)")
+    if pipelined and options.backend != "eager" and plan.pipeline.schedule == "zero-bubble":
+        raise CompileError(f"backend={options.backend!r} does not run the zero-bubble schedule yet (its backward "
+                           f"splits input and weight gradients, which a compiled region computes together); "
+                           f"compile with backend='eager', or plan another schedule (1f1b, interleaved-1f1b)")
     if pipelined and local_inputs:
         raise CompileError("a pipelined plan takes the global batch (its schedule splits it into microbatches); "
                            "compile it without local_inputs=True")

@@ -51,6 +51,7 @@ from autopar.passes.redistribute import MeshGroups
 from autopar.passes.rewrite import param_names, stage_graphs
 
 from autopar.runtime.build import initial_shards, rank_graph
+from autopar.runtime.inductor import compile_regions
 from autopar.runtime.model import CompiledModel
 from autopar.runtime.options import RunOptions
 from autopar.runtime.process import STAGE_AXIS, CompileError, group_mesh
@@ -149,6 +150,7 @@ class _StageModule(nn.Module):
         self.params = nn.ParameterDict({key: model.shards[key] for kind, key in feed if kind == "param"})
         self.feed = feed
         self.model = [model]  # not a submodule: the model's parameters are not this module's children twice
+        self.compiled: dict = {}   # backend "inductor": training mode -> (split module, its regions)
 
     def forward(self, *received, **inputs):
         missing = [n for n in self.inputs if n not in inputs]
@@ -158,10 +160,20 @@ class _StageModule(nn.Module):
         model.streams.calls += 1
         feed = [self.params[key] if kind == "param" else model.get_buffer(key) for kind, key in self.feed]
         args = [*received, *(inputs[n] for n in self.inputs), *feed]
+        run = self._module(model)
         if not self.regather:
-            return self.graph_module(*args)
+            return run(*args)
         with self.regather.forward(dict(zip(self.placeholders, args))):
-            return self.graph_module(*args)
+            return run(*args)
+
+    def _module(self, model):
+        """The stage's graph, or under backend "inductor" its compiled regions (one cut per
+        training mode, as runtime/runner.GraphRunner does)."""
+        if model.backend == "eager":
+            return self.graph_module
+        if model.training not in self.compiled:
+            self.compiled[model.training] = compile_regions(self.graph_module)
+        return self.compiled[model.training][0]
 
 
 class PipelineRunner:
@@ -218,6 +230,10 @@ class PipelineRunner:
 
     def graphs(self) -> list:
         return [m.graph_module for m in self.stage_modules]
+
+    def regions(self) -> list:
+        """The compiled regions (backend "inductor") of this rank's stages, every mode run so far."""
+        return [r for m in self.stage_modules for _, regions in m.compiled.values() for r in regions]
 
     def gather_counts(self) -> dict:
         return gather_counts_of(m.regather for m in self.stage_modules)
