@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import autopar
-from autopar.runtime.inductor import CompiledRegion, check_backend, compile_regions
+from autopar.runtime.inductor import CompiledRegion, compile_regions
+from autopar.solve.problem import check_backend
 from rt_cases import eval_train_eval, plan_for, train_and_compare
 
 GPT = ("autopar", "gpt-tiny", ())
@@ -120,3 +121,30 @@ def test_zero_bubble_under_inductor_is_refused(pool2):
                                                   microbatches=2))
     message = pool2.run(compile_error_of, spec, plan.to_dict(), "inductor")[0]
     assert "zero-bubble" in message and "backend='eager'" in message, message
+
+
+def test_plans_priced_for_inductor_fuse_memory_bound_chains():
+    """GPT of width 1,024 on 8 H100 (bf16): priced for inductor, the memory-bound ops cost
+    less (a chain reads its inputs and writes what leaves it once) and only chain heads
+    launch, while matmuls and attention cost the same; the plan records its backend, which
+    survives saving; a bad backend is refused."""
+    from autopar.models import build
+    model, example = build("gpt-tiny", device="meta", hidden=1024, n_heads=16, n_layers=4, batch=8, seq=1024,
+                           max_seq=1024)
+    mesh = autopar.Mesh((8,), ("dp",), device="h100")
+    plans = {b: autopar.plan(model, mesh, example, compare=False, backend=b, mixed_precision="bf16", layout="zero2")
+             for b in ("eager", "inductor")}
+    eager, fused = plans["eager"], plans["inductor"]
+
+    def seconds(plan, ops):
+        return sum(n.compute_s for n in plan.nodes if n.op in ops)
+    pointwise = ("aten.gelu", "aten.add", "aten.layer_norm", "aten.dropout")
+    assert seconds(fused, pointwise) < 0.9 * seconds(eager, pointwise)
+    heavy = ("aten.linear", "aten.scaled_dot_product_attention")
+    assert seconds(fused, heavy) == pytest.approx(seconds(eager, heavy), rel=1e-9)
+    assert fused.predicted.step_s < eager.predicted.step_s
+    assert (eager.backend, fused.backend) == ("eager", "inductor")
+    assert autopar.Plan.from_dict(fused.to_dict()).backend == "inductor"
+    assert "priced for backend inductor" in str(fused) and "priced for backend" not in str(eager)
+    with pytest.raises(ValueError, match="backend='xla'"):
+        autopar.plan(model, mesh, example, compare=False, backend="xla")

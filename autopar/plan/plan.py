@@ -50,6 +50,7 @@ class Plan:
     graph: str = ""                                 # autopar.trace.export.graph_signature of the graph planned
     notes: tuple = ()                               # why forms were left off the menus (heads, sequence splits)
     recompute: Recompute | None = None              # layers recomputed in backward (None: none)
+    backend: str = "eager"                          # what it was priced for: "eager" or "inductor" (fused chains)
 
     def device_mesh(self):
         """The Mesh to compile this plan on: the whole mesh of a pipelined plan (whose `mesh`
@@ -133,6 +134,7 @@ class Plan:
             "pipeline": None if self.pipeline is None else self.pipeline.to_dict(), "frozen": list(self.frozen),
             "graph": self.graph, "notes": list(self.notes),
             "recompute": None if self.recompute is None else self.recompute.to_dict(),
+            "backend": self.backend,
         }
 
     def to_json(self) -> str:
@@ -170,7 +172,8 @@ class Plan:
                    pipeline=None if d.get("pipeline") is None else PipelineLayout.from_dict(d["pipeline"]),
                    frozen=tuple(d.get("frozen", ())),
                    graph=d.get("graph", ""), notes=tuple(d.get("notes", ())),
-                   recompute=None if d.get("recompute") is None else Recompute.from_dict(d["recompute"]))
+                   recompute=None if d.get("recompute") is None else Recompute.from_dict(d["recompute"]),
+                   backend=d.get("backend", "eager"))
 
     def save(self, path) -> None:
         """JSON with a checksum of the plan, so that a file edited by hand is refused at load."""

@@ -81,6 +81,9 @@ def plan_text(plan) -> str:
     size = f", {s.variables} variables, {s.constraints} constraints" if s.variables is not None else ""
     lines.append(f"solver: {state}{size}; planned in {t.total_s:.2f}s (trace {t.trace_s:.2f}s, "
                  f"menus and costs {t.costs_s:.2f}s, ILP {t.solve_s:.2f}s)")
+    if plan.backend != "eager":
+        lines.append(f"priced for backend {plan.backend}: chains of memory-bound ops as one fused kernel each "
+                     f"(compile with backend={plan.backend!r})")
     if plan.memory_budget:
         lines.append(f"memory budget: {format_bytes(plan.memory_budget)} per device")
     if plan.pipeline is not None:

@@ -22,6 +22,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from autopar.solve.planner import plan as make_plan
+from autopar.solve.problem import check_backend
 from autopar.mesh import Mesh
 from autopar.passes.redistribute import MeshGroups
 from autopar.plan.plan import Plan
@@ -30,7 +31,6 @@ from autopar.cost.precision import MixedPrecision
 from autopar.runtime.build import initial_shards, rank_graph
 from autopar.runtime.faults import (
     DEFAULT_TIMEOUT_S, CollectiveError, NonFiniteError, collectives_named, set_timeout)
-from autopar.runtime.inductor import check_backend
 from autopar.runtime.inputs import CHECKED_CALLS, SAMPLE_EVERY
 from autopar.runtime.model import CompiledModel, UnevenInputs
 from autopar.runtime.options import RunOptions
@@ -166,6 +166,9 @@ def _compile(model, mesh, example_inputs, example_kwargs, plan, memory_budget, s
         raise CompileError(f"the plan was made for mesh {plan.mesh.shape} {plan.mesh.axis_names}, "
                            f"not {mesh.shape} {mesh.axis_names}; plan again for this mesh")
     _check_frozen(model, plan)
+    if plan.backend != options.backend:
+        log.info("the plan was priced for backend %r and runs under %r: its predicted step describes the other",
+                 plan.backend, options.backend)
     seed_of_job = _agree(plan, seed)
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if device_type == "cuda":

@@ -38,19 +38,11 @@ from torch.fx.passes.split_module import split_module
 
 log = logging.getLogger("autopar")
 
-BACKENDS = ("eager", "inductor")
 MIN_OPS = 2   # a run with fewer non-view ops is not worth a compiled region
 _RANDOM = {"bernoulli", "rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "dropout",
            "native_dropout", "normal", "uniform", "multinomial", "randperm", "exponential"}
 _VIEWS = {"view", "reshape", "_unsafe_view", "transpose", "permute", "t", "unsqueeze", "squeeze", "expand",
           "alias", "detach", "flatten", "unflatten", "slice", "select", "split", "chunk", "unbind", "as_strided"}
-
-
-def check_backend(backend: str) -> str:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r}: choose one of {', '.join(BACKENDS)} (eager runs the rank's graph "
-                         f"op by op; inductor compiles its compute between collectives with torch.compile)")
-    return backend
 
 
 def _aten_name(node: fx.Node) -> str | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopar.plan.plan import Collective, NodeChoice, Prediction
+from autopar.solve.graph import VIEWS
 from autopar.solve.problem import Problem
 from autopar.solve.recompute import beyond_linear, mode_costs
 
@@ -74,13 +75,24 @@ class _Tally:
             owner = e.b if e.kind == "data" else (e.b if e.kind == "grad_out" else problem.nodes[e.b].source[0])
             self.edges_into.setdefault(owner, []).append(e)
 
+    def _launches(self, pn) -> bool:
+        """Whether the host issues this op itself: always under eager; under inductor a view
+        is compiled away and a fused op rides its chain head's kernel (Problem._fusion)."""
+        problem = self.problem
+        if problem.backend == "eager":
+            return True
+        if pn.op in VIEWS:
+            return False
+        return problem.fusion.get(pn.index, ((), False, True))[2]
+
     def node(self, pn, s, c) -> None:
         """A node's own compute, communication and memory under strategy s (costs c)."""
         names = self.problem.mesh.axis_names
         self.compute += c.compute
         if pn.kind == "op":
             self.op_compute += c.compute
-            self.host += self.problem.mesh.device.host_op * (2 if pn.requires_grad else 1)
+            if self._launches(pn):
+                self.host += self.problem.mesh.device.host_op * (2 if pn.requires_grad else 1)
             fwd = c.forward_s - sum(c.comm) / 2
             self.backward[pn.index] = [c.compute - fwd, sum(c.comm) / 2]
             self.forward[pn.index] = fwd + sum(c.comm) / 2

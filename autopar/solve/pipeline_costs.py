@@ -86,7 +86,7 @@ class LayerCosts:
 
 
 def stage_problem(model, mesh, example_inputs, example_kwargs, mixed_precision, sub_shape, mb_size,
-                  moe_imbalance=None) -> Built:
+                  pricing=None) -> Built:
     """The traced and costed problem of one stage candidate: the model on a sub-mesh of
     `mesh` shaped `sub_shape` (same links), for a microbatch of `mb_size` rows.  Pipeline
     stages gather their ZeRO-3 weights one by one (autopar/runtime/pipelined.py): only the whole
@@ -95,7 +95,7 @@ def stage_problem(model, mesh, example_inputs, example_kwargs, mixed_precision, 
     batch = batch_size(example_inputs, example_kwargs)
     args, kwargs = first_microbatch((tuple(example_inputs), example_kwargs), batch, mb_size)
     return build_problem(model, sub, args, kwargs, mixed_precision, tuple(sub_shape) == tuple(mesh.shape),
-                         moe_imbalance)
+                         pricing)
 
 
 class StageCosts:
@@ -105,9 +105,9 @@ class StageCosts:
     mesh and the best candidate so far (keep_only): the planner reuses them."""
 
     def __init__(self, model, mesh: Mesh, example_inputs, example_kwargs, mixed_precision, options: SolveOptions,
-                 modes: tuple, moe_imbalance=None):
+                 modes: tuple, pricing=None):
         self.model, self.mesh = model, mesh
-        self.moe_imbalance = moe_imbalance
+        self.pricing = pricing
         self.example_inputs, self.example_kwargs = example_inputs, example_kwargs
         self.mixed_precision, self.options, self.modes = mixed_precision, options, modes
         self.whole = (tuple(mesh.shape), batch_size(example_inputs, example_kwargs))
@@ -118,7 +118,7 @@ class StageCosts:
         if key not in self._costs:
             built = self._problems[key] = stage_problem(self.model, self.mesh, self.example_inputs,
                                                         self.example_kwargs, self.mixed_precision, *key,
-                                                        self.moe_imbalance)
+                                                        self.pricing)
             self._costs[key] = layer_costs(built, self.model, self.options, self.modes)
             if key == self.whole and self._costs[key] is not None:
                 # the plan without stages as the planner solves it with no budget (the

@@ -69,7 +69,7 @@ class _Found:
 
 def search(model, mesh, example_inputs, example_kwargs=None, *, memory_budget=None, schedules=SCHEDULE_CHOICES,
            microbatches=None, options: SolveOptions = SolveOptions(), fixed: Pipeline | None = None,
-           mixed_precision=None, recompute=None, moe_imbalance=None) -> PipelineChoice:
+           mixed_precision=None, recompute=None, pricing=None) -> PipelineChoice:
     """The fastest pipeline layout (or none) for `model` on `mesh`; see the module docstring.
     fixed: a Pipeline whose set fields the result must have (then never "no pipeline");
     mixed_precision: an autopar.MixedPrecision the stages are costed under; recompute: the
@@ -80,7 +80,7 @@ def search(model, mesh, example_inputs, example_kwargs=None, *, memory_budget=No
     space = _space(mesh, batch_size(example_inputs, example_kwargs), memory_budget, schedules, microbatches, fixed,
                    recompute)
     costs = StageCosts(model, mesh, example_inputs, example_kwargs, mixed_precision, options, space.modes,
-                       moe_imbalance)
+                       pricing)
     first = space.first_axes()
     # the whole batch on the whole mesh (this process: the planner plans it again) and the
     # candidates over the stage axes, costed side by side; the whole batch and one

@@ -24,7 +24,7 @@ from autopar.solve.overlap import solve_problem, step_lower_bound
 from autopar.solve.pipeline_options import Pipeline
 from autopar.solve.pipeline_costs import stage_problem
 from autopar.solve.pipeline_search import search
-from autopar.solve.problem import Problem
+from autopar.solve.problem import Pricing, Problem, check_backend
 from autopar.solve.recompute import check_mode, layer_slots, recompute_record
 from autopar.solve.recompute_search import solve_summed
 from autopar.solve.solution import Built, build_problem
@@ -57,12 +57,17 @@ class Request:
     recompute: str | None
     seeds: tuple | None = None
     moe_imbalance: float | dict | None = None   # a number, or measured: {ways: factor}
+    backend: str = "eager"                      # what the plan is priced for (Problem's Pricing)
+
+    @property
+    def pricing(self) -> Pricing:
+        return Pricing(self.moe_imbalance, self.backend)
 
 
 def plan(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=None,
          memory_budget=None, compare: bool = True, time_limit: float = 60.0, workers: int | None = None,
          layout: str | None = None, mixed_precision=None, pipeline=False, recompute=None,
-         moe_imbalance: float | str | None = None) -> Plan:
+         moe_imbalance: float | str | None = None, backend: str = "eager") -> Plan:
     """Choose a sharding for every node of `model` on `mesh`.
 
     example_inputs: tensors (real, fake or meta) of the global batch, as the model's forward
@@ -85,6 +90,10 @@ def plan(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, example_kwarg
     layers (autopar/solve/recompute.py) when the budget needs it; "none", "selective" or "full"
     forces that policy on every repeated layer (for comparisons).  With pipeline=..., the
     search picks one policy for every layer of the stages (the fastest that fits).
+    backend: what the plan is priced for: "eager" (every op reads, writes and launches on
+    its own) or "inductor" (compile(backend="inductor"): chains of memory-bound ops priced
+    as one fused kernel, views and fused ops issuing nothing on the host; plan.backend says
+    which).
     moe_imbalance: for mixture-of-experts models, the busiest expert-holding rank's routed
     rows over the mean (dropless experts run as long as their busiest rank; a trained
     router is seldom even); "measured" runs the model once on the example batch (real
@@ -95,7 +104,7 @@ def plan(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, example_kwarg
     """
     moe_imbalance = _measured(model, moe_imbalance, example_inputs, example_kwargs)
     request = _request(example_inputs, example_kwargs, memory_budget, compare, time_limit, workers, layout,
-                       mixed_precision, pipeline, recompute, None, moe_imbalance)
+                       mixed_precision, pipeline, recompute, None, moe_imbalance, backend)
     with _collector_spared():
         return _warned(_plan(model, mesh, request))[0]
 
@@ -104,7 +113,7 @@ def random_plans(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, seed:
                  seeds=None, example_kwargs=None, memory_budget=None, compare: bool = True,
                  time_limit: float = 60.0, workers: int | None = None, layout: str | None = None,
                  mixed_precision=None, pipeline=False, recompute=None,
-                 moe_imbalance: float | str | None = None) -> list[Plan]:
+                 moe_imbalance: float | str | None = None, backend: str = "eager") -> list[Plan]:
     """`count` random valid plans of `model` on `mesh`, drawn with seeds seed, seed + 1, ...
     (or with `seeds`, when given): every node's strategy drawn uniformly from its menu, for
     testing the passes; each plan's origin is "random:<seed>".  The model is traced and
@@ -118,7 +127,7 @@ def random_plans(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, seed:
                          f"pass count=1 (or one seed)")
     moe_imbalance = _measured(model, moe_imbalance, example_inputs, example_kwargs)
     request = _request(example_inputs, example_kwargs, memory_budget, compare, time_limit, workers, layout,
-                       mixed_precision, pipeline, recompute, drawn, moe_imbalance)
+                       mixed_precision, pipeline, recompute, drawn, moe_imbalance, backend)
     with _collector_spared():
         return _warned(_plan(model, mesh, request))
 
@@ -139,7 +148,7 @@ def _measured(model, moe_imbalance, example_inputs, example_kwargs):
 
 
 def _request(example_inputs, example_kwargs, memory_budget, compare, time_limit, workers, layout, mixed_precision,
-             pipeline, recompute, seeds, moe_imbalance=None) -> Request:
+             pipeline, recompute, seeds, moe_imbalance=None, backend="eager") -> Request:
     budget = parse_bytes(memory_budget, "memory_budget") if memory_budget is not None else None
     if isinstance(moe_imbalance, dict):   # measured per number of expert-holding ranks
         moe_imbalance = dict(sorted(moe_imbalance.items()))
@@ -153,7 +162,7 @@ def _request(example_inputs, example_kwargs, memory_budget, compare, time_limit,
     return Request(example_inputs, example_kwargs, budget, compare, SolveOptions(time_limit, workers), layout,
                    MixedPrecision.of(mixed_precision), None if pipeline is False or pipeline is None
                    else (Pipeline() if pipeline is True else pipeline), pipeline is True, check_mode(recompute),
-                   seeds, moe_imbalance)
+                   seeds, moe_imbalance, check_backend(backend))
 
 
 def _plan(model, mesh, request: Request) -> list[Plan]:
@@ -162,7 +171,7 @@ def _plan(model, mesh, request: Request) -> list[Plan]:
         return [_plan_with_pipeline(model, mesh, request)]
     start = time.perf_counter()
     built = build_problem(model, mesh, request.example_inputs, request.example_kwargs, request.mixed_precision,
-                          moe_imbalance=request.moe_imbalance)
+                          pricing=request.pricing)
     return _plans_built(built, model, mesh, request, start, request.recompute)
 
 
@@ -295,7 +304,7 @@ def _plan_with_pipeline(model, mesh, request: Request) -> Plan:
     fixed = None if request.searched else request.pipeline
     choice = search(model, mesh, request.example_inputs, request.example_kwargs, memory_budget=request.budget,
                     options=request.options, fixed=fixed, mixed_precision=request.mixed_precision,
-                    recompute=request.recompute, moe_imbalance=request.moe_imbalance)
+                    recompute=request.recompute, pricing=request.pricing)
     if choice.axis is not None and fixed is None and choice.plain is not None:
         plain = _plain_plan(model, mesh, request, choice)
         if plain is not None and plain.predicted.step_s <= choice.step_s:
@@ -314,7 +323,7 @@ def _plan_with_pipeline(model, mesh, request: Request) -> Plan:
         built = stage_problem(model, mesh, request.example_inputs, request.example_kwargs, request.mixed_precision,
                               tuple(choice.submesh),
                               batch_size(request.example_inputs, request.example_kwargs) // choice.n_microbatches,
-                              request.moe_imbalance)
+                              request.pricing)
     staged = choice.axis is not None
     result = _plans_built(built, model, built.problem.mesh, request, time.perf_counter(),
                           choice.recompute if staged else request.recompute, staged,
@@ -434,7 +443,7 @@ def _make_plan(problem, model, mesh, choice, sol, origin, compared, budget, timi
                 graph=graph_signature(problem.traced.graph),
                 notes=tuple(m.removeprefix("autopar: ") for m in problem.warnings
                             if not m.startswith("autopar: no sharding rule")) + _routing_notes(problem, choice),
-                recompute=chosen)
+                recompute=chosen, backend=problem.backend)
 
 
 def _routing_notes(problem, choice) -> tuple:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -23,27 +24,53 @@ from autopar.cost.redistribution import plan_redistribute
 from autopar.ops import Strategy, op_arg
 from autopar.ops.attention_rule import ATTENTION_OPS
 from autopar.ops.attention_rule import private_holdings
+from autopar.ops.rules import ELEMENTWISE
 from autopar.trace.export import Traced
 from autopar.solve.graph import VIEWS, Choice, EdgeKey, PNode, add_gradient_sums, build_nodes
 from autopar.solve.layers import share_layers
 from autopar.solve.menus import build_menus, zero_layout
 from autopar.cost.saved import Saved, is_alias, saved_by
 
+# ops Inductor fuses with their fusible neighbours into one kernel: pointwise ops, and the
+# reductions of norms and softmax, which take pointwise prologues and epilogues
+FUSIBLE = ELEMENTWISE | {"aten.layer_norm", "aten.rms_norm", "aten.softmax", "aten._softmax", "aten.log_softmax",
+                         "aten._log_softmax"}
+
 UNUSABLE = float("inf")  # a choice pair the runtime cannot run as planned: the ILP never picks it
+
+
+BACKENDS = ("eager", "inductor")
+
+
+def check_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}: choose one of {', '.join(BACKENDS)} (eager runs the rank's graph "
+                         f"op by op; inductor compiles its compute between collectives with torch.compile)")
+    return backend
+
+
+class Pricing(NamedTuple):
+    """What a problem is priced for beyond the model and mesh: moe_imbalance, the busiest
+    expert rank's load over the mean (a number, or {ways: factor} measured; None: uniformly
+    random routing, C.routing_imbalance), and the backend the plan runs under ("inductor":
+    chains of memory-bound ops priced as fused, see Problem._fusion)."""
+
+    moe_imbalance: float | dict | None = None
+    backend: str = "eager"
 
 
 class Problem:
     def __init__(self, traced: Traced, mesh: Mesh, precision=None, grouped_gathers: bool = True,
-                 moe_imbalance: float | None = None):
+                 pricing: Pricing | None = None):
         """precision: an autopar.MixedPrecision (the graph is then traced from the model cast
         to its param_dtype, see autopar.cost.precision.cast_for_trace), or None.  grouped_gathers:
         whether the runtime gathers ZeRO-3 weights in buckets (`grouped_pair`): it does for
-        a whole model, not (yet) inside pipeline stages.  moe_imbalance: the busiest expert
-        rank's load over the mean (None: uniformly random routing, C.routing_imbalance)."""
+        a whole model, not (yet) inside pipeline stages.  pricing: see Pricing."""
         self.traced = traced
         self.mesh = mesh
         self.precision = precision
-        self.moe_imbalance = moe_imbalance
+        pricing = pricing or Pricing()
+        self.moe_imbalance, self.backend = pricing.moe_imbalance, pricing.backend
         self.grouped_gathers = grouped_gathers
         self.prices = LayoutPrices(mesh)   # each pair of layouts priced once for every edge
         self.nodes, self.by_fx = build_nodes(traced)
@@ -51,8 +78,48 @@ class Problem:
         shared = share_layers(self.nodes, self.readers, self.gradsum_of)
         self.layer_groups, self.tie, self.block = shared.layer_groups, shared.tie, shared.block
         self.fallback_ops, self.warnings = build_menus(self.nodes, self.readers, mesh)
+        self.fusion = self._fusion()
         self._find_saved()
         self._build_costs()
+
+    # --- what the backend fuses ------------------------------------------------------------------
+    def _fusion(self) -> dict:
+        """Under backend "inductor": op index -> (operands its fused chain produced, whether its
+        output stays inside the chain, whether it heads the chain).  Inductor runs a chain of
+        FUSIBLE ops (linked directly or through views) as one kernel: it reads the chain's
+        inputs once, writes only what leaves the chain (to any other op or the graph's
+        output), and launches once, for its head; its backward likewise.  Under "eager" every
+        op reads, writes and launches on its own (empty)."""
+        if self.backend != "inductor":
+            return {}
+        nodes = self.nodes
+
+        def fusible(pn) -> bool:
+            return pn.kind == "op" and pn.op in FUSIBLE
+
+        def producer(src: int):
+            pn = nodes[src]
+            while pn.kind == "op" and pn.op in VIEWS and pn.inputs:
+                pn = nodes[pn.inputs[0][0]]
+            return pn
+
+        def leaves(index: int, out: int) -> bool:
+            for reader, _ in self.readers.get((index, out), ()):
+                r = nodes[reader]
+                if r.kind == "op" and r.op in VIEWS:
+                    if any(leaves(reader, o) for o in range(len(r.out_shapes))):
+                        return True
+                elif not fusible(r):
+                    return True
+            return False
+
+        chains = {}
+        for pn in nodes:
+            if fusible(pn):
+                fused_in = frozenset(k for k, (src, _) in enumerate(pn.inputs) if fusible(producer(src)))
+                kept = not any(leaves(pn.index, o) for o in range(len(pn.out_shapes)))
+                chains[pn.index] = (fused_in, kept, not fused_in)
+        return chains
 
     # --- what ops keep for backward -------------------------------------------------------------
     def _find_saved(self):
@@ -268,20 +335,22 @@ class Problem:
             return self._param_choice(pn, s)
         if pn.kind != "op":
             return Choice(0.0, tuple(comm), mem)
-        in_bytes = sum(C.local_numel(self.nodes[src].out_shapes[o], p, mesh.shape) *
-                       self.nodes[src].out_dtypes[o].itemsize
-                       for (src, o), p in zip(pn.inputs, s.inputs))
+        read = [C.local_numel(self.nodes[src].out_shapes[o], p, mesh.shape) * self.nodes[src].out_dtypes[o].itemsize
+                for (src, o), p in zip(pn.inputs, s.inputs)]
+        in_bytes = sum(read)
         out_bytes = sum(C.local_numel(shape, p, mesh.shape) * d.itemsize
                         for shape, d, p in zip(pn.out_shapes, pn.out_dtypes, s.outputs))
         dtype = pn.out_dtypes[0] if pn.out_dtypes else torch.float32
         forward = 0.0
+        fused_in, kept, head = self.fusion.get(pn.index, ((), False, True))
+        moved = sum(b for k, b in enumerate(read) if k not in fused_in) + (0.0 if kept else out_bytes)
         if pn.op in VIEWS:
             compute = 0.0
         else:
-            compute = forward = self._op_seconds(pn, s, work.fwd_flops / s.factor, in_bytes + out_bytes, dtype)
+            compute = forward = self._op_seconds(pn, s, work.fwd_flops / s.factor, moved, dtype, launches=head)
             if pn.requires_grad:
-                compute += self._op_seconds(pn, s, work.bwd_flops / s.factor, 2 * (in_bytes + out_bytes), dtype,
-                                            backward=True)
+                compute += self._op_seconds(pn, s, work.bwd_flops / s.factor, 2 * moved, dtype, backward=True,
+                                            launches=head)
         # kept for backward (see _find_saved): a storage several ops keep is stored once, so
         # each holder carries its share
         mem["activations"] = sum(self.held_bytes(pn, s, it) / (self.savers[it[0]] if it[0] is not None else 1)
@@ -306,12 +375,13 @@ class Problem:
             self.held_bytes(pn, s, it) for it in self.holdings.get(pn.index, ()) if it[1] == "new")
         return Choice(compute, tuple(comm), mem, forward_s=forward + sum(comm) / 2, work=work)
 
-    def _op_seconds(self, pn: PNode, s: Strategy, flops: float, nbytes: float, dtype, backward: bool = False) -> float:
+    def _op_seconds(self, pn: PNode, s: Strategy, flops: float, nbytes: float, dtype, backward: bool = False,
+                    launches: bool = True) -> float:
         """Seconds of one op's forward (or backward: two kernels) under strategy s: by its
         kernel's shape on a device that describes its kernels (cost.kernels), else a
-        roofline."""
+        roofline.  launches: False for an op fused into its chain's kernel (no launch)."""
         mesh = self.mesh
-        count = 2 if backward else 1
+        count = (2 if backward else 1) if launches else 0
         if mesh.device.kernels is None:
             return C.roofline(flops, nbytes, dtype, mesh, kernels=count, attention=pn.op in ATTENTION_OPS)
         shapes = [K.local_shape(self.nodes[src].out_shapes[o], p, mesh.shape) for (src, o), p in zip(pn.inputs, s.inputs)]
