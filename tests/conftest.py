@@ -60,6 +60,11 @@ SLOW = {
     "test_inductor.py::test_eval_and_train_switch_the_compiled_graph",
     "test_inductor.py::test_inductor_runs_pipeline_stages",
     "test_inductor.py::test_zero_bubble_under_inductor_is_refused",
+    "test_inductor.py::test_inductor_mixed_precision_equals_one_device",
+    "test_inductor.py::test_inductor_frozen_parameters_and_clipping",
+    "test_inductor.py::test_inductor_accumulation_under_no_sync",
+    "test_inductor.py::test_inductor_checkpoints_round_trip",
+    "test_inductor.py::test_inductor_keeps_the_planned_saved_bytes",
 }
 SAMPLED = {   # test -> cases kept in the fast tier
     "test_runtime.py::test_training_matches_one_device": 4,

@@ -611,3 +611,18 @@ def compile_error_of(spec: tuple, plan_dict: dict, backend: str) -> str:
     except CompileError as exc:
         return str(exc)
     return ""
+
+
+def under_backend(backend: str, job, *args):
+    """Run `job(*args)` with autopar.compile defaulting to `backend`: the runtime's jobs
+    above, unchanged, under another backend."""
+    original = autopar.compile
+
+    def compile_with(*a, **kw):
+        kw.setdefault("backend", backend)
+        return original(*a, **kw)
+    autopar.compile = compile_with
+    try:
+        return job(*args)
+    finally:
+        autopar.compile = original

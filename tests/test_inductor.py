@@ -148,3 +148,54 @@ def test_plans_priced_for_inductor_fuse_memory_bound_chains():
     assert "priced for backend inductor" in str(fused) and "priced for backend" not in str(eager)
     with pytest.raises(ValueError, match="backend='xla'"):
         autopar.plan(model, mesh, example, compare=False, backend="xla")
+
+
+# --- what the plan chose survives compilation -------------------------------------------------
+
+def _gpt_plan(layout, mesh=((2, 2), ("dp", "tp")), **kw):
+    from rt_cases import build_case
+    model, args, _ = build_case(GPT)
+    return autopar.plan(model, autopar.Mesh(*mesh, device="cpu"), args, compare=False, layout=layout, **kw).to_dict()
+
+
+def test_inductor_mixed_precision_equals_one_device(pool4):
+    from rt_cases import check_mixed_precision, mixed_precision_vs_reference, under_backend
+    plan = _gpt_plan("megatron-tp x dp", mixed_precision=autopar.MixedPrecision())
+    check_mixed_precision(pool4.run(under_backend, "inductor", mixed_precision_vs_reference, GPT, plan)[0])
+
+
+def test_inductor_frozen_parameters_and_clipping(pool4):
+    """Frozen first block (no gradient, weights bit-identical after the steps) and gradients
+    clipped to norm 0.5 (cm.clip_grad_norm_ against torch's), as under eager."""
+    spec = ("frozen", GPT, ("h.0",))
+    result = pool4.run(train_and_compare, spec, plan_for(spec, "megatron-tp x dp"), 3, 0.5, "adamw", "inductor")[0]
+    assert result["ok"], result
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in result["norms"]), result["norms"]
+
+
+def test_inductor_accumulation_under_no_sync(pool4):
+    from rt_cases import accumulate_vs_whole_batch, build_case, under_backend
+    model, example, _ = build_case(("autopar", "gpt-tiny", (("batch", 16),)))
+    plan = autopar.plan(model, autopar.Mesh((4,), ("dp",), device="cpu"), example, compare=False,
+                        layout="data-parallel")
+    result = pool4.run(under_backend, "inductor", accumulate_vs_whole_batch, plan.to_dict())[0]
+    assert result["bucketed"] > 0 and result["worst"] <= 0, result
+
+
+def test_inductor_checkpoints_round_trip(pool4, tmp_path):
+    from rt_cases import checkpoint_round_trip, under_backend
+    r = pool4.run(under_backend, "inductor", checkpoint_round_trip, GPT, _gpt_plan("zero3"),
+                  _gpt_plan("megatron-tp x dp"), str(tmp_path / "ckpt"))[0]
+    assert r["keys_equal_plain"] and r["worst"] == 0.0, r
+
+
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+def test_inductor_keeps_the_planned_saved_bytes(pool4, mode):
+    """What a step keeps for backward (runtime.recompute.measure_saved) under the compiled
+    regions, against the plan's activation bytes: within 5 %, as under eager."""
+    from rc_cases import saved_bytes
+    from rt_cases import under_backend
+    plan = _gpt_plan("megatron-tp x dp", recompute=mode)
+    rows = pool4.run(under_backend, "inductor", saved_bytes, GPT, plan)
+    bad = [(r["measured"], r["predicted"]) for r in rows if abs(r["predicted"] - r["measured"]) > 0.05 * r["measured"]]
+    assert not bad, bad
