@@ -127,6 +127,12 @@ def _configs(layers: int = LAYERS):
         "flex_olmo": ("moe", tf.FlexOlmoForCausalLM, lambda: tf.FlexOlmoConfig(**_common(
             layers, num_key_value_heads=KV_HEADS, num_experts=4, num_experts_per_tok=2, pad_token_id=0))),
         "phi": ("parallel", tf.PhiForCausalLM, lambda: tf.PhiConfig(**_common(layers, ))),
+        # DBRX: experts with flat stacked weights (w1, v1, w2 [experts * inner, hidden]) and a
+        # fused qkv clipped to clip_qkv (transformers needs rope_theta in attn_config and a clip)
+        "dbrx": ("moe", tf.DbrxForCausalLM, lambda: tf.DbrxConfig(
+            vocab_size=VOCAB, d_model=HIDDEN, n_heads=HEADS, n_layers=layers, max_seq_len=64, use_cache=False,
+            attn_config={"kv_n_heads": KV_HEADS, "rope_theta": 10000.0, "clip_qkv": 8.0},
+            ffn_config={"ffn_hidden_size": HIDDEN, "moe_num_experts": 4, "moe_top_k": 2})),
         # JetMoE: experts and attention experts as grouped linear layers called with the rows
         # sorted by expert and split sizes read with .tolist() (known only when the step runs)
         "jetmoe": ("moe-grouped", tf.JetMoeForCausalLM, lambda: tf.JetMoeConfig(
@@ -139,7 +145,7 @@ def _configs(layers: int = LAYERS):
 FUSED = ["gpt2", "phi3", "gpt_bigcode", "gpt_fused", "falcon"]
 MOE = ["mixtral", "qwen2_moe", "olmoe", "qwen3_moe", "granitemoe"]  # experts as one op (autopar/trace/experts.py)
 MOE_MORE = ["deepseek_v2", "deepseek_v3", "glm4_moe", "ernie4_5_moe", "hunyuan_v1_moe", "dots1", "minimax",
-            "flex_olmo", "gpt_oss"]
+            "flex_olmo", "gpt_oss", "dbrx"]
 FAMILIES = ["llama", "qwen2", "mistral", "gemma", "stablelm", "starcoder2", "gemma2", "qwen3", "gptj", "gpt_neox",
             "phi", "cohere"]
 

@@ -298,6 +298,16 @@ def _reduction_rule(partial):
     return rule
 
 
+def _vector_norm_rule(node, ins, outs):
+    """linalg_vector_norm(x, ord, dim, keepdim): a reduction over `dim` (every dim when None)
+    that is not a sum, so the reduced dims never split."""
+    dims = op_arg(node, 2, "dim", None)
+    if isinstance(dims, int):
+        dims = [dims]
+    keepdim = bool(op_arg(node, 3, "keepdim", False)) or (dims is not None and len(outs[0]) == len(ins[0]))
+    return reduction(ins[0], outs[0], dims, keepdim, partial=False)
+
+
 def _multi_reduction_rule(node, ins, outs):
     """max.dim / min.dim / sort-like: values and indices, the reduced dim never splits."""
     rank = len(ins[0])
@@ -570,6 +580,7 @@ RULES = {
     "aten.sum": _reduction_rule(True), "aten.mean": _reduction_rule(True),
     "aten.amax": _reduction_rule(False), "aten.amin": _reduction_rule(False),
     "aten.var": _reduction_rule(False), "aten.std": _reduction_rule(False),
+    "aten.linalg_vector_norm": _vector_norm_rule,
     "aten.argmax": _reduction_rule(False), "aten.argmin": _reduction_rule(False),
     "aten.all": _reduction_rule(False), "aten.any": _reduction_rule(False),
     "aten.max": _multi_reduction_rule, "aten.min": _multi_reduction_rule, "aten.topk": _topk_rule,

@@ -337,6 +337,35 @@ def is_experts_module(module) -> bool:
     return hasattr(module, "gate_up_proj") and hasattr(module, "down_proj") and hasattr(module, "has_gate")
 
 
+# DBRX's experts: the same call (hidden_states, top_k_index, top_k_weights), each weight flat,
+# `mlp.w1`, `mlp.v1` and `mlp.w2` [experts * inner, hidden]: gate = w1[e], up = v1[e] and
+# down = w2[e].T, under `mlp.activation_fn`.
+
+def flat_glu_weights(module) -> tuple | None:
+    """(w1, v1, w2, experts, inner, hidden) of a DBRX-style experts module, else None."""
+    mlp = getattr(module, "mlp", None)
+    sizes = (getattr(module, "num_experts", None), getattr(module, "ffn_hidden_size", None),
+             getattr(module, "hidden_size", None))
+    weights = tuple(getattr(mlp, n, None) for n in ("w1", "v1", "w2"))
+    if mlp is None or not all(isinstance(s, int) for s in sizes) or not all(
+            isinstance(w, torch.Tensor) and tuple(w.shape) == (sizes[0] * sizes[1], sizes[2]) for w in weights):
+        return None
+    return (*weights, *sizes)
+
+
+def _flat_glu_act(module) -> str | None:
+    return _ACT_NAMES.get(type(getattr(module.mlp, "activation_fn", None)).__name__)
+
+
+def _flat_glu_forward(module, hidden_states, top_k_index, top_k_weights):
+    w1, v1, w2, n_experts, inner, hidden = flat_glu_weights(module)
+    x = hidden_states.reshape(-1, hidden)
+    _record(top_k_index, n_experts)
+    out = experts(x, top_k_index, top_k_weights, w1.view(n_experts, inner, hidden), v1.view(n_experts, inner, hidden),
+                  w2.view(n_experts, inner, hidden).transpose(1, 2), _flat_glu_act(module), 0)
+    return out.view(hidden_states.shape[0], -1, hidden)
+
+
 # --- grouped experts: rows already sorted by expert, with each expert's row count --------------
 #
 # torchtitan-style code (and code like it) keeps three stacked weights w1, w3 [experts, inner,
@@ -500,6 +529,10 @@ def experts_as_op(model: torch.nn.Module):
                 continue
             module._autopar_transposed = transposed
             module.forward = _grouped_forward.__get__(module)
+            patched.append(module)
+            continue
+        if flat_glu_weights(module) is not None and _flat_glu_act(module) is not None:
+            module.forward = _flat_glu_forward.__get__(module)
             patched.append(module)
             continue
         if not is_experts_module(module):
