@@ -15,7 +15,8 @@ output (all Shard(2)) in one of two named ways, run by autopar/passes/attention_
   explicit mask must be broadcast over heads.
 
 Collectives are given per batch row (elements of one row of the rank's batch), as the
-cost model reads a named strategy's `comm`.
+cost model reads a named strategy's `comm`: one entry per collective the runtime calls, with
+its phase.
 """
 from __future__ import annotations
 
@@ -109,15 +110,20 @@ def _variant(s: Strategy, a: int, n: int, kind: str, q_local, k_local, out_shape
     qe = math.prod(q_local) / n / rows
     ke = math.prod(k_local) / n / rows
     oe = math.prod(_local(out_shape, s.outputs[0], mesh_shape)) / n / rows
+    # one entry per collective the runtime calls (autopar/passes/attention_ops.py), each
+    # priced with its own latency: (kind, axis, elements per row, phase)
     if kind == "ring":
         # gather k and v forward and again backward (all-gather output: the whole sequence),
-        # reduce-scatter their gradients; causal: queries and output exchanged (half of
-        # them move) forward, their gradients backward
-        comm = (("all_gather", a, 2 * 2 * n * ke), ("reduce_scatter", a, 2 * n * ke))
+        # reduce-scatter their gradients; causal: queries and output exchanged into and out
+        # of the zigzag layout forward, their gradients backward
+        comm = (("all_gather", a, n * ke, "forward"), ("all_gather", a, n * ke, "forward"),
+                ("all_gather", a, n * ke, "backward"), ("all_gather", a, n * ke, "backward"),
+                ("reduce_scatter", a, n * ke, "backward"), ("reduce_scatter", a, n * ke, "backward"))
         if causal:
-            comm += (("all_to_all", a, qe + oe), ("all_to_all", a, qe + oe))
-    else:
-        comm = (("all_to_all", a, 2 * (qe + 2 * ke + oe)),)
+            comm += (("all_to_all", a, qe, "forward"), ("all_to_all", a, oe, "forward"),
+                     ("all_to_all", a, oe, "backward"), ("all_to_all", a, qe, "backward"))
+    else:   # q, k, v to heads and the output back; backward the four gradients the other way
+        comm = tuple(("all_to_all", a, e, phase) for phase in ("forward", "backward") for e in (qe, ke, ke, oe))
     name = (s.name + " " if s.name != "replicate" else "") + f"{axis_names[a]}={kind}"
     return Strategy(split, inputs, outputs, grads, s.factor * n, name, comm, reduced=s.reduced)
 

@@ -82,8 +82,15 @@ def experts_strategies(in_shapes, mesh_shape, axis_names, needs_grad) -> list[St
         inputs = tuple(tuple(ax[0][i] for ax in per_axis) for i in range(count))
         outputs = (tuple(ax[1][0] for ax in per_axis),)
         grads = tuple(tuple(ax[2][i] for ax in per_axis) if needs_grad[i] else None for i in range(count))
-        # dispatch and combine, forward and backward: four all-to-alls of tokens x k rows
-        comm = tuple(("all_to_all", a, 4 * k * hidden) for a, kind in enumerate(split) if kind == "te")
+        # the runtime's calls (trace/experts.expert_parallel): forward the row counts (a few
+        # elements), the rows' expert ids (k per token, int64: 2k float32 elements' bytes),
+        # the rows (k x hidden per token) and their results back; backward the two row moves
+        # the other way
+        comm = tuple(entry for a, kind in enumerate(split) if kind == "te"
+                     for entry in (("all_to_all", a, 0, "forward"), ("all_to_all", a, 2 * k, "forward"),
+                                   ("all_to_all", a, k * hidden, "forward"), ("all_to_all", a, k * hidden, "forward"),
+                                   ("all_to_all", a, k * hidden, "backward"),
+                                   ("all_to_all", a, k * hidden, "backward")))
         reduced = tuple(a for a, kind in enumerate(split) if kind in ("e", "i"))
         name = " ".join(f"{ax}={_NAMES[kind]}" for ax, kind in zip(axis_names, split) if kind) or "replicate"
         factor = math.prod(n for kind, n in zip(split, mesh_shape) if kind)  # balanced routing

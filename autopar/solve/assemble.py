@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autopar.cost import prices as C
 from autopar.plan.plan import Collective, NodeChoice, Prediction
 from autopar.solve.graph import VIEWS
 from autopar.solve.problem import Problem
@@ -104,9 +105,13 @@ class _Tally:
         else:
             for a, t in enumerate(c.comm):
                 self.comm[a] += t
-                if t:
-                    self.collectives.append(Collective("all_reduce", (names[a],), 0.0, "forward", pn.name,
-                                                       pn.name, t))
+            if pn.kind == "op" and any(c.comm):   # a named strategy's own collectives, one per call
+                own = self.problem.internal_collectives(pn, s)
+                total = sum(C.collective_time(kind, nbytes, axis, self.problem.mesh) for kind, axis, nbytes, _ in own)
+                scale = sum(c.comm) / total if total else 0.0   # (an experts op's: times its routing factor)
+                for kind, axis, nbytes, phase in own:
+                    self.collectives.append(Collective(kind, (names[axis],), nbytes, phase, pn.name, pn.name,
+                                                       C.collective_time(kind, nbytes, axis, self.problem.mesh) * scale))
         for k, v in c.memory.items():
             self.memory[k] += v
 

@@ -355,14 +355,8 @@ class Problem:
         # each holder carries its share
         mem["activations"] = sum(self.held_bytes(pn, s, it) / (self.savers[it[0]] if it[0] is not None else 1)
                                  for it in self.holdings.get(pn.index, ()))
-        if s.comm:  # per-row collectives of a named strategy, on the rows this rank holds
-            first = self.nodes[pn.inputs[0][0]]
-            rows_shape = first.out_shapes[pn.inputs[0][1]][:1]
-            item = first.out_dtypes[pn.inputs[0][1]].itemsize
-            rows = C.local_numel(rows_shape, [p if isinstance(p, Shard) and p.dim == 0 else Replicate()
-                                              for p in s.inputs[0]], mesh.shape)
-            for kind, axis, per_row in s.comm:
-                comm[axis] += C.collective_time(kind, per_row * item * rows, axis, mesh)
+        for kind, axis, nbytes, _ in self.internal_collectives(pn, s):   # a named strategy's own
+            comm[axis] += C.collective_time(kind, nbytes, axis, mesh)
         if pn.op == "autopar.experts":  # experts split: the step waits for the busiest rank
             uneven = self.routing_factor(pn, s)
             compute, forward = compute * uneven, forward * uneven
@@ -374,6 +368,20 @@ class Problem:
         work = 0.0 if pn.op in VIEWS else in_bytes + out_bytes + sum(
             self.held_bytes(pn, s, it) for it in self.holdings.get(pn.index, ()) if it[1] == "new")
         return Choice(compute, tuple(comm), mem, forward_s=forward + sum(comm) / 2, work=work)
+
+    def internal_collectives(self, pn: PNode, s: Strategy) -> list:
+        """(kind, axis, bytes, phase) of each collective a named strategy runs inside the op
+        (ring and Ulysses attention, expert parallelism, the vocabulary-parallel loss): its
+        per-row entries (kind, axis, elements per row[, phase]) on the rows this rank holds."""
+        if not s.comm:
+            return []
+        first = self.nodes[pn.inputs[0][0]]
+        rows_shape = first.out_shapes[pn.inputs[0][1]][:1]
+        item = first.out_dtypes[pn.inputs[0][1]].itemsize
+        rows = C.local_numel(rows_shape, [p if isinstance(p, Shard) and p.dim == 0 else Replicate()
+                                          for p in s.inputs[0]], self.mesh.shape)
+        return [(kind, axis, per_row * item * rows, rest[0] if rest else "forward")
+                for kind, axis, per_row, *rest in s.comm]
 
     def _op_seconds(self, pn: PNode, s: Strategy, flops: float, nbytes: float, dtype, backward: bool = False,
                     launches: bool = True) -> float:
