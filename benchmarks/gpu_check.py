@@ -1,8 +1,11 @@
-"""Check autopar's predictions on one GPU: one command, about 70 s on an H200 (first run 2026-11-26).
+"""Check autopar's predictions on one GPU: one command, about 70 s on an H200 (first run 2026-11-26)
+before the backends section was added (it compiles a 1B Llama with Inductor twice: minutes
+on a cold cache; not yet run on a GPU).
 
     python benchmarks/gpu_check.py --out gpu_check.json
     python benchmarks/gpu_check.py --sections ops,configs          # some sections only
     python benchmarks/gpu_check.py --cpu                           # tiny shapes on the CPU (under a minute)
+    python benchmarks/gpu_check.py --cpu --sections backends       # Inductor on the CPU (about 20 s)
 
 On a lent machine whose image has torch but not the rest (no ortools, the package not
 installed), carry wheels downloaded here into an ignored folder:
@@ -42,7 +45,12 @@ measured):
    check_inputs=0, which the cost model does not price; wall clock between
    synchronisations, train_step alone printed beside it) and
    torch.cuda.max_memory_allocated over the timed steps (n/a on the CPU).
-5. summary: every row in one table, and the median |predicted / measured - 1| per section.
+5. backends: one model (a Llama of about 1B parameters in bf16 on a GPU; llama-tiny on the
+   CPU) stepped by autopar eager, autopar with `backend="inductor"` and `torch.compile` of
+   the plain model (bf16 weights, AdamW): median step, tokens/s and MFU, each autopar row
+   against its plan priced for that backend (`autopar.plan(..., backend=...)`), and the
+   first step (Inductor's compile) beside it.  On the CPU only when named in --sections.
+6. summary: every row in one table, and the median |predicted / measured - 1| per section.
 
 A section that fails prints its error and the others still run.  `main(argv)` returns the
 same record `--out` writes (tests/test_gpu_check.py runs `--cpu`).
@@ -76,7 +84,8 @@ from autopar.runtime import init_process_group
 from autopar.runtime.calibrate import calibrate
 from autopar.solve.solution import build_problem
 
-SECTIONS = ("quickstart", "calibrate", "ops", "configs")
+SECTIONS = ("quickstart", "calibrate", "ops", "configs", "backends")
+CPU_DEFAULT = ("quickstart", "calibrate", "ops", "configs")   # backends compiles with Inductor: asked for by name
 
 
 def say(*args) -> None:
@@ -526,6 +535,74 @@ def per_config(setup: Setup, spec, args) -> list:
 
 # ------------------------------------------------------------------ 5. summary and the whole run
 
+def per_backend(setup: Setup, spec, args) -> list:
+    """autopar eager, autopar inductor and torch.compile of the plain model, one config."""
+    if setup.gpu:
+        name, overrides = "llama3-8b", dict(dim=2048, n_layers=16, n_heads=16, n_kv_heads=8, vocab=32000,
+                                            multiple_of=256, batch=4, seq=2048)
+    else:
+        name, overrides = "llama-tiny", dict(dim=128, n_heads=4, n_kv_heads=2, batch=4, seq=32)
+    torch.manual_seed(0)
+    model, example = build(name, device="meta", **overrides)
+    precision = setup.dtype if setup.dtype != torch.float32 else None
+    mesh = autopar.Mesh((1,), ("dp",), device=spec)
+    tokens = math.prod(example[0].shape)
+    params = sum(p.numel() for p in model.parameters())
+    peak = spec.peak_flops(setup.dtype)
+    vocab = model.config.vocab
+    batch = tuple(torch.randint(0, vocab, t.shape, device=setup.device) for t in example)
+    rows = []
+
+    def run(step) -> tuple:
+        times = []
+        for i in range(args.warmup + args.steps):
+            sync(setup)
+            start = time.perf_counter()
+            step()
+            sync(setup)
+            times.append(time.perf_counter() - start)
+        return times[0], statistics.median(times[args.warmup:])
+
+    def detail(first, measured) -> str:
+        mfu = 6 * params * tokens / measured / peak
+        return f"{tokens / measured:,.0f} tokens/s, MFU {mfu:.1%} (6 N T); first step {first:.1f} s"
+
+    measured = {}
+    for backend in ("eager", "inductor"):
+        torch.manual_seed(0)
+        model, example = build(name, device="meta", **overrides)   # (compile initialises a model once)
+        plan = autopar.plan(model, mesh, example, compare=False, mixed_precision=precision, backend=backend)
+        cm = autopar.compile(model, mesh, example, plan=plan, seed=0, check_finite=False, check_inputs=0,
+                             backend=backend)
+        opt = cm.build_optimizer(torch.optim.AdamW, lr=1e-4)
+
+        def step():
+            cm.train_step(*batch)
+            opt.step()
+            opt.zero_grad()
+        first, measured[backend] = run(step)
+        rows.append(Row("backends", f"{name} autopar {backend}", "s", plan.step_s, measured[backend], None,
+                        detail(first, measured[backend])))
+        del cm, opt
+        free_memory(setup)
+    plain, _ = build(name, device=setup.device, **overrides)
+    plain = plain.to(setup.dtype)
+    compiled = torch.compile(plain)
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-4)
+
+    def step():
+        compiled(*batch).backward()
+        opt.step()
+        opt.zero_grad()
+    first, took = run(step)
+    rows.append(Row("backends", f"{name} torch.compile (plain model)", "s", rows[-1].predicted, took, None,
+                    detail(first, took) + f"; autopar inductor / this {measured['inductor'] / took:.2f}; "
+                    f"predicted column: autopar inductor's plan"))
+    for r in rows:
+        say(r)
+    return rows
+
+
 def summary(result: dict, rows: list) -> dict:
     say(f"{'section':<9}" + ROW_HEADER)
     for row in rows:
@@ -554,8 +631,8 @@ def summary(result: dict, rows: list) -> dict:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="write the results as JSON to this path (after every section)")
-    parser.add_argument("--sections", default=",".join(SECTIONS),
-                        help=f"comma-separated subset of {','.join(SECTIONS)} (the summary always prints)")
+    parser.add_argument("--sections", default=None,
+                        help=f"comma-separated subset of {','.join(SECTIONS)} (the summary always prints; default all on a GPU, all but backends on the CPU)")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU with tiny shapes (auto without CUDA)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                         help="ops and configs compute dtype (default bfloat16 on a GPU, float32 on the CPU)")
@@ -565,7 +642,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per op (default 7 GPU, 3 CPU)")
     parser.add_argument("--recalibrate", action="store_true", help="measure again instead of the cached profile")
     args = parser.parse_args(argv)
-    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    setup_gpu = torch.cuda.is_available() and not args.cpu
+    sections = [s.strip() for s in (args.sections or ",".join(SECTIONS if setup_gpu else CPU_DEFAULT)).split(",")
+                if s.strip()]
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown:
         parser.error(f"unknown sections {unknown}; choose from {', '.join(SECTIONS)}")
@@ -626,7 +705,10 @@ def main(argv=None) -> dict:
         got = section("configs", "4. per config: plan vs measured step and peak memory",
                       lambda: per_config(setup, spec, args))
         rows += got or []
-        say(f"\n== 5. summary (predicted with {spec.name}) ==")
+        got = section("backends", "5. backends: autopar eager, autopar inductor, torch.compile",
+                      lambda: per_backend(setup, spec, args))
+        rows += got or []
+        say(f"\n== 6. summary (predicted with {spec.name}) ==")
         result["summary"] = summary(result, rows)
         result["seconds"]["total"] = time.perf_counter() - start
         say(f"total {result['seconds']['total']:.1f} s")

@@ -27,7 +27,7 @@ def result(tmp_path_factory):
     proc = subprocess.run([sys.executable, SCRIPT, "--cpu", "--out", str(out)], env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "== 5. summary" in proc.stdout
+    assert "== 6. summary" in proc.stdout
     return json.loads(out.read_text())
 
 
@@ -94,3 +94,20 @@ def test_summary_has_a_median_error_per_section(result):
                 "configs step median |pred/meas - 1|"):
         assert 0 <= summary[key] < math.inf, key
     assert summary["configs memory median |pred/meas - 1|"] is None
+
+
+def test_backends_section_steps_three_ways(tmp_path):
+    """`--sections backends` (asked for by name on the CPU): autopar eager, autopar inductor
+    and torch.compile of the plain model each measured, the autopar rows against their plans
+    priced for that backend."""
+    out = tmp_path / "backends.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", AUTOPAR_CACHE=str(tmp_path / "cache"))
+    proc = subprocess.run([sys.executable, SCRIPT, "--cpu", "--sections", "backends", "--out", str(out)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got["errors"] == {}
+    names = [r["name"] for r in got["rows"] if r["section"] == "backends"]
+    assert names == ["llama-tiny autopar eager", "llama-tiny autopar inductor", "llama-tiny torch.compile (plain model)"]
+    for r in got["rows"]:
+        assert r["measured"] > 0 and r["predicted"] > 0 and "tokens/s" in r["detail"], r
