@@ -48,6 +48,9 @@ def main(argv=None) -> None:
     parser.add_argument("--pipeline", help="pipeline schedule over the first mesh axis, or 'search'")
     parser.add_argument("--microbatches", type=int, help="microbatches per step of a pipelined plan")
     parser.add_argument("--gantt", help="write the last step's measured pipeline passes as an SVG Gantt chart")
+    parser.add_argument("--backend", default="eager", choices=("eager", "inductor"),
+                        help="run each rank's graph op by op, or its compute between collectives compiled by "
+                             "Inductor (the plan is priced for it)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="model config or example-input override (default hidden=256 n_heads=8 batch=16 seq=64)")
     args = parser.parse_args(argv)
@@ -79,10 +82,11 @@ def main(argv=None) -> None:
         pipeline = autopar.Pipeline(axis=names[0], groups=shape[0], schedule=args.pipeline,
                                     microbatches=args.microbatches,
                                     virtual=2 if args.pipeline == "interleaved-1f1b" else None)
-    plan = autopar.Plan.load(args.plan) if args.plan else autopar.plan(model, mesh, batch, pipeline=pipeline)
+    plan = autopar.Plan.load(args.plan) if args.plan else autopar.plan(model, mesh, batch, pipeline=pipeline,
+                                                                       backend=args.backend)
     if rank == 0:
         print(plan, flush=True)
-    cm = autopar.compile(model, mesh, batch, plan=plan)
+    cm = autopar.compile(model, mesh, batch, plan=plan, backend=args.backend)
     opt = cm.build_optimizer(torch.optim.AdamW, lr=args.lr)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=args.lr) if reference is not None else None
 
