@@ -127,6 +127,9 @@ def _configs(layers: int = LAYERS):
         "flex_olmo": ("moe", tf.FlexOlmoForCausalLM, lambda: tf.FlexOlmoConfig(**_common(
             layers, num_key_value_heads=KV_HEADS, num_experts=4, num_experts_per_tok=2, pad_token_id=0))),
         "phi": ("parallel", tf.PhiForCausalLM, lambda: tf.PhiConfig(**_common(layers, ))),
+        # PhiMoE: a sparse mixer router that draws noise in training (exponential_, rand_like, uniform_)
+        "phimoe": ("moe", tf.PhimoeForCausalLM, lambda: tf.PhimoeConfig(**_common(
+            layers, num_key_value_heads=KV_HEADS, num_local_experts=4, num_experts_per_tok=2))),
         # DBRX: experts with flat stacked weights (w1, v1, w2 [experts * inner, hidden]) and a
         # fused qkv clipped to clip_qkv (transformers needs rope_theta in attn_config and a clip)
         "dbrx": ("moe", tf.DbrxForCausalLM, lambda: tf.DbrxConfig(

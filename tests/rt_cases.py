@@ -626,3 +626,24 @@ def under_backend(backend: str, job, *args):
         return job(*args)
     finally:
         autopar.compile = original
+
+
+def first_step_losses(spec: tuple, plan_dict: dict) -> dict:
+    """The compiled model's first two training losses (an SGD step between) and the plain
+    model's, for models that draw random numbers while training (their draws differ)."""
+    plan = Plan.from_dict(plan_dict)
+    model, args, kwargs = build_case(spec)
+    plain = copy.deepcopy(model)
+    cm = autopar.compile(model, plan.device_mesh(), args, example_kwargs=kwargs or None, plan=plan)
+    opt, ref_opt = cm.build_optimizer(torch.optim.SGD, lr=0.1), torch.optim.SGD(plain.parameters(), lr=0.1)
+    got, want = [], []
+    for _ in range(2):
+        got.append(float(cm.train_step(*args, **kwargs)))
+        opt.step()
+        opt.zero_grad()
+        loss = _loss(plain(*args, **kwargs))
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        want.append(float(loss))
+    return {"compiled": got, "plain": want}

@@ -600,6 +600,12 @@ RULES = {
     "wrap_with_set_grad_enabled": _factory_rule,
     "wrap_with_autocast": _factory_rule,
 }
+# Random ops shaped like their input (noise, jitter: PhiMoE's router draws rand_like, uniform_
+# and exponential_): elementwise in shape; each piece draws from its own stream where the
+# output is split (autopar/runtime/rng.py), so splitting them is valid.
+for _name in ("aten.rand_like", "aten.randn_like", "aten.uniform", "aten.uniform_", "aten.exponential",
+              "aten.exponential_", "aten.normal_", "aten.bernoulli_"):
+    RULES.setdefault(_name, _elementwise_rule)
 for _name in ELEMENTWISE:
     RULES.setdefault(_name, _elementwise_rule)
     RULES.setdefault(_name + "_", _elementwise_rule)  # in-place forms, when nothing reads the old value after
