@@ -66,6 +66,7 @@ SLOW = {
     "test_inductor.py::test_inductor_checkpoints_round_trip",
     "test_inductor.py::test_inductor_keeps_the_planned_saved_bytes",
     "test_gpu_check.py::test_backends_section_steps_three_ways",
+    "test_inductor.py::test_inductor_batch_norm_trains_and_keeps_its_statistics",
 }
 SAMPLED = {   # test -> cases kept in the fast tier
     "test_runtime.py::test_training_matches_one_device": 4,

@@ -199,3 +199,19 @@ def test_inductor_keeps_the_planned_saved_bytes(pool4, mode):
     rows = pool4.run(under_backend, "inductor", saved_bytes, GPT, plan)
     bad = [(r["measured"], r["predicted"]) for r in rows if abs(r["predicted"] - r["measured"]) > 0.05 * r["measured"]]
     assert not bad, bad
+
+
+@pytest.mark.parametrize("layout", ["data-parallel", "megatron-tp x dp"])
+def test_inductor_batch_norm_trains_and_keeps_its_statistics(pool4, layout):
+    """Batch norm's running statistics (buffers updated in place inside a compiled region):
+    training equals one device, and the statistics and eval() behave as under eager."""
+    from rt_cases import under_backend
+    from sem_cases import batch_norm_train_eval, bn_case
+    model, x = bn_case()
+    plan = autopar.plan(model, autopar.Mesh((2, 2), ("dp", "tp"), device="cpu"), (x,), compare=False,
+                        layout=layout).to_dict()
+    result = pool4.run(train_and_compare, ("bn",), plan, 3, None, "adamw", "inductor")[0]
+    assert result["ok"] and result["regions"] > 0 and result["failed"] == 0, result
+    eager = pool4.run(batch_norm_train_eval, plan)[0]
+    fused = pool4.run(under_backend, "inductor", batch_norm_train_eval, plan)[0]
+    assert fused == pytest.approx(eager, rel=1e-5, abs=1e-6), (fused, eager)
