@@ -67,9 +67,11 @@ SLOW = {
     "test_inductor.py::test_inductor_keeps_the_planned_saved_bytes",
     "test_gpu_check.py::test_backends_section_steps_three_ways",
     "test_inductor.py::test_inductor_batch_norm_trains_and_keeps_its_statistics",
+    "test_grouped_experts.py::test_jetmoe_trains_like_one_device",          # 15-25 s
+    "test_hf_models.py::test_phimoe_router_noise_is_planned_and_trains",
 }
 SAMPLED = {   # test -> cases kept in the fast tier
-    "test_runtime.py::test_training_matches_one_device": 4,
+    "test_runtime.py::test_training_matches_one_device": 3,
     "test_semantics.py::test_frozen_parameters_stay_frozen": 1,
     "test_hf_models.py::test_family_trains_like_one_device": 4,
     "test_hf_models.py::test_mixture_of_experts_trains_like_one_device": 2,
@@ -90,9 +92,7 @@ SAMPLED = {   # test -> cases kept in the fast tier
     "test_planner_3axis.py::test_presolve_equals_full_ilp_on_random_graphs": 10,
     "test_user_models.py::test_user_attention_trains_like_one_device": 1,
     "test_grouped_experts.py::test_sorted_moe_trains_like_one_device": 1,
-    "test_grouped_experts.py::test_jetmoe_trains_like_one_device": 1,
     "test_inductor.py::test_inductor_trains_like_one_device": 1,
-    "test_hf_models.py::test_phimoe_router_noise_is_planned_and_trains": 1,
 }
 
 
