@@ -36,13 +36,12 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.fx.passes.split_module import split_module
 
+from autopar.runtime.rng import is_random
+from autopar.solve.graph import VIEWS
+
 log = logging.getLogger("autopar")
 
 MIN_OPS = 2   # a run with fewer non-view ops is not worth a compiled region
-_RANDOM = {"bernoulli", "rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "dropout",
-           "native_dropout", "normal", "uniform", "multinomial", "randperm", "exponential"}
-_VIEWS = {"view", "reshape", "_unsafe_view", "transpose", "permute", "t", "unsqueeze", "squeeze", "expand",
-          "alias", "detach", "flatten", "unflatten", "slice", "select", "split", "chunk", "unbind", "as_strided"}
 
 
 def _aten_name(node: fx.Node) -> str | None:
@@ -61,8 +60,7 @@ def is_compute(node: fx.Node) -> bool:
         return False
     if node.target is operator.getitem:
         return True
-    name = _aten_name(node)
-    return name is not None and name not in _RANDOM
+    return _aten_name(node) is not None and not is_random(node)   # (random ops draw from autopar's streams)
 
 
 class CompiledRegion(nn.Module):
@@ -110,8 +108,8 @@ def compile_regions(gm: fx.GraphModule) -> tuple[fx.GraphModule, list]:
             part, kind = part + 1, k
         run_of[node] = part
     compute_parts = {run_of[n] for n in nodes if is_compute(n)}
-    heavy = {p: sum(1 for n in nodes if run_of[n] == p and _aten_name(n) not in _VIEWS and is_compute(n)
-                    and n.target is not operator.getitem) for p in compute_parts}
+    heavy = {p: sum(1 for n in nodes if run_of[n] == p and is_compute(n) and n.target is not operator.getitem
+                    and f"aten.{_aten_name(n)}" not in VIEWS) for p in compute_parts}
     first = {}
     for node in nodes:
         first.setdefault(run_of[node], node)
