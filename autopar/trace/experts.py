@@ -393,12 +393,17 @@ def grouped_weights(module) -> tuple | None:
     w1, w2, w3 = found["w1"], found["w2"], found["w3"]
     if w1.shape != w3.shape or w2.shape != (w1.shape[0], w1.shape[2], w1.shape[1]):
         return None
+    return (w1, w2, w3) if takes_rows_and_counts(module) else None
+
+
+def takes_rows_and_counts(module) -> bool:
+    """Whether the module's forward takes two positional arguments (the sorted rows and
+    their counts or split sizes)."""
     try:
         params = list(inspect.signature(module.forward).parameters.values())
     except (TypeError, ValueError):
-        return None
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return (w1, w2, w3) if len(positional) == 2 else None
+        return False
+    return len([p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]) == 2
 
 
 def _grouped_operands(w1, w2, w3, transposed: bool):

@@ -19,12 +19,11 @@ over experts, exact.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 
 import torch
 
-from autopar.trace.experts import listed_counts, row_experts
+from autopar.trace.experts import listed_counts, row_experts, takes_rows_and_counts
 
 log = logging.getLogger("autopar")
 
@@ -104,12 +103,7 @@ def grouped_linear_weight(module):
     own = list(module.named_parameters(recurse=False))
     if len(own) != 1 or own[0][0] != "weight" or own[0][1].dim() != 3:
         return None
-    try:
-        params = list(inspect.signature(module.forward).parameters.values())
-    except (TypeError, ValueError):
-        return None
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return own[0][1] if len(positional) == 2 else None
+    return own[0][1] if takes_rows_and_counts(module) else None
 
 
 def _reproduces(module, weight) -> bool:
