@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 from autopar.cost import prices as C
 from autopar.plan.plan import Collective, NodeChoice, Prediction
-from autopar.solve.graph import VIEWS
 from autopar.solve.problem import Problem
 from autopar.solve.recompute import beyond_linear, mode_costs
 
@@ -76,23 +75,13 @@ class _Tally:
             owner = e.b if e.kind == "data" else (e.b if e.kind == "grad_out" else problem.nodes[e.b].source[0])
             self.edges_into.setdefault(owner, []).append(e)
 
-    def _launches(self, pn) -> bool:
-        """Whether the host issues this op itself: always under eager; under inductor a view
-        is compiled away and a fused op rides its chain head's kernel (Problem._fusion)."""
-        problem = self.problem
-        if problem.backend == "eager":
-            return True
-        if pn.op in VIEWS:
-            return False
-        return problem.fusion.get(pn.index, ((), False, True))[2]
-
     def node(self, pn, s, c) -> None:
         """A node's own compute, communication and memory under strategy s (costs c)."""
         names = self.problem.mesh.axis_names
         self.compute += c.compute
         if pn.kind == "op":
             self.op_compute += c.compute
-            if self._launches(pn):
+            if self.problem.launches(pn):
                 self.host += self.problem.mesh.device.host_op * (2 if pn.requires_grad else 1)
             fwd = c.forward_s - sum(c.comm) / 2
             self.backward[pn.index] = [c.compute - fwd, sum(c.comm) / 2]
@@ -107,11 +96,10 @@ class _Tally:
                 self.comm[a] += t
             if pn.kind == "op" and any(c.comm):   # a named strategy's own collectives, one per call
                 own = self.problem.internal_collectives(pn, s)
-                total = sum(C.collective_time(kind, nbytes, axis, self.problem.mesh) for kind, axis, nbytes, _ in own)
-                scale = sum(c.comm) / total if total else 0.0   # (an experts op's: times its routing factor)
-                for kind, axis, nbytes, phase in own:
-                    self.collectives.append(Collective(kind, (names[axis],), nbytes, phase, pn.name, pn.name,
-                                                       C.collective_time(kind, nbytes, axis, self.problem.mesh) * scale))
+                times = [C.collective_time(kind, nbytes, axis, self.problem.mesh) for kind, axis, nbytes, _ in own]
+                scale = sum(c.comm) / sum(times) if sum(times) else 0.0   # (an experts op's routing factor)
+                for (kind, axis, nbytes, phase), t in zip(own, times):
+                    self.collectives.append(Collective(kind, (names[axis],), nbytes, phase, pn.name, pn.name, t * scale))
         for k, v in c.memory.items():
             self.memory[k] += v
 

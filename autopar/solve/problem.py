@@ -121,6 +121,13 @@ class Problem:
                 chains[pn.index] = (fused_in, kept, not fused_in)
         return chains
 
+    def launches(self, pn: PNode) -> bool:
+        """Whether op pn launches a kernel the host issues: always under eager; under inductor
+        a view is compiled away and a fused op rides its chain head's kernel."""
+        if self.backend == "eager":
+            return True
+        return pn.op not in VIEWS and self.fusion.get(pn.index, ((), False, True))[2]
+
     # --- what ops keep for backward -------------------------------------------------------------
     def _find_saved(self):
         """holdings[n]: (key, kind, index, global bytes) of every tensor op n keeps for
@@ -342,8 +349,9 @@ class Problem:
                         for shape, d, p in zip(pn.out_shapes, pn.out_dtypes, s.outputs))
         dtype = pn.out_dtypes[0] if pn.out_dtypes else torch.float32
         forward = 0.0
-        fused_in, kept, head = self.fusion.get(pn.index, ((), False, True))
+        fused_in, kept, _ = self.fusion.get(pn.index, ((), False, True))
         moved = sum(b for k, b in enumerate(read) if k not in fused_in) + (0.0 if kept else out_bytes)
+        head = self.launches(pn)
         if pn.op in VIEWS:
             compute = 0.0
         else:
