@@ -55,6 +55,18 @@ def build_case(spec: tuple):
         model = tf.DeepseekV3ForCausalLM(cfg)
         ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
         return model, (), {"input_ids": ids, "labels": ids}
+    if kind == "hf-switch":  # ("hf-switch",): Switch Transformers (top-1 router with a capacity) behind a wrapper
+        import transformers as tf
+        from user_models import Seq2SeqLoss
+        cfg = tf.SwitchTransformersConfig(vocab_size=128, d_model=64, d_kv=8, d_ff=128, num_layers=2,
+                                          num_decoder_layers=2, num_heads=8, num_experts=4, expert_capacity=5,
+                                          num_sparse_encoder_layers=1, num_sparse_decoder_layers=1,
+                                          dropout_rate=0.0, router_jitter_noise=0.0, decoder_start_token_id=0,
+                                          pad_token_id=0)
+        torch.manual_seed(1)   # (an init whose routers reach every expert in all three steps: see test_capacity_experts)
+        model = Seq2SeqLoss(tf.SwitchTransformersForConditionalGeneration(cfg))
+        g = torch.Generator().manual_seed(1)
+        return model, (torch.randint(1, 128, (4, 16), generator=g), torch.randint(1, 128, (4, 16), generator=g)), {}
     if kind == "hf-wrapped":  # ("hf-wrapped",): hf-llama behind a loss wrapper taking (ids, labels)
         from user_models import LabelsLoss
         model, _, kwargs = build_case(("hf-llama",))

@@ -174,6 +174,18 @@ class SmallLM(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
+class Seq2SeqLoss(nn.Module):
+    """A Hugging Face encoder-decoder behind a wrapper: (ids, labels) -> its loss.  The
+    attention mask is passed, as some families build it only when traced without one."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids, labels):
+        return self.model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels).loss
+
+
 class LabelsLoss(nn.Module):
     """A Hugging Face causal LM behind the wrapper users write: (ids, labels) -> its loss."""
 

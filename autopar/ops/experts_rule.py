@@ -18,6 +18,9 @@ axis does one of:
 
 At most one axis does "e", "i" or "te"; the others split tokens or nothing.
 
+Ungated experts (up None, Switch Transformers') have no up operand: x, index, weight,
+gate, down.
+
 With biases (gate_bias and up_bias [experts, inner], down_bias [experts, hidden]) they go
 with their experts ("e", "te": Shard(0)); "i" is not offered, as every rank's partial sum
 would add the down projection's bias again.
@@ -35,9 +38,9 @@ KINDS = (None, "t", "e", "i", "te")
 _R, _P = Replicate(), Partial()
 
 
-def _axis(kind, biased: bool = False):
+def _axis(kind, biased: bool = False, gated: bool = True):
     """(inputs, outputs, grads) placements of one axis: per operand x, index, weight, gate,
-    up, down (and gate_bias, up_bias, down_bias when `biased`)."""
+    up (when `gated`), down (and gate_bias, up_bias, down_bias when `biased`)."""
     s0 = Shard(0)
     if kind is None:
         ins, out, grads = (_R,) * 6, (_R,), (_R,) * 6
@@ -56,6 +59,8 @@ def _axis(kind, biased: bool = False):
         bias, bias_grad = s0, s0
     if biased:
         ins, grads = ins + (bias,) * 3, grads + (bias_grad,) * 3
+    if not gated:
+        ins, grads = ins[:4] + ins[5:], grads[:4] + grads[5:]
     return ins, out, grads
 
 
@@ -64,6 +69,7 @@ def experts_strategies(in_shapes, mesh_shape, axis_names, needs_grad) -> list[St
     n_experts, inner = in_shapes[3][0], in_shapes[3][1]
     hidden = in_shapes[0][-1]
     biased = len(in_shapes) == 9
+    gated = len(in_shapes) != 5
     count = len(in_shapes)
     out = []
     for split in itertools.product(KINDS, repeat=len(mesh_shape)):
@@ -78,7 +84,7 @@ def experts_strategies(in_shapes, mesh_shape, axis_names, needs_grad) -> list[St
         inner_ways = math.prod(n for kind, n in zip(split, mesh_shape) if kind == "i")
         if tokens % token_ways or n_experts % expert_ways or inner % inner_ways:
             continue
-        per_axis = [_axis(kind, biased) for kind in split]
+        per_axis = [_axis(kind, biased, gated) for kind in split]
         inputs = tuple(tuple(ax[0][i] for ax in per_axis) for i in range(count))
         outputs = (tuple(ax[1][0] for ax in per_axis),)
         grads = tuple(tuple(ax[2][i] for ax in per_axis) if needs_grad[i] else None for i in range(count))

@@ -104,8 +104,8 @@ def plan_text(plan) -> str:
         lines.append(f"replicated (no sharding rule): {', '.join(plan.fallback_ops)}")
     experts = sorted({n.strategy for n in plan.nodes if n.op == "autopar.experts"})
     if experts:
-        lines.append(f"mixture of experts ({', '.join(experts)}): dropless, so an op whose experts are split runs "
-                     f"as long as its busiest rank (the note below says what routing was priced)")
+        lines.append(f"mixture of experts ({', '.join(experts)}): an op whose experts are split runs as long as "
+                     f"its busiest rank (the note below says what routing was priced)")
     lines.extend(sequence_lines(plan))
     lines.append(recompute_line(plan))
     if plan.baselines:

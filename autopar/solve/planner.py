@@ -30,6 +30,7 @@ from autopar.solve.recompute_search import solve_summed
 from autopar.solve.solution import Built, build_problem
 from autopar.solve.solved import SolveOptions
 from autopar.trace.batching import batch_size
+from autopar.ops import op_arg
 from autopar.trace.experts import measure_routing
 from autopar.trace.export import graph_signature
 
@@ -462,6 +463,12 @@ def _routing_notes(problem, choice) -> tuple:
     else:
         how = ("uniformly random routing of this batch; a trained router is seldom as even: say how uneven "
                "with autopar.plan(moe_imbalance=...)")
+    capped = [float(op_arg(pn.node, 11, "capacity", 0.0) or 0.0) for pn in problem.nodes
+              if pn.kind == "op" and pn.op == "autopar.experts"]
+    capped = [c for c in capped if c > 0]
+    if capped:
+        how += (f"; the router caps each expert at {min(capped):.3f}x the mean rows (its capacity: rows past it are "
+                f"dropped), so no rank is priced above that")
     return (f"experts priced as long as their busiest rank: {max(split):.3f}x the mean rows ({how})",)
 
 

@@ -410,11 +410,14 @@ class Problem:
         if ways <= 1:
             return 1.0
         if isinstance(self.moe_imbalance, dict) and ways in self.moe_imbalance:   # measured
-            return float(self.moe_imbalance[ways])
-        if self.moe_imbalance is not None and not isinstance(self.moe_imbalance, dict):
-            return float(self.moe_imbalance)
-        src, o = pn.inputs[1]
-        return C.routing_imbalance(math.prod(self.nodes[src].out_shapes[o]), ways)
+            factor = float(self.moe_imbalance[ways])
+        elif self.moe_imbalance is not None and not isinstance(self.moe_imbalance, dict):
+            factor = float(self.moe_imbalance)
+        else:
+            src, o = pn.inputs[1]
+            factor = C.routing_imbalance(math.prod(self.nodes[src].out_shapes[o]), ways)
+        capacity = float(op_arg(pn.node, 11, "capacity", 0.0) or 0.0) if pn.node is not None else 0.0   # a router that caps every expert caps every rank
+        return max(1.0, min(factor, capacity)) if capacity > 0 else factor
 
     def _param_choice(self, pn: PNode, s: Strategy) -> Choice:
         """Model states of a parameter stored in layout s.outputs[0] (ZeRO, Rajbhandari et al.

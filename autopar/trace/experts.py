@@ -16,7 +16,13 @@ operands, gate_bias and up_bias [E, inner] and down_bias [E, hidden], added afte
 product; act "swiglu_oai:<alpha>:<limit>" is GPT-OSS's gate: (clamp(up, -limit, limit) + 1)
 * g * sigmoid(alpha * g), g = clamp(gate, max=limit).
 
-Every token reaches all k experts it picked (dropless: no capacity, nothing dropped).
+Ungated experts (Switch Transformers': down[e] @ act(gate[e] @ x[t])) pass up=None.
+
+Every token reaches all k experts it picked, except the slots a router dropped for capacity:
+their index is E (no expert) and they contribute zero.  The op never drops rows itself;
+`capacity` only tells the planner that the router caps every expert (the capacity factor:
+the most rows one expert takes over the mean, 0 where nothing caps it), so a split op is
+priced at no more than that (Problem.routing_factor).
 The op's strategies (autopar/ops/experts_rule.py) split tokens (data parallel), experts
 with tokens whole (each rank its experts' share, a Partial sum), the inner dim (tensor
 parallelism inside every expert, a Partial sum) or tokens and experts on one axis
@@ -57,20 +63,24 @@ def _gated(act: str):
 def experts_math(x, index, weight, gate, up, down, act: str, first: int = 0, gate_bias=None, up_bias=None,
                  down_bias=None):
     """The experts' output (differentiable): experts [first, first + gate.shape[0]) of the
-    model's, given as local weights (and biases); rows routed to other experts contribute zero."""
+    model's, given as local weights (and biases); rows routed to other experts contribute
+    zero.  up None: ungated experts, act applied to the gate product alone."""
     tokens, k = index.shape
     flat = index.reshape(-1)
     out = x.new_zeros(tokens * k, x.shape[-1])
-    f = _gated(act)
+    f = _gated(act) if up is not None else ACTIVATIONS[act]
     for e in range(gate.shape[0]):
         rows = (flat == first + e).nonzero().squeeze(-1)
         if rows.numel() == 0:
             continue
         h = x[rows // k]
-        g, u = h @ gate[e].T, h @ up[e].T
-        if gate_bias is not None:
-            g, u = g + gate_bias[e], u + up_bias[e]
-        y = f(g, u) @ down[e].T
+        if up is None:
+            y = f(h @ gate[e].T) @ down[e].T
+        else:
+            g, u = h @ gate[e].T, h @ up[e].T
+            if gate_bias is not None:
+                g, u = g + gate_bias[e], u + up_bias[e]
+            y = f(g, u) @ down[e].T
         if down_bias is not None:
             y = y + down_bias[e]
         out = out.index_put((rows,), y)
@@ -86,57 +96,67 @@ def _combine(rows, weight, tokens: int, k: int, dtype):
 
 
 @torch.library.custom_op("autopar::experts", mutates_args=())
-def experts(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-            down: torch.Tensor, act: str, first: int = 0, gate_bias: torch.Tensor | None = None,
-            up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None) -> torch.Tensor:
+def experts(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor,
+            up: torch.Tensor | None, down: torch.Tensor, act: str, first: int = 0,
+            gate_bias: torch.Tensor | None = None, up_bias: torch.Tensor | None = None,
+            down_bias: torch.Tensor | None = None, capacity: float = 0.0) -> torch.Tensor:
     """first: the model's index of the first expert whose weights are given (a rank holding
-    some of the experts: rows routed elsewhere contribute zero).  The biases: all three or none."""
+    some of the experts: rows routed elsewhere contribute zero).  The biases: all three or
+    none.  capacity: for the planner only (see the module's docstring)."""
     return experts_math(x, index, weight, gate, up, down, act, first, gate_bias, up_bias, down_bias)
 
 
 @experts.register_fake
-def _(x, index, weight, gate, up, down, act, first=0, gate_bias=None, up_bias=None, down_bias=None):
+def _(x, index, weight, gate, up, down, act, first=0, gate_bias=None, up_bias=None, down_bias=None, capacity=0.0):
     return x.new_empty(x.shape)
 
 
 def _recomputed_grads(grad, x, index, weight, gate, up, down, act, first, biases=(None, None, None)):
-    """Gradients of x, weight, gate, up, down and the biases given: the forward run again
-    under autograd."""
+    """Gradients of x, weight, gate, up, down and the biases (None for each operand not
+    given): the forward run again under autograd."""
+    operands = (x, weight, gate, up, down, *biases)
     with torch.enable_grad():
-        given = [t for t in (x, weight, gate, up, down, *biases) if t is not None]
-        leaves = [t.detach().requires_grad_(True) for t in given]
-        bias_leaves = leaves[5:] if biases[0] is not None else [None, None, None]
-        out = experts_math(leaves[0], index, leaves[1], leaves[2], leaves[3], leaves[4], act, first, *bias_leaves)
-        grads = torch.autograd.grad(out, leaves, grad, allow_unused=True)
-    return tuple(g if g is not None else torch.zeros_like(t) for g, t in zip(grads, leaves))
+        leaves = [t.detach().requires_grad_(True) if t is not None else None for t in operands]
+        lx, lw, lg, lu, ld, *lb = leaves
+        out = experts_math(lx, index, lw, lg, lu, ld, act, first, *lb)
+        given = [t for t in leaves if t is not None]
+        grads = iter(torch.autograd.grad(out, given, grad, allow_unused=True))
+    return tuple(None if t is None else (lambda g: g if g is not None else torch.zeros_like(t))(next(grads))
+                 for t in leaves)
 
 
 @torch.library.custom_op("autopar::experts_backward", mutates_args=())
 def experts_backward(grad: torch.Tensor, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor,
-                     gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, act: str,
+                     gate: torch.Tensor, up: torch.Tensor | None, down: torch.Tensor, act: str,
                      first: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward as one op, for shapes and the FLOP count on meta tensors (the real
-    backward recomputes under autograd, see _backward)."""
+    backward recomputes under autograd, see _backward).  Ungated (up None): its fourth
+    result is empty."""
     raise NotImplementedError("autopar::experts_backward runs on meta tensors only")
 
 
 @experts_backward.register_fake
 def _(grad, x, index, weight, gate, up, down, act, first=0):
     return (x.new_empty(x.shape), weight.new_empty(weight.shape), gate.new_empty(gate.shape),
-            up.new_empty(up.shape), down.new_empty(down.shape))
+            up.new_empty(up.shape) if up is not None else gate.new_empty(0), down.new_empty(down.shape))
 
 
 def _setup(ctx, inputs, output):
-    x, index, weight, gate, up, down, act, first, gate_bias, up_bias, down_bias = inputs
-    ctx.biased = gate_bias is not None
-    ctx.save_for_backward(x, index, weight, gate, up, down, *((gate_bias, up_bias, down_bias) if ctx.biased else ()))
+    x, index, weight, gate, up, down, act, first, gate_bias, up_bias, down_bias, _ = inputs
+    ctx.biased, ctx.gated = gate_bias is not None, up is not None
+    ctx.save_for_backward(x, index, weight, gate, *((up,) if ctx.gated else ()), down,
+                          *((gate_bias, up_bias, down_bias) if ctx.biased else ()))
     ctx.act, ctx.first = act, first
 
 
 def _backward(ctx, grad):
-    x, index, weight, gate, up, down, *biases = ctx.saved_tensors
+    saved = list(ctx.saved_tensors)
+    if not ctx.gated:
+        saved.insert(4, None)
+    x, index, weight, gate, up, down, *biases = saved
     if x.device.type == "meta":
         gx, gw, gg, gu, gd = experts_backward(grad, x, index, weight, gate, up, down, ctx.act, ctx.first)
+        gu = gu if ctx.gated else None
         gb = tuple(b.new_empty(b.shape) for b in biases)
     else:
         got = _recomputed_grads(grad, x, index, weight, gate, up, down, ctx.act, ctx.first,
@@ -144,16 +164,16 @@ def _backward(ctx, grad):
         gx, gw, gg, gu, gd = got[:5]
         gb = got[5:]
     gb = tuple(gb) if ctx.biased else (None, None, None)
-    return (gx, None, gw, gg, gu, gd, None, None, *gb)
+    return (gx, None, gw, gg, gu, gd, None, None, *gb, None)
 
 
 experts.register_autograd(_backward, setup_context=_setup)
 
 
-def _flops(x_shape, index_shape, gate_shape) -> int:
-    """Three matmuls of inner x hidden per routed row (tokens x k rows)."""
+def _flops(x_shape, index_shape, gate_shape, gated: bool = True) -> int:
+    """Three matmuls (two, ungated) of inner x hidden per routed row (tokens x k rows)."""
     rows = index_shape[0] * index_shape[1]
-    return 2 * rows * gate_shape[1] * gate_shape[2] * 3
+    return 2 * rows * gate_shape[1] * gate_shape[2] * (3 if gated else 2)
 
 
 try:  # the FLOP counter the cost model reads
@@ -162,12 +182,13 @@ try:  # the FLOP counter the cost model reads
     @register_flop_formula(torch.ops.autopar.experts)
     def _experts_flops(x_shape, index_shape, weight_shape, gate_shape, up_shape, down_shape, *args, out_shape=None,
                        **kwargs) -> int:
-        return _flops(x_shape, index_shape, gate_shape)
+        return _flops(x_shape, index_shape, gate_shape, up_shape is not None)
 
     @register_flop_formula(torch.ops.autopar.experts_backward)
-    def _experts_backward_flops(grad_shape, x_shape, index_shape, weight_shape, gate_shape, *args, out_shape=None,
-                                **kwargs) -> int:
-        return 3 * _flops(x_shape, index_shape, gate_shape)  # the forward again, then twice its work
+    def _experts_backward_flops(grad_shape, x_shape, index_shape, weight_shape, gate_shape, up_shape, *args,
+                                out_shape=None, **kwargs) -> int:
+        # the forward again, then twice its work
+        return 3 * _flops(x_shape, index_shape, gate_shape, up_shape is not None)
 except (ImportError, TypeError):  # pragma: no cover - an older torch without custom formulas
     pass
 
@@ -204,8 +225,11 @@ def expert_parallel(x, index, weight, gate, up, down, act: str, n_experts: int, 
     local = n_experts // n
     tokens, k = index.shape
     flat = index.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    owner = flat[order] // local
+    first = dist.get_rank(group) * local
+    # a slot with no expert (dropped for capacity, or padding) stays on this rank: zero
+    key = torch.where((flat >= 0) & (flat < n_experts), flat, torch.full_like(flat, first))
+    order = torch.argsort(key, stable=True)
+    owner = key[order] // local
     send = torch.bincount(owner, minlength=n)
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
@@ -215,7 +239,6 @@ def expert_parallel(x, index, weight, gate, up, down, act: str, n_experts: int, 
     got_ids = ids.new_empty(sum(recv_sizes))
     dist.all_to_all_single(got_ids, ids, recv_sizes, send_sizes, group=group)
     got = _AllToAll.apply(rows, recv_sizes, send_sizes, group)
-    first = dist.get_rank(group) * local
     ones = torch.ones(got.shape[0], 1, dtype=got.dtype, device=got.device)
     done = experts(got, got_ids.unsqueeze(-1), ones, gate, up, down, act, first, gate_bias, up_bias, down_bias)
     back = _AllToAll.apply(done, send_sizes, recv_sizes, group)
@@ -284,7 +307,8 @@ def measure_routing(model: torch.nn.Module, args: tuple = (), kwargs: dict | Non
     over: {ways: factor}, the worst layer's, measured by running the model once (no
     gradients) on the sample batch with its experts modules taken as the experts op.  Rows
     are counted per contiguous block of E / ways experts, as expert parallelism places
-    them; rows past the counted ones (padding) count for no rank."""
+    them; slots with no expert (padding, or dropped at capacity) count for no rank but
+    for the mean, as the balanced price counts every slot."""
     tensors = [t for t in (*args, *(kwargs or {}).values()) if isinstance(t, torch.Tensor)]
     tensors += [p for p in model.parameters()]
     if any(t.device.type == "meta" for t in tensors):
@@ -303,6 +327,7 @@ def measure_routing(model: torch.nn.Module, args: tuple = (), kwargs: dict | Non
                          "routing to measure")
     factors: dict = {}
     for ids, n_experts in seen:
+        slots = ids.numel()   # what the op is priced by: every slot, balanced
         ids = ids[(ids >= 0) & (ids < n_experts)]
         if ids.numel() == 0:
             continue
@@ -311,7 +336,7 @@ def measure_routing(model: torch.nn.Module, args: tuple = (), kwargs: dict | Non
             if n_experts % ways:
                 continue
             load = per_expert.view(ways, -1).sum(1)
-            factors[ways] = max(factors.get(ways, 1.0), float(load.max() / load.mean()))
+            factors[ways] = max(factors.get(ways, 1.0), float(load.max()) * ways / slots)
     return factors
 
 
@@ -364,6 +389,108 @@ def _flat_glu_forward(module, hidden_states, top_k_index, top_k_weights):
     out = experts(x, top_k_index, top_k_weights, w1.view(n_experts, inner, hidden), v1.view(n_experts, inner, hidden),
                   w2.view(n_experts, inner, hidden).transpose(1, 2), _flat_glu_act(module), 0)
     return out.view(hidden_states.shape[0], -1, hidden)
+
+
+# --- experts as a container of MLPs, dispatched by a one-hot mask (Switch Transformers) ----------
+#
+# The container's children are E ungated MLPs of the same class, each two bias-free linear
+# layers (in: [inner, hidden], out: [hidden, inner]) around an activation; it is called with
+# the rows [tokens, hidden], a one-hot mask [tokens, slots, E] (a slot the router dropped
+# for capacity is all zeros) and the routing weights [tokens, slots]:
+#
+#     out[t] = sum_s weight[t, s] * expert_e(x[t]),  e the expert mask[t, s] picks
+#
+# While tracing, it runs the experts op on the children's weights stacked, each slot's
+# expert the mask's argmax (E, no expert, where the slot is all zeros).
+
+_ACT_ATTRS = ("act", "act_fn", "activation", "activation_fn")
+
+
+def mask_experts_weights(module) -> tuple | None:
+    """(in weights, out weights, activation) of such a container, each weights list in
+    child order, else None."""
+    children = list(module.children())
+    if len(children) < 2 or len({type(c) for c in children}) != 1:
+        return None
+    ins, outs, act = [], [], None
+    for child in children:
+        linears = [m for m in child.children() if isinstance(m, torch.nn.Linear)]
+        acts = [_ACT_NAMES.get(type(getattr(child, n, None)).__name__) for n in _ACT_ATTRS]
+        acts = [a for a in acts if a is not None]
+        if len(linears) != 2 or any(m.bias is not None for m in linears) or len(acts) != 1:
+            return None
+        first, second = linears
+        if tuple(second.weight.shape) != tuple(first.weight.shape)[::-1]:
+            return None
+        ins.append(first.weight)
+        outs.append(second.weight)
+        act = acts[0]
+    if len({tuple(w.shape) for w in ins}) != 1 or not _takes(module, 3):
+        return None
+    return ins, outs, act
+
+
+def _takes(module, count: int) -> bool:
+    """Whether the module's forward takes `count` positional arguments."""
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    return len([p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]) == count
+
+
+def _mask_call(x, mask, routing_weights, ins, outs, act: str, capacity: float = 0.0):
+    n_experts = len(ins)
+    m = mask.reshape(x.shape[0], -1, n_experts)
+    ids = torch.where(m.sum(-1) > 0, m.argmax(-1), torch.full_like(m[..., 0], n_experts, dtype=torch.long))
+    weight = routing_weights.reshape(x.shape[0], -1)
+    return experts(x, ids, weight, torch.stack(list(ins)), None, torch.stack(list(outs)), act, 0, capacity=capacity)
+
+
+def _probe_mask(module, found) -> bool:
+    """Whether the experts op reproduces the container: run once on a few rows with random
+    weights of its shapes, one row dropped (an all-zero mask)."""
+    ins, outs, act = found
+    n_experts, (inner, hidden) = len(ins), ins[0].shape
+    if n_experts * 2 * inner * hidden > 1 << 22:   # large: probe a smaller copy's arithmetic
+        inner, hidden = min(inner, 16), min(hidden, 16)
+    gen = torch.Generator().manual_seed(0)
+    names = {id(p): n for n, p in module.named_parameters()}
+    probe_in = [torch.randn(inner, hidden, generator=gen) for _ in ins]
+    probe_out = [torch.randn(hidden, inner, generator=gen) for _ in outs]
+    given = {names[id(w)]: p for w, p in zip([*ins, *outs], [*probe_in, *probe_out])}
+    rows = torch.randn(4, hidden, generator=gen)
+    mask = torch.zeros(4, 1, n_experts, dtype=torch.long)
+    mask[0, 0, 0] = mask[1, 0, n_experts - 1] = mask[2, 0, 0] = 1
+    weights = torch.rand(4, 1, generator=gen)
+    try:
+        with torch.no_grad():
+            expected = torch.func.functional_call(module, given, (rows, mask, weights))
+    except Exception:
+        return False
+    got = _mask_call(rows, mask, weights, probe_in, probe_out, act)
+    return expected.shape == got.shape and torch.allclose(expected, got, rtol=1e-5, atol=1e-6)
+
+
+def _router_capacity(parent, n_experts: int) -> int | None:
+    """The expert capacity (rows per expert per sequence) of the container's sibling router."""
+    router = getattr(parent, "router", None)
+    capacity = getattr(router, "expert_capacity", None)
+    if isinstance(capacity, int) and capacity > 0 and getattr(router, "num_experts", n_experts) == n_experts:
+        return capacity
+    return None
+
+
+def _mask_forward(module, hidden_states, mask, routing_weights):
+    ins, outs, act = mask_experts_weights(module)
+    capacity = 0.0
+    per_sequence, sequence = getattr(module, "_autopar_capacity", None), getattr(module, "_autopar_sequence", None)
+    if per_sequence and sequence:   # rows one expert may take over the mean rows per expert
+        slots = mask.numel() // (hidden_states.shape[0] * len(ins))
+        capacity = per_sequence * len(ins) / (sequence * max(slots, 1))
+    _record(torch.where(mask.reshape(-1, len(ins)).sum(-1) > 0, mask.reshape(-1, len(ins)).argmax(-1), len(ins)),
+            len(ins))
+    return _mask_call(hidden_states, mask, routing_weights, ins, outs, act, capacity)
 
 
 # --- grouped experts: rows already sorted by expert, with each expert's row count --------------
@@ -522,8 +649,21 @@ def _tolist_remembered():
 def experts_as_op(model: torch.nn.Module):
     """While tracing, every experts module the op covers runs through it; the others are
     traced as they are (their grouped matmuls then run replicated, with the usual warning)."""
-    patched = []
+    patched, hooks = [], []
     for name, module in model.named_modules():
+        found = mask_experts_weights(module)
+        if found is not None:
+            if not _probe_mask(module, found):
+                continue
+            _sequence_known(model, name, module, found, hooks)
+            if id(model) not in _UNHIT_SAID:
+                _UNHIT_SAID.add(id(model))
+                log.warning("autopar: experts in %s run as one op: an expert no token reaches in a step gets a zero "
+                            "gradient, where the model as written leaves its gradient None (torch's optimizers then "
+                            "skip it: no weight decay, no momentum step)", name)
+            module.forward = _mask_forward.__get__(module)
+            patched.append(module)
+            continue
         weights = grouped_weights(module)
         if weights is not None:
             transposed = _probe_grouped(module, weights)
@@ -552,7 +692,30 @@ def experts_as_op(model: torch.nn.Module):
         with _tolist_remembered():
             yield len(patched)
     finally:
+        for hook in hooks:
+            hook.remove()
         for module in patched:
             del module.forward
-            if hasattr(module, "_autopar_transposed"):
-                del module._autopar_transposed
+            for attr in ("_autopar_transposed", "_autopar_capacity", "_autopar_sequence"):
+                if hasattr(module, attr):
+                    delattr(module, attr)
+
+
+_UNHIT_SAID: set = set()   # models told about their experts' zero gradients (once each)
+
+
+def _sequence_known(model, name: str, module, found, hooks: list) -> None:
+    """Where the container's sibling router caps every expert at a capacity per sequence
+    (Switch's), note it on the container, and the sequence length its parent is called
+    with (input [batch, sequence, hidden]) at each call."""
+    parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+    capacity = _router_capacity(parent, len(found[0]))
+    if capacity is None:
+        return
+    module._autopar_capacity = capacity
+
+    def note(_, args, kwargs):
+        x = args[0] if args else next(iter(kwargs.values()), None)
+        if isinstance(x, torch.Tensor) and x.dim() == 3:
+            module._autopar_sequence = int(x.shape[1])
+    hooks.append(parent.register_forward_pre_hook(note, with_kwargs=True))

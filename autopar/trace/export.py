@@ -149,6 +149,30 @@ def _checkpoints_inline():
 
 
 @contextlib.contextmanager
+def _idle_moves_skipped():
+    """A module moved or cast inside its own forward to where it already is
+    (`self.classifier = self.classifier.to(self.dtype)`, Switch Transformers' router) is
+    left alone while tracing: under export its parameters are tracing tensors, which torch
+    cannot swap in place even for a conversion that changes nothing."""
+    own = torch.nn.Module.to
+
+    def to(module, *args, **kwargs):
+        device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        tensors = [*module.parameters(), *module.buffers()]
+        idle = memory_format is None and all(
+            (device is None or t.device == device or (device.index is None and t.device.type == device.type))
+            and (dtype is None or not (t.is_floating_point() or t.is_complex()) or t.dtype == dtype)
+            for t in tensors)
+        return module if idle else own(module, *args, **kwargs)
+
+    torch.nn.Module.to = to
+    try:
+        yield
+    finally:
+        torch.nn.Module.to = own
+
+
+@contextlib.contextmanager
 def _causal_masks_as_flags(model, windows: bool = True):
     """Hugging Face models build a dense causal mask when they see torch.export, where eager
     runs pass `is_causal=True` to attention instead (no padding mask, one sequence per row,
@@ -323,6 +347,7 @@ def _export(model, example_inputs: tuple, example_kwargs: dict, found):
     def export(windows: bool):
         with contextlib.ExitStack() as stack:
             stack.enter_context(_checkpoints_inline())
+            stack.enter_context(_idle_moves_skipped())
             stack.enter_context(experts_as_op(model))
             stack.enter_context(grouped_linears_as_op(model))
             if found is not None:
