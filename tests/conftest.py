@@ -92,6 +92,8 @@ SAMPLED = {   # test -> cases kept in the fast tier
     "test_planner_3axis.py::test_presolve_equals_full_ilp_on_random_graphs": 10,
     "test_user_models.py::test_user_attention_trains_like_one_device": 1,
     "test_grouped_experts.py::test_sorted_moe_trains_like_one_device": 1,
+    "test_capacity_experts.py::test_switch_trains_like_one_device": 1,
+    "test_capacity_experts.py::test_fixed_capacity_dispatch_trains_like_one_device": 1,
     "test_inductor.py::test_inductor_trains_like_one_device": 1,
 }
 

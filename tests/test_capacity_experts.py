@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import autopar
+from torch.distributed.tensor import Shard
 from autopar.solve.solution import build_problem
 from autopar.trace.experts import experts_as_op, mask_experts_weights, measure_routing
 from rt_cases import build_case, plan_for, train_and_compare
@@ -90,4 +91,55 @@ def test_switch_trains_like_one_device(pool4, layout):
     for plan_dict in plans:
         assert not autopar.Plan.from_dict(plan_dict).fallback_ops
         result = pool4.run(train_and_compare, SPEC, plan_dict)[0]
+        assert result["ok"], (layout, result)
+
+
+# --- capacity written out with fixed shapes (GShard-style dispatch einsums) -----------------------
+
+GSHARD = ("user", "capacity-moe")
+
+
+def test_fixed_capacity_dispatch_plans_by_its_shapes(caplog):
+    """A GShard-style MoE (tests/user_models.CapacityMoE: a [batch, seq, experts, capacity]
+    dispatch tensor, experts as einsums over their queues) is traced as written and priced by
+    its shapes (experts x capacity rows, dropped tokens included).  At hidden 1,024 on an
+    H100 mesh of 8 (meta tensors) the solver splits the expert weights by expert with
+    nothing replicated; forcing expert-parallel, which needs an experts op, says it trains
+    as data parallelism."""
+    from user_models import CapacityMoE, SmallLM
+    with torch.device("meta"):
+        model = SmallLM("capacity-moe", dim=1024, seq=2048, vocab=4096)
+        for block in model.h:
+            block.mlp = CapacityMoE(1024, hidden=4096, experts=8, seq=2048)
+    ids = torch.zeros((8, 2048), dtype=torch.long, device="meta")
+    plan = autopar.plan(model, autopar.Mesh((2, 4), ("dp", "tp"), device="h100"), (ids, ids), compare=False)
+    assert plan.fallback_ops == ()
+    for name in ("h.0.mlp.wi", "h.0.mlp.wo", "h.1.mlp.wi", "h.1.mlp.wo"):
+        assert Shard(0) in plan.param_placements[name], (name, plan.param_placements[name])
+    small, args, _ = build_case(GSHARD)
+    autopar.plan(small, autopar.Mesh((2, 2), ("dp", "tp"), device="cpu"), args, compare=False,
+                 layout="expert-parallel")
+    assert [r for r in caplog.records if "trains as data parallelism" in r.getMessage()]
+
+
+@pytest.mark.parametrize("layout", ["megatron-tp x dp", "random"])
+def test_fixed_capacity_dispatch_trains_like_one_device(pool4, layout):
+    """3 AdamW steps on 4 gloo ranks equal one device, with tokens dropped at capacity."""
+    model, args, _ = build_case(GSHARD)
+    for block in model.h:
+        block.mlp.record = True
+    with torch.no_grad():
+        model(*args)
+    for block in model.h:
+        block.mlp.record = False
+    assert any(int(block.mlp.kept.sum()) < args[0].numel() for block in model.h)
+    if layout == "random":
+        mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="cpu")
+        plans = [p.to_dict() for p in autopar.random_plans(model, mesh, args, seed=11, count=2)]
+    else:
+        plans = [plan_for(GSHARD, layout)]
+        placed = autopar.Plan.from_dict(plans[0]).param_placements
+        assert placed["h.0.mlp.wi"][1] == Shard(0), placed["h.0.mlp.wi"]   # experts split over tp
+    for plan_dict in plans:
+        result = pool4.run(train_and_compare, GSHARD, plan_dict)[0]
         assert result["ok"], (layout, result)

@@ -6,6 +6,8 @@ expand + reshape, the same `.contiguous().view`).  Written here from the formula
 model returns its loss."""
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -140,6 +142,35 @@ class SortedMoE(nn.Module):
         return y.view(b, s, d)
 
 
+class CapacityMoE(nn.Module):
+    """GShard-style top-1 experts with a fixed capacity per sequence, every shape fixed: each
+    token's place in its expert's queue from a cumsum, a [batch, seq, experts, capacity]
+    dispatch tensor, the experts as einsums over their queues; a token past its expert's
+    capacity is dropped (the residual carries it)."""
+
+    def __init__(self, dim: int, hidden: int = 48, experts: int = 4, capacity_factor: float = 1.25, seq: int = 16):
+        super().__init__()
+        self.experts, self.capacity = experts, math.ceil(capacity_factor * seq / experts)
+        self.record = False
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.wi = nn.Parameter(torch.randn(experts, dim, hidden) * dim ** -0.5)
+        self.wo = nn.Parameter(torch.randn(experts, hidden, dim) * hidden ** -0.5)
+
+    def forward(self, x):
+        probs = torch.softmax(self.router(x), dim=-1)
+        gate, chosen = probs.max(dim=-1)
+        mask = F.one_hot(chosen, self.experts)
+        place = torch.cumsum(mask, dim=1) * mask - 1
+        kept = ((place < self.capacity) & (mask > 0)).unsqueeze(-1)
+        if self.record:   # (for tests, eagerly: which tokens the capacity let through)
+            self.kept = kept.detach()
+        dispatch = F.one_hot(place.clamp(0, self.capacity - 1), self.capacity).to(x.dtype) * kept
+        queues = torch.einsum("bsec,bsd->becd", dispatch, x)
+        h = F.gelu(torch.einsum("becd,edh->bech", queues, self.wi))
+        y = torch.einsum("bech,ehd->becd", h, self.wo)
+        return torch.einsum("bsec,becd->bsd", dispatch * gate[..., None, None], y)
+
+
 class Block(nn.Module):
     def __init__(self, dim: int, attention: nn.Module, mlp: nn.Module | None = None):
         super().__init__()
@@ -154,15 +185,18 @@ class Block(nn.Module):
 
 class SmallLM(nn.Module):
     """Embeddings, two blocks of `kind` attention ("nano", "einsum" or "titan"; "titan-moe":
-    titan attention and SortedMoE for the MLP), a head, the loss."""
+    titan attention and SortedMoE for the MLP; "capacity-moe": nano attention and
+    CapacityMoE), a head, the loss."""
 
     def __init__(self, kind: str, vocab: int = 128, dim: int = 32, heads: int = 4, layers: int = 2, seq: int = 16):
         super().__init__()
         self.wte, self.wpe = nn.Embedding(vocab, dim), nn.Embedding(seq, dim)
         make = {"nano": lambda: NanoAttention(dim, heads), "einsum": lambda: EinsumAttention(dim, heads),
                 "titan": lambda: TitanAttention(dim, heads, 2, seq),
-                "titan-moe": lambda: TitanAttention(dim, heads, 2, seq)}[kind]
-        mlp = (lambda: SortedMoE(dim)) if kind == "titan-moe" else (lambda: None)
+                "titan-moe": lambda: TitanAttention(dim, heads, 2, seq),
+                "capacity-moe": lambda: NanoAttention(dim, heads)}[kind]
+        mlp = {"titan-moe": lambda: SortedMoE(dim), "capacity-moe": lambda: CapacityMoE(dim, seq=seq)}.get(
+            kind, lambda: None)
         self.h = nn.ModuleList(Block(dim, make(), mlp()) for _ in range(layers))
         self.ln_f, self.lm_head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
 

@@ -272,6 +272,12 @@ def _check_layout(problem, model, mesh: Mesh, layout) -> dict:
                     layout, type(model).__name__,
                     "Megatron-style tensor parallelism" if "megatron" in layout else
                     "ZeRO-3" if "zero3" in layout else "data parallelism")
+    if layout == "expert-parallel" and not any(pn.op == "autopar.experts" for pn in problem.nodes):
+        log.warning("layout 'expert-parallel' splits mixture-of-experts ops, but %s has none autopar takes as its "
+                    "experts op (stacked experts modules, grouped experts, or a container of expert MLPs with a "
+                    "one-hot dispatch mask): experts written out in einsums or batched matmuls stay whole under "
+                    "it, so it trains as data parallelism. Leave layout unset: the solver splits such experts "
+                    "by their expert dim where that pays", type(model).__name__)
     return every
 
 
