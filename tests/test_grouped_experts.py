@@ -89,6 +89,19 @@ def test_sorted_moe_trains_like_one_device(pool4, layout):
         assert result["ok"], (layout, result)
 
 
+def test_bincount_counts_plan_and_train_like_one_device(pool4):
+    """The expert counts made with `bincount(ids, minlength=E)` (whose size depends on the
+    data as written) have E bins while tracing: the model plans with nothing replicated and
+    trains like one device under the solver's plan and expert parallelism."""
+    spec = ("user", "titan-moe-bincount")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        plans = [plan_for(spec, None), plan_for(spec, "expert-parallel")]
+    for plan_dict in plans:
+        result = pool4.run(train_and_compare, spec, plan_dict)[0]
+        assert result["ok"], result
+
+
 # --- grouped linear layers: Hugging Face's JetMoE ---------------------------------------------
 
 JETMOE = ("hf-arch", "jetmoe")

@@ -115,12 +115,12 @@ class GroupedExperts(nn.Module):
 
 class SortedMoE(nn.Module):
     """Sigmoid router with top-k, rows reordered by expert with argsort, grouped experts on
-    the token counts (histc), the outputs weighted and scattered back with scatter_add, plus
+    the token counts (histc, or bincount with minlength), the outputs weighted and scattered back with scatter_add, plus
     a shared expert."""
 
-    def __init__(self, dim: int, hidden: int = 48, experts: int = 4, k: int = 2):
+    def __init__(self, dim: int, hidden: int = 48, experts: int = 4, k: int = 2, counting: str = "histc"):
         super().__init__()
-        self.k, self.experts = k, experts
+        self.k, self.experts, self.counting = k, experts, counting
         self.router = nn.Linear(dim, experts, bias=False)
         self.grouped = GroupedExperts(dim, hidden, experts)
         self.shared = nn.Sequential(nn.Linear(dim, hidden, bias=False), nn.SiLU(), nn.Linear(hidden, dim, bias=False))
@@ -131,7 +131,10 @@ class SortedMoE(nn.Module):
         scores = torch.sigmoid(self.router(x))
         top, chosen = torch.topk(scores, self.k, dim=-1)
         top = top / top.sum(-1, keepdim=True)
-        counts = torch.histc(chosen.view(-1).float(), bins=self.experts, min=0, max=self.experts).long()
+        if self.counting == "bincount":
+            counts = torch.bincount(chosen.view(-1), minlength=self.experts)
+        else:
+            counts = torch.histc(chosen.view(-1).float(), bins=self.experts, min=0, max=self.experts).long()
         order = torch.argsort(chosen.view(-1), stable=True)
         weights = top.view(-1)[order]
         token = (order // self.k).reshape(-1, 1).expand(-1, d)
@@ -185,7 +188,8 @@ class Block(nn.Module):
 
 class SmallLM(nn.Module):
     """Embeddings, two blocks of `kind` attention ("nano", "einsum" or "titan"; "titan-moe":
-    titan attention and SortedMoE for the MLP; "capacity-moe": nano attention and
+    titan attention and SortedMoE for the MLP, "titan-moe-bincount" the same counting with
+    bincount; "capacity-moe": nano attention and
     CapacityMoE), a head, the loss."""
 
     def __init__(self, kind: str, vocab: int = 128, dim: int = 32, heads: int = 4, layers: int = 2, seq: int = 16):
@@ -194,8 +198,10 @@ class SmallLM(nn.Module):
         make = {"nano": lambda: NanoAttention(dim, heads), "einsum": lambda: EinsumAttention(dim, heads),
                 "titan": lambda: TitanAttention(dim, heads, 2, seq),
                 "titan-moe": lambda: TitanAttention(dim, heads, 2, seq),
+                "titan-moe-bincount": lambda: TitanAttention(dim, heads, 2, seq),
                 "capacity-moe": lambda: NanoAttention(dim, heads)}[kind]
-        mlp = {"titan-moe": lambda: SortedMoE(dim), "capacity-moe": lambda: CapacityMoE(dim, seq=seq)}.get(
+        mlp = {"titan-moe": lambda: SortedMoE(dim), "capacity-moe": lambda: CapacityMoE(dim, seq=seq),
+               "titan-moe-bincount": lambda: SortedMoE(dim, counting="bincount")}.get(
             kind, lambda: None)
         self.h = nn.ModuleList(Block(dim, make(), mlp()) for _ in range(layers))
         self.ln_f, self.lm_head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)

@@ -646,6 +646,30 @@ def _tolist_remembered():
 
 
 @contextlib.contextmanager
+def _bincount_sized():
+    """While tracing, `bincount(ids, minlength=E)` of integer ids (the tokens each expert
+    gets) has E bins, as it has whenever every id is below E (ids picked among E experts):
+    counted with scatter_add, whose size is fixed.  An id of E or more then fails the step
+    with an index error instead of growing the histogram; without minlength the size
+    depends on the data and the trace says so."""
+    own_fn, own_method = torch.bincount, torch.Tensor.bincount
+
+    def bincount(ids, weights=None, minlength=0):
+        if minlength <= 0 or ids.dim() != 1 or ids.is_floating_point():
+            return own_fn(ids, weights, minlength)
+        values = torch.ones_like(ids) if weights is None else weights
+        dtype = torch.long if weights is None else (weights.dtype if weights.is_floating_point() else torch.double)
+        return torch.zeros(minlength, dtype=dtype, device=ids.device).scatter_add(0, ids.long(), values.to(dtype))
+
+    torch.bincount = bincount
+    torch.Tensor.bincount = lambda self, weights=None, minlength=0: bincount(self, weights, minlength)
+    try:
+        yield
+    finally:
+        torch.bincount, torch.Tensor.bincount = own_fn, own_method
+
+
+@contextlib.contextmanager
 def experts_as_op(model: torch.nn.Module):
     """While tracing, every experts module the op covers runs through it; the others are
     traced as they are (their grouped matmuls then run replicated, with the usual warning)."""
@@ -689,7 +713,7 @@ def experts_as_op(model: torch.nn.Module):
         module.forward = _forward.__get__(module)
         patched.append(module)
     try:
-        with _tolist_remembered():
+        with _tolist_remembered(), _bincount_sized():
             yield len(patched)
     finally:
         for hook in hooks:

@@ -322,7 +322,7 @@ def refuse_data_dependent_shapes(gm: fx.GraphModule, model_name: str) -> None:
                 raise TraceError(
                     f"{model_name}: {node.target} in {module} makes a tensor of shape ({shape}) whose size "
                     f"depends on the data (known only when the step runs: a .tolist() of token counts, "
-                    f"nonzero, a boolean mask or a bincount split). autopar plans every tensor by its "
+                    f"nonzero, a boolean mask or a bincount without minlength). autopar plans every tensor by its "
                     f"shape, so it cannot plan this. Fix: route without data-dependent sizes. autopar "
                     f"takes whole, as its experts op, a dropless experts module with stacked weights "
                     f"(gate_up_proj [experts, 2 * inner, hidden] and down_proj [experts, hidden, inner], "
