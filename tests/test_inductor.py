@@ -28,6 +28,8 @@ def test_inductor_trains_like_one_device(pool4, spec, layout, shape, names):
     result = pool4.run(train_and_compare, spec, plan_dict, 3, None, "adamw", "inductor")[0]
     assert result["ok"], result
     assert result["regions"] > 0 and result["failed"] == 0, result
+    if layout in ("megatron-tp x dp", "megatron-sp", "ulysses x dp"):   # activation moves inside the regions
+        assert result["compiled_moves"] > 0, result
 
 
 @pytest.mark.parametrize("recompute", ["selective", "full"])
@@ -213,4 +215,7 @@ def test_inductor_batch_norm_trains_and_keeps_its_statistics(pool4, layout):
     assert result["ok"] and result["regions"] > 0 and result["failed"] == 0, result
     eager = pool4.run(batch_norm_train_eval, plan)[0]
     fused = pool4.run(under_backend, "inductor", batch_norm_train_eval, plan)[0]
-    assert fused == pytest.approx(eager, rel=1e-5, abs=1e-6), (fused, eager)
+    assert fused.keys() == eager.keys() and fused["batches_tracked"] == eager["batches_tracked"]
+    for key in fused:   # (lists compared element by element: approx does not nest them in a dict)
+        if key != "batches_tracked":
+            assert fused[key] == pytest.approx(eager[key], rel=1e-5, abs=1e-6), (key, fused, eager)

@@ -36,6 +36,8 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.fx.passes.split_module import split_module
 
+from autopar.passes.collectives import move
+from autopar.runtime.functional_moves import functional_move
 from autopar.runtime.rng import is_random
 from autopar.solve.graph import VIEWS
 
@@ -58,7 +60,7 @@ def is_compute(node: fx.Node) -> bool:
     """Whether a node may run inside a compiled region."""
     if node.op != "call_function":
         return False
-    if node.target is operator.getitem:
+    if node.target is operator.getitem or getattr(node.target, "_autopar_functional", False):
         return True
     return _aten_name(node) is not None and not is_random(node)   # (random ops draw from autopar's streams)
 
@@ -75,6 +77,7 @@ class CompiledRegion(nn.Module):
         self.__dict__["compiled"] = torch.compile(eager, backend="inductor", fullgraph=True, dynamic=False)
         self.failed = False
         self.compile_s = None
+        self.moves = 0   # the plan's moves compiled inside it, as functional collectives
 
     def forward(self, *args):
         if self.failed:
@@ -96,9 +99,44 @@ class CompiledRegion(nn.Module):
         return self.compiled(*args)
 
 
+def _from_input(x: fx.Node) -> bool:
+    """Whether x is a placeholder (a parameter, a user input), or moves of one: such moves
+    stay eager, where the runtime's hooks see the parameters' own tensors (ZeRO-3's
+    regathers, a tied weight's gradient-sum point)."""
+    while x.op == "call_function" and x.target is move:
+        x = x.args[0]
+    return x.op == "placeholder"
+
+
+def with_functional_moves(gm: fx.GraphModule) -> tuple[fx.GraphModule, int]:
+    """A copy of gm whose moves of activations run as functional collectives
+    (runtime/functional_moves.py), so they join the compute runs; gm itself is left as it
+    is.  Returns (the copy, how many moves were rewritten)."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    out = fx.GraphModule(gm, graph)
+    count = 0
+    for node in out.graph.nodes:
+        if node.op != "call_function" or node.target is not move:
+            continue
+        x, spec, groups_node, *rest = node.args
+        val = x.meta.get("val") if isinstance(x, fx.Node) else None
+        if not isinstance(val, torch.Tensor) or _from_input(x):
+            continue
+        fn = functional_move(getattr(gm, spec.target), getattr(gm, groups_node.target), val.dim(),
+                             rest[0] if rest else None)
+        fn._autopar_functional = True
+        node.target, node.args = fn, (x,)
+        count += 1
+    out.recompile()
+    return out, count
+
+
 def compile_regions(gm: fx.GraphModule) -> tuple[fx.GraphModule, list]:
-    """gm cut into runs (module docstring), its compute runs wrapped as CompiledRegions;
-    returns (the split module, the regions)."""
+    """gm cut into runs (module docstring), its moves rewritten as functional collectives and
+    joined to the compute around them, its compute runs wrapped as CompiledRegions; returns
+    (the split module, the regions)."""
+    gm, moves = with_functional_moves(gm)
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
     run_of: dict = {}
     part, kind = 0, None
@@ -125,9 +163,10 @@ def compile_regions(gm: fx.GraphModule) -> tuple[fx.GraphModule, list]:
         module = next(reversed(where.values()))[0] if where else ""
         label = f"{len(regions) + 1} ({len(ops)} ops from {ops[0]}{f' in {module}' if module else ''})"
         region = CompiledRegion(sub, label)
+        region.moves = sum(1 for n in sub.graph.nodes if getattr(n.target, "_autopar_functional", False))
         setattr(split, name, region)
         regions.append(region)
-    log.info("autopar: backend inductor: %d compiled regions (the first step compiles them; Inductor's FX graph "
-             "cache keeps them for later processes); %d runs of compute too small to compile run eagerly",
-             len(regions), len(compute_parts) - len(regions))
+    log.info("autopar: backend inductor: %d compiled regions with %d of the plan's moves inside (the first step "
+             "compiles them; Inductor's FX graph cache keeps them for later processes); %d runs of compute too "
+             "small to compile run eagerly", len(regions), moves, len(compute_parts) - len(regions))
     return split, regions
