@@ -5,7 +5,8 @@ of one model under one layout, four ways, on gloo ranks.
 - autopar inductor: the same plan, `backend="inductor"` (autopar/runtime/inductor.py);
 - torch: the plain model under `torch.compile`, wrapped as torch's own data parallelism
   does it: DistributedDataParallel for the data-parallel layout, FSDP2's `fully_shard` per
-  block and on the root for ZeRO-3.
+  block and on the root for ZeRO-3 (none for megatron-tp, whose activation all-reduces
+  Inductor compiles inside the regions as functional collectives).
 
 The same model (seed 0), the same global batch split alike, AdamW, every step between
 barriers, median of `--steps` after `--warmup` (the first step of a compiled variant is its
@@ -117,6 +118,8 @@ def main() -> None:
             eager_first, eager = autopar_variant(name, layout, "eager", args)
             ind_first, ind = autopar_variant(name, layout, "inductor", args)
             try:
+                if layout not in ("data-parallel", "zero3"):   # (torch's wrappers have no such layout)
+                    raise NotImplementedError(f"no torch wrapper for {layout}")
                 ref_first, ref = torch_variant(name, layout, args)
             except Exception as exc:   # the baseline failing leaves the rest
                 say(f"  torch baseline failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")

@@ -1,22 +1,26 @@
 """compile(backend="inductor"): each rank's graph run as Inductor-compiled regions.
 
-After every pass, the rank's graph is cut into maximal runs of nodes, in graph order, of
-two kinds:
+After every pass, the rank's graph is copied and the plan's moves of activations (every
+move whose tensor does not come straight from a placeholder) are rewritten as functional
+collectives (runtime/functional_moves.py): they become ordinary values in the graph.  The
+copy is then cut into maximal runs of nodes, in graph order, of two kinds:
 
-- compute: ATen ops (and `getitem` of their tuples) that draw no random numbers;
-- the rest: the plan's collectives (`move`), ZeRO-3 gathers, the runtime's random draws
-  (dropout masks from autopar's own streams, replayed under recomputation), recomputed
-  regions, autopar's own ops (attention over a mesh axis, experts), anything else.
+- compute: ATen ops (and `getitem` of their tuples) that draw no random numbers, and the
+  functional moves;
+- the rest: moves of parameters and inputs (ZeRO-3's gathers and the runtime's hooks on
+  the parameters' own tensors), the runtime's random draws (dropout masks from autopar's
+  own streams, replayed under recomputation), recomputed regions, autopar's own ops
+  (attention over a mesh axis, experts), anything else.
 
 Every compute run with at least MIN_OPS ops that are not views is compiled by
 `torch.compile(backend="inductor", fullgraph=True, dynamic=False)`: Inductor fuses its
 memory-bound chains (norms, activations, residual adds, dropout's mask product) into few
-kernels, and AOTAutograd builds the run's backward.  The rest runs eagerly between the
-compiled runs, so every collective runs as the plan priced it, in its place, and the
-runtime's hooks (gradient buckets, ZeRO-3 regathers) see the same tensors as under eager.
-What Inductor is not given: the collectives themselves (they are not reordered or
-bucketed by Inductor; the runtime's buckets stay as planned) and recomputed regions
-(checkpointed as under eager).
+kernels, AOTAutograd builds the run's backward, and the activation collectives of forward
+and backward (Megatron's all-reduces, Megatron-SP's reduce-scatters and all-gathers,
+Ulysses' all-to-alls) sit inside the compiled graphs, issued where the graph has them
+(Inductor's compute/communication reordering is left off: every rank keeps the graph's
+order of collectives).  The rest runs eagerly between the compiled runs, so the gradient
+buckets, ZeRO-3's regathers and their prefetch run as the plan priced them.
 
 A run Inductor cannot compile runs eagerly, with one warning naming its first ops and the
 error; a compile error never changes a result.  Inductor's FX graph cache (on by default)
