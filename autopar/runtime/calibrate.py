@@ -63,7 +63,7 @@ LINEAR = {"cpu": ((128, 256, 768), (256, 512, 512), (512, 512, 1024), (512, 1024
 ATTENTION = {"cpu": ((2, 8, 64, 32), (2, 8, 128, 32), (2, 8, 256, 64), (4, 8, 256, 64)),
              "cuda": ((1, 32, 2048, 128), (1, 32, 4096, 128), (2, 32, 4096, 128), (1, 32, 8192, 128))}
 ELEMENTS = {"cpu": (2**14, 2**18, 2**21, 2**23), "cuda": (2**16, 2**20, 2**24, 2**27)}
-MESSAGE = {"cpu": (2**12, 2**15, 2**18, 2**20, 2**22), "cuda": (2**16, 2**20, 2**23, 2**26, 2**28)}
+MESSAGE = {"cpu": (2**12, 2**15, 2**18, 2**20, 2**22, 2**24), "cuda": (2**16, 2**20, 2**23, 2**26, 2**28)}
 DTYPES = {"cpu": ("float32", "bfloat16"), "cuda": ("float32", "bfloat16", "float16")}
 
 
@@ -120,11 +120,13 @@ def _timed(fn, device_type: str, repeats: int, group=None, what: str = "comm") -
     return _slowest(statistics.median(times), device_type, group)
 
 
-def fit_line(x, t) -> tuple:
-    """(intercept, slope) of t = intercept + slope * x, least squares on relative error
-    (each point weighted by 1 / t, so small sizes count as much as large ones); both >= 0."""
+def fit_line(x, t, relative: bool = True) -> tuple:
+    """(intercept, slope) of t = intercept + slope * x, least squares; both >= 0.
+    relative: on relative error (each point weighted by 1 / t, so small sizes count as much
+    as large ones); else on seconds (what a step adds up: a collective whose calls are
+    sometimes slow, as gloo's on shared cores, is priced by its mean at every size)."""
     x, t = np.asarray(x, float), np.asarray(t, float)
-    w = 1.0 / np.maximum(t, 1e-12)
+    w = 1.0 / np.maximum(t, 1e-12) if relative else np.ones_like(t)
     slope, intercept = np.polyfit(x, t, 1, w=w)
     if slope <= 0:   # no growth seen (noise over sizes too small to tell): at most what the largest took
         top = int(np.argmax(x))
@@ -265,7 +267,7 @@ def measure_axis(mesh, axis: int, device_type: str, repeats: int, sizes=None, qu
             pts = [(float(m), _timed(_collective(kind, m, g, size, c, device), device_type, repeats, g,
                                      "quick" if quick else "comm"))
                    for m in sizes]
-            fits[size] = fit_line(*zip(*pts))
+            fits[size] = fit_line(*zip(*pts), relative=device_type == "cuda")
             points[f"{kind} n={size}"] = pts
         f_n, b_n = fits[n]
         steps, factor = _steps(kind, n)
