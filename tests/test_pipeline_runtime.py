@@ -19,7 +19,8 @@ from rt_cases import (
 
 import autopar
 
-SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]
+SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv"]
+TWO_PER_GROUP = ("interleaved-1f1b", "zbv")   # two stages per device group (zbv: placed as a V)
 # name -> (mesh shape, axis names, device groups, intra-stage layout, pool)
 LAYOUTS = {
     "2 stages": ((2,), ("pp",), 2, None, "pool2"),
@@ -54,20 +55,20 @@ def test_every_schedule_trains_like_one_device(request, model, layout):
     pool = request.getfixturevalue(pool_name)
     failures = []
     for schedule in SCHEDULES:
-        # interleaving needs two stages per device group: 8 layers for 4 groups
-        layers = 8 if schedule == "interleaved-1f1b" and groups == 4 else 4
+        # interleaving (and zbv) need two stages per device group: 8 layers for 4 groups
+        layers = 8 if schedule in TWO_PER_GROUP and groups == 4 else 4
         spec = _spec(model, layers)
         # 1F1B-like schedules want at least as many microbatches as groups; the tiny batch has 4 rows
         plan = pipelined_plan(spec, shape, names, groups, schedule, intra, microbatches=4 if groups == 4 else 2)
         pp = plan.pipeline
         assert pp.axis == names[0] and pp.groups == groups and pp.schedule == schedule
-        assert len(pp.stages) == groups * (2 if schedule == "interleaved-1f1b" else 1)
+        assert len(pp.stages) == groups * (2 if schedule in TWO_PER_GROUP else 1)
         if intra == "megatron-tp":   # the block matrices really are split inside each stage
             assert sum(any(type(p).__name__ == "Shard" for p in pl) for pl in plan.param_placements.values()) >= 8
         results = pool.run(train_and_compare, spec, plan.to_dict())
         if intra == "data-parallel":  # the batch really is split: gradients go through the buckets,
             assert all(r["synced_by_buckets"] > 0 for r in results), results
-            if schedule != "zero-bubble":  # most of them while the last microbatch's backward runs
+            if schedule not in ("zero-bubble", "zbv"):  # most of them while the last microbatch's backward runs
                 assert all(r["reduced_during_backward"] >= r["synced_by_buckets"] // 2 for r in results), results
         bad = [r for r in results if not r["ok"]]
         if bad:

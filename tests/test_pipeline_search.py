@@ -276,3 +276,37 @@ def test_parallel_costing_gives_the_same_choice(caplog):
     fields = ("axis", "n_groups", "submesh", "stages", "schedule", "n_microbatches", "n_virtual", "step_s", "memory",
               "candidates", "recompute")
     assert [getattr(two, f) for f in fields] == [getattr(one, f) for f in fields]
+
+
+def _slow_network_gpt():
+    model, example = build("gpt2-1.5b", device="meta", batch=16)
+    return model, example, autopar.Mesh((8, 8), ("node", "gpu"), device="h100", bandwidth=(2.5e9, 450e9))
+
+
+def test_search_picks_zbv_where_its_bubble_pays():
+    """8 device groups and 8 microbatches (B >= S, but fewer than 2S): ZB-V's two stages per
+    group in a V fill its warm-up and cool-down with weight passes, so its bubble is below
+    ZB-H1's and 1F1B's at about their memory; the search picks it over each of them."""
+    model, example, mesh = _slow_network_gpt()
+    steps = {}
+    for schedule in ("1f1b", "zero-bubble", "zbv", None):
+        plan = autopar.plan(model, mesh, example, compare=False,
+                            pipeline=autopar.Pipeline(axis="node", groups=8, microbatches=8, schedule=schedule))
+        steps[schedule or "free"] = plan.pipeline
+    free = steps["free"]
+    assert free.schedule == "zbv" and len(free.stages) == 16 and free.virtual == 2
+    assert steps["zbv"].step_s < steps["zero-bubble"].step_s < steps["1f1b"].step_s
+    assert steps["zbv"].bubble < steps["zero-bubble"].bubble < steps["1f1b"].bubble
+    assert max(steps["zbv"].memory) < 1.1 * max(steps["zero-bubble"].memory)
+
+
+def test_search_does_not_pick_zbv_with_too_few_microbatches():
+    """4 microbatches on 8 groups: ZB-V's warm-up (2(S-r)-1 forwards before the first
+    backward) cannot fill, and ZB-H1 is faster: the search picks zero-bubble."""
+    model, example, mesh = _slow_network_gpt()
+    free = autopar.plan(model, mesh, example, compare=False,
+                        pipeline=autopar.Pipeline(axis="node", groups=8, microbatches=4)).pipeline
+    zbv = autopar.plan(model, mesh, example, compare=False,
+                       pipeline=autopar.Pipeline(axis="node", groups=8, microbatches=4, schedule="zbv")).pipeline
+    assert free.schedule == "zero-bubble"
+    assert free.step_s < zbv.step_s

@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from autopar.cost.schedules import SCHEDULES, Event, Timeline, bubble_formula
+from autopar.cost.schedules import SCHEDULES, SPLIT_BACKWARD, V_SHAPED, Event, Timeline, bubble_formula, stage_of
 from autopar.plan.gantt import gantt_svg
 from autopar.cost.schedules import simulate
 
@@ -17,14 +17,16 @@ EPS = 1e-9
 
 
 def check_timeline(tl: Timeline, comm_time: float = 0.0) -> None:
-    """Every (virtual stage, microbatch) has one F and one B (and one W under zero-bubble),
-    no rank runs two passes at once, and every pass starts after its inputs arrive."""
+    """Every (virtual stage, microbatch) has one F and one B (and one W under zero-bubble
+    and zbv), no rank runs two passes at once, and every pass starts after its inputs arrive
+    (zbv: chunk 0 of rank r is stage r, chunk 1 stage 2S-1-r)."""
     S, B, v = tl.n_stages, tl.n_microbatches, tl.n_virtual
-    kinds = "FBW" if tl.schedule == "zero-bubble" else "FB"
+    kinds = "FBW" if tl.schedule in SPLIT_BACKWARD else "FB"
+    v_shaped = tl.schedule in V_SHAPED
     at = {}
     for e in tl.events:
-        at[e.kind, e.chunk * S + e.rank, e.microbatch] = e
-    count = Counter((e.kind, e.chunk * S + e.rank, e.microbatch) for e in tl.events)
+        at[e.kind, stage_of(e.rank, e.chunk, S, v_shaped), e.microbatch] = e
+    count = Counter((e.kind, stage_of(e.rank, e.chunk, S, v_shaped), e.microbatch) for e in tl.events)
     assert set(count.values()) == {1}
     assert set(count) == {(k, s, m) for k in kinds for s in range(S * v) for m in range(B)}
 
@@ -50,7 +52,9 @@ CASES = [("naive", 4, 1, {}), ("gpipe", 4, 4, {}), ("gpipe", 3, 5, {"stage_times
          ("1f1b", 4, 8, {}), ("1f1b", 4, 2, {}), ("1f1b", 3, 6, {"stage_times": [2.0, 1.0, 1.5]}),
          ("interleaved-1f1b", 4, 8, {"n_virtual": 2}), ("interleaved-1f1b", 2, 6, {"n_virtual": 3}),
          ("zero-bubble", 4, 8, {}), ("zero-bubble", 4, 2, {}),
-         ("zero-bubble", 3, 6, {"stage_times": [1.0, 3.0, 2.0], "backward_ratio": 3.0})]
+         ("zero-bubble", 3, 6, {"stage_times": [1.0, 3.0, 2.0], "backward_ratio": 3.0}),
+         ("zbv", 4, 8, {}), ("zbv", 4, 3, {}), ("zbv", 2, 5, {}),
+         ("zbv", 3, 7, {"stage_times": [1.0, 3.0, 2.0], "backward_ratio": 3.0, "w_fraction": 0.3})]
 
 
 @pytest.mark.parametrize("comm_time", [0.0, 0.25])
@@ -125,6 +129,43 @@ def test_zero_bubble_formula_other_splits(backward_ratio, w_fraction):
         bubble_formula("zero-bubble", 4, 8, backward_ratio=backward_ratio, w_fraction=w_fraction))
 
 
+@pytest.mark.parametrize("S", [2, 4, 8])
+@pytest.mark.parametrize("factor", [2, 3, 8])
+def test_zbv_bubble_closed_form(S, factor):
+    """ZB-V at 2, 4 and 8 stages (B >= 2S microbatches): with tf = tbB = tbW its idle time
+    per rank is (S-1) half-stage forwards, half ZB-H1's (S-1) tf and a sixth of 1F1B's
+    3(S-1) tf, holding 2S chunks (S stages' activations, 1F1B's peak) on the first rank."""
+    B = factor * S
+    zbv, zb, base = simulate("zbv", S, B), simulate("zero-bubble", S, B), simulate("1f1b", S, B)
+    idle = zbv.makespan - 3 * B
+    assert idle == pytest.approx((S - 1) / 2)
+    assert idle == pytest.approx((zb.makespan - 3 * B) / 2)
+    assert idle == pytest.approx((base.makespan - 3 * B) / 6)
+    assert zbv.bubble_fraction == pytest.approx(bubble_formula("zbv", S, B))
+    assert zbv.bubble_fraction == pytest.approx((S - 1) / (6 * B + S - 1))
+    assert max(zbv.max_in_flight(r) for r in range(S)) == 2 * S == zbv.max_in_flight(0)
+
+
+@pytest.mark.parametrize("S, B", [(2, 4), (4, 9), (8, 16), (4, 32)])
+@pytest.mark.parametrize("backward_ratio, w_fraction", [(2.0, 0.4), (3.0, 0.5), (4.0, 0.25), (3.0, 1 / 3)])
+def test_zbv_formula_other_splits(S, B, backward_ratio, w_fraction):
+    """Input-gradient pass longer than the weight pass and the forward: idle per rank
+    (S-1) max(tbB, 2(tbB - tbW)) / 2."""
+    tl = simulate("zbv", S, B, backward_ratio=backward_ratio, w_fraction=w_fraction)
+    tb_w = backward_ratio * w_fraction
+    tb_b = backward_ratio - tb_w
+    assert tl.makespan - B * (1 + backward_ratio) == pytest.approx((S - 1) * max(tb_b, 2 * (tb_b - tb_w)) / 2)
+    assert tl.bubble_fraction == pytest.approx(
+        bubble_formula("zbv", S, B, backward_ratio=backward_ratio, w_fraction=w_fraction))
+
+
+def test_zbv_closed_form_outside_its_range_says_so():
+    with pytest.raises(ValueError, match="n_microbatches >= 2 n_stages"):
+        bubble_formula("zbv", 4, 7)
+    with pytest.raises(ValueError, match="two chunks per rank"):
+        simulate("zbv", 4, 8, n_virtual=3)
+
+
 @pytest.mark.parametrize("S, B", [(4, 8), (4, 2), (8, 16)])
 def test_max_in_flight(S, B):
     one_f_one_b, gpipe = simulate("1f1b", S, B), simulate("gpipe", S, B)
@@ -194,7 +235,7 @@ def test_gantt_measured_events_normalised(tmp_path):
 
 
 def test_all_schedules_listed():
-    assert SCHEDULES == ("naive", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+    assert SCHEDULES == ("naive", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv")
 
 
 def test_one_list_of_schedules_from_simulator_to_runtime():

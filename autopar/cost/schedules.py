@@ -8,25 +8,34 @@ starts each pass when the rank is free and its inputs have arrived:
     B(m) on virtual stage s   after B(m) on s+1 (+ comm), and F(m) on s
     W(m) on virtual stage s   after B(m) on s
 
-Chunk c of rank r is virtual stage c*S + r (S ranks, v chunks per rank).  With S equal
-stages, forward tf and backward tb per microbatch, B microbatches and v chunks:
+Chunk c of rank r is virtual stage c*S + r (S ranks, v chunks per rank); under zbv
+(two chunks per rank in a V) chunk 0 of rank r is stage r and chunk 1 is stage 2S-1-r, so
+rank 0 holds the first and the last stage.  With S equal stages, forward tf and backward tb
+per microbatch, B microbatches and v chunks:
 
     naive         one batch through S stages            bubble (S-1)/S
     gpipe, 1f1b   makespan (B+S-1)(tf+tb)               bubble (S-1)/(B+S-1)
     interleaved   makespan B(tf+tb) + (S-1)(tf+tb)/v     bubble (S-1)/(vB+S-1)
     zero-bubble   makespan B(tf+tb) + (S-1)(tf+tbB-tbW)  for B >= S and tbW <= min(tf, tbB),
                   where tb = tbB + tbW (ZB-H1; see _zero_bubble and bubble_formula)
+    zbv           makespan B(tf+tb) + (S-1) max(tbB, 2(tbB-tbW)) / 2   for B >= 2S and
+                  tf, tbW <= tbB: with tf = tbB = tbW half ZB-H1's bubble, a sixth of
+                  1F1B's, at 1F1B's peak activations (see _zbv and bubble_formula)
 
 Interleaved 1F1B follows Narayanan et al. 2021 ("Efficient Large-Scale Language Model
 Training on GPU Clusters Using Megatron-LM"); zero-bubble follows the ZB-H1 schedule of
-Qi et al. 2023 ("Zero Bubble Pipeline Parallelism").
+Qi et al. 2023 ("Zero Bubble Pipeline Parallelism"); zbv the V-shaped schedule of its
+section 6 (two chunks per rank, placed so that a microbatch's forward goes down the ranks
+and comes back up, as does its backward).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
 
-SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv")
+SPLIT_BACKWARD = ("zero-bubble", "zbv")   # schedules whose backward runs as B (inputs) and W (weights)
+V_SHAPED = ("zbv",)                       # two chunks per rank, placed as a V
 KINDS = ("F", "B", "W")
 
 Op = tuple  # (kind, microbatch, chunk)
@@ -151,9 +160,9 @@ def simulate(schedule: str, n_stages: int, n_microbatches: int, stage_times=None
 
     stage_times: forward time of one microbatch on each stage (default 1.0 each); a
     backward takes backward_ratio times as long.  Under interleaved-1f1b each of the
-    n_virtual chunks of a rank takes 1/n_virtual of its stage's times.  Under zero-bubble
-    the backward splits into B (input gradient) and W (weight gradient), W taking
-    w_fraction of it.  comm_time is added when an activation or gradient moves to
+    n_virtual chunks of a rank takes 1/n_virtual of its stage's times (under zbv: each of
+    its two).  Under zero-bubble and zbv the backward splits into B (input gradient) and W
+    (weight gradient), W taking w_fraction of it.  comm_time is added when an activation or gradient moves to
     another rank.  naive runs one batch (n_microbatches is taken as 1): stage_times is
     then the time of that batch.
     """
@@ -164,7 +173,11 @@ def simulate(schedule: str, n_stages: int, n_microbatches: int, stage_times=None
                          f"n_microbatches={n_microbatches}")
     if schedule == "naive":
         n_microbatches = 1
-    if n_virtual != 1 and schedule != "interleaved-1f1b":
+    if schedule in V_SHAPED:
+        if n_virtual not in (1, 2):
+            raise ValueError(f"{schedule} runs two chunks per rank (n_virtual=2), not {n_virtual}")
+        n_virtual = 2
+    elif n_virtual != 1 and schedule != "interleaved-1f1b":
         raise ValueError(f"n_virtual={n_virtual} applies only to interleaved-1f1b; use n_virtual=1 for {schedule}")
     if n_virtual < 1:
         raise ValueError(f"n_virtual must be at least 1, got {n_virtual}")
@@ -185,12 +198,14 @@ def simulate(schedule: str, n_stages: int, n_microbatches: int, stage_times=None
         orders = _gpipe(S, B)
     elif schedule == "zero-bubble":
         orders = _zero_bubble(S, B)
+    elif schedule == "zbv":
+        orders = _zbv(S, B)
     else:
         orders = _one_f_one_b(S, B, v)
-    tb = backward_ratio * (1.0 - w_fraction if schedule == "zero-bubble" else 1.0)
-    scale = {"F": 1.0 / v, "B": tb / v, "W": backward_ratio * w_fraction}
+    tb = backward_ratio * (1.0 - w_fraction if schedule in SPLIT_BACKWARD else 1.0)
+    scale = {"F": 1.0 / v, "B": tb / v, "W": backward_ratio * w_fraction / v}
     durations = [{k: t * s for k, s in scale.items()} for t in stage_times]
-    events = _run(orders, durations, S, v, comm_time)
+    events = _run(orders, durations, S, v, comm_time, v_shaped=schedule in V_SHAPED)
     return Timeline(schedule, S, B, events, v)
 
 
@@ -204,9 +219,14 @@ def bubble_formula(schedule: str, n_stages: int, n_microbatches: int, n_virtual:
         interleaved-1f1b  (S-1) / (vB + S-1)         bubble time (S-1)(tf+tb)/v (Narayanan et al. 2021)
         zero-bubble       (S-1) x / (B(tf+tb) + (S-1) x),  x = max(tf, tbB, tf + tbB - tbW),
                           tbW = w_fraction tb, tbB = tb - tbW; for B >= S (ZB-H1, Qi et al. 2023)
+        zbv               (S-1) y / (B(tf+tb) + (S-1) y),  y = max(tbB, 2(tbB - tbW)) / 2,
+                          for B >= 2S and tf, tbW <= tbB (ZB-V, the same paper, section 6)
 
-    Only zero-bubble depends on backward_ratio: with the defaults x = tf and the fraction
-    is (S-1) / (3B + S-1).
+    zero-bubble and zbv depend on backward_ratio: with the defaults x = tf, y = tf / 2 and
+    the fractions are (S-1) / (3B + S-1) and (S-1) / (6B + S-1).  ZB-V's idle time is the
+    last rank's wait for the first microbatch's forward to reach it ((S-1) half-stage
+    forwards, the fill no schedule avoids); the rest of its warm-up and cool-down fill with
+    W passes.
     """
     S, B, v = n_stages, n_microbatches, n_virtual
     if schedule not in SCHEDULES:
@@ -219,11 +239,18 @@ def bubble_formula(schedule: str, n_stages: int, n_microbatches: int, n_virtual:
         if B % S:
             raise ValueError(f"interleaved-1f1b needs n_microbatches a multiple of n_stages={S}, got {B}")
         return (S - 1) / (v * B + S - 1)
+    tb_w = w_fraction * backward_ratio
+    tb_b = backward_ratio - tb_w
+    if schedule == "zbv":
+        if B < 2 * S or tb_w > tb_b or tb_b < 1.0:
+            raise ValueError(f"the zbv closed form holds for n_microbatches >= 2 n_stages and a weight pass and "
+                             f"forward no longer than the input-gradient pass; got {B} microbatches for {S} stages, "
+                             f"forward 1, input gradient {tb_b:g}, weight gradient {tb_w:g}: use simulate() instead")
+        y = max(tb_b, 2.0 * (tb_b - tb_w)) / 2.0
+        return (S - 1) * y / (B * (1.0 + backward_ratio) + (S - 1) * y)
     if B < S:
         raise ValueError(f"the zero-bubble closed form holds for n_microbatches >= n_stages, got {B} < {S}; "
                          f"use simulate() instead")
-    tb_w = w_fraction * backward_ratio
-    tb_b = backward_ratio - tb_w
     x = max(1.0, tb_b, 1.0 + tb_b - tb_w)
     return (S - 1) * x / (B * (1.0 + backward_ratio) + (S - 1) * x)
 
@@ -283,21 +310,103 @@ def _zero_bubble(S: int, B: int) -> list:
     return orders
 
 
-def _deps(rank: int, op: Op, S: int, v: int) -> list:
+def group_stages(group: int, n_groups: int, n_stages: int, schedule: str) -> list:
+    """The stages device group `group` runs, in chunk order: g, g + p, ... (p groups), or
+    under a V-shaped schedule g and 2p-1-g."""
+    if schedule in V_SHAPED:
+        return [group, 2 * n_groups - 1 - group]
+    return list(range(group, n_stages, n_groups))
+
+
+def stage_group(stage: int, n_groups: int, schedule: str) -> int:
+    """The device group that runs `stage` (the inverse of group_stages)."""
+    if schedule in V_SHAPED:
+        return place_of(stage, n_groups, True)[0]
+    return stage % n_groups
+
+
+def stage_of(rank: int, chunk: int, S: int, v_shaped: bool = False) -> int:
+    """The virtual stage chunk `chunk` of `rank` runs (S ranks)."""
+    if v_shaped:
+        return rank if chunk == 0 else 2 * S - 1 - rank
+    return chunk * S + rank
+
+
+def place_of(stage: int, S: int, v_shaped: bool = False) -> tuple:
+    """(rank, chunk) of virtual stage `stage`: the inverse of stage_of."""
+    if v_shaped:
+        return (stage, 0) if stage < S else (2 * S - 1 - stage, 1)
+    return stage % S, stage // S
+
+
+def _zbv(S: int, B: int) -> list:
+    """ZB-V (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", section 6): chunk 0 of rank
+    r is stage r and chunk 1 stage 2S-1-r; backward split into B and W as in ZB-H1.
+
+    Per rank r, with n = max(B, 2S-1) microbatches planned and those past B dropped:
+    warm-up 2(S-r)-1 forwards of chunk 0, then r times (forward chunk 1, forward chunk 0),
+    then S-r times (forward, B, W of chunk 1); steady state (forward, B, W of chunk 0, then
+    of chunk 1) until every forward ran; cool-down r times (B chunk 0, B chunk 1), S-r
+    times (B, W of chunk 0), then the W's left, chunk 1's first.  A rank holds at most 2S
+    chunks' activations (S stages' worth, as 1F1B), and with tf = tbB = tbW the steady
+    state has no idle time."""
+    n = max(B, 2 * S - 1)
+    orders = []
+    for r in range(S):
+        order: list = []
+        done = {kind: [0, 0] for kind in KINDS}
+
+        def run(kind: str, chunk: int) -> None:
+            order.append((kind, done[kind][chunk], chunk))
+            done[kind][chunk] += 1
+
+        for _ in range(2 * (S - r) - 1):
+            run("F", 0)
+        for _ in range(r):
+            run("F", 1)
+            run("F", 0)
+        for _ in range(S - r):
+            for kind in KINDS:
+                run(kind, 1)
+        while done["F"][1] < done["F"][0] or done["F"][0] < n:
+            if done["F"][0] < n:
+                run("F", 0)
+            run("B", 0)
+            run("W", 0)
+            for kind in KINDS:
+                run(kind, 1)
+        for _ in range(r):
+            run("B", 0)
+            run("B", 1)
+        for _ in range(S - r):
+            run("B", 0)
+            run("W", 0)
+        for chunk in (1, 0):
+            while done["W"][chunk] < done["B"][chunk]:
+                run("W", chunk)
+        orders.append([op for op in order if op[1] < B])
+    return orders
+
+
+def _deps(rank: int, op: Op, S: int, v: int, v_shaped: bool = False) -> list:
     """(rank, op) pairs that must finish before `op` runs on `rank`."""
     kind, m, c = op
-    vs = c * S + rank
+    vs = stage_of(rank, c, S, v_shaped)
     if kind == "W":
         return [(rank, ("B", m, c))]
     if kind == "F":
-        return [] if vs == 0 else [((vs - 1) % S, ("F", m, (vs - 1) // S))]
+        if vs == 0:
+            return []
+        r2, c2 = place_of(vs - 1, S, v_shaped)
+        return [(r2, ("F", m, c2))]
     after = [(rank, ("F", m, c))]
     if vs < S * v - 1:
-        after.append(((vs + 1) % S, ("B", m, (vs + 1) // S)))
+        r2, c2 = place_of(vs + 1, S, v_shaped)
+        after.append((r2, ("B", m, c2)))
     return after
 
 
-def _run(orders: list, durations: list, S: int, v: int, comm_time: float) -> tuple:
+def _run(orders: list, durations: list, S: int, v: int, comm_time: float, v_shaped: bool = False) -> tuple:
     """Start every op as soon as its rank is free and its inputs have arrived, each rank
     taking its ops in the listed order."""
     end, events = {}, []
@@ -307,7 +416,7 @@ def _run(orders: list, durations: list, S: int, v: int, comm_time: float) -> tup
         for r in range(S):
             while pos[r] < len(orders[r]):
                 op = orders[r][pos[r]]
-                deps = _deps(r, op, S, v)
+                deps = _deps(r, op, S, v, v_shaped)
                 if any(d not in end for d in deps):
                     break
                 start = max([free[r]] + [end[(r2, o)] + (comm_time if r2 != r else 0.0) for r2, o in deps])

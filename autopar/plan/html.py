@@ -24,7 +24,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from autopar.plan.gantt import gantt_svg_text
-from autopar.cost.schedules import simulate
+from autopar.cost.schedules import group_stages, simulate
 from autopar.plan.records import Prediction, format_bytes, format_seconds
 from autopar.plan.report import collective_groups, plan_text, recompute_line, sequence_lines, table_rows
 
@@ -300,7 +300,8 @@ def pipeline_gantt(plan) -> str:
     pp = plan.pipeline
     fwd = [s / 3 for s in pp.stage_s]
     if pp.virtual > 1:
-        tl = simulate(pp.schedule, pp.groups, pp.microbatches, [sum(fwd[g::pp.groups]) for g in range(pp.groups)],
+        groups = [group_stages(g, pp.groups, len(pp.stages), pp.schedule) for g in range(pp.groups)]
+        tl = simulate(pp.schedule, pp.groups, pp.microbatches, [sum(fwd[s] for s in mine) for mine in groups],
                       n_virtual=pp.virtual)
     else:
         tl = simulate(pp.schedule, len(pp.stages), pp.microbatches, fwd)

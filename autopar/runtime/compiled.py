@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
+from autopar.cost.schedules import SPLIT_BACKWARD
 from autopar.solve.planner import plan as make_plan
 from autopar.solve.problem import check_backend
 from autopar.mesh import Mesh
@@ -155,8 +156,8 @@ def _compile(model, mesh, example_inputs, example_kwargs, plan, memory_budget, s
     if mixed_precision is not None and precision != mixed_precision:
         raise CompileError(f"the plan was made for {precision or 'full precision'}, not {mixed_precision}; "
                            f"plan with mixed_precision={mixed_precision!r} or compile without it")
-    if pipelined and options.backend != "eager" and plan.pipeline.schedule == "zero-bubble":
-        raise CompileError(f"backend={options.backend!r} does not run the zero-bubble schedule yet (its backward "
+    if pipelined and options.backend != "eager" and plan.pipeline.schedule in SPLIT_BACKWARD:
+        raise CompileError(f"backend={options.backend!r} does not run the {plan.pipeline.schedule} schedule yet (its backward "
                            f"splits input and weight gradients, which a compiled region computes together); "
                            f"compile with backend='eager', or plan another schedule (1f1b, interleaved-1f1b)")
     if pipelined and local_inputs:

@@ -44,6 +44,8 @@ from torch import nn
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                          ScheduleInterleavedZeroBubble)
 
+from autopar.cost.schedules import stage_group
+
 from autopar.trace.batching import batch_size, first_microbatch
 from autopar.mesh import Mesh
 from autopar.passes.collectives import move
@@ -66,9 +68,14 @@ log = logging.getLogger("autopar")
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
              "zero-bubble": ScheduleInterleavedZeroBubble}
+try:   # (torch >= 2.6)
+    from torch.distributed.pipelining import ScheduleZBVZeroBubble
+    SCHEDULES["zbv"] = ScheduleZBVZeroBubble
+except ImportError:  # pragma: no cover
+    pass
 
 
-MULTI_STAGE = {"interleaved-1f1b", "zero-bubble"}  # schedules that take a list of this rank's stages
+MULTI_STAGE = {"interleaved-1f1b", "zero-bubble", "zbv"}  # schedules that take a list of this rank's stages
 
 def compile_pipelined(model, mesh: Mesh, example_inputs, example_kwargs, plan, *, on_meta: bool, seed,
                       options: RunOptions, precision, device_type: str, seed_of_job: int) -> CompiledModel:
@@ -103,7 +110,7 @@ def compile_pipelined(model, mesh: Mesh, example_inputs, example_kwargs, plan, *
     for st in stages:
         for ph in st.params:
             if ph in name_of:
-                readers.setdefault(name_of[ph], set()).add(st.index % n_groups)
+                readers.setdefault(name_of[ph], set()).add(stage_group(st.index, n_groups, plan.pipeline.schedule))
     # only the weights this rank's stages read are sliced (or initialised: the RNG still runs
     # through every module, so the values equal the whole model's)
     mine = {name: pl for name, pl in plan.param_placements.items() if group in readers.get(name, ())}
@@ -112,7 +119,7 @@ def compile_pipelined(model, mesh: Mesh, example_inputs, example_kwargs, plan, *
                              holders={param_key(name): len(gs) for name, gs in readers.items()})
     planned = traced.parts.named_parameters(model)
     meta = {name: (tuple(planned[name].shape), state.compute_dtype_of(planned[name].dtype)) for name in readers}
-    feeds = stage_feeds(stages, group, n_groups, name_of, traced.buffers)
+    feeds = stage_feeds(stages, group, n_groups, name_of, traced.buffers, plan.pipeline.schedule)
     # gradient buckets start during each stage's last backward; a weight that two of this
     # rank's stages read is complete only after both, so GradSync.finish reduces it
     read_by: dict = {}
@@ -129,13 +136,15 @@ def compile_pipelined(model, mesh: Mesh, example_inputs, example_kwargs, plan, *
                          hold=frozenset(key for key, n in read_by.items() if n > 1))
 
 
-def stage_feeds(stages: list, group: int, n_groups: int, param_of: dict, buffer_of: dict) -> dict:
+def stage_feeds(stages: list, group: int, n_groups: int, param_of: dict, buffer_of: dict,
+                schedule: str = "1f1b") -> dict:
     """Stage index -> what feeds each of its parameter placeholders, ("param", key) or
-    ("buffer", key), for the stages device group `group` runs.  param_of / buffer_of:
-    placeholder -> parameter (tied: the owner's name) / buffer name."""
+    ("buffer", key), for the stages device group `group` runs (under `schedule`'s
+    placement, cost.schedules.stage_group).  param_of / buffer_of: placeholder ->
+    parameter (tied: the owner's name) / buffer name."""
     return {st.index: [("param", param_key(param_of[ph])) if ph in param_of else ("buffer", param_key(buffer_of[ph]))
                        for ph in st.params]
-            for st in stages if st.index % n_groups == group}
+            for st in stages if stage_group(st.index, n_groups, schedule) == group}
 
 
 class _StageModule(nn.Module):
@@ -198,7 +207,7 @@ class PipelineRunner:
         self.n_mb = info.microbatches
         self.schedule_name = info.schedule
         self.pp_group = dm.get_group(STAGE_AXIS)
-        self.last_group = (self.n_stages - 1) % self.n_groups
+        self.last_group = stage_group(self.n_stages - 1, self.n_groups, self.schedule_name)
         self.loss_index = None
         self.overlap_grad_sync = True  # False: reduce all gradients after the schedule
         self.owner = {name: min(gs) for name, gs in readers.items()}
@@ -206,7 +215,7 @@ class PipelineRunner:
         self.tied = self._tied_groups(readers)
         self.stage_modules = []
         pipeline_stages = []
-        for st in stages:
+        for st in sorted(stages, key=lambda st: st.index):   # (this group's, in chunk order)
             if st.index not in feeds:
                 continue
             regather = Regather(st.graph_module, set(st.params), reshard_after_forward, model.groups)
@@ -218,6 +227,9 @@ class PipelineRunner:
         for stage in pipeline_stages:
             for name in ("backward_one_chunk", "backward_weight_one_chunk"):
                 setattr(stage, name, self._sync_on_last(getattr(stage, name)))
+        if self.schedule_name not in SCHEDULES:
+            raise CompileError(f"the plan's schedule {self.schedule_name!r} needs a newer torch "
+                               f"(torch.distributed.pipelining has no such schedule here); plan with another")
         cls = SCHEDULES[self.schedule_name]
         target = pipeline_stages if self.schedule_name in MULTI_STAGE else pipeline_stages[0]
         if self.schedule_name not in MULTI_STAGE and len(pipeline_stages) != 1:
@@ -225,8 +237,8 @@ class PipelineRunner:
                                f"{len(pipeline_stages)} on group {group}")
         self.schedule = cls(target, self.n_mb, loss_fn=self._microbatch_loss, scale_grads=False)
         log.info("pipelined %d stages (%s, %d microbatches); this rank holds stages %s of device group %d",
-                 self.n_stages, self.schedule_name, self.n_mb, [s.index for s in stages
-                                                                if s.index % self.n_groups == group], group)
+                 self.n_stages, self.schedule_name, self.n_mb, [s.index for s in stages if stage_group(
+                     s.index, self.n_groups, self.schedule_name) == group], group)
 
     def graphs(self) -> list:
         return [m.graph_module for m in self.stage_modules]

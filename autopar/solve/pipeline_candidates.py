@@ -19,7 +19,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass, field
 
-from autopar.cost.schedules import simulate
+from autopar.cost.schedules import V_SHAPED, group_stages, simulate
 from autopar.mesh import Mesh
 from autopar.plan.plan import PipelineLayout, Prediction
 from autopar.solve.pipeline_costs import STATES, LayerCosts, StageParts
@@ -120,9 +120,11 @@ def plain_choices(costs: LayerCosts | None, mesh: Mesh, built: Built | None) -> 
 SLOWER = "slower"   # what evaluate returns for a candidate that cannot beat the best found
 
 
-def _stages(parts: StageParts, copies, send, n_stages, overlap) -> tuple:
+def _stages(parts: StageParts, copies, send, n_stages, overlap, v_shaped: bool = False) -> tuple:
     """The layers cut into n_stages (balanced_cuts) and each stage's forward, backward and
-    once-per-step seconds, model states, activations and working bytes."""
+    once-per-step seconds, model states, activations and working bytes.  v_shaped: the last
+    stage runs on the first stage's device group, so weights tied between them are held
+    once (no copies)."""
     layers, prefix, suffix = parts.layers, parts.prefix, parts.suffix
     paid = 0.0 if overlap else send
     units = [c.forward_s + c.backward_s for c in layers]
@@ -131,7 +133,8 @@ def _stages(parts: StageParts, copies, send, n_stages, overlap) -> tuple:
     fwd, bwd, once, acts, work = [], [], [], [], []
     held_states = {k: [] for k in STATES}
     for s, (a, b) in enumerate(cuts):
-        members = list(layers[a:b]) + ([prefix] if s == 0 else []) + ([suffix, copies] if s == n_stages - 1 else [])
+        last = [suffix] if v_shaped else [suffix, copies]
+        members = list(layers[a:b]) + ([prefix] if s == 0 else []) + (last if s == n_stages - 1 else [])
         fwd.append(sum(c.forward_s for c in members) + (paid if s < n_stages - 1 else 0.0))
         bwd.append(sum(c.backward_s for c in members) + (paid if s > 0 else 0.0))
         once.append(sum(c.once_s for c in members))
@@ -142,13 +145,15 @@ def _stages(parts: StageParts, copies, send, n_stages, overlap) -> tuple:
     return cuts, fwd, bwd, once, held_states, acts, work
 
 
-def floor(parts: StageParts, copies, send, n_stages, p, n_mb, overlap=False) -> float:
+def floor(parts: StageParts, copies, send, n_stages, p, n_mb, overlap=False, schedule: str = "1f1b") -> float:
     """The fastest any schedule could run this candidate: no device group runs its passes
     faster than one after another, then its once-per-step work.  The search simulates
     candidates in order of it and stops where it exceeds the best step found."""
-    _, fwd, bwd, once, _, _, _ = _stages(parts, copies, send, n_stages, overlap)
+    _, fwd, bwd, once, _, _, _ = _stages(parts, copies, send, n_stages, overlap, schedule in V_SHAPED)
     ratio = sum(bwd) / max(sum(fwd), 1e-30)   # (the simulator runs backward at this share of forward)
-    return n_mb * max(sum(fwd[g::p]) for g in range(p)) * (1 + ratio) + max(sum(once[g::p]) for g in range(p))
+    mine = [group_stages(g, p, n_stages, schedule) for g in range(p)]
+    return (n_mb * max(sum(fwd[s] for s in m) for m in mine) * (1 + ratio)
+            + max(sum(once[s] for s in m) for m in mine))
 
 
 def evaluate(parts: StageParts, copies, send, n_stages, p, v, schedule, n_mb, limit,
@@ -161,14 +166,16 @@ def evaluate(parts: StageParts, copies, send, n_stages, p, v, schedule, n_mb, li
     device (overlap) a send delays only the stage that receives it (the simulated
     dependency's latency) while the sender computes on; on CPU ranks the transfer runs on
     the cores the compute uses and adds to both."""
-    cuts, fwd, bwd, once, held_states, acts, work = _stages(parts, copies, send, n_stages, overlap)
+    cuts, fwd, bwd, once, held_states, acts, work = _stages(parts, copies, send, n_stages, overlap,
+                                                            schedule in V_SHAPED)
     paid = 0.0 if overlap else send
     ratio = sum(bwd) / max(sum(fwd), 1e-30)
-    group_once = [sum(once[s] for s in range(g, n_stages, p)) for g in range(p)]
-    if floor(parts, copies, send, n_stages, p, n_mb, overlap) > beat * (1 + 1e-9):
+    groups = [group_stages(g, p, n_stages, schedule) for g in range(p)]
+    group_once = [sum(once[s] for s in mine) for mine in groups]
+    if floor(parts, copies, send, n_stages, p, n_mb, overlap, schedule) > beat * (1 + 1e-9):
         return SLOWER
-    if v > 1:  # group g holds stages g, g + p, ...: its chunks' times add up
-        group_f = [sum(fwd[g::p]) for g in range(p)]
+    if v > 1:  # group g holds stages g, g + p, ... (V-shaped: g and 2p-1-g): its chunks' times add up
+        group_f = [sum(fwd[s] for s in mine) for mine in groups]
         tl = simulate(schedule, p, n_mb, stage_times=group_f, backward_ratio=ratio, n_virtual=v,
                       comm_time=send - paid)
     else:
@@ -176,7 +183,7 @@ def evaluate(parts: StageParts, copies, send, n_stages, p, v, schedule, n_mb, li
     memory, group_memory = [], []
     for g in range(p):
         held = tl.max_in_flight(g)
-        mine = range(g, n_stages, p)
+        mine = groups[g]
         held_parts = {k: sum(kept[s] for s in mine) for k, kept in held_states.items()}
         held_parts["activations"] = max(acts[s] for s in mine) * held
         held_parts["working"] = max(work[s] for s in mine)

@@ -13,7 +13,7 @@ import math
 
 from dataclasses import dataclass
 
-from autopar.cost.schedules import SCHEDULES
+from autopar.cost.schedules import SCHEDULES, V_SHAPED
 from autopar.mesh import Mesh
 
 # The schedules a pipeline may run: the simulator's (autopar.cost.schedules.SCHEDULES), less
@@ -30,7 +30,7 @@ class Pipeline:
 
     axis: the mesh axis cut into device groups; groups: how many (stages = groups x
     virtual); schedule: one of SCHEDULE_CHOICES; microbatches: per step (dividing the batch);
-    virtual: stages per group (interleaved-1f1b only).  With any constraint the result is
+    virtual: stages per group (interleaved-1f1b: searched; zbv: always 2, placed as a V).  With any constraint the result is
     pipelined even where no pipeline would be faster."""
 
     axis: str | None = None
@@ -45,7 +45,10 @@ class Pipeline:
             raise ValueError(f"Pipeline(axis={self.axis!r}): the mesh's axes are {mesh.axis_names}")
         if self.schedule is not None and self.schedule not in SCHEDULE_CHOICES:
             raise ValueError(f"Pipeline(schedule={self.schedule!r}): choose one of {SCHEDULE_CHOICES}")
-        if self.virtual not in (None, 1) and self.schedule not in (None, "interleaved-1f1b"):
+        if self.schedule in V_SHAPED and self.virtual not in (None, 2):
+            raise ValueError(f"Pipeline(virtual={self.virtual}): {self.schedule} runs two stages per device group, "
+                             f"placed as a V (group g holds stages g and 2p-1-g); leave virtual unset")
+        elif self.virtual not in (None, 1) and self.schedule not in (None, "interleaved-1f1b", *V_SHAPED):
             raise ValueError(f"Pipeline(virtual={self.virtual}): only interleaved-1f1b runs several stages "
                              f"per device group, not {self.schedule}")
         if self.groups is not None:
@@ -137,6 +140,8 @@ class SearchSpace:
 
     def virtuals(self, schedule: str) -> tuple:
         """Stages per device group to try under `schedule`."""
+        if schedule in V_SHAPED:
+            return (2,)
         if schedule != "interleaved-1f1b":
             return (1,)
         return (self.fixed.virtual,) if self.fixed is not None and self.fixed.virtual else (1, 2)

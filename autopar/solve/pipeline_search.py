@@ -176,7 +176,7 @@ def _tasks(space: SearchSpace, costs: StageCosts, cut: Cut) -> list:
                 if fixed is not None and not fixed.allows(name, p, schedule, n_mb, v):
                     continue
                 for mode, parts in got.by_mode.items():
-                    low = floor(parts, got.copies, send, n_stages, p, n_mb, mesh.device.asynchronous)
+                    low = floor(parts, got.copies, send, n_stages, p, n_mb, mesh.device.asynchronous, schedule)
                     out.append((low, cut, got, schedule, v, mode, parts, send))
     return out
 
