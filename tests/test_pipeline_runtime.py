@@ -19,8 +19,8 @@ from rt_cases import (
 
 import autopar
 
-SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv"]
-TWO_PER_GROUP = ("interleaved-1f1b", "zbv")   # two stages per device group (zbv: placed as a V)
+SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev"]
+TWO_PER_GROUP = ("interleaved-1f1b", "zbv", "dualpipev")   # two stages per device group (zbv, dualpipev: a V)
 # name -> (mesh shape, axis names, device groups, intra-stage layout, pool)
 LAYOUTS = {
     "2 stages": ((2,), ("pp",), 2, None, "pool2"),
@@ -30,8 +30,8 @@ LAYOUTS = {
 }
 
 
-def _spec(model: str, layers: int) -> tuple:
-    return ("autopar", model, (("n_layers", layers),))
+def _spec(model: str, layers: int, batch: int | None = None) -> tuple:
+    return ("autopar", model, (("n_layers", layers),) + ((("batch", batch),) if batch else ()))
 
 
 def pipelined_plan(spec, shape, names, groups, schedule, layout=None, microbatches=None, seed=None,
@@ -57,9 +57,12 @@ def test_every_schedule_trains_like_one_device(request, model, layout):
     for schedule in SCHEDULES:
         # interleaving (and zbv) need two stages per device group: 8 layers for 4 groups
         layers = 8 if schedule in TWO_PER_GROUP and groups == 4 else 4
-        spec = _spec(model, layers)
-        # 1F1B-like schedules want at least as many microbatches as groups; the tiny batch has 4 rows
-        plan = pipelined_plan(spec, shape, names, groups, schedule, intra, microbatches=4 if groups == 4 else 2)
+        # 1F1B-like schedules want at least as many microbatches as groups (the tiny batch has
+        # 4 rows); DualPipeV twice as many
+        microbatches = (4 if groups == 4 else 2) * (2 if schedule == "dualpipev" else 1)
+        dp = 2 if intra == "data-parallel" else 1
+        spec = _spec(model, layers, microbatches * dp if microbatches * dp > 4 else None)
+        plan = pipelined_plan(spec, shape, names, groups, schedule, intra, microbatches=microbatches)
         pp = plan.pipeline
         assert pp.axis == names[0] and pp.groups == groups and pp.schedule == schedule
         assert len(pp.stages) == groups * (2 if schedule in TWO_PER_GROUP else 1)
@@ -68,7 +71,7 @@ def test_every_schedule_trains_like_one_device(request, model, layout):
         results = pool.run(train_and_compare, spec, plan.to_dict())
         if intra == "data-parallel":  # the batch really is split: gradients go through the buckets,
             assert all(r["synced_by_buckets"] > 0 for r in results), results
-            if schedule not in ("zero-bubble", "zbv"):  # most of them while the last microbatch's backward runs
+            if schedule not in ("zero-bubble", "zbv", "dualpipev"):  # most while the last microbatch's backward runs
                 assert all(r["reduced_during_backward"] >= r["synced_by_buckets"] // 2 for r in results), results
         bad = [r for r in results if not r["ok"]]
         if bad:

@@ -54,7 +54,9 @@ CASES = [("naive", 4, 1, {}), ("gpipe", 4, 4, {}), ("gpipe", 3, 5, {"stage_times
          ("zero-bubble", 4, 8, {}), ("zero-bubble", 4, 2, {}),
          ("zero-bubble", 3, 6, {"stage_times": [1.0, 3.0, 2.0], "backward_ratio": 3.0}),
          ("zbv", 4, 8, {}), ("zbv", 4, 3, {}), ("zbv", 2, 5, {}),
-         ("zbv", 3, 7, {"stage_times": [1.0, 3.0, 2.0], "backward_ratio": 3.0, "w_fraction": 0.3})]
+         ("zbv", 3, 7, {"stage_times": [1.0, 3.0, 2.0], "backward_ratio": 3.0, "w_fraction": 0.3}),
+         ("dualpipev", 4, 8, {}), ("dualpipev", 2, 5, {}),
+         ("dualpipev", 3, 7, {"stage_times": [1.0, 3.0, 2.0], "backward_ratio": 3.0, "w_fraction": 0.3})]
 
 
 @pytest.mark.parametrize("comm_time", [0.0, 0.25])
@@ -159,11 +161,36 @@ def test_zbv_formula_other_splits(S, B, backward_ratio, w_fraction):
         bubble_formula("zbv", S, B, backward_ratio=backward_ratio, w_fraction=w_fraction))
 
 
+@pytest.mark.parametrize("S", [2, 4, 8])
+@pytest.mark.parametrize("factor", [2, 3, 5])
+def test_dualpipev_bubble_and_memory(S, factor):
+    """DualPipeV (F&B pairs run one after the other: F&B = F + B): at tf = tbB = tbW its idle
+    time per rank is (S-1) half-stage forwards, as ZB-V's, and its first rank holds 2S + 1
+    chunks (DeepSeek's table: PP + 1 activations for PP = 2S stages, against ZB-V's PP)."""
+    B = factor * S
+    dpv, zbv = simulate("dualpipev", S, B), simulate("zbv", S, B)
+    assert dpv.makespan - 3 * B == pytest.approx((S - 1) / 2) == pytest.approx(zbv.makespan - 3 * B)
+    assert max(dpv.max_in_flight(r) for r in range(S)) == 2 * S + 1
+    assert max(zbv.max_in_flight(r) for r in range(S)) == 2 * S
+
+
+@pytest.mark.parametrize("S, B", [(2, 4), (4, 9), (8, 16)])
+@pytest.mark.parametrize("backward_ratio, w_fraction", [(2.0, 0.25), (3.0, 1 / 3), (4.0, 0.5), (2.0, 0.4)])
+def test_dualpipev_within_deepseeks_bound(S, B, backward_ratio, w_fraction):
+    """The simulated idle time never exceeds DeepSeek's (PP/2-1)(F&B + B - 3W), in chunk
+    times (F = tf/2, B = tb/2 the full backward, W its weight part, F&B = F + B)."""
+    tl = simulate("dualpipev", S, B, backward_ratio=backward_ratio, w_fraction=w_fraction)
+    f, b, w = 0.5, backward_ratio / 2, backward_ratio * w_fraction / 2
+    assert tl.makespan - B * (1 + backward_ratio) <= (S - 1) * ((f + b) + b - 3 * w) + EPS
+
+
 def test_zbv_closed_form_outside_its_range_says_so():
     with pytest.raises(ValueError, match="n_microbatches >= 2 n_stages"):
         bubble_formula("zbv", 4, 7)
     with pytest.raises(ValueError, match="two chunks per rank"):
         simulate("zbv", 4, 8, n_virtual=3)
+    with pytest.raises(ValueError, match="at least 2 x n_stages"):
+        simulate("dualpipev", 4, 7)
 
 
 @pytest.mark.parametrize("S, B", [(4, 8), (4, 2), (8, 16)])
@@ -235,7 +262,7 @@ def test_gantt_measured_events_normalised(tmp_path):
 
 
 def test_all_schedules_listed():
-    assert SCHEDULES == ("naive", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv")
+    assert SCHEDULES == ("naive", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")
 
 
 def test_one_list_of_schedules_from_simulator_to_runtime():

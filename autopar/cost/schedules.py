@@ -33,9 +33,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv")
-SPLIT_BACKWARD = ("zero-bubble", "zbv")   # schedules whose backward runs as B (inputs) and W (weights)
-V_SHAPED = ("zbv",)                       # two chunks per rank, placed as a V
+SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")
+SPLIT_BACKWARD = ("zero-bubble", "zbv", "dualpipev")   # backward as B (inputs) and W (weights) passes
+V_SHAPED = ("zbv", "dualpipev")                        # two chunks per rank, placed as a V
 KINDS = ("F", "B", "W")
 
 Op = tuple  # (kind, microbatch, chunk)
@@ -181,6 +181,9 @@ def simulate(schedule: str, n_stages: int, n_microbatches: int, stage_times=None
         raise ValueError(f"n_virtual={n_virtual} applies only to interleaved-1f1b; use n_virtual=1 for {schedule}")
     if n_virtual < 1:
         raise ValueError(f"n_virtual must be at least 1, got {n_virtual}")
+    if schedule == "dualpipev" and n_microbatches < 2 * n_stages:
+        raise ValueError(f"dualpipev needs at least 2 x n_stages = {2 * n_stages} microbatches (its warm-up fills "
+                         f"both chunks of every rank), got {n_microbatches}; use zbv or zero-bubble for fewer")
     if schedule == "interleaved-1f1b" and n_microbatches % n_stages:
         raise ValueError(f"interleaved-1f1b runs microbatches in groups of n_stages={n_stages}, but "
                          f"n_microbatches={n_microbatches} is not a multiple; use a multiple of {n_stages}")
@@ -200,12 +203,15 @@ def simulate(schedule: str, n_stages: int, n_microbatches: int, stage_times=None
         orders = _zero_bubble(S, B)
     elif schedule == "zbv":
         orders = _zbv(S, B)
-    else:
+    pairs: dict = {}
+    if schedule == "dualpipev":
+        orders, pairs = _dualpipev(S, B)
+    elif schedule not in ("naive", "gpipe", "zero-bubble", "zbv"):
         orders = _one_f_one_b(S, B, v)
     tb = backward_ratio * (1.0 - w_fraction if schedule in SPLIT_BACKWARD else 1.0)
     scale = {"F": 1.0 / v, "B": tb / v, "W": backward_ratio * w_fraction / v}
     durations = [{k: t * s for k, s in scale.items()} for t in stage_times]
-    events = _run(orders, durations, S, v, comm_time, v_shaped=schedule in V_SHAPED)
+    events = _run(orders, durations, S, v, comm_time, v_shaped=schedule in V_SHAPED, pairs=pairs)
     return Timeline(schedule, S, B, events, v)
 
 
@@ -388,6 +394,86 @@ def _zbv(S: int, B: int) -> list:
     return orders
 
 
+def _dualpipev(S: int, B: int) -> list:
+    """DualPipeV (DeepSeek-AI 2025, "DeepSeek-V3 Technical Report", section 3.2.1, in the
+    V-shaped "cut-in-half" form): the V placement of zbv, a microbatch's backward of one
+    chunk paired with another's forward of the other (F&B: the pair starts when both can,
+    and on GPUs each hides the other's communication; here they run one after the other,
+    F&B = F + B), and weight passes deferred only
+    where they fill the warm-up and cool-down.  A backward with its weight pass right after
+    it is a full backward.  Per rank r (n = B >= 2S microbatches):
+
+        2(S-r-1) x F0;  (r+1) x (F0 F1);  (S-r-1) x (B1, deferred W, F1);
+        (n-2S+r+1) x (F0 B1W1, F1 B0W0) (on the last rank the first F0 and B1 unpaired);
+        (S-r-1) x (B1W1, F1 B0W0);
+        (r+1) x (B1, B0), the second half with W deferred;  (S-r-1) x (W, B0 deferred);
+        (r+1) x W
+
+    where a deferred W runs the oldest waiting weight pass.  Returns the orders and the
+    pairs {(rank, forward): backward}."""
+    orders, pairs = [], {}
+    for r in range(S):
+        order: list = []
+        count = {("F", 0): 0, ("F", 1): 0, ("B", 0): 0, ("B", 1): 0}
+        waiting: list = []
+
+        def forward(chunk: int) -> None:
+            order.append(("F", count["F", chunk], chunk))
+            count["F", chunk] += 1
+
+        def backward(chunk: int, defer: bool = False) -> None:
+            op = ("B", count["B", chunk], chunk)
+            count["B", chunk] += 1
+            order.append(op)
+            if defer:
+                waiting.append(("W", op[1], chunk))
+            else:
+                order.append(("W", op[1], chunk))
+
+        def weight() -> None:
+            order.append(waiting.pop(0))
+
+        for _ in range(2 * (S - r - 1)):
+            forward(0)
+        for _ in range(r + 1):
+            forward(0)
+            forward(1)
+        for _ in range(S - r - 1):
+            backward(1, defer=True)
+            weight()
+            forward(1)
+        def pair(f_chunk: int, b_chunk: int) -> None:
+            pairs[r, ("F", count["F", f_chunk], f_chunk)] = ("B", count["B", b_chunk], b_chunk)
+            forward(f_chunk)
+            backward(b_chunk)
+
+        for i in range(B - 2 * S + r + 1):
+            if i == 0 and r == S - 1:   # the last rank's first two are not paired (less idle time)
+                forward(0)
+                backward(1)
+            else:
+                pair(0, 1)
+            pair(1, 0)
+        for _ in range(S - r - 1):
+            backward(1)
+            pair(1, 0)
+        defer = False
+        for i in range(r + 1):
+            if i == (r + 1) // 2 and r % 2 == 1:
+                defer = True
+            backward(1, defer)
+            if i == (r + 1) // 2 and r % 2 == 0:
+                defer = True
+            backward(0, defer)
+        for _ in range(S - r - 1):
+            weight()
+            backward(0, defer=True)
+        while waiting:
+            weight()
+        orders.append(order)
+    return orders, pairs
+
+
 def _deps(rank: int, op: Op, S: int, v: int, v_shaped: bool = False) -> list:
     """(rank, op) pairs that must finish before `op` runs on `rank`."""
     kind, m, c = op
@@ -406,9 +492,12 @@ def _deps(rank: int, op: Op, S: int, v: int, v_shaped: bool = False) -> list:
     return after
 
 
-def _run(orders: list, durations: list, S: int, v: int, comm_time: float, v_shaped: bool = False) -> tuple:
+def _run(orders: list, durations: list, S: int, v: int, comm_time: float, v_shaped: bool = False,
+         pairs: dict | None = None) -> tuple:
     """Start every op as soon as its rank is free and its inputs have arrived, each rank
-    taking its ops in the listed order."""
+    taking its ops in the listed order; a forward paired with a backward (pairs: {(rank,
+    forward): backward}, listed right after it) waits for the backward's inputs too."""
+    pairs = pairs or {}
     end, events = {}, []
     pos, free = [0] * S, [0.0] * S
     while any(p < len(o) for p, o in zip(pos, orders)):
@@ -417,6 +506,9 @@ def _run(orders: list, durations: list, S: int, v: int, comm_time: float, v_shap
             while pos[r] < len(orders[r]):
                 op = orders[r][pos[r]]
                 deps = _deps(r, op, S, v, v_shaped)
+                partner = pairs.get((r, op))
+                if partner is not None:
+                    deps = deps + [d for d in _deps(r, partner, S, v, v_shaped) if d != (r, op)]
                 if any(d not in end for d in deps):
                     break
                 start = max([free[r]] + [end[(r2, o)] + (comm_time if r2 != r else 0.0) for r2, o in deps])

@@ -68,14 +68,13 @@ log = logging.getLogger("autopar")
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
              "zero-bubble": ScheduleInterleavedZeroBubble}
-try:   # (torch >= 2.6)
-    from torch.distributed.pipelining import ScheduleZBVZeroBubble
-    SCHEDULES["zbv"] = ScheduleZBVZeroBubble
-except ImportError:  # pragma: no cover
-    pass
+for _name, _cls in (("zbv", "ScheduleZBVZeroBubble"), ("dualpipev", "ScheduleDualPipeV")):   # (newer torch)
+    import torch.distributed.pipelining as _pipelining
+    if hasattr(_pipelining, _cls):
+        SCHEDULES[_name] = getattr(_pipelining, _cls)
 
 
-MULTI_STAGE = {"interleaved-1f1b", "zero-bubble", "zbv"}  # schedules that take a list of this rank's stages
+MULTI_STAGE = {"interleaved-1f1b", "zero-bubble", "zbv", "dualpipev"}  # schedules that take a list of this rank's stages
 
 def compile_pipelined(model, mesh: Mesh, example_inputs, example_kwargs, plan, *, on_meta: bool, seed,
                       options: RunOptions, precision, device_type: str, seed_of_job: int) -> CompiledModel:

@@ -171,7 +171,8 @@ def _tasks(space: SearchSpace, costs: StageCosts, cut: Cut) -> list:
         for schedule in space.schedules:
             for v in space.virtuals(schedule):
                 n_stages = p * v
-                if len(got.layer_indices) < n_stages or (schedule == "interleaved-1f1b" and n_mb % p):
+                if len(got.layer_indices) < n_stages or (schedule == "interleaved-1f1b" and n_mb % p) or (
+                        schedule == "dualpipev" and n_mb < 2 * p):
                     continue
                 if fixed is not None and not fixed.allows(name, p, schedule, n_mb, v):
                     continue
