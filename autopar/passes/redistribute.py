@@ -93,7 +93,7 @@ class MeshGroups:
 
 # ---------------------------------------------------------------- placements
 
-def _normalize(placements: Sequence[Placement], ndim: int | None, name: str) -> tuple:
+def normalize_placements(placements: Sequence[Placement], ndim: int | None, name: str) -> tuple:
     """Placements with Shard dims made non-negative against a tensor of rank `ndim`,
     checked (an unsupported placement or reduce op raises, naming it)."""
     out = []
@@ -190,8 +190,8 @@ def redistribute_local(x: Tensor, src: Sequence[Placement], dst: Sequence[Placem
     axis of `groups`). Returns a new contiguous tensor (or `x` itself when nothing changes);
     `x` is never modified. No autograd: see `redistribute`.
     """
-    src = _normalize(src, x.dim(), "src")
-    dst = _normalize(dst, x.dim(), "dst")
+    src = normalize_placements(src, x.dim(), "src")
+    dst = normalize_placements(dst, x.dim(), "dst")
     sizes = [groups.size(a) for a in range(len(src))]
     t, owned = x, False  # owned: t is a buffer of ours (not x, not a view of it)
     made = False         # some step made a new buffer (t is it, or a slice of it)

@@ -24,6 +24,8 @@ import torch
 from torch import Tensor
 
 from autopar.cost.redistribution import plan_redistribute
+from autopar.passes.local_ops import in_dim_order
+from autopar.passes.redistribute import normalize_placements
 
 _F = torch.ops._c10d_functional
 
@@ -42,8 +44,7 @@ class FStep(NamedTuple):
 
 def steps_of(src, dst, ndim: int, groups) -> tuple:
     """The FSteps of moving a tensor of rank `ndim` from layout src to dst on this rank."""
-    from autopar.passes.redistribute import _normalize
-    src, dst = _normalize(src, ndim, "src"), _normalize(dst, ndim, "dst")
+    src, dst = normalize_placements(src, ndim, "src"), normalize_placements(dst, ndim, "dst")
     sizes = [groups.size(a) for a in range(len(src))]
     out = []
     for step in plan_redistribute(src, dst, sizes):
@@ -104,7 +105,6 @@ class FunctionalMove(torch.autograd.Function):
 def functional_move(m, groups, ndim: int, order: tuple | None = None):
     """x -> x moved as `m` (a passes.collectives.Move) with functional collectives, laid out
     in `order` like passes.collectives.move."""
-    from autopar.passes.local_ops import in_dim_order
     forward = steps_of(m.src, m.dst, ndim, groups) if tuple(m.src) != tuple(m.dst) else ()
     backward = steps_of(m.grad_src, m.grad_dst, ndim, groups) if tuple(m.grad_src) != tuple(m.grad_dst) else ()
 
