@@ -6,7 +6,8 @@ Model: GPT (vocab 128, untied embeddings so that the hand-written split needs no
 sharing) with hidden 256, 8 heads, 8 layers; global batch 16 x 64 tokens; 4 stages of 2
 layers, one per gloo rank.
 
-Two sides per schedule (GPipe, 1F1B), timed in the same run on copies of one model:
+Two sides per schedule (GPipe, 1F1B; and the V-shaped ZB-V and DualPipeV with 8 stages of one
+layer, rank r holding stages r and 7-r), timed in the same run on copies of one model:
 
     hand-written  four nn.Modules cut by hand (embeddings + blocks 0-1 | blocks 2-3 |
                   blocks 4-5 | blocks 6-7 + final norm + head), PipelineStage each, the
@@ -20,7 +21,8 @@ zero_grad, between two barriers, timed on rank 0; after `--warmup` untimed steps
 sides alternate for `--steps` steps each and the median is reported.  The step-0 losses
 must agree (same weights, same batch).  For autopar's last step the measured passes give
 the measured bubble fraction, and the simulator run with the measured per-stage pass
-times gives the predicted one (autopar.runtime.pass_times.pass_times).
+times gives the predicted one (autopar.runtime.pass_times.pass_times; GPipe and 1F1B,
+whose timelines have one chunk per rank and no weight passes).
 
 Then 2 stages x data parallel 2 on a (2, 2) mesh, 1F1B: autopar with the gradient
 reduction overlapped with each stage's last backward (the default) against the same
@@ -48,8 +50,11 @@ from autopar.models import build
 from runtime_overhead import init_gloo
 
 
+V_SCHEDULES = ("zbv", "dualpipev")
+
+
 class HandStage(nn.Module):
-    """Stage s of 4 cut by hand from a GPT: layers [a, b), the first with the embeddings,
+    """Stage s of n cut by hand from a GPT: layers [a, b), the first with the embeddings,
     the last with the final norm and head (the loss is the schedule's loss_fn)."""
 
     def __init__(self, gpt, s: int, n_stages: int):
@@ -74,26 +79,35 @@ class HandStage(nn.Module):
 
 
 def hand_written(gpt, schedule: str, n_mb: int, lr: float):
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed import pipelining as pp
     rank, world = dist.get_rank(), dist.get_world_size()
-    module = HandStage(gpt, rank, world)
-    stage = PipelineStage(module, rank, world, torch.device("cpu"))
     vocab = gpt.config.vocab
 
     def loss_fn(logits, target):
         return F.cross_entropy(logits.reshape(-1, vocab), target.reshape(-1))
 
-    sched = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](stage, n_mb, loss_fn=loss_fn)
-    opt = torch.optim.AdamW(module.parameters(), lr=lr)
+    if schedule in V_SCHEDULES:   # 2 x world stages, rank r holding r and 2 world - 1 - r
+        n = 2 * world
+        modules = [HandStage(gpt, s, n) for s in (rank, n - 1 - rank)]
+        stages = [pp.PipelineStage(m, s, n, torch.device("cpu")) for m, s in zip(modules, (rank, n - 1 - rank))]
+        cls = {"zbv": pp.ScheduleZBVZeroBubble, "dualpipev": pp.ScheduleDualPipeV}[schedule]
+        sched = cls(stages, n_mb, loss_fn=loss_fn)
+        last = 0
+    else:
+        modules = [HandStage(gpt, rank, world)]
+        stage = pp.PipelineStage(modules[0], rank, world, torch.device("cpu"))
+        sched = {"gpipe": pp.ScheduleGPipe, "1f1b": pp.Schedule1F1B}[schedule](stage, n_mb, loss_fn=loss_fn)
+        last = world - 1
+    opt = torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=lr)
 
     def step(idx, targets):
         losses = []
         sched.step(*([idx] if rank == 0 else []),
-                   **({"target": targets, "losses": losses} if rank == world - 1 else {}))
+                   **({"target": targets, "losses": losses} if rank == last else {}))
         opt.step()
         opt.zero_grad()
         loss = torch.stack(losses).mean() if losses else torch.zeros(())
-        dist.broadcast(loss, src=world - 1)
+        dist.broadcast(loss, src=last)
         return loss
     return step
 
@@ -142,7 +156,7 @@ def main() -> None:
     gpt, batch = build("gpt-tiny", hidden=256, n_heads=8, n_layers=args.layers, tie_embeddings=False,
                        batch=16, seq=64)
     rows = []
-    for schedule in ("gpipe", "1f1b"):
+    for schedule in ("gpipe", "1f1b", *V_SCHEDULES):
         hand = hand_written(copy.deepcopy(gpt), schedule, args.microbatches, 1e-4)
         mine, cm, plan = compiled(copy.deepcopy(gpt), batch, schedule, args.microbatches, 1e-4)
         first = (hand(*batch).item(), mine(*batch).item())
@@ -153,12 +167,15 @@ def main() -> None:
         for _ in range(args.steps):
             times["hand"].append(timed(hand, batch))
             times["autopar"].append(timed(mine, batch))
+        med = {k: statistics.median(v) for k, v in times.items()}
+        if schedule in V_SCHEDULES:   # (pass_times reads one-chunk timelines: the plan's simulated bubble)
+            rows.append((schedule, plan.pipeline.stages, med, first, float("nan"), plan.pipeline.bubble))
+            continue
         from autopar.runtime.pass_times import EventRecorder, gather_timeline, pass_times
         with EventRecorder(*cm.runner.pipeline_stages) as recorder:
             mine(*batch)
             timeline = gather_timeline(recorder, schedule)
         simulated = pass_times(timeline).simulate(schedule, args.microbatches)
-        med = {k: statistics.median(v) for k, v in times.items()}
         rows.append((schedule, plan.pipeline.stages, med, first, timeline.bubble_fraction,
                      simulated.bubble_fraction))
     step, cm, _ = compiled(copy.deepcopy(gpt), batch, "1f1b", args.microbatches // 2, 1e-4, data_parallel=True)

@@ -11,7 +11,7 @@ import autopar
 from autopar.mesh import parse_bytes
 from autopar.models import build
 from autopar.solve.overlap import step_lower_bound
-from autopar.solve.pipeline_candidates import balanced_cuts
+from autopar.solve.pipeline_candidates import balanced_cuts, v_cuts
 from autopar.solve.pipeline_search import search
 from autopar.solve.solution import build_problem
 from autopar.solve.solved import SolveOptions
@@ -22,6 +22,23 @@ def test_balanced_cuts_minimise_the_slowest_stage():
     # a heavy prefix (embedding) pushes layers away from the first stage
     assert balanced_cuts([1.0] * 6, 2, 2.0, 0.0) == [(0, 2), (2, 6)]
     assert balanced_cuts([5.0, 1.0, 1.0, 1.0], 2, 0.0, 0.0) == [(0, 1), (1, 4)]
+
+
+def test_v_cuts_balance_each_groups_two_stages():
+    """Under a V, group g runs stages g and 2p-1-g: the V cut balances each group's two
+    stages together (the head, here 6 layers' worth, rides on group 0 with the first stage),
+    where the stage-balanced cut leaves one group slower."""
+    units = [3.0, 1, 1, 3, 3, 2, 3, 2, 2, 2, 3, 3, 3, 2, 1, 2, 3, 1, 2, 3, 3, 2, 1, 1]
+    head, tail = 0.0, 6.0
+
+    def slowest(cuts):
+        load = [sum(units[a:b]) + (head if s == 0 else 0.0) + (tail if s == 7 else 0.0)
+                for s, (a, b) in enumerate(cuts)]
+        return max(load[g] + load[7 - g] for g in range(4))
+    plain, v = balanced_cuts(units, 8, head, tail), v_cuts(units, 8, head, tail)
+    assert (slowest(plain), slowest(v)) == (16.0, 15.0)
+    assert [a for a, _ in v][0] == 0 and v[-1][1] == 24 and all(b > a for a, b in v)
+    assert all(v[i][1] == v[i + 1][0] for i in range(7))
 
 
 @pytest.fixture(scope="module")

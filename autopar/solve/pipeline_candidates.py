@@ -128,8 +128,8 @@ def _stages(parts: StageParts, copies, send, n_stages, overlap, v_shaped: bool =
     layers, prefix, suffix = parts.layers, parts.prefix, parts.suffix
     paid = 0.0 if overlap else send
     units = [c.forward_s + c.backward_s for c in layers]
-    cuts = balanced_cuts(units, n_stages, units and (prefix.forward_s + prefix.backward_s),
-                         suffix.forward_s + suffix.backward_s)
+    cut = v_cuts if v_shaped else balanced_cuts
+    cuts = cut(units, n_stages, units and (prefix.forward_s + prefix.backward_s), suffix.forward_s + suffix.backward_s)
     fwd, bwd, once, acts, work = [], [], [], [], []
     held_states = {k: [] for k in STATES}
     for s, (a, b) in enumerate(cuts):
@@ -195,6 +195,45 @@ def evaluate(parts: StageParts, copies, send, n_stages, p, v, schedule, n_mb, li
     return PipelineChoice(None, p, (), tuple(cuts), schedule, n_mb, v, step, tl.bubble_fraction,
                           tuple(f + b for f, b in zip(fwd, bwd)), tuple(memory), group_memory=tuple(group_memory),
                           send_s=send, sends_overlap=overlap)
+
+
+def v_cuts(units, n_stages, head, tail):
+    """Contiguous runs of layers for a V-shaped schedule, where device group g runs stages g
+    and n_stages-1-g: the cuts that minimise the slowest group's two stages together.  From
+    balanced_cuts, each boundary is moved a layer at a time while that lowers the slowest
+    group (then the sum of squared group loads); stage 0 carries `head` and the last stage
+    `tail`, both on group 0, which so gets fewer layers."""
+    return _v_cuts(tuple(units), n_stages, head or 0.0, tail)
+
+
+@functools.lru_cache(maxsize=4096)
+def _v_cuts(units, n_stages, head, tail):
+    bounds = [a for a, _ in _balanced_cuts(units, n_stages, head, tail)][1:]   # first layer of stages 1..
+
+    def score(bounds):
+        edges = [0, *bounds, len(units)]
+        load = [sum(units[a:b]) + (head if s == 0 else 0.0) + (tail if s == n_stages - 1 else 0.0)
+                for s, (a, b) in enumerate(zip(edges, edges[1:]))]
+        groups = [load[g] + load[n_stages - 1 - g] for g in range(n_stages // 2)]
+        return max(groups), sum(x * x for x in groups)
+
+    best = score(bounds)
+    improved = True
+    while improved:
+        improved = False
+        for i in range(len(bounds)):
+            for step in (-1, 1):
+                moved = list(bounds)
+                moved[i] += step
+                low = moved[i - 1] if i else 0
+                high = moved[i + 1] if i + 1 < len(moved) else len(units)
+                if not low < moved[i] < high:
+                    continue
+                got = score(moved)
+                if got < best:
+                    bounds, best, improved = moved, got, True
+    edges = [0, *bounds, len(units)]
+    return list(zip(edges, edges[1:]))
 
 
 def balanced_cuts(units, n_stages, head, tail):
