@@ -69,16 +69,19 @@ SLOW = {
     "test_inductor.py::test_inductor_batch_norm_trains_and_keeps_its_statistics",
     "test_grouped_experts.py::test_jetmoe_trains_like_one_device",          # 15-25 s
     "test_hf_models.py::test_phimoe_router_noise_is_planned_and_trains",
+    "test_capacity_experts.py::test_switch_trains_like_one_device",             # 12 s a layout
+    "test_pipeline_search.py::test_search_does_not_pick_zbv_with_too_few_microbatches",
+    "test_planner_3axis.py::test_hand_written_layouts_plan_on_three_axes",     # 16 s
 }
 SAMPLED = {   # test -> cases kept in the fast tier
-    "test_runtime.py::test_training_matches_one_device": 3,
+    "test_runtime.py::test_training_matches_one_device": 1,
     "test_semantics.py::test_frozen_parameters_stay_frozen": 1,
     "test_hf_models.py::test_family_trains_like_one_device": 4,
-    "test_hf_models.py::test_mixture_of_experts_trains_like_one_device": 2,
+    "test_hf_models.py::test_mixture_of_experts_trains_like_one_device": 1,
     "test_hf_models.py::test_further_moe_families_train_like_one_device": 1,
-    "test_hf_models.py::test_further_moe_families_shard_their_experts": 5,
+    "test_hf_models.py::test_further_moe_families_shard_their_experts": 3,
     "test_hf_models.py::test_megatron_meets_its_closed_form": 6,
-    "test_pipeline_runtime.py::test_every_schedule_trains_like_one_device": 3,
+    "test_pipeline_runtime.py::test_every_schedule_trains_like_one_device": 2,
     "test_pipeline_runtime.py::test_three_dimensional_layouts_train_like_one_device": 1,
     "test_recompute.py::test_recomputed_training_matches_one_device": 4,
     "test_recompute.py::test_predicted_activations_match_saved_bytes": 2,
@@ -92,7 +95,6 @@ SAMPLED = {   # test -> cases kept in the fast tier
     "test_planner_3axis.py::test_presolve_equals_full_ilp_on_random_graphs": 10,
     "test_user_models.py::test_user_attention_trains_like_one_device": 1,
     "test_grouped_experts.py::test_sorted_moe_trains_like_one_device": 1,
-    "test_capacity_experts.py::test_switch_trains_like_one_device": 1,
     "test_capacity_experts.py::test_fixed_capacity_dispatch_trains_like_one_device": 1,
     "test_inductor.py::test_inductor_trains_like_one_device": 1,
 }
