@@ -197,16 +197,16 @@ def simulate(schedule: str, n_stages: int, n_microbatches: int, stage_times=None
         raise ValueError(f"w_fraction must be strictly between 0 and 1, got {w_fraction}")
 
     S, B, v = n_stages, n_microbatches, n_virtual
+    pairs: dict = {}
     if schedule in ("naive", "gpipe"):
         orders = _gpipe(S, B)
     elif schedule == "zero-bubble":
         orders = _zero_bubble(S, B)
     elif schedule == "zbv":
         orders = _zbv(S, B)
-    pairs: dict = {}
-    if schedule == "dualpipev":
+    elif schedule == "dualpipev":
         orders, pairs = _dualpipev(S, B)
-    elif schedule not in ("naive", "gpipe", "zero-bubble", "zbv"):
+    else:
         orders = _one_f_one_b(S, B, v)
     tb = backward_ratio * (1.0 - w_fraction if schedule in SPLIT_BACKWARD else 1.0)
     scale = {"F": 1.0 / v, "B": tb / v, "W": backward_ratio * w_fraction / v}

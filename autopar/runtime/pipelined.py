@@ -41,6 +41,7 @@ import logging
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import pipelining
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                          ScheduleInterleavedZeroBubble)
 
@@ -68,10 +69,9 @@ log = logging.getLogger("autopar")
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
              "zero-bubble": ScheduleInterleavedZeroBubble}
-for _name, _cls in (("zbv", "ScheduleZBVZeroBubble"), ("dualpipev", "ScheduleDualPipeV")):   # (newer torch)
-    import torch.distributed.pipelining as _pipelining
-    if hasattr(_pipelining, _cls):
-        SCHEDULES[_name] = getattr(_pipelining, _cls)
+SCHEDULES.update({name: getattr(pipelining, cls) for name, cls in (("zbv", "ScheduleZBVZeroBubble"),
+                                                                   ("dualpipev", "ScheduleDualPipeV"))
+                  if hasattr(pipelining, cls)})   # (newer torch)
 
 
 MULTI_STAGE = {"interleaved-1f1b", "zero-bubble", "zbv", "dualpipev"}  # schedules that take a list of this rank's stages

@@ -439,10 +439,14 @@ def _takes(module, count: int) -> bool:
     return len([p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]) == count
 
 
-def _mask_call(x, mask, routing_weights, ins, outs, act: str, capacity: float = 0.0):
-    n_experts = len(ins)
-    m = mask.reshape(x.shape[0], -1, n_experts)
-    ids = torch.where(m.sum(-1) > 0, m.argmax(-1), torch.full_like(m[..., 0], n_experts, dtype=torch.long))
+def _mask_ids(mask, rows: int, n_experts: int):
+    """Each (row, slot)'s expert, [rows, slots], from a one-hot mask: its argmax, or
+    n_experts (no expert) where the slot is all zeros."""
+    m = mask.reshape(rows, -1, n_experts)
+    return torch.where(m.sum(-1) > 0, m.argmax(-1), torch.full_like(m[..., 0], n_experts, dtype=torch.long))
+
+
+def _mask_call(x, ids, routing_weights, ins, outs, act: str, capacity: float = 0.0):
     weight = routing_weights.reshape(x.shape[0], -1)
     return experts(x, ids, weight, torch.stack(list(ins)), None, torch.stack(list(outs)), act, 0, capacity=capacity)
 
@@ -468,7 +472,7 @@ def _probe_mask(module, found) -> bool:
             expected = torch.func.functional_call(module, given, (rows, mask, weights))
     except Exception:
         return False
-    got = _mask_call(rows, mask, weights, probe_in, probe_out, act)
+    got = _mask_call(rows, _mask_ids(mask, 4, n_experts), weights, probe_in, probe_out, act)
     return expected.shape == got.shape and torch.allclose(expected, got, rtol=1e-5, atol=1e-6)
 
 
@@ -488,9 +492,9 @@ def _mask_forward(module, hidden_states, mask, routing_weights):
     if per_sequence and sequence:   # rows one expert may take over the mean rows per expert
         slots = mask.numel() // (hidden_states.shape[0] * len(ins))
         capacity = per_sequence * len(ins) / (sequence * max(slots, 1))
-    _record(torch.where(mask.reshape(-1, len(ins)).sum(-1) > 0, mask.reshape(-1, len(ins)).argmax(-1), len(ins)),
-            len(ins))
-    return _mask_call(hidden_states, mask, routing_weights, ins, outs, act, capacity)
+    ids = _mask_ids(mask, hidden_states.shape[0], len(ins))
+    _record(ids, len(ins))
+    return _mask_call(hidden_states, ids, routing_weights, ins, outs, act, capacity)
 
 
 # --- grouped experts: rows already sorted by expert, with each expert's row count --------------
@@ -526,11 +530,7 @@ def grouped_weights(module) -> tuple | None:
 def takes_rows_and_counts(module) -> bool:
     """Whether the module's forward takes two positional arguments (the sorted rows and
     their counts or split sizes)."""
-    try:
-        params = list(inspect.signature(module.forward).parameters.values())
-    except (TypeError, ValueError):
-        return False
-    return len([p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]) == 2
+    return _takes(module, 2)
 
 
 def _grouped_operands(w1, w2, w3, transposed: bool):
