@@ -44,10 +44,10 @@ def build_case(spec: tuple):
                 module.forward = functools.partial(checkpoint, module.forward, use_reentrant=True)
         return model, args, kwargs
     torch.manual_seed(0)
-    if kind == "hf-deepseek":  # ("hf-deepseek",): DeepSeek-V3's latent attention, grouped router, shared expert
+    if kind == "hf-deepseek":  # ("hf-deepseek"[, layers]): DeepSeek-V3's latent attention, grouped router, shared expert
         import transformers as tf
         cfg = tf.DeepseekV3Config(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                                  num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8,
+                                  num_hidden_layers=spec[1] if len(spec) > 1 else 2, num_attention_heads=8, num_key_value_heads=8,
                                   n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, q_lora_rank=32,
                                   kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
                                   first_k_dense_replace=1, n_group=2, topk_group=1, use_cache=False,
@@ -90,9 +90,10 @@ def build_case(spec: tuple):
         cfg = GPT2Config(vocab_size=128, n_positions=64, n_embd=64, n_layer=2, n_head=4, use_cache=False,
                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         model = GPT2LMHeadModel(cfg)
-    elif kind == "hf-llama":
+    elif kind == "hf-llama":   # ("hf-llama"[, layers])
         from transformers import LlamaConfig, LlamaForCausalLM
-        cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                          num_hidden_layers=spec[1] if len(spec) > 1 else 2,
                           num_attention_heads=4, num_key_value_heads=2, use_cache=False)
         model = LlamaForCausalLM(cfg)
     elif kind == "hf-dropout":  # ("hf-dropout", family): a small model of that family with dropout 0.1 everywhere

@@ -19,7 +19,7 @@ from rt_cases import (
 
 import autopar
 
-SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev"]
+SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev", "chimera"]
 TWO_PER_GROUP = ("interleaved-1f1b", "zbv", "dualpipev")   # two stages per device group (zbv, dualpipev: a V)
 # name -> (mesh shape, axis names, device groups, intra-stage layout, pool)
 LAYOUTS = {
@@ -71,7 +71,7 @@ def test_every_schedule_trains_like_one_device(request, model, layout):
         results = pool.run(train_and_compare, spec, plan.to_dict())
         if intra == "data-parallel":  # the batch really is split: gradients go through the buckets,
             assert all(r["synced_by_buckets"] > 0 for r in results), results
-            if schedule not in ("zero-bubble", "zbv", "dualpipev"):  # most while the last microbatch's backward runs
+            if schedule not in ("zero-bubble", "zbv", "dualpipev", "chimera"):  # most while the last backward runs
                 assert all(r["reduced_during_backward"] >= r["synced_by_buckets"] // 2 for r in results), results
         bad = [r for r in results if not r["ok"]]
         if bad:
@@ -117,6 +117,30 @@ def test_hugging_face_models_pipeline_like_one_device(pool2, kind):
     assert plan.pipeline.layer_prefix in ("transformer.h", "model.layers")
     result = pool2.run(train_and_compare, (kind,), plan.to_dict())[0]
     assert result["ok"], result
+
+
+@pytest.mark.parametrize("kind", ["hf-llama", "hf-deepseek"])
+def test_newer_schedules_on_hugging_face_families(pool4, kind):
+    """ZB-V, DualPipeV (4 stages on 2 device groups, Megatron inside each) and Chimera (2
+    stages, each on both groups; data parallelism inside) on Hugging Face Llama and on
+    DeepSeek-V3 (latent attention, routed and shared experts; its first layer dense, so 5
+    layers give 4 alike to cut), (2, 2) mesh: 3 AdamW steps equal to one device."""
+    spec = (kind, 5 if kind == "hf-deepseek" else 4)
+    model, args, kwargs = build_case(spec)
+    failures = []
+    for schedule, intra, microbatches in (("zbv", "megatron-tp", 2), ("dualpipev", "megatron-tp", 4),
+                                          ("chimera", "data-parallel", 2)):
+        inside = "dp" if intra == "data-parallel" else "tp"
+        plan = autopar.plan(model, autopar.Mesh((2, 2), ("pp", inside), device="cpu"), args, example_kwargs=kwargs,
+                            compare=False, layout=intra,
+                            pipeline=autopar.Pipeline(axis="pp", groups=2, schedule=schedule,
+                                                      microbatches=microbatches))
+        assert plan.pipeline.schedule == schedule
+        assert len(plan.pipeline.stages) == (2 if schedule == "chimera" else 4)
+        bad = [r for r in pool4.run(train_and_compare, spec, plan.to_dict()) if not r["ok"]]
+        if bad:
+            failures.append(f"{schedule} x {intra}: {bad[0]}")
+    assert not failures, "\n".join(failures)
 
 
 @pytest.mark.parametrize("reshard", [True, False])

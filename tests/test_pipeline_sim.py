@@ -9,7 +9,8 @@ from collections import Counter
 
 import pytest
 
-from autopar.cost.schedules import SCHEDULES, SPLIT_BACKWARD, V_SHAPED, Event, Timeline, bubble_formula, stage_of
+from autopar.cost.schedules import (SCHEDULES, SPLIT_BACKWARD, TWO_WAY, Event, Timeline, bubble_formula,
+                                    placement_of, stage_of)
 from autopar.plan.gantt import gantt_svg
 from autopar.cost.schedules import simulate
 
@@ -19,16 +20,23 @@ EPS = 1e-9
 def check_timeline(tl: Timeline, comm_time: float = 0.0) -> None:
     """Every (virtual stage, microbatch) has one F and one B (and one W under zero-bubble
     and zbv), no rank runs two passes at once, and every pass starts after its inputs arrive
-    (zbv: chunk 0 of rank r is stage r, chunk 1 stage 2S-1-r)."""
+    (zbv: chunk 0 of rank r is stage r, chunk 1 stage 2S-1-r; chimera: microbatch m runs
+    down stages 0..S-1 when m % S < S/2, else up, numbered S..2S-1)."""
     S, B, v = tl.n_stages, tl.n_microbatches, tl.n_virtual
     kinds = "FBW" if tl.schedule in SPLIT_BACKWARD else "FB"
-    v_shaped = tl.schedule in V_SHAPED
+    placement = placement_of(tl.schedule)
+    two_way = tl.schedule in TWO_WAY
     at = {}
     for e in tl.events:
-        at[e.kind, stage_of(e.rank, e.chunk, S, v_shaped), e.microbatch] = e
-    count = Counter((e.kind, stage_of(e.rank, e.chunk, S, v_shaped), e.microbatch) for e in tl.events)
+        at[e.kind, stage_of(e.rank, e.chunk, S, placement), e.microbatch] = e
+    count = Counter((e.kind, stage_of(e.rank, e.chunk, S, placement), e.microbatch) for e in tl.events)
     assert set(count.values()) == {1}
-    assert set(count) == {(k, s, m) for k in kinds for s in range(S * v) for m in range(B)}
+
+    def stages(m):
+        if two_way:
+            return range(S, 2 * S) if m % S >= S // 2 else range(S)
+        return range(S * v)
+    assert set(count) == {(k, s, m) for k in kinds for m in range(B) for s in stages(m)}
 
     for r in range(S):
         passes = tl.on(r)
@@ -38,11 +46,11 @@ def check_timeline(tl: Timeline, comm_time: float = 0.0) -> None:
         return e.start + EPS >= dep.end + (comm_time if dep.rank != e.rank else 0.0)
 
     for (kind, s, m), e in at.items():
-        if kind == "F" and s > 0:
+        if kind == "F" and s > stages(m)[0]:
             assert after(e, at["F", s - 1, m])
         if kind == "B":
             assert after(e, at["F", s, m])
-            if s < S * v - 1:
+            if s < stages(m)[-1]:
                 assert after(e, at["B", s + 1, m])
         if kind == "W":
             assert after(e, at["B", s, m])
@@ -56,7 +64,9 @@ CASES = [("naive", 4, 1, {}), ("gpipe", 4, 4, {}), ("gpipe", 3, 5, {"stage_times
          ("zbv", 4, 8, {}), ("zbv", 4, 3, {}), ("zbv", 2, 5, {}),
          ("zbv", 3, 7, {"stage_times": [1.0, 3.0, 2.0], "backward_ratio": 3.0, "w_fraction": 0.3}),
          ("dualpipev", 4, 8, {}), ("dualpipev", 2, 5, {}),
-         ("dualpipev", 3, 7, {"stage_times": [1.0, 3.0, 2.0], "backward_ratio": 3.0, "w_fraction": 0.3})]
+         ("dualpipev", 3, 7, {"stage_times": [1.0, 3.0, 2.0], "backward_ratio": 3.0, "w_fraction": 0.3}),
+         ("chimera", 4, 8, {}), ("chimera", 2, 2, {}),
+         ("chimera", 4, 4, {"stage_times": [1.0, 3.0, 2.0, 0.5], "backward_ratio": 3.0})]
 
 
 @pytest.mark.parametrize("comm_time", [0.0, 0.25])
@@ -184,6 +194,41 @@ def test_dualpipev_within_deepseeks_bound(S, B, backward_ratio, w_fraction):
     assert tl.makespan - B * (1 + backward_ratio) <= (S - 1) * ((f + b) + b - 3 * w) + EPS
 
 
+@pytest.mark.parametrize("S", [2, 4, 8])
+@pytest.mark.parametrize("factor", [1, 2, 3])
+def test_chimera_bubble_and_memory_are_the_papers(S, factor):
+    """Chimera (Li and Hoefler 2021, table 2), forward and backward equally long: bubble
+    ratio (D-2)/(2N+D-2), idle time (D/2-1)(tf+tb) per rank against 1F1B's (D-1)(tf+tb);
+    activations between D/2 + 1 and D microbatches per rank (1F1B: 1 to D); every stage
+    held on two ranks."""
+    B = factor * S
+    tl = simulate("chimera", S, B, backward_ratio=1.0)
+    assert tl.bubble_fraction == pytest.approx(bubble_formula("chimera", S, B, backward_ratio=1.0))
+    assert tl.bubble_fraction == pytest.approx((S - 2) / (2 * B + S - 2))
+    assert tl.makespan == pytest.approx(2 * B + (S - 2))
+    assert simulate("1f1b", S, B, backward_ratio=1.0).makespan == pytest.approx(2 * B + 2 * (S - 1))
+    held = [tl.max_in_flight(r) for r in range(S)]
+    assert min(held) == S // 2 + 1 and max(held) == S
+    assert {(e.rank, e.chunk) for e in tl.events} == {(r, c) for r in range(S) for c in (0, 1)}
+
+
+@pytest.mark.parametrize("S, B", [(4, 4), (8, 8), (4, 8)])
+def test_chimera_longer_backward(S, B):
+    """With backward twice forward, one unit of S microbatches still beats 1F1B, but the
+    units concatenated leave gaps (the paper's "direct concatenation"): the simulator shows
+    what the search weighs."""
+    chimera, one = simulate("chimera", S, B), simulate("1f1b", S, B)
+    if B == S:
+        assert chimera.makespan < one.makespan
+    assert chimera.makespan >= B * 3 + (S // 2 - 1) * 3 - EPS
+    with pytest.raises(ValueError, match="backward as long as forward"):
+        bubble_formula("chimera", S, B)
+    with pytest.raises(ValueError, match="multiple of n_stages"):
+        simulate("chimera", S, B + 1)
+    with pytest.raises(ValueError, match="even number"):
+        simulate("chimera", 3, 6)
+
+
 def test_zbv_closed_form_outside_its_range_says_so():
     with pytest.raises(ValueError, match="n_microbatches >= 2 n_stages"):
         bubble_formula("zbv", 4, 7)
@@ -262,7 +307,7 @@ def test_gantt_measured_events_normalised(tmp_path):
 
 
 def test_all_schedules_listed():
-    assert SCHEDULES == ("naive", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")
+    assert SCHEDULES == ("naive", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev", "chimera")
 
 
 def test_one_list_of_schedules_from_simulator_to_runtime():
@@ -272,3 +317,22 @@ def test_one_list_of_schedules_from_simulator_to_runtime():
     from autopar.solve.pipeline_options import SCHEDULE_CHOICES
     assert SCHEDULE_CHOICES == tuple(s for s in SCHEDULES if s != "naive")
     assert set(RUNS) == set(SCHEDULE_CHOICES)
+
+
+@pytest.mark.parametrize("S", [2, 4, 8])
+def test_chimera_receives_in_the_order_it_sends(S, monkeypatch):
+    """Under NCCL (no message tags) every device group must receive from each neighbour in
+    the order that neighbour sends: it holds for the chimera orders autopar runs, and a
+    swapped order is refused by name."""
+    from autopar.runtime import two_way
+    for k in (1, 2, 3):
+        two_way.check_order(S, k * S)
+    if S == 2:
+        return
+    orders = [list(o) for o in two_way._chimera(S, S)]
+    first = next(i for i, op in enumerate(orders[0]) if op[0] == "F")
+    second = next(i for i, op in enumerate(orders[0]) if op[0] == "F" and i > first and op[2] == orders[0][first][2])
+    orders[0][first], orders[0][second] = orders[0][second], orders[0][first]
+    monkeypatch.setattr(two_way, "_chimera", lambda s, b: orders)
+    with pytest.raises(Exception, match="receives from group 0 in another order"):
+        two_way.check_order(S, S)

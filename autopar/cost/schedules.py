@@ -10,7 +10,9 @@ starts each pass when the rank is free and its inputs have arrived:
 
 Chunk c of rank r is virtual stage c*S + r (S ranks, v chunks per rank); under zbv
 (two chunks per rank in a V) chunk 0 of rank r is stage r and chunk 1 is stage 2S-1-r, so
-rank 0 holds the first and the last stage.  With S equal stages, forward tf and backward tb
+rank 0 holds the first and the last stage; under chimera chunk 0 of rank r is stage r of
+the down pipeline and chunk 1 stage S-1-r of the up pipeline, each microbatch running
+through one of them.  With S equal stages, forward tf and backward tb
 per microbatch, B microbatches and v chunks:
 
     naive         one batch through S stages            bubble (S-1)/S
@@ -21,6 +23,8 @@ per microbatch, B microbatches and v chunks:
     zbv           makespan B(tf+tb) + (S-1) max(tbB, 2(tbB-tbW)) / 2   for B >= 2S and
                   tf, tbW <= tbB: with tf = tbB = tbW half ZB-H1's bubble, a sixth of
                   1F1B's, at 1F1B's peak activations (see _zbv and bubble_formula)
+    chimera       makespan B(tf+tb) + (S/2-1)(tf+tb)        for tb = tf, B a multiple of S
+                  (two pipelines in opposite directions; see _chimera and bubble_formula)
 
 Interleaved 1F1B follows Narayanan et al. 2021 ("Efficient Large-Scale Language Model
 Training on GPU Clusters Using Megatron-LM"); zero-bubble follows the ZB-H1 schedule of
@@ -31,11 +35,12 @@ and comes back up, as does its backward).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
-SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")
+SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev", "chimera")
 SPLIT_BACKWARD = ("zero-bubble", "zbv", "dualpipev")   # backward as B (inputs) and W (weights) passes
 V_SHAPED = ("zbv", "dualpipev")                        # two chunks per rank, placed as a V
+TWO_WAY = ("chimera",)   # two pipelines in opposite directions, every stage held twice
 KINDS = ("F", "B", "W")
 
 Op = tuple  # (kind, microbatch, chunk)
@@ -173,7 +178,11 @@ def simulate(schedule: str, n_stages: int, n_microbatches: int, stage_times=None
                          f"n_microbatches={n_microbatches}")
     if schedule == "naive":
         n_microbatches = 1
-    if schedule in V_SHAPED:
+    if schedule in TWO_WAY and (n_stages % 2 or n_microbatches % n_stages):
+        raise ValueError(f"chimera needs an even number of stages and a multiple of n_stages microbatches (each "
+                         f"unit of n_stages sends half down, half up); got n_stages={n_stages}, "
+                         f"n_microbatches={n_microbatches}")
+    if schedule in V_SHAPED + TWO_WAY:
         if n_virtual not in (1, 2):
             raise ValueError(f"{schedule} runs two chunks per rank (n_virtual=2), not {n_virtual}")
         n_virtual = 2
@@ -206,12 +215,19 @@ def simulate(schedule: str, n_stages: int, n_microbatches: int, stage_times=None
         orders = _zbv(S, B)
     elif schedule == "dualpipev":
         orders, pairs = _dualpipev(S, B)
+    elif schedule == "chimera":
+        orders = _chimera(S, B)
     else:
         orders = _one_f_one_b(S, B, v)
     tb = backward_ratio * (1.0 - w_fraction if schedule in SPLIT_BACKWARD else 1.0)
     scale = {"F": 1.0 / v, "B": tb / v, "W": backward_ratio * w_fraction / v}
-    durations = [{k: t * s for k, s in scale.items()} for t in stage_times]
-    events = _run(orders, durations, S, v, comm_time, v_shaped=schedule in V_SHAPED, pairs=pairs)
+    if schedule in TWO_WAY:   # rank r runs stage r down and stage S-1-r up, each whole
+        durations = [{(k, c): stage_times[r if c == 0 else S - 1 - r] * s * v for k, s in scale.items()
+                      for c in range(2)} for r in range(S)]
+    else:
+        durations = [{(k, c): t * s for k, s in scale.items() for c in range(v)} for t in stage_times]
+    placement = "two-way" if schedule in TWO_WAY else "v" if schedule in V_SHAPED else "loop"
+    events = _run(orders, durations, S, v, comm_time, placement, pairs=pairs)
     return Timeline(schedule, S, B, events, v)
 
 
@@ -227,6 +243,8 @@ def bubble_formula(schedule: str, n_stages: int, n_microbatches: int, n_virtual:
                           tbW = w_fraction tb, tbB = tb - tbW; for B >= S (ZB-H1, Qi et al. 2023)
         zbv               (S-1) y / (B(tf+tb) + (S-1) y),  y = max(tbB, 2(tbB - tbW)) / 2,
                           for B >= 2S and tf, tbW <= tbB (ZB-V, the same paper, section 6)
+        chimera           (S-2) / (2B + S-2)         for tb = tf and B a multiple of S (Li and
+                          Hoefler 2021, table 2): bubble time (S/2-1)(tf+tb), under half of 1F1B's
 
     zero-bubble and zbv depend on backward_ratio: with the defaults x = tf, y = tf / 2 and
     the fractions are (S-1) / (3B + S-1) and (S-1) / (6B + S-1).  ZB-V's idle time is the
@@ -245,6 +263,12 @@ def bubble_formula(schedule: str, n_stages: int, n_microbatches: int, n_virtual:
         if B % S:
             raise ValueError(f"interleaved-1f1b needs n_microbatches a multiple of n_stages={S}, got {B}")
         return (S - 1) / (v * B + S - 1)
+    if schedule == "chimera":
+        if S % 2 or B % S or backward_ratio != 1.0:
+            raise ValueError(f"the chimera closed form holds for an even number of stages, a multiple of them as "
+                             f"microbatches and backward as long as forward; got {S} stages, {B} microbatches, "
+                             f"backward_ratio {backward_ratio:g}: use simulate() instead")
+        return (S - 2) / (2 * B + S - 2)
     tb_w = w_fraction * backward_ratio
     tb_b = backward_ratio - tb_w
     if schedule == "zbv":
@@ -317,30 +341,50 @@ def _zero_bubble(S: int, B: int) -> list:
 
 
 def group_stages(group: int, n_groups: int, n_stages: int, schedule: str) -> list:
-    """The stages device group `group` runs, in chunk order: g, g + p, ... (p groups), or
-    under a V-shaped schedule g and 2p-1-g."""
+    """The stages device group `group` runs, in chunk order: g, g + p, ... (p groups), under
+    a V-shaped schedule g and 2p-1-g, under chimera g (down) and p-1-g (up)."""
     if schedule in V_SHAPED:
         return [group, 2 * n_groups - 1 - group]
+    if schedule in TWO_WAY:
+        return [group, n_groups - 1 - group]
     return list(range(group, n_stages, n_groups))
 
 
 def stage_group(stage: int, n_groups: int, schedule: str) -> int:
-    """The device group that runs `stage` (the inverse of group_stages)."""
+    """The device group that runs `stage` (the inverse of group_stages; under chimera the
+    down pipeline's copy, see stage_groups)."""
     if schedule in V_SHAPED:
-        return place_of(stage, n_groups, True)[0]
+        return place_of(stage, n_groups, "v")[0]
     return stage % n_groups
 
 
-def stage_of(rank: int, chunk: int, S: int, v_shaped: bool = False) -> int:
-    """The virtual stage chunk `chunk` of `rank` runs (S ranks)."""
-    if v_shaped:
+def stage_groups(stage: int, n_groups: int, schedule: str) -> list:
+    """Every device group that runs `stage`: one, or under chimera two (stage k runs on group
+    k in the down pipeline and on group S-1-k in the up pipeline)."""
+    if schedule in TWO_WAY:
+        return sorted({stage, n_groups - 1 - stage})
+    return [stage_group(stage, n_groups, schedule)]
+
+
+def placement_of(schedule: str) -> str:
+    """How `schedule` places chunks on ranks: "loop" (chunk c of rank r is stage cS + r),
+    "v" (V-shaped: chunk 0 of rank r is stage r, chunk 1 stage 2S-1-r) or "two-way"
+    (chimera: chunk 0 of rank r is stage r of the down pipeline, chunk 1 stage S-1-r of the
+    up pipeline)."""
+    return "two-way" if schedule in TWO_WAY else "v" if schedule in V_SHAPED else "loop"
+
+
+def stage_of(rank: int, chunk: int, S: int, placement: str = "loop") -> int:
+    """The virtual stage chunk `chunk` of `rank` runs (S ranks); under "two-way" the up
+    pipeline's stage k is numbered S + k."""
+    if placement != "loop":
         return rank if chunk == 0 else 2 * S - 1 - rank
     return chunk * S + rank
 
 
-def place_of(stage: int, S: int, v_shaped: bool = False) -> tuple:
+def place_of(stage: int, S: int, placement: str = "loop") -> tuple:
     """(rank, chunk) of virtual stage `stage`: the inverse of stage_of."""
-    if v_shaped:
+    if placement in ("v", "two-way"):
         return (stage, 0) if stage < S else (2 * S - 1 - stage, 1)
     return stage % S, stage // S
 
@@ -474,25 +518,88 @@ def _dualpipev(S: int, B: int) -> list:
     return orders, pairs
 
 
-def _deps(rank: int, op: Op, S: int, v: int, v_shaped: bool = False) -> list:
-    """(rank, op) pairs that must finish before `op` runs on `rank`."""
+def _chimera(S: int, B: int) -> list:
+    """Chimera (Li and Hoefler 2021, "Chimera: Efficiently Training Large-Scale Neural
+    Networks with Bidirectional Pipelines"): two pipelines over the same S ranks (S even),
+    the down pipeline placing stage k on rank k (chunk 0), the up pipeline on rank S-1-k
+    (chunk 1).  Of each S microbatches the first S/2 go down, the rest up.
+
+    The order is the list schedule of both pipelines at equal pass times: whenever a rank
+    is free it runs a ready backward first (the shallower stage's first), else a ready
+    forward (the deeper stage's first), with at most min(S/2, S-k) microbatches in flight
+    on stage k, as 1F1B would hold for S/2.  At backward = forward this is the paper's
+    schedule: (S/2-1)(tf+tb) idle per rank for any multiple of S microbatches (its
+    bubble ratio (D-2)/(2N+D-2)), stage k's rank holding S/2 + 1 to S microbatches.
+    Longer backwards leave gaps between consecutive units of S (the paper's "direct
+    concatenation")."""
+    return [list(order) for order in _chimera_orders(S, B)]
+
+
+@lru_cache(maxsize=256)
+def _chimera_orders(S: int, B: int) -> tuple:
+    half = S // 2
+    queue = {c: [m for m in range(B) if (m % S >= half) == c] for c in (0, 1)}   # microbatches per pipeline
+    end: dict = {}
+    free = [0.0] * S
+    started = [[0, 0] for _ in range(S)]
+    held = [[[], []] for _ in range(S)]      # forwards waiting for their backward, per chunk
+    orders = [[] for _ in range(S)]
+    for _ in range(2 * B * S):
+        best = None
+        for r in range(S):
+            ready = []
+            for c in (0, 1):
+                k = r if c == 0 else S - 1 - r
+                ops = [("B", held[r][c][0], c)] if held[r][c] else []
+                if started[r][c] < len(queue[c]) and len(held[r][c]) < min(half, S - k):
+                    ops.append(("F", queue[c][started[r][c]], c))
+                for op in ops:
+                    deps = _deps(r, op, S, 2, "two-way")
+                    if all(d in end for d in deps):
+                        ready.append((max([free[r]] + [end[d] for d in deps]), op[0] == "F",
+                                      -k if op[0] == "F" else k, op))
+            if ready:
+                t, *_, op = min(ready)
+                if best is None or t < best[0]:
+                    best = (t, r, op)
+        t, r, op = best
+        free[r] = end[r, op] = t + 1.0
+        orders[r].append(op)
+        kind, m, c = op
+        if kind == "F":
+            held[r][c].append(m)
+            started[r][c] += 1
+        else:
+            held[r][c].remove(m)
+    return tuple(tuple(o) for o in orders)
+
+
+def _deps(rank: int, op: Op, S: int, v: int, placement: str = "loop") -> list:
+    """(rank, op) pairs that must finish before `op` runs on `rank`.  Under "two-way" a
+    microbatch runs through one pipeline only: chunk 0 goes down the ranks, chunk 1 up."""
     kind, m, c = op
-    vs = stage_of(rank, c, S, v_shaped)
     if kind == "W":
         return [(rank, ("B", m, c))]
+    if placement == "two-way":
+        k = rank if c == 0 else S - 1 - rank          # stage within its pipeline
+        step = 1 if c == 0 else -1                     # the next stage's rank is rank + step
+        if kind == "F":
+            return [] if k == 0 else [(rank - step, ("F", m, c))]
+        return [(rank, ("F", m, c))] + ([(rank + step, ("B", m, c))] if k < S - 1 else [])
+    vs = stage_of(rank, c, S, placement)
     if kind == "F":
         if vs == 0:
             return []
-        r2, c2 = place_of(vs - 1, S, v_shaped)
+        r2, c2 = place_of(vs - 1, S, placement)
         return [(r2, ("F", m, c2))]
     after = [(rank, ("F", m, c))]
     if vs < S * v - 1:
-        r2, c2 = place_of(vs + 1, S, v_shaped)
+        r2, c2 = place_of(vs + 1, S, placement)
         after.append((r2, ("B", m, c2)))
     return after
 
 
-def _run(orders: list, durations: list, S: int, v: int, comm_time: float, v_shaped: bool = False,
+def _run(orders: list, durations: list, S: int, v: int, comm_time: float, placement: str = "loop",
          pairs: dict | None = None) -> tuple:
     """Start every op as soon as its rank is free and its inputs have arrived, each rank
     taking its ops in the listed order; a forward paired with a backward (pairs: {(rank,
@@ -505,14 +612,14 @@ def _run(orders: list, durations: list, S: int, v: int, comm_time: float, v_shap
         for r in range(S):
             while pos[r] < len(orders[r]):
                 op = orders[r][pos[r]]
-                deps = _deps(r, op, S, v, v_shaped)
+                deps = _deps(r, op, S, v, placement)
                 partner = pairs.get((r, op))
                 if partner is not None:
-                    deps = deps + [d for d in _deps(r, partner, S, v, v_shaped) if d != (r, op)]
+                    deps = deps + [d for d in _deps(r, partner, S, v, placement) if d != (r, op)]
                 if any(d not in end for d in deps):
                     break
                 start = max([free[r]] + [end[(r2, o)] + (comm_time if r2 != r else 0.0) for r2, o in deps])
-                free[r] = end[(r, op)] = start + durations[r][op[0]]
+                free[r] = end[(r, op)] = start + durations[r][op[0], op[2]]
                 events.append(Event(r, op[0], op[1], op[2], start, free[r]))
                 pos[r] += 1
                 progressed = True

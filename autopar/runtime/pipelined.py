@@ -11,8 +11,10 @@ Graph.  The model is traced for one microbatch, annotated with the per-stage pla
 its collectives and local shapes like any plan, then cut by passes.pipeline_split.  Each
 rank wraps its stages' graphs in modules that read this rank's parameter shards, and
 hands them to `PipelineStage`s and the plan's schedule (ScheduleGPipe, Schedule1F1B,
-ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble).  User inputs reach every stage as
-keyword arguments, split into microbatches by the schedule.
+ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble,
+ScheduleDualPipeV), or for chimera to autopar's own runner of two pipelines
+(autopar/runtime/two_way.py).  User inputs reach every stage as keyword arguments, split
+into microbatches by the schedule.
 
 A step.  `train_step(*inputs)` runs the schedule on the global batch: each microbatch's
 loss is divided by the number of microbatches before its backward, so the accumulated
@@ -45,7 +47,7 @@ from torch.distributed import pipelining
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                          ScheduleInterleavedZeroBubble)
 
-from autopar.cost.schedules import stage_group
+from autopar.cost.schedules import TWO_WAY, stage_group, stage_groups
 
 from autopar.trace.batching import batch_size, first_microbatch
 from autopar.mesh import Mesh
@@ -62,6 +64,7 @@ from autopar.runtime.recompute import apply_recompute
 from autopar.runtime.reshard import Regather
 from autopar.runtime.runner import gather_counts_of, loss_of
 from autopar.runtime.state import build_rank_state, param_key
+from autopar.runtime.two_way import TwoWaySchedule
 
 log = logging.getLogger("autopar")
 
@@ -74,6 +77,7 @@ SCHEDULES.update({name: getattr(pipelining, cls) for name, cls in (("zbv", "Sche
                   if hasattr(pipelining, cls)})   # (newer torch)
 
 
+SCHEDULES["chimera"] = TwoWaySchedule   # (autopar's own: two pipelines, see runtime/two_way.py)
 MULTI_STAGE = {"interleaved-1f1b", "zero-bubble", "zbv", "dualpipev"}  # schedules that take a list of this rank's stages
 
 def compile_pipelined(model, mesh: Mesh, example_inputs, example_kwargs, plan, *, on_meta: bool, seed,
@@ -109,7 +113,7 @@ def compile_pipelined(model, mesh: Mesh, example_inputs, example_kwargs, plan, *
     for st in stages:
         for ph in st.params:
             if ph in name_of:
-                readers.setdefault(name_of[ph], set()).add(stage_group(st.index, n_groups, plan.pipeline.schedule))
+                readers.setdefault(name_of[ph], set()).update(stage_groups(st.index, n_groups, plan.pipeline.schedule))
     # only the weights this rank's stages read are sliced (or initialised: the RNG still runs
     # through every module, so the values equal the whole model's)
     mine = {name: pl for name, pl in plan.param_placements.items() if group in readers.get(name, ())}
@@ -139,11 +143,12 @@ def stage_feeds(stages: list, group: int, n_groups: int, param_of: dict, buffer_
                 schedule: str = "1f1b") -> dict:
     """Stage index -> what feeds each of its parameter placeholders, ("param", key) or
     ("buffer", key), for the stages device group `group` runs (under `schedule`'s
-    placement, cost.schedules.stage_group).  param_of / buffer_of: placeholder ->
+    placement, cost.schedules.stage_groups: under chimera two stages, each also run by
+    another group).  param_of / buffer_of: placeholder ->
     parameter (tied: the owner's name) / buffer name."""
     return {st.index: [("param", param_key(param_of[ph])) if ph in param_of else ("buffer", param_key(buffer_of[ph]))
                        for ph in st.params]
-            for st in stages if stage_group(st.index, n_groups, schedule) == group}
+            for st in stages if group in stage_groups(st.index, n_groups, schedule)}
 
 
 class _StageModule(nn.Module):
@@ -214,15 +219,26 @@ class PipelineRunner:
         self.tied = self._tied_groups(readers)
         self.stage_modules = []
         pipeline_stages = []
-        for st in sorted(stages, key=lambda st: st.index):   # (this group's, in chunk order)
-            if st.index not in feeds:
-                continue
+        two_way = self.schedule_name in TWO_WAY
+        # this group's stages in chunk order (chimera: its down stage, then its up stage)
+        mine = ([st for st in stages if st.index == group] + [st for st in stages if st.index == self.n_groups - 1 - group]
+                if two_way else sorted((st for st in stages if st.index in feeds), key=lambda st: st.index))
+        for st in mine:
             regather = Regather(st.graph_module, set(st.params), reshard_after_forward, model.groups)
             apply_recompute(st.graph_module, model.plan, model.streams, pipelined=True)
             module = _StageModule(st, model, feeds[st.index], regather)
             self.stage_modules.append(module)
-            pipeline_stages.append(PipelineStage(module, st.index, self.n_stages, model.device, group=self.pp_group))
+            if not two_way:
+                pipeline_stages.append(PipelineStage(module, st.index, self.n_stages, model.device,
+                                                     group=self.pp_group))
         self.pipeline_stages = pipeline_stages
+        log.info("pipelined %d stages (%s, %d microbatches); this rank holds stages %s of device group %d",
+                 self.n_stages, self.schedule_name, self.n_mb, [st.index for st in mine], group)
+        if two_way:
+            received = [len(m.placeholders) - len(m.inputs) - len(m.feed) for m in self.stage_modules]
+            self.schedule = TwoWaySchedule(self.stage_modules, group, self.n_groups, self.n_mb, self.pp_group,
+                                           model.device, lambda out: self._microbatch_loss(out, None), received)
+            return
         for stage in pipeline_stages:
             for name in ("backward_one_chunk", "backward_weight_one_chunk"):
                 setattr(stage, name, self._sync_on_last(getattr(stage, name)))
@@ -235,9 +251,6 @@ class PipelineRunner:
             raise CompileError(f"{self.schedule_name} runs one stage per device group; the plan puts "
                                f"{len(pipeline_stages)} on group {group}")
         self.schedule = cls(target, self.n_mb, loss_fn=self._microbatch_loss, scale_grads=False)
-        log.info("pipelined %d stages (%s, %d microbatches); this rank holds stages %s of device group %d",
-                 self.n_stages, self.schedule_name, self.n_mb, [s.index for s in stages if stage_group(
-                     s.index, self.n_groups, self.schedule_name) == group], group)
 
     def graphs(self) -> list:
         return [m.graph_module for m in self.stage_modules]
@@ -297,6 +310,8 @@ class PipelineRunner:
                   for n, t in zip(model.io.input_names(), flat)}
         sync = model.grad_sync
         sync.begin()
+        if self.schedule_name in TWO_WAY:
+            return self._run_two_way(inputs, train)
         last = any(st.is_last for st in self.pipeline_stages)
         losses: list = []
         extra = {"target": torch.zeros(self.n_mb, device=device), "losses": losses} if last else {}
@@ -313,6 +328,25 @@ class PipelineRunner:
             if m is not None:  # the loss is a Partial sum over some sub-mesh axes
                 total = move(total, m, model.groups)
         dist.broadcast(total, group_src=self.last_group, group=self.pp_group)
+        return total
+
+    def _run_two_way(self, inputs: dict, train: bool) -> torch.Tensor:
+        """_run_schedule under chimera: both pipelines end on a group (the last group for the
+        down pipeline, the first for the up one), so the loss is summed over the groups."""
+        model = self.model
+        if train:
+            with model.grad_sync.no_sync():
+                losses = self.schedule.step(inputs, train=True)
+        else:
+            with torch.no_grad():
+                losses = self.schedule.step(inputs, train=False)
+        total = torch.zeros((), device=model.device)
+        if losses:
+            total = torch.stack([t.float().reshape(()) for t in losses]).sum()
+            m = model.io.output_reduce.get(self.loss_index)
+            if m is not None:
+                total = move(total, m, model.groups)
+        dist.all_reduce(total, group=self.pp_group)
         return total
 
     def train_step(self, args, kwargs) -> torch.Tensor:

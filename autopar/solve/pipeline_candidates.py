@@ -19,7 +19,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass, field
 
-from autopar.cost.schedules import V_SHAPED, group_stages, simulate
+from autopar.cost.schedules import TWO_WAY, V_SHAPED, group_stages, simulate
 from autopar.mesh import Mesh
 from autopar.plan.plan import PipelineLayout, Prediction
 from autopar.solve.pipeline_costs import STATES, LayerCosts, StageParts
@@ -120,12 +120,14 @@ def plain_choices(costs: LayerCosts | None, mesh: Mesh, built: Built | None) -> 
 SLOWER = "slower"   # what evaluate returns for a candidate that cannot beat the best found
 
 
-def _stages(parts: StageParts, copies, send, n_stages, overlap, v_shaped: bool = False) -> tuple:
-    """The layers cut into n_stages (balanced_cuts) and each stage's forward, backward and
-    once-per-step seconds, model states, activations and working bytes.  v_shaped: the last
+def _stages(parts: StageParts, copies, send, n_stages, overlap, schedule: str = "1f1b") -> tuple:
+    """The layers cut into n_stages (balanced_cuts; v_cuts where a device group runs stages
+    g and n_stages-1-g) and each stage's forward, backward and once-per-step seconds, model
+    states, activations and working bytes.  Under a V-shaped schedule or chimera the last
     stage runs on the first stage's device group, so weights tied between them are held
     once (no copies)."""
     layers, prefix, suffix = parts.layers, parts.prefix, parts.suffix
+    v_shaped = schedule in V_SHAPED + TWO_WAY
     paid = 0.0 if overlap else send
     units = [c.forward_s + c.backward_s for c in layers]
     cut = v_cuts if v_shaped else balanced_cuts
@@ -149,15 +151,16 @@ def floor(parts: StageParts, copies, send, n_stages, p, n_mb, overlap=False, sch
     """The fastest any schedule could run this candidate: no device group runs its passes
     faster than one after another, then its once-per-step work.  The search simulates
     candidates in order of it and stops where it exceeds the best step found."""
-    _, fwd, bwd, once, _, _, _ = _stages(parts, copies, send, n_stages, overlap, schedule in V_SHAPED)
+    _, fwd, bwd, once, _, _, _ = _stages(parts, copies, send, n_stages, overlap, schedule)
     ratio = sum(bwd) / max(sum(fwd), 1e-30)   # (the simulator runs backward at this share of forward)
     mine = [group_stages(g, p, n_stages, schedule) for g in range(p)]
-    return (n_mb * max(sum(fwd[s] for s in m) for m in mine) * (1 + ratio)
+    share = 0.5 if schedule in TWO_WAY else 1.0   # (chimera: each copy of a stage runs half the microbatches)
+    return (share * n_mb * max(sum(fwd[s] for s in m) for m in mine) * (1 + ratio)
             + max(sum(once[s] for s in m) for m in mine))
 
 
 def evaluate(parts: StageParts, copies, send, n_stages, p, v, schedule, n_mb, limit,
-             overlap=False, beat: float = float("inf")) -> PipelineChoice | None | str:
+             overlap=False, beat: float = float("inf"), transfer=None) -> PipelineChoice | None | str:
     """Cut the layers into n_stages, simulate the schedule, check memory (None: over the
     limit; SLOWER: no schedule could make it faster than `beat` seconds, so it is not
     simulated).  copies: the model states the last stage holds again
@@ -165,13 +168,17 @@ def evaluate(parts: StageParts, copies, send, n_stages, p, v, schedule, n_mb, li
     across a cut.  The schedules post sends without waiting for them; on an asynchronous
     device (overlap) a send delays only the stage that receives it (the simulated
     dependency's latency) while the sender computes on; on CPU ranks the transfer runs on
-    the cores the compute uses and adds to both."""
-    cuts, fwd, bwd, once, held_states, acts, work = _stages(parts, copies, send, n_stages, overlap,
-                                                            schedule in V_SHAPED)
+    the cores the compute uses and adds to both.  transfer(nbytes): seconds to move nbytes
+    between two device groups (chimera: device groups g and p-1-g sum the gradients of the
+    two stages both hold, once per step)."""
+    cuts, fwd, bwd, once, held_states, acts, work = _stages(parts, copies, send, n_stages, overlap, schedule)
     paid = 0.0 if overlap else send
     ratio = sum(bwd) / max(sum(fwd), 1e-30)
     groups = [group_stages(g, p, n_stages, schedule) for g in range(p)]
     group_once = [sum(once[s] for s in mine) for mine in groups]
+    if schedule in TWO_WAY:
+        move = transfer or (lambda nbytes: 0.0)
+        group_once = [t + move(sum(held_states["grads"][s] for s in mine)) for t, mine in zip(group_once, groups)]
     if floor(parts, copies, send, n_stages, p, n_mb, overlap, schedule) > beat * (1 + 1e-9):
         return SLOWER
     if v > 1:  # group g holds stages g, g + p, ... (V-shaped: g and 2p-1-g): its chunks' times add up

@@ -30,7 +30,8 @@ class Pipeline:
 
     axis: the mesh axis cut into device groups; groups: how many (stages = groups x
     virtual); schedule: one of SCHEDULE_CHOICES; microbatches: per step (dividing the batch);
-    virtual: stages per group (interleaved-1f1b: searched; zbv: always 2, placed as a V).  With any constraint the result is
+    virtual: stages per group (interleaved-1f1b: searched; zbv, dualpipev: always 2, placed as
+    a V; chimera: 1, each stage held by two groups, one per direction).  With any constraint the result is
     pipelined even where no pipeline would be faster."""
 
     axis: str | None = None
@@ -51,6 +52,11 @@ class Pipeline:
         elif self.virtual not in (None, 1) and self.schedule not in (None, "interleaved-1f1b", *V_SHAPED):
             raise ValueError(f"Pipeline(virtual={self.virtual}): only interleaved-1f1b runs several stages "
                              f"per device group, not {self.schedule}")
+        if self.schedule == "chimera" and self.groups is not None and (
+                self.groups % 2 or (self.microbatches or self.groups) % self.groups):
+            raise ValueError(f"Pipeline(schedule='chimera', groups={self.groups}, microbatches={self.microbatches}): "
+                             f"chimera runs an even number of device groups (its two pipelines meet in the middle) "
+                             f"and a multiple of groups as microbatches (half of each unit down, half up)")
         if self.groups is not None:
             sizes = [mesh.shape[mesh.axis_names.index(self.axis)]] if self.axis else list(mesh.shape)
             if self.groups < 2 or not any(s % self.groups == 0 for s in sizes):

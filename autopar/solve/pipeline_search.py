@@ -22,6 +22,7 @@ axes only when none of those fits), the fastest that fits the budget.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 
@@ -172,7 +173,7 @@ def _tasks(space: SearchSpace, costs: StageCosts, cut: Cut) -> list:
             for v in space.virtuals(schedule):
                 n_stages = p * v
                 if len(got.layer_indices) < n_stages or (schedule == "interleaved-1f1b" and n_mb % p) or (
-                        schedule == "dualpipev" and n_mb < 2 * p):
+                        schedule == "dualpipev" and n_mb < 2 * p) or (schedule == "chimera" and (p % 2 or n_mb % p)):
                     continue
                 if fixed is not None and not fixed.allows(name, p, schedule, n_mb, v):
                     continue
@@ -189,7 +190,8 @@ def _place(space: SearchSpace, costs: StageCosts, cut: Cut, got, schedule, v, mo
     p, n_mb = cut.groups, cut.microbatches
     best = found.best()
     choice = evaluate(parts, got.copies, send, p * v, p, v, schedule, n_mb, space.limit, mesh.device.asynchronous,
-                      best.step_s if best is not None else float("inf"))
+                      best.step_s if best is not None else float("inf"),
+                      transfer=functools.partial(send_time, axis=cut.axis, mesh=mesh))
     if choice is SLOWER:
         found.reject(SLOWER_REASON)
     elif choice is None:
