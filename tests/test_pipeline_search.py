@@ -327,3 +327,23 @@ def test_search_does_not_pick_zbv_with_too_few_microbatches():
                        pipeline=autopar.Pipeline(axis="node", groups=8, microbatches=4, schedule="zbv")).pipeline
     assert free.schedule == "zero-bubble"
     assert free.step_s < zbv.step_s
+
+
+def test_search_picks_chimera_only_where_its_second_copy_is_cheap():
+    """gpt2-1.5b, batch 8, 2 device groups, 2 microbatches.  Cut along the GPUs of a node
+    (NVLink), Chimera's two pipelines leave no bubble, and summing the gradients of the
+    stage copies costs little: the search picks it over ZB-H1 and 1F1B, at the memory of
+    a second copy of the weights.  Cut across nodes (2.5 GB/s), that sum costs more than
+    the bubble it saves, and the search rightly takes zero-bubble."""
+    model, example = build("gpt2-1.5b", device="meta", batch=8)
+    mesh = autopar.Mesh((2, 8), ("node", "gpu"), device="h100", bandwidth=(2.5e9, 450e9))
+    steps = {s: search(model, mesh, example, fixed=autopar.Pipeline(axis="gpu", groups=2, microbatches=2, schedule=s))
+             for s in ("1f1b", "zero-bubble", None)}
+    free = steps[None]
+    assert free.schedule == "chimera" and free.bubble < 0.01 and free.n_stages == 2
+    assert free.step_s < steps["zero-bubble"].step_s < steps["1f1b"].step_s
+    assert max(free.memory) > 1.2 * max(steps["1f1b"].memory)   # every group holds both stages
+    across = search(model, mesh, example, fixed=autopar.Pipeline(axis="node", groups=2, microbatches=2))
+    chimera = search(model, mesh, example, fixed=autopar.Pipeline(axis="node", groups=2, microbatches=2,
+                                                                  schedule="chimera"))
+    assert across.schedule != "chimera" and across.step_s < chimera.step_s

@@ -336,3 +336,20 @@ def test_chimera_receives_in_the_order_it_sends(S, monkeypatch):
     monkeypatch.setattr(two_way, "_chimera", lambda s, b: orders)
     with pytest.raises(Exception, match="receives from group 0 in another order"):
         two_way.check_order(S, S)
+
+
+@pytest.mark.parametrize("schedule, S, B, per_microbatch", [("1f1b", 4, 4, 6), ("zbv", 2, 4, 4), ("chimera", 4, 8, 6)])
+def test_sends_simulated_and_drawn(tmp_path, schedule, S, B, per_microbatch):
+    """Every activation and gradient crossing ranks is one Send, from the end of the pass
+    that made it to comm_time later, and one line in the Gantt chart (1F1B on 4 ranks: 3
+    boundaries each way; ZB-V on 2: stages 0-1 and 2-3 cross, 1-2 stays on rank 1)."""
+    tl = simulate(schedule, S, B, comm_time=0.25)
+    assert len(tl.sends) == per_microbatch * B
+    ends = {(e.rank, e.kind, e.microbatch, e.chunk): e.end for e in tl.events}
+    for m in tl.sends:
+        assert m.src != m.dst and m.end - m.start == pytest.approx(0.25)
+        assert m.start == ends[m.src, m.kind, m.microbatch, m.chunk]
+    root = ET.parse(gantt_svg(tl, tmp_path / "g.svg")).getroot()
+    lines = [ln.get("class") for ln in root.iter("{http://www.w3.org/2000/svg}line") if "send" in ln.get("class", "")]
+    assert Counter(lines) == Counter(f"send {m.kind}" for m in tl.sends)
+    assert Counter(lines)["send F"] == Counter(lines)["send B"] == per_microbatch * B // 2

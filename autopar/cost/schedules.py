@@ -68,6 +68,20 @@ class Event:
 
 
 @dataclass(frozen=True)
+class Send:
+    """An activation (after an F) or a gradient (after a B) of `microbatch` moving from rank
+    `src` to rank `dst` over [start, end): from the pass that made it ending to its arrival."""
+
+    src: int
+    dst: int
+    kind: str
+    microbatch: int
+    chunk: int
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
 class Timeline:
     """The passes a schedule ran on `n_stages` ranks, with when each started and ended.
 
@@ -80,6 +94,7 @@ class Timeline:
     n_microbatches: int
     events: tuple
     n_virtual: int = 1
+    sends: tuple = ()    # Sends between ranks (simulated timelines)
 
     @classmethod
     def from_events(cls, events, schedule: str = "measured") -> Timeline:
@@ -227,8 +242,8 @@ def simulate(schedule: str, n_stages: int, n_microbatches: int, stage_times=None
     else:
         durations = [{(k, c): t * s for k, s in scale.items() for c in range(v)} for t in stage_times]
     placement = "two-way" if schedule in TWO_WAY else "v" if schedule in V_SHAPED else "loop"
-    events = _run(orders, durations, S, v, comm_time, placement, pairs=pairs)
-    return Timeline(schedule, S, B, events, v)
+    events, sends = _run(orders, durations, S, v, comm_time, placement, pairs=pairs)
+    return Timeline(schedule, S, B, events, v, sends)
 
 
 def bubble_formula(schedule: str, n_stages: int, n_microbatches: int, n_virtual: int = 1, *,
@@ -603,9 +618,10 @@ def _run(orders: list, durations: list, S: int, v: int, comm_time: float, placem
          pairs: dict | None = None) -> tuple:
     """Start every op as soon as its rank is free and its inputs have arrived, each rank
     taking its ops in the listed order; a forward paired with a backward (pairs: {(rank,
-    forward): backward}, listed right after it) waits for the backward's inputs too."""
+    forward): backward}, listed right after it) waits for the backward's inputs too.
+    Returns the Events by rank and start, and the Sends between ranks."""
     pairs = pairs or {}
-    end, events = {}, []
+    end, events, sends = {}, [], {}
     pos, free = [0] * S, [0.0] * S
     while any(p < len(o) for p, o in zip(pos, orders)):
         progressed = False
@@ -620,10 +636,14 @@ def _run(orders: list, durations: list, S: int, v: int, comm_time: float, placem
                     break
                 start = max([free[r]] + [end[(r2, o)] + (comm_time if r2 != r else 0.0) for r2, o in deps])
                 free[r] = end[(r, op)] = start + durations[r][op[0], op[2]]
+                for r2, o in deps:
+                    if r2 != r and o[0] != "W":
+                        sends[r2, r, o] = Send(r2, r, o[0], o[1], o[2], end[(r2, o)], end[(r2, o)] + comm_time)
                 events.append(Event(r, op[0], op[1], op[2], start, free[r]))
                 pos[r] += 1
                 progressed = True
         if not progressed:
             stuck = {r: orders[r][pos[r]] for r in range(S) if pos[r] < len(orders[r])}
             raise RuntimeError(f"schedule deadlocks; next op per rank: {stuck}")
-    return tuple(sorted(events, key=lambda e: (e.rank, e.start)))
+    return (tuple(sorted(events, key=lambda e: (e.rank, e.start))),
+            tuple(sorted(sends.values(), key=lambda s: (s.start, s.src, s.dst))))

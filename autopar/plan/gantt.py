@@ -3,6 +3,9 @@
 One row per rank, one block per pass (forward, backward and weight-gradient passes in
 three colours, odd chunks of interleaved schedules paler), the microbatch number inside
 each block, idle time left blank, a time axis below and the bubble fraction in the title.
+A simulated timeline's sends (activations after a forward, gradients after a backward) are
+lines from the sending rank's row, where the pass ended, to the receiving rank's row, where
+the message arrived.
 """
 from __future__ import annotations
 
@@ -31,7 +34,8 @@ def gantt_svg_text(timeline_or_events, title: str | None = None) -> str:
 
     The SVG holds exactly 1 + len(events) + (kinds present) <rect>s: the background
     (class "background"), one per event (class "event F", "event B" or "event W"), and
-    one legend swatch per kind present (class "legend").
+    one legend swatch per kind present (class "legend"); each Send of the timeline is one
+    <line class="send F"> (an activation) or <line class="send B"> (a gradient).
     """
     tl = timeline_or_events if isinstance(timeline_or_events, Timeline) else \
         Timeline.from_events(timeline_or_events)
@@ -49,8 +53,9 @@ def gantt_svg_text(timeline_or_events, title: str | None = None) -> str:
         x = LEFT + 160 * i
         out += [f'<rect class="legend" x="{x}" y="32" width="12" height="12" fill="{COLOURS[k]}"/>',
                 f'<text x="{x + 16}" y="42">{k}: {NAMES[k]}</text>']
-    if tl.n_virtual > 1:
-        out.append(f'<text x="{LEFT + 160 * len(kinds)}" y="42">paler: odd chunks</text>')
+    notes = (["paler: odd chunks"] if tl.n_virtual > 1 else []) + (["lines: sends"] if tl.sends else [])
+    if notes:
+        out.append(f'<text x="{LEFT + 160 * len(kinds)}" y="42">{"; ".join(notes)}</text>')
     for r in range(tl.n_stages):
         out.append(f'<text x="8" y="{_row_y(r) + ROW / 2 + 4}">rank {r}</text>')
     for e in tl.events:
@@ -63,6 +68,15 @@ def gantt_svg_text(timeline_or_events, title: str | None = None) -> str:
         if w >= 7 * len(str(e.microbatch)):
             out.append(f'<text x="{x + w / 2:.2f}" y="{y + ROW / 2 + 4}" text-anchor="middle" '
                        f'fill="white">{e.microbatch}</text>')
+    for m in tl.sends:
+        down = m.dst > m.src
+        y1 = _row_y(m.src) + (ROW if down else 0)
+        y2 = _row_y(m.dst) + (0 if down else ROW)
+        tip = (f"{'activation' if m.kind == 'F' else 'gradient'} of microbatch {m.microbatch}, rank {m.src} to "
+               f"{m.dst}: {m.start - t0:.4g} to {m.end - t0:.4g}")
+        out.append(f'<line class="send {m.kind}" x1="{LEFT + (m.start - t0) * scale:.2f}" y1="{y1}" '
+                   f'x2="{LEFT + (m.end - t0) * scale:.2f}" y2="{y2}" stroke="{COLOURS[m.kind]}" '
+                   f'stroke-width="0.8" stroke-opacity="0.7"><title>{escape(tip)}</title></line>')
     out += _axis(span, scale, _row_y(tl.n_stages))
     out.append("</svg>")
     return "\n".join(out) + "\n"

@@ -296,21 +296,25 @@ def _timeline(plan) -> str:
 def pipeline_gantt(plan) -> str:
     """The Gantt chart of the plan's pipeline schedule (autopar.plan.gantt), simulated from
     its stage times with backward taken as twice forward (the plan keeps each stage's
-    forward + backward, not the split), as inline SVG."""
+    forward + backward, not the split) and the sends between stages as the search priced
+    them (on an asynchronous device a send delays its receiver; elsewhere it is inside the
+    stage times), as inline SVG."""
     pp = plan.pipeline
     fwd = [s / 3 for s in pp.stage_s]
+    comm = pp.send_s if pp.sends_overlap else 0.0
     if pp.virtual > 1:
         groups = [group_stages(g, pp.groups, len(pp.stages), pp.schedule) for g in range(pp.groups)]
         tl = simulate(pp.schedule, pp.groups, pp.microbatches, [sum(fwd[s] for s in mine) for mine in groups],
-                      n_virtual=pp.virtual)
+                      n_virtual=pp.virtual, comm_time=comm)
     else:
-        tl = simulate(pp.schedule, len(pp.stages), pp.microbatches, fwd)
+        tl = simulate(pp.schedule, len(pp.stages), pp.microbatches, fwd, comm_time=comm)
     svg = gantt_svg_text(tl, title=f"{pp.schedule}, simulated from the stage times (seconds)")
     return ('<div class="scroll">' + svg.replace("<svg ", '<svg class="chart gantt" ', 1) + "</div>"
             f'<p class="small">One row per device group ("rank"), one block per forward (F) and backward (B) pass '
-            f'of a microbatch; blank is the bubble.  Drawn without the sends between stages and with backward '
-            f'twice forward, so its bubble ({tl.bubble_fraction:.1%}) can differ from the search\'s '
-            f'({pp.bubble:.1%}), which prices both.  Stage times: '
+            f'of a microbatch, one line per send between groups (from where the pass that made it ends to where '
+            f'it arrives: {format_seconds(pp.send_s)} each); blank is the bubble.  Drawn with backward twice '
+            f'forward, so its bubble ({tl.bubble_fraction:.1%}) can differ from the search\'s ({pp.bubble:.1%}), '
+            f'which prices the measured split.  Stage times: '
             + ", ".join(format_seconds(s) for s in pp.stage_s) + " (forward + backward per microbatch).</p>")
 
 

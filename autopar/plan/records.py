@@ -225,6 +225,8 @@ class PipelineLayout:
     layer_indices: tuple = ()
     group_memory: tuple = ()   # per device group: {params, grads, optimizer, activations} bytes per device
     candidates: int = 0        # layouts the search found within the budget (the plain one included)
+    send_s: float = 0.0        # one activation's (or gradient's) trip across a cut
+    sends_overlap: bool = False   # sends delay only their receiver (asynchronous devices); else in stage_s
 
     @property
     def pipelined(self) -> bool:

@@ -91,7 +91,7 @@ class PipelineChoice:
                               stage_s=tuple(self.stage_s), memory=tuple(self.memory), full_mesh=full_mesh,
                               summary=str(self) if summary is None else summary, layer_prefix=self.layer_prefix,
                               layer_indices=tuple(self.layer_indices), group_memory=tuple(self.group_memory),
-                              candidates=self.candidates)
+                              candidates=self.candidates, send_s=self.send_s, sends_overlap=self.sends_overlap)
 
     def unpipelined(self, mesh: Mesh, predicted: Prediction) -> "PipelineChoice":
         """This search's record with the plan without stages kept instead: one group on the
