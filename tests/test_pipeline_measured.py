@@ -62,6 +62,28 @@ def test_pass_times_recover_simulator_inputs():
     assert costs.simulate("1f1b", 8).bubble_fraction == pytest.approx(tl.bubble_fraction)
 
 
+@pytest.mark.parametrize("schedule, kwargs", [
+    ("zbv", {"stage_times": [1.0, 2.0, 1.5, 0.5], "w_fraction": 0.4}),
+    ("chimera", {"stage_times": [1.0, 2.0, 1.5, 0.5]}),
+    ("interleaved-1f1b", {"stage_times": [1.0, 2.0, 1.5, 0.5], "n_virtual": 2})])
+def test_pass_times_recover_simulator_inputs_with_two_chunks(schedule, kwargs):
+    """Two chunks per rank (interleaved, ZB-V's V, Chimera's two pipelines) and weight
+    passes: pass_times gives back the per-rank (Chimera: per-stage) forward times, the
+    backward ratio, the weight share and the hand-off, and its replay has the same bubble."""
+    tl = simulate(schedule, 4, 8, backward_ratio=2.5, comm_time=0.25, **kwargs)
+    costs = pass_times(tl)
+    if schedule == "chimera":
+        assert [statistics.fmean((costs.chunks[k][0], costs.chunks[3 - k][1])) for k in range(4)] == \
+            pytest.approx(kwargs["stage_times"])
+    else:
+        assert costs.forward == pytest.approx(tuple(kwargs["stage_times"]))
+    assert costs.backward_ratio == pytest.approx(2.5)
+    assert costs.comm_time == pytest.approx(0.25)
+    if schedule == "zbv":
+        assert costs.w_fraction == pytest.approx(0.4)
+    assert costs.simulate(schedule, 8).bubble_fraction == pytest.approx(tl.bubble_fraction)
+
+
 @pytest.mark.parametrize("schedule,n_microbatches", CASES)
 def test_measured_bubble_matches_simulator(pool4, schedule, n_microbatches):
     """Every rank ran one F and one B of every microbatch, in torch's order, and the

@@ -347,3 +347,16 @@ def test_search_picks_chimera_only_where_its_second_copy_is_cheap():
     chimera = search(model, mesh, example, fixed=autopar.Pipeline(axis="node", groups=2, microbatches=2,
                                                                   schedule="chimera"))
     assert across.schedule != "chimera" and across.step_s < chimera.step_s
+
+
+def test_large_vocabulary_head_gives_the_last_stage_fewer_layers():
+    """Llama-3-8B's 128,256-row head is stage work: cut into 4 stages, the last stage takes
+    fewer of the 32 layers than the others, and the plan's summary names the cut."""
+    model, example = build("llama3-8b", device="meta", batch=8)
+    mesh = autopar.Mesh((4, 8), ("node", "gpu"), device="h100")
+    pp = autopar.plan(model, mesh, example, compare=False,
+                      pipeline=autopar.Pipeline(axis="node", groups=4, schedule="1f1b", microbatches=8)).pipeline
+    layers = [b - a for a, b in pp.stages]
+    assert sum(layers) == 32 and layers[-1] < max(layers[1:-1])
+    cut = ", ".join(f"{a}-{b - 1}" for a, b in pp.stages)
+    assert f"(layers {cut})" in pp.summary

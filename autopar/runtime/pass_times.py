@@ -38,7 +38,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from autopar.cost.schedules import Event, Timeline, simulate
+from autopar.cost.schedules import KINDS, SCHEDULES, TWO_WAY, Event, Timeline, _deps, placement_of, simulate
 
 _METHODS = {"forward_one_chunk": "F", "backward_one_chunk": "B", "backward_weight_one_chunk": "W"}
 
@@ -112,19 +112,30 @@ def gather_timeline(recorder_or_events, schedule: str = "measured", group=None) 
 @dataclass(frozen=True)
 class PassTimes:
     """What `simulate` needs to replay a measured run: the mean forward time of one
-    microbatch on each stage (seconds), the mean backward over the mean forward time
-    (all stages together) and the hand-off delay, the mean time from the end of a pass
-    to the start of the cross-rank pass that was waiting for its output (the mean, not
-    the median: the simulator adds it to every hand-off, so the rare slow wake-up of an
-    oversubscribed host belongs in it)."""
+    microbatch on each rank (seconds; with several chunks per rank, the sum of its chunks'
+    means), the mean backward (B + W) over the mean forward time (all ranks together) and
+    the hand-off delay, the mean time from the end of a pass to the start of the
+    cross-rank pass that was waiting for its output (the mean, not the median: the
+    simulator adds it to every hand-off, so the rare slow wake-up of an oversubscribed
+    host belongs in it).  chunks: per rank, each chunk's mean forward (chimera's stages
+    differ between a rank's two chunks); w_fraction: the weight passes' share of backward
+    (schedules that split it)."""
 
     forward: tuple
     backward_ratio: float
     comm_time: float
+    chunks: tuple = ()
+    w_fraction: float = 0.5
 
     def simulate(self, schedule: str, n_microbatches: int) -> Timeline:
-        return simulate(schedule, len(self.forward), n_microbatches, list(self.forward),
-                        backward_ratio=self.backward_ratio, comm_time=self.comm_time)
+        if schedule in TWO_WAY:   # stage k runs as chunk 0 of rank k and chunk 1 of rank S-1-k
+            S = len(self.chunks)
+            stage_times = [statistics.fmean((self.chunks[k][0], self.chunks[S - 1 - k][1])) for k in range(S)]
+            return simulate(schedule, S, n_microbatches, stage_times, backward_ratio=self.backward_ratio,
+                            comm_time=self.comm_time)
+        v = len(self.chunks[0]) if self.chunks else 1
+        return simulate(schedule, len(self.forward), n_microbatches, list(self.forward), n_virtual=v,
+                        backward_ratio=self.backward_ratio, comm_time=self.comm_time, w_fraction=self.w_fraction)
 
     def __str__(self) -> str:
         fwd = ", ".join(f"{t * 1e3:.3g}" for t in self.forward)
@@ -133,31 +144,38 @@ class PassTimes:
 
 
 def pass_times(tl: Timeline) -> PassTimes:
-    """Mean pass times and hand-off delay of a measured single-chunk Timeline (F and B
-    passes only, as GPipe and 1F1B run).
+    """Mean pass times and hand-off delay of a measured Timeline, whose `schedule` names
+    how its chunks are placed (cost.schedules.placement_of; a name the simulator does not
+    know is read as one chunk per rank, or chunk c of rank r as stage cS + r).
 
-    A hand-off is F(m) on rank r-1 -> F(m) on rank r, or B(m) on rank r+1 -> B(m) on rank
-    r, counted only where rank r sat idle for it (its previous pass ended before the
-    input's producer did), so the gap is transfer plus wake-up, not rank r being busy.
+    A hand-off is a pass waiting for another rank's pass (the forward of the stage before,
+    the backward of the stage after: cost.schedules' dependencies), counted only where the
+    rank sat idle for it (its previous pass ended before the input's producer did), so the
+    gap is transfer plus wake-up, not the rank being busy.
     """
-    if tl.n_virtual != 1 or any(e.kind == "W" for e in tl.events):
-        raise ValueError(f"pass_times reads single-chunk F/B timelines; this one has {tl.n_virtual} chunks "
-                         f"per rank and kinds {sorted({e.kind for e in tl.events})}")
-    at = {(e.kind, e.rank, e.microbatch): e for e in tl.events}
-    forward = []
-    for r in range(tl.n_stages):
-        times = [e.duration for e in tl.on(r) if e.kind == "F"]
-        if not times:
-            raise ValueError(f"rank {r} ran no forward pass; record a step on every rank before pass_times")
-        forward.append(statistics.fmean(times))
-    total = {k: sum(e.duration for e in tl.events if e.kind == k) for k in "FB"}
+    placement = placement_of(tl.schedule) if tl.schedule in SCHEDULES else "loop"
+    S, v = tl.n_stages, tl.n_virtual
+    at = {(e.rank, (e.kind, e.microbatch, e.chunk)): e for e in tl.events}
+    chunks = []
+    for r in range(S):
+        means = []
+        for c in range(v):
+            times = [e.duration for e in tl.on(r) if e.kind == "F" and e.chunk == c]
+            if not times:
+                raise ValueError(f"rank {r} ran no forward pass" + (f" of chunk {c}" if v > 1 else "")
+                                 + "; record a step on every rank before pass_times")
+            means.append(statistics.fmean(times))
+        chunks.append(tuple(means))
+    total = {k: sum(e.duration for e in tl.events if e.kind == k) for k in KINDS}
     gaps = []
-    for r in range(tl.n_stages):
+    for r in range(S):
         prev_end = None
         for e in tl.on(r):
-            src = e.rank - 1 if e.kind == "F" else e.rank + 1
-            dep = at.get((e.kind, src, e.microbatch))
-            if dep is not None and (prev_end is None or prev_end <= dep.end):
-                gaps.append(e.start - dep.end)
+            for r2, op in _deps(r, (e.kind, e.microbatch, e.chunk), S, v, placement):
+                dep = at.get((r2, op))
+                if r2 != r and dep is not None and (prev_end is None or prev_end <= dep.end):
+                    gaps.append(e.start - dep.end)
             prev_end = e.end
-    return PassTimes(tuple(forward), total["B"] / total["F"], statistics.fmean(gaps) if gaps else 0.0)
+    backward = total["B"] + total["W"]
+    return PassTimes(tuple(sum(c) for c in chunks), backward / total["F"], statistics.fmean(gaps) if gaps else 0.0,
+                     tuple(chunks), total["W"] / backward if total["W"] else 0.5)

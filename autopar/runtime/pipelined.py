@@ -362,13 +362,26 @@ class PipelineRunner:
         return self._run_schedule(args, kwargs, train=False)
 
     def _sum_tied_grads(self) -> None:
+        """Sum the gradients of weights held by several device groups (tied weights; under
+        chimera every stage's), one flat all-reduce per process group and dtype."""
         model = self.model
+        buckets: dict = {}
         for key, pg in self.tied.items():
             grad = model.grad_sync.zero_grads.get(key)
             if grad is None:
                 grad = model.shards[key].grad
             if grad is not None:
-                dist.all_reduce(grad, group=pg)
+                buckets.setdefault((pg, grad.dtype, grad.device), []).append(grad)
+        pending = []
+        for (pg, _, _), grads in buckets.items():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            pending.append((dist.all_reduce(flat, group=pg, async_op=True), flat, grads))
+        for work, flat, grads in pending:
+            work.wait()
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
 
     def backward(self, loss):
         raise CompileError("a pipelined model runs backward inside its schedule: call cm.train_step(*inputs)")

@@ -17,14 +17,20 @@ tag naming (pass, microbatch, chunk, tensor), so the order in which a group rece
 not match the order in which its neighbour sent (gloo); NCCL ignores tags, so there the
 schedule is checked at construction to receive from every neighbour in the order it sends
 (check_order).
+
+Timing.  With `events` set to a list, each pass appends an Event of its compute (after
+its inputs arrived, before its sends): what runtime.pass_times reads, as it reads the
+passes of torch's schedules.
 """
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 
-from autopar.cost.schedules import _chimera
+from autopar.cost.schedules import Event, _chimera
 from autopar.runtime.process import CompileError
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int16,
@@ -89,6 +95,7 @@ class TwoWaySchedule:
         self.pp_group, self.device, self.loss_fn = pp_group, device, loss_fn
         self.n_received = n_received   # per chunk: how many tensors its stage receives
         self.order = _chimera(n_groups, n_mb)[group]
+        self.events: list | None = None   # a list: each pass's compute appended as a cost.schedules.Event
 
     def _last(self, chunk: int) -> bool:
         return stage_of(self.group, chunk, self.n_groups) == self.n_groups - 1
@@ -135,14 +142,17 @@ class TwoWaySchedule:
     # --- passes --------------------------------------------------------------------------------
     def _forward(self, m: int, chunk: int, microbatches: list, train: bool) -> None:
         received = [] if self._first(chunk) else self._recv_activations(m, chunk)
+        start = time.perf_counter()
         out = self.modules[chunk](*received, **microbatches[m])
         if self._last(chunk):
             loss = self.loss_fn(out)
+            self._record("F", m, chunk, start)
             self.losses.append(loss.detach())
             if train:
                 self.saved[m, chunk] = (received, (loss,))
             return
         outputs = out if isinstance(out, tuple) else (out,)
+        self._record("F", m, chunk, start)
         self._send_activations(outputs, m, chunk)
         if train:
             self.saved[m, chunk] = (received, outputs)
@@ -150,6 +160,7 @@ class TwoWaySchedule:
     def _backward(self, m: int, chunk: int) -> None:
         received, outputs = self.saved.pop((m, chunk))
         if self._last(chunk):
+            start = time.perf_counter()
             outputs[0].backward()
         else:
             peer = peer_of(self.group, chunk, 1)
@@ -160,13 +171,19 @@ class TwoWaySchedule:
                 grad = self._recv(torch.empty(t.shape, dtype=t.dtype, device=self.device), peer, _tag("B", m, chunk, i))
                 if t.requires_grad:
                     pairs.append((t, grad))
+            start = time.perf_counter()
             if pairs:
                 torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        self._record("B", m, chunk, start)
         if not self._first(chunk):
             peer = peer_of(self.group, chunk, -1)
             for i, t in enumerate(received):
                 if t.is_floating_point():
                     self._isend(t.grad if t.grad is not None else torch.zeros_like(t), peer, _tag("B", m, chunk, i))
+
+    def _record(self, kind: str, m: int, chunk: int, start: float) -> None:
+        if self.events is not None:
+            self.events.append(Event(self.group, kind, m, chunk, start, time.perf_counter()))
 
     def step(self, inputs: dict, train: bool = True) -> list:
         """One step over the global batch `inputs` (keyword tensors split into n_mb
