@@ -322,9 +322,9 @@ def pipeline_of(args, mesh):
     an autopar.Pipeline fixing those (the plan is then always pipelined); else False."""
     fixed = dict(axis=args.pipeline_axis, groups=args.pipeline_stages, schedule=args.schedule,
                  microbatches=args.microbatches)
-    if all(v is None for v in fixed.values()):
+    if all(v is None for v in fixed.values()) and not getattr(args, "asynchronous", False):
         return bool(args.pipeline)
-    wanted = autopar.Pipeline(**fixed)
+    wanted = autopar.Pipeline(**fixed, asynchronous=getattr(args, "asynchronous", False))
     try:
         wanted.check(mesh)
     except ValueError as exc:
@@ -502,6 +502,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pipeline-axis", metavar="AXIS", help="the mesh axis cut into pipeline groups")
     p.add_argument("--schedule", choices=SCHEDULE_CHOICES, help="pipeline schedule")
     p.add_argument("--microbatches", type=int, metavar="M", help="pipeline microbatches per step")
+    p.add_argument("--asynchronous", action="store_true",
+                   help="allow pipelines without a flush between steps (pipedream-2bw: each step's gradient "
+                        "taken at the weights one update older)")
     p.add_argument("--recompute", choices=("auto", *MODES), default="auto",
                    help="activation recomputation: auto (the solver chooses per layer where memory needs it; "
                         "default) or one policy for every repeated layer")

@@ -661,3 +661,74 @@ def first_step_losses(spec: tuple, plan_dict: dict) -> dict:
         ref_opt.zero_grad()
         want.append(float(loss))
     return {"compiled": got, "plain": want}
+
+
+def stale_reference(spec: tuple, steps: int):
+    """One device under PipeDream-2BW's rule, W(t+1) = W(t) - lr grad f(W(t-1)): step k's
+    gradient is taken at the weights of its forward and applied after step k+1's forward
+    (the first update applies nothing; a last update applies the last step's).  Losses,
+    the gradient each update applies, and the final weights."""
+    model, args, kwargs = build_case(spec)
+    cls, options = OPTIMIZERS["adamw"]
+    opt = cls(model.parameters(), **options)
+    losses, applied, pending = [], [], None
+    for _ in range(steps + 1):
+        if len(losses) < steps:
+            loss = _loss(model(*args, **kwargs))
+            loss.backward()
+            losses.append(loss.item())
+            fresh = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            opt.zero_grad()
+        else:
+            fresh = None
+        if pending is not None:
+            for n, p in model.named_parameters():
+                p.grad = pending.get(n)
+            applied.append(pending)
+            opt.step()
+            opt.zero_grad()
+        pending = fresh
+    return losses, applied, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def train_stale_and_compare(spec: tuple, plan_dict: dict, steps: int = 3) -> dict:
+    """`steps` train_steps of a pipedream-2bw plan with an AdamW step after each, then
+    cm.drain() and a last AdamW step, against stale_reference: losses, the
+    gradients each update applies (.grad is None after the first train_step) and the final
+    weights; also how far the final weights are from plain synchronous training."""
+    plan = Plan.from_dict(plan_dict)
+    losses, applied, params = stale_reference(spec, steps)
+    model, args, kwargs = build_case(spec)
+    cm = autopar.compile(model, plan.device_mesh(), args, example_kwargs=kwargs or None, plan=plan)
+    cls, options = OPTIMIZERS["adamw"]
+    opt = cm.build_optimizer(cls, **options)
+    worst = {"loss": 0.0, "grad": (-1.0, ""), "param": (-1.0, ""), "first_grads": None}
+    updates = []
+    for step in range(steps + 1):
+        if step < steps:
+            loss = cm.train_step(*args, **kwargs)
+            worst["loss"] = max(worst["loss"], abs(loss.item() - losses[step]) - (ATOL + RTOL * abs(losses[step])))
+        else:
+            cm.drain()
+        if step == 0:
+            worst["first_grads"] = sum(p.grad is not None for p in cm.parameters())
+        else:
+            updates.append(cm.full_grads())
+        opt.step()
+        opt.zero_grad()
+    for k, (got, want) in enumerate(zip(updates, applied)):
+        for name, g in want.items():
+            e = excess(got[name], g)
+            if e > worst["grad"][0]:
+                worst["grad"] = (e, f"update {k + 1} {name}")
+    full = cm.full_state_dict()
+    for name in params:
+        e = excess(full[name], params[name])
+        if e > worst["param"][0]:
+            worst["param"] = (e, name)
+    synchronous = reference(spec, steps)[2]
+    worst["from_synchronous"] = max(float((full[n] - synchronous[n]).abs().max()) for n in params)
+    worst["updates"] = len(updates)
+    worst["ok"] = (worst["loss"] <= 0 and worst["grad"][0] <= 0 and worst["param"][0] <= 0
+                   and worst["first_grads"] == 0 and len(updates) == len(applied) == steps)
+    return worst

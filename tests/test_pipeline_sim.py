@@ -307,7 +307,8 @@ def test_gantt_measured_events_normalised(tmp_path):
 
 
 def test_all_schedules_listed():
-    assert SCHEDULES == ("naive", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev", "chimera")
+    assert SCHEDULES == ("naive", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev", "chimera",
+                         "pipedream-2bw")
 
 
 def test_one_list_of_schedules_from_simulator_to_runtime():

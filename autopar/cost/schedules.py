@@ -25,6 +25,8 @@ per microbatch, B microbatches and v chunks:
                   1F1B's, at 1F1B's peak activations (see _zbv and bubble_formula)
     chimera       makespan B(tf+tb) + (S/2-1)(tf+tb)        for tb = tf, B a multiple of S
                   (two pipelines in opposite directions; see _chimera and bubble_formula)
+    pipedream-2bw step B max_s(tf+tb) in the steady state of a stream of steps, bubble 0 for
+                  equal stages (asynchronous: weights one step stale; see _period)
 
 Interleaved 1F1B follows Narayanan et al. 2021 ("Efficient Large-Scale Language Model
 Training on GPU Clusters Using Megatron-LM"); zero-bubble follows the ZB-H1 schedule of
@@ -37,10 +39,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
-SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev", "chimera")
+SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev", "chimera",
+             "pipedream-2bw")
 SPLIT_BACKWARD = ("zero-bubble", "zbv", "dualpipev")   # backward as B (inputs) and W (weights) passes
 V_SHAPED = ("zbv", "dualpipev")                        # two chunks per rank, placed as a V
 TWO_WAY = ("chimera",)   # two pipelines in opposite directions, every stage held twice
+ASYNCHRONOUS = ("pipedream-2bw",)   # no flush between steps: weights one step stale (offered only when allowed)
+STREAM_BATCHES = 3   # an asynchronous schedule is simulated as a stream of this many steps
 KINDS = ("F", "B", "W")
 
 Op = tuple  # (kind, microbatch, chunk)
@@ -95,6 +100,8 @@ class Timeline:
     events: tuple
     n_virtual: int = 1
     sends: tuple = ()    # Sends between ranks (simulated timelines)
+    period: float | None = None   # asynchronous schedules: the steady-state step (events: a stream of steps)
+    batches: int = 1              # the steps `events` hold
 
     @classmethod
     def from_events(cls, events, schedule: str = "measured") -> Timeline:
@@ -128,15 +135,22 @@ class Timeline:
         return {r: sorted(es, key=lambda e: e.start) for r, es in out.items()}
 
     @property
-    def makespan(self) -> float:
+    def span(self) -> float:
+        """From the first pass's start to the last pass's end."""
         return max(e.end for e in self.events) - min(e.start for e in self.events)
 
+    @property
+    def makespan(self) -> float:
+        """The time of one step: the span, or for an asynchronous schedule its steady-state
+        period (one step of a stream without flushes)."""
+        return self.span if self.period is None else self.period
+
     def busy(self, rank: int) -> float:
-        return sum(e.duration for e in self.events if e.rank == rank)
+        return sum(e.duration for e in self.events if e.rank == rank) / self.batches
 
     @property
     def utilisation(self) -> float:
-        return sum(e.duration for e in self.events) / (self.n_stages * self.makespan)
+        return sum(e.duration for e in self.events) / self.batches / (self.n_stages * self.makespan)
 
     @property
     def bubble_fraction(self) -> float:
@@ -205,6 +219,10 @@ def simulate(schedule: str, n_stages: int, n_microbatches: int, stage_times=None
         raise ValueError(f"n_virtual={n_virtual} applies only to interleaved-1f1b; use n_virtual=1 for {schedule}")
     if n_virtual < 1:
         raise ValueError(f"n_virtual must be at least 1, got {n_virtual}")
+    if schedule in ASYNCHRONOUS and n_microbatches < n_stages:
+        raise ValueError(f"{schedule} needs at least n_stages = {n_stages} microbatches per step (a step's last "
+                         f"backward on the first stage must come before the next step's forwards), got "
+                         f"{n_microbatches}")
     if schedule == "dualpipev" and n_microbatches < 2 * n_stages:
         raise ValueError(f"dualpipev needs at least 2 x n_stages = {2 * n_stages} microbatches (its warm-up fills "
                          f"both chunks of every rank), got {n_microbatches}; use zbv or zero-bubble for fewer")
@@ -232,6 +250,8 @@ def simulate(schedule: str, n_stages: int, n_microbatches: int, stage_times=None
         orders, pairs = _dualpipev(S, B)
     elif schedule == "chimera":
         orders = _chimera(S, B)
+    elif schedule in ASYNCHRONOUS:   # 1F1B over a stream of steps, never flushed
+        orders = _one_f_one_b(S, STREAM_BATCHES * B)
     else:
         orders = _one_f_one_b(S, B, v)
     tb = backward_ratio * (1.0 - w_fraction if schedule in SPLIT_BACKWARD else 1.0)
@@ -243,6 +263,8 @@ def simulate(schedule: str, n_stages: int, n_microbatches: int, stage_times=None
         durations = [{(k, c): t * s for k, s in scale.items() for c in range(v)} for t in stage_times]
     placement = "two-way" if schedule in TWO_WAY else "v" if schedule in V_SHAPED else "loop"
     events, sends = _run(orders, durations, S, v, comm_time, placement, pairs=pairs)
+    if schedule in ASYNCHRONOUS:
+        return Timeline(schedule, S, B, events, v, sends, _period(events, B), STREAM_BATCHES)
     return Timeline(schedule, S, B, events, v, sends)
 
 
@@ -260,6 +282,8 @@ def bubble_formula(schedule: str, n_stages: int, n_microbatches: int, n_virtual:
                           for B >= 2S and tf, tbW <= tbB (ZB-V, the same paper, section 6)
         chimera           (S-2) / (2B + S-2)         for tb = tf and B a multiple of S (Li and
                           Hoefler 2021, table 2): bubble time (S/2-1)(tf+tb), under half of 1F1B's
+        pipedream-2bw     0                          for B >= S: the steady state of a stream of
+                          steps without flushes (Narayanan et al. 2021), weights one step stale
 
     zero-bubble and zbv depend on backward_ratio: with the defaults x = tf, y = tf / 2 and
     the fractions are (S-1) / (3B + S-1) and (S-1) / (6B + S-1).  ZB-V's idle time is the
@@ -278,6 +302,10 @@ def bubble_formula(schedule: str, n_stages: int, n_microbatches: int, n_virtual:
         if B % S:
             raise ValueError(f"interleaved-1f1b needs n_microbatches a multiple of n_stages={S}, got {B}")
         return (S - 1) / (v * B + S - 1)
+    if schedule in ASYNCHRONOUS:
+        if B < S:
+            raise ValueError(f"{schedule} needs n_microbatches >= n_stages, got {B} < {S}")
+        return 0.0
     if schedule == "chimera":
         if S % 2 or B % S or backward_ratio != 1.0:
             raise ValueError(f"the chimera closed form holds for an even number of stages, a multiple of them as "
@@ -531,6 +559,18 @@ def _dualpipev(S: int, B: int) -> list:
             weight()
         orders.append(order)
     return orders, pairs
+
+
+def _period(events, B: int) -> float:
+    """The steady-state step of a flushless stream: the slowest rank's time from its first
+    forward of the middle step to its first forward of the step after (PipeDream-2BW,
+    Narayanan et al. 2021, "Memory-Efficient Pipeline-Parallel DNN Training": with B >= S
+    microbatches per step, 1F1B without flushes, every stage runs B forwards and backwards
+    per step and idles only where a slower stage holds it back, so the step is B times the
+    slowest stage's forward + backward and the bubble of equal stages is 0)."""
+    starts = {(e.rank, e.microbatch): e.start for e in events if e.kind == "F"}
+    ranks = {e.rank for e in events}
+    return max(starts[r, 2 * B] - starts[r, B] for r in ranks)
 
 
 def _chimera(S: int, B: int) -> list:

@@ -39,11 +39,12 @@ def gantt_svg_text(timeline_or_events, title: str | None = None) -> str:
     """
     tl = timeline_or_events if isinstance(timeline_or_events, Timeline) else \
         Timeline.from_events(timeline_or_events)
-    t0, span = min(e.start for e in tl.events), tl.makespan or 1.0
+    t0, span = min(e.start for e in tl.events), tl.span or 1.0
     scale = WIDTH / span
     height = TOP + tl.n_stages * (ROW + GAP) + 50
     heading = (f"{title or tl.schedule}: {tl.n_stages} ranks, {tl.n_microbatches} microbatches, "
-               f"bubble {tl.bubble_fraction:.1%}")
+               f"bubble {tl.bubble_fraction:.1%}"
+               + (f" (steady state; {tl.batches} steps drawn)" if tl.period is not None else ""))
     out = [(f'<svg xmlns="http://www.w3.org/2000/svg" width="{LEFT + WIDTH + 20}" height="{height}" '
             'font-family="sans-serif" font-size="12">'),
            '<rect class="background" width="100%" height="100%" fill="white"/>',

@@ -199,6 +199,17 @@ class CompiledModel(nn.Module):
         pipeline stages it holds)."""
         return list(self.plan.param_placements)
 
+    def drain(self) -> None:
+        """Under an asynchronous pipeline (schedule "pipedream-2bw"), each train_step leaves
+        the last backwards of its microbatches to the next step and .grad holds the step
+        before's gradient: drain() runs what is pending so that .grad holds the last step's
+        (take the optimizer step after it; do so before saving or evaluating for good).
+        Nothing to do for any other plan."""
+        drain = getattr(self.runner, "drain", None)
+        if drain is not None:
+            with collectives_named("draining the pipeline", self.timeout_s):
+                drain()
+
     def backward(self, loss: torch.Tensor) -> None:
         """loss.backward() and the gradient synchronisation that train_step runs after it.
 

@@ -47,7 +47,7 @@ from torch.distributed import pipelining
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                          ScheduleInterleavedZeroBubble)
 
-from autopar.cost.schedules import TWO_WAY, stage_group, stage_groups
+from autopar.cost.schedules import ASYNCHRONOUS, TWO_WAY, stage_group, stage_groups
 
 from autopar.trace.batching import batch_size, first_microbatch
 from autopar.mesh import Mesh
@@ -64,6 +64,7 @@ from autopar.runtime.recompute import apply_recompute
 from autopar.runtime.reshard import Regather
 from autopar.runtime.runner import gather_counts_of, loss_of
 from autopar.runtime.state import build_rank_state, param_key
+from autopar.runtime.flushless import FlushlessSchedule
 from autopar.runtime.two_way import TwoWaySchedule
 
 log = logging.getLogger("autopar")
@@ -78,6 +79,8 @@ SCHEDULES.update({name: getattr(pipelining, cls) for name, cls in (("zbv", "Sche
 
 
 SCHEDULES["chimera"] = TwoWaySchedule   # (autopar's own: two pipelines, see runtime/two_way.py)
+SCHEDULES["pipedream-2bw"] = FlushlessSchedule   # (autopar's own: no flush between steps, runtime/flushless.py)
+OWN = {"chimera": TwoWaySchedule, "pipedream-2bw": FlushlessSchedule}   # schedules autopar runs itself
 MULTI_STAGE = {"interleaved-1f1b", "zero-bubble", "zbv", "dualpipev"}  # schedules that take a list of this rank's stages
 
 def compile_pipelined(model, mesh: Mesh, example_inputs, example_kwargs, plan, *, on_meta: bool, seed,
@@ -163,6 +166,7 @@ class _StageModule(nn.Module):
         self.params = nn.ParameterDict({key: model.shards[key] for kind, key in feed if kind == "param"})
         self.feed = feed
         self.model = [model]  # not a submodule: the model's parameters are not this module's children twice
+        self.weights: dict | None = None   # key -> tensor read instead of the parameter (a stashed version)
         self.compiled: dict = {}   # backend "inductor": training mode -> (split module, its regions)
 
     def forward(self, *received, **inputs):
@@ -171,7 +175,8 @@ class _StageModule(nn.Module):
             raise CompileError(f"stage inputs {missing} were not passed to the schedule")
         model = self.model[0]
         model.streams.calls += 1
-        feed = [self.params[key] if kind == "param" else model.get_buffer(key) for kind, key in self.feed]
+        weights = self.params if self.weights is None else self.weights
+        feed = [weights[key] if kind == "param" else model.get_buffer(key) for kind, key in self.feed]
         args = [*received, *(inputs[n] for n in self.inputs), *feed]
         run = self._module(model)
         if not self.regather:
@@ -219,25 +224,27 @@ class PipelineRunner:
         self.tied = self._tied_groups(readers)
         self.stage_modules = []
         pipeline_stages = []
-        two_way = self.schedule_name in TWO_WAY
+        own = self.schedule_name in OWN
         # this group's stages in chunk order (chimera: its down stage, then its up stage)
         mine = ([st for st in stages if st.index == group] + [st for st in stages if st.index == self.n_groups - 1 - group]
-                if two_way else sorted((st for st in stages if st.index in feeds), key=lambda st: st.index))
+                if self.schedule_name in TWO_WAY else
+                sorted((st for st in stages if st.index in feeds), key=lambda st: st.index))
         for st in mine:
             regather = Regather(st.graph_module, set(st.params), reshard_after_forward, model.groups)
             apply_recompute(st.graph_module, model.plan, model.streams, pipelined=True)
             module = _StageModule(st, model, feeds[st.index], regather)
             self.stage_modules.append(module)
-            if not two_way:
+            if not own:
                 pipeline_stages.append(PipelineStage(module, st.index, self.n_stages, model.device,
                                                      group=self.pp_group))
         self.pipeline_stages = pipeline_stages
         log.info("pipelined %d stages (%s, %d microbatches); this rank holds stages %s of device group %d",
                  self.n_stages, self.schedule_name, self.n_mb, [st.index for st in mine], group)
-        if two_way:
+        if own:
             received = [len(m.placeholders) - len(m.inputs) - len(m.feed) for m in self.stage_modules]
-            self.schedule = TwoWaySchedule(self.stage_modules, group, self.n_groups, self.n_mb, self.pp_group,
-                                           model.device, lambda out: self._microbatch_loss(out, None), received)
+            self.schedule = OWN[self.schedule_name](self.stage_modules, group, self.n_groups, self.n_mb, self.pp_group,
+                                                    model.device, lambda out: self._microbatch_loss(out, None),
+                                                    received)
             return
         for stage in pipeline_stages:
             for name in ("backward_one_chunk", "backward_weight_one_chunk"):
@@ -310,8 +317,8 @@ class PipelineRunner:
                   for n, t in zip(model.io.input_names(), flat)}
         sync = model.grad_sync
         sync.begin()
-        if self.schedule_name in TWO_WAY:
-            return self._run_two_way(inputs, train)
+        if self.schedule_name in OWN:
+            return self._run_own(inputs, train)
         last = any(st.is_last for st in self.pipeline_stages)
         losses: list = []
         extra = {"target": torch.zeros(self.n_mb, device=device), "losses": losses} if last else {}
@@ -330,9 +337,9 @@ class PipelineRunner:
         dist.broadcast(total, group_src=self.last_group, group=self.pp_group)
         return total
 
-    def _run_two_way(self, inputs: dict, train: bool) -> torch.Tensor:
-        """_run_schedule under chimera: both pipelines end on a group (the last group for the
-        down pipeline, the first for the up one), so the loss is summed over the groups."""
+    def _run_own(self, inputs: dict, train: bool) -> torch.Tensor:
+        """_run_schedule under a schedule autopar runs itself (OWN): the loss is summed over
+        the groups (chimera's two pipelines end on two groups, the last and the first)."""
         model = self.model
         if train:
             with model.grad_sync.no_sync():
@@ -348,6 +355,17 @@ class PipelineRunner:
                 total = move(total, m, model.groups)
         dist.all_reduce(total, group=self.pp_group)
         return total
+
+    def drain(self) -> None:
+        """Asynchronous schedules (pipedream-2bw): run the backwards still pending, so that
+        .grad holds the last step's gradient (then the optimizer step), and start the stream
+        again; nothing to do for the others."""
+        if self.schedule_name not in ASYNCHRONOUS:
+            return
+        with self.model.grad_sync.no_sync():
+            self.schedule.drain()
+        self.model.grad_sync.finish()
+        self._sum_tied_grads()
 
     def train_step(self, args, kwargs) -> torch.Tensor:
         """One step of the plan's schedule on the global batch: forward and backward of every

@@ -19,7 +19,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass, field
 
-from autopar.cost.schedules import TWO_WAY, V_SHAPED, group_stages, simulate
+from autopar.cost.schedules import ASYNCHRONOUS, TWO_WAY, V_SHAPED, group_stages, simulate
 from autopar.mesh import Mesh
 from autopar.plan.plan import PipelineLayout, Prediction
 from autopar.solve.pipeline_costs import STATES, LayerCosts, StageParts
@@ -78,6 +78,8 @@ class PipelineChoice:
                 f"bubble {self.bubble:.1%}, memory per device up to {max(self.memory) / 2**30:.2f} GiB"
                 + (f"; every layer recomputed ({self.recompute})" if self.recompute != "none" else "")
                 + (f"; stages laid out as {self.stage_layout}" if self.stage_layout else "")
+                + ("; asynchronous: no flush between steps, each step's gradient taken at the weights one "
+                   "update older (PipeDream-2BW)" if self.schedule in ASYNCHRONOUS else "")
                 + (f"; each send across a cut {self.send_s * 1e3:.2f} ms, "
                    + ("overlapped with the sender's compute" if self.sends_overlap else "added to both stages")
                    if self.send_s else ""))
@@ -192,6 +194,8 @@ def evaluate(parts: StageParts, copies, send, n_stages, p, v, schedule, n_mb, li
         held = tl.max_in_flight(g)
         mine = groups[g]
         held_parts = {k: sum(kept[s] for s in mine) for k, kept in held_states.items()}
+        if schedule in ASYNCHRONOUS:   # two stashed weight versions beside the live ones (runtime/flushless.py)
+            held_parts["params"] *= 3
         held_parts["activations"] = max(acts[s] for s in mine) * held
         held_parts["working"] = max(work[s] for s in mine)
         group_memory.append(held_parts)

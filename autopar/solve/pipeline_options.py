@@ -13,7 +13,7 @@ import math
 
 from dataclasses import dataclass
 
-from autopar.cost.schedules import SCHEDULES, V_SHAPED
+from autopar.cost.schedules import ASYNCHRONOUS, SCHEDULES, V_SHAPED
 from autopar.mesh import Mesh
 
 # The schedules a pipeline may run: the simulator's (autopar.cost.schedules.SCHEDULES), less
@@ -31,14 +31,18 @@ class Pipeline:
     axis: the mesh axis cut into device groups; groups: how many (stages = groups x
     virtual); schedule: one of SCHEDULE_CHOICES; microbatches: per step (dividing the batch);
     virtual: stages per group (interleaved-1f1b: searched; zbv, dualpipev: always 2, placed as
-    a V; chimera: 1, each stage held by two groups, one per direction).  With any constraint the result is
-    pipelined even where no pipeline would be faster."""
+    a V; chimera: 1, each stage held by two groups, one per direction); asynchronous: allow
+    schedules that never flush the pipeline between steps, so that each step's gradient is
+    taken at the weights one step older than those it updates (PipeDream-2BW: W(t+1) = W(t)
+    - lr grad f(W(t-1))); off by default, since it changes what training computes.  With any
+    constraint the result is pipelined even where no pipeline would be faster."""
 
     axis: str | None = None
     groups: int | None = None
     schedule: str | None = None
     microbatches: int | None = None
     virtual: int | None = None
+    asynchronous: bool = False
 
     def check(self, mesh) -> None:
         """Raise ValueError naming the field that cannot hold on `mesh`."""
@@ -46,6 +50,10 @@ class Pipeline:
             raise ValueError(f"Pipeline(axis={self.axis!r}): the mesh's axes are {mesh.axis_names}")
         if self.schedule is not None and self.schedule not in SCHEDULE_CHOICES:
             raise ValueError(f"Pipeline(schedule={self.schedule!r}): choose one of {SCHEDULE_CHOICES}")
+        if self.schedule in ASYNCHRONOUS and not self.asynchronous:
+            raise ValueError(f"Pipeline(schedule={self.schedule!r}) trains with weights one step stale (each step's "
+                             f"gradient taken at the weights before the last update); pass "
+                             f"Pipeline(schedule={self.schedule!r}, asynchronous=True) to allow it")
         if self.schedule in V_SHAPED and self.virtual not in (None, 2):
             raise ValueError(f"Pipeline(virtual={self.virtual}): {self.schedule} runs two stages per device group, "
                              f"placed as a V (group g holds stages g and 2p-1-g); leave virtual unset")

@@ -27,6 +27,7 @@ import logging
 import time
 
 from autopar.cost.prices import send_time
+from autopar.cost.schedules import ASYNCHRONOUS
 from autopar.mesh import parse_bytes
 from autopar.solve.pipeline_candidates import SLOWER, PipelineChoice, evaluate, floor, plain_choices
 from autopar.solve.pipeline_costs import StageCosts
@@ -177,6 +178,8 @@ def _tasks(space: SearchSpace, costs: StageCosts, cut: Cut) -> list:
                     continue
                 if fixed is not None and not fixed.allows(name, p, schedule, n_mb, v):
                     continue
+                if schedule in ASYNCHRONOUS and (fixed is None or not fixed.asynchronous or n_mb < p):
+                    continue   # (stale weights only where the user allowed them)
                 for mode, parts in got.by_mode.items():
                     low = floor(parts, got.copies, send, n_stages, p, n_mb, mesh.device.asynchronous, schedule)
                     out.append((low, cut, got, schedule, v, mode, parts, send))
