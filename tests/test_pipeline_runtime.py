@@ -14,6 +14,7 @@ from rt_cases import (
     check_mixed_precision,
     mixed_precision_vs_reference,
     train_and_compare,
+    train_stale_and_compare,
     zero3_regather_counts,
 )
 
@@ -39,7 +40,7 @@ def pipelined_plan(spec, shape, names, groups, schedule, layout=None, microbatch
     model, args, kwargs = build_case(spec)
     virtual = 2 if schedule == "interleaved-1f1b" else None
     fixed = autopar.Pipeline(axis=names[0], groups=groups, schedule=schedule, virtual=virtual,
-                             microbatches=microbatches)
+                             microbatches=microbatches, asynchronous=schedule == "pipedream-2bw")
     mesh = autopar.Mesh(shape, names, device="cpu")
     kw = dict(example_kwargs=kwargs or None, compare=False, layout=layout, pipeline=fixed,
               mixed_precision=mixed_precision)
@@ -121,23 +122,26 @@ def test_hugging_face_models_pipeline_like_one_device(pool2, kind):
 
 @pytest.mark.parametrize("kind", ["hf-llama", "hf-deepseek"])
 def test_newer_schedules_on_hugging_face_families(pool4, kind):
-    """ZB-V, DualPipeV (4 stages on 2 device groups, Megatron inside each) and Chimera (2
-    stages, each on both groups; data parallelism inside) on Hugging Face Llama and on
+    """ZB-V, DualPipeV (4 stages on 2 device groups, Megatron inside each), Chimera (2
+    stages, each on both groups; data parallelism inside) and PipeDream-2BW (against the
+    one-device reference of its stale update rule) on Hugging Face Llama and on
     DeepSeek-V3 (latent attention, routed and shared experts; its first layer dense, so 5
     layers give 4 alike to cut), (2, 2) mesh: 3 AdamW steps equal to one device."""
     spec = (kind, 5 if kind == "hf-deepseek" else 4)
     model, args, kwargs = build_case(spec)
     failures = []
     for schedule, intra, microbatches in (("zbv", "megatron-tp", 2), ("dualpipev", "megatron-tp", 4),
-                                          ("chimera", "data-parallel", 2)):
+                                          ("chimera", "data-parallel", 2), ("pipedream-2bw", "megatron-tp", 2)):
         inside = "dp" if intra == "data-parallel" else "tp"
         plan = autopar.plan(model, autopar.Mesh((2, 2), ("pp", inside), device="cpu"), args, example_kwargs=kwargs,
                             compare=False, layout=intra,
                             pipeline=autopar.Pipeline(axis="pp", groups=2, schedule=schedule,
-                                                      microbatches=microbatches))
+                                                      microbatches=microbatches,
+                                                      asynchronous=schedule == "pipedream-2bw"))
         assert plan.pipeline.schedule == schedule
-        assert len(plan.pipeline.stages) == (2 if schedule == "chimera" else 4)
-        bad = [r for r in pool4.run(train_and_compare, spec, plan.to_dict()) if not r["ok"]]
+        assert len(plan.pipeline.stages) == (4 if schedule in TWO_PER_GROUP else 2)
+        job = train_stale_and_compare if schedule == "pipedream-2bw" else train_and_compare   # (2BW: its own rule)
+        bad = [r for r in pool4.run(job, spec, plan.to_dict()) if not r["ok"]]
         if bad:
             failures.append(f"{schedule} x {intra}: {bad[0]}")
     assert not failures, "\n".join(failures)
@@ -168,10 +172,11 @@ def test_random_stage_plans_train_like_one_device(pool4):
     """Random valid per-stage plans (every node's strategy drawn from its menu, ZeRO
     included) inside 2 pipelined stages on a (2, 2) mesh go through the same check."""
     failures = []
-    for seed, schedule in zip(range(3), ["1f1b", "gpipe", "zero-bubble"]):
+    for seed, schedule in zip(range(5), ["1f1b", "gpipe", "zero-bubble", "chimera", "pipedream-2bw"]):
         spec = _spec("llama-tiny" if seed % 2 else "gpt-tiny", 4)
         plan = pipelined_plan(spec, (2, 2), ("pp", "dp"), 2, schedule, microbatches=2, seed=seed)
-        result = pool4.run(train_and_compare, spec, plan.to_dict())[0]
+        job = train_stale_and_compare if schedule == "pipedream-2bw" else train_and_compare
+        result = pool4.run(job, spec, plan.to_dict())[0]
         if not result["ok"]:
             failures.append(f"seed {seed} {schedule}: {result}")
     assert not failures, "\n".join(failures)

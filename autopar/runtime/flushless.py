@@ -44,10 +44,6 @@ class FlushlessSchedule(TwoWaySchedule):
         if n_mb < n_groups:
             raise CompileError(f"pipedream-2bw needs at least as many microbatches as device groups ({n_groups}); "
                                f"the plan has {n_mb}: plan again")
-        if any(m.regather for m in modules):
-            raise CompileError("pipedream-2bw keeps a copy of each step's weights, which ZeRO-3 inside a stage "
-                               "does not hold whole; plan the stages without ZeRO-3 (layout='megatron-tp', "
-                               "'data-parallel' or 'zero2')")
         self.modules = modules
         self.group, self.n_groups, self.n_mb = group, n_groups, n_mb
         self.pp_group, self.device, self.loss_fn = pp_group, device, loss_fn
