@@ -732,3 +732,33 @@ def train_stale_and_compare(spec: tuple, plan_dict: dict, steps: int = 3) -> dic
     worst["ok"] = (worst["loss"] <= 0 and worst["grad"][0] <= 0 and worst["param"][0] <= 0
                    and worst["first_grads"] == 0 and len(updates) == len(applied) == steps)
     return worst
+
+
+def stale_checkpoint(spec: tuple, plan_dict: dict, path: str) -> dict:
+    """Two steps of a pipedream-2bw plan, a save refused while backwards are pending, then
+    cm.drain(), the optimizer step and a save that works and loads back."""
+    import autopar.checkpoint
+    plan = Plan.from_dict(plan_dict)
+    model, args, kwargs = build_case(spec)
+    cm = autopar.compile(model, plan.device_mesh(), args, example_kwargs=kwargs or None, plan=plan)
+    opt = cm.build_optimizer(*OPTIMIZERS["adamw"][:1], **OPTIMIZERS["adamw"][1])
+    out = {}
+    for _ in range(2):
+        cm.train_step(*args, **kwargs)
+        opt.step()
+        opt.zero_grad()
+    try:
+        autopar.checkpoint.save(path, cm, opt, step=2)
+        out["refused"] = None
+    except autopar.checkpoint.CheckpointError as exc:
+        out["refused"] = str(exc)
+    cm.drain()
+    opt.step()
+    opt.zero_grad()
+    autopar.checkpoint.save(path, cm, opt, step=2)
+    before = {k: v.clone() for k, v in cm.full_state_dict().items()}
+    info = autopar.checkpoint.load(path, cm, opt)
+    after = cm.full_state_dict()
+    out["step"] = info["step"]
+    out["same"] = all(torch.equal(before[k], after[k]) for k in before)
+    return out

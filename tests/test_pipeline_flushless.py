@@ -4,7 +4,7 @@ its update rule W(t+1) = W(t) - lr grad f(W(t-1)) (tests/rt_cases.stale_referenc
 from __future__ import annotations
 
 import pytest
-from rt_cases import build_case, train_stale_and_compare
+from rt_cases import build_case, stale_checkpoint, train_stale_and_compare
 
 import autopar
 from autopar.cost.schedules import bubble_formula, simulate
@@ -63,3 +63,13 @@ def test_steady_state_has_no_bubble_and_asks_for_permission():
                            pipeline=autopar.Pipeline(axis="pp", groups=4, microbatches=4, asynchronous=True))
     assert allowed.pipeline.schedule == "pipedream-2bw"
     assert allowed.pipeline.step_s < plain.pipeline.step_s
+
+
+def test_no_checkpoint_with_backwards_pending(pool2, tmp_path):
+    """Saving while the last step's backwards are pending is refused by name (the state
+    would hold half a step); after cm.drain() and the optimizer step it saves and loads."""
+    spec = ("autopar", "gpt-tiny", (("n_layers", 4), ("batch", 8)))
+    plan = stale_plan(spec, (2,), ("pp",), 2)
+    result = pool2.run(stale_checkpoint, spec, plan.to_dict(), str(tmp_path / "ckpt"))[0]
+    assert result["refused"] and "cm.drain()" in result["refused"]
+    assert result["step"] == 2 and result["same"]

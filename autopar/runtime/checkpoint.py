@@ -99,6 +99,11 @@ def save(path, cm, optimizer=None, *, step: int | None = None, extra: dict | Non
     not at all: it is written under a temporary name and renamed once every rank is done,
     so a job killed while saving keeps its previous checkpoint.  Returns `path`."""
     path = os.fspath(path)
+    pending = getattr(getattr(cm.runner, "schedule", None), "any_pending", None)
+    if pending is not None and pending():   # (asked of every rank: the last stage has nothing pending)
+        raise CheckpointError(f"not saving {path}: the asynchronous pipeline (pipedream-2bw) still has the last "
+                              f"step's backwards to run and its gradient to apply; call cm.drain() and the "
+                              f"optimizer step first, then save")
     rank = dist.get_rank()
     partial = f"{path}.partial"
     if rank == 0 and os.path.isdir(partial):

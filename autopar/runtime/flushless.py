@@ -29,6 +29,7 @@ reference of the same rule (tests/test_pipeline_flushless.py).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 
 from autopar.runtime.process import CompileError
@@ -128,7 +129,14 @@ class FlushlessSchedule(TwoWaySchedule):
 
     @property
     def pending(self) -> bool:
+        """Whether this rank has backwards left to run (the last stage never has)."""
         return self.next_backward < self.step_index * self.n_mb
+
+    def any_pending(self) -> bool:
+        """Whether any device group has backwards left to run; every rank must call it."""
+        flag = torch.tensor([float(self.pending)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.pp_group)
+        return bool(flag.item())
 
     def _evaluate(self, microbatches: list) -> list:
         base = 2 * self.n_mb   # (a tag range of its own: training messages may still be in flight)
