@@ -330,11 +330,11 @@ def test_chimera_receives_in_the_order_it_sends(S, monkeypatch):
         two_way.check_order(S, k * S)
     if S == 2:
         return
-    orders = [list(o) for o in two_way._chimera(S, S)]
+    orders = [list(o) for o in two_way.chimera_orders(S, S)]
     first = next(i for i, op in enumerate(orders[0]) if op[0] == "F")
     second = next(i for i, op in enumerate(orders[0]) if op[0] == "F" and i > first and op[2] == orders[0][first][2])
     orders[0][first], orders[0][second] = orders[0][second], orders[0][first]
-    monkeypatch.setattr(two_way, "_chimera", lambda s, b: orders)
+    monkeypatch.setattr(two_way, "chimera_orders", lambda s, b: orders)
     with pytest.raises(Exception, match="receives from group 0 in another order"):
         two_way.check_order(S, S)
 

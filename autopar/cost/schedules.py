@@ -24,7 +24,7 @@ per microbatch, B microbatches and v chunks:
                   tf, tbW <= tbB: with tf = tbB = tbW half ZB-H1's bubble, a sixth of
                   1F1B's, at 1F1B's peak activations (see _zbv and bubble_formula)
     chimera       makespan B(tf+tb) + (S/2-1)(tf+tb)        for tb = tf, B a multiple of S
-                  (two pipelines in opposite directions; see _chimera and bubble_formula)
+                  (two pipelines in opposite directions; see chimera_orders and bubble_formula)
     pipedream-2bw step B max_s(tf+tb) in the steady state of a stream of steps, bubble 0 for
                   equal stages (asynchronous: weights one step stale; see _period)
 
@@ -249,7 +249,7 @@ def simulate(schedule: str, n_stages: int, n_microbatches: int, stage_times=None
     elif schedule == "dualpipev":
         orders, pairs = _dualpipev(S, B)
     elif schedule == "chimera":
-        orders = _chimera(S, B)
+        orders = chimera_orders(S, B)
     elif schedule in ASYNCHRONOUS:   # 1F1B over a stream of steps, never flushed
         orders = _one_f_one_b(S, STREAM_BATCHES * B)
     else:
@@ -573,7 +573,7 @@ def _period(events, B: int) -> float:
     return max(starts[r, 2 * B] - starts[r, B] for r in ranks)
 
 
-def _chimera(S: int, B: int) -> list:
+def chimera_orders(S: int, B: int) -> list:
     """Chimera (Li and Hoefler 2021, "Chimera: Efficiently Training Large-Scale Neural
     Networks with Bidirectional Pipelines"): two pipelines over the same S ranks (S even),
     the down pipeline placing stage k on rank k (chunk 0), the up pipeline on rank S-1-k
@@ -587,11 +587,11 @@ def _chimera(S: int, B: int) -> list:
     bubble ratio (D-2)/(2N+D-2)), stage k's rank holding S/2 + 1 to S microbatches.
     Longer backwards leave gaps between consecutive units of S (the paper's "direct
     concatenation")."""
-    return [list(order) for order in _chimera_orders(S, B)]
+    return [list(order) for order in _chimera_cached(S, B)]
 
 
 @lru_cache(maxsize=256)
-def _chimera_orders(S: int, B: int) -> tuple:
+def _chimera_cached(S: int, B: int) -> tuple:
     half = S // 2
     queue = {c: [m for m in range(B) if (m % S >= half) == c] for c in (0, 1)}   # microbatches per pipeline
     end: dict = {}
@@ -609,7 +609,7 @@ def _chimera_orders(S: int, B: int) -> tuple:
                 if started[r][c] < len(queue[c]) and len(held[r][c]) < min(half, S - k):
                     ops.append(("F", queue[c][started[r][c]], c))
                 for op in ops:
-                    deps = _deps(r, op, S, 2, "two-way")
+                    deps = pass_inputs(r, op, S, 2, "two-way")
                     if all(d in end for d in deps):
                         ready.append((max([free[r]] + [end[d] for d in deps]), op[0] == "F",
                                       -k if op[0] == "F" else k, op))
@@ -629,7 +629,7 @@ def _chimera_orders(S: int, B: int) -> tuple:
     return tuple(tuple(o) for o in orders)
 
 
-def _deps(rank: int, op: Op, S: int, v: int, placement: str = "loop") -> list:
+def pass_inputs(rank: int, op: Op, S: int, v: int, placement: str = "loop") -> list:
     """(rank, op) pairs that must finish before `op` runs on `rank`.  Under "two-way" a
     microbatch runs through one pipeline only: chunk 0 goes down the ranks, chunk 1 up."""
     kind, m, c = op
@@ -668,10 +668,10 @@ def _run(orders: list, durations: list, S: int, v: int, comm_time: float, placem
         for r in range(S):
             while pos[r] < len(orders[r]):
                 op = orders[r][pos[r]]
-                deps = _deps(r, op, S, v, placement)
+                deps = pass_inputs(r, op, S, v, placement)
                 partner = pairs.get((r, op))
                 if partner is not None:
-                    deps = deps + [d for d in _deps(r, partner, S, v, placement) if d != (r, op)]
+                    deps = deps + [d for d in pass_inputs(r, partner, S, v, placement) if d != (r, op)]
                 if any(d not in end for d in deps):
                     break
                 start = max([free[r]] + [end[(r2, o)] + (comm_time if r2 != r else 0.0) for r2, o in deps])

@@ -33,28 +33,22 @@ import torch.distributed as dist
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 
 from autopar.runtime.process import CompileError
-from autopar.runtime.two_way import TwoWaySchedule
+from autopar.runtime.two_way import StagePasses
 
 
-class FlushlessSchedule(TwoWaySchedule):
+class FlushlessSchedule(StagePasses):
     """Runs this rank's stage (modules[0], stage `group` of n_groups) of a pipedream-2bw
-    plan; the messages are TwoWaySchedule's along its down pipeline."""
+    plan; its messages go along chunk 0's (down) direction."""
 
     def __init__(self, modules: list, group: int, n_groups: int, n_mb: int, pp_group, device, loss_fn,
                  n_received: list):
         if n_mb < n_groups:
             raise CompileError(f"pipedream-2bw needs at least as many microbatches as device groups ({n_groups}); "
                                f"the plan has {n_mb}: plan again")
-        self.modules = modules
-        self.group, self.n_groups, self.n_mb = group, n_groups, n_mb
-        self.pp_group, self.device, self.loss_fn = pp_group, device, loss_fn
-        self.n_received = n_received
-        self.events = None
+        super().__init__(modules, group, n_groups, n_mb, pp_group, device, loss_fn, n_received)
         self.step_index = 0          # the next step's index in the stream
         self.next_backward = 0       # the global microbatch index of this rank's next backward
         self.versions: dict = {}     # step -> {key: weight copy} for steps with backwards to run
-        self.saved: dict = {}
-        self.sends: list = []
 
     # the order: F(j), then B(j - lag) with lag = p - r - 1
     @property
@@ -64,17 +58,14 @@ class FlushlessSchedule(TwoWaySchedule):
     def _tag_index(self, j: int) -> int:
         return j % (2 * self.n_mb)   # (at most two steps in flight)
 
-    def _version(self, k: int) -> dict:
+    def _version(self) -> dict:
         module = self.modules[0]
         return {key: p.detach().clone().requires_grad_(p.requires_grad) for key, p in module.params.items()}
 
     def _run_forward(self, j: int, microbatches: list) -> None:
         k, i = divmod(j, self.n_mb)
-        self.modules[0].weights = self.versions[k]
-        try:
+        with self.modules[0].reading(self.versions[k]):
             self._forward(self._tag_index(j), 0, {self._tag_index(j): microbatches[i]}, True)
-        finally:
-            self.modules[0].weights = None
 
     def _run_backward(self, j: int) -> None:
         self._backward(self._tag_index(j), 0)
@@ -95,7 +86,7 @@ class FlushlessSchedule(TwoWaySchedule):
             return self._evaluate(microbatches)
         k = self.step_index
         self.step_index += 1
-        self.versions[k] = self._version(k)
+        self.versions[k] = self._version()
         for p in self.modules[0].params.values():
             p.grad = None
         for i in range(self.n_mb):

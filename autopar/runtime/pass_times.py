@@ -38,7 +38,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from autopar.cost.schedules import KINDS, SCHEDULES, TWO_WAY, Event, Timeline, _deps, placement_of, simulate
+from autopar.cost.schedules import KINDS, SCHEDULES, TWO_WAY, Event, Timeline, pass_inputs, placement_of, simulate
 
 _METHODS = {"forward_one_chunk": "F", "backward_one_chunk": "B", "backward_weight_one_chunk": "W"}
 
@@ -171,7 +171,7 @@ def pass_times(tl: Timeline) -> PassTimes:
     for r in range(S):
         prev_end = None
         for e in tl.on(r):
-            for r2, op in _deps(r, (e.kind, e.microbatch, e.chunk), S, v, placement):
+            for r2, op in pass_inputs(r, (e.kind, e.microbatch, e.chunk), S, v, placement):
                 dep = at.get((r2, op))
                 if r2 != r and dep is not None and (prev_end is None or prev_end <= dep.end):
                     gaps.append(e.start - dep.end)

@@ -38,6 +38,7 @@ gathered again there.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -166,7 +167,7 @@ class _StageModule(nn.Module):
         self.params = nn.ParameterDict({key: model.shards[key] for kind, key in feed if kind == "param"})
         self.feed = feed
         self.model = [model]  # not a submodule: the model's parameters are not this module's children twice
-        self.weights: dict | None = None   # key -> tensor read instead of the parameter (a stashed version)
+        self.weights: dict | None = None   # key -> tensor read instead of the parameter (see reading)
         self.compiled: dict = {}   # backend "inductor": training mode -> (split module, its regions)
 
     def forward(self, *received, **inputs):
@@ -183,6 +184,16 @@ class _StageModule(nn.Module):
             return run(*args)
         with self.regather.forward(dict(zip(self.placeholders, args))):
             return run(*args)
+
+    @contextlib.contextmanager
+    def reading(self, weights: dict):
+        """Forwards inside read `weights` (key -> tensor, a stashed version of this stage's
+        parameters) instead of the parameters themselves."""
+        self.weights = weights
+        try:
+            yield
+        finally:
+            self.weights = None
 
     def _module(self, model):
         """The stage's graph, or under backend "inductor" its compiled regions (one cut per

@@ -5,7 +5,7 @@ Placement.  With p device groups (p even) and p stages, group g runs stage g of 
 pipeline (chunk 0) and stage p-1-g of the up pipeline (chunk 1): every stage is held by two
 groups, g and p-1-g, whose gradients of it are summed after the step (the runner's tied
 weights, autopar/runtime/pipelined.py).  Of every p microbatches the first p/2 run down the
-groups and the rest up (cost.schedules._chimera, which also gives each rank's order of
+groups and the rest up (cost.schedules.chimera_orders, which also gives each rank's order of
 forward and backward passes; the same order the simulator prices).
 
 Messages.  A forward pass sends its stage's outputs to the next group of its pipeline: a
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 
-from autopar.cost.schedules import Event, _chimera
+from autopar.cost.schedules import Event, chimera_orders
 from autopar.runtime.process import CompileError
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int16,
@@ -56,7 +56,7 @@ def _tag(kind: str, m: int, chunk: int, i: int) -> int:
 def check_order(n_groups: int, n_mb: int) -> None:
     """Raise CompileError unless every group receives from each neighbour in the order that
     neighbour sends (what a backend without tags needs)."""
-    orders = _chimera(n_groups, n_mb)
+    orders = chimera_orders(n_groups, n_mb)
     sent: dict = {}
     needed: dict = {}
     for g, order in enumerate(orders):
@@ -77,25 +77,23 @@ def check_order(n_groups: int, n_mb: int) -> None:
                                f"message tags) cannot match; use another microbatch count or schedule")
 
 
-class TwoWaySchedule:
-    """Runs this rank's chunks of a chimera plan: modules[0] is stage `group` of the down
-    pipeline, modules[1] stage n_groups-1-group of the up pipeline (_StageModules of
-    autopar/runtime/pipelined.py).  loss_fn(output) -> a microbatch's loss, already divided
-    by the microbatch count."""
+class StagePasses:
+    """This rank's stage modules (_StageModules of autopar/runtime/pipelined.py; chunk c is
+    modules[c]) with the passes and messages a schedule autopar runs itself is made of:
+    forward and backward of one microbatch on one chunk, the tagged sends between groups.
+    loss_fn(output) -> a microbatch's loss, already divided by the microbatch count;
+    n_received: per chunk, how many tensors its stage receives."""
 
     def __init__(self, modules: list, group: int, n_groups: int, n_mb: int, pp_group, device, loss_fn,
                  n_received: list):
-        if n_groups % 2 or n_mb % n_groups:
-            raise CompileError(f"chimera runs an even number of device groups and a multiple of them as "
-                               f"microbatches; the plan has {n_groups} groups and {n_mb} microbatches: plan again")
-        if dist.get_backend(pp_group) == "nccl":
-            check_order(n_groups, n_mb)
         self.modules = modules
         self.group, self.n_groups, self.n_mb = group, n_groups, n_mb
         self.pp_group, self.device, self.loss_fn = pp_group, device, loss_fn
-        self.n_received = n_received   # per chunk: how many tensors its stage receives
-        self.order = _chimera(n_groups, n_mb)[group]
+        self.n_received = n_received
         self.events: list | None = None   # a list: each pass's compute appended as a cost.schedules.Event
+        self.sends: list = []             # (work, tensor) of sends not yet waited for
+        self.saved: dict = {}             # (tag index, chunk) -> (received, outputs) for its backward
+        self.losses: list = []
 
     def _last(self, chunk: int) -> bool:
         return stage_of(self.group, chunk, self.n_groups) == self.n_groups - 1
@@ -184,6 +182,21 @@ class TwoWaySchedule:
     def _record(self, kind: str, m: int, chunk: int, start: float) -> None:
         if self.events is not None:
             self.events.append(Event(self.group, kind, m, chunk, start, time.perf_counter()))
+
+
+class TwoWaySchedule(StagePasses):
+    """Runs this rank's chunks of a chimera plan: modules[0] is stage `group` of the down
+    pipeline, modules[1] stage n_groups-1-group of the up pipeline."""
+
+    def __init__(self, modules: list, group: int, n_groups: int, n_mb: int, pp_group, device, loss_fn,
+                 n_received: list):
+        if n_groups % 2 or n_mb % n_groups:
+            raise CompileError(f"chimera runs an even number of device groups and a multiple of them as "
+                               f"microbatches; the plan has {n_groups} groups and {n_mb} microbatches: plan again")
+        if dist.get_backend(pp_group) == "nccl":
+            check_order(n_groups, n_mb)
+        super().__init__(modules, group, n_groups, n_mb, pp_group, device, loss_fn, n_received)
+        self.order = chimera_orders(n_groups, n_mb)[group]
 
     def step(self, inputs: dict, train: bool = True) -> list:
         """One step over the global batch `inputs` (keyword tensors split into n_mb
