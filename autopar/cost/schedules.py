@@ -261,8 +261,7 @@ def simulate(schedule: str, n_stages: int, n_microbatches: int, stage_times=None
                       for c in range(2)} for r in range(S)]
     else:
         durations = [{(k, c): t * s for k, s in scale.items() for c in range(v)} for t in stage_times]
-    placement = "two-way" if schedule in TWO_WAY else "v" if schedule in V_SHAPED else "loop"
-    events, sends = _run(orders, durations, S, v, comm_time, placement, pairs=pairs)
+    events, sends = _run(orders, durations, S, v, comm_time, placement_of(schedule), pairs=pairs)
     if schedule in ASYNCHRONOUS:
         return Timeline(schedule, S, B, events, v, sends, _period(events, B), STREAM_BATCHES)
     return Timeline(schedule, S, B, events, v, sends)

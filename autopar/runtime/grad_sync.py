@@ -25,6 +25,16 @@ from autopar.runtime.grad_pieces import drop_absent, is_absent, mark, mark_absen
 from autopar.runtime.zero import reduce_scatter_finish, reduce_scatter_start
 
 
+def copy_from_flat(flat: torch.Tensor, tensors: list) -> int:
+    """Copy consecutive pieces of the 1-D `flat` back into `tensors` (what a flat collective
+    over torch.cat of them returned); the number of elements read."""
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+    return offset
+
+
 class GradSync:
     FIRST_BUCKET_MB = 1.0  # the first bucket is small so communication starts early in backward
 
@@ -135,11 +145,7 @@ class GradSync:
                         mark_absent(self.params[key], self.pieces[key])
                 continue
             work.wait()
-            offset = 0
-            for p in bucket:
-                n = p.grad.numel()
-                p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
-                offset += n
+            offset = copy_from_flat(flat, [p.grad for p in bucket])
             if summed is not None:
                 summed.copy_(flat[offset:].view_as(summed))
         self.in_flight.clear()

@@ -38,7 +38,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from autopar.cost.schedules import KINDS, SCHEDULES, TWO_WAY, Event, Timeline, pass_inputs, placement_of, simulate
+from autopar.cost.schedules import KINDS, TWO_WAY, Event, Timeline, pass_inputs, placement_of, simulate
 
 _METHODS = {"forward_one_chunk": "F", "backward_one_chunk": "B", "backward_weight_one_chunk": "W"}
 
@@ -153,7 +153,7 @@ def pass_times(tl: Timeline) -> PassTimes:
     rank sat idle for it (its previous pass ended before the input's producer did), so the
     gap is transfer plus wake-up, not the rank being busy.
     """
-    placement = placement_of(tl.schedule) if tl.schedule in SCHEDULES else "loop"
+    placement = placement_of(tl.schedule)
     S, v = tl.n_stages, tl.n_virtual
     at = {(e.rank, (e.kind, e.microbatch, e.chunk)): e for e in tl.events}
     chunks = []

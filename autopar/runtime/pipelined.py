@@ -48,7 +48,7 @@ from torch.distributed import pipelining
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                          ScheduleInterleavedZeroBubble)
 
-from autopar.cost.schedules import ASYNCHRONOUS, TWO_WAY, stage_group, stage_groups
+from autopar.cost.schedules import ASYNCHRONOUS, group_stages, stage_group, stage_groups
 
 from autopar.trace.batching import batch_size, first_microbatch
 from autopar.mesh import Mesh
@@ -66,6 +66,7 @@ from autopar.runtime.reshard import Regather
 from autopar.runtime.runner import gather_counts_of, loss_of
 from autopar.runtime.state import build_rank_state, param_key
 from autopar.runtime.flushless import FlushlessSchedule
+from autopar.runtime.grad_sync import copy_from_flat
 from autopar.runtime.two_way import TwoWaySchedule
 
 log = logging.getLogger("autopar")
@@ -79,9 +80,9 @@ SCHEDULES.update({name: getattr(pipelining, cls) for name, cls in (("zbv", "Sche
                   if hasattr(pipelining, cls)})   # (newer torch)
 
 
-SCHEDULES["chimera"] = TwoWaySchedule   # (autopar's own: two pipelines, see runtime/two_way.py)
-SCHEDULES["pipedream-2bw"] = FlushlessSchedule   # (autopar's own: no flush between steps, runtime/flushless.py)
-OWN = {"chimera": TwoWaySchedule, "pipedream-2bw": FlushlessSchedule}   # schedules autopar runs itself
+# schedules autopar runs itself: Chimera's two pipelines (runtime/two_way.py), 2BW's stream (runtime/flushless.py)
+OWN = {"chimera": TwoWaySchedule, "pipedream-2bw": FlushlessSchedule}
+SCHEDULES.update(OWN)
 MULTI_STAGE = {"interleaved-1f1b", "zero-bubble", "zbv", "dualpipev"}  # schedules that take a list of this rank's stages
 
 def compile_pipelined(model, mesh: Mesh, example_inputs, example_kwargs, plan, *, on_meta: bool, seed,
@@ -236,10 +237,8 @@ class PipelineRunner:
         self.stage_modules = []
         pipeline_stages = []
         own = self.schedule_name in OWN
-        # this group's stages in chunk order (chimera: its down stage, then its up stage)
-        mine = ([st for st in stages if st.index == group] + [st for st in stages if st.index == self.n_groups - 1 - group]
-                if self.schedule_name in TWO_WAY else
-                sorted((st for st in stages if st.index in feeds), key=lambda st: st.index))
+        by_index = {st.index: st for st in stages}   # this group's stages in chunk order
+        mine = [by_index[i] for i in group_stages(group, self.n_groups, self.n_stages, self.schedule_name)]
         for st in mine:
             regather = Regather(st.graph_module, set(st.params), reshard_after_forward, model.groups)
             apply_recompute(st.graph_module, model.plan, model.streams, pipelined=True)
@@ -407,10 +406,7 @@ class PipelineRunner:
             pending.append((dist.all_reduce(flat, group=pg, async_op=True), flat, grads))
         for work, flat, grads in pending:
             work.wait()
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
+            copy_from_flat(flat, grads)
 
     def backward(self, loss):
         raise CompileError("a pipelined model runs backward inside its schedule: call cm.train_step(*inputs)")
