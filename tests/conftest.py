@@ -72,6 +72,7 @@ SLOW = {
     "test_capacity_experts.py::test_switch_trains_like_one_device",             # 12 s a layout
     "test_pipeline_search.py::test_search_does_not_pick_zbv_with_too_few_microbatches",
     "test_pipeline_runtime.py::test_newer_schedules_on_hugging_face_families",
+    "test_pipeline_runtime.py::test_own_schedules_on_attention_as_users_write_it",
     "test_planner_3axis.py::test_hand_written_layouts_plan_on_three_axes",     # 16 s
 }
 SAMPLED = {   # test -> cases kept in the fast tier

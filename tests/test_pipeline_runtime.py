@@ -147,6 +147,23 @@ def test_newer_schedules_on_hugging_face_families(pool4, kind):
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.parametrize("kind", ["nano", "titan"])
+@pytest.mark.parametrize("schedule", ["chimera", "pipedream-2bw"])
+def test_own_schedules_on_attention_as_users_write_it(pool2, kind, schedule):
+    """Chimera (equal to one device) and PipeDream-2BW (equal to its stale rule's one-device
+    reference) on nanoGPT-style attention and torchtitan-style complex RoPE
+    (tests/user_models.py), 2 stages."""
+    spec = ("user", kind)
+    model, args, kwargs = build_case(spec)
+    plan = autopar.plan(model, autopar.Mesh((2,), ("pp",), device="cpu"), args, compare=False,
+                        pipeline=autopar.Pipeline(axis="pp", groups=2, schedule=schedule, microbatches=2,
+                                                  asynchronous=schedule == "pipedream-2bw"))
+    assert plan.pipeline.schedule == schedule
+    job = train_stale_and_compare if schedule == "pipedream-2bw" else train_and_compare
+    results = pool2.run(job, spec, plan.to_dict())
+    assert all(r["ok"] for r in results), results[0]
+
+
 @pytest.mark.parametrize("reshard", [True, False])
 def test_zero3_inside_stages_prefetches_and_regathers_per_microbatch(pool4, reshard):
     """ZeRO-3 over dp inside 2 stages (1F1B, 2 microbatches): every weight of a rank's
