@@ -115,7 +115,12 @@ class DeviceSpec:
     synchronisation), so one all-reduce costs less than a reduce-scatter plus an all-gather.
     host_bandwidth: bytes/s between the device and host memory (offload);
     host_optimizer_rate: parameter elements per second the host's optimizer updates
-    (a vectorised CPU Adam) for this device.  algorithms: the collective algorithms its
+    (a vectorised CPU Adam) for this device.  Memory tiers beyond the device's own:
+    host_memory, host bytes this device may fill with offloaded states (its share of the
+    node's memory; 0: not stated, unbounded); disk_memory, bytes of local disk (NVMe) this
+    device may fill (0: no disk tier); disk_read_bandwidth / disk_write_bandwidth, bytes/s
+    this device reads and writes there (its share of the node's drives, through the file
+    system, as `autopar calibrate` times it).  algorithms: the collective algorithms its
     communication library runs (autopar.cost.collectives); the cost model takes the cheapest
     per call.
 
@@ -153,6 +158,10 @@ class DeviceSpec:
     launch_latency: float = 5e-6
     host_bandwidth: float = 25e9
     host_optimizer_rate: float = 1e9
+    host_memory: float = 0.0
+    disk_memory: float = 0.0
+    disk_read_bandwidth: float = 2e9
+    disk_write_bandwidth: float = 1e9
     algorithms: tuple = ("ring",)
     op_latency: float = 0.0
     asynchronous: bool = True
@@ -287,6 +296,18 @@ HOPPER_KERNELS = KernelEfficiency(sms=132, attention=(0.84, 0.50), misaligned=0.
 AMPERE_KERNELS = KernelEfficiency(sms=108, attention=(0.93, 0.80), misaligned=0.5,
                                   attention_kernels=(("flash-attn-2", (0.93, 0.80)), ("flash-attn-1", (0.465, 0.40))))
 
+# Memory tiers beyond HBM, per GPU (DeviceSpec.host_memory, disk_memory, disk_*_bandwidth),
+# from the DGX datasheets: DGX H100 and H200, 2 TB of system memory and a data cache of
+# 8 x 3.84 TB U.2 NVMe (one drive per GPU); DGX A100 640 GB, 2 TB and 8 x 3.84 TB; DGX
+# A100 320 GB, 1 TB and 4 x 3.84 TB (one drive per two GPUs).  Host memory: a GPU's share
+# less a tenth for the system and the data loaders.  Disk rates: the sequential datasheet
+# class of a PCIe 4 U.2 drive (about 7 GB/s read, 4 GB/s write) times 0.8 through a file
+# system; not measured here (`autopar calibrate` times them on the machine).
+_DGX_TIERS = dict(host_memory=0.9 * 2e12 / 8, disk_memory=3.84e12, disk_read_bandwidth=0.8 * 7e9,
+                  disk_write_bandwidth=0.8 * 4e9)
+_DGX_A100_320_TIERS = dict(host_memory=0.9 * 1e12 / 8, disk_memory=3.84e12 / 2, disk_read_bandwidth=0.8 * 7e9 / 2,
+                           disk_write_bandwidth=0.8 * 4e9 / 2)
+
 _HOPPER = {"float32": 67e12, "tfloat32": 494e12, "bfloat16": 989e12, "float16": 989e12}   # H100/H200 SXM, dense
 _AMPERE = {"float32": 19.5e12, "tfloat32": 156e12, "bfloat16": 312e12, "float16": 312e12}  # A100 SXM, dense
 _SXM_SOURCE = "{} datasheet peaks times typical efficiencies (autopar.mesh.GEMM ...)"
@@ -295,9 +316,10 @@ PRESETS: dict[str, DeviceSpec] = {
     # H100 SXM (datasheet): 989 TFLOP/s dense bf16, 67 TFLOP/s fp32 (no tensor cores),
     # 494 tf32, 3.35 TB/s HBM3, NVLink 4 at 450 GB/s per direction, 400 Gb/s InfiniBand
     # (50 GB/s) per GPU; each times the efficiency above.  "h100" is this part.
-    "h100": _gpu("h100", _HOPPER, 3.35e12, USABLE, 450e9, 50e9, _SXM_SOURCE.format("H100 SXM"), host_bandwidth=55e9),
+    "h100": _gpu("h100", _HOPPER, 3.35e12, USABLE, 450e9, 50e9, _SXM_SOURCE.format("H100 SXM"), host_bandwidth=55e9,
+                 **_DGX_TIERS),
     "h100-sxm": _gpu("h100-sxm", _HOPPER, 3.35e12, USABLE, 450e9, 50e9, _SXM_SOURCE.format("H100 SXM"),
-                     host_bandwidth=55e9),
+                     host_bandwidth=55e9, **_DGX_TIERS),
     # H100 with 96 GB of HBM2e at a 500 W power limit (the parts of torchtitan's published
     # H100 runs, "Grand Teton"): 2.4 TB/s as stated there; its peak is stated only as
     # between the SXM and NVL parts, so the NVL datasheet's 835 TFLOP/s dense bf16 (60 fp32,
@@ -309,21 +331,26 @@ PRESETS: dict[str, DeviceSpec] = {
     # H200 SXM (datasheet): the H100 SXM's compute, 141 GB of HBM3e at 4.8 TB/s (about 139.5 GiB
     # usable, as the one-GPU check saw), NVLink 4, 400 Gb/s InfiniBand per GPU.
     "h200": _gpu("h200", _HOPPER, 4.8e12, 139 * GiB, 450e9, 50e9, _SXM_SOURCE.format("H200 SXM"),
-                 host_bandwidth=55e9),
+                 host_bandwidth=55e9, **_DGX_TIERS),
     # A100 SXM 80GB (datasheet): 312 TFLOP/s bf16, 19.5 fp32, 156 tf32, 2.04 TB/s, NVLink 3
     # at 300 GB/s, 200 Gb/s InfiniBand (25 GB/s); each times the efficiency above.  "a100" is this part.
-    "a100": _gpu("a100", _AMPERE, 2.04e12, USABLE, 300e9, 25e9, _SXM_SOURCE.format("A100 SXM")),
-    "a100-80gb": _gpu("a100-80gb", _AMPERE, 2.04e12, USABLE, 300e9, 25e9, _SXM_SOURCE.format("A100 SXM 80GB")),
+    "a100": _gpu("a100", _AMPERE, 2.04e12, USABLE, 300e9, 25e9, _SXM_SOURCE.format("A100 SXM"), **_DGX_TIERS),
+    "a100-80gb": _gpu("a100-80gb", _AMPERE, 2.04e12, USABLE, 300e9, 25e9, _SXM_SOURCE.format("A100 SXM 80GB"),
+                      **_DGX_TIERS),
     # A100 SXM 40GB (datasheet): the same compute, 1.555 TB/s HBM2, 40 GB (about 39.4 GiB usable).
-    "a100-40gb": _gpu("a100-40gb", _AMPERE, 1.555e12, 39 * GiB, 300e9, 25e9, _SXM_SOURCE.format("A100 SXM 40GB")),
+    "a100-40gb": _gpu("a100-40gb", _AMPERE, 1.555e12, 39 * GiB, 300e9, 25e9, _SXM_SOURCE.format("A100 SXM 40GB"),
+                      **_DGX_A100_320_TIERS),
     # A CPU rank (one process of a few cores) talking gloo over loopback: what `autopar
     # calibrate` measured for 4 ranks sharing the 2 cores of this project's CI machine (one
     # intra-op thread each), rounded.  Ops run eagerly: each op's latency adds to its work.
+    # Tiers: a quarter of the machine's 24 GiB of host memory less the ranks' own, and the
+    # virtual disk's buffered rates as timed there (0.3-1.0 GB/s).
     "cpu": DeviceSpec("cpu", (("float32", 4e10), ("bfloat16", 1e11), ("float16", 2e10)),
                       mem_bandwidth=3e10, memory=16 * GiB, intra_bandwidth=2e9,
                       inter_bandwidth=1e9, devices_per_node=8, intra_latency=5e-4,
                       inter_latency=1e-3, launch_latency=2e-4, host_bandwidth=1e10,
                       host_optimizer_rate=2e8, op_latency=7e-6, asynchronous=False, optimizer=(5e-5, 5e-9),
+                      host_memory=4 * GiB, disk_memory=16 * GiB, disk_read_bandwidth=5e8, disk_write_bandwidth=3e8,
                       attention_flops=(("float32", 1.7e10), ("bfloat16", 1.6e10)),
                       source="autopar calibrate on 4 gloo ranks sharing 2 CPU cores, rounded"),
 }

@@ -5,6 +5,7 @@ tests/distributed.py for what a job may be.
 """
 import os
 import sys
+import tempfile
 
 import pytest
 
@@ -13,6 +14,10 @@ if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
 
 from distributed import WorkerPool  # noqa: E402
+
+# Plans that keep optimizer states on disk (random plans draw them) write under one
+# directory for the session; the workers inherit it.
+os.environ.setdefault("AUTOPAR_OFFLOAD_DIR", tempfile.mkdtemp(prefix="autopar-offload-tests-"))
 
 
 def _pool_fixture(world_size: int):

@@ -47,6 +47,29 @@ def state_bytes(param_itemsize: int, mixed_precision: bool) -> float:
     return 12.0 if mixed_precision else 2.0 * param_itemsize
 
 
+def offloaded_bytes(param_itemsize: int, mixed_precision: bool) -> float:
+    """Bytes per trainable element an offloaded parameter keeps off the device: its
+    optimizer state and a float32 master copy (under mixed precision the master is part
+    of state_bytes; without it the host keeps its own copy of the weights to step)."""
+    return state_bytes(param_itemsize, mixed_precision) + (0 if mixed_precision else param_itemsize)
+
+
+def offload_seconds(tier: str, owned: int, param_itemsize: int, mixed_precision: bool, device) -> float:
+    """One optimizer step of `owned` elements whose states live in `tier` ("host" or
+    "disk"): the gradient down and the updated weights up the host link, the host's
+    optimizer over them (device.host_optimizer_rate, plus one per-tensor overhead where
+    calibrated), and on disk the states read before and written after the step
+    (offloaded_bytes over the disk's read and write rates).  The runtime reads the next
+    run of parameters while the host steps this one; the price adds the two (it does not
+    count that overlap, at most the smaller of the two)."""
+    per_param = device.optimizer[0] if device.optimizer else 0.0   # the host loops over parameters too
+    seconds = 2 * owned * param_itemsize / device.host_bandwidth + owned / device.host_optimizer_rate + per_param
+    if tier == "disk":
+        held = owned * offloaded_bytes(param_itemsize, mixed_precision)
+        seconds += held / device.disk_read_bandwidth + held / device.disk_write_bandwidth
+    return seconds
+
+
 def routing_imbalance(rows: int, ranks: int) -> float:
     """The busiest rank's share of a mixture-of-experts op's routed rows over the mean share,
     expected when `rows` (tokens x k) pick experts uniformly at random and `ranks` ranks

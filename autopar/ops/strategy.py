@@ -43,8 +43,9 @@ class Strategy:
 
     Parameters only: zero is the ZeRO stage 1 or 2 of a parameter stored whole on the
     mesh axes `zero_axes` (its optimizer state, and at stage 2 its gradient, split over
-    them; stage 3 is a Shard placement instead); offload keeps its optimizer state and
-    float32 master weights in host memory.
+    them; stage 3 is a Shard placement instead); offload is the memory tier its optimizer
+    state and float32 master weights live in beyond the device: "host" or "disk" ("" on
+    the device).
     """
 
     split: tuple
@@ -56,11 +57,16 @@ class Strategy:
     comm: tuple = ()
     zero: int = 0
     zero_axes: tuple = ()
-    offload: bool = False
+    offload: str = ""
     reduced: tuple = ()   # mesh axes whose split letter does not reach the output (summed over ranks)
 
     def __str__(self) -> str:
         return self.name
+
+
+def offload_label(tier: str) -> str:
+    """How a plan names a parameter's state tier: "offload" (host), "offload to disk", or ""."""
+    return {"host": "offload", "disk": "offload to disk"}.get(tier, "")
 
 
 def show_placements(placements: Placements) -> str:

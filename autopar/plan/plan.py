@@ -14,7 +14,7 @@ from autopar.mesh import Mesh
 from autopar.cost.precision import MixedPrecision
 from autopar.plan.records import (
     Collective, NodeChoice, ParamState, PipelineLayout, Prediction, Recompute, SolverStats, Timing,
-    placement_from_str, placement_str, show)
+    placement_from_str, placement_str, show, tier_of)
 from autopar.plan.report import plan_table, plan_text
 
 __all__ = ["Plan", "PlanFileError", "FORMAT_VERSION", "Collective", "NodeChoice", "ParamState", "PipelineLayout",
@@ -166,7 +166,7 @@ class Plan:
                    layers=tuple((p, tuple(ix)) for p, ix in d["layers"]),
                    grad_sums={k: places(v) for k, v in d["grad_sums"].items()}, origin=d["origin"],
                    timing=Timing.from_dict(d.get("timing", {})),
-                   param_states={k: ParamState(v["stage"], tuple(v["axes"]), v["offload"])
+                   param_states={k: ParamState(v["stage"], tuple(v["axes"]), tier_of(v["offload"]))
                                  for k, v in d.get("param_states", {}).items()},
                    precision=MixedPrecision.from_dict(d.get("precision")),
                    pipeline=None if d.get("pipeline") is None else PipelineLayout.from_dict(d["pipeline"]),

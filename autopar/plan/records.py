@@ -5,11 +5,12 @@ where it has its own; `autopar.plan.plan.Plan` holds them."""
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar.mesh import Mesh
+from autopar.ops.strategy import offload_label
 
 
 def placement_str(p) -> str:
@@ -75,17 +76,28 @@ class Collective:
 @dataclass(frozen=True)
 class ParamState:
     """Where a parameter's training state lives beyond its placement.  stage: ZeRO stage 1
-    (optimizer state split over `axes`) or 2 (gradient too), or 0; offload: the optimizer
-    state and master weights stay in host memory.  (ZeRO-3 is a placement: Shard on an axis
+    (optimizer state split over `axes`) or 2 (gradient too), or 0; offload: the memory tier
+    the optimizer state and master weights stay in, "host" or "disk" ("": the device).  (ZeRO-3 is a placement: Shard on an axis
     whose ops read the parameter whole.)"""
 
     stage: int
     axes: tuple
-    offload: bool = False
+    offload: str = ""
 
     def __str__(self) -> str:
         text = f"zero-{self.stage} over {'+'.join(self.axes)}" if self.stage else ""
-        return ", ".join(t for t in (text, "offload" if self.offload else "") if t)
+        return ", ".join(t for t in (text, offload_label(self.offload)) if t)
+
+
+def tier_of(value) -> str:
+    """A saved plan's offload field as a tier: plans saved before disk existed wrote a bool."""
+    if value is True:
+        return "host"
+    if value in (False, None, ""):
+        return ""
+    if value not in ("host", "disk"):
+        raise ValueError(f"plan's param_states offload {value!r}: one of 'host', 'disk' or ''")
+    return value
 
 
 def peak_bytes(memory: dict, step_memory: float = 0.0) -> float:
@@ -126,6 +138,7 @@ class Prediction:
     prefetchable_s: float = 0.0
     host_bound_s: float = 0.0
     step_memory: float = 0.0   # what the optimizer step allocates while it runs (cost.prices.step_temporary_bytes)
+    tiers: dict = field(default_factory=dict)   # "host" / "disk" -> offloaded bytes per device kept there
 
     @property
     def memory_total(self) -> float:
@@ -143,8 +156,9 @@ class Prediction:
              if self.prefetch_hidden_s > 1e-12 else [])
         hidden = f", hidden: {' and '.join(parts)}" if parts else ""
         host = f", host-bound: +{format_seconds(self.host_bound_s)}" if self.host_bound_s > 1e-12 else ""
+        beyond = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.tiers.items() if v)
         return (f"step {format_seconds(self.step_s)} (compute {format_seconds(self.compute_s)}{host}; comm {comm}{hidden}); "
-                f"memory {format_bytes(self.memory_total)} ({mem})")
+                f"memory {format_bytes(self.memory_total)} ({mem})" + (f"; offloaded states: {beyond}" if beyond else ""))
 
 
 @dataclass(frozen=True)

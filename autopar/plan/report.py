@@ -7,6 +7,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 from autopar.ops.attention_rule import ATTENTION_OPS
+from autopar.ops.strategy import offload_label
 from autopar.plan.records import format_bytes, format_seconds, show
 from autopar.trace.paths import layer_path
 
@@ -96,7 +97,8 @@ def plan_text(plan) -> str:
     states = Counter()
     for name in plan.param_placements:
         st = plan.param_states.get(name)
-        label = f"zero-{plan.zero_stage(name)}" + (", offload" if st is not None and st.offload else "")
+        label = f"zero-{plan.zero_stage(name)}" + (f", {offload_label(st.offload)}"
+                                                    if st is not None and st.offload else "")
         states[label] += 1
     if states:
         lines.append("model states: " + "; ".join(f"{k}: {v} parameters" for k, v in sorted(states.items())))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import numbers
 import time
 
@@ -30,6 +31,7 @@ from autopar.plan.plan import Plan
 from autopar.cost.precision import MixedPrecision
 
 from autopar.runtime.build import initial_shards, rank_graph
+from autopar.runtime.disk import OFFLOAD_DIR_ENV
 from autopar.runtime.faults import (
     DEFAULT_TIMEOUT_S, CollectiveError, NonFiniteError, collectives_named, set_timeout)
 from autopar.runtime.inputs import CHECKED_CALLS, SAMPLE_EVERY
@@ -87,7 +89,7 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=N
             local_inputs: bool = False, mixed_precision=None,
             reshard_after_forward: bool = True, timeout: float = DEFAULT_TIMEOUT_S,
             check_finite: bool = True, check_inputs: int = CHECKED_CALLS,
-            check_inputs_every: int = SAMPLE_EVERY, backend: str = "eager") -> "CompiledModel":
+            check_inputs_every: int = SAMPLE_EVERY, backend: str = "eager", offload_dir=None) -> "CompiledModel":
     """Compile `model` for `mesh` with `plan` (a Plan, a path to a saved one, or None to plan now).
 
     A model on the meta device is initialised shard by shard (with `seed` if given); a model
@@ -119,13 +121,20 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=N
     backend: "eager" runs the rank's graph op by op; "inductor" compiles its compute
     between collectives with torch.compile (autopar/runtime/inductor.py: regions compile on
     the first step, a region Inductor cannot compile runs eagerly with a warning; results
-    match eager to float rounding, not bit for bit).  Not yet with the zero-bubble schedule."""
+    match eager to float rounding, not bit for bit).  Not yet with the zero-bubble schedule.
+
+    offload_dir: a directory on a local disk (NVMe) where a plan that keeps optimizer
+    states on disk writes them (autopar/runtime/disk.py): each rank makes its own
+    directory inside it, checked for room at compile and removed when the job ends.  A
+    plan without the disk tier ignores it.  Unset, the environment's AUTOPAR_OFFLOAD_DIR
+    is taken (a job script's one setting for every compile)."""
     timeout = check_timeout(timeout)
     backend = check_backend(backend)
     check_options(bucket_mb, check_inputs, check_inputs_every)
     options = RunOptions(timeout_s=float(timeout), check_finite=bool(check_finite), compared_calls=int(check_inputs),
                          sample_every=int(check_inputs_every), bucket_mb=bucket_mb,
-                         reshard_after_forward=reshard_after_forward, backend=backend)
+                         reshard_after_forward=reshard_after_forward, backend=backend,
+                         offload_dir=str(offload_dir) if offload_dir is not None else os.environ.get(OFFLOAD_DIR_ENV))
     ensure_process_group()
     set_timeout(timeout)
     with collectives_named("compile", timeout):
@@ -190,7 +199,8 @@ def _compile(model, mesh, example_inputs, example_kwargs, plan, memory_budget, s
         regather = Regather(rewritten.graph, set(traced.params), options.reshard_after_forward, groups, alone,
                             options.bucket_bytes)
         apply_recompute(rewritten.graph, plan, rewritten.streams)
-        state = build_rank_state(rewritten, plan, groups, shards, model, device_type, precision)
+        state = build_rank_state(rewritten, plan, groups, shards, model, device_type, precision,
+                                 offload_dir=options.offload_dir)
         cm = CompiledModel(rewritten, state, options, lambda m: GraphRunner(m, regather))
     cm.train(model.training)
     log.info("compiled %s for %s on rank %d in %.2fs", type(model).__name__, mesh, dist.get_rank(),

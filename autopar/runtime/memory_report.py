@@ -3,7 +3,8 @@ prediction: what `cm.memory_report()` returns.
 
 optimizer: per-element optimizer states (Adam's moments) plus float32 master weights;
 optimizer_scalars: bookkeeping such as Adam's step count; offloaded: what of those lives
-in host memory (not in "optimizer").  grads: full local gradients plus the ZeRO-2 chunks.
+in host memory (not in "optimizer"); disk: what the disk tier's files hold (between
+steps none of it is in memory).  grads: full local gradients plus the ZeRO-2 chunks.
 Measured after optimizer.step() and before zero_grad() it is what the plan predicts.
 """
 from __future__ import annotations
@@ -27,9 +28,10 @@ def memory_report(state, optimizers, predicted: dict) -> dict:
         "grads": sum(nbytes(p.grad) for p in params if p.grad is not None and not is_absent(p.grad))
                  + sum(nbytes(g) for g in state.zero_grads.values()),
         "optimizer": 0, "optimizer_scalars": 0, "offloaded": 0,
+        "disk": state.disk.disk_bytes if state.disk is not None else 0,
     }
     host = {id(m) for k, m in state.masters.items() if m.device.type == "cpu" and
-            state.plan.param_states.get(state.name_of[k]) is not None and state.plan.param_states[state.name_of[k]].offload}
+            getattr(state.plan.param_states.get(state.name_of[k]), "offload", "")}
     for m in state.masters.values():
         measured["offloaded" if id(m) in host else "optimizer"] += nbytes(m)
     for opt in optimizers:

@@ -12,7 +12,8 @@ class RunOptions:
     """How a compiled model runs, as autopar.compile's keywords say (compiled.check_timeout
     and check_options have checked them): the collective timeout, the finite check, the
     input checks (runtime/inputs.InputCheck), the gradient bucket size (runtime/grad_sync.py),
-    whether ZeRO-3 weights are gathered again in backward (runtime/reshard.py) and how the
+    whether ZeRO-3 weights are gathered again in backward (runtime/reshard.py), the directory
+    of the disk tier (runtime/disk.py) and how the
     rank's graph runs: op by op ("eager") or in Inductor-compiled regions (runtime/inductor.py)."""
 
     timeout_s: float = DEFAULT_TIMEOUT_S
@@ -22,6 +23,7 @@ class RunOptions:
     bucket_mb: float = 25.0
     reshard_after_forward: bool = True
     backend: str = "eager"                # compile(backend=...): runtime/inductor.py
+    offload_dir: str | None = None        # compile(offload_dir=...): where disk-tier states live (runtime/disk.py)
 
     @property
     def bucket_bytes(self) -> int:

@@ -124,7 +124,8 @@ def compile_pipelined(model, mesh: Mesh, example_inputs, example_kwargs, plan, *
     mine = {name: pl for name, pl in plan.param_placements.items() if group in readers.get(name, ())}
     shards = initial_shards(model, mine, groups, on_meta, seed, traced.parts)
     state = build_rank_state(rewritten, plan, groups, shards, model, device_type, precision,
-                             holders={param_key(name): len(gs) for name, gs in readers.items()})
+                             holders={param_key(name): len(gs) for name, gs in readers.items()},
+                             offload_dir=options.offload_dir)
     planned = traced.parts.named_parameters(model)
     meta = {name: (tuple(planned[name].shape), state.compute_dtype_of(planned[name].dtype)) for name in readers}
     feeds = stage_feeds(stages, group, n_groups, name_of, traced.buffers, plan.pipeline.schedule)

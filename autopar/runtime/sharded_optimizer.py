@@ -24,12 +24,15 @@ the optimizer itself, and the state of one plan or mesh loads into another.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from autopar.passes.shard_params import shard_of
 
+from autopar.runtime.disk import wait
 from autopar.runtime.grad_norms import clip_grad_norm_
 from autopar.runtime.process import CompileError
 from autopar.runtime.zero import all_gather_chunks, buckets
@@ -131,15 +134,24 @@ class ShardedOptimizer(WrappedOptimizer):
         if closure is not None and self.derived:
             raise ValueError("autopar's sharded optimizer takes no closure: call cm.train_step, then step()")
         if closure is not None or self.chunk_bytes is None:
-            loss = self._step_run(self.entries, closure)
+            with self._resident(self.entries):
+                loss = self._step_run(self.entries, closure)
         else:
             loss = None
             own = {id(p): p.grad for _, p, _, target in self.entries if target is p}   # backward's own gradients
             for _, p, _, target in self.entries:
                 if target is p:
                     p.grad = None
+            runs = list(self._runs())
+            disk = self.rank_state.disk
+            written = []
             try:
-                for run in self._runs():
+                ahead = disk.fetch(self._on_disk(runs[0])) if disk is not None else None
+                for i, run in enumerate(runs):
+                    if disk is not None:   # this run's states read; the next run's read while this one steps
+                        wait(ahead)
+                        if i + 1 < len(runs):
+                            ahead = disk.fetch(self._on_disk(runs[i + 1]))
                     for _, p, _, target in run:
                         if target is p:
                             p.grad = own[id(p)]
@@ -147,20 +159,69 @@ class ShardedOptimizer(WrappedOptimizer):
                     for _, p, _, target in run:
                         if target is p:
                             p.grad = None
+                    if disk is not None:
+                        written.append(disk.spill(self._on_disk(run)))
             finally:
                 for _, p, _, target in self.entries:
                     if target is p:
                         p.grad = own[id(p)]
+                for future in written:
+                    wait(future)
         self._gather_chunks()
         return loss
+
+    def _on_disk(self, entries) -> list:
+        """(file name, tensor) of what the disk tier holds of `entries`: each disk-tier
+        parameter's master and its per-element optimizer states (Adam's moments; scalars
+        such as the step count stay in memory)."""
+        state = self.rank_state
+        out = []
+        for key, _, _, target in entries:
+            if key not in state.disk_keys:
+                continue
+            out.append((state.master_file(key), target))
+            for name, value in self.optimizer.state.get(target, {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    out.append((f"{key}.{name}", value))
+        return out
+
+    @contextlib.contextmanager
+    def _resident(self, entries):
+        """A context in which the disk tier's part of `entries` is in memory (see _on_disk),
+        written out after it with any state the block made."""
+        disk = self.rank_state.disk
+        if disk is None:
+            yield
+            return
+        wait(disk.fetch(self._on_disk(entries)))
+        try:
+            yield
+        finally:
+            wait(disk.spill(self._on_disk(entries)))
+
+    @contextlib.contextmanager
+    def _mapped(self):
+        """A context in which every disk-tier tensor reads its file through a read-only
+        mapping (runtime.disk.DiskStore.mapped): tensors taken from them inside (a state
+        dict's) keep the mapping, and hold no copy in memory."""
+        disk = self.rank_state.disk
+        items = self._on_disk(self.entries) if disk is not None else []
+        for name, t in items:
+            t.data = disk.mapped(name, t)
+        try:
+            yield
+        finally:
+            for _, t in items:
+                t.data = torch.empty(0, dtype=t.dtype)
 
     def _runs(self):
         """Consecutive entries whose updated tensors hold at most chunk_bytes together (one
         larger tensor alone)."""
         run, size = [], 0
         for entry in self.entries:
-            target = entry[3]
-            nbytes = target.numel() * target.element_size()
+            _, p, lay, target = entry
+            numel = lay.end - lay.start if lay is not None else p.numel()   # (a disk-tier target holds no storage now)
+            nbytes = numel * target.element_size()
             if run and size + nbytes > self.chunk_bytes:
                 yield run
                 run, size = [], 0
@@ -207,12 +268,20 @@ class ShardedOptimizer(WrappedOptimizer):
 
     def state_dict(self) -> dict:
         """The state under parameter names, DTensors for per-element state (see the module
-        docstring): saved with torch.distributed.checkpoint, it loads into another plan or mesh."""
-        return optimizer_state_dict(self.rank_state, self.entries, self.optimizer)
+        docstring): saved with torch.distributed.checkpoint, it loads into another plan or mesh.
+        States on disk are given as read-only mappings of their files (on CPU ranks; moved
+        to the device on others)."""
+        if self.rank_state.disk is None:
+            return optimizer_state_dict(self.rank_state, self.entries, self.optimizer)
+        with self._resident(self.entries):   # (a fresh optimizer's states made and written out)
+            ensure_state(self.optimizer, self.entries)
+        with self._mapped():
+            return optimizer_state_dict(self.rank_state, self.entries, self.optimizer)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load state_dict()'s layout of this or another plan, DTensors or whole tensors."""
-        load_optimizer_state_dict(self.rank_state, self.entries, self.optimizer, state_dict)
+        with self._resident(self.entries):
+            load_optimizer_state_dict(self.rank_state, self.entries, self.optimizer, state_dict)
 
 
 # --- the state under parameter names ---------------------------------------------------------------

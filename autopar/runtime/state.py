@@ -16,18 +16,23 @@ what changes is the tensors' values (a step, a load) and the contents of `zero_g
 """
 from __future__ import annotations
 
+import contextlib
+import os
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from autopar.cost import prices as C
 from autopar.cost.precision import MixedPrecision
 from autopar.passes.redistribute import MeshGroups, redistribute_local
 from autopar.passes.shard_params import shard_of
 from autopar.plan.plan import Plan
 from autopar.trace.fused import Parts
 
+from autopar.runtime.disk import DiskStore, check_directory, wait
 from autopar.runtime.process import CompileError, device_of
 from autopar.runtime.zero import all_gather_chunks, zero_layout
 
@@ -58,6 +63,19 @@ class RankState:
     sync_axes: dict            # key -> mesh axes runtime.grad_sync all-reduces its gradient over
     holders: dict = field(default_factory=dict)   # key -> device groups holding a copy (a tied head); else 1
     zero_grads: dict = field(default_factory=dict)  # key -> this rank's chunk of a ZeRO-2 summed gradient
+    disk: object = None        # runtime.disk.DiskStore holding the masters (and optimizer states) of disk_keys
+    disk_keys: frozenset = frozenset()   # keys whose optimizer states the plan keeps on disk
+
+    def master_file(self, key: str) -> str:
+        """The disk store's name for parameter `key`'s float32 master."""
+        return f"{key}.master"
+
+    def resident_master(self, key: str, write_back: bool = False):
+        """A context in which parameter `key`'s master is in memory (a disk-tier master read
+        back, and written out again after where write_back); nothing to do for the others."""
+        if key not in self.disk_keys:
+            return contextlib.nullcontext()
+        return self.disk.resident([(self.master_file(key), self.masters[key])], write_back=write_back)
 
     def __str__(self) -> str:
         trained = sum(p.requires_grad for p in self.shards.values())
@@ -102,7 +120,8 @@ class RankState:
         if not (master and key in self.masters):
             return p
         lay = self.zero_layouts.get(key)
-        m = self.masters[key].detach().to(p.device)
+        with self.resident_master(key):
+            m = self.masters[key].detach().to(p.device, copy=True)
         if lay is None:
             return m.view(p.shape)
         local = torch.zeros(p.shape, dtype=m.dtype, device=p.device)
@@ -143,18 +162,23 @@ class RankState:
         if local.data_ptr() != p.data_ptr():
             p.copy_(local.to(p.device, p.dtype))
         if key in self.masters:
-            m = self.masters[key]
-            lay = self.zero_layouts.get(key)
-            src = local.detach().reshape(-1)[lay.start: lay.end] if lay is not None else local.detach()
-            m.copy_(src.to(m.device, m.dtype).view_as(m))
+            with self.resident_master(key, write_back=True):
+                m = self.masters[key]
+                lay = self.zero_layouts.get(key)
+                src = local.detach().reshape(-1)[lay.start: lay.end] if lay is not None else local.detach()
+                m.copy_(src.to(m.device, m.dtype).view_as(m))
 
 
 def build_rank_state(rewritten, plan: Plan, groups: MeshGroups, shards: dict, model: nn.Module, device_type: str,
-                     precision: MixedPrecision | None, holders: dict | None = None) -> RankState:
+                     precision: MixedPrecision | None, holders: dict | None = None,
+                     offload_dir=None) -> RankState:
     """This rank's state from this rank's graph (runtime/build.RankGraph), the plan, its
     initial shards (planned name -> tensor, runtime/build.initial_shards) and the user's
     model (for its buffers, tied names and which parameters it trains).  holders: key ->
-    device groups holding a copy of the weight (pipelined plans; default 1)."""
+    device groups holding a copy of the weight (pipelined plans; default 1).  offload_dir:
+    where the plan keeps optimizer states on disk, the directory this rank's store
+    (runtime.disk.DiskStore) is made in, checked first (runtime.disk.check_directory); the
+    masters are written there as they are made."""
     traced = rewritten.traced
     device = device_of(device_type)
     parts = traced.parts
@@ -172,6 +196,7 @@ def build_rank_state(rewritten, plan: Plan, groups: MeshGroups, shards: dict, mo
             axes = tuple(plan.mesh.axis_names.index(a) for a in state.axes)
             zero_layouts[k] = zero_layout(state.stage, axes, sync.get(k, ()), shards[name].numel(), groups,
                                           state.offload)
+    model_name = {param_key(k): k for k in shards}
     masters = {}
     for name, value in shards.items():
         k = param_key(name)
@@ -208,8 +233,18 @@ def build_rank_state(rewritten, plan: Plan, groups: MeshGroups, shards: dict, mo
                 continue
             buffers[param_key(name)] = buf.detach().clone().to(device)
         buffer_names[name] = param_key(name)
-    return RankState(plan=plan, groups=groups, device=device, precision=precision, shards=params, masters=masters,
-                     zero_layouts=zero_layouts, buffers=buffers, buffer_names=buffer_names, aliases=aliases,
-                     name_of={param_key(k): k for k in shards}, parts=parts,
-                     trained=frozenset(n for n, p in model.named_parameters() if p.requires_grad),
-                     sync_axes=sync, holders=dict(holders or {}))
+    disk_keys = frozenset(k for k in masters if getattr(plan.param_states.get(model_name[k]), "offload", "") == "disk")
+    disk = None
+    if disk_keys:
+        need = sum(masters[k].numel() * C.offloaded_bytes(shards[model_name[k]].element_size(), precision is not None)
+                   for k in disk_keys)
+        directory = check_directory(offload_dir, need, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        disk = DiskStore(directory, dist.get_rank() if dist.is_initialized() else 0)
+    state = RankState(plan=plan, groups=groups, device=device, precision=precision, shards=params, masters=masters,
+                      zero_layouts=zero_layouts, buffers=buffers, buffer_names=buffer_names, aliases=aliases,
+                      name_of=model_name, parts=parts,
+                      trained=frozenset(n for n, p in model.named_parameters() if p.requires_grad),
+                      sync_axes=sync, holders=dict(holders or {}), disk=disk, disk_keys=disk_keys)
+    if disk is not None:
+        wait(disk.spill((state.master_file(k), masters[k]) for k in sorted(disk_keys)))
+    return state

@@ -42,7 +42,7 @@ class ZeroLayout:
     n_reduce: int
     n_rest: int
     index: int           # k, this rank's chunk
-    offload: bool = False
+    offload: str = ""    # the tier its master and optimizer state live in: "host", "disk" or "" (the device)
 
     @property
     def start(self) -> int:
@@ -58,7 +58,7 @@ class ZeroLayout:
         return self.reduce_axes, self.rest_axes
 
 
-def zero_layout(stage: int, zero_axes: tuple, reduce_axes: tuple, numel: int, groups, offload=False) -> ZeroLayout:
+def zero_layout(stage: int, zero_axes: tuple, reduce_axes: tuple, numel: int, groups, offload="") -> ZeroLayout:
     p_axes = tuple(a for a in zero_axes if a in reduce_axes)
     r_axes = tuple(a for a in zero_axes if a not in reduce_axes)
     n_p = math.prod(groups.size(a) for a in p_axes)

@@ -8,6 +8,7 @@ from autopar.cost import prices as C
 from autopar.plan.plan import Collective, NodeChoice, Prediction
 from autopar.solve.problem import Problem
 from autopar.solve.recompute import beyond_linear, mode_costs
+from autopar.solve.tiers import tier_bytes
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "working")
 
@@ -159,7 +160,8 @@ class _Tally:
         hidden = (hidden_gradient_seconds(self.backward, self.bucketed) if overlap else 0.0) + prefetch
         return Prediction(compute + sum(self.comm) - hidden, compute, comm_by_axis, memory, hidden,
                           sum(self.bucketed.values()) + sum(self.gathers.values()), prefetch,
-                          sum(self.gathers.values()), host_bound, problem.step_memory(choice))
+                          sum(self.gathers.values()), host_bound, problem.step_memory(choice),
+                          {k: v for k, v in tier_bytes(problem, choice).items() if v})
 
 
 # Host seconds of each op of a recomputed layer, in DeviceSpec.host_op, counted in the host's

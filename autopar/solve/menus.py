@@ -16,6 +16,7 @@ from autopar.ops import (
     INTERNAL_COMM, Strategy, annotate, enumerate_strategies, op_arg, op_name, replicated, show_placements)
 from autopar.ops.attention_rule import ATTENTION_OPS, sequence_strategies
 from autopar.ops.experts_rule import experts_strategies
+from autopar.ops.strategy import offload_label
 from autopar.solve.graph import PNode
 
 log = logging.getLogger("autopar")
@@ -158,8 +159,9 @@ def zero_layout(layout: tuple, axes: tuple) -> tuple:
 def param_menu(shape, mesh: Mesh, trainable: bool = True) -> list[Strategy]:
     """Storage layouts of a parameter: per axis Replicate or Shard of a dim it divides
     (Shard on an axis whose ops read it whole is ZeRO-3); for a trainable parameter stored
-    whole on some axes, also ZeRO-1, ZeRO-2 and ZeRO-2 with offload over those axes; for one
-    stored split on every axis, offload."""
+    whole on some axes, also ZeRO-1, ZeRO-2 and ZeRO-2 with its optimizer states offloaded
+    (to host memory, and to disk where the device has a disk tier) over those axes; for one
+    stored split on every axis, offloaded to either tier."""
     per_axis = []
     for n in mesh.shape:
         opts = [Replicate()]
@@ -167,6 +169,7 @@ def param_menu(shape, mesh: Mesh, trainable: bool = True) -> list[Strategy]:
             opts += [Shard(d) for d, size in enumerate(shape)]
         per_axis.append(opts)
     menu = []
+    tiers = ("host", "disk") if mesh.device.disk_memory > 0 else ("host",)
     for combo in itertools.product(*per_axis):
         factor = {}
         for p, n in zip(combo, mesh.shape):
@@ -183,12 +186,12 @@ def param_menu(shape, mesh: Mesh, trainable: bool = True) -> list[Strategy]:
         whole = tuple(a for a, (p, n) in enumerate(zip(combo, mesh.shape)) if isinstance(p, Replicate) and n > 1)
         over = "+".join(mesh.axis_names[a] for a in whole)
         if whole:
-            for stage, offload in ((1, False), (2, False), (2, True)):
+            for stage, offload in ((1, ""), (2, "")) + tuple((2, tier) for tier in tiers):
                 menu.append(dataclasses.replace(
-                    base, name=f"{name}, zero-{stage} over {over}" + (", offload" if offload else ""),
+                    base, name=", ".join(t for t in (f"{name}, zero-{stage} over {over}", offload_label(offload)) if t),
                     zero=stage, zero_axes=whole, offload=offload))
         else:
-            menu.append(dataclasses.replace(base, name=f"{name}, offload", offload=True))
+            menu += [dataclasses.replace(base, name=f"{name}, {offload_label(tier)}", offload=tier) for tier in tiers]
     return menu
 
 

@@ -29,6 +29,7 @@ from autopar.solve.recompute import check_mode, layer_slots, recompute_record
 from autopar.solve.recompute_search import solve_summed
 from autopar.solve.solution import Built, build_problem
 from autopar.solve.solved import SolveOptions
+from autopar.solve.tiers import TierCapacityError, within_tiers
 from autopar.trace.batching import batch_size
 from autopar.ops import op_arg
 from autopar.trace.experts import measure_routing
@@ -238,6 +239,10 @@ def _plan_built(built: Built, model, mesh: Mesh, request: Request, start, recomp
             best = solve_problem(problem, rule, None if layout or staged else limit, options,
                                  recompute=recompute,
                                  summed=built.first_step(limit) if plain_modes and rule is None else None)
+        best = within_tiers(problem, best, rule, lambda allowed: solve_problem(
+            problem, allowed, None if layout or staged else limit, options, recompute=recompute))
+    except TierCapacityError:   # (its own message says what to do)
+        raise
     except InfeasibleError:
         raise _infeasible(problem, model, mesh, limit, options, recompute) from None
     choice, compared = best.choice, {}
@@ -433,7 +438,7 @@ def _make_plan(problem, model, mesh, choice, sol, origin, compared, budget, timi
         if pn.kind == "param":
             params[pn.param_name] = nodes[pn.index].outputs[0]
             s = problem.nodes[pn.rep].strategies[choice[pn.index]]
-            if s.zero or s.offload:
+            if s.zero or s.offload:   # (s.offload: the tier, "host" or "disk")
                 states[pn.param_name] = ParamState(s.zero, tuple(mesh.axis_names[a] for a in s.zero_axes), s.offload)
     solver = SolverStats(len(problem.nodes), len(problem.choices))
     if sol is not None:

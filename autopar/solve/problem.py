@@ -427,8 +427,9 @@ class Problem:
         elements of the optimizer state (and, stage 2, of the gradient), steps only those
         (cost.optimizer_seconds), and after the optimizer step the updated parameter is
         all-gathered over Z.  Offload moves the
-        optimizer state to host memory and pays the host link for the gradient going down
-        and the weights coming up, plus the host's optimizer step."""
+        optimizer state to host memory or disk (s.offload) and pays the host link for the
+        gradient going down and the weights coming up, the host's optimizer step, and on
+        disk the states' reads and writes (C.offload_seconds)."""
         mesh = self.mesh
         comm = [0.0] * mesh.ndim
         mem = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0}
@@ -447,9 +448,7 @@ class Problem:
         for st in self.zero_gather_steps(pn, s):
             comm[st.axis] += st.seconds
         if s.offload:
-            dev = mesh.device
-            per_param = dev.optimizer[0] if dev.optimizer else 0.0   # the host loops over parameters too
-            compute = 2 * owned * item / dev.host_bandwidth + owned / dev.host_optimizer_rate + per_param
+            compute = C.offload_seconds(s.offload, owned, item, self.precision is not None, mesh.device)
         step = 0.0 if s.offload else owned * C.step_temporary_bytes(item, self.precision is not None,
                                                                     mesh.device.asynchronous)
         return Choice(compute, tuple(comm), mem, numel * (2 * item + state), step_memory=step)
