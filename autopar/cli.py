@@ -170,13 +170,17 @@ def _cmd_calibrate(args) -> int:
         shape = parse_mesh(args.mesh) if args.mesh else (dist.get_world_size(),)
         axes = parse_axes(args.axes, shape) if args.mesh or args.axes else ("dp",)
         try:
-            spec = calibrate(shape, axes, base=args.base, repeats=args.repeats, force=args.force, out=args.out)
+            spec = calibrate(shape, axes, base=args.base, repeats=args.repeats, force=args.force, out=args.out,
+                             offload_dir=args.offload_dir)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         if dist.get_rank() == 0:
             rates = ", ".join(f"{k} {v / 1e12:.3g} TFLOP/s" for k, v in spec.flops)
             print(f"{spec.source}\n  compute: {rates}; memory {spec.mem_bandwidth / 1e9:.3g} GB/s; "
                   f"op latency {spec.op_latency * 1e6:.1f} us")
+            print(f"  host memory {spec.host_memory / 2**30:.1f} GiB per device" + (
+                f"; disk {spec.disk_memory / 2**30:.1f} GiB per device, write {spec.disk_write_bandwidth / 1e9:.3g} "
+                f"GB/s, read {spec.disk_read_bandwidth / 1e9:.3g} GB/s" if args.offload_dir else ""))
             for kind, where, bw, lat, launch in spec.links:
                 print(f"  {kind:<15}{where:<6}{bw / 1e9:9.3g} GB/s {lat * 1e6:9.1f} us/step {launch * 1e6:9.1f} us/call")
             if args.out:
@@ -543,6 +547,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="preset whose unmeasured numbers are kept (default h100 on GPUs, cpu otherwise)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (default 5)")
     p.add_argument("--force", action="store_true", help="measure again even if this cluster is cached")
+    p.add_argument("--offload-dir", metavar="DIR",
+                   help="time writing and reading files here (the disk tier: autopar.compile(offload_dir=DIR))")
     p.set_defaults(func=_cmd_calibrate)
     return parser
 

@@ -23,23 +23,24 @@ from autopar.solve.assemble import hidden_gradient_seconds, hidden_prefetch_seco
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
 
 
-def _calibrate_job(cache: str, out: str):
-    """On every rank: a quick calibration over one axis of all ranks, twice (the second
-    from the cache); the spec, whether the second equals it, and the seconds each took."""
+def _calibrate_job(cache: str, out: str, offload_dir: str):
+    """On every rank: a quick calibration over one axis of all ranks, its disk tier timed in
+    `offload_dir`, twice (the second from the cache); the spec, whether the second equals
+    it, and the seconds each took."""
     import time
 
     os.environ["AUTOPAR_CACHE"] = cache
     from autopar.runtime.calibrate import calibrate
     start = time.perf_counter()
-    first = calibrate(quick=True, repeats=2, out=out)
+    first = calibrate(quick=True, repeats=2, out=out, offload_dir=offload_dir)
     mid = time.perf_counter()
-    second = calibrate(quick=True, repeats=2)
+    second = calibrate(quick=True, repeats=2, offload_dir=offload_dir)
     return first.to_dict(), second == first, mid - start, time.perf_counter() - mid
 
 
 def test_calibrate_measures_every_collective_and_caches(pool2, tmp_path):
     out = str(tmp_path / "profile.json")
-    results = pool2.run(_calibrate_job, str(tmp_path / "cache"), out)
+    results = pool2.run(_calibrate_job, str(tmp_path / "cache"), out, str(tmp_path / "nvme"))
     spec = DeviceSpec.from_dict(results[0][0])
     assert all(r[0] == results[0][0] for r in results)            # every rank plans with the same numbers
     assert all(r[1] for r in results)                             # the second call read the cache
@@ -50,6 +51,10 @@ def test_calibrate_measures_every_collective_and_caches(pool2, tmp_path):
     per_param, per_element = spec.optimizer
     assert per_param >= 0 and 0 < per_element < 1e-6
     assert not spec.asynchronous                                  # a CPU runs its ops eagerly
+    # the memory tiers: this device's share of the host, and the disk timed where it was told
+    assert 2**28 < spec.host_memory < os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2
+    assert 1e6 < spec.disk_write_bandwidth < 1e11 and 1e6 < spec.disk_read_bandwidth < 1e11, spec
+    assert 0 < spec.disk_memory and os.listdir(tmp_path / "nvme") == []   # (its files removed)
     links = {(k, where): (bw, lat, launch) for k, where, bw, lat, launch in spec.links}
     assert set(links) == {(k, "intra") for k in KINDS}            # one node: every kind inside it
     for kind, (bw, lat, launch) in links.items():

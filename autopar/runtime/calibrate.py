@@ -37,6 +37,7 @@ import logging
 import math
 import os
 import platform
+import shutil
 import socket
 import statistics
 import time
@@ -288,6 +289,51 @@ def measure_axis(mesh, axis: int, device_type: str, repeats: int, sizes=None, qu
 
 # ------------------------------------------------------------------ the whole run
 
+def measure_tiers(directory: str | None, per_node: int, nbytes: int, repeats: int, device_type: str) -> dict:
+    """This device's share of the host's memory, and with `directory` of its disk: every
+    rank writes its own file of `nbytes` there at once (synced to the disk) and reads it
+    back after dropping it from the page cache, so each sees its share of the node's
+    drives; the slowest rank's rates.  {"host_memory", and "disk_memory",
+    "disk_read_bandwidth", "disk_write_bandwidth" with a directory}."""
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    out = {"host_memory": 0.9 * host / per_node}
+    if directory is None:
+        return out
+    os.makedirs(directory, exist_ok=True)
+    data = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+    back = torch.empty_like(data)
+    path = os.path.join(directory, f"autopar-calibrate-{dist.get_rank()}.bin")
+    writes, reads = [], []
+    try:
+        for _ in range(max(1, repeats)):
+            dist.barrier()
+            start = time.perf_counter()
+            with open(path, "wb") as f:
+                f.write(memoryview(data.numpy()))
+                f.flush()
+                os.fsync(f.fileno())
+            writes.append(time.perf_counter() - start)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+            dist.barrier()
+            start = time.perf_counter()
+            with open(path, "rb") as f:
+                f.readinto(memoryview(back.numpy()))
+            reads.append(time.perf_counter() - start)
+    finally:
+        if os.path.exists(path):
+            os.remove(path)
+    if not torch.equal(data, back):
+        raise RuntimeError(f"calibrate: {path} read back other bytes than were written; the disk is faulty")
+    out["disk_write_bandwidth"] = nbytes / _slowest(float(np.median(writes)), device_type, None)
+    out["disk_read_bandwidth"] = nbytes / _slowest(float(np.median(reads)), device_type, None)
+    out["disk_memory"] = shutil.disk_usage(directory).free / per_node
+    return out
+
+
 def describe(shape, names, device_type: str) -> dict:
     """What identifies the cluster for the cache: ranks, hosts, device, software, mesh."""
     hosts: list = [None] * dist.get_world_size()
@@ -299,13 +345,15 @@ def describe(shape, names, device_type: str) -> dict:
 
 
 def calibrate(shape=None, names=None, base: str | None = None, repeats: int = 5, force: bool = False,
-              out: str | None = None, quick: bool = False) -> DeviceSpec:
+              out: str | None = None, quick: bool = False, offload_dir: str | None = None) -> DeviceSpec:
     """Measure this cluster (every rank calls it) and return the fitted DeviceSpec; rank 0
     writes it to `out` (JSON: the device, the cluster description and every measured point).
     shape/names: the mesh to measure axis by axis (default: one axis over every rank).
     base: the preset whose unmeasured numbers are kept (default h100 on CUDA, cpu otherwise).
     quick: the two smallest sizes of everything and short timed runs (seconds, for tests;
-    the numbers are rougher)."""
+    the numbers are rougher).  offload_dir: a directory on the disk the disk tier would
+    use, whose write and read rates are timed (measure_tiers); without it the preset's
+    disk numbers are kept.  Host memory is always this device's share of the host's."""
     device_type = _device_type()
     world = dist.get_world_size()
     shape = tuple(shape) if shape else (world,)
@@ -315,6 +363,7 @@ def calibrate(shape=None, names=None, base: str | None = None, repeats: int = 5,
                          f"give --mesh sizes whose product is the world size")
     desc = describe(shape, names, device_type)
     desc["quick"] = quick
+    desc["offload_dir"] = offload_dir
     key = hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
     cached = os.path.join(cache_dir(), f"calibration-{key}.json")
     if not force and os.path.exists(cached):
@@ -343,6 +392,12 @@ def calibrate(shape=None, names=None, base: str | None = None, repeats: int = 5,
                 measured.setdefault((kind, "intra" if inside[axis] else "inter"), []).append(line)
         for (kind, where), lines in sorted(measured.items()):
             links.append((kind, where, *(float(np.mean(col)) for col in zip(*lines))))
+    tiers = measure_tiers(offload_dir, desc["per_node"], (16 if quick else 256) * 2**20, 1 if quick else 3,
+                          device_type)
+    if offload_dir is not None:
+        _progress(f"disk at {offload_dir}: write {tiers['disk_write_bandwidth'] / 1e9:.3g} GB/s, read "
+                  f"{tiers['disk_read_bandwidth'] / 1e9:.3g} GB/s per device, {tiers['disk_memory'] / 2**30:.1f} GiB "
+                  f"free per device")
     flops = dict(preset.flops)
     flops.update(compute["flops"])
     intra = next((x for x in links if x[:2] == ("all_reduce", "intra")), None)
@@ -357,6 +412,7 @@ def calibrate(shape=None, names=None, base: str | None = None, repeats: int = 5,
         inter_latency=inter[3] if inter else preset.inter_latency,
         launch_latency=(intra or inter)[4] if (intra or inter) else preset.launch_latency,
         memory=float(torch.cuda.get_device_properties(0).total_memory) if device_type == "cuda" else preset.memory,
+        **tiers,
         source=f"autopar calibrate, {time.strftime('%Y-%m-%d')}: {desc['world']} x {desc['device']} "
                f"({desc['backend']}), mesh {'x'.join(map(str, shape))}")
     _progress(f"done in {time.perf_counter() - start:.1f} s")

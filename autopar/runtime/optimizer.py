@@ -76,11 +76,16 @@ def entries_of(state, optimizer) -> tuple:
 def state_dict_of(state, optimizer) -> dict:
     """`optimizer`'s state under parameter names, DTensors for per-element state
     (runtime/sharded_optimizer.py), whichever optimizer over the shards it is."""
+    if isinstance(optimizer, ShardedOptimizer):   # (it knows which of its states are on disk)
+        return optimizer.state_dict()
     entries, inner = entries_of(state, optimizer)
     return optimizer_state_dict(state, entries, inner)
 
 
 def load_state_dict_into(state, optimizer, saved: dict) -> None:
     """Write `saved` (state_dict_of this or another plan) into `optimizer`'s state."""
+    if isinstance(optimizer, ShardedOptimizer):
+        optimizer.load_state_dict(saved)
+        return
     entries, inner = entries_of(state, optimizer)
     load_optimizer_state_dict(state, entries, inner, saved)

@@ -4,28 +4,28 @@ memory and disk, and a plan kept within them.
 The ILP prices a parameter's states on the device, in host memory or on disk (menus:
 `Strategy.offload`); its budget constraint counts device bytes only, where host and disk
 choices both take none.  Host memory is the cheaper tier (no disk reads and writes), so
-the solve fills it first; when the chosen plan's host bytes pass the device's share of the
-node's memory (`DeviceSpec.host_memory`), the largest parameters are refused the host
-tier and the plan is solved again, their states then going to disk or staying on the
-device, whichever the ILP prices lower.  A plan whose disk bytes pass
-`DeviceSpec.disk_memory` is infeasible, with an error that says by how much.
+the solve takes it wherever it offloads; when the chosen plan's host bytes pass the
+device's share of the node's memory (`DeviceSpec.host_memory`), the plan is solved again
+with offload priced at the disk's rates (what the bytes beyond host memory cost), and
+host memory is then filled with the largest of the states it offloads (within_tiers).
+A plan whose disk bytes pass `DeviceSpec.disk_memory` is infeasible, with an error that
+says by how much.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 
 from autopar.cost import prices as C
+from autopar.plan.records import format_bytes
 from autopar.solve.presolve import InfeasibleError
+from autopar.solve.solved import Assignment
 
 log = logging.getLogger("autopar")
 
 class TierCapacityError(InfeasibleError):
     """The plan's offloaded states pass a tier's capacity (the message says which and by how much)."""
-
-
-# At most this many solves refusing more parameters the host tier.
-ROUNDS = 4
 
 
 def offloaded(problem, choice) -> dict:
@@ -54,40 +54,58 @@ def tier_bytes(problem, choice) -> dict:
     return total
 
 
-def refusing_host(rule, names: frozenset):
+def refusing_host(rule):
     """`rule` (an allowed(problem, pn, strategy) function, or None for every choice) with
-    the host tier refused to the parameters `names`."""
+    the host tier refused to every parameter."""
     def allowed(problem, pn, strategy) -> bool:
-        if pn.kind == "param" and strategy.offload == "host" and pn.param_name in names:
+        if pn.kind == "param" and strategy.offload == "host":
             return False
         return rule is None or rule(problem, pn, strategy)
     return allowed
 
 
 def within_tiers(problem, best, rule, solve):
-    """`best` (a Solved), or the plan solve(rule') gives once the parameters whose states
-    pass the host memory are refused that tier (see the module docstring)."""
+    """`best` (a Solved) where its offloaded states fit the device's host memory; else the
+    plan solve(rule') gives with every offloaded state priced on disk (the marginal tier
+    once host memory is full), its largest states then moved to host memory as far as it
+    holds them (the same layouts, each cheaper there: the device's memory is unchanged).
+    Both solves have the problem's own shape (one tier on offer), which keeps them as
+    quick as the first."""
     device = problem.mesh.device
-    refused = frozenset()
-    for _ in range(ROUNDS):
-        placed = offloaded(problem, best.choice)
-        host = sum(b for tier, b in placed.values() if tier == "host")
-        if device.host_memory <= 0 or host <= device.host_memory:
-            break
-        over = host - device.host_memory
-        moved = []
-        for name, (_, nbytes) in sorted(((n, v) for n, v in placed.items() if v[0] == "host"),
-                                        key=lambda item: (-item[1][1], item[0])):
-            if over <= 0:
-                break
-            moved.append(name)
-            over -= nbytes
-        refused |= frozenset(moved)
-        log.info("offloaded states take %.2f GiB of host memory, more than the device's %.2f GiB: %d parameters "
-                 "refused the host tier, solving again", host / 2**30, device.host_memory / 2**30, len(moved))
-        best = solve(refusing_host(rule, refused))
-    check_capacity(problem, best.choice)
-    return best
+    placed = offloaded(problem, best.choice)
+    host = sum(b for tier, b in placed.values() if tier == "host")
+    if device.host_memory <= 0 or host <= device.host_memory:
+        check_capacity(problem, best.choice)
+        return best
+    log.info("offloaded states take %s of host memory, more than the device's %s: priced on disk, solving again",
+             format_bytes(host), format_bytes(device.host_memory))
+    best = solve(refusing_host(rule))
+    choice = Assignment(best.choice, best.choice.modes)
+    room = device.host_memory
+    moved = 0
+    by_name = {pn.param_name: pn for pn in problem.nodes if pn.kind == "param"}
+    for name, (tier, nbytes) in sorted(offloaded(problem, choice).items(), key=lambda kv: (-kv[1][1], kv[0])):
+        pn = by_name[name]
+        twin = host_twin(problem.nodes[pn.rep].strategies, choice[pn.index])
+        if tier == "disk" and nbytes <= room and twin is not None and (rule is None or rule(
+                problem, pn, problem.nodes[pn.rep].strategies[twin])):
+            choice[pn.index] = twin
+            room -= nbytes
+            moved += 1
+    log.info("%d parameters' states moved back to host memory (%s of it left)", moved, format_bytes(room))
+    check_capacity(problem, choice)
+    return dataclasses.replace(best, choice=choice)
+
+
+def host_twin(strategies, index: int) -> int | None:
+    """The index of the menu entry that stores the parameter as entry `index` does with
+    its states in host memory (None if the menu has none)."""
+    s = strategies[index]
+    for j, other in enumerate(strategies):
+        if (other.offload == "host" and other.outputs == s.outputs and other.zero == s.zero
+                and other.zero_axes == s.zero_axes):
+            return j
+    return None
 
 
 def check_capacity(problem, choice) -> None:

@@ -1,0 +1,208 @@
+"""Memory tiers: optimizer states and master weights in host memory or on disk, chosen by
+the planner within each tier's capacity, run from files under compile's offload_dir, and
+trained, checkpointed and resumed exactly as on the device."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+
+import pytest
+import torch
+
+import autopar
+from autopar.cost import prices as C
+from autopar.mesh import PRESETS
+from autopar.runtime.disk import DiskStore, OffloadError, check_directory, wait
+from autopar.runtime.process import CompileError
+from autopar.solve.tiers import TierCapacityError
+from rt_cases import build_case, train_and_compare
+from tier_cases import disk_capacity, disk_errors, resume_bitwise, with_tier
+
+GPT = ("autopar", "gpt-tiny", ())
+# a GPT whose weights outweigh its activations (one short sequence): what offload is for
+WIDE = ("autopar", "gpt-tiny", (("hidden", 256), ("batch", 1), ("seq", 8)))
+MIXED = autopar.MixedPrecision(param_dtype=torch.bfloat16)
+
+
+def _device(host_memory: float, **extra):
+    return dataclasses.replace(PRESETS["cpu"], host_memory=host_memory, **extra)
+
+
+@functools.lru_cache(maxsize=None)
+def _plan(spec, shape, names, budget, host_memory, mixed=False, **extra) -> dict:
+    """The planner's plan of `spec` under `budget` bytes per device on a cpu mesh whose
+    devices have `host_memory` bytes of host memory each (cached per session)."""
+    model, args, kwargs = build_case(spec)
+    mesh = autopar.Mesh(shape, names, device=_device(host_memory, **dict(extra.get("device", ()))))
+    return autopar.plan(model, mesh, args, example_kwargs=kwargs or None, memory_budget=budget, recompute="none",
+                        compare=False, mixed_precision=MIXED if mixed else None).to_dict()
+
+
+def _states(spec) -> float:
+    model, _, _ = build_case(spec)
+    return 16.0 * sum(p.numel() for p in model.parameters())   # fp32 weights, gradients, Adam's two moments
+
+
+def _tiers(plan_dict) -> dict:
+    counts = {"": 0, "host": 0, "disk": 0}
+    for state in plan_dict["param_states"].values():
+        counts[state["offload"]] += 1
+    return counts
+
+
+def test_presets_state_their_tiers():
+    h100 = PRESETS["h100"]
+    assert h100.host_memory == pytest.approx(0.9 * 2e12 / 8)          # DGX H100: 2 TB over 8 GPUs, a tenth kept
+    assert h100.disk_memory == 3.84e12                                # one 3.84 TB U.2 drive per GPU
+    assert h100.disk_read_bandwidth > h100.disk_write_bandwidth > 0
+    assert PRESETS["a100-40gb"].disk_read_bandwidth == pytest.approx(h100.disk_read_bandwidth / 2)   # a drive per 2
+    assert PRESETS["h100-hbm2e-500w"].disk_memory == 0                # not stated: no disk tier offered
+    # a saved description without the tiers loads with none stated
+    d = PRESETS["cpu"].to_dict()
+    for k in ("host_memory", "disk_memory", "disk_read_bandwidth", "disk_write_bandwidth"):
+        d.pop(k)
+    assert autopar.DeviceSpec.from_dict(d).disk_memory == 0
+
+
+def test_disk_costs_the_host_step_plus_reading_and_writing_the_states():
+    dev = PRESETS["h100"]
+    owned = 10**8
+    host = C.offload_seconds("host", owned, 2, True, dev)
+    disk = C.offload_seconds("disk", owned, 2, True, dev)
+    held = owned * 12   # float32 master and two moments
+    assert disk - host == pytest.approx(held / dev.disk_read_bandwidth + held / dev.disk_write_bandwidth)
+    # fp32 weights: the host steps its own float32 copy beside the two moments
+    assert C.offloaded_bytes(4, False) == 12 and C.offloaded_bytes(2, True) == 12
+    assert host == pytest.approx(2 * owned * 2 / dev.host_bandwidth + owned / dev.host_optimizer_rate)
+
+
+def test_states_go_to_disk_only_beyond_host_memory():
+    budget = 1.1 * 2**20
+    roomy = _plan(GPT, (2,), ("dp",), budget, 0.0)
+    assert _tiers(roomy)["host"] > 0 and _tiers(roomy)["disk"] == 0    # host memory unbounded: never disk
+    tight = _plan(GPT, (2,), ("dp",), budget, 0.2 * 2**20)
+    plan = autopar.Plan.from_dict(tight)
+    tiers = plan.predicted.tiers
+    assert _tiers(tight)["disk"] > 0 and 0 < tiers["host"] <= 0.2 * 2**20, tiers   # host filled first, within it
+    assert plan.memory_per_device <= budget
+    # what each tier holds is what the parameters offloaded there own
+    model, args, _ = build_case(GPT)
+    shapes = dict(model.named_parameters())
+    disk = 0
+    for name, st in plan.param_states.items():
+        if st.offload == "disk":
+            local = shapes[name].numel() // math.prod(plan.mesh.shape[plan.mesh.axis_names.index(a)]
+                                                      for a, p in zip(plan.mesh.axis_names, plan.param_placements[name])
+                                                      if p.is_shard())
+            ways = math.prod(plan.mesh.shape[plan.mesh.axis_names.index(a)] for a in st.axes) if st.stage else 1
+            disk += math.ceil(local / ways) * C.offloaded_bytes(4, False)
+    assert disk == tiers["disk"]
+    # disk reads and writes cost time: the same budget with unbounded host memory is faster
+    assert plan.step_s > autopar.Plan.from_dict(roomy).step_s
+    text = str(plan)
+    assert "offload to disk" in text and "offloaded states: host" in text
+    # saved and loaded, the tiers stay; a plan saved before tiers (offload true) reads as host
+    again = autopar.Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
+    assert again.param_states == plan.param_states
+    old = json.loads(json.dumps(tight))
+    for st in old["param_states"].values():
+        st["offload"] = bool(st["offload"])
+    assert {s.offload for s in autopar.Plan.from_dict(old).param_states.values()} <= {"", "host"}
+
+
+def test_a_disk_too_small_is_named_with_the_bytes_it_lacks():
+    model, args, _ = build_case(GPT)
+    mesh = autopar.Mesh((2,), ("dp",), device=_device(0.1 * 2**20, disk_memory=0.1 * 2**20))
+    with pytest.raises(TierCapacityError, match=r"in disk memory, more than the 0\.00 GiB.*disk_memory"):
+        autopar.plan(model, mesh, args, memory_budget=1.1 * 2**20, recompute="none", compare=False)
+
+
+def test_the_offload_directory_is_checked_before_anything_is_written(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    with pytest.raises(CompileError, match="offload_dir=.*AUTOPAR_OFFLOAD_DIR"):
+        check_directory(None, 1e6, 1)
+    with pytest.raises(CompileError, match="cannot be written"):
+        check_directory(blocker / "below", 1e6, 1)
+    with pytest.raises(CompileError, match=r"GiB free; the 8 ranks on this machine keep .* Free space"):
+        check_directory(tmp_path, 1e18, 8)
+    assert check_directory(tmp_path / "new", 1e6, 2) == tmp_path / "new"
+
+
+def test_the_disk_store_spills_fetches_and_keeps_what_it_could_not_write(tmp_path):
+    store = DiskStore(tmp_path, 0)
+    a, b = torch.randn(5, 3), torch.arange(7, dtype=torch.bfloat16)
+    ref_a, ref_b = a.clone(), b.clone()
+    wait(store.spill([("a", a), ("b", b)]))
+    assert a.numel() == 0 and b.numel() == 0 and store.disk_bytes == 5 * 3 * 4 + 7 * 2
+    assert torch.equal(store.mapped("a", a), ref_a) and torch.equal(store.read("b", b), ref_b)
+    with store.resident([("a", a)]):
+        assert torch.equal(a, ref_a)
+        a.add_(1)
+    assert a.numel() == 0 and torch.equal(store.read("a", a), ref_a + 1)   # written back
+    wait(store.fetch([("a", a), ("b", b)]))
+    assert torch.equal(b, ref_b) and store.read_bytes > 0
+    # a write that fails leaves the tensor in memory, and says which file and why
+    directory = store.directory
+    for f in directory.iterdir():
+        f.unlink()
+    directory.rmdir()
+    with pytest.raises(OffloadError, match="stays in host memory"):
+        wait(store.spill([("a", a)]))
+    assert torch.equal(a, ref_a + 1)
+    store.close()
+    other = DiskStore(tmp_path, 1)
+    wait(other.spill([("c", torch.ones(4))]))
+    other.close()
+    assert not other.directory.exists()   # the job's files go with it
+
+
+def test_disk_states_train_like_one_device(pool2):
+    plan = _plan(GPT, (2,), ("dp",), 1.1 * 2**20, 0.2 * 2**20)
+    assert _tiers(plan)["disk"] > 0
+    result = pool2.run(train_and_compare, GPT, plan)[0]
+    assert result["ok"], result
+
+
+def test_disk_states_with_tensor_parallelism_train_like_one_device(pool4):
+    plan = _plan(GPT, (2, 2), ("dp", "tp"), 0.6 * 2**20, 0.05 * 2**20)
+    assert _tiers(plan)["disk"] > 0, plan["param_states"]
+    result = pool4.run(train_and_compare, GPT, plan)[0]
+    assert result["ok"], result
+
+
+def test_checkpoints_resume_bit_for_bit_between_disk_and_device(pool2, tmp_path):
+    disk = _plan(GPT, (2,), ("dp",), 1.1 * 2**20, 0.2 * 2**20)
+    device = with_tier(disk, "")
+    for k, (saved, loaded) in enumerate(((disk, device), (device, disk))):
+        got = pool2.run(resume_bitwise, GPT, saved, loaded, str(tmp_path / f"ckpt{k}"))
+        for r in got:
+            assert r["loss"] == 0 and r["param"] == 0, r
+        assert (got[0]["disk"][0] > 0) == (saved is disk) and (got[0]["disk"][1] > 0) == (loaded is disk), got[0]
+
+
+def test_states_four_times_the_budget_train_from_disk(pool2):
+    budget = _states(WIDE) / 4
+    plan = _plan(WIDE, (2,), ("dp",), budget, 2**20, mixed=True)
+    assert _tiers(plan)["disk"] > 0
+    got = pool2.run(disk_capacity, WIDE, plan)
+    for r in got:
+        disk, host = r["disk"], r["host"]
+        m = disk["measured"]
+        on_device = m["params"] + m["grads"] + m["optimizer"] + disk["saved"]
+        assert on_device <= budget, (on_device, budget, m)           # the runtime's own accounting
+        assert m["disk"] == pytest.approx(r["predicted"]["disk"], rel=0.01), (m["disk"], r["predicted"])
+        assert m["offloaded"] <= 2**20                               # host memory as the device said
+        assert disk["files"] and disk["read"] > 0 and disk["written"] > disk["read"] / 2
+        assert disk["losses"] == host["losses"] and r["final_loss_disk"] == r["final_loss_host"]   # the same arithmetic
+
+
+def test_compile_names_a_missing_or_unwritable_offload_dir(pool2, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    plan = _plan(GPT, (2,), ("dp",), 1.1 * 2**20, 0.2 * 2**20)
+    for r in pool2.run(disk_errors, GPT, plan, str(blocker)):
+        assert "offload_dir=" in r["missing"] and "AUTOPAR_OFFLOAD_DIR" in r["missing"], r
+        assert "cannot be written" in r["blocked"], r
