@@ -18,7 +18,7 @@ from autopar.runtime.disk import DiskStore, OffloadError, check_directory, wait
 from autopar.runtime.process import CompileError
 from autopar.solve.tiers import TierCapacityError
 from rt_cases import build_case, train_and_compare
-from tier_cases import disk_capacity, disk_errors, resume_bitwise, with_tier
+from tier_cases import disk_capacity, disk_errors, resume_bitwise, saved_by_tier, with_tier
 
 GPT = ("autopar", "gpt-tiny", ())
 # a GPT whose weights outweigh its activations (one short sequence): what offload is for
@@ -102,7 +102,7 @@ def test_states_go_to_disk_only_beyond_host_memory():
     # disk reads and writes cost time: the same budget with unbounded host memory is faster
     assert plan.step_s > autopar.Plan.from_dict(roomy).step_s
     text = str(plan)
-    assert "offload to disk" in text and "offloaded states: host" in text
+    assert "offload to disk" in text and "off the device: host" in text
     # saved and loaded, the tiers stay; a plan saved before tiers (offload true) reads as host
     again = autopar.Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
     assert again.param_states == plan.param_states
@@ -206,3 +206,34 @@ def test_compile_names_a_missing_or_unwritable_offload_dir(pool2, tmp_path):
     for r in pool2.run(disk_errors, GPT, plan, str(blocker)):
         assert "offload_dir=" in r["missing"] and "AUTOPAR_OFFLOAD_DIR" in r["missing"], r
         assert "cannot be written" in r["blocked"], r
+
+
+def test_offloaded_layers_keep_their_activations_in_host_memory(pool2):
+    """recompute="offload": every layer's saved tensors copied to host in forward and back
+    in backward; the device keeps what is outside the layers, exactly as predicted, the
+    host the rest, and training equals one device."""
+    model, args, _ = build_case(GPT)
+    mesh = autopar.Mesh((2,), ("dp",), device="cpu")
+    kept = autopar.plan(model, mesh, args, recompute="none", compare=False)
+    off = autopar.plan(model, mesh, args, recompute="offload", compare=False)
+    assert set(off.recompute.layers.values()) == {"offload"}
+    host = off.predicted.tiers["host"]
+    assert off.predicted.memory["activations"] + host == pytest.approx(kept.predicted.memory["activations"])
+    assert "activations offloaded to host memory on 2 layers" in str(off)
+    # each layer's saved tensors cross the host link twice, and nothing runs again
+    assert off.recompute.added_s >= 2 * host / mesh.device.host_bandwidth
+    assert off.predicted.compute_s - kept.predicted.compute_s == pytest.approx(off.recompute.added_s, rel=1e-6)
+    for r, plain in zip(pool2.run(saved_by_tier, GPT, off.to_dict()), pool2.run(saved_by_tier, GPT, kept.to_dict())):
+        assert r["device"] == off.predicted.memory["activations"], r
+        assert r["host"] == host and plain["host"] == 0, (r, host)
+        assert r["device"] + r["host"] == plain["device"], (r, plain)
+    result = pool2.run(train_and_compare, GPT, off.to_dict())[0]
+    assert result["ok"], result
+
+
+def test_the_planner_tries_offload_beside_recomputation():
+    from autopar.solve.recompute_search import mode_assignments
+    slots = [("blocks", (0, 1, 2, 3))]
+    tried = [tuple(c.modes.values()) for c in mode_assignments(None, slots, None)]
+    assert ("offload",) * 4 in tried and ("offload", "none", "offload", "none") in tried
+    assert ("selective", "full", "selective", "full") in tried and len(tried) == 11

@@ -117,3 +117,12 @@ def disk_errors(spec: tuple, plan_dict: dict, blocked: str) -> dict:
         if saved is not None:
             os.environ["AUTOPAR_OFFLOAD_DIR"] = saved
     return out
+
+
+def saved_by_tier(spec: tuple, plan_dict: dict) -> dict:
+    """measure_saved_by_tier of one training step under `plan_dict`."""
+    from autopar.runtime.recompute import measure_saved_by_tier
+    plan = Plan.from_dict(plan_dict)
+    model, args, kwargs = build_case(spec)
+    cm = autopar.compile(model, plan.device_mesh(), args, example_kwargs=kwargs or None, plan=plan)
+    return measure_saved_by_tier(cm, *args, **kwargs)

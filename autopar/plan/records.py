@@ -158,7 +158,7 @@ class Prediction:
         host = f", host-bound: +{format_seconds(self.host_bound_s)}" if self.host_bound_s > 1e-12 else ""
         beyond = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.tiers.items() if v)
         return (f"step {format_seconds(self.step_s)} (compute {format_seconds(self.compute_s)}{host}; comm {comm}{hidden}); "
-                f"memory {format_bytes(self.memory_total)} ({mem})" + (f"; offloaded states: {beyond}" if beyond else ""))
+                f"memory {format_bytes(self.memory_total)} ({mem})" + (f"; off the device: {beyond}" if beyond else ""))
 
 
 @dataclass(frozen=True)

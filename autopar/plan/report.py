@@ -53,7 +53,8 @@ def recompute_line(plan) -> str:
         by_mode[mode].append(path)
     parts = []
     for mode, paths in sorted(by_mode.items()):
-        parts.append(f"{mode} on {len(paths)} layers ({_span(paths)})")
+        what = "activations offloaded to host memory" if mode == "offload" else mode
+        parts.append(f"{what} on {len(paths)} layers ({_span(paths)})")
     text = (f"recompute: {'; '.join(parts)}{how}; saves {format_bytes(r.saved_bytes)} of activations per device, "
             f"adds {format_seconds(r.added_s)} per step")
     return text + (f"; {r.note}" if r.note else "")

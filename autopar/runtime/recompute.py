@@ -4,6 +4,9 @@ checkpointing, and what a step keeps for backward can be measured.
 Each recomputed layer is a region of the per-rank graph (autopar/passes/recompute.py) called
 through `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`:
 
+- "offload" (not recomputation, run by the same regions): the layer runs once under
+  saved-tensor hooks that copy what autograd saves to host memory (pinned on a GPU) and
+  back in backward.
 - "full": forward keeps only the region's inputs; backward runs the region's forward
   again (its collectives, a ZeRO-3 weight's gather, its random ops) and then its backward.
 - "selective": the same, except that the operations the plan names (matrix products with
@@ -203,6 +206,8 @@ class Region(nn.Module):
             streams.calls = now
 
     def forward(self, *inputs):
+        if self.mode == "offload":
+            return self._offloaded(*inputs)
         probe = _STATE["probe"]
         if probe is not None and torch.is_grad_enabled():
             for t in inputs:
@@ -220,6 +225,59 @@ class Region(nn.Module):
         # docs/gpu/2026-11-26-h100-recompute-rng-probe.txt)
         return checkpoint(self._run, calls, *inputs, use_reentrant=False,
                           preserve_rng_state=self.streams is None, **extra)
+
+
+    def _offloaded(self, *inputs):
+        """The layer run once, what autograd saves copied to host memory as it is saved
+        and back to the device in backward (on a GPU into pinned host buffers)."""
+        calls = self.streams.calls if self.streams is not None else 0
+        if not torch.is_grad_enabled():
+            return self._run(calls, *inputs)
+        copies = _HostCopies()
+        with torch.autograd.graph.saved_tensors_hooks(copies.pack, _from_host):
+            try:
+                return self._run(calls, *inputs)
+            finally:
+                copies.sources.clear()
+
+
+class _HostCopies:
+    """The saved-tensor pack of one offloaded layer's forward: each storage autograd saves
+    copied to host memory once (several saved views of it share the copy; the sources are
+    held while the forward runs, so no storage is freed and its address reused meanwhile)."""
+
+    def __init__(self):
+        self.copies: dict = {}    # device storage address -> its host copy (bytes)
+        self.sources: list = []
+
+    def pack(self, t: torch.Tensor):
+        base = t._base if t._base is not None else t
+        if t.layout != torch.strided or t.device.type == "meta" or isinstance(base, nn.Parameter) or (
+                base.is_leaf and base.requires_grad):
+            return t   # (a weight, or a view of one, stays where it is: it is held anyway)
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        host = self.copies.get(key)
+        if host is None:
+            pinned = t.device.type == "cuda"
+            whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+            host = torch.empty(storage.nbytes(), dtype=torch.uint8, device="cpu", pin_memory=pinned)
+            host.copy_(whole, non_blocking=pinned)
+            self.copies[key] = host
+            self.sources.append(t)
+            probe = _STATE["probe"]
+            if probe is not None:
+                probe.host += storage.nbytes()
+        return t.device, t.dtype, host, t.storage_offset(), t.size(), t.stride()
+
+
+def _from_host(packed):
+    """The saved-tensor unpack of an offloaded layer: its storage back on the device, viewed as saved."""
+    if isinstance(packed, torch.Tensor):
+        return packed
+    device, dtype, host, offset, size, stride = packed
+    back = host.to(device, non_blocking=host.is_pinned())
+    return torch.empty(0, dtype=dtype, device=device).set_(back.untyped_storage(), offset, size, stride)
 
 
 def apply_recompute(gm: fx.GraphModule, plan, streams, pipelined: bool = False) -> list:
@@ -245,6 +303,7 @@ class SavedProbe:
     def __init__(self, ignore: set):
         self.ignore = ignore
         self.storages: dict = {}
+        self.host = 0   # bytes offloaded layers copied to host memory
 
     def note(self, t: torch.Tensor) -> None:
         if t.layout != torch.strided or t.device.type == "meta":
@@ -268,6 +327,12 @@ def note_saved(t: torch.Tensor) -> None:
 def measure_saved(cm, *args, **kwargs) -> int:
     """Bytes kept for backward on this rank by one `cm.train_step(*args, **kwargs)` (see the
     module docstring); the step runs as usual (gradients accumulate as in train_step)."""
+    return measure_saved_by_tier(cm, *args, **kwargs)["device"]
+
+
+def measure_saved_by_tier(cm, *args, **kwargs) -> dict:
+    """measure_saved's bytes kept on the device ("device") and the bytes offloaded layers
+    copied to host memory ("host")."""
     ignore = {p.untyped_storage().data_ptr() for p in cm.parameters()}
     ignore |= {b.untyped_storage().data_ptr() for b in cm.buffers()}
     for t in torch.utils._pytree.tree_leaves((args, kwargs)):
@@ -285,4 +350,4 @@ def measure_saved(cm, *args, **kwargs) -> int:
             cm.train_step(*args, **kwargs)
     finally:
         _STATE["probe"] = None
-    return probe.bytes
+    return {"device": probe.bytes, "host": probe.host}

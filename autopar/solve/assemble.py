@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from autopar.cost import prices as C
 from autopar.plan.plan import Collective, NodeChoice, Prediction
 from autopar.solve.problem import Problem
-from autopar.solve.recompute import beyond_linear, mode_costs
+from autopar.solve.recompute import RECOMPUTING, beyond_linear, mode_costs
 from autopar.solve.tiers import tier_bytes
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "working")
@@ -149,10 +149,13 @@ class _Tally:
             compute += again
             kernels += again
             host += mesh.device.host_op * RECOMPUTE_HOST * sum(
-                len(members) for path, members in costs.members.items() if costs.modes.get(path, "none") != "none")
+                len(members) for path, members in costs.members.items() if costs.modes.get(path) in RECOMPUTING)
         host_bound = max(0.0, host - kernels) if mesh.device.asynchronous else 0.0
         compute += host_bound
         memory["activations"], memory["working"], _ = beyond_linear(problem, choice, costs)
+        tiers = tier_bytes(problem, choice)
+        if costs is not None:   # (activations of offloaded layers)
+            tiers["host"] += costs.host_bytes(problem, choice)
         comm_by_axis = {mesh.axis_names[a]: self.comm[a] for a in range(mesh.ndim)}
         # a CPU rank's collectives reduce on the cores its compute uses: nothing is hidden there
         overlap = mesh.device.asynchronous
@@ -161,7 +164,7 @@ class _Tally:
         return Prediction(compute + sum(self.comm) - hidden, compute, comm_by_axis, memory, hidden,
                           sum(self.bucketed.values()) + sum(self.gathers.values()), prefetch,
                           sum(self.gathers.values()), host_bound, problem.step_memory(choice),
-                          {k: v for k, v in tier_bytes(problem, choice).items() if v})
+                          {k: v for k, v in tiers.items() if v})
 
 
 # Host seconds of each op of a recomputed layer, in DeviceSpec.host_op, counted in the host's

@@ -33,7 +33,7 @@ from autopar.solve.pipeline_candidates import SLOWER, PipelineChoice, evaluate, 
 from autopar.solve.pipeline_costs import StageCosts
 from autopar.solve.pipeline_options import SCHEDULE_CHOICES, Cut, Pipeline, SearchSpace
 from autopar.solve.pipeline_workers import cost_in_parallel, trace_and_cost
-from autopar.solve.recompute import MODES
+from autopar.solve.recompute import RECOMPUTING
 from autopar.solve.solved import SolveOptions
 from autopar.trace.batching import batch_size
 
@@ -75,7 +75,7 @@ def search(model, mesh, example_inputs, example_kwargs=None, *, memory_budget=No
     """The fastest pipeline layout (or none) for `model` on `mesh`; see the module docstring.
     fixed: a Pipeline whose set fields the result must have (then never "no pipeline");
     mixed_precision: an autopar.MixedPrecision the stages are costed under; recompute: the
-    recomputation policy of every repeated layer (None: the fastest of MODES that fits).
+    recomputation policy of every repeated layer (None: the fastest of none, selective and full that fits; activation offload is not searched per stage yet).
     options.workers: processes that cost candidates at once; each costs whole microbatch
     sizes (one trace each), and the result is the same for any count."""
     start = time.perf_counter()
@@ -118,7 +118,7 @@ def _space(mesh, batch, memory_budget, schedules, microbatches, fixed, recompute
                 raise ValueError(f"Pipeline(microbatches={fixed.microbatches}) does not divide the batch of {batch}")
             microbatches = [fixed.microbatches]
     return SearchSpace(mesh, batch, limit, tuple(schedules), None if microbatches is None else tuple(microbatches),
-                       fixed, MODES if recompute is None else (recompute,))
+                       fixed, ("none", *RECOMPUTING) if recompute is None else (recompute,))
 
 
 def _fastest_plain(plain: list, limit) -> PipelineChoice | None:

@@ -1,7 +1,7 @@
 """Activation recomputation as a per-layer choice of the plan.
 
 Each repeated layer (a transformer block) keeps its activations for backward in one of
-three ways:
+four ways:
 
   none       what autograd saves: every op's saved operands and outputs;
   selective  the layer runs under activation checkpointing with a policy that keeps the
@@ -10,7 +10,10 @@ three ways:
              activations, dropout, residual adds, rotary embeddings, and with eager
              attention the attention core: QK^T, softmax, dropout, times V, whose
              s^2-sized tensors are Megatron's reason for selective recomputation);
-  full       the layer keeps only its inputs and runs its whole forward again in backward.
+  full       the layer keeps only its inputs and runs its whole forward again in backward;
+  offload    the layer keeps what autograd saves, copied to host memory in forward and
+             back in its backward (no forward runs again; each byte crosses the host link
+             twice, not overlapped with compute: the runtime copies on the compute stream).
 
 The cost model prices each: the activation bytes a layer keeps per device and the
 forward (compute and the collectives inside the layer) that backward runs again.  Memory
@@ -29,7 +32,9 @@ import numpy as np
 from autopar.solve.graph import VIEWS
 from autopar.plan.records import Recompute
 
-MODES = ("none", "selective", "full")
+MODES = ("none", "selective", "full", "offload")
+# the modes that run a layer's forward again in backward
+RECOMPUTING = ("selective", "full")
 
 # ops whose outputs "selective" keeps, when one operand is a weight (matrix products) or
 # always (attention and experts: the expensive core of a layer)
@@ -96,6 +101,24 @@ class ModeCosts:
             if self.modes.get(path, "none") != "none" and nodes[n].kind == "op":
                 self.members.setdefault(path, []).append((n, nodes[n].rep, keeps.get(n)))
         self.extra, self.edge_extra = _forward_again(problem, self.modes, layer, kept)
+        # an offloaded layer's saved tensors cross the host link twice (down in forward, up in backward)
+        self.host: dict = {}   # rep -> bytes per strategy its offloaded layers copy (each saved tensor)
+        self.host_entries = []   # (node index, holding) of what the offloaded layers keep
+        for n, held in problem.holdings.items():
+            if self.modes.get(layer.get(n)) != "offload":
+                continue
+            pn = nodes[n]
+            for item in held:
+                self.host[pn.rep] = self.host.get(pn.rep, 0.0) + problem.held_array(pn, item)
+                self.host_entries.append((n, item))
+        for rep, arr in self.host.items():
+            self.extra[rep] = self.extra.get(rep, 0.0) + 2 * arr / problem.mesh.device.host_bandwidth
+
+    def host_bytes(self, problem, choice: dict) -> float:
+        """Activation bytes per device the offloaded layers keep in host memory: their
+        storages, each once (the runtime copies a storage once however many views of it
+        are saved)."""
+        return float(problem.kept_bytes(choice, self.host_entries)) if self.host_entries else 0.0
 
     def activation_bytes(self, choice: dict) -> float:
         """Activation bytes per device of a choice under these modes."""
@@ -135,6 +158,8 @@ def _holdings(problem, modes: dict, layer: dict, kept: set) -> tuple:
 
     for n, held in problem.holdings.items():
         mode = modes.get(layer.get(n), "none")
+        if mode == "offload":
+            continue   # (all of it in host memory)
         if mode == "none":
             for item in held:
                 hold(n, item)
@@ -151,7 +176,7 @@ def _holdings(problem, modes: dict, layer: dict, kept: set) -> tuple:
     for n, path in layer.items():
         members.setdefault(path, []).append(n)
     for path, mode in modes.items():
-        if mode == "none":
+        if mode not in RECOMPUTING:
             continue
         for pn in (nodes[n] for n in sorted(members.get(path, ()))):
             if pn.kind != "op":
@@ -177,14 +202,14 @@ def _forward_again(problem, modes: dict, layer: dict, kept: set) -> tuple:
     moving: dict = {}    # edge class -> its forward moves' seconds, None where it moves nothing
     for pn in problem.nodes:
         mode = modes.get(layer.get(pn.index), "none")
-        if mode == "none" or pn.kind != "op":
+        if mode not in RECOMPUTING or pn.kind != "op":
             continue
         if not (mode == "selective" and pn.index in kept):
             if pn.rep not in forward:
                 forward[pn.rep] = np.array([c.forward_s for c in problem.choices[pn.rep]])
             extra[pn.rep] = extra.get(pn.rep, 0.0) + forward[pn.rep]
     for e in problem.edges:
-        if e.kind != "data" or modes.get(layer.get(e.b), "none") == "none":
+        if e.kind != "data" or modes.get(layer.get(e.b), "none") not in RECOMPUTING:
             continue
         key = problem.rep_edge(e)
         if key not in moving:

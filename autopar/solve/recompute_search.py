@@ -26,7 +26,7 @@ from autopar.solve.fitting import priced_solve, solve_modes
 from autopar.solve.forked import forked_map, worker_count
 from autopar.solve.ilp import InfeasibleError
 from autopar.solve.problem import Problem
-from autopar.solve.recompute import MODES, ModeCosts, check_mode, layer_slots, mode_costs
+from autopar.solve.recompute import MODES, RECOMPUTING, ModeCosts, check_mode, layer_slots, mode_costs
 from autopar.solve.reduce import reduce_problem
 from autopar.solve.solved import SolveOptions, Solved
 
@@ -138,17 +138,17 @@ class RecomputeCandidate:
 
 def mode_assignments(problem: Problem, slots: list, forced) -> list[RecomputeCandidate]:
     """The assignments to try: the forced mode on every layer (periods 1 and 2); unforced,
-    each recomputing mode on every layer (periods 1 and 2) and every pair of distinct modes
-    on even and odd layers (period 2)."""
+    each mode other than none on every layer (periods 1 and 2), every pair of distinct
+    modes among none and the recomputing ones on even and odd layers (period 2), and
+    offload beside none (period 2)."""
     if forced:
         return [RecomputeCandidate({f"{p}.{i}": forced for p, ix in slots for i in ix}, (1, 2))]
     out = [RecomputeCandidate({f"{p}.{i}": mode for p, ix in slots for i in ix}, (1, 2))
            for mode in MODES if mode != "none"]
-    for even in MODES:
-        for odd in MODES:
-            if even != odd:
-                out.append(RecomputeCandidate({f"{p}.{i}": (even if k % 2 == 0 else odd) for p, ix in slots
-                                               for k, i in enumerate(ix)}, (2,)))
+    paired = [(even, odd) for even in ("none", *RECOMPUTING) for odd in ("none", *RECOMPUTING) if even != odd]
+    for even, odd in paired + [("offload", "none"), ("none", "offload")]:
+        out.append(RecomputeCandidate({f"{p}.{i}": (even if k % 2 == 0 else odd) for p, ix in slots
+                                       for k, i in enumerate(ix)}, (2,)))
     return out
 
 
