@@ -103,6 +103,14 @@ def test_states_go_to_disk_only_beyond_host_memory():
     assert plan.step_s > autopar.Plan.from_dict(roomy).step_s
     text = str(plan)
     assert "offload to disk" in text and "off the device: host" in text
+    # the report draws each tier beside the device, with its capacity
+    from autopar.plan.html import report_html
+    from autopar.plan.records import format_bytes
+    page = report_html(plan)
+    assert 'id="tier-chart"' in page
+    for tier, label, capacity in (("host", "host memory", 0.2 * 2**20), ("disk", "disk", plan.mesh.device.disk_memory)):
+        assert (f"<tr><td>{label}</td><td class=num>{format_bytes(tiers[tier])}</td>"
+                f"<td class=num>{format_bytes(capacity)}</td></tr>") in page
     # saved and loaded, the tiers stay; a plan saved before tiers (offload true) reads as host
     again = autopar.Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
     assert again.param_states == plan.param_states

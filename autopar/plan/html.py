@@ -6,7 +6,8 @@ Everything is inline (SVG charts, CSS, a few lines of JavaScript for the collaps
 table); the page fetches nothing, so it opens offline and can be mailed.  Sections, top
 to bottom: the headline and summary (model, mesh drawn with its links, prediction, solver);
 the plan against the hand-written layouts (step time split into compute and communication
-per mesh axis; memory per device against the budget); memory per device by category; the
+per mesh axis; memory per device against the budget); memory per device by category, and
+what the plan keeps in host memory or on disk against each tier's capacity; the
 step timeline (and the pipeline's Gantt chart when the plan has stages); the per-module
 table, whose repeated layers collapse into one row (autopar.plan.report.table_rows, the same
 rows the terminal table prints) and expand into their nodes; the collectives grouped by
@@ -34,6 +35,8 @@ MEMORY_COLOURS = {"params": "#4c78a8", "grads": "#f58518", "optimizer": "#54a24b
                   "working": "#b279a2"}
 MEMORY_NAMES = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer states",
                 "activations": "activations", "working": "working (largest op)"}
+TIER_COLOURS = {"device": "#4c78a8", "host": "#72b7b2", "disk": "#9d755d"}
+TIER_NAMES = {"host": "host memory", "disk": "disk"}
 LABEL_W, BAR_W, ROW_H = 190, 560, 22     # horizontal bar charts: label column, bar area, row height
 
 
@@ -242,7 +245,38 @@ def _memory(plan) -> str:
     detail = "".join(f"<tr><td>{_e(MEMORY_NAMES.get(k, k))}</td><td class=num>{format_bytes(v)}</td></tr>"
                      for k, v in worst.items())
     return _section("memory", "Memory per device by category", text,
-                    chart + f'<table class="small-table"><tr><th>category</th><th>bytes</th></tr>{detail}</table>')
+                    chart + f'<table class="small-table"><tr><th>category</th><th>bytes</th></tr>{detail}</table>'
+                    + _tiers(plan))
+
+
+def _tiers(plan) -> str:
+    """Where the plan keeps bytes per device beyond the device (Prediction.tiers): a bar
+    per tier beside the device's own, each with its capacity (nothing without tiers)."""
+    tiers = plan.predicted.tiers
+    if not tiers:
+        return ""
+    dev = plan.mesh.device
+    capacity = {"host": dev.host_memory, "disk": dev.disk_memory}
+    rows = [("device", [("device", plan.predicted.memory_total, TIER_COLOURS["device"])],
+             _of_limit(plan.predicted.memory_total, _limit(plan)), None)]
+    table = []
+    for tier in ("host", "disk"):
+        if tier not in tiers:
+            continue
+        cap = capacity[tier]
+        label = TIER_NAMES[tier]
+        of = f" of {format_bytes(cap)}" if cap > 0 else " (capacity not stated)"
+        rows.append((label, [(label, tiers[tier], TIER_COLOURS[tier])], format_bytes(tiers[tier]) + of, None))
+        table.append(f"<tr><td>{_e(label)}</td><td class=num>{format_bytes(tiers[tier])}</td>"
+                     f"<td class=num>{format_bytes(cap) if cap > 0 else 'not stated'}</td></tr>")
+    chart = hbar_chart("tier-chart", rows, [(name, TIER_COLOURS[k]) for k, name in
+                                            (("device", "device"), *((t, TIER_NAMES[t]) for t in tiers))],
+                       format_bytes)
+    return ("<h3>Beyond the device</h3><p>Optimizer states, master weights and offloaded layers' activations "
+            "the plan keeps in host memory or on disk, per device, against each tier's capacity in the device "
+            "description.</p>" + chart +
+            f'<table class="small-table" id="tier-table"><tr><th>tier</th><th>bytes</th><th>capacity</th></tr>'
+            f'{"".join(table)}</table>')
 
 
 def _timeline(plan) -> str:
