@@ -130,8 +130,8 @@ CASES = [  # (routing, mesh shape, axis names, layout, random plan seed, the exp
     ("two of four", (2, 2), ("dp", "tp"), "expert-parallel", None, {"dp=tokens tp=expert-parallel"}),
     ("one gets all", (4,), ("tp",), "expert-parallel", None, {"tp=expert-parallel"}),   # ranks 1-3 idle
     # experts split with tokens whole (the idle ranks' Partial sums are zero), and the inner dim split
-    ("two of four", (2, 2), ("dp", "tp"), None, 1, {"dp=experts tp=tokens", "replicate"}),
-    ("two of four", (2, 2), ("dp", "tp"), None, 3, {"dp=expert-parallel", "dp=inner"}),
+    ("two of four", (2, 2), ("dp", "tp"), None, 1, {"dp=experts"}),
+    ("two of four", (2, 2), ("dp", "tp"), None, 12, {"dp=expert-parallel tp=tokens", "dp=inner"}),
     ("one gets all", (4,), ("tp",), "megatron-tp", None, {"tp=inner"}),
 ]
 
