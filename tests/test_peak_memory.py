@@ -66,11 +66,13 @@ def test_predicted_peaks_match_the_h100s_measured_ones(recompute):
     assert pred.memory_total == pytest.approx(max(backward, step), rel=0.02)
 
 
-def _optimizer(chunk_bytes, masters: bool):
+def _optimizer(chunk_bytes, masters: bool, disk=None):
     """A ShardedOptimizer over three bf16 weights of one rank (float32 masters where
-    `masters`), with gradients as backward leaves them."""
+    `masters`; kept in runtime.disk.DiskStore `disk` between steps where given), with
+    gradients as backward leaves them."""
     from types import SimpleNamespace
 
+    from autopar.runtime.disk import wait
     from autopar.runtime.sharded_optimizer import ShardedOptimizer
 
     gen = torch.Generator().manual_seed(0)
@@ -79,7 +81,10 @@ def _optimizer(chunk_bytes, masters: bool):
               for k, n in (("a", 300), ("b", 40), ("c", 500))}
     state = SimpleNamespace(shards=shards, zero_layouts={}, zero_grads={}, groups=None,
                             masters={k: torch.nn.Parameter(p.detach().float()) for k, p in shards.items()}
-                            if masters else {})
+                            if masters else {}, disk=disk, disk_keys=frozenset(shards) if disk else frozenset(),
+                            master_file=lambda k: f"{k}.master")
+    if disk is not None:
+        wait(disk.spill((f"{k}.master", m) for k, m in state.masters.items()))
     opt = ShardedOptimizer(state, torch.optim.AdamW, 1 << 20, chunk_bytes, lr=0.1, weight_decay=0.1)
     return opt, shards, gen
 
@@ -114,3 +119,33 @@ def test_stepping_in_runs_equals_one_step(masters, monkeypatch):
             assert torch.equal(a[n], b[n]), n
     assert [n for c, n in seen if c is None] == [3, 3, 3]
     assert [n for c, n in seen if c == 1600] == [2, 1] * 3
+
+
+def test_states_on_disk_step_in_runs_like_states_in_memory(tmp_path):
+    """Masters and moments kept on disk between steps, read back run by run (the next run
+    read while this one steps) and written out after: the weights, masters and moments
+    equal those of the same optimizer with everything in memory, and between steps the
+    store holds every master and moment while memory holds none of them."""
+    from autopar.runtime.disk import DiskStore, wait
+    store = DiskStore(tmp_path, 0)
+    runs = []
+    for disk in (None, store):
+        opt, shards, gen = _optimizer(1600, True, disk)
+        for _ in range(3):
+            for p in shards.values():
+                p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+            opt.step()
+            opt.zero_grad()
+        if disk is not None:
+            assert all(m.numel() == 0 for m in opt.rank_state.masters.values())
+            assert store.disk_bytes == (300 + 40 + 500) * 4 * 3   # float32 master, exp_avg, exp_avg_sq
+            wait(store.fetch(opt._on_disk(opt.entries)))
+        runs.append(({k: p.detach().clone() for k, p in shards.items()},
+                     {k: m.detach().clone() for k, m in opt.rank_state.masters.items()},
+                     [{n: v.clone() for n, v in s.items()} for s in opt.optimizer.state.values()]))
+    (w0, m0, s0), (w1, m1, s1) = runs
+    assert all(torch.equal(w0[k], w1[k]) and torch.equal(m0[k], m1[k]) for k in w0)
+    for a, b in zip(s0, s1):
+        assert all(torch.equal(a[n], b[n]) for n in a)
+    assert store.read_bytes > 0 and store.written_bytes >= store.read_bytes
+    store.close()
