@@ -6,7 +6,8 @@ tensors as raw files.  `spill` writes tensors out and then frees their memory (e
 tensor object keeps its identity, shape and dtype: the optimizer's state dict and the
 rank's masters still point at it, it only holds no storage); `fetch` reads them back
 into fresh storage.  Both run on one background thread, in the order they were asked
-for, so a caller can read the next group while it computes on this one (`Ahead`).  A
+for, so a caller can read the next group while it computes on this one (the sharded
+optimizer reads its next run of parameters so).  A
 write that fails (a full disk) leaves its tensors in memory and raises `OffloadError`
 at the next wait: nothing trained is lost.
 
@@ -48,7 +49,8 @@ def check_directory(directory, need: float, local_ranks: int) -> Path:
     if directory is None:
         raise CompileError(f"the plan keeps optimizer states on disk ({need / 2**30:.2f} GiB on this rank): pass "
                            f"autopar.compile(..., offload_dir=...) naming a directory on a local disk (NVMe) "
-                           f"(or set {OFFLOAD_DIR_ENV}), or plan without the disk tier (a larger memory_budget, or more devices)")
+                           f"(or set {OFFLOAD_DIR_ENV}), or plan without the disk tier (a larger memory_budget, "
+                           f"or more devices)")
     path = Path(directory).expanduser()
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -117,7 +119,8 @@ class DiskStore:
                     self._free(name, t)
 
     def read(self, name: str, like: torch.Tensor) -> torch.Tensor:
-        """A new tensor shaped as `like`, read from `name`'s file (the store left as it is)."""
+        """A new tensor of `like`'s dtype, shaped as `name` was written, read from its file
+        (the store left as it is)."""
         out = torch.empty(self.shapes[name], dtype=like.dtype)
         self._read_into(name, out)
         return out

@@ -24,6 +24,7 @@ from autopar.solve.solved import Assignment
 
 log = logging.getLogger("autopar")
 
+
 class TierCapacityError(InfeasibleError):
     """The plan's offloaded states pass a tier's capacity (the message says which and by how much)."""
 
