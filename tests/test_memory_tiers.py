@@ -146,7 +146,7 @@ def test_the_disk_store_spills_fetches_and_keeps_what_it_could_not_write(tmp_pat
     wait(store.spill([("a", a), ("b", b)]))
     assert a.numel() == 0 and b.numel() == 0 and store.disk_bytes == 5 * 3 * 4 + 7 * 2
     assert torch.equal(store.mapped("a", a), ref_a) and torch.equal(store.read("b", b), ref_b)
-    with store.resident([("a", a)]):
+    with store.resident(lambda: [("a", a)]):
         assert torch.equal(a, ref_a)
         a.add_(1)
     assert a.numel() == 0 and torch.equal(store.read("a", a), ref_a + 1)   # written back

@@ -105,17 +105,18 @@ class DiskStore:
 
     @contextlib.contextmanager
     def resident(self, items, write_back: bool = True):
-        """`items` in memory inside the block, spilled again after it (written back only
-        where write_back: a block that only reads them skips the write)."""
-        items = [(n, t) for n, t in items if n in self.spilled]
-        wait(self.fetch(items))
+        """The (name, tensor) pairs `items()` gives in memory inside the block, spilled
+        after it: written back where write_back, with any the block made (items() is asked
+        again), else only freed (a block that only reads them)."""
+        fetched = [(n, t) for n, t in items() if n in self.spilled]
+        wait(self.fetch(fetched))
         try:
             yield
         finally:
             if write_back:
-                wait(self.spill(items))
+                wait(self.spill(items()))
             else:
-                for name, t in items:
+                for name, t in fetched:
                     self._free(name, t)
 
     def read(self, name: str, like: torch.Tensor) -> torch.Tensor:

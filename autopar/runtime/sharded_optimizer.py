@@ -185,19 +185,11 @@ class ShardedOptimizer(WrappedOptimizer):
                     out.append((f"{key}.{name}", value))
         return out
 
-    @contextlib.contextmanager
     def _resident(self, entries):
         """A context in which the disk tier's part of `entries` is in memory (see _on_disk),
         written out after it with any state the block made."""
         disk = self.rank_state.disk
-        if disk is None:
-            yield
-            return
-        wait(disk.fetch(self._on_disk(entries)))
-        try:
-            yield
-        finally:
-            wait(disk.spill(self._on_disk(entries)))
+        return contextlib.nullcontext() if disk is None else disk.resident(lambda: self._on_disk(entries))
 
     @contextlib.contextmanager
     def _mapped(self):

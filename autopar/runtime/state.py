@@ -75,7 +75,7 @@ class RankState:
         back, and written out again after where write_back); nothing to do for the others."""
         if key not in self.disk_keys:
             return contextlib.nullcontext()
-        return self.disk.resident([(self.master_file(key), self.masters[key])], write_back=write_back)
+        return self.disk.resident(lambda: [(self.master_file(key), self.masters[key])], write_back=write_back)
 
     def __str__(self) -> str:
         trained = sum(p.requires_grad for p in self.shards.values())

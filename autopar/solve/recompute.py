@@ -101,18 +101,17 @@ class ModeCosts:
             if self.modes.get(path, "none") != "none" and nodes[n].kind == "op":
                 self.members.setdefault(path, []).append((n, nodes[n].rep, keeps.get(n)))
         self.extra, self.edge_extra = _forward_again(problem, self.modes, layer, kept)
-        # an offloaded layer's saved tensors cross the host link twice (down in forward, up in backward)
-        self.host: dict = {}   # rep -> bytes per strategy its offloaded layers copy (each saved tensor)
+        # an offloaded layer's saved tensors cross the host link twice (down in forward, up in
+        # backward), each saved tensor priced (the runtime copies a shared storage once)
         self.host_entries = []   # (node index, holding) of what the offloaded layers keep
+        crossing = 2 / problem.mesh.device.host_bandwidth
         for n, held in problem.holdings.items():
             if self.modes.get(layer.get(n)) != "offload":
                 continue
             pn = nodes[n]
             for item in held:
-                self.host[pn.rep] = self.host.get(pn.rep, 0.0) + problem.held_array(pn, item)
+                self.extra[pn.rep] = self.extra.get(pn.rep, 0.0) + crossing * problem.held_array(pn, item)
                 self.host_entries.append((n, item))
-        for rep, arr in self.host.items():
-            self.extra[rep] = self.extra.get(rep, 0.0) + 2 * arr / problem.mesh.device.host_bandwidth
 
     def host_bytes(self, problem, choice: dict) -> float:
         """Activation bytes per device the offloaded layers keep in host memory: their
