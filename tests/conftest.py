@@ -47,21 +47,33 @@ def pool8():
         p.close()
 
 
-# --- two tiers ------------------------------------------------------------------------------
-# The README's test command runs the fast tier (pyproject's addopts deselect `slow`);
-# `pytest -m slow` runs the rest: whole tests listed in SLOW, and of each sweep in SAMPLED
-# all but a fixed-seed sample of its cases (the sample stays in the fast tier, so every
-# sweep keeps some cases there, and which ones does not change from run to run).
+# --- tiers -----------------------------------------------------------------------------------
+# The README's test command runs the fast tier (pyproject's addopts deselect `slow` and
+# `full`); `pytest -m slow` runs the slow tier; CI runs both.  SLOW lists whole tests of the
+# slow tier.  Each sweep in SAMPLED keeps a fixed sample of its cases in the fast tier and a
+# further fixed-seed sample in the slow tier; the rest of its matrix is marked `full`
+# (`pytest -m full` runs it, `pytest -m "slow or full"` runs everything beyond the fast tier).
+# Which cases land where never changes from run to run.  Budgets (2 cores): the fast tier
+# about 12 minutes, both tiers together under 45.
 SLOW = {
     "test_launch.py",                                                   # torchrun launches and restarts
     "test_redistribution_plan.py::test_every_pair_on_a_2x2x2_mesh",
     "test_planner_zero.py::test_a_budget_below_the_minimum_names_the_minimum_and_the_fixes",
+    "test_planner_zero.py::test_budget_is_kept_and_time_only_grows_as_it_shrinks",         # 29 s
     "test_training_loop.py::test_repeated_planning_does_not_grow_memory",
+    "test_training_loop.py::test_clip_grad_norm_equals_one_device",                        # 16 s
     "test_user_models.py::test_deepseek_v3_latent_attention_and_grouped_router",
+    "test_user_models.py::test_titan_llama_plans_like_autopars_llama",                      # 21 s
     "test_hf_models.py::test_llama4_router_and_dense_experts_train_like_one_device",
     "test_hf_models.py::test_mamba_plans_per_distinct_block_and_trains_like_one_device",
+    "test_hf_models.py::test_compiled_graph_runs_the_moves_the_plan_prices",               # 10-13 s a family
     "test_inductor.py::test_inductor_with_recomputation",
     "test_recompute.py::test_recompute_bounds_hold_from_the_keep_everything_reserve",   # 32 s
+    "test_recompute.py::test_skipped_recompute_assignments_could_not_win",             # 30-40 s a budget
+    "test_recompute.py::test_budget_sweep_is_ordered",                                  # 31 s
+    "test_recompute.py::test_llama3_8b_8k_tokens_on_eight_h100",                        # 26 s
+    "test_recompute.py::test_llama3_8b_256k_tokens_on_eight_h100",                      # 13 s
+    "test_recompute.py::test_random_plans_activations_counted_in_their_layouts",        # 9-18 s a model
     "test_inductor.py::test_eval_and_train_switch_the_compiled_graph",
     "test_inductor.py::test_inductor_runs_pipeline_stages",
     "test_inductor.py::test_zero_bubble_under_inductor_is_refused",
@@ -71,41 +83,76 @@ SLOW = {
     "test_inductor.py::test_inductor_checkpoints_round_trip",
     "test_inductor.py::test_inductor_keeps_the_planned_saved_bytes",
     "test_gpu_check.py::test_backends_section_steps_three_ways",
+    "test_gpu_check.py::test_every_section_ran",                                       # 26 s
+    "test_calibrate.py::test_plan_command_reads_a_profile_and_defaults_to_bf16_on_gpus",   # 26 s
     "test_inductor.py::test_inductor_batch_norm_trains_and_keeps_its_statistics",
     "test_grouped_experts.py::test_jetmoe_trains_like_one_device",          # 15-25 s
     "test_hf_models.py::test_phimoe_router_noise_is_planned_and_trains",
     "test_capacity_experts.py::test_switch_trains_like_one_device",             # 12 s a layout
     "test_pipeline_search.py::test_search_does_not_pick_zbv_with_too_few_microbatches",
+    "test_pipeline_search.py::test_search_picks_chimera_only_where_its_second_copy_is_cheap",  # 17 s
+    "test_pipeline_search.py::test_search_picks_zbv_where_its_bubble_pays",                    # 16 s
+    "test_pipeline_search.py::test_tight_budget_recomputes_inside_the_stages",                 # 16 s
+    "test_pipeline_search.py::test_split_pass_cuts_the_planned_graph_at_the_stage_boundaries",  # 11 s
+    "test_pipeline_search.py::test_slow_network_gets_stages_across_nodes_and_tensor_parallelism_inside",
     "test_pipeline_runtime.py::test_newer_schedules_on_hugging_face_families",
     "test_pipeline_runtime.py::test_own_schedules_on_attention_as_users_write_it",
+    "test_pipeline_runtime.py::test_random_stage_plans_train_like_one_device",          # 33 s
+    "test_pipeline_runtime.py::test_mixed_precision_pipeline_equals_one_device_under_the_same_policy",
     "test_planner_3axis.py::test_hand_written_layouts_plan_on_three_axes",     # 16 s
+    "test_planner_3axis.py::test_three_axes_plan_small_and_fast",              # 17 s
+    "test_memory_tiers.py::test_disk_states_with_tensor_parallelism_train_like_one_device",
+    "test_memory_tiers.py::test_states_four_times_the_budget_train_from_disk",  # 16 s
+    "test_checkpoints.py::test_a_checkpoint_of_another_model_names_the_first_mismatch",   # 24 s
+    "test_checkpoints.py::test_training_resumes_through_plans_meshes_and_stages",          # 20 s
+    "test_checkpoints.py::test_mixed_precision_checkpoint_keeps_master_weights_and_moments",
+    "test_fuzz.py::test_drawn_models_plans_and_loops_train_as_on_one_device",              # 21 s
+    "test_zero.py::test_lr_schedulers_drive_the_sharded_optimizer",                         # 18 s
+    "test_zero.py::test_random_plans_include_zero_states_and_train_like_one_device",        # 17 s
+    "test_zero.py::test_each_stage_alone_and_with_tensor_parallelism_trains_like_one_device",
+    "test_sequence_parallel.py::test_random_plans_with_sequence_strategies",                # 16 s
+    "test_runtime.py::test_training_matches_one_device_on_two_ranks",                       # 8-12 s a model
+    "test_semantics.py::test_hugging_face_dropout_train_eval_and_per_rank_seeds",           # 8-18 s a family
+    "test_moe_imbalance.py::test_stated_imbalance_prices_the_busiest_rank",                 # 11 s
+    "test_calibrate.py::test_calibrate_measures_every_collective_and_caches",               # 11 s
 }
-SAMPLED = {   # test -> cases kept in the fast tier
-    "test_runtime.py::test_training_matches_one_device": 1,
-    "test_semantics.py::test_frozen_parameters_stay_frozen": 1,
-    "test_hf_models.py::test_family_trains_like_one_device": 4,
-    "test_hf_models.py::test_mixture_of_experts_trains_like_one_device": 1,
-    "test_hf_models.py::test_further_moe_families_train_like_one_device": 1,
-    "test_hf_models.py::test_further_moe_families_shard_their_experts": 3,
-    "test_hf_models.py::test_megatron_meets_its_closed_form": 6,
-    "test_pipeline_runtime.py::test_every_schedule_trains_like_one_device": 2,
-    "test_pipeline_flushless.py::test_stale_weights_train_like_the_reference_rule": 2,
-    "test_pipeline_runtime.py::test_three_dimensional_layouts_train_like_one_device": 1,
-    "test_recompute.py::test_recomputed_training_matches_one_device": 4,
-    "test_recompute.py::test_predicted_activations_match_saved_bytes": 2,
-    "test_experts_routing.py::test_routing_that_leaves_experts_idle_trains_like_one_device": 3,
-    "test_unroll.py::test_unrolled_graph_is_the_full_export": 6,
-    "test_rebatch.py::test_written_trace_is_the_export": 6,
-    "test_pipeline_measured.py::test_measured_bubble_matches_simulator": 1,
-    "test_pipeline_search.py::test_search_never_loses_to_the_plain_plan": 2,
-    "test_faults_round3.py::test_a_nan_gradient_on_one_rank_stops_every_rank": 5,
-    "test_sequence_parallel.py::test_sequence_layouts_train_like_one_device": 5,
-    "test_planner_3axis.py::test_presolve_equals_full_ilp_on_random_graphs": 10,
-    "test_user_models.py::test_user_attention_trains_like_one_device": 1,
-    "test_grouped_experts.py::test_sorted_moe_trains_like_one_device": 1,
-    "test_capacity_experts.py::test_fixed_capacity_dispatch_trains_like_one_device": 1,
-    "test_inductor.py::test_inductor_trains_like_one_device": 1,
+# test -> (cases kept in the fast tier: a count drawn with a fixed seed, or the case ids;
+#          further cases drawn for the slow tier: a count, or None for all the rest)
+SAMPLED = {
+    "test_runtime.py::test_training_matches_one_device": (("gpt-tiny-2x2",), 7),
+    "test_semantics.py::test_frozen_parameters_stay_frozen": (("embedding",), 1),
+    "test_hf_models.py::test_family_trains_like_one_device": (("qwen2",), 4),
+    "test_hf_models.py::test_mixture_of_experts_trains_like_one_device": (0, 2),
+    "test_hf_models.py::test_further_moe_families_train_like_one_device": (("ernie4_5_moe",), 3),
+    "test_hf_models.py::test_further_moe_families_shard_their_experts": (("glm4_moe",), 3),
+    "test_hf_models.py::test_megatron_meets_its_closed_form": (3, 8),
+    "test_pipeline_runtime.py::test_every_schedule_trains_like_one_device": (("gpt-tiny-2 stages",), 3),
+    "test_pipeline_flushless.py::test_stale_weights_train_like_the_reference_rule": (1, 1),
+    "test_pipeline_runtime.py::test_three_dimensional_layouts_train_like_one_device":
+        (("gpt-tiny-1f1b-megatron-tp x dp",), None),
+    "test_recompute.py::test_recomputed_training_matches_one_device": (2, 4),
+    "test_recompute.py::test_predicted_activations_match_saved_bytes": (("gpt-tiny-selective",), 2),
+    "test_experts_routing.py::test_routing_that_leaves_experts_idle_trains_like_one_device":
+        (("one-gets-all-4-megatron-tp",), 2),
+    "test_unroll.py::test_unrolled_graph_is_the_full_export": (3, 6),
+    "test_rebatch.py::test_written_trace_is_the_export": (3, 6),
+    "test_pipeline_measured.py::test_measured_bubble_matches_simulator": (1, 2),
+    "test_pipeline_search.py::test_search_never_loses_to_the_plain_plan": (1, 2),
+    "test_pipeline_measured.py::test_pipeline_matches_single_device": (1, None),
+    "test_faults_round3.py::test_a_nan_gradient_on_one_rank_stops_every_rank": (3, 3),
+    "test_sequence_parallel.py::test_sequence_layouts_train_like_one_device": (3, 5),
+    "test_planner_3axis.py::test_presolve_equals_full_ilp_on_random_graphs": (10, None),
+    "test_planner_3axis.py::test_presolve_keeps_the_optimum": (1, None),
+    "test_user_models.py::test_user_attention_trains_like_one_device": (1, 3),
+    "test_grouped_experts.py::test_sorted_moe_trains_like_one_device": (1, 1),
+    "test_capacity_experts.py::test_fixed_capacity_dispatch_trains_like_one_device": (0, 1),
+    "test_inductor.py::test_inductor_trains_like_one_device": (("spec0-data-parallel-shape0-names0",), 3),
 }
+
+
+def _case_id(item) -> str:
+    name = item.name
+    return name[name.index("[") + 1:-1] if "[" in name else name
 
 
 def pytest_collection_modifyitems(config, items):
@@ -119,7 +166,20 @@ def pytest_collection_modifyitems(config, items):
         elif test in SAMPLED:
             by_sweep.setdefault(test, []).append(item)
     for test, cases in by_sweep.items():
-        kept = set(random.Random(test).sample(range(len(cases)), min(SAMPLED[test], len(cases))))
+        fast, slow = SAMPLED[test]
+        draw = random.Random(test)
+        if isinstance(fast, tuple):
+            ids = [_case_id(c) for c in cases]
+            missing = [f for f in fast if f not in ids]
+            if missing:
+                raise pytest.UsageError(f"conftest SAMPLED[{test!r}] names cases that do not exist: {missing}")
+            kept = {ids.index(f) for f in fast}
+        else:
+            kept = set(draw.sample(range(len(cases)), min(fast, len(cases))))
+        rest = [k for k in range(len(cases)) if k not in kept]
+        sampled = set(rest) if slow is None else set(draw.sample(rest, min(slow, len(rest))))
         for k, item in enumerate(cases):
-            if k not in kept:
+            if k in sampled:
                 item.add_marker(pytest.mark.slow)
+            elif k not in kept:
+                item.add_marker(pytest.mark.full)

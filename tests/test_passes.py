@@ -359,6 +359,29 @@ def test_rewrite_refuses_a_plan_for_another_size_and_says_why_eval_is_missing(me
     assert "could not be traced in eval mode (data-dependent branch)" in failed.modes.reason
 
 
+def test_compile_traces_eval_mode_on_the_first_eval_only():
+    """The runtime's switch (runtime/build.eval_switch) traces the eval graph on the first
+    switch to eval, once; a switch to training before that leaves the graph alone.  A model
+    with dropout gets its switch (dropout's train flag) once traced."""
+    from autopar.runtime.build import eval_switch
+    from autopar.trace.cache import TRACES
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 4)).double()
+    TRACES.clear()
+    switch = eval_switch(model, (X,), None)
+    assert switch.derive is not None and "first eval()" in str(switch)
+    traced_now = len(TRACES)
+    gm = trace(model, (X,)).graph
+    before = gm.code
+    switch.apply(gm, True)
+    assert switch.derive is not None and gm.code == before and len(TRACES) == traced_now
+    switch.apply(gm, False)
+    assert switch.derive is None and switch.reason == "" and len(switch.switches) == 1, switch
+    assert gm.code != before and len(TRACES) == traced_now + 1
+    switch.apply(gm, True)
+    assert gm.code == before and len(TRACES) == traced_now + 1
+
+
 # ---------------------------------------------------------------- modes
 
 class DropNorm(nn.Module):

@@ -19,6 +19,7 @@ training behaviour.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch.fx as fx
 
@@ -48,18 +49,38 @@ class NodeSwitch:
 @dataclass
 class ModeSwitch:
     """The differences between a model's training and eval graphs (see the module docstring).
-    reason: why no eval form could be derived ('' when it could)."""
+    reason: why no eval form could be derived ('' when it could).
+
+    derive: where the eval graph is not traced yet, the function that traces it and returns
+    the switch (autopar/runtime/build.py): most jobs never leave training mode, and an
+    export per rank is the largest part of compiling a small model, so the eval graph is
+    traced on the first switch to eval, not at compile.  Until then the graph is in its
+    training form, which is what a switch to training asks for."""
 
     switches: dict = field(default_factory=dict)   # node name -> NodeSwitch
     reason: str = ""
+    derive: Callable[[], "ModeSwitch"] | None = field(default=None, repr=False, compare=False)
 
     def __str__(self) -> str:
+        if self.derive is not None:
+            return "eval mode traced on the first eval()"
         if self.reason:
             return f"no eval mode: {self.reason}"
         return f"{len(self.switches)} nodes switch between train and eval"
 
+    def derived(self) -> "ModeSwitch":
+        """This switch with its eval graph traced (at most once)."""
+        if self.derive is not None:
+            derive, self.derive = self.derive, None
+            found = derive()
+            self.switches, self.reason = found.switches, found.reason
+        return self
+
     def apply(self, gm: fx.GraphModule, training: bool) -> None:
         """Put `gm` (rewritten from the training graph) into `training` or eval mode."""
+        if training and self.derive is not None:
+            return  # never switched to eval: the graph is in its training form
+        self.derived()
         if not training and self.reason:
             raise ModeError(f"cannot run the compiled model in eval mode: {self.reason}. autopar switches "
                             f"modes by flags only (dropout, batch norm, attention dropout); evaluate with "

@@ -77,21 +77,23 @@ def param_names(traced: Traced) -> dict:
     return {ph: traced.tied.get(name, name) for ph, name in traced.params.items()}
 
 
-def rewrite(traced: Traced, plan: Plan, groups, *, evaluated: Traced | TraceError | None = None,
+def rewrite(traced: Traced, plan: Plan, groups, *, evaluated: Traced | TraceError | ModeSwitch | None = None,
             local_inputs: bool = False) -> Rewritten:
     """Run the passes on `traced.graph` in place (see the module docstring).
 
     groups: the AxisGroups the moves run over (stored on the graph, used only when it
     runs). evaluated: the same model traced in eval mode, or the TraceError tracing it
-    raised, or None: without an eval graph the result trains but cannot switch to eval
-    (modes.reason says why). local_inputs: lay user inputs out as their first readers read
+    raised, or the ModeSwitch itself (one that traces eval mode when first asked), or None:
+    without an eval graph the result trains but cannot switch to eval (modes.reason says why). local_inputs: lay user inputs out as their first readers read
     them (Rewritten.input_layouts)."""
     gm = traced.graph
     if plan.graph and plan.graph != graph_signature(gm):
         raise PlanMismatch(f"the plan was made for another graph than this model traces to (graph signature "
                            f"{plan.graph}, this model's {graph_signature(gm)}): another model, size, "
                            f"input shape or dtype. Plan again for this model and these inputs")
-    if isinstance(evaluated, Traced):
+    if isinstance(evaluated, ModeSwitch):
+        modes = evaluated
+    elif isinstance(evaluated, Traced):
         modes = mode_switch(gm, evaluated.graph, traced.buffers)
     elif isinstance(evaluated, TraceError):
         modes = ModeSwitch(reason=f"the model could not be traced in eval mode ({evaluated})")

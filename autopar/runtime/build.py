@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.passes.localize import place_on
+from autopar.passes.modes import ModeSwitch, mode_switch
 from autopar.passes.rewrite import Rewritten, rewrite
 from autopar.passes.shard_params import init_sharded, shard_full_model
 from autopar.plan.plan import Plan
@@ -38,18 +39,15 @@ class RankGraph(Rewritten):
 
 def rank_graph(model, plan: Plan, groups, example_inputs, example_kwargs, precision, device_type: str,
                seed_of_job: int, local_inputs: bool = False) -> RankGraph:
-    """Trace `model` (cast to param_dtype under mixed precision) in train and eval mode, run
-    the passes on the training graph (autopar/passes/rewrite.py), then put the graph on this
+    """Trace `model` (cast to param_dtype under mixed precision) in train mode (eval mode on
+    the first eval(): eval_switch), run the passes on the training graph (autopar/passes/rewrite.py), then put the graph on this
     rank's device and its random ops on their streams (autopar/runtime/rng.py)."""
     if precision is not None:
         example_inputs, example_kwargs = meta_inputs((tuple(example_inputs), example_kwargs))
         model = cast_for_trace(model, precision.param_dtype)
     traced = trace(model, tuple(example_inputs), example_kwargs)
-    try:
-        evaluated = trace(model, tuple(example_inputs), example_kwargs, mode="eval")
-    except TraceError as exc:  # training needs only the training graph; eval mode says why it is missing
-        evaluated = exc
     expected = expected_inputs(traced.graph, traced.user_inputs)
+    evaluated = eval_switch(model, tuple(example_inputs), example_kwargs)
     rewritten = rewrite(traced, plan, groups, evaluated=evaluated, local_inputs=local_inputs)
     device = device_of(device_type)
     place_on(rewritten.graph, device)
@@ -57,6 +55,22 @@ def rank_graph(model, plan: Plan, groups, example_inputs, example_kwargs, precis
     streams.install(rewritten.graph)
     return RankGraph(**{f.name: getattr(rewritten, f.name) for f in fields(Rewritten)}, streams=streams,
                      inputs=expected)
+
+
+def eval_switch(model, example_inputs: tuple, example_kwargs) -> ModeSwitch:
+    """The switch between the training graph and the eval graph of `model`, with the eval
+    graph traced on the first eval() (passes/modes.ModeSwitch.derive), from the untouched
+    training graph held now (the trace cache's shared copy: no copy made, nothing rewritten)."""
+    train = trace(model, example_inputs, example_kwargs, shared=True)
+
+    def derive() -> ModeSwitch:
+        try:
+            evaluated = trace(model, example_inputs, example_kwargs, mode="eval", shared=True)
+        except TraceError as exc:  # training needs only the training graph; eval mode says why it is missing
+            return ModeSwitch(reason=f"the model could not be traced in eval mode ({exc})")
+        return mode_switch(train.graph, evaluated.graph, train.buffers)
+
+    return ModeSwitch(derive=derive)
 
 
 def initial_shards(model, placements: dict, groups, on_meta: bool, seed, parts) -> dict:
