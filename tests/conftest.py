@@ -115,12 +115,15 @@ SLOW = {
     "test_semantics.py::test_hugging_face_dropout_train_eval_and_per_rank_seeds",           # 8-18 s a family
     "test_moe_imbalance.py::test_stated_imbalance_prices_the_busiest_rank",                 # 11 s
     "test_calibrate.py::test_calibrate_measures_every_collective_and_caches",               # 11 s
+    "test_planner_zero.py::test_plans_shard_more_state_as_the_budget_shrinks",              # 29 s
+    "test_gpu_check.py::test_quickstart_trains_like_one_device",                            # 22 s
+    "test_pipeline_search.py::test_plain_plan_is_skipped_only_where_it_cannot_win",         # 15 s
 }
 # test -> (cases kept in the fast tier: a count drawn with a fixed seed, or the case ids;
 #          further cases drawn for the slow tier: a count, or None for all the rest)
 SAMPLED = {
-    "test_runtime.py::test_training_matches_one_device": (("gpt-tiny-2x2",), 7),
-    "test_semantics.py::test_frozen_parameters_stay_frozen": (("embedding",), 1),
+    "test_runtime.py::test_training_matches_one_device": (("mlp-2x2",), 7),
+    "test_semantics.py::test_frozen_parameters_stay_frozen": (0, 2),
     "test_hf_models.py::test_family_trains_like_one_device": (("qwen2",), 4),
     "test_hf_models.py::test_mixture_of_experts_trains_like_one_device": (0, 2),
     "test_hf_models.py::test_further_moe_families_train_like_one_device": (("ernie4_5_moe",), 3),
@@ -128,15 +131,14 @@ SAMPLED = {
     "test_hf_models.py::test_megatron_meets_its_closed_form": (3, 8),
     "test_pipeline_runtime.py::test_every_schedule_trains_like_one_device": (("gpt-tiny-2 stages",), 3),
     "test_pipeline_flushless.py::test_stale_weights_train_like_the_reference_rule": (1, 1),
-    "test_pipeline_runtime.py::test_three_dimensional_layouts_train_like_one_device":
-        (("gpt-tiny-1f1b-megatron-tp x dp",), None),
+    "test_pipeline_runtime.py::test_three_dimensional_layouts_train_like_one_device": (0, None),
     "test_recompute.py::test_recomputed_training_matches_one_device": (2, 4),
     "test_recompute.py::test_predicted_activations_match_saved_bytes": (("gpt-tiny-selective",), 2),
     "test_experts_routing.py::test_routing_that_leaves_experts_idle_trains_like_one_device":
         (("one-gets-all-4-megatron-tp",), 2),
     "test_unroll.py::test_unrolled_graph_is_the_full_export": (3, 6),
     "test_rebatch.py::test_written_trace_is_the_export": (3, 6),
-    "test_pipeline_measured.py::test_measured_bubble_matches_simulator": (1, 2),
+    "test_pipeline_measured.py::test_measured_bubble_matches_simulator": (0, 3),
     "test_pipeline_search.py::test_search_never_loses_to_the_plain_plan": (1, 2),
     "test_pipeline_measured.py::test_pipeline_matches_single_device": (1, None),
     "test_faults_round3.py::test_a_nan_gradient_on_one_rank_stops_every_rank": (3, 3),
@@ -146,7 +148,7 @@ SAMPLED = {
     "test_user_models.py::test_user_attention_trains_like_one_device": (1, 3),
     "test_grouped_experts.py::test_sorted_moe_trains_like_one_device": (1, 1),
     "test_capacity_experts.py::test_fixed_capacity_dispatch_trains_like_one_device": (0, 1),
-    "test_inductor.py::test_inductor_trains_like_one_device": (("spec0-data-parallel-shape0-names0",), 3),
+    "test_inductor.py::test_inductor_trains_like_one_device": (0, 4),
 }
 
 
