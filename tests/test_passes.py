@@ -359,10 +359,11 @@ def test_rewrite_refuses_a_plan_for_another_size_and_says_why_eval_is_missing(me
     assert "could not be traced in eval mode (data-dependent branch)" in failed.modes.reason
 
 
-def test_compile_traces_eval_mode_on_the_first_eval_only():
-    """The runtime's switch (runtime/build.eval_switch) traces the eval graph on the first
-    switch to eval, once; a switch to training before that leaves the graph alone.  A model
+def test_compile_traces_eval_mode_on_the_first_eval_only(monkeypatch):
+    """For a small model the runtime's switch (runtime/build.eval_switch) traces the eval
+    graph on the first switch to eval, once; a switch to training before that leaves the graph alone.  A model
     with dropout gets its switch (dropout's train flag) once traced."""
+    from autopar.runtime import build
     from autopar.runtime.build import eval_switch
     from autopar.trace.cache import TRACES
 
@@ -380,6 +381,10 @@ def test_compile_traces_eval_mode_on_the_first_eval_only():
     assert gm.code != before and len(TRACES) == traced_now + 1
     switch.apply(gm, True)
     assert gm.code == before and len(TRACES) == traced_now + 1
+    # a model past LAZY_EVAL_BYTES is traced in eval mode at once (nothing of it held after)
+    monkeypatch.setattr(build, "LAZY_EVAL_BYTES", 0)
+    eager = eval_switch(model, (X,), None)
+    assert eager.derive is None and len(eager.switches) == 1
 
 
 # ---------------------------------------------------------------- modes

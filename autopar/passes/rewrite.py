@@ -84,8 +84,9 @@ def rewrite(traced: Traced, plan: Plan, groups, *, evaluated: Traced | TraceErro
     groups: the AxisGroups the moves run over (stored on the graph, used only when it
     runs). evaluated: the same model traced in eval mode, or the TraceError tracing it
     raised, or the ModeSwitch itself (one that traces eval mode when first asked), or None:
-    without an eval graph the result trains but cannot switch to eval (modes.reason says why). local_inputs: lay user inputs out as their first readers read
-    them (Rewritten.input_layouts)."""
+    without an eval graph the result trains but cannot switch to eval (modes.reason says
+    why). local_inputs: lay user inputs out as their first readers read them
+    (Rewritten.input_layouts)."""
     gm = traced.graph
     if plan.graph and plan.graph != graph_signature(gm):
         raise PlanMismatch(f"the plan was made for another graph than this model traces to (graph signature "

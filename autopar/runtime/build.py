@@ -40,8 +40,9 @@ class RankGraph(Rewritten):
 def rank_graph(model, plan: Plan, groups, example_inputs, example_kwargs, precision, device_type: str,
                seed_of_job: int, local_inputs: bool = False) -> RankGraph:
     """Trace `model` (cast to param_dtype under mixed precision) in train mode (eval mode on
-    the first eval(): eval_switch), run the passes on the training graph (autopar/passes/rewrite.py), then put the graph on this
-    rank's device and its random ops on their streams (autopar/runtime/rng.py)."""
+    the first eval(): eval_switch), run the passes on the training graph
+    (autopar/passes/rewrite.py), then put the graph on this rank's device and its random ops
+    on their streams (autopar/runtime/rng.py)."""
     if precision is not None:
         example_inputs, example_kwargs = meta_inputs((tuple(example_inputs), example_kwargs))
         model = cast_for_trace(model, precision.param_dtype)
@@ -57,10 +58,21 @@ def rank_graph(model, plan: Plan, groups, example_inputs, example_kwargs, precis
                      inputs=expected)
 
 
+# Models holding at most this many bytes of weights and buffers off the meta device trace
+# their eval graph on the first eval() (eval_switch), holding the plain model until then.
+LAZY_EVAL_BYTES = 64 * 2**20
+
+
 def eval_switch(model, example_inputs: tuple, example_kwargs) -> ModeSwitch:
-    """The switch between the training graph and the eval graph of `model`, with the eval
-    graph traced on the first eval() (passes/modes.ModeSwitch.derive), from the untouched
-    training graph held now (the trace cache's shared copy: no copy made, nothing rewritten)."""
+    """The switch between the training graph and the eval graph of `model`.
+
+    For a small model the eval graph is traced on the first eval()
+    (passes/modes.ModeSwitch.derive), from the untouched training graph held now (the trace
+    cache's shared copy): most jobs never leave training mode, and for a small model an
+    export per rank is most of compiling.  Until then the compiled model holds the plain one,
+    which costs nothing on the meta device (mixed precision's cast copy, a model built on
+    meta) and little below LAZY_EVAL_BYTES.  A larger model is traced in eval mode now, so
+    that the compiled model keeps no reference to its weights (a caller may release them)."""
     train = trace(model, example_inputs, example_kwargs, shared=True)
 
     def derive() -> ModeSwitch:
@@ -70,7 +82,9 @@ def eval_switch(model, example_inputs: tuple, example_kwargs) -> ModeSwitch:
             return ModeSwitch(reason=f"the model could not be traced in eval mode ({exc})")
         return mode_switch(train.graph, evaluated.graph, train.buffers)
 
-    return ModeSwitch(derive=derive)
+    held = sum(t.numel() * t.element_size() for t in {id(t): t for t in [*model.parameters(), *model.buffers()]
+                                                      if not t.is_meta}.values())
+    return ModeSwitch(derive=derive) if held <= LAZY_EVAL_BYTES else derive()
 
 
 def initial_shards(model, placements: dict, groups, on_meta: bool, seed, parts) -> dict:
