@@ -123,7 +123,7 @@ def test_states_go_to_disk_only_beyond_host_memory():
 def test_a_disk_too_small_is_named_with_the_bytes_it_lacks():
     model, args, _ = build_case(GPT)
     mesh = autopar.Mesh((2,), ("dp",), device=_device(0.1 * 2**20, disk_memory=0.1 * 2**20))
-    with pytest.raises(TierCapacityError, match=r"in disk memory, more than the 0\.00 GiB.*disk_memory"):
+    with pytest.raises(TierCapacityError, match=r"in disk memory \(offloaded model states\), more than the 0\.00 GiB.*disk_memory"):
         autopar.plan(model, mesh, args, memory_budget=1.1 * 2**20, recompute="none", compare=False)
 
 
@@ -245,3 +245,85 @@ def test_the_planner_tries_offload_beside_recomputation():
     tried = [tuple(c.modes.values()) for c in mode_assignments(None, slots, None)]
     assert ("offload",) * 4 in tried and ("offload", "none", "offload", "none") in tried
     assert ("selective", "full", "selective", "full") in tried and len(tried) == 11
+
+
+def _weights(plan_dict) -> dict:
+    """Tier -> how many parameters the plan keeps with their weights there."""
+    counts: dict = {}
+    for state in plan_dict["param_states"].values():
+        if state.get("weights"):
+            counts[state["offload"]] = counts.get(state["offload"], 0) + 1
+    return counts
+
+
+def test_the_planner_offloads_weights_where_states_alone_do_not_fit():
+    """At a sixteenth of the model states per device, ZeRO-3 with every state offloaded
+    still leaves more weights and gradients on the device than the budget: the planner
+    keeps some parameters' stored shards in host memory too, and prices their crossings."""
+    budget = _states(WIDE) / 16
+    plan = _plan(WIDE, (2,), ("dp",), budget, 2**30)
+    assert _weights(plan).get("host", 0) > 0, plan["param_states"]
+    p = autopar.Plan.from_dict(plan)
+    assert p.predicted.memory["params"] + p.predicted.memory["grads"] < _states(WIDE) / 16 / 2
+    assert "offload with weights" in str(p)
+    weights = [n for n, s in p.param_states.items() if s.weights]
+    model, _, _ = build_case(WIDE)
+    numel = dict(model.named_parameters())[weights[0]].numel() // 2   # (its shard on each of 2 ranks)
+    device = p.mesh.device
+    with_weights = C.offload_seconds("host", numel, 4, False, device, weights=True)
+    states_only = C.offload_seconds("host", numel, 4, False, device)
+    assert with_weights - states_only == pytest.approx(numel * 4 / device.host_bandwidth)   # one more crossing
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_offloaded_weights_train_like_one_device(pool2, tier):
+    plan = with_tier(_plan(WIDE, (2,), ("dp",), _states(WIDE) / 16, 2**30), tier)
+    assert _weights(plan).get(tier, 0) > 0
+    result = pool2.run(train_and_compare, WIDE, plan)[0]
+    assert result["ok"], result
+
+
+def test_weights_on_disk_train_at_a_sixteenth_of_the_states(pool2):
+    """Model states 16x the budget per rank: with some stored shards on disk as well as the
+    states, the device holds under the budget by the runtime's own accounting and by what
+    the step saved for backward; each use copied the shard in, and the arithmetic is that
+    of the same plan in host memory."""
+    budget = _states(WIDE) / 16
+    plan = with_tier(_plan(WIDE, (2,), ("dp",), budget, 2**30), "disk")
+    assert _weights(plan).get("disk", 0) > 0
+    for r in pool2.run(disk_capacity, WIDE, plan):
+        disk, host = r["disk"], r["host"]
+        m = disk["measured"]
+        on_device = m["params"] + m["grads"] + m["optimizer"] + disk["saved"]
+        assert on_device <= budget, (on_device, budget, m)
+        assert disk["counts"]["fetched"] > 0 and disk["counts"]["fetched"] == host["counts"]["fetched"], disk["counts"]
+        # what host memory held in the host run is on disk now, but for the weights' gradients
+        assert m["disk"] + m["offloaded"] == host["measured"]["offloaded"], (m, host["measured"])
+        assert any(f.endswith(".weight") for f in disk["files"]), disk["files"]
+        assert disk["losses"] == host["losses"] and r["final_loss_disk"] == r["final_loss_host"]
+
+
+def test_offloaded_weights_with_tensor_parallelism_train_like_one_device(pool4):
+    plan = _plan(GPT, (2, 2), ("dp", "tp"), 0.25 * 2**20, 2**30)
+    assert _weights(plan).get("host", 0) > 0, plan["param_states"]
+    result = pool4.run(train_and_compare, GPT, plan)[0]
+    assert result["ok"], result
+
+
+def test_weights_read_as_stored_are_fetched_for_each_use(pool2):
+    """Megatron's layout reads its weights as they are stored (no gather): offloaded, each
+    reader takes a copy the runtime fetches (again in backward), and training equals one
+    device, clipped gradients included."""
+    from rt_cases import zero3_regather_counts
+    model, args, _ = build_case(GPT)
+    plan = autopar.plan(model, autopar.Mesh((2,), ("tp",), device="cpu"), args, compare=False,
+                        layout="megatron-tp").to_dict()
+    for name, p in model.named_parameters():
+        plan["param_states"][name] = {"stage": 0, "axes": [], "offload": "host", "weights": True}
+    result = pool2.run(train_and_compare, GPT, plan, 3, 1.0)[0]
+    assert result["ok"], result
+    counts = pool2.run(zero3_regather_counts, plan, True)[0]
+    assert counts["worst"] <= 1e-5, counts
+    # forward copies each weight; backward fetches again what a matmul saved (each linear weight)
+    linear = sum(1 for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert counts["fetched"] >= len(dict(model.named_parameters())) + linear, counts

@@ -86,6 +86,7 @@ def disk_capacity(spec: tuple, plan_dict: dict, steps: int = 2) -> dict:
         opt.zero_grad()
         store = cm.rank_state.disk
         out[name] = {"losses": losses[:-1], "saved": saved, "measured": report["measured"],
+                     "counts": cm.gather_counts(),
                      "files": sorted(os.listdir(store.directory)) if store is not None else [],
                      "read": store.read_bytes if store is not None else 0,
                      "written": store.written_bytes if store is not None else 0,

@@ -54,19 +54,30 @@ def offloaded_bytes(param_itemsize: int, mixed_precision: bool) -> float:
     return state_bytes(param_itemsize, mixed_precision) + (0 if mixed_precision else param_itemsize)
 
 
-def offload_seconds(tier: str, owned: int, param_itemsize: int, mixed_precision: bool, device) -> float:
+def offload_seconds(tier: str, owned: int, param_itemsize: int, mixed_precision: bool, device,
+                    weights: bool = False, uses: int = 2) -> float:
     """One optimizer step of `owned` elements whose states live in `tier` ("host" or
     "disk"): the gradient down and the updated weights up the host link, the host's
     optimizer over them (device.host_optimizer_rate, plus one per-tensor overhead where
     calibrated), and on disk the states read before and written after the step
     (offloaded_bytes over the disk's read and write rates).  The runtime reads the next
     run of parameters while the host steps this one; the price adds the two (it does not
-    count that overlap, at most the smaller of the two)."""
+    count that overlap, at most the smaller of the two).
+
+    weights: the stored shard lives in the tier too (ZeRO-Infinity's parameter offload):
+    instead of coming up once after the step it crosses the host link at each of its
+    `uses` (forward's gather, and backward's where gathered weights are dropped after
+    forward), and on disk it is also read at each use and written once after the step.
+    The runtime copies it when the gather runs, not ahead, so nothing of it is hidden."""
     per_param = device.optimizer[0] if device.optimizer else 0.0   # the host loops over parameters too
-    seconds = 2 * owned * param_itemsize / device.host_bandwidth + owned / device.host_optimizer_rate + per_param
+    shard = owned * param_itemsize
+    crossings = 1 + (uses if weights else 1)
+    seconds = crossings * shard / device.host_bandwidth + owned / device.host_optimizer_rate + per_param
     if tier == "disk":
         held = owned * offloaded_bytes(param_itemsize, mixed_precision)
         seconds += held / device.disk_read_bandwidth + held / device.disk_write_bandwidth
+        if weights:
+            seconds += uses * shard / device.disk_read_bandwidth + shard / device.disk_write_bandwidth
     return seconds
 
 

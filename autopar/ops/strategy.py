@@ -45,7 +45,9 @@ class Strategy:
     mesh axes `zero_axes` (its optimizer state, and at stage 2 its gradient, split over
     them; stage 3 is a Shard placement instead); offload is the memory tier its optimizer
     state and float32 master weights live in beyond the device: "host" or "disk" ("" on
-    the device).
+    the device); offload_weights: the parameter's stored shard and its gradient live in that
+    tier too (ZeRO-Infinity's parameter offload), copied to the device for each use
+    (runtime/reshard.py).
     """
 
     split: tuple
@@ -59,14 +61,18 @@ class Strategy:
     zero_axes: tuple = ()
     offload: str = ""
     reduced: tuple = ()   # mesh axes whose split letter does not reach the output (summed over ranks)
+    offload_weights: bool = False
 
     def __str__(self) -> str:
         return self.name
 
 
-def offload_label(tier: str) -> str:
-    """How a plan names a parameter's state tier: "offload" (host), "offload to disk", or ""."""
-    return {"host": "offload", "disk": "offload to disk"}.get(tier, "")
+def offload_label(tier: str, weights: bool = False) -> str:
+    """How a plan names a parameter's state tier: "offload" (host), "offload to disk", or "";
+    weights: the stored weights are there too ("offload with weights", "offload to disk
+    with weights")."""
+    label = {"host": "offload", "disk": "offload to disk"}.get(tier, "")
+    return f"{label} with weights" if label and weights else label
 
 
 def show_placements(placements: Placements) -> str:

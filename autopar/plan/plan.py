@@ -128,7 +128,8 @@ class Plan:
             "layers": [[p, list(ix)] for p, ix in self.layers],
             "grad_sums": {k: [placement_str(p) for p in v] for k, v in self.grad_sums.items()},
             "origin": self.origin, "timing": self.timing.to_dict(),
-            "param_states": {k: {"stage": v.stage, "axes": list(v.axes), "offload": v.offload}
+            "param_states": {k: {"stage": v.stage, "axes": list(v.axes), "offload": v.offload,
+                                   **({"weights": True} if v.weights else {})}
                              for k, v in self.param_states.items()},
             "precision": None if self.precision is None else self.precision.to_dict(),
             "pipeline": None if self.pipeline is None else self.pipeline.to_dict(), "frozen": list(self.frozen),
@@ -166,7 +167,8 @@ class Plan:
                    layers=tuple((p, tuple(ix)) for p, ix in d["layers"]),
                    grad_sums={k: places(v) for k, v in d["grad_sums"].items()}, origin=d["origin"],
                    timing=Timing.from_dict(d.get("timing", {})),
-                   param_states={k: ParamState(v["stage"], tuple(v["axes"]), tier_of(v["offload"]))
+                   param_states={k: ParamState(v["stage"], tuple(v["axes"]), tier_of(v["offload"]),
+                                                    bool(v.get("weights", False)))
                                  for k, v in d.get("param_states", {}).items()},
                    precision=MixedPrecision.from_dict(d.get("precision")),
                    pipeline=None if d.get("pipeline") is None else PipelineLayout.from_dict(d["pipeline"]),

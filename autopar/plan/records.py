@@ -77,16 +77,19 @@ class Collective:
 class ParamState:
     """Where a parameter's training state lives beyond its placement.  stage: ZeRO stage 1
     (optimizer state split over `axes`) or 2 (gradient too), or 0; offload: the memory tier
-    the optimizer state and master weights stay in, "host" or "disk" ("": the device).  (ZeRO-3 is a placement: Shard on an axis
-    whose ops read the parameter whole.)"""
+    the optimizer state and master weights stay in, "host" or "disk" ("": the device);
+    weights: the stored shard and its gradient live in that tier too, copied to the device
+    for each use.  (ZeRO-3 is a placement: Shard on an axis whose ops read the parameter
+    whole.)"""
 
     stage: int
     axes: tuple
     offload: str = ""
+    weights: bool = False
 
     def __str__(self) -> str:
         text = f"zero-{self.stage} over {'+'.join(self.axes)}" if self.stage else ""
-        return ", ".join(t for t in (text, offload_label(self.offload)) if t)
+        return ", ".join(t for t in (text, offload_label(self.offload, self.weights)) if t)
 
 
 def tier_of(value) -> str:

@@ -98,7 +98,7 @@ def plan_text(plan) -> str:
     states = Counter()
     for name in plan.param_placements:
         st = plan.param_states.get(name)
-        label = f"zero-{plan.zero_stage(name)}" + (f", {offload_label(st.offload)}"
+        label = f"zero-{plan.zero_stage(name)}" + (f", {offload_label(st.offload, st.weights)}"
                                                     if st is not None and st.offload else "")
         states[label] += 1
     if states:

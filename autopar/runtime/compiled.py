@@ -38,9 +38,9 @@ from autopar.runtime.inputs import CHECKED_CALLS, SAMPLE_EVERY
 from autopar.runtime.model import CompiledModel, UnevenInputs
 from autopar.runtime.options import RunOptions
 from autopar.runtime.pipelined import compile_pipelined
-from autopar.runtime.process import CompileError, device_mesh, ensure_process_group
+from autopar.runtime.process import CompileError, device_mesh, device_of, ensure_process_group
 from autopar.runtime.recompute import apply_recompute
-from autopar.runtime.reshard import Regather
+from autopar.runtime.reshard import Regather, offloaded_weights
 from autopar.runtime.runner import GraphRunner
 from autopar.runtime.state import build_rank_state
 
@@ -197,10 +197,12 @@ def _compile(model, mesh, example_inputs, example_kwargs, plan, memory_budget, s
         alone = frozenset(ph for ph, name in traced.params.items()
                           if not rewritten.grad_sync.get(name) and not getattr(plan.param_states.get(name), "stage", 0))
         regather = Regather(rewritten.graph, set(traced.params), options.reshard_after_forward, groups, alone,
-                            options.bucket_bytes)
+                            options.bucket_bytes, offloaded_weights(plan, traced.params, traced.tied),
+                            device_of(device_type))
         apply_recompute(rewritten.graph, plan, rewritten.streams)
         state = build_rank_state(rewritten, plan, groups, shards, model, device_type, precision,
                                  offload_dir=options.offload_dir)
+        regather.disk = state.disk
         cm = CompiledModel(rewritten, state, options, lambda m: GraphRunner(m, regather))
     cm.train(model.training)
     log.info("compiled %s for %s on rank %d in %.2fs", type(model).__name__, mesh, dist.get_rank(),

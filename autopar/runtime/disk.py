@@ -17,6 +17,7 @@ room for what this machine's ranks will keep there.
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import tempfile
 import threading
@@ -76,6 +77,7 @@ class DiskStore:
         self.sizes: dict = {}           # file name -> bytes written
         self.shapes: dict = {}          # file name -> shape of the tensor written
         self.spilled: set = set()       # names whose tensors hold no storage now
+        self.mapped_names: set = set()  # names mapped as tensors (offloaded weights)
         self.read_bytes = self.written_bytes = 0
         self.read_s = self.written_s = 0.0
         self._io = ThreadPoolExecutor(1, thread_name_prefix="autopar-disk")
@@ -136,6 +138,35 @@ class DiskStore:
             numel *= n
         return torch.from_file(str(self.path(name)), shared=False, size=numel, dtype=like.dtype).view(shape)
 
+    def mapping(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """`value` written to file `name` and returned as a shared, writable mapping of it:
+        what is written to the tensor goes to the file, and the operating system keeps in
+        memory what fits of it (the disk tier of offloaded weights; `advise` asks for a
+        tensor's pages ahead of use)."""
+        value = value.detach().contiguous().cpu()
+        start = time.perf_counter()
+        try:
+            with open(self.path(name), "wb") as f:
+                f.write(_raw(value))
+        except OSError as exc:
+            raise OffloadError(f"writing {name} ({value.numel() * value.element_size() / 2**20:.1f} MiB) to "
+                               f"{self.path(name)} failed: {exc.strerror or exc}; free space on the offload disk "
+                               f"or plan with less on disk") from None
+        with self._lock:
+            self.written_s += time.perf_counter() - start
+            self.written_bytes += value.numel() * value.element_size()
+            self.sizes[name] = value.numel() * value.element_size()
+            self.shapes[name] = tuple(value.shape)
+        self.mapped_names.add(name)
+        return torch.from_file(str(self.path(name)), shared=True, size=value.numel(),
+                               dtype=value.dtype).view(value.shape)
+
+    def advise(self, name: str) -> None:
+        """Ask the operating system to read file `name` ahead (a mapped tensor about to be
+        used); a hint, done on the I/O thread."""
+        if name in self.mapped_names and hasattr(os, "posix_fadvise"):
+            self._io.submit(_will_need, str(self.path(name)))
+
     def close(self) -> None:
         """Remove the directory and its files (also done when the process ends)."""
         self._closer()
@@ -190,6 +221,17 @@ class DiskStore:
         with self._lock:
             self.read_s += time.perf_counter() - start
             self.read_bytes += want
+
+
+def _will_need(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+    finally:
+        os.close(fd)
 
 
 def wait(future: Future) -> None:

@@ -119,8 +119,8 @@ class CompiledModel(nn.Module):
         """ZeRO-3 weight gathers: "sites", the gathers one forward runs; since compile,
         "gathered" in forward, of which "prefetched", and "regathered" in backward
         (reshard_after_forward); the collective calls of grouped buckets, "bucket_gathers"
-        and "bucket_reduces" (autopar/runtime/reshard.py).  Pipelined: over this rank's stages, per
-        microbatch."""
+        and "bucket_reduces"; "fetched": copies of offloaded weights made for a use
+        (autopar/runtime/reshard.py).  Pipelined: over this rank's stages, per microbatch."""
         return self.runner.gather_counts()
 
     def shard_inputs(self, *args, **kwargs):

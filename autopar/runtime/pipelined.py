@@ -241,7 +241,12 @@ class PipelineRunner:
         by_index = {st.index: st for st in stages}   # this group's stages in chunk order
         mine = [by_index[i] for i in group_stages(group, self.n_groups, self.n_stages, self.schedule_name)]
         for st in mine:
-            regather = Regather(st.graph_module, set(st.params), reshard_after_forward, model.groups)
+            state = model.rank_state
+            offloaded = {ph: f"{key}.weight" if state.offloaded_weights[key] == "disk" else ""
+                         for ph, (kind, key) in zip(st.params, feeds[st.index])
+                         if kind == "param" and key in state.offloaded_weights}
+            regather = Regather(st.graph_module, set(st.params), reshard_after_forward, model.groups,
+                                offloaded=offloaded, device=model.device, disk=state.disk)
             apply_recompute(st.graph_module, model.plan, model.streams, pipelined=True)
             module = _StageModule(st, model, feeds[st.index], regather)
             self.stage_modules.append(module)

@@ -14,6 +14,15 @@ The gathers of the next parameters are prefetched: when the k-th gather of a for
 the (k+1)-th is started asynchronously, so it overlaps with the compute in between
 (moves that are exactly one all-gather; others run when reached).
 
+Offloaded weights.  A parameter whose stored shard lives in host memory or on disk
+(ParamState.weights: ZeRO-Infinity's parameter offload) is copied to the device at each
+use and nowhere kept there: its gathers copy the shard first (a bucket's shards, a
+prefetch's), the gradient comes back to the host shard, and a reader that takes it
+without a gather reads a copy made by a `fetch` node the constructor puts before it.  The
+copy is registered like a gathered weight, so under reshard_after_forward autograd keeps
+"fetch it again" instead of the copy, and backward copies it again.  A disk shard is a
+mapping of its file; the next one's pages are asked for ahead (`DiskStore.advise`).
+
 Grouped gathers.  Weights whose gradient nothing else synchronises (pure ZeRO-3: sharded
 on every axis it is not split by the plan) and whose move is one all-gather on one axis
 (its backward one reduce-scatter there) are gathered in buckets of consecutive gathers up
@@ -37,6 +46,20 @@ from autopar.passes.collectives import move
 from autopar.passes.redistribute import plan_redistribute, redistribute_local, reduce_scatter_rows
 
 from autopar.runtime.recompute import note_saved
+from autopar.runtime.state import param_key
+
+
+def offloaded_weights(plan, placeholders: dict, tied: dict) -> dict:
+    """Regather's `offloaded`: placeholder -> the disk store's file name of its shard ("" in
+    host memory), for the parameters `placeholders` (placeholder -> parameter name; a tied
+    name is read as the name it is planned under) whose plan offloads their weights."""
+    out = {}
+    for ph, name in placeholders.items():
+        name = tied.get(name, name)
+        state = plan.param_states.get(name)
+        if state is not None and state.weights:
+            out[ph] = f"{param_key(name)}.weight" if state.offload == "disk" else ""
+    return out
 
 
 def _identity(gm: fx.GraphModule, node: fx.Node) -> bool:
@@ -51,10 +74,18 @@ class Regather:
     all-gathers become `regather.gather(k, param, m, groups)`."""
 
     def __init__(self, gm: fx.GraphModule, param_placeholders: set, reshard_after_forward: bool, groups,
-                 grouped: frozenset = frozenset(), bucket_bytes: int = 25 * 2**20):
+                 grouped: frozenset = frozenset(), bucket_bytes: int = 25 * 2**20, offloaded: dict | None = None,
+                 device=None, disk=None):
         """grouped: the placeholders whose gathers may share buckets (see the module
-        docstring); bucket_bytes: the most gathered bytes a bucket holds."""
+        docstring); bucket_bytes: the most gathered bytes a bucket holds; offloaded:
+        placeholder -> disk file name ("" for host memory) of the parameters whose stored
+        shard lives off `device` (disk: the runtime.disk.DiskStore of those files)."""
         self.reshard = reshard_after_forward
+        self.offloaded = dict(offloaded or {})
+        self.device = device
+        self.disk = disk
+        self.off_ids: set = set()            # ids of this forward's offloaded shards (copied at each use)
+        self.fetches = 0                      # fetch nodes in the graph
         self.groups = groups
         self.sources: dict[int, tuple] = {}   # storage pointer of a gathered weight -> how to gather it
         self.order: list = []                 # (placeholder name, Move) of the gathers, in graph order
@@ -63,7 +94,8 @@ class Regather:
         self.active = False                   # inside forward (a recomputed layer gathers in backward too)
         # since compile: weights gathered in forward, of which prefetched, gathered again in
         # backward; collective calls of the grouped buckets (gathers, reduce-scatters)
-        self.counts = {"gathered": 0, "prefetched": 0, "regathered": 0, "bucket_gathers": 0, "bucket_reduces": 0}
+        self.counts = {"gathered": 0, "prefetched": 0, "regathered": 0, "bucket_gathers": 0, "bucket_reduces": 0,
+                       "fetched": 0}
         self.flat: dict[int, tuple] = {}      # k -> (mesh axis, dim) of a groupable gather
         sizes = [groups.size(a) for a in range(groups.ndim)]
         for node in list(gm.graph.nodes):
@@ -87,6 +119,16 @@ class Regather:
             if (src.target in grouped and len(steps) == 1 and len(back) == 1 and back[0].kind == "reduce_scatter"
                     and (back[0].axis, back[0].dim) == (steps[0].axis, steps[0].dim)):
                 self.flat[k] = (steps[0].axis, steps[0].dim)
+        for node in list(gm.graph.nodes):   # readers of an offloaded weight without a gather read a copy
+            if node.op != "placeholder" or node.target not in self.offloaded:
+                continue
+            direct = [u for u in node.users if u.target != self.gather]
+            if direct:
+                with gm.graph.inserting_after(node):
+                    copy = gm.graph.call_function(self.fetch, (node,))
+                for u in direct:
+                    u.replace_input_with(node, copy)
+                self.fetches += 1
         gm.recompile()
         self.bucket_bytes = bucket_bytes
         self.buckets: list | None = None     # lists of gather indices, made on the first forward
@@ -99,7 +141,30 @@ class Regather:
         self.reducing: list = []                    # (work, row, [(k, shard)]) launched
 
     def __bool__(self) -> bool:
-        return bool(self.order)
+        return bool(self.order) or bool(self.fetches)
+
+    # --- offloaded weights --------------------------------------------------------------------
+    def _dev(self, x: torch.Tensor) -> torch.Tensor:
+        """x detached, on the device: an offloaded shard copied there (a new tensor)."""
+        if id(x) in self.off_ids:
+            self.counts["fetched"] += 1
+            return x.detach().to(self.device, copy=True, non_blocking=True)
+        return x.detach()
+
+    def _ahead(self, k: int) -> None:
+        """Ask for the pages of the next gather's disk shard."""
+        if self.disk is not None and k < len(self.order):
+            name = self.offloaded.get(self.order[k][0])
+            if name:
+                self.disk.advise(name)
+
+    def fetch(self, x: torch.Tensor) -> torch.Tensor:
+        """An offloaded weight for a reader that takes it as stored: a copy on the device,
+        fetched again in backward where forward's copies are dropped."""
+        out = _Fetched.apply(x, None, self.groups, self)
+        if self.reshard and self.active:
+            self.sources[out.untyped_storage().data_ptr()] = (x, None, out, None)
+        return out
 
     # --- grouped buckets ----------------------------------------------------------------------
     def _make_buckets(self) -> None:
@@ -122,7 +187,7 @@ class Regather:
     def _launch_bucket(self, members: list, shards: list):
         """Start one flat all-gather of `shards` (the bucket's members'); (work, buffer)."""
         axis = self.flat[members[0]][0]
-        flat = torch.cat([t.detach().reshape(-1) for t in shards])
+        flat = torch.cat([self._dev(t).reshape(-1) for t in shards])
         n = self.groups.size(axis)
         buf = flat.new_empty(n * flat.numel())
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -202,9 +267,9 @@ class Regather:
                 piece = row[offset: offset + x.numel()].view(x.shape)
                 offset += x.numel()
                 if x.grad is None:
-                    x.grad = piece.to(x.dtype).clone()
+                    x.grad = piece.to(x.device, x.dtype, copy=True)
                 else:
-                    x.grad.add_(piece.to(x.grad.dtype))
+                    x.grad.add_(piece.to(x.grad.device, x.grad.dtype))
         self.reducing.clear()
         self.cached.clear()
 
@@ -219,10 +284,13 @@ class Regather:
             return out
         prefetched = self.pending.pop(k, None)
         self._prefetch(k + 1)
+        self._ahead(k + 2)
         self.counts["gathered"] += 1
         if prefetched is not None:
             self.counts["prefetched"] += 1
             out = _Gathered.apply(x, m, groups, prefetched)
+        elif id(x) in self.off_ids:
+            out = _Fetched.apply(x, m, groups, self)
         else:
             out = move(x, m, groups)
         if self.reshard and self.active:  # the entry holds `out` so its memory is not reused for another
@@ -239,7 +307,7 @@ class Regather:
         step = steps[0]
         group = self.groups.group(step.axis)
         n = self.groups.size(step.axis)
-        inp = x.detach().movedim(step.dim, 0).contiguous()
+        inp = self._dev(x).movedim(step.dim, 0).contiguous()
         buf = inp.new_empty((n * inp.shape[0],) + tuple(inp.shape[1:]))
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         work = fn(buf, inp, group=group, async_op=True)
@@ -250,6 +318,7 @@ class Regather:
         """Around one forward: `feed` maps placeholder names to the tensors fed to them."""
         self.feed = feed
         self.active = True
+        self.off_ids = {id(feed[name]) for name in self.offloaded if name in feed}
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack) if self.reshard \
             else contextlib.nullcontext()
         self.cached.clear()
@@ -286,8 +355,10 @@ class Regather:
         if not isinstance(packed, _Recipe):
             return packed
         self.counts["regathered"] += 1
-        if packed.k is None:
-            full = redistribute_local(packed.x.detach(), packed.m.src, packed.m.dst, packed.groups)
+        if packed.m is None:   # an offloaded weight fetched as stored
+            full = self._dev(packed.x)
+        elif packed.k is None:
+            full = redistribute_local(self._dev(packed.x), packed.m.src, packed.m.dst, packed.groups)
         else:
             full = self._regathered(packed.k)
         return full.as_strided(packed.size, packed.stride, packed.offset)
@@ -325,7 +396,7 @@ class _Gathered(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, m, groups, prefetched):
-        ctx.m, ctx.groups = m, groups
+        ctx.m, ctx.groups, ctx.home = m, groups, x.device
         work, buf, dim = prefetched
         work.wait()
         return buf.movedim(0, dim).contiguous() if dim else buf
@@ -333,7 +404,25 @@ class _Gathered(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         m = ctx.m
-        return redistribute_local(grad, m.grad_src, m.grad_dst, ctx.groups), None, None, None
+        return redistribute_local(grad, m.grad_src, m.grad_dst, ctx.groups).to(ctx.home), None, None, None
+
+
+class _Fetched(torch.autograd.Function):
+    """An offloaded weight copied to the device (and moved from layout m.src to m.dst, m
+    None: as stored); backward brings the gradient back to the shard's home."""
+
+    @staticmethod
+    def forward(ctx, x, m, groups, regather):
+        ctx.m, ctx.groups, ctx.home = m, groups, x.device
+        y = regather._dev(x) if id(x) in regather.off_ids else x.detach().to(regather.device, copy=True)
+        return y if m is None else redistribute_local(y, m.src, m.dst, groups)
+
+    @staticmethod
+    def backward(ctx, grad):
+        m = ctx.m
+        if m is not None:
+            grad = redistribute_local(grad, m.grad_src, m.grad_dst, ctx.groups)
+        return grad.to(ctx.home), None, None, None
 
 
 

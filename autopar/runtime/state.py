@@ -65,6 +65,7 @@ class RankState:
     zero_grads: dict = field(default_factory=dict)  # key -> this rank's chunk of a ZeRO-2 summed gradient
     disk: object = None        # runtime.disk.DiskStore holding the masters (and optimizer states) of disk_keys
     disk_keys: frozenset = frozenset()   # keys whose optimizer states the plan keeps on disk
+    offloaded_weights: dict = field(default_factory=dict)   # key -> tier ("host", "disk") its stored shard lives in
 
     def master_file(self, key: str) -> str:
         """The disk store's name for parameter `key`'s float32 master."""
@@ -178,15 +179,19 @@ def build_rank_state(rewritten, plan: Plan, groups: MeshGroups, shards: dict, mo
     device groups holding a copy of the weight (pipelined plans; default 1).  offload_dir:
     where the plan keeps optimizer states on disk, the directory this rank's store
     (runtime.disk.DiskStore) is made in, checked first (runtime.disk.check_directory); the
-    masters are written there as they are made."""
+    masters are written there as they are made.  A parameter whose plan offloads its
+    weights (ParamState.weights) is stored in host memory (pinned on GPUs), or on disk as
+    a shared mapping of its file: the device holds none of it between uses."""
     traced = rewritten.traced
     device = device_of(device_type)
     parts = traced.parts
     trainable = {n: p.requires_grad for n, p in parts.named_parameters(model).items()}
 
+    def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+        return precision.param_dtype if precision is not None and dtype == torch.float32 else dtype
+
     def compute(t: torch.Tensor) -> torch.Tensor:
-        dtype = precision.param_dtype if precision is not None and t.dtype == torch.float32 else t.dtype
-        return t.detach().to(dtype)
+        return t.detach().to(compute_dtype(t.dtype))
 
     sync = {param_key(name): axes for name, axes in rewritten.grad_sync.items() if name in shards and trainable[name]}
     zero_layouts = {}
@@ -208,8 +213,10 @@ def build_rank_state(rewritten, plan: Plan, groups: MeshGroups, shards: dict, mo
             home = torch.device("cpu") if offload else device
             dtype = torch.float32 if precision is not None else value.dtype
             masters[k] = nn.Parameter(part.to(home, dtype, copy=True))
+    weights_tier = {param_key(name): state.offload for name, state in plan.param_states.items()
+                    if state.weights and name in shards and trainable.get(name, False)}
     params = nn.ParameterDict({param_key(k): nn.Parameter(compute(v).to(device), requires_grad=trainable[k])
-                               for k, v in shards.items()})
+                               for k, v in shards.items() if param_key(k) not in weights_tier})
     buffers = {}
     plain_buffers = dict(model.named_buffers())
     for node in rewritten.graph.graph.nodes:   # the buffers the graph reads
@@ -238,13 +245,24 @@ def build_rank_state(rewritten, plan: Plan, groups: MeshGroups, shards: dict, mo
     if disk_keys:
         need = sum(masters[k].numel() * C.offloaded_bytes(shards[model_name[k]].element_size(), precision is not None)
                    for k in disk_keys)
+        need += sum(shards[model_name[k]].numel() * compute_dtype(shards[model_name[k]].dtype).itemsize
+                    for k, tier in weights_tier.items() if tier == "disk")
         directory = check_directory(offload_dir, need, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         disk = DiskStore(directory, dist.get_rank() if dist.is_initialized() else 0)
+    for k, tier in weights_tier.items():   # stored shards beyond the device (runtime/reshard.py fetches them)
+        value = compute(shards[model_name[k]])
+        if tier == "disk":
+            value = disk.mapping(f"{k}.weight", value)
+        elif device.type == "cuda":
+            value = value.pin_memory()
+        params[k] = nn.Parameter(value.cpu(), requires_grad=True)
+    params = nn.ParameterDict({param_key(k): params[param_key(k)] for k in shards})   # (the shards' order)
     state = RankState(plan=plan, groups=groups, device=device, precision=precision, shards=params, masters=masters,
                       zero_layouts=zero_layouts, buffers=buffers, buffer_names=buffer_names, aliases=aliases,
                       name_of=model_name, parts=parts,
                       trained=frozenset(n for n, p in model.named_parameters() if p.requires_grad),
-                      sync_axes=sync, holders=dict(holders or {}), disk=disk, disk_keys=disk_keys)
+                      sync_axes=sync, holders=dict(holders or {}), disk=disk, disk_keys=disk_keys,
+                      offloaded_weights=weights_tier)
     if disk is not None:
         wait(disk.spill((state.master_file(k), masters[k]) for k in sorted(disk_keys)))
     return state

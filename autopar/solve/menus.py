@@ -161,7 +161,8 @@ def param_menu(shape, mesh: Mesh, trainable: bool = True) -> list[Strategy]:
     (Shard on an axis whose ops read it whole is ZeRO-3); for a trainable parameter stored
     whole on some axes, also ZeRO-1, ZeRO-2 and ZeRO-2 with its optimizer states offloaded
     (to host memory, and to disk where the device has a disk tier) over those axes; for one
-    stored split on every axis, offloaded to either tier."""
+    stored split on every axis, offloaded to either tier, its stored shard with them or not
+    (Strategy.offload_weights)."""
     per_axis = []
     for n in mesh.shape:
         opts = [Replicate()]
@@ -191,7 +192,8 @@ def param_menu(shape, mesh: Mesh, trainable: bool = True) -> list[Strategy]:
                     base, name=", ".join(t for t in (f"{name}, zero-{stage} over {over}", offload_label(offload)) if t),
                     zero=stage, zero_axes=whole, offload=offload))
         else:
-            menu += [dataclasses.replace(base, name=f"{name}, {offload_label(tier)}", offload=tier) for tier in tiers]
+            menu += [dataclasses.replace(base, name=f"{name}, {offload_label(tier, weights)}", offload=tier,
+                                         offload_weights=weights) for tier in tiers for weights in (False, True)]
     return menu
 
 

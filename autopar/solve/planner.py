@@ -439,7 +439,8 @@ def _make_plan(problem, model, mesh, choice, sol, origin, compared, budget, timi
             params[pn.param_name] = nodes[pn.index].outputs[0]
             s = problem.nodes[pn.rep].strategies[choice[pn.index]]
             if s.zero or s.offload:   # (s.offload: the tier, "host" or "disk")
-                states[pn.param_name] = ParamState(s.zero, tuple(mesh.axis_names[a] for a in s.zero_axes), s.offload)
+                states[pn.param_name] = ParamState(s.zero, tuple(mesh.axis_names[a] for a in s.zero_axes), s.offload,
+                                                      s.offload_weights)
     solver = SolverStats(len(problem.nodes), len(problem.choices))
     if sol is not None:
         solver = dataclasses.replace(solver, optimal=sol.optimal, gap=sol.gap, objective_s=sol.objective,

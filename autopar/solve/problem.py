@@ -429,26 +429,29 @@ class Problem:
         all-gathered over Z.  Offload moves the
         optimizer state to host memory or disk (s.offload) and pays the host link for the
         gradient going down and the weights coming up, the host's optimizer step, and on
-        disk the states' reads and writes (C.offload_seconds)."""
+        disk the states' reads and writes (C.offload_seconds).  Offloaded weights
+        (s.offload_weights) take no device bytes between uses, their gradient none either
+        (it accumulates in host memory), and cross the host link at each use."""
         mesh = self.mesh
         comm = [0.0] * mesh.ndim
         mem = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0}
         layout = s.outputs[0]
         numel = C.local_numel(pn.out_shapes[0], layout, mesh.shape)
         item = pn.out_dtypes[0].itemsize
-        mem["params"] = numel * item
+        mem["params"] = 0.0 if s.offload_weights else numel * item
         if not pn.requires_grad:
             return Choice(0.0, tuple(comm), mem, numel * item)
         state = C.state_bytes(item, self.precision is not None)
         n = math.prod(mesh.shape[a] for a in s.zero_axes)
         owned = math.ceil(numel / n) if s.zero else numel
-        mem["grads"] = (owned if s.zero == 2 else numel) * item
+        mem["grads"] = 0.0 if s.offload_weights else (owned if s.zero == 2 else numel) * item
         mem["optimizer"] = 0.0 if s.offload else owned * state
         compute = C.optimizer_seconds(owned, item, self.precision is not None, mesh) if not s.offload else 0.0
         for st in self.zero_gather_steps(pn, s):
             comm[st.axis] += st.seconds
         if s.offload:
-            compute = C.offload_seconds(s.offload, owned, item, self.precision is not None, mesh.device)
+            compute = C.offload_seconds(s.offload, owned, item, self.precision is not None, mesh.device,
+                                        s.offload_weights)
         step = 0.0 if s.offload else owned * C.step_temporary_bytes(item, self.precision is not None,
                                                                     mesh.device.asynchronous)
         return Choice(compute, tuple(comm), mem, numel * (2 * item + state), step_memory=step)

@@ -20,6 +20,7 @@ import math
 from autopar.cost import prices as C
 from autopar.plan.records import format_bytes
 from autopar.solve.presolve import InfeasibleError
+from autopar.solve.recompute import mode_costs
 from autopar.solve.solved import Assignment
 
 log = logging.getLogger("autopar")
@@ -30,8 +31,10 @@ class TierCapacityError(InfeasibleError):
 
 
 def offloaded(problem, choice) -> dict:
-    """Parameter name -> (tier, bytes per device) of every parameter whose states `choice`
-    offloads."""
+    """Parameter name -> (tier, bytes per device kept there, bytes of gradient kept in host
+    memory) of every parameter whose states `choice` offloads.  With its weights
+    (Strategy.offload_weights) the tier also keeps the stored shard, and host memory its
+    gradient."""
     mesh = problem.mesh
     mixed = problem.precision is not None
     out = {}
@@ -41,17 +44,20 @@ def offloaded(problem, choice) -> dict:
         s = problem.nodes[pn.rep].strategies[choice[pn.index]]
         if not s.offload:
             continue
+        item = pn.out_dtypes[0].itemsize
         numel = C.local_numel(pn.out_shapes[0], s.outputs[0], mesh.shape)
         owned = math.ceil(numel / math.prod(mesh.shape[a] for a in s.zero_axes)) if s.zero else numel
-        out[pn.param_name] = (s.offload, owned * C.offloaded_bytes(pn.out_dtypes[0].itemsize, mixed))
+        weights = numel * item if s.offload_weights else 0
+        out[pn.param_name] = (s.offload, owned * C.offloaded_bytes(item, mixed) + weights, weights)
     return out
 
 
 def tier_bytes(problem, choice) -> dict:
     """{"host": bytes, "disk": bytes} per device that `choice` keeps off the device."""
     total = {"host": 0.0, "disk": 0.0}
-    for tier, nbytes in offloaded(problem, choice).values():
+    for tier, nbytes, grads in offloaded(problem, choice).values():
         total[tier] += nbytes
+        total["host"] += grads
     return total
 
 
@@ -73,8 +79,7 @@ def within_tiers(problem, best, rule, solve):
     Both solves have the problem's own shape (one tier on offer), which keeps them as
     quick as the first."""
     device = problem.mesh.device
-    placed = offloaded(problem, best.choice)
-    host = sum(b for tier, b in placed.values() if tier == "host")
+    host = used_tiers(problem, best.choice)["host"]
     if device.host_memory <= 0 or host <= device.host_memory:
         check_capacity(problem, best.choice)
         return best
@@ -82,10 +87,10 @@ def within_tiers(problem, best, rule, solve):
              format_bytes(host), format_bytes(device.host_memory))
     best = solve(refusing_host(rule))
     choice = Assignment(best.choice, best.choice.modes)
-    room = device.host_memory
+    room = device.host_memory - used_tiers(problem, choice)["host"]
     moved = 0
     by_name = {pn.param_name: pn for pn in problem.nodes if pn.kind == "param"}
-    for name, (tier, nbytes) in sorted(offloaded(problem, choice).items(), key=lambda kv: (-kv[1][1], kv[0])):
+    for name, (tier, nbytes, _) in sorted(offloaded(problem, choice).items(), key=lambda kv: (-kv[1][1], kv[0])):
         pn = by_name[name]
         twin = host_twin(problem.nodes[pn.rep].strategies, choice[pn.index])
         if tier == "disk" and nbytes <= room and twin is not None and (rule is None or rule(
@@ -104,21 +109,34 @@ def host_twin(strategies, index: int) -> int | None:
     s = strategies[index]
     for j, other in enumerate(strategies):
         if (other.offload == "host" and other.outputs == s.outputs and other.zero == s.zero
-                and other.zero_axes == s.zero_axes):
+                and other.zero_axes == s.zero_axes and other.offload_weights == s.offload_weights):
             return j
     return None
 
 
-def check_capacity(problem, choice) -> None:
-    """InfeasibleError where `choice` keeps more in host memory or on disk than the device's tiers hold."""
-    device = problem.mesh.device
+def used_tiers(problem, choice) -> dict:
+    """tier_bytes with the activations `choice`'s offloaded layers keep in host memory."""
     used = tier_bytes(problem, choice)
+    modes = getattr(choice, "modes", None)
+    if modes and "offload" in modes.values():
+        used["host"] += mode_costs(problem, modes).host_bytes(problem, choice)
+    return used
+
+
+def check_capacity(problem, choice) -> None:
+    """InfeasibleError where `choice` keeps more in host memory or on disk than the device's
+    tiers hold (host memory: offloaded model states, the gradients of offloaded weights and
+    the activations of layers offloaded to it)."""
+    device = problem.mesh.device
+    used = used_tiers(problem, choice)
+    modes = getattr(choice, "modes", None)
     gib = 2**30
     for tier, capacity, field in (("host", device.host_memory, "host_memory"), ("disk", device.disk_memory,
                                                                                "disk_memory")):
         if used[tier] > 0 and capacity > 0 and used[tier] > capacity:
             raise TierCapacityError(
-                f"the plan keeps {used[tier] / gib:.2f} GiB of optimizer states per device in {tier} memory, more "
+                f"the plan keeps {used[tier] / gib:.2f} GiB per device in {tier} memory (offloaded model states"
+                f"{' and activations' if tier == 'host' and modes and 'offload' in modes.values() else ''}), more "
                 f"than the {capacity / gib:.2f} GiB the device description gives ({device.name}.{field}); use more "
                 f"devices (states shrink with ZeRO over more ranks), a larger memory_budget, or a device "
                 f"description with more {tier} space (autopar calibrate --offload-dir measures the disk)")
