@@ -284,13 +284,13 @@ def test_offloaded_weights_train_like_one_device(pool2, tier):
 
 
 def test_weights_on_disk_train_at_a_sixteenth_of_the_states(pool2):
-    """Model states 16x the budget per rank: with some stored shards on disk as well as the
-    states, the device holds under the budget by the runtime's own accounting and by what
+    """Model states 16x the budget per rank (bf16 weights, float32 masters): with some
+    stored shards on disk as well as the states, the device holds under the budget by the runtime's own accounting and by what
     the step saved for backward; each use copied the shard in, and the arithmetic is that
     of the same plan in host memory."""
     budget = _states(WIDE) / 16
-    plan = with_tier(_plan(WIDE, (2,), ("dp",), budget, 2**30), "disk")
-    assert _weights(plan).get("disk", 0) > 0
+    plan = with_tier(_plan(WIDE, (2,), ("dp",), budget, 2**30, mixed=True), "disk")
+    assert _weights(plan).get("disk", 0) > 0 and plan["precision"] is not None
     for r in pool2.run(disk_capacity, WIDE, plan):
         disk, host = r["disk"], r["host"]
         m = disk["measured"]
@@ -327,3 +327,28 @@ def test_weights_read_as_stored_are_fetched_for_each_use(pool2):
     # forward copies each weight; backward fetches again what a matmul saved (each linear weight)
     linear = sum(1 for m in model.modules() if isinstance(m, torch.nn.Linear))
     assert counts["fetched"] >= len(dict(model.named_parameters())) + linear, counts
+
+
+def test_checkpoints_resume_bit_for_bit_between_disk_weights_and_device(pool2, tmp_path):
+    disk = with_tier(_plan(WIDE, (2,), ("dp",), _states(WIDE) / 16, 2**30), "disk")
+    assert _weights(disk).get("disk", 0) > 0
+    device = with_tier(disk, "")
+    for k, (saved, loaded) in enumerate(((disk, device), (device, disk))):
+        got = pool2.run(resume_bitwise, WIDE, saved, loaded, str(tmp_path / f"ckpt{k}"))
+        for r in got:
+            assert r["loss"] == 0 and r["param"] == 0, r
+        assert (got[0]["disk"][0] > 0) == (saved is disk) and (got[0]["disk"][1] > 0) == (loaded is disk), got[0]
+
+
+@pytest.mark.parametrize("kind", ["hf-llama"])
+def test_offloaded_weights_in_pipeline_stages_train_like_one_device(pool4, kind):
+    """Two 1F1B stages, ZeRO-3 inside each, every weight offloaded with its states (a
+    Hugging Face family: rotary tables and the causal mask built per stage)."""
+    model, args, kwargs = build_case((kind,))
+    plan = autopar.plan(model, autopar.Mesh((2, 2), ("pp", "dp"), device="cpu"), args, example_kwargs=kwargs,
+                        compare=False, layout="zero3",
+                        pipeline=autopar.Pipeline(axis="pp", groups=2, schedule="1f1b", microbatches=2)).to_dict()
+    for name, p in model.named_parameters():
+        plan["param_states"][name] = {"stage": 0, "axes": [], "offload": "host", "weights": True}
+    result = pool4.run(train_and_compare, (kind,), plan)[0]
+    assert result["ok"], result

@@ -20,6 +20,8 @@ def with_tier(plan_dict: dict, tier: str) -> dict:
     for state in out["param_states"].values():
         if state["offload"]:
             state["offload"] = tier
+            if not tier:
+                state.pop("weights", None)   # (the stored shard back on the device too)
     return out
 
 
