@@ -352,3 +352,42 @@ def test_offloaded_weights_in_pipeline_stages_train_like_one_device(pool4, kind)
         plan["param_states"][name] = {"stage": 0, "axes": [], "offload": "host", "weights": True}
     result = pool4.run(train_and_compare, (kind,), plan)[0]
     assert result["ok"], result
+
+
+DEEP = ("autopar", "gpt-tiny", (("hidden", 256), ("batch", 1), ("seq", 8), ("n_layers", 4)))
+
+
+def _offloaded(plan: autopar.Plan) -> int:
+    return sum(1 for s in plan.param_states.values() if s.offload)
+
+
+def test_the_budget_left_takes_back_a_fraction_of_identical_parameters(monkeypatch):
+    """The ILP gives the four identical layers one choice each; what the budget leaves is
+    filled by taking some layers' states back to the device (solve/tiers.fill_device): a
+    faster plan within the same budget, with identical parameters split between tiers."""
+    import autopar.solve.planner as planner
+    model, args, _ = build_case(DEEP)
+    budget = _states(DEEP) / 3
+    mesh = autopar.Mesh((2,), ("dp",), device=_device(2**30))
+    filled = autopar.plan(model, mesh, args, memory_budget=budget, recompute="none", compare=False)
+    monkeypatch.setattr(planner, "fill_device", lambda problem, best, rule, budget: best)
+    whole = autopar.plan(model, mesh, args, memory_budget=budget, recompute="none", compare=False)
+    assert filled.predicted.memory_total <= budget and whole.predicted.memory_total <= budget
+    assert _offloaded(filled) < _offloaded(whole), (_offloaded(filled), _offloaded(whole))
+    assert filled.predicted.step_s < whole.predicted.step_s
+    split = [f"blocks.{{}}.{suffix}" for suffix in ("ln_1.weight", "ln_1.bias", "attn.q.weight", "attn.q.bias",
+                                                     "attn.k.weight", "attn.v.weight", "attn.o.weight",
+                                                     "ln_2.weight", "ln_2.bias", "mlp.fc1.weight", "mlp.fc2.weight")]
+    tiers = [{getattr(filled.param_states.get(name.format(i)), "offload", "") for i in range(4)} for name in split]
+    assert any(len(t) > 1 for t in tiers), tiers   # some set of identical parameters is split between tiers
+
+
+def test_a_plan_split_between_tiers_trains_like_one_device(pool2):
+    model, args, _ = build_case(WIDE)
+    plan = autopar.plan(model, autopar.Mesh((2,), ("dp",), device=_device(2**30)), args,
+                        memory_budget=_states(WIDE) / 5, recompute="none", compare=False)
+    tiers = {suffix: {getattr(plan.param_states.get(f"blocks.{i}.{suffix}"), "offload", "") for i in range(2)}
+             for suffix in ("attn.q.weight", "attn.k.weight", "attn.v.weight", "attn.o.weight", "mlp.fc1.weight")}
+    assert any(len(t) > 1 for t in tiers.values()), tiers   # a layer's weight offloaded, the other's kept
+    result = pool2.run(train_and_compare, WIDE, plan.to_dict())[0]
+    assert result["ok"], result

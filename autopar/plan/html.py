@@ -272,8 +272,8 @@ def _tiers(plan) -> str:
     chart = hbar_chart("tier-chart", rows, [(name, TIER_COLOURS[k]) for k, name in
                                             (("device", "device"), *((t, TIER_NAMES[t]) for t in tiers))],
                        format_bytes)
-    return ("<h3>Beyond the device</h3><p>Optimizer states, master weights and offloaded layers' activations "
-            "the plan keeps in host memory or on disk, per device, against each tier's capacity in the device "
+    return ("<h3>Beyond the device</h3><p>Optimizer states, master weights, offloaded weights with their "
+            "gradients and offloaded layers' activations the plan keeps in host memory or on disk, per device, against each tier's capacity in the device "
             "description.</p>" + chart +
             f'<table class="small-table" id="tier-table"><tr><th>tier</th><th>bytes</th><th>capacity</th></tr>'
             f'{"".join(table)}</table>')

@@ -29,7 +29,7 @@ from autopar.solve.recompute import check_mode, layer_slots, recompute_record
 from autopar.solve.recompute_search import solve_summed
 from autopar.solve.solution import Built, build_problem
 from autopar.solve.solved import SolveOptions
-from autopar.solve.tiers import TierCapacityError, within_tiers
+from autopar.solve.tiers import TierCapacityError, fill_device, within_tiers
 from autopar.trace.batching import batch_size
 from autopar.ops import op_arg
 from autopar.trace.experts import measure_routing
@@ -241,6 +241,7 @@ def _plan_built(built: Built, model, mesh: Mesh, request: Request, start, recomp
                                  summed=built.first_step(limit) if plain_modes and rule is None else None)
         best = within_tiers(problem, best, rule, lambda allowed: solve_problem(
             problem, allowed, None if layout or staged else limit, options, recompute=recompute))
+        best = fill_device(problem, best, rule, None if layout or staged else limit)
     except TierCapacityError:   # (its own message says what to do)
         raise
     except InfeasibleError:
@@ -377,8 +378,9 @@ def _infeasible(problem, model, mesh, limit, options: SolveOptions, recompute=No
     parts = ", ".join(f"{k} {v / gib:.2f}" for k, v in memory.items())
     states = floor - memory["activations"] - memory["working"]
     devices = math.ceil(mesh.size * floor / limit)
-    offloaded = sum(1 for pn in problem.nodes if pn.kind == "param"
-                    and problem.nodes[pn.rep].strategies[choice[pn.index]].offload)
+    picked = [problem.nodes[pn.rep].strategies[choice[pn.index]] for pn in problem.nodes if pn.kind == "param"]
+    offloaded = sum(1 for s in picked if s.offload)
+    with_weights = sum(1 for s in picked if s.offload_weights)
     hints = [f"about {devices} devices instead of {mesh.size} (more data- or tensor-parallel ranks: "
              f"states and activations both shrink with the device count)"]
     if memory["activations"] > 0.2 * floor:
@@ -406,6 +408,7 @@ def _infeasible(problem, model, mesh, limit, options: SolveOptions, recompute=No
         f"no plan of {type(model).__name__} on {mesh} fits {limit / gib:.2f} GiB per device; the smallest any "
         f"plan needs is {floor / gib:.2f} GiB per device (GiB: {parts}), with every parameter sharded "
         f"(ZeRO-3 or tensor parallel), {offloaded} parameters' optimizer states offloaded to the host"
+        f"{f' ({with_weights} with their weights)' if with_weights else ''}"
         f"{with_recompute}. To fit: " + "; or ".join(hints) + f"; or raise memory_budget to at least "
         f"{floor / gib:.2f} GiB.")
 

@@ -140,3 +140,64 @@ def check_capacity(problem, choice) -> None:
                 f"than the {capacity / gib:.2f} GiB the device description gives ({device.name}.{field}); use more "
                 f"devices (states shrink with ZeRO over more ranks), a larger memory_budget, or a device "
                 f"description with more {tier} space (autopar calibrate --offload-dir measures the disk)")
+
+
+def device_twins(strategies, index: int) -> list:
+    """Menu entries that store the parameter as entry `index` does with less of it off the
+    device: its states there without its weights (same tier), and all of it on the device."""
+    s = strategies[index]
+    out = []
+    for j, other in enumerate(strategies):
+        if other.outputs != s.outputs or other.zero != s.zero or other.zero_axes != s.zero_axes:
+            continue
+        if (other.offload == "" and not other.offload_weights) or (
+                s.offload_weights and other.offload == s.offload and not other.offload_weights):
+            out.append(j)
+    return out
+
+
+def fill_device(problem, best, rule, budget):
+    """`best` with the memory its budget leaves used: the ILP gives identical layers one
+    choice, so where offloading one layer's states (or weights) would have fitted but not
+    keeping every layer's on the device, all are offloaded.  Parameters are taken back
+    one by one, the most seconds saved per byte first, while the plan's memory (Solved.memory:
+    the ILP's sum and what it needs beyond) stays within `budget`: a fraction of a set of
+    identical parameters stays offloaded, the rest on the device.  None: no budget, nothing
+    to fill."""
+    if budget is None:
+        return best
+    slack = budget - best.memory
+    if slack <= 0:
+        return best
+    moves = []
+    for pn in problem.nodes:
+        if pn.kind != "param":
+            continue
+        strategies = problem.nodes[pn.rep].strategies
+        now = best.choice[pn.index]
+        if not strategies[now].offload:
+            continue
+        here = problem.choices[pn.rep][now]
+        for j in device_twins(strategies, now):
+            if rule is not None and not rule(problem, pn, strategies[j]):
+                continue
+            there = problem.choices[pn.rep][j]
+            extra = sum(there.memory.values()) - sum(here.memory.values())
+            saved = here.time - there.time
+            if saved > 0 and extra > 0:
+                moves.append((saved / extra, saved, extra, pn.index, j))
+    if not moves:
+        return best
+    choice = Assignment(best.choice, best.choice.modes)
+    taken, used = set(), 0.0
+    for _, saved, extra, index, j in sorted(moves, key=lambda m: (-m[0], m[3], m[4])):
+        if index in taken or used + extra > slack:
+            continue
+        choice[index] = j
+        taken.add(index)
+        used += extra
+    if not taken:
+        return best
+    log.info("%d offloaded parameters taken back to the device (%s of the budget's %s left)", len(taken),
+             format_bytes(used), format_bytes(slack))
+    return dataclasses.replace(best, choice=choice, memory=best.memory + used)
