@@ -93,6 +93,8 @@ SLOW = {
     "test_planner_3axis.py::test_three_axes_plan_small_and_fast",              # 17 s
     "test_memory_tiers.py::test_disk_states_with_tensor_parallelism_train_like_one_device",
     "test_memory_tiers.py::test_states_four_times_the_budget_train_from_disk",  # 16 s
+    "test_memory_tiers.py::test_offloaded_weights_with_tensor_parallelism_train_like_one_device",  # 21 s, 4 ranks
+    "test_memory_tiers.py::test_offloaded_weights_in_pipeline_stages_train_like_one_device",  # 17 s, 4 ranks
     "test_checkpoints.py::test_a_checkpoint_of_another_model_names_the_first_mismatch",   # 24 s
     "test_checkpoints.py::test_training_resumes_through_plans_meshes_and_stages",          # 20 s
     "test_checkpoints.py::test_mixed_precision_checkpoint_keeps_master_weights_and_moments",

@@ -144,7 +144,7 @@ class Regather:
         return bool(self.order) or bool(self.fetches)
 
     # --- offloaded weights --------------------------------------------------------------------
-    def _dev(self, x: torch.Tensor) -> torch.Tensor:
+    def device_copy(self, x: torch.Tensor) -> torch.Tensor:
         """x detached, on the device: an offloaded shard copied there (a new tensor)."""
         if id(x) in self.off_ids:
             self.counts["fetched"] += 1
@@ -187,7 +187,7 @@ class Regather:
     def _launch_bucket(self, members: list, shards: list):
         """Start one flat all-gather of `shards` (the bucket's members'); (work, buffer)."""
         axis = self.flat[members[0]][0]
-        flat = torch.cat([self._dev(t).reshape(-1) for t in shards])
+        flat = torch.cat([self.device_copy(t).reshape(-1) for t in shards])
         n = self.groups.size(axis)
         buf = flat.new_empty(n * flat.numel())
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -307,7 +307,7 @@ class Regather:
         step = steps[0]
         group = self.groups.group(step.axis)
         n = self.groups.size(step.axis)
-        inp = self._dev(x).movedim(step.dim, 0).contiguous()
+        inp = self.device_copy(x).movedim(step.dim, 0).contiguous()
         buf = inp.new_empty((n * inp.shape[0],) + tuple(inp.shape[1:]))
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         work = fn(buf, inp, group=group, async_op=True)
@@ -356,9 +356,9 @@ class Regather:
             return packed
         self.counts["regathered"] += 1
         if packed.m is None:   # an offloaded weight fetched as stored
-            full = self._dev(packed.x)
+            full = self.device_copy(packed.x)
         elif packed.k is None:
-            full = redistribute_local(self._dev(packed.x), packed.m.src, packed.m.dst, packed.groups)
+            full = redistribute_local(self.device_copy(packed.x), packed.m.src, packed.m.dst, packed.groups)
         else:
             full = self._regathered(packed.k)
         return full.as_strided(packed.size, packed.stride, packed.offset)
@@ -414,7 +414,7 @@ class _Fetched(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, m, groups, regather):
         ctx.m, ctx.groups, ctx.home = m, groups, x.device
-        y = regather._dev(x) if id(x) in regather.off_ids else x.detach().to(regather.device, copy=True)
+        y = regather.device_copy(x) if id(x) in regather.off_ids else x.detach().to(regather.device, copy=True)
         return y if m is None else redistribute_local(y, m.src, m.dst, groups)
 
     @staticmethod

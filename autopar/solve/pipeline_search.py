@@ -75,7 +75,8 @@ def search(model, mesh, example_inputs, example_kwargs=None, *, memory_budget=No
     """The fastest pipeline layout (or none) for `model` on `mesh`; see the module docstring.
     fixed: a Pipeline whose set fields the result must have (then never "no pipeline");
     mixed_precision: an autopar.MixedPrecision the stages are costed under; recompute: the
-    recomputation policy of every repeated layer (None: the fastest of none, selective and full that fits; activation offload is not searched per stage yet).
+    recomputation policy of every repeated layer (None: the fastest of none, selective, full and
+    activation offload to host memory that fits).
     options.workers: processes that cost candidates at once; each costs whole microbatch
     sizes (one trace each), and the result is the same for any count."""
     start = time.perf_counter()
@@ -118,7 +119,7 @@ def _space(mesh, batch, memory_budget, schedules, microbatches, fixed, recompute
                 raise ValueError(f"Pipeline(microbatches={fixed.microbatches}) does not divide the batch of {batch}")
             microbatches = [fixed.microbatches]
     return SearchSpace(mesh, batch, limit, tuple(schedules), None if microbatches is None else tuple(microbatches),
-                       fixed, ("none", *RECOMPUTING) if recompute is None else (recompute,))
+                       fixed, ("none", *RECOMPUTING, "offload") if recompute is None else (recompute,))
 
 
 def _fastest_plain(plain: list, limit) -> PipelineChoice | None:

@@ -102,16 +102,26 @@ class ModeCosts:
                 self.members.setdefault(path, []).append((n, nodes[n].rep, keeps.get(n)))
         self.extra, self.edge_extra = _forward_again(problem, self.modes, layer, kept)
         # an offloaded layer's saved tensors cross the host link twice (down in forward, up in
-        # backward), each saved tensor priced (the runtime copies a shared storage once)
+        # backward).  The ILP's linear terms price each holding whose storage no earlier one
+        # holds; seconds() prices a solved choice's storages exactly (host_bytes), as the
+        # runtime copies each storage once however many views of it are saved
         self.host_entries = []   # (node index, holding) of what the offloaded layers keep
-        crossing = 2 / problem.mesh.device.host_bandwidth
+        self.crossing = 2 / problem.mesh.device.host_bandwidth
+        self.linear_crossing: dict = {}   # rep -> the linear terms of the crossings, per strategy
+        self.problem = problem
+        seen = set()
         for n, held in problem.holdings.items():
             if self.modes.get(layer.get(n)) != "offload":
                 continue
             pn = nodes[n]
             for item in held:
-                self.extra[pn.rep] = self.extra.get(pn.rep, 0.0) + crossing * problem.held_array(pn, item)
                 self.host_entries.append((n, item))
+                if item[0] is not None and item[0] in seen:
+                    continue
+                seen.add(item[0])
+                term = self.crossing * problem.held_array(pn, item)
+                self.extra[pn.rep] = self.extra.get(pn.rep, 0.0) + term
+                self.linear_crossing[pn.rep] = self.linear_crossing.get(pn.rep, 0.0) + term
 
     def host_bytes(self, problem, choice: dict) -> float:
         """Activation bytes per device the offloaded layers keep in host memory: their
@@ -136,9 +146,15 @@ class ModeCosts:
         return out
 
     def seconds(self, choice: dict) -> float:
-        """Seconds per step of the forward the recomputed layers run again."""
-        return float(sum(arr[choice[rep]] for rep, arr in self.extra.items()) +
-                     sum(m[choice[key.a], choice[key.b]] for key, m in self.edge_extra.items()))
+        """Seconds per step of the forward the recomputed layers run again, and of the
+        offloaded layers' copies (their storages, each once, down and up the host link)."""
+        linear = float(sum(arr[choice[rep]] for rep, arr in self.extra.items()) +
+                       sum(m[choice[key.a], choice[key.b]] for key, m in self.edge_extra.items()))
+        if not self.host_entries:
+            return linear
+        estimate = float(sum(np.broadcast_to(arr, (len(self.problem.nodes[rep].strategies),))[choice[rep]]
+                             for rep, arr in self.linear_crossing.items()))
+        return linear - estimate + self.crossing * self.host_bytes(self.problem, choice)
 
 
 def _holdings(problem, modes: dict, layer: dict, kept: set) -> tuple:
