@@ -391,3 +391,15 @@ def test_a_plan_split_between_tiers_trains_like_one_device(pool2):
     assert any(len(t) > 1 for t in tiers.values()), tiers   # a layer's weight offloaded, the other's kept
     result = pool2.run(train_and_compare, WIDE, plan.to_dict())[0]
     assert result["ok"], result
+
+
+def test_pipeline_stages_offload_their_activations_like_one_device(pool2):
+    """recompute="offload" inside two 1F1B stages: each stage's layers copy what they save to
+    host memory per microbatch and back for its backward; training equals one device."""
+    model, args, _ = build_case(GPT)
+    plan = autopar.plan(model, autopar.Mesh((2,), ("pp",), device="cpu"), args, compare=False, recompute="offload",
+                        pipeline=autopar.Pipeline(axis="pp", groups=2, schedule="1f1b", microbatches=2))
+    assert set(plan.recompute.layers.values()) == {"offload"}
+    assert "activations offloaded to host memory" in plan.pipeline.summary
+    result = pool2.run(train_and_compare, GPT, plan.to_dict())[0]
+    assert result["ok"], result

@@ -203,9 +203,10 @@ def test_tight_budget_recomputes_inside_the_stages():
     """gpt2-1.5b with 16 layers at 4,096 tokens on 8 x 8 H100: under 7 GiB the stages keep
     every activation; under 1.6 GiB no layout that keeps them all fits (the least, 8 stages
     of two layers with microbatches of one sequence, needs 1.62 GiB) and the search
-    recomputes every layer of its stages (selective); under 1.25 GiB full.  Each is slower
-    than the one before (measured 2026-11-26: 865.1, 942.8 and 1216.7 ms), and the plan
-    carries the policy for every layer.  The stages are asked for (an empty
+    recomputes every layer of its stages (selective); under 1.25 GiB it offloads every
+    layer's activations to host memory (1,291 ms against 1,360 ms recomputing in full).
+    Each is slower than the one before (2026-11-27: 957.4 ms under 1.6 GiB, 1,291.1 ms
+    under 1.25 GiB), and the plan carries the policy for every layer.  The stages are asked for (an empty
     autopar.Pipeline()): without them the plain plan, with ZeRO and recomputation of its
     own, is faster at these budgets and pipeline=True returns it."""
     model, example = build("gpt2-1.5b", device="meta", batch=64, seq=4096, max_seq=4096, n_layers=16)
@@ -220,9 +221,10 @@ def test_tight_budget_recomputes_inside_the_stages():
             assert plan.recompute is None or not plan.recompute.layers
         else:
             modes = set(plan.recompute.layers.values())
-            assert len(modes) == 1 and modes <= {"selective", "full"}, plan.recompute
+            assert len(modes) == 1 and modes <= {"selective", "full", "offload"}, plan.recompute
             mode = modes.pop()
-            assert len(plan.recompute.layers) == 16 and f"recomputed ({mode})" in pp.summary
+            said = "activations offloaded to host memory" if mode == "offload" else f"recomputed ({mode})"
+            assert len(plan.recompute.layers) == 16 and said in pp.summary, pp.summary
         steps.append(pp.step_s)
     assert steps[0] < steps[1] < steps[2], steps
 

@@ -76,7 +76,8 @@ class PipelineChoice:
                 + (f", {self.n_virtual} virtual stages per group" if self.n_virtual > 1 else "")
                 + f"; step {self.step_s * 1e3:.1f} ms (no pipeline: {self.no_pipeline_s * 1e3:.1f} ms), "
                 f"bubble {self.bubble:.1%}, memory per device up to {max(self.memory) / 2**30:.2f} GiB"
-                + (f"; every layer recomputed ({self.recompute})" if self.recompute != "none" else "")
+                + ("" if self.recompute == "none" else "; every layer's activations offloaded to host memory"
+                   if self.recompute == "offload" else f"; every layer recomputed ({self.recompute})")
                 + (f"; stages laid out as {self.stage_layout}" if self.stage_layout else "")
                 + ("; asynchronous: no flush between steps, each step's gradient taken at the weights one "
                    "update older (PipeDream-2BW)" if self.schedule in ASYNCHRONOUS else "")
