@@ -8,7 +8,7 @@ Two parts:
         with float32 master weights, 4,096 tokens per GPU), the budget per GPU lowered from
         80 to 16 GiB: for each budget the planner's predicted
         tokens/s and step, and where the optimizer states of the plan live (device, host,
-        disk: parameters and GiB per GPU).  Twice: on the h100 preset (a DGX H100's 225 GB
+        disk: parameters and GiB per GPU; how many keep their weights there too).  Twice: on the h100 preset (a DGX H100's 225 GB
         of host memory per GPU) and on the same GPUs with 64 GB of host memory each (a
         smaller cloud machine), where the 70B's states spill to the NVMe.
 
@@ -43,8 +43,8 @@ def plans() -> None:
     h100 = PRESETS["h100"]
     small_host = dataclasses.replace(h100, name="h100-64gb-host", host_memory=64e9)
     print("| model | device | budget GiB/GPU | predicted step | tokens/s/GPU | states on device / host / disk "
-          "(params) | host GiB | disk GiB | plan s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "(params) | of which with weights | host GiB | disk GiB | plan s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, batch in (("llama3-8b", 8), ("llama3-70b", 8)):   # (one 4,096-token sequence per GPU)
         model, example = build(name, device="meta", batch=batch, seq=4096)
         for device in (h100, small_host):
@@ -56,16 +56,19 @@ def plans() -> None:
                                         mixed_precision=autopar.MixedPrecision(param_dtype=torch.bfloat16))
                 except Exception as exc:   # noqa: BLE001 (an infeasible budget is a row too)
                     print(f"| {name} | {device.name} | {budget} | - | - | {type(exc).__name__}: "
-                          f"{str(exc)[:90]} | | | {time.perf_counter() - start:.1f} |")
+                          f"{str(exc)[:90]} | | | | {time.perf_counter() - start:.1f} |")
                     continue
                 counts = {"": 0, "host": 0, "disk": 0}
+                weights = 0
                 for pname in plan.param_placements:
                     st = plan.param_states.get(pname)
                     counts[st.offload if st is not None else ""] += 1
+                    weights += bool(st is not None and st.weights)
                 tiers = plan.predicted.tiers
                 tokens = batch * 4096 / plan.step_s / 8
                 print(f"| {name} | {device.name} | {budget} | {plan.step_s:.2f} s | {tokens:,.0f} | "
-                      f"{counts['']} / {counts['host']} / {counts['disk']} | {tiers.get('host', 0) / 2**30:.1f} | "
+                      f"{counts['']} / {counts['host']} / {counts['disk']} | {weights} | "
+                      f"{tiers.get('host', 0) / 2**30:.1f} | "
                       f"{tiers.get('disk', 0) / 2**30:.1f} | {time.perf_counter() - start:.1f} |", flush=True)
 
 

@@ -119,12 +119,13 @@ class Regather:
             if (src.target in grouped and len(steps) == 1 and len(back) == 1 and back[0].kind == "reduce_scatter"
                     and (back[0].axis, back[0].dim) == (steps[0].axis, steps[0].dim)):
                 self.flat[k] = (steps[0].axis, steps[0].dim)
+        position = {n: i for i, n in enumerate(gm.graph.nodes)}
         for node in list(gm.graph.nodes):   # readers of an offloaded weight without a gather read a copy
             if node.op != "placeholder" or node.target not in self.offloaded:
                 continue
             direct = [u for u in node.users if u.target != self.gather]
             if direct:
-                with gm.graph.inserting_after(node):
+                with gm.graph.inserting_before(min(direct, key=position.__getitem__)):   # (made when first read)
                     copy = gm.graph.call_function(self.fetch, (node,))
                 for u in direct:
                     u.replace_input_with(node, copy)

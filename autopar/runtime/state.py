@@ -215,6 +215,11 @@ def build_rank_state(rewritten, plan: Plan, groups: MeshGroups, shards: dict, mo
             masters[k] = nn.Parameter(part.to(home, dtype, copy=True))
     weights_tier = {param_key(name): state.offload for name, state in plan.param_states.items()
                     if state.weights and name in shards and trainable.get(name, False)}
+    synced = sorted(k for k in weights_tier if sync.get(k))
+    if synced and device.type == "cuda":
+        raise CompileError(f"the plan keeps the weights of {[model_name[k] for k in synced[:3]]} in host memory or on "
+                           f"disk, and their gradients are summed over mesh axes after backward, which runs on the "
+                           f"device only; plan them with their weights on the device (ParamState.weights=False)")
     params = nn.ParameterDict({param_key(k): nn.Parameter(compute(v).to(device), requires_grad=trainable[k])
                                for k, v in shards.items() if param_key(k) not in weights_tier})
     buffers = {}
