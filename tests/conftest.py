@@ -94,6 +94,7 @@ SLOW = {
     "test_memory_tiers.py::test_disk_states_with_tensor_parallelism_train_like_one_device",
     "test_memory_tiers.py::test_states_four_times_the_budget_train_from_disk",  # 16 s
     "test_memory_tiers.py::test_offloaded_weights_with_tensor_parallelism_train_like_one_device",  # 21 s, 4 ranks
+    "test_pipeline_search.py::test_offloaded_activations_in_flight_fit_host_memory",  # 12 s
     "test_memory_tiers.py::test_offloaded_weights_in_pipeline_stages_train_like_one_device",  # 17 s, 4 ranks
     "test_checkpoints.py::test_a_checkpoint_of_another_model_names_the_first_mismatch",   # 24 s
     "test_checkpoints.py::test_training_resumes_through_plans_meshes_and_stages",          # 20 s

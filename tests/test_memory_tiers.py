@@ -403,3 +403,18 @@ def test_pipeline_stages_offload_their_activations_like_one_device(pool2):
     assert "activations offloaded to host memory" in plan.pipeline.summary
     result = pool2.run(train_and_compare, GPT, plan.to_dict())[0]
     assert result["ok"], result
+
+
+def test_a_tied_weight_offloaded_under_zero3_trains_like_one_device(pool2):
+    """gpt-tiny's head is tied to its embedding: under ZeRO-3 the weight is gathered in
+    buckets through its gradient-sum point and read by the head as well; offloaded with
+    every other weight, its two gradients both reach the host shard (clipped, as one
+    device clips them)."""
+    model, args, _ = build_case(GPT)
+    assert model.lm_head.weight is model.wte.weight
+    plan = autopar.plan(model, autopar.Mesh((2,), ("dp",), device="cpu"), args, compare=False,
+                        layout="zero3").to_dict()
+    for name, p in model.named_parameters():
+        plan["param_states"][name] = {"stage": 0, "axes": [], "offload": "host", "weights": True}
+    result = pool2.run(train_and_compare, GPT, plan, 3, 0.05)[0]
+    assert result["ok"], result

@@ -1,6 +1,7 @@
 """Pipeline stage search (autopar.solve.pipeline_search via autopar.plan(pipeline=True))."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -8,7 +9,7 @@ import pytest
 from torch.distributed.tensor import Shard
 
 import autopar
-from autopar.mesh import parse_bytes
+from autopar.mesh import PRESETS, parse_bytes
 from autopar.models import build
 from autopar.solve.overlap import step_lower_bound
 from autopar.solve.pipeline_candidates import balanced_cuts, v_cuts
@@ -362,3 +363,17 @@ def test_large_vocabulary_head_gives_the_last_stage_fewer_layers():
     assert sum(layers) == 32 and layers[-1] < max(layers[1:-1])
     cut = ", ".join(f"{a}-{b - 1}" for a, b in pp.stages)
     assert f"(layers {cut})" in pp.summary
+
+
+def test_offloaded_activations_in_flight_fit_host_memory():
+    """Under 1.25 GiB gpt2-1.5b's stages offload every layer's activations on an H100 (225 GB
+    of host memory per GPU); with 0.5 GB of host memory per GPU the microbatches in flight
+    would not fit there, and the search recomputes in full instead."""
+    model, example = build("gpt2-1.5b", device="meta", batch=64, seq=4096, max_seq=4096, n_layers=16)
+    modes = {}
+    for host in (225e9, 0.5e9):
+        device = dataclasses.replace(PRESETS["h100"], host_memory=host)
+        mesh = autopar.Mesh((8, 8), ("node", "gpu"), device=device, bandwidth=(2.5e9, 450e9))
+        plan = autopar.plan(model, mesh, example, compare=False, pipeline=autopar.Pipeline(), memory_budget="1.25GiB")
+        modes[host] = set(plan.recompute.layers.values())
+    assert modes == {225e9: {"offload"}, 0.5e9: {"full"}}, modes

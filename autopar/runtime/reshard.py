@@ -123,13 +123,17 @@ class Regather:
         for node in list(gm.graph.nodes):   # readers of an offloaded weight without a gather read a copy
             if node.op != "placeholder" or node.target not in self.offloaded:
                 continue
-            direct = [u for u in node.users if u.target != self.gather]
-            if direct:
-                with gm.graph.inserting_before(min(direct, key=position.__getitem__)):   # (made when first read)
-                    copy = gm.graph.call_function(self.fetch, (node,))
-                for u in direct:
-                    u.replace_input_with(node, copy)
-                self.fetches += 1
+            sources = [node]   # the weight, and the identity moves of it (a tied weight's gradient-sum point)
+            for src in sources:
+                sources += [u for u in src.users if u.target is move and _identity(gm, u)]
+            for src in sources:
+                direct = [u for u in src.users if u.target != self.gather and u not in sources]
+                if direct:
+                    with gm.graph.inserting_before(min(direct, key=position.__getitem__)):   # (made when first read)
+                        copy = gm.graph.call_function(self.fetch, (src,))
+                    for u in direct:
+                        u.replace_input_with(src, copy)
+                    self.fetches += 1
         gm.recompile()
         self.bucket_bytes = bucket_bytes
         self.buckets: list | None = None     # lists of gather indices, made on the first forward
@@ -145,9 +149,10 @@ class Regather:
         return bool(self.order) or bool(self.fetches)
 
     # --- offloaded weights --------------------------------------------------------------------
-    def device_copy(self, x: torch.Tensor) -> torch.Tensor:
-        """x detached, on the device: an offloaded shard copied there (a new tensor)."""
-        if id(x) in self.off_ids:
+    def device_copy(self, x: torch.Tensor, offloaded: bool = False) -> torch.Tensor:
+        """x detached, on the device: an offloaded shard (one fed to this forward, or any x
+        where `offloaded`) copied there (a new tensor)."""
+        if offloaded or id(x) in self.off_ids:
             self.counts["fetched"] += 1
             return x.detach().to(self.device, copy=True, non_blocking=True)
         return x.detach()
@@ -225,6 +230,11 @@ class Regather:
             nxt = self.buckets[b + 1]
             self.next_bucket = (b + 1, *self._launch_bucket(nxt, [self.feed[self.order[k][0]] for k in nxt]))
 
+    def leaf(self, k: int, x: torch.Tensor) -> torch.Tensor:
+        """The tensor fed to gather k's placeholder (x may be an identity move of it, or a
+        copy of an offloaded one): where regathers read and bucket gradients go."""
+        return self.feed.get(self.order[k][0], x)
+
     def _grouped(self, k: int, x: torch.Tensor) -> torch.Tensor:
         if k not in self.ready:
             self._gather_bucket(self.bucket_of[k])
@@ -281,7 +291,7 @@ class Regather:
         if k in self.bucket_of and (self.active or k in self.ready):
             out = self._grouped(k, x)
             if self.reshard and self.active:
-                self.sources[out.untyped_storage().data_ptr()] = (x, m, out, k)
+                self.sources[out.untyped_storage().data_ptr()] = (self.leaf(k, x), m, out, k)
             return out
         prefetched = self.pending.pop(k, None)
         self._prefetch(k + 1)
@@ -290,12 +300,13 @@ class Regather:
         if prefetched is not None:
             self.counts["prefetched"] += 1
             out = _Gathered.apply(x, m, groups, prefetched)
-        elif id(x) in self.off_ids:
+        elif self.order[k][0] in self.offloaded:
             out = _Fetched.apply(x, m, groups, self)
         else:
             out = move(x, m, groups)
         if self.reshard and self.active:  # the entry holds `out` so its memory is not reused for another
-            self.sources[out.untyped_storage().data_ptr()] = (x, m, out, None)  # tensor before forward ends
+            self.sources[out.untyped_storage().data_ptr()] = (self.leaf(k, x), m, out, None)  # tensor before
+            # forward ends
         return out
 
     def _prefetch(self, k: int) -> None:
@@ -415,7 +426,7 @@ class _Fetched(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, m, groups, regather):
         ctx.m, ctx.groups, ctx.home = m, groups, x.device
-        y = regather.device_copy(x) if id(x) in regather.off_ids else x.detach().to(regather.device, copy=True)
+        y = regather.device_copy(x, offloaded=True)
         return y if m is None else redistribute_local(y, m.src, m.dst, groups)
 
     @staticmethod
@@ -434,11 +445,11 @@ class _GroupGathered(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, regather, k):
-        ctx.regather, ctx.k = regather, k
-        ctx.x = x   # (the shard parameter, a leaf: not saved through the saved-tensor hooks)
+        ctx.regather, ctx.k, ctx.home = regather, k, x.device
+        ctx.x = regather.leaf(k, x)   # (the shard parameter, a leaf: not saved through the saved-tensor hooks)
         return regather.take(k)
 
     @staticmethod
     def backward(ctx, grad):
         ctx.regather.add_grad(ctx.k, ctx.x, grad)
-        return torch.zeros_like(ctx.x), None, None
+        return torch.zeros(ctx.x.shape, dtype=ctx.x.dtype, device=ctx.home), None, None

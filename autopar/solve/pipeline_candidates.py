@@ -135,7 +135,7 @@ def _stages(parts: StageParts, copies, send, n_stages, overlap, schedule: str = 
     units = [c.forward_s + c.backward_s for c in layers]
     cut = v_cuts if v_shaped else balanced_cuts
     cuts = cut(units, n_stages, units and (prefix.forward_s + prefix.backward_s), suffix.forward_s + suffix.backward_s)
-    fwd, bwd, once, acts, work = [], [], [], [], []
+    fwd, bwd, once, acts, work, host = [], [], [], [], [], []
     held_states = {k: [] for k in STATES}
     for s, (a, b) in enumerate(cuts):
         last = [suffix] if v_shaped else [suffix, copies]
@@ -147,14 +147,15 @@ def _stages(parts: StageParts, copies, send, n_stages, overlap, schedule: str = 
             kept.append(sum(getattr(c, k) for c in members))
         acts.append(sum(c.activations for c in members))
         work.append(max(c.working for c in members))
-    return cuts, fwd, bwd, once, held_states, acts, work
+        host.append(sum(c.host for c in members))
+    return cuts, fwd, bwd, once, held_states, acts, work, host
 
 
 def floor(parts: StageParts, copies, send, n_stages, p, n_mb, overlap=False, schedule: str = "1f1b") -> float:
     """The fastest any schedule could run this candidate: no device group runs its passes
     faster than one after another, then its once-per-step work.  The search simulates
     candidates in order of it and stops where it exceeds the best step found."""
-    _, fwd, bwd, once, _, _, _ = _stages(parts, copies, send, n_stages, overlap, schedule)
+    _, fwd, bwd, once, _, _, _, _ = _stages(parts, copies, send, n_stages, overlap, schedule)
     ratio = sum(bwd) / max(sum(fwd), 1e-30)   # (the simulator runs backward at this share of forward)
     mine = [group_stages(g, p, n_stages, schedule) for g in range(p)]
     share = 0.5 if schedule in TWO_WAY else 1.0   # (chimera: each copy of a stage runs half the microbatches)
@@ -163,7 +164,8 @@ def floor(parts: StageParts, copies, send, n_stages, p, n_mb, overlap=False, sch
 
 
 def evaluate(parts: StageParts, copies, send, n_stages, p, v, schedule, n_mb, limit,
-             overlap=False, beat: float = float("inf"), transfer=None) -> PipelineChoice | None | str:
+             overlap=False, beat: float = float("inf"), transfer=None,
+             host_limit: float = 0.0) -> PipelineChoice | None | str:
     """Cut the layers into n_stages, simulate the schedule, check memory (None: over the
     limit; SLOWER: no schedule could make it faster than `beat` seconds, so it is not
     simulated).  copies: the model states the last stage holds again
@@ -173,8 +175,9 @@ def evaluate(parts: StageParts, copies, send, n_stages, p, v, schedule, n_mb, li
     dependency's latency) while the sender computes on; on CPU ranks the transfer runs on
     the cores the compute uses and adds to both.  transfer(nbytes): seconds to move nbytes
     between two device groups (chimera: device groups g and p-1-g sum the gradients of the
-    two stages both hold, once per step)."""
-    cuts, fwd, bwd, once, held_states, acts, work = _stages(parts, copies, send, n_stages, overlap, schedule)
+    two stages both hold, once per step).  host_limit: host memory per device (0: unbounded),
+    which offloaded activations of the microbatches in flight must fit."""
+    cuts, fwd, bwd, once, held_states, acts, work, host = _stages(parts, copies, send, n_stages, overlap, schedule)
     paid = 0.0 if overlap else send
     ratio = sum(bwd) / max(sum(fwd), 1e-30)
     groups = [group_stages(g, p, n_stages, schedule) for g in range(p)]
@@ -201,6 +204,8 @@ def evaluate(parts: StageParts, copies, send, n_stages, p, v, schedule, n_mb, li
         held_parts["working"] = max(work[s] for s in mine)
         group_memory.append(held_parts)
         memory.append(sum(held_parts.values()))
+        if host_limit > 0 and max(host[s] for s in mine) * held > host_limit:
+            return None
     if max(memory) > limit:
         return None
     step = tl.makespan + max(group_once)

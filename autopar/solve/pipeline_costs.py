@@ -40,6 +40,7 @@ class StageCost:
     optimizer: float     # ... and of optimizer states (with master weights)
     activations: float   # bytes kept for backward per microbatch
     working: float = 0.0  # the most any one op needs beyond them while it runs (recompute.working_bytes)
+    host: float = 0.0     # bytes per microbatch its layers' offloaded activations keep in host memory
 
     @property
     def states(self) -> float:
@@ -280,9 +281,10 @@ class _Split:
                     by_layer.setdefault(self.keys.get(n), []).append((n, item))
                 for key, entries in by_layer.items():
                     if key in got:
-                        crossing = costs.crossing * problem.kept_bytes(choice, entries) / 2
-                        got[key]["forward_s"] += crossing
-                        got[key]["backward_s"] += crossing
+                        held = problem.kept_bytes(choice, entries)
+                        got[key]["forward_s"] += costs.crossing * held / 2
+                        got[key]["backward_s"] += costs.crossing * held / 2
+                        got[key]["host"] += held
         return StageParts(tuple(StageCost(**got[k]) for k in range(len(indices))), StageCost(**got["prefix"]),
                           StageCost(**got["suffix"]))
 

@@ -195,7 +195,7 @@ def _place(space: SearchSpace, costs: StageCosts, cut: Cut, got, schedule, v, mo
     best = found.best()
     choice = evaluate(parts, got.copies, send, p * v, p, v, schedule, n_mb, space.limit, mesh.device.asynchronous,
                       best.step_s if best is not None else float("inf"),
-                      transfer=functools.partial(send_time, axis=cut.axis, mesh=mesh))
+                      transfer=functools.partial(send_time, axis=cut.axis, mesh=mesh), host_limit=mesh.device.host_memory)
     if choice is SLOWER:
         found.reject(SLOWER_REASON)
     elif choice is None:
