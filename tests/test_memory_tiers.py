@@ -247,6 +247,13 @@ def test_the_planner_tries_offload_beside_recomputation():
     assert ("selective", "full", "selective", "full") in tried and len(tried) == 11
 
 
+def _all_weights_in_host_memory(plan_dict: dict, model) -> dict:
+    """`plan_dict` with every parameter's states and weights offloaded to host memory."""
+    for name, _ in model.named_parameters():
+        plan_dict["param_states"][name] = {"stage": 0, "axes": [], "offload": "host", "weights": True}
+    return plan_dict
+
+
 def _weights(plan_dict) -> dict:
     """Tier -> how many parameters the plan keeps with their weights there."""
     counts: dict = {}
@@ -318,8 +325,7 @@ def test_weights_read_as_stored_are_fetched_for_each_use(pool2):
     model, args, _ = build_case(GPT)
     plan = autopar.plan(model, autopar.Mesh((2,), ("tp",), device="cpu"), args, compare=False,
                         layout="megatron-tp").to_dict()
-    for name, p in model.named_parameters():
-        plan["param_states"][name] = {"stage": 0, "axes": [], "offload": "host", "weights": True}
+    plan = _all_weights_in_host_memory(plan, model)
     result = pool2.run(train_and_compare, GPT, plan, 3, 1.0)[0]
     assert result["ok"], result
     counts = pool2.run(zero3_regather_counts, plan, True)[0]
@@ -348,8 +354,7 @@ def test_offloaded_weights_in_pipeline_stages_train_like_one_device(pool4, kind)
     plan = autopar.plan(model, autopar.Mesh((2, 2), ("pp", "dp"), device="cpu"), args, example_kwargs=kwargs,
                         compare=False, layout="zero3",
                         pipeline=autopar.Pipeline(axis="pp", groups=2, schedule="1f1b", microbatches=2)).to_dict()
-    for name, p in model.named_parameters():
-        plan["param_states"][name] = {"stage": 0, "axes": [], "offload": "host", "weights": True}
+    plan = _all_weights_in_host_memory(plan, model)
     result = pool4.run(train_and_compare, (kind,), plan)[0]
     assert result["ok"], result
 
@@ -414,7 +419,6 @@ def test_a_tied_weight_offloaded_under_zero3_trains_like_one_device(pool2):
     assert model.lm_head.weight is model.wte.weight
     plan = autopar.plan(model, autopar.Mesh((2,), ("dp",), device="cpu"), args, compare=False,
                         layout="zero3").to_dict()
-    for name, p in model.named_parameters():
-        plan["param_states"][name] = {"stage": 0, "axes": [], "offload": "host", "weights": True}
+    plan = _all_weights_in_host_memory(plan, model)
     result = pool2.run(train_and_compare, GPT, plan, 3, 0.05)[0]
     assert result["ok"], result

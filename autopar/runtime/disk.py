@@ -144,19 +144,7 @@ class DiskStore:
         memory what fits of it (the disk tier of offloaded weights; `advise` asks for a
         tensor's pages ahead of use)."""
         value = value.detach().contiguous().cpu()
-        start = time.perf_counter()
-        try:
-            with open(self.path(name), "wb") as f:
-                f.write(_raw(value))
-        except OSError as exc:
-            raise OffloadError(f"writing {name} ({value.numel() * value.element_size() / 2**20:.1f} MiB) to "
-                               f"{self.path(name)} failed: {exc.strerror or exc}; free space on the offload disk "
-                               f"or plan with less on disk") from None
-        with self._lock:
-            self.written_s += time.perf_counter() - start
-            self.written_bytes += value.numel() * value.element_size()
-            self.sizes[name] = value.numel() * value.element_size()
-            self.shapes[name] = tuple(value.shape)
+        self._write(name, value, "free space on the offload disk or plan with less on disk")
         self.mapped_names.add(name)
         return torch.from_file(str(self.path(name)), shared=True, size=value.numel(),
                                dtype=value.dtype).view(value.shape)
@@ -179,20 +167,26 @@ class DiskStore:
             if t.device.type != "cpu" or not t.is_contiguous():
                 raise OffloadError(f"{name}: only contiguous host tensors go to disk (got {t.device}, "
                                    f"contiguous={t.is_contiguous()})")
-            start = time.perf_counter()
-            try:
-                with open(self.path(name), "wb") as f:
-                    f.write(_raw(t))
-            except OSError as exc:
-                raise OffloadError(f"writing {name} ({t.numel() * t.element_size() / 2**20:.1f} MiB) to "
-                                   f"{self.path(name)} failed: {exc.strerror or exc}. The tensor stays in host "
-                                   f"memory; free space on the offload disk or save a checkpoint now") from None
-            with self._lock:
-                self.written_s += time.perf_counter() - start
-                self.written_bytes += t.numel() * t.element_size()
-                self.sizes[name] = t.numel() * t.element_size()
-                self.shapes[name] = tuple(t.shape)
+            self._write(name, t, "the tensor stays in host memory; free space on the offload disk or save a "
+                                 "checkpoint now")
             self._free(name, t)
+
+    def _write(self, name: str, t: torch.Tensor, fix: str) -> None:
+        """Contiguous host tensor `t` written to file `name`; OffloadError naming the file,
+        the cause and `fix` where it cannot be."""
+        start = time.perf_counter()
+        nbytes = t.numel() * t.element_size()
+        try:
+            with open(self.path(name), "wb") as f:
+                f.write(_raw(t))
+        except OSError as exc:
+            raise OffloadError(f"writing {name} ({nbytes / 2**20:.1f} MiB) to {self.path(name)} failed: "
+                               f"{exc.strerror or exc}; {fix}") from None
+        with self._lock:
+            self.written_s += time.perf_counter() - start
+            self.written_bytes += nbytes
+            self.sizes[name] = nbytes
+            self.shapes[name] = tuple(t.shape)
 
     def _free(self, name, t) -> None:
         t.data = torch.empty(0, dtype=t.dtype)
