@@ -95,6 +95,10 @@ SLOW = {
     "test_memory_tiers.py::test_states_four_times_the_budget_train_from_disk",  # 16 s
     "test_memory_tiers.py::test_offloaded_weights_with_tensor_parallelism_train_like_one_device",  # 21 s, 4 ranks
     "test_pipeline_search.py::test_offloaded_activations_in_flight_fit_host_memory",  # 12 s
+    "test_memory_tiers.py::test_pipeline_stages_offload_their_activations_like_one_device",  # 14 s
+    "test_checkpoints.py::test_checkpoint_keeps_step_extra_plan_and_rng",   # 15 s
+    "test_errors.py::test_train_step_takes_shard_inputs_as_it_comes",   # 11 s
+    "test_large.py::test_llama3_70b_plans_without_allocating_weights",   # 11 s
     "test_memory_tiers.py::test_offloaded_weights_in_pipeline_stages_train_like_one_device",  # 17 s, 4 ranks
     "test_checkpoints.py::test_a_checkpoint_of_another_model_names_the_first_mismatch",   # 24 s
     "test_checkpoints.py::test_training_resumes_through_plans_meshes_and_stages",          # 20 s
