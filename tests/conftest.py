@@ -99,6 +99,23 @@ SLOW = {
     "test_checkpoints.py::test_checkpoint_keeps_step_extra_plan_and_rng",   # 15 s
     "test_errors.py::test_train_step_takes_shard_inputs_as_it_comes",   # 11 s
     "test_large.py::test_llama3_70b_plans_without_allocating_weights",   # 11 s
+    # (2026-11-27: the fast tier took 844 s in CI's clone with the larger menus; these bring it under 12 minutes)
+    "test_gpu_check.py::test_every_op_is_predicted_and_measured",   # 24 s
+    "test_pipeline_search.py::test_pipeline_plans_round_trip",   # 11 s
+    "test_training_loop.py::test_adafactor_runs_on_whole_parameters",   # 8 s
+    "test_trace_cache.py::test_a_plan_reads_the_shared_trace_and_leaves_it_as_it_was",   # 8 s
+    "test_grouped_experts.py::test_bincount_counts_plan_and_train_like_one_device",   # 7 s
+    "test_capacity_experts.py::test_split_experts_are_priced_no_longer_than_the_capacity",   # 7 s
+    "test_checkpoints.py::test_non_finite_loss_or_gradient_stops_every_rank_naming_the_parameter",   # 6 s
+    "test_faults_round3.py::test_the_sampled_check_rides_in_the_finite_check_all_reduce",   # 6 s
+    "test_html_report.py::test_report_is_one_file_that_fetches_nothing",   # 6 s
+    "test_training_loop.py::test_training_resumes_under_another_layout",   # 8 s, 3 cases
+    "test_zero.py::test_model_state_bytes_per_rank_equal_the_memory_model",   # 9 s, 8 cases
+    "test_plain_state.py::test_a_checkpoint_loads_into_the_plain_model",   # 12 s, 3 cases
+    "test_sequence_parallel.py::test_sequence_split_inside_pipeline_stages",   # 17 s, 3 cases
+    "test_plain_state.py::test_a_pretrained_state_dict_loads_under_every_layout",   # 21 s, 10 cases
+    "test_training_loop.py::test_distributed_checkpoint_round_trips_across_layouts",   # 14 s, 4 cases
+    "test_zero.py::test_zero3_gathers_in_buckets_prefetches_and_regathers",   # 12 s, 3 cases
     "test_memory_tiers.py::test_offloaded_weights_in_pipeline_stages_train_like_one_device",  # 17 s, 4 ranks
     "test_checkpoints.py::test_a_checkpoint_of_another_model_names_the_first_mismatch",   # 24 s
     "test_checkpoints.py::test_training_resumes_through_plans_meshes_and_stages",          # 20 s
