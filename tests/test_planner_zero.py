@@ -50,18 +50,20 @@ def test_plans_shard_more_state_as_the_budget_shrinks(sweep):
 
 def test_a_budget_below_the_minimum_names_the_minimum_and_the_fixes(sweep):
     model, example, mesh, _ = sweep
+    # (with weights and activations offloadable, 1 GiB fits: 0.25 GiB does not)
     with pytest.raises(autopar.InfeasibleError) as info:
-        autopar.plan(model, mesh, example, compare=False, memory_budget="1GiB")
+        autopar.plan(model, mesh, example, compare=False, memory_budget="0.25GiB")
     text = str(info.value)
     floor = float(re.search(r"smallest any plan needs is ([\d.]+) GiB", text).group(1))
-    assert 1 < floor < 3
-    for hint in ("devices instead of 64", "activations", "recomputed in full", "raise memory_budget"):
+    assert 0.25 < floor < 3
+    for hint in ("devices instead of 64", "activations offloaded to host memory", "with their weights",
+                 "raise memory_budget"):
         assert hint in text, text
     with pytest.raises(autopar.InfeasibleError) as info:   # recomputation forced off: the error offers it
-        autopar.plan(model, mesh, example, compare=False, memory_budget="1GiB", recompute="none")
+        autopar.plan(model, mesh, example, compare=False, memory_budget="0.25GiB", recompute="none")
     saved = re.search(r"recompute='full' \(or None, to let the planner choose per layer\) saves ([\d.]+) GiB "
                       r"per device, for a least of ([\d.]+) GiB", str(info.value))
-    assert saved and float(saved.group(2)) == pytest.approx(floor, abs=0.01), str(info.value)
+    assert saved and float(saved.group(2)) >= floor - 0.01, str(info.value)   # (full keeps more than offload)
     plan = autopar.plan(model, mesh, example, compare=False, memory_budget=f"{floor * 1.01:.3f}GiB")
     assert plan.predicted.memory_total <= floor * 1.01 * 2**30
 

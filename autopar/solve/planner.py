@@ -369,7 +369,8 @@ def _infeasible(problem, model, mesh, limit, options: SolveOptions, recompute=No
     layered = bool(layer_slots(problem))
     keep = solve_problem(problem, None, None, options, minimise_memory=True, recompute="none")
     kept_floor = keep.memory
-    least = recompute if recompute in ("selective", "full") else ("full" if layered and recompute is None else "none")
+    least = recompute if recompute in ("selective", "full", "offload") else (
+        "offload" if layered and recompute is None else "none")   # (offload keeps the fewest activations)
     least_plan = solve_problem(problem, None, None, options, minimise_memory=True, recompute=least) \
         if least != "none" else keep
     choice, floor = least_plan.choice, least_plan.memory
@@ -396,7 +397,10 @@ def _infeasible(problem, model, mesh, limit, options: SolveOptions, recompute=No
             pass
     with_recompute = ""
     if least != "none":
-        with_recompute = (f" and every repeated layer recomputed in full (which saves {(kept_floor - floor) / gib:.2f} "
+        with_recompute = (f" and every repeated layer's activations offloaded to host memory (which saves "
+                          f"{(kept_floor - floor) / gib:.2f} GiB against keeping every activation)"
+                          if least == "offload" else
+                          f" and every repeated layer recomputed in full (which saves {(kept_floor - floor) / gib:.2f} "
                           f"GiB against keeping every activation)" if least == "full" else
                           f" and every repeated layer recomputed selectively (saving {(kept_floor - floor) / gib:.2f} "
                           f"GiB; recompute='full' or None saves more)")
