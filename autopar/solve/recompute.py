@@ -152,8 +152,7 @@ class ModeCosts:
                        sum(m[choice[key.a], choice[key.b]] for key, m in self.edge_extra.items()))
         if not self.host_entries:
             return linear
-        estimate = float(sum(np.broadcast_to(arr, (len(self.problem.nodes[rep].strategies),))[choice[rep]]
-                             for rep, arr in self.linear_crossing.items()))
+        estimate = float(sum(arr[choice[rep]] for rep, arr in self.linear_crossing.items()))
         return linear - estimate + self.crossing * self.host_bytes(self.problem, choice)
 
 

@@ -108,10 +108,15 @@ def host_twin(strategies, index: int) -> int | None:
     its states in host memory (None if the menu has none)."""
     s = strategies[index]
     for j, other in enumerate(strategies):
-        if (other.offload == "host" and other.outputs == s.outputs and other.zero == s.zero
-                and other.zero_axes == s.zero_axes and other.offload_weights == s.offload_weights):
+        if other.offload == "host" and _stored_alike(s, other) and other.offload_weights == s.offload_weights:
             return j
     return None
+
+
+def _stored_alike(a, b) -> bool:
+    """Whether menu entries a and b lay the parameter and its ZeRO chunks out alike (they
+    differ at most in what they offload)."""
+    return a.outputs == b.outputs and a.zero == b.zero and a.zero_axes == b.zero_axes
 
 
 def used_tiers(problem, choice) -> dict:
@@ -148,7 +153,7 @@ def device_twins(strategies, index: int) -> list:
     s = strategies[index]
     out = []
     for j, other in enumerate(strategies):
-        if other.outputs != s.outputs or other.zero != s.zero or other.zero_axes != s.zero_axes:
+        if not _stored_alike(s, other):
             continue
         if (other.offload == "" and not other.offload_weights) or (
                 s.offload_weights and other.offload == s.offload and not other.offload_weights):
