@@ -17,9 +17,10 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autopar.ops import op_arg, op_name, outputs_of, tensor_args
 from autopar.ops.attention_rule import ATTENTION_OPS
+from autopar.ops.grid_rule import NORM, NORM_OPS, ROLES
 from autopar.ops.strategy import passes_partial
 
-from autopar.passes import local_ops
+from autopar.passes import grid_ops, local_ops
 from autopar.passes.collectives import get_attr, move
 
 SIZE_ARG = {"aten.view": 1, "aten.reshape": 1, "aten._unsafe_view": 1, "aten.expand": 1}
@@ -76,6 +77,10 @@ def localize(gm: fx.GraphModule, plan) -> fx.GraphModule:
             _to_local_experts(node, choice)
         elif name in ATTENTION_OPS and any(l in ("ring", "ulysses") for l in choice.split):
             _to_sequence_parallel_attention(node, choice)
+        elif name == "aten.linear" and any(l in ROLES for l in choice.split if isinstance(l, str)):
+            _to_grid_linear(node, choice)
+        elif name in NORM_OPS and NORM in choice.split:
+            _to_split_norm(node, choice)
         elif name == "aten.embedding" and split_reduced:
             _to_vocab_parallel_embedding(node, choice, split_reduced)
         elif name in ("aten.cross_entropy_loss",):
@@ -161,6 +166,35 @@ def _to_sequence_parallel_attention(node, choice):
         node.target = local_ops.ulysses_on_axis
         node.args = (q, k, v, mask, dropout_p, causal, scale, bool(node.kwargs.get("enable_gqa", False)), axis,
                      _groups_node(node), order)
+    node.kwargs = {}
+
+
+def _to_grid_linear(node, choice):
+    """A linear layer on a grid of axes (2D, 2.5D, 3D: passes/grid_ops.py); the dims each
+    collective works along are read from the strategy's placements."""
+    role = {l: a for a, l in enumerate(choice.split) if l in ROLES}
+    i, j, l = role["grid-i"], role["grid-j"], role.get("grid-l")
+    x, w = node.args[0], node.args[1]
+    b = op_arg(node, 2, "bias")
+    x_dim, w_dim = choice.inputs[0][j].dim, choice.inputs[1][i].dim
+    y_dim = choice.outputs[0][l].dim if l is not None else -1
+    node.target = grid_ops.grid_linear
+    node.args = (x, w, b, i, j, l, x_dim, w_dim, y_dim, _groups_node(node))
+    node.kwargs = {}
+
+
+def _to_split_norm(node, choice):
+    """layer_norm / rms_norm with the normalized dim split over the axis marked "norm"."""
+    axis = choice.split.index(NORM)
+    rms = op_name(node) == "aten.rms_norm"
+    x, shape = node.args[0], node.args[1]
+    if len(shape) != 1:
+        raise NotImplementedError(f"{node.name}: a split norm over {len(shape)} dims")
+    w = op_arg(node, 2, "weight")
+    b = None if rms else op_arg(node, 3, "bias")
+    eps = op_arg(node, 3, "eps") if rms else op_arg(node, 4, "eps", 1e-5)
+    node.target = grid_ops.split_norm
+    node.args = (x, w, b, eps, int(shape[0]), rms, axis, _groups_node(node))
     node.kwargs = {}
 
 

@@ -24,6 +24,11 @@ comparison with autopar's own plan is like for like:
 - context-parallel / ulysses: data parallel, with attention's sequence split over the
   sequence axis (named 'cp', 'sp', 'context' or 'seq', else the tensor-parallel one) by ring
   attention or by Ulysses' all-to-alls; the other ops split what the cost model prefers.
+- tp-2d / tp-2.5d / tp-3d: every linear layer inside the repeated layers on a grid of the
+  innermost mesh axes (ops/grid_rule.py): SUMMA on two axes, Tesseract's 2.5D (a square
+  grid, the batch split over the other axes as its depth), or the 3D matmul on three; the
+  other ops as the cost model prefers, parameters kept as placed.  On a mesh whose further
+  axes split the batch, 2D and 2.5D are one plan: the name says the grid's shape.
 - context-parallel x megatron-tp and context-parallel x zero3 (every=True, 2+ axes): ring
   attention on the sequence axis, with Megatron on the tensor-parallel axis, or with every
   parameter stored sharded over all axes (ZeRO-3) and the batch split elsewhere.
@@ -37,6 +42,7 @@ import weakref
 from torch.distributed.tensor import Replicate, Shard
 
 from autopar.ops.attention_rule import ATTENTION_OPS
+from autopar.ops.grid_rule import form_of
 from autopar.ops.strategy import passes_partial
 from autopar.solve.graph import VIEWS
 
@@ -331,6 +337,52 @@ def unavailable(rule, problem) -> str | None:
     return check(problem) if check is not None else None
 
 
+GRID_FORMS = {"tp-2d": ("summa", "2.5d"), "tp-2.5d": ("2.5d",), "tp-3d": ("3d",)}
+
+
+def grid(layout: str, mesh):
+    """Linear layers in the repeated layers on the grid of `layout` (GRID_FORMS) over the
+    innermost axes of size > 1 (two, or three for 3D); the further axes split the batch."""
+    forms = GRID_FORMS[layout]
+    big = [a for a, n in enumerate(mesh.shape) if n > 1]
+    axes = frozenset(big[-3:] if layout == "tp-3d" else big[-2:])
+
+    def layer_matrix(problem, pn) -> bool:
+        if pn.kind != "op" or pn.op != "aten.linear" or not pn.requires_grad:
+            return False
+        if problem.layer_groups and pn.index not in problem.block:
+            return False
+        return any(problem.nodes[src].kind == "param" and len(problem.nodes[src].out_shapes[0]) == 2
+                   for src, _ in pn.inputs[1:2])
+
+    def fits(strategy) -> bool:
+        return (form_of(strategy) in forms
+                and {a for a, l in enumerate(strategy.split) if l in ("grid-i", "grid-j", "grid-l")} == axes
+                and all(strategy.split[a] == "grid-b" for a in big if a not in axes))
+
+    def allowed(problem, pn, strategy) -> bool:
+        if pn.kind == "param":
+            return _plain(strategy)
+        if layer_matrix(problem, pn):
+            return fits(strategy)
+        return True
+
+    def check(problem) -> str | None:
+        if len(axes) < (3 if layout == "tp-3d" else 2):
+            return f"{layout} needs {3 if layout == 'tp-3d' else 2} mesh axes of size > 1; the mesh has {len(big)}"
+        if layout == "tp-2.5d" and (len(big) < 3 or len({mesh.shape[a] for a in axes}) > 1):
+            return "tp-2.5d needs a square grid on the two innermost axes and a further axis as its depth"
+        for pn in problem.nodes:
+            if layer_matrix(problem, pn) and not any(fits(s) for s in problem.nodes[pn.rep].strategies):
+                shapes = [problem.nodes[src].out_shapes[o] for src, o in pn.inputs[:2]]
+                return (f"the linear layer {pn.module or pn.name} (input {tuple(shapes[0])}, weight "
+                        f"{tuple(shapes[1])}) does not divide over the grid "
+                        f"{'x'.join(str(mesh.shape[a]) for a in sorted(axes))}")
+        return None
+    allowed.check = check
+    return allowed
+
+
 def layouts(mesh, every: bool = False) -> dict:
     """name -> restriction for the hand-written layouts that make sense on this mesh: those
     a plan is compared with, and with every=True also Megatron combined with ZeRO-1/2/3
@@ -347,6 +399,8 @@ def layouts(mesh, every: bool = False) -> dict:
         out["context-parallel x dp"] = sequence_split("ring", sp)
         out["ulysses x dp"] = sequence_split("ulysses", sp)
         if every:
+            for name in GRID_FORMS:
+                out[name] = grid(name, mesh)
             for stage in (1, 2, 3):
                 out[f"megatron-tp x zero{stage}"] = megatron_zero(tp, stage)
             out["context-parallel x zero3"] = sequence_split("ring", sp, zero3)

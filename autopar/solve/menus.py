@@ -15,6 +15,7 @@ from autopar.mesh import Mesh
 from autopar.ops import (
     INTERNAL_COMM, Strategy, annotate, enumerate_strategies, op_arg, op_name, replicated, show_placements)
 from autopar.ops.attention_rule import ATTENTION_OPS, sequence_strategies
+from autopar.ops.grid_rule import NORM_OPS, grid_strategies, split_norm_strategies
 from autopar.ops.experts_rule import experts_strategies
 from autopar.ops.strategy import offload_label
 from autopar.solve.graph import PNode
@@ -66,6 +67,13 @@ def build_menus(nodes: list, readers: dict, mesh: Mesh) -> tuple[list, list]:
                 if pn.op in ATTENTION_OPS:
                     _say_why_heads_stay_whole(pn, in_shapes, mesh, messages)
                     pn.strategies = pn.strategies + _sequence_split(pn, in_shapes, mesh, messages)
+                if pn.op == "aten.linear":
+                    pn.strategies = pn.strategies + grid_strategies(in_shapes, pn.out_shapes[0], mesh.shape,
+                                                                    mesh.axis_names, needs)
+                elif pn.op in NORM_OPS and len(op_arg(pn.node, 1, "normalized_shape", ())) == 1 \
+                        and sum(1 for n in mesh.shape if n > 1) > 1:   # (with the grid's linear layers)
+                    pn.strategies = pn.strategies + split_norm_strategies(pn.strategies, in_shapes, mesh.shape,
+                                                                          mesh.axis_names, pn.op == "aten.rms_norm")
                 internal = [(l, INTERNAL_COMM[(pn.op, l)]) for l in ann.letters() if (pn.op, l) in INTERNAL_COMM]
                 if internal:
                     pn.strategies = [with_internal(s, internal) for s in pn.strategies]

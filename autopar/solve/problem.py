@@ -24,6 +24,7 @@ from autopar.cost.redistribution import plan_redistribute
 from autopar.ops import Strategy, op_arg
 from autopar.ops.attention_rule import ATTENTION_OPS
 from autopar.ops.attention_rule import private_holdings
+from autopar.ops.grid_rule import is_grid, is_split_norm
 from autopar.ops.rules import ELEMENTWISE
 from autopar.trace.export import Traced
 from autopar.solve.graph import VIEWS, Choice, EdgeKey, PNode, add_gradient_sums, build_nodes
@@ -263,6 +264,8 @@ class Problem:
     def _private(self, pn: PNode, s: Strategy, kind: str, index: int) -> bool:
         """Whether op pn, communicating inside under s, keeps ("in"/"out", index) in a
         buffer of its own (ops/attention_rule.private_holdings)."""
+        if is_grid(s) or is_split_norm(s):
+            return False   # (they keep their operands' local blocks, as given)
         causal = pn.op == "autopar.window_attention" or bool(op_arg(pn.node, 5, "is_causal", False))
         own = private_holdings(s, causal)
         return own is None or (kind, index) in own
