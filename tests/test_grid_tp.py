@@ -21,3 +21,12 @@ def test_tp_2d_trains_like_one_device(pool4, spec):
     assert "summa" in _forms(plan)
     result = pool4.run(train_and_compare, spec, plan)[0]
     assert result["ok"], result
+
+
+@pytest.mark.parametrize("layout", ["tp-2.5d", "tp-3d"])
+@pytest.mark.parametrize("spec", [GPT, LLAMA, HF_LLAMA], ids=["gpt", "llama", "hf-llama"])
+def test_three_axis_grids_train_like_one_device(pool8, spec, layout):
+    plan = plan_for(spec, layout, (2, 2, 2), ("a", "b", "c"))
+    assert _forms(plan) & {"2.5d", "3d"} == {layout[3:]}
+    result = pool8.run(train_and_compare, spec, plan)[0]
+    assert result["ok"], result
