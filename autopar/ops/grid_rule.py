@@ -73,17 +73,20 @@ def grid_strategies(in_shapes, out_shape, mesh_shape, axis_names, needs_grad) ->
         for m in range(min(2, rank - 1)):
             rest = [a for a in big if a not in (i, j)]
             for batch in _batch_choices(rest):
-                s = _summa(in_shapes, out_shape, mesh_shape, axis_names, needs_grad, i, j, m, batch)
-                if s is not None:
-                    out.append(s)
+                for gathered in (False, True):
+                    s = _summa(in_shapes, out_shape, mesh_shape, axis_names, needs_grad, i, j, m, batch, gathered)
+                    if s is not None:
+                        out.append(s)
     if rank >= 3:
         for i, j, l in itertools.permutations(big, 3):
             rest = [a for a in big if a not in (i, j, l)]
             for nest in (1, 0):
                 for batch in _batch_choices(rest):
-                    s = _cube(in_shapes, out_shape, mesh_shape, axis_names, needs_grad, i, j, l, nest, batch)
-                    if s is not None:
-                        out.append(s)
+                    for gathered in (False, True):
+                        s = _cube(in_shapes, out_shape, mesh_shape, axis_names, needs_grad, i, j, l, nest, batch,
+                                  gathered)
+                        if s is not None:
+                            out.append(s)
     return out
 
 
@@ -104,14 +107,17 @@ def _name(form, sizes, axes, axis_names) -> str:
     return f"{form} {'x'.join(str(n) for n in sizes)} [{','.join(axis_names[a] for a in axes)}]"
 
 
-def _strategy(x_pl, w_pl, b_pl, y_pl, w_grad, b_grad, split, factor, name, comm, needs_grad, has_bias):
+def _strategy(x_pl, w_pl, b_pl, y_pl, w_grad, b_grad, split, factor, name, comm, needs_grad, has_bias,
+              x_grad=None):
     inputs = (x_pl, w_pl) + ((b_pl,) if has_bias else ())
-    grads = (x_pl, w_grad) + ((b_grad,) if has_bias else ())
+    grads = (x_grad or x_pl, w_grad) + ((b_grad,) if has_bias else ())
     grads = tuple(g if needs_grad[k] else None for k, g in enumerate(grads))
     return Strategy(split, inputs, (y_pl,), grads, factor, name, comm)
 
 
-def _summa(in_shapes, out_shape, mesh_shape, axis_names, needs_grad, i, j, m, batch):
+def _summa(in_shapes, out_shape, mesh_shape, axis_names, needs_grad, i, j, m, batch, gathered):
+    """gathered: x arrives gathered over j already (a move its readers share: q, k and v
+    projections of one input gather it once), its gradient handed back Partial over j."""
     x, w = in_shapes[0], in_shapes[1]
     ndim, rank = len(mesh_shape), len(x)
     ni, nj = mesh_shape[i], mesh_shape[j]
@@ -121,7 +127,9 @@ def _summa(in_shapes, out_shape, mesh_shape, axis_names, needs_grad, i, j, m, ba
     if not (_divides(x[m], ni, nb if m == 0 else 1) and _divides(x[0], nb) and _divides(k, nj) and _divides(k, ni)
             and _divides(n, nj)):
         return None
-    x_pl = _placements(ndim, {i: Shard(m), j: Shard(rank - 1), **{a: Shard(0) for a in batch}})
+    x_pl = _placements(ndim, {i: Shard(m), j: Replicate() if gathered else Shard(rank - 1),
+                              **{a: Shard(0) for a in batch}})
+    x_grad = _placements(ndim, {i: Shard(m), j: Partial(), **{a: Shard(0) for a in batch}}) if gathered else x_pl
     y_pl = _placements(ndim, {i: Shard(m), j: Shard(rank - 1), **{a: Shard(0) for a in batch}})
     w_pl = _placements(ndim, {i: Shard(1), j: Shard(0)})
     w_grad = _placements(ndim, {i: Shard(1), j: Shard(0), **{a: Partial() for a in batch}})
@@ -133,21 +141,33 @@ def _summa(in_shapes, out_shape, mesh_shape, axis_names, needs_grad, i, j, m, ba
     x_local = math.prod(x) / (ni * nj * nb)
     w_local = n * k / (ni * nj)
     gx, gw = x_local * nj / rows, w_local * ni / rows   # gathered elements per local batch row
-    comm = [("all_gather", j, gx, "forward"), ("all_gather", i, gw, "forward")]
-    if needs_grad[1]:
-        comm += [("all_gather", j, gx, "backward"), ("reduce_scatter", i, gw, "backward")]
-    if needs_grad[0]:
-        comm += [("all_gather", i, gw, "backward"), ("reduce_scatter", j, gx, "backward")]
+    comm = _comm([("all_gather", j, gx, "forward"), ("all_gather", i, gw, "forward")], needs_grad, i, j, gx, gw,
+                 gathered)
     depth = nb if batch and ni == nj else 0
     name = (_name("2.5d", (ni, nj, depth), (i, j) + tuple(batch), axis_names) if depth
             else _name("summa", (ni, nj), (i, j), axis_names))
     return _strategy(x_pl, w_pl, b_pl, y_pl, w_grad, b_grad, split, ni * nj * nb, name, tuple(comm),
-                     needs_grad, len(in_shapes) > 2)
+                     needs_grad, len(in_shapes) > 2, x_grad)
 
 
-def _cube(in_shapes, out_shape, mesh_shape, axis_names, needs_grad, i, j, l, nest, batch):
+def _comm(forward, needs_grad, i, j, gx, gw, gathered) -> tuple:
+    """The collectives of a grid layer: `forward`'s, then backward's regathers of x (for dW)
+    and of W (for dx) and the reduce-scatters of dW and dx; an x that arrives gathered is
+    neither gathered nor its gradient reduced inside."""
+    comm = list(forward)
+    if gathered:
+        comm = [c for c in comm if not (c[0] == "all_gather" and c[1] == j)]
+    if needs_grad[1]:
+        comm += ([] if gathered else [("all_gather", j, gx, "backward")]) + [("reduce_scatter", i, gw, "backward")]
+    if needs_grad[0]:
+        comm += [("all_gather", i, gw, "backward")] + ([] if gathered else [("reduce_scatter", j, gx, "backward")])
+    return tuple(comm)
+
+
+def _cube(in_shapes, out_shape, mesh_shape, axis_names, needs_grad, i, j, l, nest, batch, gathered):
     """3D on axes (i, j, l); nest: the weight dim split a second time over i (1: k, nested
-    inside l; 0: n, inside j), which must be the inner of the two axes splitting it."""
+    inside l; 0: n, inside j), which must be the inner of the two axes splitting it;
+    gathered: as for _summa."""
     x, w = in_shapes[0], in_shapes[1]
     ndim, rank = len(mesh_shape), len(x)
     if (l if nest == 1 else j) > i:
@@ -158,7 +178,10 @@ def _cube(in_shapes, out_shape, mesh_shape, axis_names, needs_grad, i, j, l, nes
     if not (_divides(x[0], ni, nb) and _divides(x[1], nj) and _divides(x[1], nl) and _divides(k, nl)
             and _divides(n, nj) and _divides(w[nest], ni, nj if nest == 0 else nl)):
         return None
-    x_pl = _placements(ndim, {i: Shard(0), j: Shard(1), l: Shard(rank - 1), **{a: Shard(0) for a in batch}})
+    x_pl = _placements(ndim, {i: Shard(0), j: Replicate() if gathered else Shard(1), l: Shard(rank - 1),
+                              **{a: Shard(0) for a in batch}})
+    x_grad = (_placements(ndim, {i: Shard(0), j: Partial(), l: Shard(rank - 1), **{a: Shard(0) for a in batch}})
+              if gathered else x_pl)
     y_pl = _placements(ndim, {i: Shard(0), j: Shard(rank - 1), l: Shard(1), **{a: Shard(0) for a in batch}})
     w_pl = _placements(ndim, {i: Shard(nest), j: Shard(0), l: Shard(1)})
     w_grad = _placements(ndim, {i: Shard(nest), j: Shard(0), l: Shard(1), **{a: Partial() for a in batch}})
@@ -171,15 +194,12 @@ def _cube(in_shapes, out_shape, mesh_shape, axis_names, needs_grad, i, j, l, nes
     gx = math.prod(x) / p * nj / rows
     gw = n * k / (ni * nj * nl) * ni / rows
     gy = math.prod(out_shape) / p * nl / rows    # the partial output before its reduce-scatter
-    comm = [("all_gather", j, gx, "forward"), ("all_gather", i, gw, "forward"),
-            ("reduce_scatter", l, gy, "forward"), ("all_gather", l, gy, "backward")]
-    if needs_grad[1]:
-        comm += [("all_gather", j, gx, "backward"), ("reduce_scatter", i, gw, "backward")]
-    if needs_grad[0]:
-        comm += [("all_gather", i, gw, "backward"), ("reduce_scatter", j, gx, "backward")]
+    comm = _comm([("all_gather", j, gx, "forward"), ("all_gather", i, gw, "forward"),
+                  ("reduce_scatter", l, gy, "forward"), ("all_gather", l, gy, "backward")],
+                 needs_grad, i, j, gx, gw, gathered)
     name = _name("3d", (ni, nj, nl), (i, j, l), axis_names)
-    return _strategy(x_pl, w_pl, b_pl, y_pl, w_grad, b_grad, split, p, name, tuple(comm), needs_grad,
-                     len(in_shapes) > 2)
+    return _strategy(x_pl, w_pl, b_pl, y_pl, w_grad, b_grad, split, p, name, comm, needs_grad,
+                     len(in_shapes) > 2, x_grad)
 
 
 def split_norm_strategies(base: list, in_shapes, mesh_shape, axis_names, rms: bool) -> list[Strategy]:

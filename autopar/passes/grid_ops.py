@@ -1,7 +1,8 @@
 """Per-rank linear layers on a grid of mesh axes (2D, 2.5D, 3D) and split norms; the
 strategies are described in autopar/ops/grid_rule.py.
 
-grid_linear: x's local block is gathered over axis j along `x_dim`, W's over axis i along
+grid_linear: x's local block is gathered over axis j along `x_dim` (None: x arrived gathered,
+a move its readers share, and its gradient goes back Partial over j), W's over axis i along
 `w_dim`, the product is reduce-scattered over axis l along `y_dim` (3D only), then the bias
 (split like the output's last dim) is added.  Only the local blocks are kept for backward,
 which gathers them again: the gradient of the output is gathered over l, dx is
@@ -24,12 +25,16 @@ MOVED = {"bytes": 0}   # bytes this rank received or sent in grid collectives (r
 
 
 def _gather(t, dim, axis, groups):
+    if dim is None:   # (x arrived gathered)
+        return t
     n = groups.size(axis)
     MOVED["bytes"] += t.numel() * t.element_size() * (n - 1)
     return all_gather_dim(t, dim, groups.group(axis), n)
 
 
 def _scatter(t, dim, axis, groups):
+    if dim is None:   # (x arrived gathered: its gradient goes back Partial)
+        return t
     n = groups.size(axis)
     MOVED["bytes"] += t.numel() * t.element_size() * (n - 1) // n
     return reduce_scatter_dim(t, dim, groups.group(axis), n, groups.coordinate(axis), axis)

@@ -176,7 +176,7 @@ def _to_grid_linear(node, choice):
     i, j, l = role["grid-i"], role["grid-j"], role.get("grid-l")
     x, w = node.args[0], node.args[1]
     b = op_arg(node, 2, "bias")
-    x_dim, w_dim = choice.inputs[0][j].dim, choice.inputs[1][i].dim
+    x_dim, w_dim = getattr(choice.inputs[0][j], "dim", None), choice.inputs[1][i].dim
     y_dim = choice.outputs[0][l].dim if l is not None else -1
     node.target = grid_ops.grid_linear
     node.args = (x, w, b, i, j, l, x_dim, w_dim, y_dim, _groups_node(node))

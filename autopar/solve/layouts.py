@@ -42,7 +42,7 @@ import weakref
 from torch.distributed.tensor import Replicate, Shard
 
 from autopar.ops.attention_rule import ATTENTION_OPS
-from autopar.ops.grid_rule import form_of
+from autopar.ops.grid_rule import form_of, is_grid
 from autopar.ops.strategy import passes_partial
 from autopar.solve.graph import VIEWS
 
@@ -161,6 +161,8 @@ def megatron(axes_tp):
                 if a not in axes_tp and not isinstance(p, Replicate):
                     return False
             return True
+        if is_grid(strategy):   # (Megatron's matmuls are 1D: the grid forms have layouts of their own)
+            return False
         if pn.op == "autopar.experts":  # tensor parallelism inside every expert, tokens split elsewhere
             return all(kind == ("i" if a in axes_tp else "t") for a, kind in enumerate(strategy.split) if n[a] > 1)
         if not _splits_on(problem, pn, strategy, [a for a in range(len(n)) if a not in axes_tp]):
