@@ -36,41 +36,51 @@ H, B, S = 64, 8, 16          # the block's sizes: x [B, S, H], fc1 H -> 4H, fc2 
 X, Y, W = B * S * H, B * S * 4 * H, 4 * H * H   # elements: the block's input (and output), fc1's output, a weight
 
 
-def _grid_closed_form(form: str, sizes: tuple) -> tuple:
+def _grid_closed_form(form: str, sizes: tuple, gathered: list) -> tuple:
     """(forward, backward) bytes per device, per collective kind, of the block's two grid
-    layers: x gathered over j, W over i, 3D's partial output reduce-scattered over l; backward
-    gathers both again and reduce-scatters dW, and dx except for the first layer (its input
-    takes no gradient); 3D gathers the output's gradient over l first."""
+    layers, and the bytes of the inputs gathered before them: x gathered over j, W over i,
+    3D's partial output reduce-scattered over l; backward gathers both again and
+    reduce-scatters dW, and dx except for the first layer (its input takes no gradient); 3D
+    gathers the output's gradient over l first.  A layer whose input arrives gathered
+    (`gathered`, per layer) neither gathers x nor reduce-scatters dx: the move before it does."""
     ni, nj = sizes[0], sizes[1]
     nl = sizes[2] if form == "3d" else 1
     p = ni * nj * (sizes[2] if len(sizes) > 2 else 1)
     fwd, bwd = {}, {}
+    outside = 0
 
     def add(table, kind, elements):
         table[kind] = table.get(kind, 0) + 4 * elements
-    for x, y, first in ((X, Y, True), (Y, X, False)):
+    for (x, y, first), before in zip(((X, Y, True), (Y, X, False)), gathered):
         gx, gw, gy = x / p * (nj - 1), W / (ni * nj * nl) * (ni - 1), y / p * (nl - 1)
+        if before:
+            outside += 4 * gx
+            gx = 0
         add(fwd, "all_gather", gx + gw)
         add(bwd, "all_gather", gx + (0 if first else gw))
         add(bwd, "reduce_scatter", gw + (0 if first else gx))
         if form == "3d":
             add(fwd, "reduce_scatter", gy)
             add(bwd, "all_gather", gy)
-    return fwd, bwd
+    return ({k: v for k, v in fwd.items() if v}, {k: v for k, v in bwd.items() if v}, outside)
 
 
 @pytest.mark.parametrize("shape,layout,form", [((2, 2), "tp-2d", "summa"), ((2, 2, 2), "tp-2.5d", "2.5d"),
                                                ((2, 2, 2), "tp-3d", "3d")])
 def test_grid_layers_move_the_bytes_of_their_closed_forms(pool4, pool8, shape, layout, form):
-    """Counted at the collective calls of one forward and one training step, per device."""
+    """Counted at the collective calls of one forward and one training step, per device,
+    inside the grid layers; an input the plan gathers before its layer is gathered there."""
     from grid_cases import block_plan, grid_bytes
     plan = block_plan(H, B, S, shape, layout)
     assert _forms(plan) == {form}
-    fwd, bwd = _grid_closed_form(form, shape)
+    linears = [n for n in plan["nodes"] if n["op"] == "aten.linear"]
+    gathered = [n["inputs"][0][n["split"].index("grid-j")] == "R" for n in linears]
+    fwd, bwd, outside = _grid_closed_form(form, shape, gathered)
     step = {k: fwd.get(k, 0) + bwd.get(k, 0) for k in set(fwd) | set(bwd)}
     for got in (pool4 if len(shape) == 2 else pool8).run(grid_bytes, H, B, S, plan):
         assert got["forward"]["grid"] == pytest.approx(fwd, abs=0), got
         assert got["step"]["grid"] == pytest.approx(step, abs=0), got
+        assert got["forward"].get("other", {}).get("all_gather", 0) >= outside, got
 
 
 def test_megatron_block_moves_its_closed_form(pool4):
@@ -81,3 +91,52 @@ def test_megatron_block_moves_its_closed_form(pool4):
     assert [n["strategy"] for n in plan["nodes"] if n["op"] == "aten.linear"] == ["a=col", "a=row"]
     got = pool4.run(grid_bytes, H, B, S, plan)[0]
     assert got["forward"] == {"other": {"all_reduce": 4 * 2 * 3 * X // 4}}, got
+
+
+def _random_plans(spec, layout, shape, seeds):
+    import autopar
+    from rt_cases import build_case
+    model, args, kwargs = build_case(spec)
+    mesh = autopar.Mesh(shape, tuple("abc"[:len(shape)]), device="cpu")
+    return [p.to_dict() for p in autopar.random_plans(model, mesh, args, example_kwargs=kwargs or None, seeds=seeds,
+                                                      compare=False, layout=layout)]
+
+
+@pytest.mark.parametrize("layout,shape", [("tp-2d", (2, 2)), ("tp-3d", (2, 2, 2))])
+def test_random_grid_plans_train_like_one_device(pool4, pool8, layout, shape):
+    """Random plans within the grid layouts (every op's strategy drawn from what the layout
+    allows: orientations, row dims, inputs gathered inside or before, norms split or not)."""
+    plans = _random_plans(GPT, layout, shape, (1, 2))
+    kinds = {(n["strategy"].split(" ", 1)[0], n["inputs"][0][n["split"].index("grid-j")] == "R")
+             for p in plans for n in p["nodes"] if n["op"] == "aten.linear" and "grid-j" in n["split"]}
+    assert {gathered for _, gathered in kinds} == {False, True}, kinds
+    for plan in plans:
+        result = (pool4 if len(shape) == 2 else pool8).run(train_and_compare, GPT, plan)[0]
+        assert result["ok"], (plan["origin"], result)
+
+
+def test_tp_2d_trains_in_mixed_precision(pool4):
+    from rt_cases import check_mixed_precision, mixed_precision_vs_reference
+    plan = plan_for(GPT, "tp-2d", (2, 2), ("a", "b"), mixed_precision="bf16")
+    assert "summa" in _forms(plan)
+    check_mixed_precision(pool4.run(mixed_precision_vs_reference, GPT, plan)[0])
+
+
+def test_a_grid_checkpoint_resumes_under_another_layout_and_back(pool4, tmp_path):
+    """2D-sharded weights (two Shard placements) saved and resumed under ZeRO-3, and back."""
+    from rt_cases import resume_across_layouts
+    grid, other = plan_for(LLAMA, "tp-2d", (2, 2), ("a", "b")), plan_for(LLAMA, "zero3", (2, 2), ("a", "b"))
+    assert any(len([p for p in pl if p.startswith("S")]) == 2 for pl in grid["param_placements"].values())
+    for first, second, name in ((grid, other, "there"), (other, grid, "back")):
+        result = pool4.run(resume_across_layouts, LLAMA, first, second, str(tmp_path / name))[0]
+        assert result["param"] <= 0 and result["loss"] <= 0, (name, result)
+
+
+def test_2_5d_with_zero_over_the_depth_trains_like_one_device(pool8):
+    """The depth axis holds whole weights: drawn plans put ZeRO-1/2 on it."""
+    plans = _random_plans(GPT, "tp-2.5d", (2, 2, 2), (3, 4))
+    assert any(s["stage"] and "a" in s["axes"] for p in plans for s in p["param_states"].values())
+    for plan in plans:
+        assert "2.5d" in _forms(plan)
+        result = pool8.run(train_and_compare, GPT, plan)[0]
+        assert result["ok"], (plan["origin"], result)

@@ -27,7 +27,8 @@ comparison with autopar's own plan is like for like:
 - tp-2d / tp-2.5d / tp-3d: every linear layer inside the repeated layers on a grid of the
   innermost mesh axes (ops/grid_rule.py): SUMMA on two axes, Tesseract's 2.5D (a square
   grid, the batch split over the other axes as its depth), or the 3D matmul on three; the
-  other ops as the cost model prefers, parameters kept as placed.  On a mesh whose further
+  other ops as the cost model prefers, parameters on the device (ZeRO-1/2 over the axes a
+  weight is whole on where the cost model prefers).  On a mesh whose further
   axes split the batch, 2D and 2.5D are one plan: the name says the grid's shape.
 - context-parallel x megatron-tp and context-parallel x zero3 (every=True, 2+ axes): ring
   attention on the sequence axis, with Megatron on the tensor-parallel axis, or with every
@@ -363,8 +364,8 @@ def grid(layout: str, mesh):
                 and all(strategy.split[a] == "grid-b" for a in big if a not in axes))
 
     def allowed(problem, pn, strategy) -> bool:
-        if pn.kind == "param":
-            return _plain(strategy)
+        if pn.kind == "param":   # (ZeRO-1/2 over the axes a weight is whole on: the depth, data parallel)
+            return not strategy.offload
         if layer_matrix(problem, pn):
             return fits(strategy)
         return True
