@@ -44,6 +44,7 @@ from autopar.ops.strategy import Strategy
 ROLES = frozenset({"grid-i", "grid-j", "grid-l", "grid-b"})
 NORM = "norm"
 NORM_OPS = ("aten.layer_norm", "aten.rms_norm")
+GRID_FORMS = ("summa", "2.5d", "3d")   # the first word of a grid strategy's name
 
 
 def is_grid(strategy: Strategy) -> bool:

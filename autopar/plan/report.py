@@ -7,6 +7,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 from autopar.ops.attention_rule import ATTENTION_OPS
+from autopar.ops.grid_rule import GRID_FORMS
 from autopar.ops.strategy import offload_label
 from autopar.plan.records import format_bytes, format_seconds, show
 from autopar.trace.paths import layer_path
@@ -25,6 +26,11 @@ def sequence_lines(plan) -> list:
     if any(k.endswith("=ring") for k in kinds):
         lines.append("ring attention balances causal masks in the zigzag layout: of 2n chunks, rank r computes the "
                      "queries of chunks r and 2n-1-r (exchanged into that order inside the op and back)")
+    grids = Counter(n.strategy.split(" [", 1)[0] + " on " + n.strategy.split(" [", 1)[1].rstrip("]")
+                    for n in plan.nodes if n.op == "aten.linear" and n.strategy.split(" ", 1)[0] in GRID_FORMS)
+    if grids:
+        lines.append("grid tensor parallelism: " + ", ".join(f"{k} ({v} linear layers)" for k, v in sorted(grids.items()))
+                     + "; activations and weights split over the grid's axes, each layer gathering its blocks")
     for ax in megatron_sp_axes(plan):
         lines.append(f"sequence parallel (Megatron-SP) on {ax}: activations between the tensor-parallel matmuls are "
                      f"split by sequence; reduce-scatter after each block and all-gather before it replace its all-reduce")
