@@ -71,6 +71,15 @@ SLOW = {
     "test_recompute.py::test_llama3_8b_8k_tokens_on_eight_h100",                        # 26 s
     "test_recompute.py::test_llama3_8b_256k_tokens_on_eight_h100",                      # 13 s
     "test_recompute.py::test_random_plans_activations_counted_in_their_layouts",        # 9-18 s a model
+    "test_grid_tp.py::test_tp_2d_trains_like_one_device[llama]",                     # grid forms: 2D on GPT,
+    "test_grid_tp.py::test_tp_2d_trains_like_one_device[hf-llama]",                  # its bytes and 1D's stay fast
+    "test_grid_tp.py::test_three_axis_grids_train_like_one_device",                  # 20 s a case, 8 ranks
+    "test_grid_tp.py::test_grid_layers_move_the_bytes_of_their_closed_forms[shape1-tp-2.5d-2.5d]",
+    "test_grid_tp.py::test_grid_layers_move_the_bytes_of_their_closed_forms[shape2-tp-3d-3d]",
+    "test_grid_tp.py::test_random_grid_plans_train_like_one_device",
+    "test_grid_tp.py::test_tp_2d_trains_in_mixed_precision",
+    "test_grid_tp.py::test_a_grid_checkpoint_resumes_under_another_layout_and_back",
+    "test_grid_tp.py::test_2_5d_with_zero_over_the_depth_trains_like_one_device",
     "test_inductor.py::test_eval_and_train_switch_the_compiled_graph",
     "test_inductor.py::test_zero_bubble_under_inductor_is_refused",
     "test_inductor.py::test_inductor_mixed_precision_equals_one_device",
@@ -193,7 +202,7 @@ def pytest_collection_modifyitems(config, items):
         test = f"{item.path.name}::{item.originalname}"
         if test in FULL:
             item.add_marker(pytest.mark.full)
-        elif item.path.name in SLOW or test in SLOW:
+        elif item.path.name in SLOW or test in SLOW or f"{item.path.name}::{item.name}" in SLOW:
             item.add_marker(pytest.mark.slow)
         elif test in SAMPLED:
             by_sweep.setdefault(test, []).append(item)

@@ -175,7 +175,7 @@ def layout_plan(layout: str) -> tuple:
     if layout == "solver":
         return GPT, plan_for(GPT, None)
     if layout == "random":
-        return GPT, random_plan(3)
+        return GPT, random_plan(5)
     if layout == "pipeline":
         return GPT4, plan_for(GPT4, "megatron-tp", (2, 2), ("pp", "tp"),
                               autopar.Pipeline(axis="pp", groups=2, schedule="1f1b", microbatches=2))
@@ -219,10 +219,11 @@ def test_a_nan_weight_on_one_rank_stops_every_rank(pool4, layout):
     """One entry of one rank's shard of blocks.1.mlp.fc1.weight set to NaN: every rank names
     step 2 and the first parameter whose gradient one device finds non-finite with that
     weight NaN; under the solver's replicated plan the loss is NaN on that rank alone, and
-    the message says so on every rank.  (The random draw computes the matmul whole on every
-    rank and then keeps each rank's slice of its output units: the NaN unit is dropped on
-    that rank and the loss stays finite, while backward, multiplying by the whole weight,
-    makes the gradients NaN.)"""
+    the message says so on every rank.  (The random draw, seed 5, stores the weight split
+    over tp and gathers it whole for the matmul: the NaN reaches every rank of the bad
+    rank's tp group.  A draw may also leave the poisoned entry unread: seed 3 now runs the
+    layer as SUMMA, whose rank reads only its block of the replicated weight, and the next
+    ZeRO-2 step overwrites the unread copy; nothing is wrong then, and nothing is raised.)"""
     spec, plan = layout_plan(layout)
     results = pool4.run(nan_on_one_rank, spec, plan, "param")
     first = first_non_finite_on_one_device(spec, POISONED)
