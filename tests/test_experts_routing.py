@@ -131,7 +131,7 @@ CASES = [  # (routing, mesh shape, axis names, layout, random plan seed, the exp
     ("one gets all", (4,), ("tp",), "expert-parallel", None, {"tp=expert-parallel"}),   # ranks 1-3 idle
     # experts split with tokens whole (the idle ranks' Partial sums are zero), and the inner dim split
     ("two of four", (2, 2), ("dp", "tp"), None, 1, {"dp=experts"}),
-    ("two of four", (2, 2), ("dp", "tp"), None, 6, {"dp=expert-parallel tp=tokens", "dp=tokens tp=inner"}),
+    ("two of four", (2, 2), ("dp", "tp"), None, 6, {"dp=expert-parallel tp=tokens", "tp=expert-parallel"}),
     ("one gets all", (4,), ("tp",), "megatron-tp", None, {"tp=inner"}),
 ]
 
