@@ -150,7 +150,7 @@ def test_hand_written_layouts_plan_on_three_axes():
     mesh = mesh_of(MESH_3)
     best = autopar.plan(model, mesh, example, compare=False)
     names = sorted(baselines.layouts(mesh, every=True))
-    assert len(names) == 15  # 10, and Megatron-SP, ring and Ulysses x dp, ring x Megatron, ring x ZeRO-3
+    assert len(names) == 18  # 10, Megatron-SP, ring and Ulysses x dp, ring x Megatron, ring x ZeRO-3, tp-2d/2.5d/3d
     tp = mesh.axis_names.index("tp")
     for name in names:
         plan = autopar.plan(model, mesh, example, layout=name, compare=False)
@@ -168,6 +168,11 @@ def test_hand_written_layouts_plan_on_three_axes():
         if name.startswith(("context-parallel", "ulysses")):
             kind = "ring" if name.startswith("context") else "ulysses"
             assert {n.split[2] for n in plan.nodes if n.op == "aten.scaled_dot_product_attention"} == {kind}
+        if name.startswith("tp-"):   # every MLP weight split on the grid's axes, each linear layer on the grid
+            grid = 3 if name == "tp-3d" else 2
+            assert all(sum(isinstance(x, Shard) for x in p) == grid for p in weights.values()), (name, weights)
+            forms = {n.strategy.split(" ", 1)[0] for n in plan.nodes if n.op == "aten.linear" and ".mlp." in n.module}
+            assert forms and forms <= set(baselines.GRID_FORMS[name]), (name, forms)   # (tp-2d here: 2.5D)
         if name in ("zero1", "zero2"):
             stage = int(name[-1])
             assert {s.stage for s in plan.param_states.values()} == {stage}, name
