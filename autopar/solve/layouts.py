@@ -343,6 +343,18 @@ def unavailable(rule, problem) -> str | None:
 GRID_FORMS = {"tp-2d": ("summa", "2.5d"), "tp-2.5d": ("2.5d",), "tp-3d": ("3d",)}
 
 
+def grid_misfit(layout: str, mesh) -> str | None:
+    """Why a grid layout cannot be had on this mesh's shape, or None."""
+    big = [a for a, n in enumerate(mesh.shape) if n > 1]
+    need = 3 if layout in ("tp-3d", "tp-2.5d") else 2
+    if len(big) < need:
+        return (f"{layout} needs {need} mesh axes of size > 1"
+                + (" (a q x q grid and a depth)" if layout == "tp-2.5d" else "") + f"; the mesh has {len(big)}")
+    if layout == "tp-2.5d" and mesh.shape[big[-1]] != mesh.shape[big[-2]]:
+        return "tp-2.5d needs a square grid on the two innermost axes of size > 1"
+    return None
+
+
 def grid(layout: str, mesh):
     """Linear layers in the repeated layers on the grid of `layout` (GRID_FORMS) over the
     innermost axes of size > 1 (two, or three for 3D); the further axes split the batch."""
@@ -371,10 +383,8 @@ def grid(layout: str, mesh):
         return True
 
     def check(problem) -> str | None:
-        if len(axes) < (3 if layout == "tp-3d" else 2):
-            return f"{layout} needs {3 if layout == 'tp-3d' else 2} mesh axes of size > 1; the mesh has {len(big)}"
-        if layout == "tp-2.5d" and (len(big) < 3 or len({mesh.shape[a] for a in axes}) > 1):
-            return "tp-2.5d needs a square grid on the two innermost axes and a further axis as its depth"
+        if grid_misfit(layout, mesh):
+            return grid_misfit(layout, mesh)
         for pn in problem.nodes:
             if layer_matrix(problem, pn) and not any(fits(s) for s in problem.nodes[pn.rep].strategies):
                 shapes = [problem.nodes[src].out_shapes[o] for src, o in pn.inputs[:2]]
@@ -402,8 +412,6 @@ def layouts(mesh, every: bool = False) -> dict:
         out["context-parallel x dp"] = sequence_split("ring", sp)
         out["ulysses x dp"] = sequence_split("ulysses", sp)
         if every:
-            for name in GRID_FORMS:
-                out[name] = grid(name, mesh)
             for stage in (1, 2, 3):
                 out[f"megatron-tp x zero{stage}"] = megatron_zero(tp, stage)
             out["context-parallel x zero3"] = sequence_split("ring", sp, zero3)
@@ -414,4 +422,8 @@ def layouts(mesh, every: bool = False) -> dict:
         out["megatron-sp"] = megatron_sp(set(range(mesh.ndim)))
         out["context-parallel"] = sequence_split("ring", sp)
         out["ulysses"] = sequence_split("ulysses", sp)
+    if every:
+        for name in GRID_FORMS:
+            if grid_misfit(name, mesh) is None:
+                out[name] = grid(name, mesh)
     return out
