@@ -23,8 +23,9 @@ def test_tp_2d_trains_like_one_device(pool4, spec):
     assert result["ok"], result
 
 
-@pytest.mark.parametrize("layout", ["tp-2.5d", "tp-3d"])
-@pytest.mark.parametrize("spec", [GPT, LLAMA, HF_LLAMA], ids=["gpt", "llama", "hf-llama"])
+@pytest.mark.parametrize("spec,layout", [(GPT, "tp-2.5d"), (GPT, "tp-3d"), (LLAMA, "tp-3d"), (HF_LLAMA, "tp-2.5d"),
+                                         (HF_LLAMA, "tp-3d")],
+                         ids=["gpt-2.5d", "gpt-3d", "llama-3d", "hf-llama-2.5d", "hf-llama-3d"])
 def test_three_axis_grids_train_like_one_device(pool8, spec, layout):
     plan = plan_for(spec, layout, (2, 2, 2), ("a", "b", "c"))
     assert _forms(plan) & {"2.5d", "3d"} == {layout[3:]}
