@@ -172,7 +172,7 @@ def test_hand_written_layouts_plan_on_three_axes():
             grid = 3 if name == "tp-3d" else 2
             assert all(sum(isinstance(x, Shard) for x in p) == grid for p in weights.values()), (name, weights)
             forms = {n.strategy.split(" ", 1)[0] for n in plan.nodes if n.op == "aten.linear" and ".mlp." in n.module}
-            assert forms and forms <= set(baselines.GRID_FORMS[name]), (name, forms)   # (tp-2d here: 2.5D)
+            assert forms and forms <= set(baselines.GRID_LAYOUTS[name]), (name, forms)   # (tp-2d here: 2.5D)
         if name in ("zero1", "zero2"):
             stage = int(name[-1])
             assert {s.stage for s in plan.param_states.values()} == {stage}, name

@@ -340,7 +340,7 @@ def unavailable(rule, problem) -> str | None:
     return check(problem) if check is not None else None
 
 
-GRID_FORMS = {"tp-2d": ("summa", "2.5d"), "tp-2.5d": ("2.5d",), "tp-3d": ("3d",)}
+GRID_LAYOUTS = {"tp-2d": ("summa", "2.5d"), "tp-2.5d": ("2.5d",), "tp-3d": ("3d",)}
 
 
 def grid_misfit(layout: str, mesh) -> str | None:
@@ -356,9 +356,9 @@ def grid_misfit(layout: str, mesh) -> str | None:
 
 
 def grid(layout: str, mesh):
-    """Linear layers in the repeated layers on the grid of `layout` (GRID_FORMS) over the
+    """Linear layers in the repeated layers on the grid of `layout` (GRID_LAYOUTS) over the
     innermost axes of size > 1 (two, or three for 3D); the further axes split the batch."""
-    forms = GRID_FORMS[layout]
+    forms = GRID_LAYOUTS[layout]
     big = [a for a, n in enumerate(mesh.shape) if n > 1]
     axes = frozenset(big[-3:] if layout == "tp-3d" else big[-2:])
 
@@ -423,7 +423,7 @@ def layouts(mesh, every: bool = False) -> dict:
         out["context-parallel"] = sequence_split("ring", sp)
         out["ulysses"] = sequence_split("ulysses", sp)
     if every:
-        for name in GRID_FORMS:
+        for name in GRID_LAYOUTS:
             if grid_misfit(name, mesh) is None:
                 out[name] = grid(name, mesh)
     return out

@@ -265,7 +265,7 @@ def _check_layout(problem, model, mesh: Mesh, layout) -> dict:
     """Every hand-written layout of `mesh` (name -> rule); raises ValueError for a `layout`
     that is unknown or not possible for this model."""
     every = B.layouts(mesh, every=True)
-    if layout in B.GRID_FORMS and layout not in every:
+    if layout in B.GRID_LAYOUTS and layout not in every:
         raise ValueError(f"layout {layout!r} is not possible on mesh {mesh}: {B.grid_misfit(layout, mesh)}")
     if layout is not None and layout not in every:
         raise ValueError(f"unknown layout {layout!r} for mesh {mesh}; choose one of {sorted(every)}")
