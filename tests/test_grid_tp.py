@@ -1,7 +1,7 @@
 """Multi-dimensional tensor parallelism (ops/grid_rule.py, passes/grid_ops.py): linear layers
-on a grid of mesh axes (SUMMA 2D, Tesseract 2.5D, the 3D matmul) and the split norms
-between them train like one device, move the bytes their closed forms say, and are what the
-planner picks where they win."""
+on a grid of mesh axes (SUMMA 2D, Tesseract 2.5D, the 3D matmul, 2D weight-stationary) and
+the split norms between them train like one device and move the bytes their closed forms
+say; the planner picks a 2D form over 1D where it wins."""
 import pytest
 
 from rt_cases import plan_for, train_and_compare
@@ -30,6 +30,24 @@ def test_three_axis_grids_train_like_one_device(pool8, spec, layout):
     plan = plan_for(spec, layout, (2, 2, 2), ("a", "b", "c"))
     assert _forms(plan) & {"2.5d", "3d"} == {layout[3:]}
     result = pool8.run(train_and_compare, spec, plan)[0]
+    assert result["ok"], result
+
+
+def _crossed(plan_dict) -> list:
+    """(column axis, row axis) of each linear layer in the repeated layers (None: not 2D)."""
+    from autopar.ops.strategy import crossed_axes
+    return [crossed_axes(n["split"]) for n in plan_dict["nodes"]
+            if n["op"] == "aten.linear" and n["module"].startswith(("blocks.", "model.layers.", "layers."))]
+
+
+@pytest.mark.parametrize("spec", [GPT, LLAMA, HF_LLAMA], ids=["gpt", "llama", "hf-llama"])
+def test_tp_2d_weight_stationary_trains_like_one_device(pool4, spec):
+    """2D weight-stationary: every layer's weight split by columns on one axis and rows on
+    the other; consecutive layers cross the other way round (q, k, v one way, o the other)."""
+    plan = plan_for(spec, "tp-2d-ws", (2, 2), ("a", "b"))
+    crossed = _crossed(plan)
+    assert crossed and None not in crossed and set(crossed) == {(0, 1), (1, 0)}, crossed
+    result = pool4.run(train_and_compare, spec, plan)[0]
     assert result["ok"], result
 
 
@@ -103,14 +121,19 @@ def _random_plans(spec, layout, shape, seeds):
                                                       compare=False, layout=layout)]
 
 
-@pytest.mark.parametrize("layout,shape", [("tp-2d", (2, 2)), ("tp-3d", (2, 2, 2))])
+@pytest.mark.parametrize("layout,shape", [("tp-2d", (2, 2)), ("tp-3d", (2, 2, 2)), ("tp-2d-ws", (2, 2))])
 def test_random_grid_plans_train_like_one_device(pool4, pool8, layout, shape):
     """Random plans within the grid layouts (every op's strategy drawn from what the layout
-    allows: orientations, row dims, inputs gathered inside or before, norms split or not)."""
+    allows: orientations, row dims, inputs gathered inside or before, norms split or not;
+    for the weight-stationary form, which axis takes the columns, and what lies between)."""
     plans = _random_plans(GPT, layout, shape, (1, 2))
-    kinds = {(n["strategy"].split(" ", 1)[0], n["inputs"][0][n["split"].index("grid-j")] == "R")
-             for p in plans for n in p["nodes"] if n["op"] == "aten.linear" and "grid-j" in n["split"]}
-    assert {gathered for _, gathered in kinds} == {False, True}, kinds
+    if layout == "tp-2d-ws":
+        crossed = [c for p in plans for c in _crossed(p)]
+        assert None not in crossed and set(crossed) == {(0, 1), (1, 0)}, crossed
+    else:
+        kinds = {(n["strategy"].split(" ", 1)[0], n["inputs"][0][n["split"].index("grid-j")] == "R")
+                 for p in plans for n in p["nodes"] if n["op"] == "aten.linear" and "grid-j" in n["split"]}
+        assert {gathered for _, gathered in kinds} == {False, True}, kinds
     for plan in plans:
         result = (pool4 if len(shape) == 2 else pool8).run(train_and_compare, GPT, plan)[0]
         assert result["ok"], (plan["origin"], result)
@@ -141,3 +164,42 @@ def test_2_5d_with_zero_over_the_depth_trains_like_one_device(pool8):
         assert "2.5d" in _forms(plan)
         result = pool8.run(train_and_compare, GPT, plan)[0]
         assert result["ok"], (plan["origin"], result)
+
+
+def _gpt3_layers(layers: int, batch: int, seq: int = 2048):
+    from autopar.models import build
+    return build("gpt2-124m", device="meta", hidden=12288, n_heads=96, n_layers=layers, max_seq=seq, batch=batch,
+                 seq=seq)
+
+
+def test_planner_picks_2d_over_1d_where_it_wins_and_not_where_it_does_not():
+    """GPT-3's layers (hidden 12288), two of them, planned for H100 clusters.
+
+    512 devices, batch 8: the batch splits at most 8 ways, so 1D Megatron either computes
+    redundantly or gathers every weight over 64 ranks; the ILP's plan splits the layers'
+    weights 2D (weight-stationary) and predicts under half the best 1D layout's step, and no
+    slower than the hand-written 2D layouts.  64 devices in nodes of 8, batch 256: the
+    batch splits over the nodes and 1D Megatron inside a node costs less; the ILP keeps
+    every layer 1D."""
+    import autopar
+    from autopar.ops.grid_rule import GRID_FORMS
+    model, args = _gpt3_layers(2, 8)
+    mesh = autopar.Mesh((8, 8, 8), ("a", "b", "c"), device="h100", devices_per_node=1)
+
+    def step(layout):
+        return autopar.plan(model, mesh, args, compare=False, mixed_precision="bf16", layout=layout)
+    ilp = step(None)
+    crossed = _crossed(ilp.to_dict())
+    assert crossed.count(None) <= len(crossed) // 3, crossed
+    best_1d = min(step(f"megatron-tp x {s}").predicted.step_s for s in ("dp", "zero3"))
+    assert ilp.predicted.step_s < 0.5 * best_1d
+    for layout in ("tp-2d-ws", "tp-2d", "tp-3d"):
+        assert ilp.predicted.step_s <= 1.05 * step(layout).predicted.step_s, layout
+
+    model, args = _gpt3_layers(2, 256)
+    mesh = autopar.Mesh((8, 8), ("node", "gpu"), device="h100", devices_per_node=8)
+    ilp = autopar.plan(model, mesh, args, compare=False, mixed_precision="bf16")
+    assert set(_crossed(ilp.to_dict())) == {None}
+    assert not {n.strategy.split(" ", 1)[0] for n in ilp.nodes} & set(GRID_FORMS)
+    ws = autopar.plan(model, mesh, args, compare=False, mixed_precision="bf16", layout="tp-2d-ws")
+    assert ilp.predicted.step_s < ws.predicted.step_s

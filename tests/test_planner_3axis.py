@@ -14,6 +14,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 import autopar
 import autopar.solve.ilp as S
+from autopar.ops.strategy import crossed_axes
 from autopar.solve import layouts as baselines
 from autopar.models import build
 from autopar.plan.plan import Prediction
@@ -150,7 +151,8 @@ def test_hand_written_layouts_plan_on_three_axes():
     mesh = mesh_of(MESH_3)
     best = autopar.plan(model, mesh, example, compare=False)
     names = sorted(baselines.layouts(mesh, every=True))
-    assert len(names) == 18  # 10, Megatron-SP, ring and Ulysses x dp, ring x Megatron, ring x ZeRO-3, tp-2d/2.5d/3d
+    assert len(names) == 19  # 10, Megatron-SP, ring and Ulysses x dp, ring x Megatron, ring x ZeRO-3,
+    #                          tp-2d/2.5d/3d/2d-ws
     tp = mesh.axis_names.index("tp")
     for name in names:
         plan = autopar.plan(model, mesh, example, layout=name, compare=False)
@@ -171,7 +173,11 @@ def test_hand_written_layouts_plan_on_three_axes():
         if name.startswith("tp-"):   # every MLP weight split on the grid's axes, each linear layer on the grid
             grid = 3 if name == "tp-3d" else 2
             assert all(sum(isinstance(x, Shard) for x in p) == grid for p in weights.values()), (name, weights)
-            forms = {n.strategy.split(" ", 1)[0] for n in plan.nodes if n.op == "aten.linear" and ".mlp." in n.module}
+            mlp = [n for n in plan.nodes if n.op == "aten.linear" and ".mlp." in n.module]
+            if name == "tp-2d-ws":   # columns on one of the two inner axes, rows on the other
+                assert mlp and all(crossed_axes(n.split) in ((1, 2), (2, 1)) for n in mlp), name
+                continue
+            forms = {n.strategy.split(" ", 1)[0] for n in mlp}
             assert forms and forms <= set(baselines.GRID_LAYOUTS[name]), (name, forms)   # (tp-2d here: 2.5D)
         if name in ("zero1", "zero2"):
             stage = int(name[-1])

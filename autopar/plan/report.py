@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from autopar.ops.attention_rule import ATTENTION_OPS
 from autopar.ops.grid_rule import GRID_FORMS
-from autopar.ops.strategy import offload_label
+from autopar.ops.strategy import crossed_axes, offload_label
 from autopar.plan.records import format_bytes, format_seconds, show
 from autopar.trace.paths import layer_path
 
@@ -31,6 +31,13 @@ def sequence_lines(plan) -> list:
     if grids:
         lines.append("grid tensor parallelism: " + ", ".join(f"{k} ({v} linear layers)" for k, v in sorted(grids.items()))
                      + "; activations and weights split over the grid's axes, each layer gathering its blocks")
+    crossed = Counter(" x ".join(sorted(plan.mesh.axis_names[a] for a in pair))
+                      for n in plan.nodes if n.op == "aten.linear" and (pair := crossed_axes(n.split)))
+    if crossed:
+        lines.append("2D tensor parallelism (weight-stationary): " + ", ".join(
+            f"{k} ({v} linear layers)" for k, v in sorted(crossed.items()))
+            + "; each weight split by columns on one axis and by rows on the other, never moved; each layer's "
+              "partial sums reduced over its row axis")
     for ax in megatron_sp_axes(plan):
         lines.append(f"sequence parallel (Megatron-SP) on {ax}: activations between the tensor-parallel matmuls are "
                      f"split by sequence; reduce-scatter after each block and all-gather before it replace its all-reduce")

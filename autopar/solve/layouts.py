@@ -44,7 +44,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autopar.ops.attention_rule import ATTENTION_OPS
 from autopar.ops.grid_rule import form_of, is_grid
-from autopar.ops.strategy import passes_partial
+from autopar.ops.strategy import crossed_axes, passes_partial
 from autopar.solve.graph import VIEWS
 
 
@@ -340,7 +340,7 @@ def unavailable(rule, problem) -> str | None:
     return check(problem) if check is not None else None
 
 
-GRID_LAYOUTS = {"tp-2d": ("summa", "2.5d"), "tp-2.5d": ("2.5d",), "tp-3d": ("3d",)}
+GRID_LAYOUTS = {"tp-2d": ("summa", "2.5d"), "tp-2.5d": ("2.5d",), "tp-3d": ("3d",), "tp-2d-ws": ()}
 
 
 def grid_misfit(layout: str, mesh) -> str | None:
@@ -357,7 +357,10 @@ def grid_misfit(layout: str, mesh) -> str | None:
 
 def grid(layout: str, mesh):
     """Linear layers in the repeated layers on the grid of `layout` (GRID_LAYOUTS) over the
-    innermost axes of size > 1 (two, or three for 3D); the further axes split the batch."""
+    innermost axes of size > 1 (two, or three for 3D); the further axes split the batch.
+    "tp-2d-ws" is the weight-stationary 2D form: each such layer splits its weight by
+    columns on one of the two axes and by rows on the other (which one, per layer, is the
+    ILP's choice: alternating them lets each layer read the last one's output as it lies)."""
     forms = GRID_LAYOUTS[layout]
     big = [a for a, n in enumerate(mesh.shape) if n > 1]
     axes = frozenset(big[-3:] if layout == "tp-3d" else big[-2:])
@@ -371,6 +374,10 @@ def grid(layout: str, mesh):
                    for src, _ in pn.inputs[1:2])
 
     def fits(strategy) -> bool:
+        if layout == "tp-2d-ws":
+            crossed = crossed_axes(strategy.split)
+            return (crossed is not None and set(crossed) == axes
+                    and all(str(strategy.split[a]).startswith("b") for a in big if a not in axes))
         return (form_of(strategy) in forms
                 and {a for a, l in enumerate(strategy.split) if l in ("grid-i", "grid-j", "grid-l")} == axes
                 and all(strategy.split[a] == "grid-b" for a in big if a not in axes))

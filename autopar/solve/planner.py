@@ -117,8 +117,9 @@ def random_plans(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, seed:
                  mixed_precision=None, pipeline=False, recompute=None,
                  moe_imbalance: float | str | None = None, backend: str = "eager") -> list[Plan]:
     """`count` random valid plans of `model` on `mesh`, drawn with seeds seed, seed + 1, ...
-    (or with `seeds`, when given): every node's strategy drawn uniformly from its menu, for
-    testing the passes; each plan's origin is "random:<seed>".  The model is traced and
+    (or with `seeds`, when given): every node's strategy drawn uniformly from its menu (from
+    what `layout` allows of it, when one is named), for testing the passes; each plan's
+    origin is "random:<seed>".  The model is traced and
     costed once.  The other arguments are autopar.plan's; with pipeline=..., the stages are
     searched as plan() does and one seed draws the stages' plan (count 1)."""
     drawn = tuple(seeds) if seeds is not None else tuple(range(seed, seed + count))
@@ -213,8 +214,9 @@ def _plans_built(built: Built, model, mesh: Mesh, request: Request, start, recom
     """_plan_built, or the random plans when the request has seeds, in a list."""
     if request.seeds is None:
         return [_plan_built(built, model, mesh, request, start, recompute, staged, stage_layout)]
-    _check_layout(built.problem, model, mesh, request.layout)
-    return [_make_plan(built.problem, model, mesh, _random_choice(built.problem, s), None, f"random:{s}", {},
+    every = _check_layout(built.problem, model, mesh, request.layout)
+    rule = every.get(request.layout) if request.layout is not None else None
+    return [_make_plan(built.problem, model, mesh, _random_choice(built.problem, s, rule), None, f"random:{s}", {},
                        request.budget, Timing(trace_s=built.trace_s, costs_s=built.costs_s,
                                               total_s=time.perf_counter() - start))
             for s in request.seeds]
@@ -505,17 +507,22 @@ def _order_params(model, params: dict, parts) -> dict:
     return out
 
 
-def _random_choice(problem: Problem, seed: int) -> dict:
-    """Every node (each layer on its own) takes a strategy drawn uniformly from its menu."""
+def _random_choice(problem: Problem, seed: int, rule=None) -> dict:
+    """Every node (each layer on its own) takes a strategy drawn uniformly from its menu, or
+    from what the layout's `rule` allows of it (the whole menu where it allows nothing: the
+    rule does not speak to that node, as for the ILP)."""
     rng = random.Random(seed)
     choice = {}
     for pn in problem.nodes:
-        menu = problem.nodes[pn.rep].strategies
+        rep = problem.nodes[pn.rep]
+        menu = rep.strategies
+        ok = list(range(len(menu)))
+        if rule is not None:
+            ok = [i for i in ok if rule(problem, rep, menu[i])] or ok
         if pn.kind == "gradsum":  # a sum autograd can do: the tensor's own local shape
             src, out = pn.source
             p = problem.nodes[problem.nodes[src].rep].strategies[choice[src]].outputs[out]
-            ok = [i for i, s in enumerate(menu) if same_local_shape(s.outputs[0], p)]
-            choice[pn.index] = rng.choice(ok)
-        else:
-            choice[pn.index] = rng.randrange(len(menu))
+            ok = [i for i in ok if same_local_shape(menu[i].outputs[0], p)] or [
+                i for i in range(len(menu)) if same_local_shape(menu[i].outputs[0], p)]
+        choice[pn.index] = rng.choice(ok)
     return choice
