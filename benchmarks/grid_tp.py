@@ -9,6 +9,8 @@ side by side, each the cheapest plan within its rules (autopar/solve/layouts.py)
     megatron-tp x zero1  the same with the optimizer states sharded over the other axes
     megatron-tp x zero3  the same with the parameters sharded over the other axes (ZeRO-3)
     tp-2d / tp-3d        every layer's linear layers on the grid (SUMMA 2D or 2.5D; the 3D matmul)
+    tp-2d-ws             2D weight-stationary: each weight split by columns on one axis and rows
+                         on the other, never moved; data parallel on the further axes
     autopar              the ILP free to choose (the grid forms are in its menus)
 
 Rows give the predicted step, its communication, the peak memory per device, whether it
@@ -20,6 +22,7 @@ Measured (under torchrun, 4 gloo ranks): a GPT (hidden 256, 4 layers, batch 8, s
 
 Run:
     python benchmarks/grid_tp.py                       # the planner's tables (a few minutes)
+    python benchmarks/grid_tp.py --sweep               # the ILP's form across meshes and batches
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 4 benchmarks/grid_tp.py --measure
 """
 from __future__ import annotations
@@ -37,6 +40,8 @@ import torch.distributed as dist  # noqa: E402
 
 import autopar  # noqa: E402
 from autopar.models import build  # noqa: E402
+from autopar.ops.grid_rule import GRID_FORMS  # noqa: E402
+from autopar.ops.strategy import crossed_axes  # noqa: E402
 
 GiB = 2 ** 30
 MEGATRON = ("megatron-tp x dp", "megatron-tp x zero1", "megatron-tp x zero3")
@@ -44,16 +49,52 @@ MEGATRON = ("megatron-tp x dp", "megatron-tp x zero1", "megatron-tp x zero3")
 # (title, mesh shape, axis names, devices per node, layouts)
 CLUSTERS = [
     ("64 H100 (8 nodes x 8, NVLink inside a node)", (8, 8), ("node", "gpu"), 8,
-     MEGATRON + ("tp-2d",)),
-    ("64 H100, one per node (every link the network)", (8, 8), ("x", "y"), 1, MEGATRON + ("tp-2d",)),
-    ("512 H100 (64 nodes x 8)", (8, 8, 8), ("dp", "node", "gpu"), 8, MEGATRON + ("tp-2d", "tp-3d")),
+     MEGATRON + ("tp-2d", "tp-2d-ws")),
+    ("64 H100, one per node (every link the network)", (8, 8), ("x", "y"), 1, MEGATRON + ("tp-2d", "tp-2d-ws")),
+    ("512 H100 (64 nodes x 8)", (8, 8, 8), ("dp", "node", "gpu"), 8, MEGATRON + ("tp-2d", "tp-3d", "tp-2d-ws")),
 ]
 
 
 def grid_forms(plan) -> str:
-    forms = Counter(n.strategy.split(" [", 1)[0] for n in plan.nodes
-                    if n.op == "aten.linear" and n.strategy.split(" ", 1)[0] in ("summa", "2.5d", "3d"))
+    """The multi-dimensional forms of the plan's linear layers: grid forms by name, and "2d-ws"
+    for the weight-stationary 2D split (columns on one axis, rows on another)."""
+    forms = Counter(n.strategy.split(" [", 1)[0] if n.strategy.split(" ", 1)[0] in GRID_FORMS else "2d-ws"
+                    for n in plan.nodes if n.op == "aten.linear"
+                    and (n.strategy.split(" ", 1)[0] in GRID_FORMS or crossed_axes(n.split)))
     return ", ".join(f"{k} x{v}" for k, v in sorted(forms.items())) or "-"
+
+
+SWEEP_MESHES = [((8, 8), 8), ((8, 8), 1), ((16, 16), 8), ((8, 8, 8), 8), ((8, 8, 8), 1), ((16, 16, 16), 8)]
+SWEEP_WORK = [(1, 8192), (16, 2048), (256, 2048)]   # (batch, sequence)
+
+
+def sweep() -> None:
+    """Which form the ILP gives GPT-3's layers (two of them, hidden 12288) across meshes and
+    batches: 1D (Megatron's split on one axis), 2D weight-stationary, or a grid form; its step
+    against the cheapest grid layout's."""
+    print("GPT-3 layers (hidden 12288, 96 heads), 2 layers, bf16; the ILP's plan against the grid layouts")
+    print(f"  {'mesh':14s} {'per node':>8s} {'batch x seq':>12s} {'ILP ms':>8s} {'grid ms':>8s}  {'grid layout':11s} "
+          f"ILP's linear layers")
+    for shape, per_node in SWEEP_MESHES:
+        mesh = autopar.Mesh(shape, tuple("abcd"[:len(shape)]), device="h100", devices_per_node=per_node)
+        for batch, seq in SWEEP_WORK:
+            model, args = build("gpt2-124m", device="meta", hidden=12288, n_heads=96, n_layers=2, max_seq=seq,
+                                batch=batch, seq=seq)
+            plan = autopar.plan(model, mesh, args, compare=False, mixed_precision="bf16")
+            grids = []
+            for layout in ("tp-2d", "tp-3d"):
+                try:
+                    grids.append((autopar.plan(model, mesh, args, compare=False, mixed_precision="bf16",
+                                               layout=layout).predicted.step_s, layout))
+                except ValueError:   # (a grid this mesh or batch cannot have)
+                    continue
+            linears = [n for n in plan.nodes if n.op == "aten.linear" and n.module.startswith("blocks.")]
+            ws = sum(1 for n in linears if crossed_axes(n.split))
+            grid = sum(1 for n in linears if n.strategy.split(" ", 1)[0] in GRID_FORMS)
+            what = f"{ws} of {len(linears)} 2D weight-stationary, {grid} grid"
+            g_ms, g_name = min(grids) if grids else (float("nan"), "-")
+            print(f"  {str(shape):14s} {per_node:8d} {f'{batch} x {seq}':>12s} {plan.predicted.step_s * 1e3:8.1f} "
+                  f"{g_ms * 1e3:8.1f}  {g_name:11s} {what}", flush=True)
 
 
 def planner(layers: int, batch: int) -> None:
@@ -95,7 +136,7 @@ def measure(steps: int) -> None:
     if world != 4:
         raise SystemExit("run under torchrun --nproc_per_node 4")
     rows = []
-    for shape, layout in (((4,), "megatron-tp"), ((2, 2), "tp-2d")):
+    for shape, layout in (((4,), "megatron-tp"), ((2, 2), "tp-2d"), ((2, 2), "tp-2d-ws")):
         torch.manual_seed(0)
         model, args = build("gpt-tiny", hidden=256, n_heads=8, n_layers=4, batch=8, seq=128, max_seq=128)
         mesh = autopar.Mesh(shape, tuple("ab"[:len(shape)]), device="cpu")
@@ -123,12 +164,15 @@ def measure(steps: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--measure", action="store_true", help="time 1D Megatron against SUMMA on 4 gloo ranks")
+    ap.add_argument("--sweep", action="store_true", help="which form the ILP picks across meshes and batches")
     ap.add_argument("--layers", type=int, default=96)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=5)
     args = ap.parse_args()
     if args.measure:
         measure(args.steps)
+    elif args.sweep:
+        sweep()
     else:
         planner(args.layers, args.batch)
 

@@ -76,6 +76,7 @@ SLOW = {
     "test_grid_tp.py::test_three_axis_grids_train_like_one_device",                  # 20 s a case, 8 ranks
     "test_grid_tp.py::test_grid_layers_move_the_bytes_of_their_closed_forms",           # the fast tier took 717 s
     "test_grid_tp.py::test_megatron_block_moves_its_closed_form",
+    "test_grid_tp.py::test_weight_stationary_block_moves_its_closed_form",
     "test_grid_tp.py::test_random_grid_plans_train_like_one_device",
     "test_grid_tp.py::test_tp_2d_trains_in_mixed_precision",
     "test_grid_tp.py::test_tp_2d_weight_stationary_trains_like_one_device[gpt]",     # (llama's stays fast)

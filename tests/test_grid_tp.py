@@ -112,6 +112,28 @@ def test_megatron_block_moves_its_closed_form(pool4):
     assert got["forward"] == {"other": {"all_reduce": 4 * 2 * 3 * X // 4}}, got
 
 
+def test_weight_stationary_block_moves_its_closed_form(pool4):
+    """2D weight-stationary on (2, 2): fc1 split columns on a and rows on b, fc2 the other
+    way round; no weight moves.  Forward all-reduces fc1's Partial output over b and fc2's
+    over a, 2 (q - 1)/q (|Y| + |X|)/q per device; backward all-reduces fc2's input gradient
+    over b, 2 (q - 1)/q |Y|/q (the block's input takes none, so fc1's is not summed)."""
+    from grid_cases import block_plan, grid_bytes
+    plan = block_plan(H, B, S, (2, 2), "tp-2d-ws")
+    assert sorted(_crossed_all(plan)) == [(0, 1), (1, 0)]
+    q = 2
+    forward = 4 * 2 * (q - 1) * (Y + X) // (q * q)
+    backward = 4 * 2 * (q - 1) * Y // (q * q)
+    for got in pool4.run(grid_bytes, H, B, S, plan):
+        assert got["forward"]["other"]["all_reduce"] == forward, got
+        assert got["step"]["other"]["all_reduce"] == forward + backward, got
+        assert "reduce_scatter" not in got["step"]["other"], got     # (no weight gradient is summed)
+
+
+def _crossed_all(plan_dict) -> list:
+    from autopar.ops.strategy import crossed_axes
+    return [crossed_axes(n["split"]) for n in plan_dict["nodes"] if n["op"] == "aten.linear"]
+
+
 def _random_plans(spec, layout, shape, seeds):
     import autopar
     from rt_cases import build_case
