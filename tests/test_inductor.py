@@ -19,7 +19,8 @@ CASES = [(GPT, "data-parallel", (4,), ("dp",)), (GPT, "zero3", (4,), ("dp",)),
          (GPT, "megatron-tp x dp", (2, 2), ("dp", "tp")), (GPT, "megatron-sp", (4,), ("tp",)),
          (LLAMA, "ulysses x dp", (2, 2), ("dp", "tp")), (LLAMA, "context-parallel x dp", (2, 2), ("dp", "tp")),
          (LLAMA, None, (2, 2), ("dp", "tp")), (("hf-arch", "mixtral"), "expert-parallel", (2, 2), ("dp", "tp")),
-         (("hf-arch", "qwen2"), "megatron-tp x dp", (2, 2), ("dp", "tp"))]
+         (("hf-arch", "qwen2"), "megatron-tp x dp", (2, 2), ("dp", "tp")),
+         (GPT, "tp-2d", (2, 2), ("a", "b")), (LLAMA, "tp-2d-ws", (2, 2), ("a", "b"))]
 
 
 @pytest.mark.parametrize("spec, layout, shape, names", CASES, ids=lambda x: x if isinstance(x, str) else None)
