@@ -40,6 +40,23 @@ def _crossed(plan_dict) -> list:
             if n["op"] == "aten.linear" and n["module"].startswith(("blocks.", "model.layers.", "layers."))]
 
 
+@pytest.mark.parametrize("layout", ["tp-2d", "tp-2d-ws"])
+def test_weights_used_as_x_at_w_take_the_2d_forms(pool4, layout):
+    """An MLP whose weights are plain matrices applied as `x @ W` (aten.matmul, W [k, n])
+    takes SUMMA and 2D weight-stationary like nn.Linear, and trains like one device."""
+    spec = ("user", "matmul-mlp")
+    plan = plan_for(spec, layout, (2, 2), ("a", "b"))
+    matmuls = [n for n in plan["nodes"] if n["op"] == "aten.matmul" and ".mlp" in n["module"]]
+    assert len(matmuls) == 4, [n["module"] for n in matmuls]
+    if layout == "tp-2d":
+        assert {n["strategy"].split(" ", 1)[0] for n in matmuls} == {"summa"}, matmuls
+    else:
+        from autopar.ops.strategy import crossed_axes
+        assert all(crossed_axes(n["split"], ("n", "k")) for n in matmuls), matmuls
+    result = pool4.run(train_and_compare, spec, plan)[0]
+    assert result["ok"], result
+
+
 @pytest.mark.parametrize("spec", [GPT, LLAMA, HF_LLAMA], ids=["gpt", "llama", "hf-llama"])
 def test_tp_2d_weight_stationary_trains_like_one_device(pool4, spec):
     """2D weight-stationary: every layer's weight split by columns on one axis and rows on

@@ -174,6 +174,18 @@ class CapacityMoE(nn.Module):
         return torch.einsum("bsec,becd->bsd", dispatch * gate[..., None, None], y)
 
 
+class MatmulMLP(nn.Module):
+    """An MLP whose weights are plain matrices applied as `x @ W` (research code's way)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.w_in = nn.Parameter(torch.randn(dim, 4 * dim) * dim ** -0.5)
+        self.w_out = nn.Parameter(torch.randn(4 * dim, dim) * (4 * dim) ** -0.5)
+
+    def forward(self, x):
+        return F.gelu(x @ self.w_in) @ self.w_out
+
+
 class Block(nn.Module):
     def __init__(self, dim: int, attention: nn.Module, mlp: nn.Module | None = None):
         super().__init__()
@@ -189,8 +201,8 @@ class Block(nn.Module):
 class SmallLM(nn.Module):
     """Embeddings, two blocks of `kind` attention ("nano", "einsum" or "titan"; "titan-moe":
     titan attention and SortedMoE for the MLP, "titan-moe-bincount" the same counting with
-    bincount; "capacity-moe": nano attention and
-    CapacityMoE), a head, the loss."""
+    bincount; "capacity-moe": nano attention and CapacityMoE; "matmul-mlp": nano attention
+    and MatmulMLP), a head, the loss."""
 
     def __init__(self, kind: str, vocab: int = 128, dim: int = 32, heads: int = 4, layers: int = 2, seq: int = 16):
         super().__init__()
@@ -199,9 +211,9 @@ class SmallLM(nn.Module):
                 "titan": lambda: TitanAttention(dim, heads, 2, seq),
                 "titan-moe": lambda: TitanAttention(dim, heads, 2, seq),
                 "titan-moe-bincount": lambda: TitanAttention(dim, heads, 2, seq),
-                "capacity-moe": lambda: NanoAttention(dim, heads)}[kind]
+                "capacity-moe": lambda: NanoAttention(dim, heads), "matmul-mlp": lambda: NanoAttention(dim, heads)}[kind]
         mlp = {"titan-moe": lambda: SortedMoE(dim), "capacity-moe": lambda: CapacityMoE(dim, seq=seq),
-               "titan-moe-bincount": lambda: SortedMoE(dim, counting="bincount")}.get(
+               "titan-moe-bincount": lambda: SortedMoE(dim, counting="bincount"), "matmul-mlp": lambda: MatmulMLP(dim)}.get(
             kind, lambda: None)
         self.h = nn.ModuleList(Block(dim, make(), mlp()) for _ in range(layers))
         self.ln_f, self.lm_head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)

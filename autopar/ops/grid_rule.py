@@ -22,6 +22,7 @@ W [n, k]:
   layer then takes l's role for j and j's for l, so layers alternate and no activation moves
   between them.  Per device: |x| (b-1)/p + |W| (a-1)/p + |y| (c-1)/p forward, each about
   |.| / p^(2/3) on a cube.
+- `x @ W` (aten.matmul with a 2-D W [k, n]) takes the same forms with W's dims swapped.
 - split norms: layer_norm / rms_norm with the normalized (hidden) dim split over an axis,
   whose row statistics are all-reduced inside the op (one or two values per row), so a
   grid's hidden split survives the norms between its layers.
@@ -34,6 +35,7 @@ as the cost model reads a named strategy's `comm` (ops/attention_rule.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -88,6 +90,24 @@ def grid_strategies(in_shapes, out_shape, mesh_shape, axis_names, needs_grad) ->
                                   gathered)
                         if s is not None:
                             out.append(s)
+    return out
+
+
+def matmul_grid_strategies(in_shapes, out_shape, mesh_shape, axis_names, needs_grad) -> list[Strategy]:
+    """The grid strategies of aten.matmul(x, W) with a 2-D right operand W [k, n] (a weight
+    used as `x @ W`): linear's with W's dims swapped, as x @ W = linear(x, W^T)."""
+    if len(in_shapes) != 2 or len(in_shapes[1]) != 2:
+        return []
+    k, n = in_shapes[1]
+
+    def swapped(placements):
+        if placements is None:
+            return None
+        return tuple(Shard(1 - p.dim) if isinstance(p, Shard) else p for p in placements)
+    out = []
+    for s in grid_strategies((in_shapes[0], (n, k)), out_shape, mesh_shape, axis_names, needs_grad):
+        out.append(dataclasses.replace(s, inputs=(s.inputs[0], swapped(s.inputs[1])),
+                                       grads=(s.grads[0], swapped(s.grads[1]))))
     return out
 
 

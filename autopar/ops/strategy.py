@@ -31,13 +31,14 @@ def passes_partial(letter) -> bool:
     return letter == PASS or (isinstance(letter, str) and letter[:1] == PASS and letter[1:].isdigit())
 
 
-def crossed_axes(split) -> tuple | None:
+def crossed_axes(split, letters=("col", "row")) -> tuple | None:
     """(column axis, row axis) of a linear layer whose weight is split by Megatron's column
     split on one mesh axis and its row split on another, else None: 2D weight-stationary
     tensor parallelism (the weight never moves; the output's Partial sums are reduced over
-    the row axis, and the next layer, split the other way round, reads them as they lie)."""
-    cols = [a for a, l in enumerate(split) if l == "col"]
-    rows = [a for a, l in enumerate(split) if l == "row"]
+    the row axis, and the next layer, split the other way round, reads them as they lie).
+    letters: the rule's letters for the two splits (`x @ W`'s matmul: ("n", "k"))."""
+    cols = [a for a, l in enumerate(split) if l == letters[0]]
+    rows = [a for a, l in enumerate(split) if l == letters[1]]
     return (cols[0], rows[0]) if len(cols) == 1 and len(rows) == 1 else None
 
 

@@ -77,7 +77,7 @@ def localize(gm: fx.GraphModule, plan) -> fx.GraphModule:
             _to_local_experts(node, choice)
         elif name in ATTENTION_OPS and any(l in ("ring", "ulysses") for l in choice.split):
             _to_sequence_parallel_attention(node, choice)
-        elif name == "aten.linear" and any(l in ROLES for l in choice.split if isinstance(l, str)):
+        elif name in ("aten.linear", "aten.matmul") and any(l in ROLES for l in choice.split if isinstance(l, str)):
             _to_grid_linear(node, choice)
         elif name in NORM_OPS and NORM in choice.split:
             _to_split_norm(node, choice)
@@ -170,13 +170,17 @@ def _to_sequence_parallel_attention(node, choice):
 
 
 def _to_grid_linear(node, choice):
-    """A linear layer on a grid of axes (2D, 2.5D, 3D: passes/grid_ops.py); the dims each
-    collective works along are read from the strategy's placements."""
+    """A linear layer (or `x @ W`) on a grid of axes (2D, 2.5D, 3D: passes/grid_ops.py); the
+    dims each collective works along are read from the strategy's placements."""
     role = {l: a for a, l in enumerate(choice.split) if l in ROLES}
     i, j, l = role["grid-i"], role["grid-j"], role.get("grid-l")
     x, w = node.args[0], node.args[1]
-    b = op_arg(node, 2, "bias")
+    b = op_arg(node, 2, "bias") if op_name(node) == "aten.linear" else None
     x_dim, w_dim = getattr(choice.inputs[0][j], "dim", None), choice.inputs[1][i].dim
+    if op_name(node) == "aten.matmul":   # x @ W, W [k, n]: linear's weight is its transpose
+        with node.graph.inserting_before(node):
+            w = node.graph.call_function(torch.ops.aten.t.default, (w,))
+        w_dim = 1 - w_dim
     y_dim = choice.outputs[0][l].dim if l is not None else -1
     node.target = grid_ops.grid_linear
     node.args = (x, w, b, i, j, l, x_dim, w_dim, y_dim, _groups_node(node))

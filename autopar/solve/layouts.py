@@ -366,16 +366,16 @@ def grid(layout: str, mesh):
     axes = frozenset(big[-3:] if layout == "tp-3d" else big[-2:])
 
     def layer_matrix(problem, pn) -> bool:
-        if pn.kind != "op" or pn.op != "aten.linear" or not pn.requires_grad:
+        if pn.kind != "op" or pn.op not in ("aten.linear", "aten.matmul") or not pn.requires_grad:
             return False
         if problem.layer_groups and pn.index not in problem.block:
             return False
         return any(problem.nodes[src].kind == "param" and len(problem.nodes[src].out_shapes[0]) == 2
                    for src, _ in pn.inputs[1:2])
 
-    def fits(strategy) -> bool:
+    def fits(strategy, op) -> bool:
         if layout == "tp-2d-ws":
-            crossed = crossed_axes(strategy.split)
+            crossed = crossed_axes(strategy.split, ("n", "k") if op == "aten.matmul" else ("col", "row"))
             return (crossed is not None and set(crossed) == axes
                     and all(str(strategy.split[a]).startswith("b") for a in big if a not in axes))
         return (form_of(strategy) in forms
@@ -386,14 +386,14 @@ def grid(layout: str, mesh):
         if pn.kind == "param":   # (ZeRO-1/2 over the axes a weight is whole on: the depth, data parallel)
             return not strategy.offload
         if layer_matrix(problem, pn):
-            return fits(strategy)
+            return fits(strategy, pn.op)
         return True
 
     def check(problem) -> str | None:
         if grid_misfit(layout, mesh):
             return grid_misfit(layout, mesh)
         for pn in problem.nodes:
-            if layer_matrix(problem, pn) and not any(fits(s) for s in problem.nodes[pn.rep].strategies):
+            if layer_matrix(problem, pn) and not any(fits(s, pn.op) for s in problem.nodes[pn.rep].strategies):
                 shapes = [problem.nodes[src].out_shapes[o] for src, o in pn.inputs[:2]]
                 return (f"the linear layer {pn.module or pn.name} (input {tuple(shapes[0])}, weight "
                         f"{tuple(shapes[1])}) does not divide over the grid "

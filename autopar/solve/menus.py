@@ -15,7 +15,7 @@ from autopar.mesh import Mesh
 from autopar.ops import (
     INTERNAL_COMM, Strategy, annotate, enumerate_strategies, op_arg, op_name, replicated, show_placements)
 from autopar.ops.attention_rule import ATTENTION_OPS, sequence_strategies
-from autopar.ops.grid_rule import NORM_OPS, grid_strategies, split_norm_strategies
+from autopar.ops.grid_rule import NORM_OPS, grid_strategies, matmul_grid_strategies, split_norm_strategies
 from autopar.ops.experts_rule import experts_strategies
 from autopar.ops.strategy import offload_label
 from autopar.solve.graph import PNode
@@ -70,6 +70,9 @@ def build_menus(nodes: list, readers: dict, mesh: Mesh) -> tuple[list, list]:
                 if pn.op == "aten.linear":
                     pn.strategies = pn.strategies + grid_strategies(in_shapes, pn.out_shapes[0], mesh.shape,
                                                                     mesh.axis_names, needs)
+                elif pn.op == "aten.matmul":
+                    pn.strategies = pn.strategies + matmul_grid_strategies(in_shapes, pn.out_shapes[0], mesh.shape,
+                                                                           mesh.axis_names, needs)
                 elif pn.op in NORM_OPS and len(op_arg(pn.node, 1, "normalized_shape", ())) == 1 \
                         and sum(1 for n in mesh.shape if n > 1) > 1:   # (with the grid's linear layers)
                     pn.strategies = pn.strategies + split_norm_strategies(pn.strategies, in_shapes, mesh.shape,
