@@ -27,7 +27,8 @@ def sequence_lines(plan) -> list:
         lines.append("ring attention balances causal masks in the zigzag layout: of 2n chunks, rank r computes the "
                      "queries of chunks r and 2n-1-r (exchanged into that order inside the op and back)")
     grids = Counter(n.strategy.split(" [", 1)[0] + " on " + n.strategy.split(" [", 1)[1].rstrip("]")
-                    for n in plan.nodes if n.op == "aten.linear" and n.strategy.split(" ", 1)[0] in GRID_FORMS)
+                    for n in plan.nodes if n.op in ("aten.linear", "aten.matmul")
+                    and n.strategy.split(" ", 1)[0] in GRID_FORMS)
     if grids:
         lines.append("grid tensor parallelism: " + ", ".join(f"{k} ({v} linear layers)" for k, v in sorted(grids.items()))
                      + "; activations and weights split over the grid's axes, each layer gathering its blocks")

@@ -119,9 +119,9 @@ def random_plans(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, seed:
     """`count` random valid plans of `model` on `mesh`, drawn with seeds seed, seed + 1, ...
     (or with `seeds`, when given): every node's strategy drawn uniformly from its menu (from
     what `layout` allows of it, when one is named), for testing the passes; each plan's
-    origin is "random:<seed>".  The model is traced and
-    costed once.  The other arguments are autopar.plan's; with pipeline=..., the stages are
-    searched as plan() does and one seed draws the stages' plan (count 1)."""
+    origin is "random:<seed>".  The model is traced and costed once.  The other arguments
+    are autopar.plan's; with pipeline=..., the stages are searched as plan() does and one
+    seed draws the stages' plan (count 1)."""
     drawn = tuple(seeds) if seeds is not None else tuple(range(seed, seed + count))
     if not drawn:
         raise ValueError("random_plans: count must be at least 1 (or seeds non-empty)")
