@@ -33,11 +33,12 @@ def test_three_axis_grids_train_like_one_device(pool8, spec, layout):
     assert result["ok"], result
 
 
-def _crossed(plan_dict) -> list:
-    """(column axis, row axis) of each linear layer in the repeated layers (None: not 2D)."""
+def _crossed(plan_dict, prefixes=("blocks.", "model.layers.", "layers.")) -> list:
+    """(column axis, row axis) of each linear layer whose module starts with one of
+    `prefixes` (the repeated layers; "" for every one), None where it is not 2D."""
     from autopar.ops.strategy import crossed_axes
     return [crossed_axes(n["split"]) for n in plan_dict["nodes"]
-            if n["op"] == "aten.linear" and n["module"].startswith(("blocks.", "model.layers.", "layers."))]
+            if n["op"] == "aten.linear" and n["module"].startswith(prefixes)]
 
 
 @pytest.mark.parametrize("layout", ["tp-2d", "tp-2d-ws"])
@@ -136,7 +137,7 @@ def test_weight_stationary_block_moves_its_closed_form(pool4):
     over b, 2 (q - 1)/q |Y|/q (the block's input takes none, so fc1's is not summed)."""
     from grid_cases import block_plan, grid_bytes
     plan = block_plan(H, B, S, (2, 2), "tp-2d-ws")
-    assert sorted(_crossed_all(plan)) == [(0, 1), (1, 0)]
+    assert sorted(_crossed(plan, "")) == [(0, 1), (1, 0)]
     q = 2
     forward = 4 * 2 * (q - 1) * (Y + X) // (q * q)
     backward = 4 * 2 * (q - 1) * Y // (q * q)
@@ -144,11 +145,6 @@ def test_weight_stationary_block_moves_its_closed_form(pool4):
         assert got["forward"]["other"]["all_reduce"] == forward, got
         assert got["step"]["other"]["all_reduce"] == forward + backward, got
         assert "reduce_scatter" not in got["step"]["other"], got     # (no weight gradient is summed)
-
-
-def _crossed_all(plan_dict) -> list:
-    from autopar.ops.strategy import crossed_axes
-    return [crossed_axes(n["split"]) for n in plan_dict["nodes"] if n["op"] == "aten.linear"]
 
 
 def _random_plans(spec, layout, shape, seeds):
