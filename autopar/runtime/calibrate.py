@@ -330,6 +330,7 @@ def measure_tiers(directory: str | None, per_node: int, nbytes: int, repeats: in
         raise RuntimeError(f"calibrate: {path} read back other bytes than were written; the disk is faulty")
     out["disk_write_bandwidth"] = nbytes / _slowest(float(np.median(writes)), device_type, None)
     out["disk_read_bandwidth"] = nbytes / _slowest(float(np.median(reads)), device_type, None)
+    dist.barrier()   # every rank's file gone before the free space is read
     out["disk_memory"] = shutil.disk_usage(directory).free / per_node
     return out
 
@@ -416,6 +417,9 @@ def calibrate(shape=None, names=None, base: str | None = None, repeats: int = 5,
         source=f"autopar calibrate, {time.strftime('%Y-%m-%d')}: {desc['world']} x {desc['device']} "
                f"({desc['backend']}), mesh {'x'.join(map(str, shape))}")
     _progress(f"done in {time.perf_counter() - start:.1f} s")
+    shared = [spec]   # every rank plans with rank 0's numbers (its own timings differ a little)
+    dist.broadcast_object_list(shared, src=0)
+    spec = shared[0]
     if dist.get_rank() == 0:
         os.makedirs(cache_dir(), exist_ok=True)
         _write(cached, spec, desc, points)
