@@ -186,9 +186,12 @@ def forced(run: dict) -> tuple[autopar.Mesh, dict]:
         layout = f"zero{par['zero']}"
     else:
         layout = "data-parallel"
-    kw = {"layout": layout, "compare": False, "mixed_precision": autopar.MixedPrecision()}
+    kw = {"layout": layout, "compare": False, "mixed_precision": autopar.MixedPrecision(),
+          "backend": "inductor" if run.get("compile") else "eager"}   # torch.compile'd runs fuse as Inductor does
     if run.get("recompute") in ("none", "selective", "full"):
         kw["recompute"] = run["recompute"]
+        if run["recompute"] == "selective" and run.get("recompute_policy") == "op":
+            kw["recompute"] = "alternate"   # torchtitan's per-op policy: every second projection recomputed too
     if (par.get("pp") or 1) > 1:
         schedule = SCHEDULE.get(str(par.get("schedule") or "1f1b").lower().split(" (")[0], "1f1b")
         kw["pipeline"] = autopar.Pipeline(axis="pp", groups=par["pp"], schedule=schedule,
@@ -224,7 +227,7 @@ def deciding(forced: dict, free: dict, slower: bool) -> str:
 def free_plan(run: dict, model, example, mesh: autopar.Mesh, forced_kw: dict) -> dict:
     """autopar's own plan of the same job: nothing forced, stages searched where the run has a
     pp axis; its predicted step against the forced layout's, and what differs."""
-    kw = {"compare": False, "mixed_precision": forced_kw["mixed_precision"]}
+    kw = {"compare": False, "mixed_precision": forced_kw["mixed_precision"], "backend": forced_kw["backend"]}
     if "pipeline" in forced_kw:
         kw["pipeline"] = autopar.Pipeline(axis="pp")
     start = time.perf_counter()

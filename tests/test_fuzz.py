@@ -139,7 +139,7 @@ def test_forty_draws_on_four_ranks(pool4, tmp_path_factory):
 
 @pytest.mark.slow
 def test_draws_on_eight_ranks(pool8, tmp_path_factory):
-    _fuzz(pool8, MESHES_8, 8, _examples(12), "slow, 8 ranks", tmp_path_factory)
+    _fuzz(pool8, MESHES_8, 8, _examples(6), "slow, 8 ranks", tmp_path_factory)
 
 
 @pytest.mark.parametrize("layout", ["ulysses x dp", "context-parallel x dp"])

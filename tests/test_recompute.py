@@ -163,9 +163,33 @@ def test_selective_and_full_keep_less():
     assert "fused attention" in plans["selective"].recompute.note
 
 
+@pytest.mark.parametrize("spec,layout", [(GPT, "megatron-tp x dp"), (LLAMA, "zero3")], ids=["gpt-tiny-megatron", "hf-llama-zero3"])
+def test_alternate_recomputes_every_second_projection_and_trains_like_one_device(pool4, spec, layout):
+    """recompute="alternate" keeps the outputs of the 1st, 3rd, 5th ... matrix product of each
+    layer and of attention, a subset of selective's; it lies between selective and full in
+    activation bytes and between none and full in step time; it trains like one device
+    and keeps the bytes the plan predicts on every rank (within 5 %)."""
+    plans = {m: Plan.from_dict(_plan(spec, layout, m)) for m in ("none", "selective", "alternate", "full")}
+    act = {m: p.predicted.memory["activations"] for m, p in plans.items()}
+    step = {m: p.predicted.step_s for m, p in plans.items()}
+    assert act["full"] < act["alternate"] < act["selective"] < act["none"], act
+    assert step["none"] < step["selective"] <= step["alternate"] <= step["full"], step
+    sel, alt = plans["selective"].recompute, plans["alternate"].recompute
+    assert set(alt.layers.values()) == {"alternate"} and set(alt.kept) < set(sel.kept)
+    products = [k for k in sel.kept if k.startswith("linear")]
+    per_layer = len(products) // len(sel.layers)
+    assert len([k for k in alt.kept if k.startswith("linear")]) == len(sel.layers) * ((per_layer + 1) // 2)
+    assert [k for k in sel.kept if not k.startswith("linear")] == [k for k in alt.kept if not k.startswith("linear")]
+    assert "every second projection" in alt.note
+    plan = _plan(spec, layout, "alternate")
+    assert pool4.run(train_and_compare, spec, plan)[0]["ok"]
+    got = pool4.run(saved_bytes, spec, plan)
+    assert all(abs(g["predicted"] - g["measured"]) <= 0.05 * g["measured"] for g in got), got
+
+
 def test_recompute_argument_is_checked():
     model, example = build("gpt-tiny")
-    with pytest.raises(ValueError, match="'none', 'selective', 'full'"):
+    with pytest.raises(ValueError, match="'none', 'selective', 'alternate', 'full'"):
         autopar.plan(model, _mesh(), example, recompute="everything")
 
 

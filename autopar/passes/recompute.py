@@ -49,7 +49,7 @@ def outline_layers(gm: fx.GraphModule, layers: dict, make_region, whole=frozense
                                  f"inside it); plan it without recomputation")
         pieces, piece = [], []
         for n in span:
-            if mode == "selective" and n.name in whole:
+            if mode in ("selective", "alternate") and n.name in whole:
                 pieces.append(piece)
                 piece = []
             else:

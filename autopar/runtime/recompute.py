@@ -217,7 +217,7 @@ class Region(nn.Module):
         if not torch.is_grad_enabled():
             return self._run(calls, *inputs)
         contexts = _replayable_contexts if self.replays else _selective_contexts
-        extra = {"context_fn": contexts} if self.mode == "selective" else {}
+        extra = {"context_fn": contexts} if self.mode in ("selective", "alternate") else {}
         # every random op of the graph draws from its own stream, seeded by the forward call
         # count the region replays (autopar/runtime/rng.py): checkpointing's own saving and
         # restoring of the devices' random state is redundant there, and on a GPU it cost
@@ -288,7 +288,7 @@ def apply_recompute(gm: fx.GraphModule, plan, streams, pipelined: bool = False) 
     kept = set(info.kept)
 
     def make(path, mode, region_gm, nodes):
-        if mode == "selective":
+        if mode in ("selective", "alternate"):
             for name, node in nodes.items():
                 if name in kept and node.op == "call_function":
                     node.target = _kept(node.target, _kernels(node))

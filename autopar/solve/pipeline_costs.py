@@ -19,7 +19,7 @@ from autopar.mesh import Mesh
 from autopar.solve import layouts as B
 from autopar.solve.assemble import assemble
 from autopar.solve.ilp import InfeasibleError
-from autopar.solve.recompute import RECOMPUTING, ModeCosts, kept_by_selective, layer_paths
+from autopar.solve.recompute import RECOMPUTING, ModeCosts, layer_paths
 from autopar.solve.solution import Built, build_problem
 from autopar.solve.solved import SolveOptions
 from autopar.trace.batching import batch_size, first_microbatch
@@ -270,8 +270,7 @@ class _Split:
                 b["activations"] += 0.0 if kept is None else float(kept[choice[idx]])
                 path = layer.get(idx)
                 if path in costs.modes and problem.nodes[idx].kind == "op":
-                    if mode in RECOMPUTING and not (mode == "selective"
-                                                    and kept_by_selective(problem, problem.nodes[idx])):
+                    if mode in RECOMPUTING and idx not in costs.kept:
                         b["backward_s"] += self.forward[idx]   # backward runs its forward again
                     work = problem.choices[problem.nodes[idx].rep][choice[idx]].work
                     b["working"] = max(b["working"], float(work + remade[path]))

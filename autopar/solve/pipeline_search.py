@@ -33,7 +33,7 @@ from autopar.solve.pipeline_candidates import SLOWER, PipelineChoice, evaluate, 
 from autopar.solve.pipeline_costs import StageCosts
 from autopar.solve.pipeline_options import SCHEDULE_CHOICES, Cut, Pipeline, SearchSpace
 from autopar.solve.pipeline_workers import cost_in_parallel, trace_and_cost
-from autopar.solve.recompute import RECOMPUTING
+from autopar.solve.recompute import SEARCHED
 from autopar.solve.solved import SolveOptions
 from autopar.trace.batching import batch_size
 
@@ -119,7 +119,7 @@ def _space(mesh, batch, memory_budget, schedules, microbatches, fixed, recompute
                 raise ValueError(f"Pipeline(microbatches={fixed.microbatches}) does not divide the batch of {batch}")
             microbatches = [fixed.microbatches]
     return SearchSpace(mesh, batch, limit, tuple(schedules), None if microbatches is None else tuple(microbatches),
-                       fixed, ("none", *RECOMPUTING, "offload") if recompute is None else (recompute,))
+                       fixed, ("none", *SEARCHED, "offload") if recompute is None else (recompute,))
 
 
 def _fastest_plain(plain: list, limit) -> PipelineChoice | None:

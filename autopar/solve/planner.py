@@ -373,7 +373,7 @@ def _infeasible(problem, model, mesh, limit, options: SolveOptions, recompute=No
     layered = bool(layer_slots(problem))
     keep = solve_problem(problem, None, None, options, minimise_memory=True, recompute="none")
     kept_floor = keep.memory
-    least = recompute if recompute in ("selective", "full", "offload") else (
+    least = recompute if recompute in ("selective", "alternate", "full", "offload") else (
         "offload" if layered and recompute is None else "none")   # (offload keeps the fewest activations)
     least_plan = solve_problem(problem, None, None, options, minimise_memory=True, recompute=least) \
         if least != "none" else keep

@@ -10,6 +10,11 @@ four ways:
              activations, dropout, residual adds, rotary embeddings, and with eager
              attention the attention core: QK^T, softmax, dropout, times V, whose
              s^2-sized tensors are Megatron's reason for selective recomputation);
+  alternate  as selective, except that every second matrix product with a weight (in the
+             layer's order: a Llama block's key, output and up projections) is recomputed
+             too: half-way between selective and full in memory and in time (the per-op
+             policy of torchtitan's published Llama-3 runs; the planner takes it when asked,
+             its own search tries the other modes);
   full       the layer keeps only its inputs and runs its whole forward again in backward;
   offload    the layer keeps what autograd saves, copied to host memory in forward and
              back in its backward (no forward runs again; each byte crosses the host link
@@ -32,9 +37,13 @@ import numpy as np
 from autopar.solve.graph import VIEWS
 from autopar.plan.records import Recompute
 
-MODES = ("none", "selective", "full", "offload")
+MODES = ("none", "selective", "alternate", "full", "offload")
 # the modes that run a layer's forward again in backward
-RECOMPUTING = ("selective", "full")
+RECOMPUTING = ("selective", "alternate", "full")
+# the modes that keep some ops' outputs (kept_nodes) and recompute the rest
+SELECTIVE = ("selective", "alternate")
+# the modes the planner's own search tries per set of identical layers
+SEARCHED = ("selective", "full")
 
 # ops whose outputs "selective" keeps, when one operand is a weight (matrix products) or
 # always (attention and experts: the expensive core of a layer)
@@ -73,6 +82,25 @@ def kept_by_selective(problem, pn) -> bool:
     return pn.op in PRODUCTS and reads_weight(problem, pn)
 
 
+def kept_nodes(problem, modes: dict, layer: dict | None = None) -> set:
+    """The node indices whose outputs their layer's mode keeps: under "selective" each
+    kept_by_selective op; under "alternate" the same less every second matrix product of
+    the layer, counted in graph order (attention and experts stay kept)."""
+    layer = layer_paths(problem) if layer is None else layer
+    out, count = set(), {}
+    for pn in problem.nodes:
+        path = layer.get(pn.index)
+        mode = modes.get(path, "none")
+        if mode not in SELECTIVE or not kept_by_selective(problem, pn):
+            continue
+        if mode == "alternate" and pn.op not in ALWAYS_KEPT:
+            count[path] = count.get(path, 0) + 1
+            if count[path] % 2 == 0:
+                continue
+        out.add(pn.index)
+    return out
+
+
 class ModeCosts:
     """What a recompute assignment (layer path -> mode) changes in a Problem, per
     representative node (summed over the nodes it stands for): the activation bytes
@@ -83,7 +111,7 @@ class ModeCosts:
         self.modes = dict(modes)
         nodes = problem.nodes
         layer = layer_paths(problem)
-        kept = {pn.index for pn in nodes if kept_by_selective(problem, pn)}
+        kept = self.kept = kept_nodes(problem, self.modes, layer)
         self.entries, holders = _holdings(problem, self.modes, layer, kept)
         self.activations: dict = {}
         keeps: dict = {}   # node index -> bytes it keeps under its layer's mode, per strategy
@@ -177,7 +205,7 @@ def _holdings(problem, modes: dict, layer: dict, kept: set) -> tuple:
         if mode == "none":
             for item in held:
                 hold(n, item)
-        elif mode == "selective" and n in kept:   # its outputs, and what else its kernel
+        elif mode in SELECTIVE and n in kept:   # its outputs, and what else its kernel
             pn = nodes[n]                            # returns (attention's log-sum-exp)
             for j, shape in enumerate(pn.out_shapes):
                 hold(n, ((n, j), "result", j, math.prod(shape) * pn.out_dtypes[j].itemsize))
@@ -218,7 +246,7 @@ def _forward_again(problem, modes: dict, layer: dict, kept: set) -> tuple:
         mode = modes.get(layer.get(pn.index), "none")
         if mode not in RECOMPUTING or pn.kind != "op":
             continue
-        if not (mode == "selective" and pn.index in kept):
+        if not (mode in SELECTIVE and pn.index in kept):
             if pn.rep not in forward:
                 forward[pn.rep] = np.array([c.forward_s for c in problem.choices[pn.rep]])
             extra[pn.rep] = extra.get(pn.rep, 0.0) + forward[pn.rep]
@@ -293,17 +321,19 @@ def recompute_record(problem, choice, predicted, forced):
     if not modes:
         return None if forced is None else Recompute({}, forced=forced)
     layer = layer_paths(problem)
-    kept = tuple(pn.name for pn in problem.nodes
-                 if modes.get(layer.get(pn.index)) == "selective" and kept_by_selective(problem, pn))
+    kept_at = kept_nodes(problem, modes, layer)
+    kept = tuple(pn.name for pn in problem.nodes if pn.index in kept_at)
     whole = tuple(pn.name for pn in problem.nodes if pn.name in kept
                   and problem.nodes[pn.rep].strategies[choice[pn.index]].comm)
     keeping = problem.kept_bytes(choice, problem.saved_entries())
     added = mode_costs(problem, modes).seconds(choice)
     note = ""
-    if "selective" in modes.values():
+    if any(m in SELECTIVE for m in modes.values()):
         fused = any(pn.op in ALWAYS_KEPT for pn in problem.nodes if layer.get(pn.index) in modes)
         note = ("selective keeps the projections' and the fused attention's outputs (fused attention holds no "
                 "s x s tensors, so what it drops is the norms, activations, dropout masks and rotary tables)"
                 if fused else "selective recomputes the attention core (QK^T, softmax, dropout, x V) and the "
                               "cheap ops, keeping the projections' outputs")
+        if "alternate" in modes.values():
+            note += "; alternate also recomputes every second projection of its layers"
     return Recompute(modes, kept, float(keeping - predicted.memory["activations"]), added, forced, note, whole)

@@ -26,7 +26,7 @@ from autopar.solve.fitting import priced_solve, solve_modes
 from autopar.solve.forked import forked_map, worker_count
 from autopar.solve.ilp import InfeasibleError
 from autopar.solve.problem import Problem
-from autopar.solve.recompute import MODES, RECOMPUTING, ModeCosts, check_mode, layer_slots, mode_costs
+from autopar.solve.recompute import MODES, SEARCHED, ModeCosts, check_mode, layer_slots, mode_costs
 from autopar.solve.reduce import reduce_problem
 from autopar.solve.solved import SolveOptions, Solved
 
@@ -144,8 +144,8 @@ def mode_assignments(problem: Problem, slots: list, forced) -> list[RecomputeCan
     if forced:
         return [RecomputeCandidate({f"{p}.{i}": forced for p, ix in slots for i in ix}, (1, 2))]
     out = [RecomputeCandidate({f"{p}.{i}": mode for p, ix in slots for i in ix}, (1, 2))
-           for mode in MODES if mode != "none"]
-    paired = [(even, odd) for even in ("none", *RECOMPUTING) for odd in ("none", *RECOMPUTING) if even != odd]
+           for mode in (*SEARCHED, "offload")]
+    paired = [(even, odd) for even in ("none", *SEARCHED) for odd in ("none", *SEARCHED) if even != odd]
     for even, odd in paired + [("offload", "none"), ("none", "offload")]:
         out.append(RecomputeCandidate({f"{p}.{i}": (even if k % 2 == 0 else odd) for p, ix in slots
                                        for k, i in enumerate(ix)}, (2,)))
