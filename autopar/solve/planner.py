@@ -368,8 +368,10 @@ def _plain_plan(model, mesh, request: Request, choice) -> Plan | None:
 
 
 def _infeasible(problem, model, mesh, limit, options: SolveOptions, recompute=None) -> InfeasibleError:
-    """The error for a budget no plan fits: the least memory any plan needs, what it is made
-    of, and what would make the model fit (recomputation among it, with what it saves)."""
+    """The error for a budget no plan fits: the memory of the least-memory plan found (the
+    minimum of the ILP's linear memory sum, plus that plan's working memory: an upper bound
+    on the true least, which the message says), what it is made of, and what would make the
+    model fit (recomputation among it, with what it saves)."""
     layered = bool(layer_slots(problem))
     keep = solve_problem(problem, None, None, options, minimise_memory=True, recompute="none")
     kept_floor = keep.memory
@@ -413,12 +415,13 @@ def _infeasible(problem, model, mesh, limit, options: SolveOptions, recompute=No
         hints.append(f"smaller model states: weights, gradients and optimizer states are {states / floor:.0%} of "
                      f"it even {how}; mixed precision (autopar.MixedPrecision) halves weights and gradients")
     return InfeasibleError(
-        f"no plan of {type(model).__name__} on {mesh} fits {limit / gib:.2f} GiB per device; the smallest any "
-        f"plan needs is {floor / gib:.2f} GiB per device (GiB: {parts}), with every parameter sharded "
+        f"no plan of {type(model).__name__} on {mesh} fits {limit / gib:.2f} GiB per device; the least-memory "
+        f"plan found needs {floor / gib:.2f} GiB per device (GiB: {parts}; the search minimises the ILP's "
+        f"memory sum, so a plan a little smaller may exist), with every parameter sharded "
         f"(ZeRO-3 or tensor parallel), {offloaded} parameters' optimizer states offloaded to the host"
         f"{f' ({with_weights} with their weights)' if with_weights else ''}"
-        f"{with_recompute}. To fit: " + "; or ".join(hints) + f"; or raise memory_budget to at least "
-        f"{floor / gib:.2f} GiB.")
+        f"{with_recompute}. To fit: " + "; or ".join(hints) + f"; or raise memory_budget to "
+        f"{floor / gib:.2f} GiB (that plan fits it).")
 
 
 def _faster_layout(problem, best, compared: dict, choices: dict, limit):
