@@ -36,6 +36,8 @@ and comes back up, as does its backward).
 """
 from __future__ import annotations
 
+import heapq
+
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
@@ -598,25 +600,37 @@ def _chimera_cached(S: int, B: int) -> tuple:
     started = [[0, 0] for _ in range(S)]
     held = [[[], []] for _ in range(S)]      # forwards waiting for their backward, per chunk
     orders = [[] for _ in range(S)]
+
+    def candidate(r):
+        """Rank r's next pass if one is ready: (start, ...ordering keys, op), or None.  It
+        depends on rank r's own state and on its neighbours' ends only (pass_inputs)."""
+        ready = []
+        for c in (0, 1):
+            k = r if c == 0 else S - 1 - r
+            ops = [("B", held[r][c][0], c)] if held[r][c] else []
+            if started[r][c] < len(queue[c]) and len(held[r][c]) < min(half, S - k):
+                ops.append(("F", queue[c][started[r][c]], c))
+            for op in ops:
+                deps = pass_inputs(r, op, S, 2, "two-way")
+                if all(d in end for d in deps):
+                    ready.append((max([free[r]] + [end[d] for d in deps]), op[0] == "F",
+                                  -k if op[0] == "F" else k, op))
+        return min(ready) if ready else None
+
+    # the earliest ready pass over all ranks, the lowest rank on a tie; a heap of each rank's
+    # candidate, recomputed only where a pass changed what is ready (its rank and neighbours)
+    version = [0] * S
+    heap = []
+    for r in range(S):
+        got = candidate(r)
+        if got is not None:
+            heap.append((got[0], r, 0, got[3]))
+    heapq.heapify(heap)
     for _ in range(2 * B * S):
-        best = None
-        for r in range(S):
-            ready = []
-            for c in (0, 1):
-                k = r if c == 0 else S - 1 - r
-                ops = [("B", held[r][c][0], c)] if held[r][c] else []
-                if started[r][c] < len(queue[c]) and len(held[r][c]) < min(half, S - k):
-                    ops.append(("F", queue[c][started[r][c]], c))
-                for op in ops:
-                    deps = pass_inputs(r, op, S, 2, "two-way")
-                    if all(d in end for d in deps):
-                        ready.append((max([free[r]] + [end[d] for d in deps]), op[0] == "F",
-                                      -k if op[0] == "F" else k, op))
-            if ready:
-                t, *_, op = min(ready)
-                if best is None or t < best[0]:
-                    best = (t, r, op)
-        t, r, op = best
+        while True:
+            t, r, ver, op = heapq.heappop(heap)
+            if ver == version[r]:
+                break
         free[r] = end[r, op] = t + 1.0
         orders[r].append(op)
         kind, m, c = op
@@ -625,6 +639,12 @@ def _chimera_cached(S: int, B: int) -> tuple:
             started[r][c] += 1
         else:
             held[r][c].remove(m)
+        for r2 in (r - 1, r, r + 1):
+            if 0 <= r2 < S:
+                version[r2] += 1
+                got = candidate(r2)
+                if got is not None:
+                    heapq.heappush(heap, (got[0], r2, version[r2], got[3]))
     return tuple(tuple(o) for o in orders)
 
 
@@ -662,27 +682,36 @@ def _run(orders: list, durations: list, S: int, v: int, comm_time: float, placem
     pairs = pairs or {}
     end, events, sends = {}, [], {}
     pos, free = [0] * S, [0.0] * S
-    while any(p < len(o) for p, o in zip(pos, orders)):
-        progressed = False
-        for r in range(S):
-            while pos[r] < len(orders[r]):
-                op = orders[r][pos[r]]
-                deps = pass_inputs(r, op, S, v, placement)
-                partner = pairs.get((r, op))
-                if partner is not None:
-                    deps = deps + [d for d in pass_inputs(r, partner, S, v, placement) if d != (r, op)]
-                if any(d not in end for d in deps):
-                    break
-                start = max([free[r]] + [end[(r2, o)] + (comm_time if r2 != r else 0.0) for r2, o in deps])
-                free[r] = end[(r, op)] = start + durations[r][op[0], op[2]]
-                for r2, o in deps:
-                    if r2 != r and o[0] != "W":
-                        sends[r2, r, o] = Send(r2, r, o[0], o[1], o[2], end[(r2, o)], end[(r2, o)] + comm_time)
-                events.append(Event(r, op[0], op[1], op[2], start, free[r]))
-                pos[r] += 1
-                progressed = True
-        if not progressed:
-            stuck = {r: orders[r][pos[r]] for r in range(S) if pos[r] < len(orders[r])}
-            raise RuntimeError(f"schedule deadlocks; next op per rank: {stuck}")
+    # each op's start depends only on its rank's previous op and its inputs' ends, so ranks can
+    # be advanced in any order: a rank blocked on a pass not yet run waits until that pass ends
+    waiting: dict = {}   # (rank, op) not yet run -> ranks blocked on it
+    todo, queued = list(range(S - 1, -1, -1)), [True] * S
+    while todo:
+        r = todo.pop()
+        queued[r] = False
+        while pos[r] < len(orders[r]):
+            op = orders[r][pos[r]]
+            deps = pass_inputs(r, op, S, v, placement)
+            partner = pairs.get((r, op))
+            if partner is not None:
+                deps = deps + [d for d in pass_inputs(r, partner, S, v, placement) if d != (r, op)]
+            missing = next((d for d in deps if d not in end), None)
+            if missing is not None:
+                waiting.setdefault(missing, []).append(r)
+                break
+            start = max([free[r]] + [end[(r2, o)] + (comm_time if r2 != r else 0.0) for r2, o in deps])
+            free[r] = end[(r, op)] = start + durations[r][op[0], op[2]]
+            for r2, o in deps:
+                if r2 != r and o[0] != "W":
+                    sends[r2, r, o] = Send(r2, r, o[0], o[1], o[2], end[(r2, o)], end[(r2, o)] + comm_time)
+            events.append(Event(r, op[0], op[1], op[2], start, free[r]))
+            pos[r] += 1
+            for r3 in waiting.pop((r, op), ()):
+                if not queued[r3]:
+                    queued[r3] = True
+                    todo.append(r3)
+    if any(p < len(o) for p, o in zip(pos, orders)):
+        stuck = {r: orders[r][pos[r]] for r in range(S) if pos[r] < len(orders[r])}
+        raise RuntimeError(f"schedule deadlocks; next op per rank: {stuck}")
     return (tuple(sorted(events, key=lambda e: (e.rank, e.start))),
             tuple(sorted(sends.values(), key=lambda s: (s.start, s.src, s.dst))))
