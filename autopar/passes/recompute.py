@@ -7,7 +7,8 @@ between (the moves between layouts, a ZeRO-3 weight's gather, the random ops' st
 draws): all of it runs again in backward.  The span becomes one GraphModule
     region(*inputs) -> tuple(outputs)
 where `inputs` are the values the span reads from before it and `outputs` those read after
-it; the main graph calls the region (a submodule) in its place.  Under "selective" the
+it; the main graph calls the region (a submodule) in its place.  Under "selective" (and
+"alternate", which names fewer) the
 nodes the plan names keep their outputs (plan.recompute.kept): their targets are wrapped
 so the runtime's saved-tensor policy knows them; those that communicate inside
 (plan.recompute.whole: ring or Ulysses attention) split the layer into one region before
@@ -19,6 +20,7 @@ import operator
 
 import torch.fx as fx
 
+from autopar.plan.records import SELECTIVE_MODES
 from autopar.trace.paths import module_path
 
 
@@ -49,7 +51,7 @@ def outline_layers(gm: fx.GraphModule, layers: dict, make_region, whole=frozense
                                  f"inside it); plan it without recomputation")
         pieces, piece = [], []
         for n in span:
-            if mode in ("selective", "alternate") and n.name in whole:
+            if mode in SELECTIVE_MODES and n.name in whole:
                 pieces.append(piece)
                 piece = []
             else:

@@ -264,12 +264,17 @@ class PipelineLayout:
                           group_memory=tuple(dict(m) for m in d.get("group_memory", ()))))
 
 
+# the recomputation modes that keep some ops' outputs (Recompute.kept) and run the rest again
+SELECTIVE_MODES = ("selective", "alternate")
+
+
 @dataclass(frozen=True)
 class Recompute:
     """The activation recomputation of a plan (autopar/solve/recompute.py).  layers: layer path ->
-    "selective" or "full", for the layers that recompute (the others keep what autograd
-    saves); kept: the graph nodes whose outputs "selective" keeps (matrix products with a
-    weight, attention, experts); saved_bytes: activation bytes per device it saves against
+    "selective", "alternate" or "full", for the layers that recompute (the others keep what
+    autograd saves); kept: the graph nodes whose outputs the SELECTIVE_MODES keep (matrix
+    products with a weight, attention, experts; under "alternate" every second product of a
+    layer left out); saved_bytes: activation bytes per device it saves against
     keeping everything; added_s: the seconds per step the forward run again costs; forced:
     the `recompute=` the plan was made with (None: chosen by the ILP); note: what selective
     keeps of this model's attention; whole: the kept nodes that communicate inside (ring or

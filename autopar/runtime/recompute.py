@@ -12,7 +12,8 @@ through `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`:
 - "selective": the same, except that the operations the plan names (matrix products with
   a weight, attention, experts: plan.recompute.kept) keep their outputs from the first
   pass (a selective-checkpoint policy, torch.utils.checkpoint.create_selective_checkpoint_contexts);
-  only the cheap operations between them run again.  Under a pipeline schedule, whose
+  only the cheap operations between them run again.  "alternate" runs the same way: its
+  plan.recompute.kept leaves out every second matrix product of the layer.  Under a pipeline schedule, whose
   backward of a stage can run in two parts (input gradients, then weight gradients) and so
   recompute a region twice, the kept outputs are handed back by the project's own pair
   of dispatch modes (_Keeping, _Replaying), which keep them until the region's graph is
@@ -40,6 +41,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from autopar.ops import op_name
 from autopar.passes.recompute import outline_layers
+from autopar.plan.records import SELECTIVE_MODES
 from autopar.solve.recompute import PRODUCTS
 
 
@@ -217,7 +219,7 @@ class Region(nn.Module):
         if not torch.is_grad_enabled():
             return self._run(calls, *inputs)
         contexts = _replayable_contexts if self.replays else _selective_contexts
-        extra = {"context_fn": contexts} if self.mode in ("selective", "alternate") else {}
+        extra = {"context_fn": contexts} if self.mode in SELECTIVE_MODES else {}
         # every random op of the graph draws from its own stream, seeded by the forward call
         # count the region replays (autopar/runtime/rng.py): checkpointing's own saving and
         # restoring of the devices' random state is redundant there, and on a GPU it cost
@@ -288,7 +290,7 @@ def apply_recompute(gm: fx.GraphModule, plan, streams, pipelined: bool = False) 
     kept = set(info.kept)
 
     def make(path, mode, region_gm, nodes):
-        if mode in ("selective", "alternate"):
+        if mode in SELECTIVE_MODES:
             for name, node in nodes.items():
                 if name in kept and node.op == "call_function":
                     node.target = _kept(node.target, _kernels(node))

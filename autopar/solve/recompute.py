@@ -35,13 +35,13 @@ import math
 import numpy as np
 
 from autopar.solve.graph import VIEWS
-from autopar.plan.records import Recompute
+from autopar.plan.records import SELECTIVE_MODES, Recompute
 
 MODES = ("none", "selective", "alternate", "full", "offload")
 # the modes that run a layer's forward again in backward
 RECOMPUTING = ("selective", "alternate", "full")
 # the modes that keep some ops' outputs (kept_nodes) and recompute the rest
-SELECTIVE = ("selective", "alternate")
+SELECTIVE = SELECTIVE_MODES
 # the modes the planner's own search tries per set of identical layers
 SEARCHED = ("selective", "full")
 
