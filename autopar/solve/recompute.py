@@ -40,8 +40,6 @@ from autopar.plan.records import SELECTIVE_MODES, Recompute
 MODES = ("none", "selective", "alternate", "full", "offload")
 # the modes that run a layer's forward again in backward
 RECOMPUTING = ("selective", "alternate", "full")
-# the modes that keep some ops' outputs (kept_nodes) and recompute the rest
-SELECTIVE = SELECTIVE_MODES
 # the modes the planner's own search tries per set of identical layers
 SEARCHED = ("selective", "full")
 
@@ -91,7 +89,7 @@ def kept_nodes(problem, modes: dict, layer: dict | None = None) -> set:
     for pn in problem.nodes:
         path = layer.get(pn.index)
         mode = modes.get(path, "none")
-        if mode not in SELECTIVE or not kept_by_selective(problem, pn):
+        if mode not in SELECTIVE_MODES or not kept_by_selective(problem, pn):
             continue
         if mode == "alternate" and pn.op not in ALWAYS_KEPT:
             count[path] = count.get(path, 0) + 1
@@ -205,7 +203,7 @@ def _holdings(problem, modes: dict, layer: dict, kept: set) -> tuple:
         if mode == "none":
             for item in held:
                 hold(n, item)
-        elif mode in SELECTIVE and n in kept:   # its outputs, and what else its kernel
+        elif mode in SELECTIVE_MODES and n in kept:   # its outputs, and what else its kernel
             pn = nodes[n]                            # returns (attention's log-sum-exp)
             for j, shape in enumerate(pn.out_shapes):
                 hold(n, ((n, j), "result", j, math.prod(shape) * pn.out_dtypes[j].itemsize))
@@ -246,7 +244,7 @@ def _forward_again(problem, modes: dict, layer: dict, kept: set) -> tuple:
         mode = modes.get(layer.get(pn.index), "none")
         if mode not in RECOMPUTING or pn.kind != "op":
             continue
-        if not (mode in SELECTIVE and pn.index in kept):
+        if not (mode in SELECTIVE_MODES and pn.index in kept):
             if pn.rep not in forward:
                 forward[pn.rep] = np.array([c.forward_s for c in problem.choices[pn.rep]])
             extra[pn.rep] = extra.get(pn.rep, 0.0) + forward[pn.rep]
@@ -321,14 +319,14 @@ def recompute_record(problem, choice, predicted, forced):
     if not modes:
         return None if forced is None else Recompute({}, forced=forced)
     layer = layer_paths(problem)
-    kept_at = kept_nodes(problem, modes, layer)
-    kept = tuple(pn.name for pn in problem.nodes if pn.index in kept_at)
+    costs = mode_costs(problem, modes)
+    kept = tuple(pn.name for pn in problem.nodes if pn.index in costs.kept)
     whole = tuple(pn.name for pn in problem.nodes if pn.name in kept
                   and problem.nodes[pn.rep].strategies[choice[pn.index]].comm)
     keeping = problem.kept_bytes(choice, problem.saved_entries())
-    added = mode_costs(problem, modes).seconds(choice)
+    added = costs.seconds(choice)
     note = ""
-    if any(m in SELECTIVE for m in modes.values()):
+    if any(m in SELECTIVE_MODES for m in modes.values()):
         fused = any(pn.op in ALWAYS_KEPT for pn in problem.nodes if layer.get(pn.index) in modes)
         note = ("selective keeps the projections' and the fused attention's outputs (fused attention holds no "
                 "s x s tensors, so what it drops is the norms, activations, dropout masks and rotary tables)"
