@@ -341,13 +341,22 @@ def main(argv=None) -> int:
         if "ratio" in r:
             flag = ("" if r["preset_exact"] else "  (preset is a bound)") + (
                 f"  (over memory: {r['memory_gib']:.0f} GiB predicted)" if r["over_memory"] else "")
-            speed = f"{r['speedup']:.2f}x ({r['free']})" if "speedup" in r else r.get("free", "")
+            speed = f"{r['speedup']:.2f}x ({r['free']}; planned in {r['free_plan_s']:.1f}s)" if "speedup" in r \
+                else r.get("free", "")
             print(f"{r['id'][:52]:<52} {r['split']:<8} {r['layout'][:22]:<22} {r['measured']:>8.0f} "
                   f"{r['predicted']:>8.0f} {r['ratio']:>9.2f}  {r['plan_s']:.1f}s  {speed}{flag}", flush=True)
         else:
             print(f"{r['id'][:52]:<52} {r['split']:<8} skipped: {r['skipped']}", flush=True)
     print(f"\n{len([r for r in rows if 'ratio' in r])} of {len(rows)} rows planned in "
-          f"{time.perf_counter() - start:.0f} s (fp8 rows {'planned in bf16' if args.fp8 else 'left out'})\n")
+          f"{time.perf_counter() - start:.0f} s (fp8 rows {'planned in bf16' if args.fp8 else 'left out'})")
+    timed = [(r[key], r["id"], what) for r in rows for key, what in (("plan_s", "published layout"),
+                                                                     ("free_plan_s", "autopar's own plan"))
+             if key in r]
+    if timed:
+        secs, rid, what = max(timed)
+        print(f"slowest plan: {secs:.1f} s ({what} of {rid}); {sum(s > 60 for s, _, _ in timed)} of {len(timed)} "
+              f"plans over 60 s")
+    print()
     print(f"{'source':<24} {'split':<9} {'rows':>4} {'median |pred/meas-1|':>21} {'Spearman':>9}")
     for group, split, n, err, rho in summary(rows):
         print(f"{group:<24} {split:<9} {n:>4} {err:>20.1%} {rho:>9.2f}")

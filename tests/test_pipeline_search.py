@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
+import random
 import time
 
 import pytest
@@ -23,6 +25,28 @@ def test_balanced_cuts_minimise_the_slowest_stage():
     # a heavy prefix (embedding) pushes layers away from the first stage
     assert balanced_cuts([1.0] * 6, 2, 2.0, 0.0) == [(0, 2), (2, 6)]
     assert balanced_cuts([5.0, 1.0, 1.0, 1.0], 2, 0.0, 0.0) == [(0, 1), (1, 4)]
+
+
+def test_balanced_cuts_are_the_least_slowest_stage_of_every_cut():
+    """Against every way to cut small random layer times (zeros and ties included): the
+    slowest stage is the least any cut reaches (the dynamic programme's two binary searches
+    per stage find what a scan over every first layer would)."""
+    rng = random.Random(3)
+    for trial in range(300):
+        n = rng.randint(1, 9)
+        stages = rng.randint(1, n)
+        units = [rng.choice([0.0, 0.5, 1.0, 2.0, rng.uniform(0.0, 3.0)]) for _ in range(n)]
+        head, tail = rng.choice([0.0, 1.5, rng.uniform(0, 4)]), rng.choice([0.0, 2.5, rng.uniform(0, 4)])
+
+        def slowest(bounds):
+            edges = [0, *bounds, n]
+            return max(sum(units[a:b]) + (head if s == 0 else 0.0) + (tail if s == stages - 1 else 0.0)
+                       for s, (a, b) in enumerate(zip(edges, edges[1:])))
+        every = list(itertools.combinations(range(1, n), stages - 1))
+        least = min(slowest(b) for b in every)
+        cuts = balanced_cuts(units, stages, head, tail)
+        assert [a for a, _ in cuts][0] == 0 and cuts[-1][1] == n and all(b > a for a, b in cuts)
+        assert slowest([a for a, _ in cuts][1:]) == pytest.approx(least, rel=1e-12, abs=1e-12)
 
 
 def test_v_cuts_balance_each_groups_two_stages():

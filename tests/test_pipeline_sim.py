@@ -4,6 +4,8 @@ Equal stages, forward tf = 1 and backward tb = 2 unless a test says otherwise; S
 B microbatches, v chunks per rank.
 """
 import itertools
+import random
+import re
 import xml.etree.ElementTree as ET
 from collections import Counter
 
@@ -12,7 +14,7 @@ import pytest
 from autopar.cost.schedules import (SCHEDULES, SPLIT_BACKWARD, TWO_WAY, Event, Timeline, bubble_formula,
                                     placement_of, stage_of)
 from autopar.plan.gantt import gantt_svg
-from autopar.cost.schedules import simulate
+from autopar.cost.schedules import simulate, simulate_step
 
 EPS = 1e-9
 
@@ -354,3 +356,32 @@ def test_sends_simulated_and_drawn(tmp_path, schedule, S, B, per_microbatch):
     lines = [ln.get("class") for ln in root.iter("{http://www.w3.org/2000/svg}line") if "send" in ln.get("class", "")]
     assert Counter(lines) == Counter(f"send {m.kind}" for m in tl.sends)
     assert Counter(lines)["send F"] == Counter(lines)["send B"] == per_microbatch * B // 2
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_simulate_step_is_simulate_without_the_timeline(schedule):
+    """The pipeline search's fast path (a dependency graph built once per shape, then one
+    pass adding times) gives simulate's makespan, bubble and in-flight peaks, for uneven
+    stages, communication time, several backward splits and microbatch counts; a second
+    call of the same shape with other times (the cached graph) too; and the same errors."""
+    rng = random.Random(7)
+    checked = 0
+    for S in (1, 2, 3, 4, 6):
+        for B in (1, 3, 4, 8, 12, 24):
+            for trial in range(3):
+                v = 2 if schedule == "interleaved-1f1b" and trial == 1 else 1
+                kw = dict(stage_times=[rng.uniform(0.5, 2.0) for _ in range(S)], backward_ratio=rng.uniform(0.5, 3.0),
+                          n_virtual=v, comm_time=rng.choice([0.0, rng.uniform(0.0, 1.0)]),
+                          w_fraction=rng.uniform(0.2, 0.8))
+                try:
+                    tl = simulate(schedule, S, B, **kw)
+                except ValueError as exc:
+                    with pytest.raises(ValueError, match=re.escape(str(exc))):
+                        simulate_step(schedule, S, B, **kw)
+                    continue
+                step = simulate_step(schedule, S, B, **kw)
+                assert step.makespan == pytest.approx(tl.makespan, rel=1e-12)
+                assert step.bubble_fraction == pytest.approx(tl.bubble_fraction, rel=1e-9, abs=1e-12)
+                assert step.in_flight == tuple(tl.max_in_flight(r) for r in range(S))
+                checked += 1
+    assert checked >= 25

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import heapq
 
+from array import array
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
@@ -202,6 +203,172 @@ def simulate(schedule: str, n_stages: int, n_microbatches: int, stage_times=None
     another rank.  naive runs one batch (n_microbatches is taken as 1): stage_times is
     then the time of that batch.
     """
+    S, B, v, stage_times = _checked(schedule, n_stages, n_microbatches, stage_times, backward_ratio, n_virtual,
+                                    comm_time, w_fraction)
+    orders, pairs = _orders(schedule, S, B, v)
+    durations = _durations(schedule, S, v, stage_times, backward_ratio, w_fraction)
+    events, sends = _run(orders, durations, S, v, comm_time, placement_of(schedule), pairs=pairs)
+    if schedule in ASYNCHRONOUS:
+        return Timeline(schedule, S, B, events, v, sends, _period(events, B), STREAM_BATCHES)
+    return Timeline(schedule, S, B, events, v, sends)
+
+
+@dataclass(frozen=True)
+class Step:
+    """What the pipeline search reads of a simulated schedule, without its events: the
+    makespan (for an asynchronous schedule its steady-state period), the bubble fraction and
+    each rank's peak of microbatches in flight (Timeline.max_in_flight)."""
+
+    makespan: float
+    bubble_fraction: float
+    in_flight: tuple
+
+
+def simulate_step(schedule: str, n_stages: int, n_microbatches: int, stage_times=None, *,
+                  backward_ratio: float = 2.0, n_virtual: int = 1, comm_time: float = 0.0,
+                  w_fraction: float = 0.5) -> Step:
+    """`simulate`'s makespan, bubble and in-flight peaks, without building its timeline.
+
+    Which pass waits for which, and each rank's peak in flight, depend on the schedule,
+    the stage count, the microbatches and the chunks only, not on the times; they are built
+    once per such shape (_Graph, cached) and every call after that is one pass over the
+    passes in dependency order, adding times.  The pipeline search calls this for hundreds
+    of candidates of one shape (64 ranks x 512 microbatches: 200,000 passes) with different
+    stage times.  Same arguments and results as simulate (tests compare them)."""
+    S, B, v, stage_times = _checked(schedule, n_stages, n_microbatches, stage_times, backward_ratio, n_virtual,
+                                    comm_time, w_fraction)
+    if schedule in ASYNCHRONOUS:   # its period reads the stream's forward start times: the full timeline
+        tl = simulate(schedule, S, B, stage_times, backward_ratio=backward_ratio, n_virtual=v,
+                      comm_time=comm_time, w_fraction=w_fraction)
+        return Step(tl.makespan, tl.bubble_fraction, tuple(tl.max_in_flight(r) for r in range(S)))
+    graph = _graph(schedule, S, B, v)
+    durations = _durations(schedule, S, v, stage_times, backward_ratio, w_fraction)
+    slot_time = [durations[r][kind, c] for r in range(S) for kind in KINDS for c in range(v)]
+    end = [0.0] * len(graph.slot)
+    free = [0.0] * S
+    i = 0
+    for r, slot, a, b in zip(graph.rank, graph.slot, graph.first, graph.second):
+        t = free[r]
+        if a >= 0:
+            arrive = end[a] + comm_time
+            if arrive > t:
+                t = arrive
+            if b >= 0:
+                arrive = end[b] + comm_time
+                if arrive > t:
+                    t = arrive
+        t += slot_time[slot]
+        end[i] = free[r] = t
+        i += 1
+    makespan = max(free)   # (some rank's first pass waits for nothing and starts at 0)
+    busy = sum(n * slot_time[slot] for slot, n in graph.slot_counts)
+    return Step(makespan, 1.0 - busy / (S * makespan) if makespan > 0 else 0.0, graph.in_flight)
+
+
+@dataclass(frozen=True)
+class _Graph:
+    """A schedule's passes in an order where each comes after the passes it waits for:
+    per pass its rank, its slot (rank, kind, chunk: an index into that rank's pass times)
+    and the positions of the passes on other ranks it waits for, first and second (-1:
+    none; a pass waits for at most two, a forward paired with a backward under dualpipev;
+    its own rank's come before it in the rank's order); with how many passes each slot has
+    and each rank's peak in flight.  Arrays of ints: 64 ranks x 512 microbatches of
+    dualpipev hold 200,000 passes."""
+
+    rank: array
+    slot: array
+    first: array
+    second: array
+    slot_counts: tuple
+    in_flight: tuple
+
+
+@lru_cache(maxsize=64)   # (a few MiB each at the largest shapes the search tries)
+def _graph(schedule: str, S: int, B: int, v: int) -> _Graph:
+    orders, pairs = _orders(schedule, S, B, v)
+    placement = placement_of(schedule)
+    K = len(KINDS)
+    kind_index = {k: i for i, k in enumerate(KINDS)}
+    # every pass waits on passes of its own microbatch: per (rank, kind, chunk) the (rank,
+    # id of microbatch 0) of each input, a pass's id being ((rank K + kind) v + chunk) B + m
+    info = {}   # (rank, kind, chunk) -> (slot, id of microbatch 0, its inputs as (rank, id of microbatch 0))
+    for r in range(S):
+        for kind in KINDS:
+            for c in range(v):
+                at = (r * K + kind_index[kind]) * v + c
+                info[r, kind, c] = (at, at * B, tuple(
+                    (r2, ((r2 * K + kind_index[op2[0]]) * v + op2[2]) * B)
+                    for r2, op2 in pass_inputs(r, (kind, 0, c), S, v, placement)))
+    where = array("i", [-1]) * (S * K * v * B)   # pass id -> its position in the walk
+    rank, slot, first, second = array("i"), array("i"), array("i"), array("i")
+    pos = [0] * S
+    waiting: dict = {}
+    todo, queued = list(range(S - 1, -1, -1)), [True] * S
+    while todo:   # the walk of _run, without times
+        r = todo.pop()
+        queued[r] = False
+        order = orders[r]
+        while pos[r] < len(order):
+            op = order[pos[r]]
+            kind, m, c = op
+            at, base, ins = info[r, kind, c]
+            me = base + m
+            inputs = [(r2, b2 + m) for r2, b2 in ins]
+            partner = pairs.get((r, op)) if pairs else None
+            if partner is not None:
+                inputs += [(r2, b2 + partner[1]) for r2, b2 in info[r, partner[0], partner[2]][2]
+                           if b2 + partner[1] != me]
+            missing = -1
+            for _, i in inputs:
+                if where[i] < 0:
+                    missing = i
+                    break
+            if missing >= 0:
+                waiting.setdefault(missing, []).append(r)
+                break
+            where[me] = len(rank)
+            rank.append(r)
+            slot.append(at)
+            a = b = -1
+            for r2, i in inputs:
+                if r2 != r:
+                    if a < 0:
+                        a = where[i]
+                    elif b < 0:
+                        b = where[i]
+                    else:
+                        raise AssertionError(f"{schedule}: {op} on rank {r} waits for more than two other ranks' "
+                                             f"passes")
+            first.append(a)
+            second.append(b)
+            pos[r] += 1
+            blocked = waiting.pop(me, None)
+            if blocked:
+                for r3 in blocked:
+                    if not queued[r3]:
+                        queued[r3] = True
+                        todo.append(r3)
+    if any(p < len(o) for p, o in zip(pos, orders)):
+        stuck = {r: orders[r][pos[r]] for r in range(S) if pos[r] < len(orders[r])}
+        raise RuntimeError(f"schedule deadlocks; next op per rank: {stuck}")
+    in_flight = []
+    for order in orders:   # as Timeline.max_in_flight: a rank runs its passes in its order
+        last = "W" if any(op[0] == "W" for op in order) else "B"
+        held = peak = 0
+        for kind, _, _ in order:
+            held += (kind == "F") - (kind == last)
+            peak = max(peak, held)
+        in_flight.append(peak)
+    counts: dict = {}
+    for x in slot:
+        counts[x] = counts.get(x, 0) + 1
+    return _Graph(rank, slot, first, second, tuple(counts.items()), tuple(in_flight))
+
+
+def _checked(schedule: str, n_stages: int, n_microbatches: int, stage_times, backward_ratio: float,
+             n_virtual: int, comm_time: float, w_fraction: float) -> tuple:
+    """simulate's arguments checked: (S, B, v, stage_times as floats), with B = 1 for naive
+    and v = 2 for the V-shaped and two-way schedules."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
     if n_stages < 1 or n_microbatches < 1:
@@ -239,8 +406,11 @@ def simulate(schedule: str, n_stages: int, n_microbatches: int, stage_times=None
         raise ValueError("stage_times, backward_ratio and comm_time must be non-negative")
     if not 0.0 < w_fraction < 1.0:
         raise ValueError(f"w_fraction must be strictly between 0 and 1, got {w_fraction}")
+    return n_stages, n_microbatches, n_virtual, stage_times
 
-    S, B, v = n_stages, n_microbatches, n_virtual
+
+def _orders(schedule: str, S: int, B: int, v: int) -> tuple:
+    """Each rank's passes in the order `schedule` runs them, and DualPipeV's pairs."""
     pairs: dict = {}
     if schedule in ("naive", "gpipe"):
         orders = _gpipe(S, B)
@@ -256,6 +426,11 @@ def simulate(schedule: str, n_stages: int, n_microbatches: int, stage_times=None
         orders = _one_f_one_b(S, STREAM_BATCHES * B)
     else:
         orders = _one_f_one_b(S, B, v)
+    return orders, pairs
+
+
+def _durations(schedule: str, S: int, v: int, stage_times: list, backward_ratio: float, w_fraction: float) -> list:
+    """Per rank, {(kind, chunk): seconds of that pass}."""
     tb = backward_ratio * (1.0 - w_fraction if schedule in SPLIT_BACKWARD else 1.0)
     scale = {"F": 1.0 / v, "B": tb / v, "W": backward_ratio * w_fraction / v}
     if schedule in TWO_WAY:   # rank r runs stage r down and stage S-1-r up, each whole
@@ -263,10 +438,7 @@ def simulate(schedule: str, n_stages: int, n_microbatches: int, stage_times=None
                       for c in range(2)} for r in range(S)]
     else:
         durations = [{(k, c): t * s for k, s in scale.items() for c in range(v)} for t in stage_times]
-    events, sends = _run(orders, durations, S, v, comm_time, placement_of(schedule), pairs=pairs)
-    if schedule in ASYNCHRONOUS:
-        return Timeline(schedule, S, B, events, v, sends, _period(events, B), STREAM_BATCHES)
-    return Timeline(schedule, S, B, events, v, sends)
+    return durations
 
 
 def bubble_formula(schedule: str, n_stages: int, n_microbatches: int, n_virtual: int = 1, *,

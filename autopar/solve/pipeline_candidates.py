@@ -19,7 +19,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass, field
 
-from autopar.cost.schedules import ASYNCHRONOUS, TWO_WAY, V_SHAPED, group_stages, simulate
+from autopar.cost.schedules import ASYNCHRONOUS, TWO_WAY, V_SHAPED, group_stages, simulate_step
 from autopar.mesh import Mesh
 from autopar.plan.plan import PipelineLayout, Prediction
 from autopar.solve.pipeline_costs import STATES, LayerCosts, StageParts
@@ -189,13 +189,13 @@ def evaluate(parts: StageParts, copies, send, n_stages, p, v, schedule, n_mb, li
         return SLOWER
     if v > 1:  # group g holds stages g, g + p, ... (V-shaped: g and 2p-1-g): its chunks' times add up
         group_f = [sum(fwd[s] for s in mine) for mine in groups]
-        tl = simulate(schedule, p, n_mb, stage_times=group_f, backward_ratio=ratio, n_virtual=v,
-                      comm_time=send - paid)
+        tl = simulate_step(schedule, p, n_mb, stage_times=group_f, backward_ratio=ratio, n_virtual=v,
+                           comm_time=send - paid)
     else:
-        tl = simulate(schedule, n_stages, n_mb, stage_times=fwd, backward_ratio=ratio, comm_time=send - paid)
+        tl = simulate_step(schedule, n_stages, n_mb, stage_times=fwd, backward_ratio=ratio, comm_time=send - paid)
     memory, group_memory = [], []
     for g in range(p):
-        held = tl.max_in_flight(g)
+        held = tl.in_flight[g]
         mine = groups[g]
         held_parts = {k: sum(kept[s] for s in mine) for k, kept in held_states.items()}
         if schedule in ASYNCHRONOUS:   # two stashed weight versions beside the live ones (runtime/flushless.py)
@@ -262,6 +262,10 @@ def balanced_cuts(units, n_stages, head, tail):
 
 @functools.lru_cache(maxsize=4096)
 def _balanced_cuts(units, n_stages, head, tail):
+    # best[s][j]: the slowest of s stages holding the first j layers.  Over the last stage's
+    # first layer i, best[s-1][i] never falls and the last stage's load (layers i..j-1)
+    # never rises, so the least max(...) is where they cross: two binary searches per (s,
+    # j) instead of a scan, giving the scan's answer (the first i reaching the least value)
     n = len(units)
     prefix = [0.0]
     for u in units:
@@ -271,12 +275,34 @@ def _balanced_cuts(units, n_stages, head, tail):
     back = [[0] * (n + 1) for _ in range(n_stages + 1)]
     best[0][0] = 0.0
     for s in range(1, n_stages + 1):
+        extra = (head if s == 1 else 0.0) + (tail if s == n_stages else 0.0)
+        before = best[s - 1]
         for j in range(s, n - (n_stages - s) + 1):
-            for i in range(s - 1, j):
-                t = prefix[j] - prefix[i] + (head if s == 1 else 0.0) + (tail if s == n_stages else 0.0)
-                cand = max(best[s - 1][i], t)
-                if cand < best[s][j] - 1e-15:
-                    best[s][j], back[s][j] = cand, i
+            top = prefix[j]
+
+            def load(i):
+                return top - prefix[i] + extra
+
+            lo, hi = s - 1, j   # the first i in [s-1, j) with before[i] >= load(i), or j
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if before[mid] >= load(mid):
+                    hi = mid
+                else:
+                    lo = mid + 1
+            cross = lo
+            least = min(before[cross] if cross < j else inf, load(cross - 1) if cross > s - 1 else inf)
+            value, at = (before[cross], cross) if cross < j else (inf, 0)
+            if cross > s - 1 and load(cross - 1) <= least + 1e-15:
+                lo, hi = s - 1, cross - 1   # the first i whose load is within rounding of the least
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    if load(mid) <= least + 1e-15:
+                        hi = mid
+                    else:
+                        lo = mid + 1
+                value, at = max(before[lo], load(lo)), lo
+            best[s][j], back[s][j] = value, at
     cuts, j = [], n
     for s in range(n_stages, 0, -1):
         i = back[s][j]
