@@ -265,6 +265,47 @@ def simulate_step(schedule: str, n_stages: int, n_microbatches: int, stage_times
     return Step(makespan, 1.0 - busy / (S * makespan) if makespan > 0 else 0.0, graph.in_flight)
 
 
+def makespan_floor(schedule: str, n_stages: int, n_microbatches: int, stage_times=None, *,
+                   backward_ratio: float = 2.0, n_virtual: int = 1, comm_time: float = 0.0,
+                   w_fraction: float = 0.5) -> float:
+    """A lower bound on simulate's makespan, in closed form: no rank starts before the
+    first microbatch's forward has crossed the stages below its lowest one (its fill), it
+    then runs all its passes one after another, and, where a backward is a rank's last pass,
+    the stages below must still run that microbatch's backward (its drain; not under the
+    split-backward schedules, whose weight passes may come last).  Under chimera each rank
+    takes the nearer end of its two pipelines.  The pipeline search skips the candidates
+    whose bound already loses to the best step found (a lower bound: tests check it against
+    simulate)."""
+    S, B, v, stage_times = _checked(schedule, n_stages, n_microbatches, stage_times, backward_ratio, n_virtual,
+                                    comm_time, w_fraction)
+    durations = _durations(schedule, S, v, stage_times, backward_ratio, w_fraction)
+    if schedule in ASYNCHRONOUS:   # the period of a stream: no fill or drain within it
+        return max(durations[r]["F", 0] + durations[r]["B", 0] for r in range(S)) * B
+    placement = placement_of(schedule)
+    drains = schedule not in SPLIT_BACKWARD
+    kinds = KINDS if schedule in SPLIT_BACKWARD else ("F", "B")
+    per_chunk = B / 2 if placement == "two-way" else B   # (chimera: half the microbatches down, half up)
+
+    def edge(below: list) -> tuple:
+        """(fill, drain) past the (rank, chunk) passes of the stages below, each a hop."""
+        fill = sum(durations[r][("F", c)] + comm_time for r, c in below)
+        drain = sum(durations[r][("B", c)] + comm_time for r, c in below) if drains else 0.0
+        return fill, drain
+
+    out = 0.0
+    for r in range(S):
+        work = per_chunk * sum(durations[r][kind, c] for kind in kinds for c in range(v))
+        if placement == "two-way":   # down pipeline: stages 0..r-1 on ranks 0..r-1; up: ranks S-1..r+1
+            down = edge([(q, 0) for q in range(r)])
+            up = edge([(q, 1) for q in range(r + 1, S)])
+            fill, drain = min(down[0], up[0]), min(down[1], up[1])
+        else:
+            lowest = stage_of(r, 0, S, placement)
+            fill, drain = edge([place_of(k, S, placement) for k in range(lowest)])
+        out = max(out, fill + work + drain)
+    return out
+
+
 @dataclass(frozen=True)
 class _Graph:
     """A schedule's passes in an order where each comes after the passes it waits for:

@@ -19,7 +19,8 @@ import dataclasses
 import functools
 from dataclasses import dataclass, field
 
-from autopar.cost.schedules import ASYNCHRONOUS, TWO_WAY, V_SHAPED, group_stages, simulate_step
+from autopar.cost.schedules import (ASYNCHRONOUS, TWO_WAY, V_SHAPED, group_stages, makespan_floor,
+                                    simulate_step)
 from autopar.mesh import Mesh
 from autopar.plan.plan import PipelineLayout, Prediction
 from autopar.solve.pipeline_costs import STATES, LayerCosts, StageParts
@@ -167,8 +168,8 @@ def evaluate(parts: StageParts, copies, send, n_stages, p, v, schedule, n_mb, li
              overlap=False, beat: float = float("inf"), transfer=None,
              host_limit: float = 0.0) -> PipelineChoice | None | str:
     """Cut the layers into n_stages, simulate the schedule, check memory (None: over the
-    limit; SLOWER: no schedule could make it faster than `beat` seconds, so it is not
-    simulated).  copies: the model states the last stage holds again
+    limit; SLOWER: the schedule's closed-form bound, makespan_floor, already loses to `beat`
+    seconds, so it is not simulated).  copies: the model states the last stage holds again
     (weights tied to the first stage's).  send: one activation's (or gradient's) trip
     across a cut.  The schedules post sends without waiting for them; on an asynchronous
     device (overlap) a send delays only the stage that receives it (the simulated
@@ -185,14 +186,16 @@ def evaluate(parts: StageParts, copies, send, n_stages, p, v, schedule, n_mb, li
     if schedule in TWO_WAY:
         move = transfer or (lambda nbytes: 0.0)
         group_once = [t + move(sum(held_states["grads"][s] for s in mine)) for t, mine in zip(group_once, groups)]
-    if floor(parts, copies, send, n_stages, p, n_mb, overlap, schedule) > beat * (1 + 1e-9):
-        return SLOWER
     if v > 1:  # group g holds stages g, g + p, ... (V-shaped: g and 2p-1-g): its chunks' times add up
         group_f = [sum(fwd[s] for s in mine) for mine in groups]
-        tl = simulate_step(schedule, p, n_mb, stage_times=group_f, backward_ratio=ratio, n_virtual=v,
-                           comm_time=send - paid)
+        shape = (schedule, p, n_mb, group_f)
     else:
-        tl = simulate_step(schedule, n_stages, n_mb, stage_times=fwd, backward_ratio=ratio, comm_time=send - paid)
+        shape = (schedule, n_stages, n_mb, fwd)
+    how = dict(backward_ratio=ratio, n_virtual=v, comm_time=send - paid)
+    # (a closed-form bound first, fill and drain included: most candidates lose without a simulation)
+    if makespan_floor(*shape, **how) + max(group_once) > beat * (1 + 1e-9):
+        return SLOWER
+    tl = simulate_step(*shape, **how)
     memory, group_memory = [], []
     for g in range(p):
         held = tl.in_flight[g]
