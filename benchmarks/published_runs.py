@@ -48,10 +48,13 @@ import collections
 import dataclasses
 import json
 import math
+import multiprocessing
+import os
 import random
 import statistics
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -311,6 +314,25 @@ def summary(rows: list) -> list:
     return out
 
 
+def show(r: dict) -> None:
+    """Print one replayed row."""
+    if "ratio" in r:
+        flag = ("" if r["preset_exact"] else "  (preset is a bound)") + (
+            f"  (over memory: {r['memory_gib']:.0f} GiB predicted)" if r["over_memory"] else "")
+        speed = f"{r['speedup']:.2f}x ({r['free']}; planned in {r['free_plan_s']:.1f}s)" if "speedup" in r \
+            else r.get("free", "")
+        print(f"{r['id'][:52]:<52} {r['split']:<8} {r['layout'][:22]:<22} {r['measured']:>8.0f} "
+              f"{r['predicted']:>8.0f} {r['ratio']:>9.2f}  {r['plan_s']:.1f}s  {speed}{flag}", flush=True)
+    else:
+        print(f"{r['id'][:52]:<52} {r['split']:<8} skipped: {r['skipped']}", flush=True)
+
+
+def _one_core() -> None:
+    """A replay worker plans on its own core: one torch thread, no forked planning lanes."""
+    os.environ["AUTOPAR_WORKERS"] = "1"
+    torch.set_num_threads(1)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--source", action="append", help="only these sources (repeatable)")
@@ -320,6 +342,11 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="write the rows here as JSON")
     parser.add_argument("--no-free", action="store_true", help="skip autopar's own plan of each job")
     parser.add_argument("--markdown", help="write the summary and every row here as a markdown table")
+    parser.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                        else os.cpu_count() or 1,
+                        help="processes for the rows without pipeline stages, one core each (default: the cores "
+                             "this process may use); the staged rows run after them one at a time, each plan's "
+                             "pipeline search using every core")
     args = parser.parse_args(argv)
     runs = json.loads(DATA.read_text())["runs"]
     runs = [r for r in runs if (args.fp8 or not r.get("fp8")) and (not args.source or r["source"] in args.source)]
@@ -335,18 +362,21 @@ def main(argv=None) -> int:
     rows = []
     print(f"{'run':<52} {'split':<8} {'layout':<22} {'meas':>8} {'pred':>8} {'pred/meas':>9}  plan   "
           f"free plan: speedup over the published layout")
-    for run in runs:
-        r = replay(run, free=not args.no_free)
-        rows.append(r)
-        if "ratio" in r:
-            flag = ("" if r["preset_exact"] else "  (preset is a bound)") + (
-                f"  (over memory: {r['memory_gib']:.0f} GiB predicted)" if r["over_memory"] else "")
-            speed = f"{r['speedup']:.2f}x ({r['free']}; planned in {r['free_plan_s']:.1f}s)" if "speedup" in r \
-                else r.get("free", "")
-            print(f"{r['id'][:52]:<52} {r['split']:<8} {r['layout'][:22]:<22} {r['measured']:>8.0f} "
-                  f"{r['predicted']:>8.0f} {r['ratio']:>9.2f}  {r['plan_s']:.1f}s  {speed}{flag}", flush=True)
-        else:
-            print(f"{r['id'][:52]:<52} {r['split']:<8} skipped: {r['skipped']}", flush=True)
+    free = not args.no_free
+    staged = [run for run in runs if (run["parallel"].get("pp") or 1) > 1]
+    plain = [run for run in runs if (run["parallel"].get("pp") or 1) <= 1]
+    done = {}
+    if args.jobs > 1 and len(plain) > 1:
+        with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("fork"),
+                                 initializer=_one_core) as pool:
+            for r in pool.map(replay, plain, [free] * len(plain)):
+                done[r["id"]] = r
+                show(r)
+    for run in plain + staged:
+        if run["id"] not in done:
+            done[run["id"]] = r = replay(run, free=free)
+            show(r)
+    rows = [done[run["id"]] for run in runs]
     print(f"\n{len([r for r in rows if 'ratio' in r])} of {len(rows)} rows planned in "
           f"{time.perf_counter() - start:.0f} s (fp8 rows {'planned in bf16' if args.fp8 else 'left out'})")
     timed = [(r[key], r["id"], what) for r in rows for key, what in (("plan_s", "published layout"),
