@@ -808,7 +808,7 @@ def chimera_orders(S: int, B: int) -> list:
 def _chimera_cached(S: int, B: int) -> tuple:
     half = S // 2
     queue = {c: [m for m in range(B) if (m % S >= half) == c] for c in (0, 1)}   # microbatches per pipeline
-    end: dict = {}
+    end = [-1.0] * (S * 4 * B)   # ((rank 2 + kind) 2 + chunk) B + microbatch -> its end (kind: F 0, B 1)
     free = [0.0] * S
     started = [[0, 0] for _ in range(S)]
     held = [[[], []] for _ in range(S)]      # forwards waiting for their backward, per chunk
@@ -816,19 +816,33 @@ def _chimera_cached(S: int, B: int) -> tuple:
 
     def candidate(r):
         """Rank r's next pass if one is ready: (start, ...ordering keys, op), or None.  It
-        depends on rank r's own state and on its neighbours' ends only (pass_inputs)."""
-        ready = []
+        depends on rank r's own state and on its neighbours' ends only (pass_inputs: a
+        forward waits for the stage before's forward, a backward for the stage after's
+        backward; its own forward ran when it was taken)."""
+        best = None
         for c in (0, 1):
             k = r if c == 0 else S - 1 - r
-            ops = [("B", held[r][c][0], c)] if held[r][c] else []
-            if started[r][c] < len(queue[c]) and len(held[r][c]) < min(half, S - k):
-                ops.append(("F", queue[c][started[r][c]], c))
-            for op in ops:
-                deps = pass_inputs(r, op, S, 2, "two-way")
-                if all(d in end for d in deps):
-                    ready.append((max([free[r]] + [end[d] for d in deps]), op[0] == "F",
-                                  -k if op[0] == "F" else k, op))
-        return min(ready) if ready else None
+            step = 1 if c == 0 else -1    # the next stage's rank is r + step
+            mine = held[r][c]
+            if mine:
+                m = mine[0]
+                t = free[r]
+                if k < S - 1:
+                    after = end[(((r + step) * 2 + 1) * 2 + c) * B + m]
+                    t = None if after < 0 else max(t, after)
+                if t is not None:
+                    got = (t, False, k, ("B", m, c))
+                    best = got if best is None or got < best else best
+            if started[r][c] < len(queue[c]) and len(mine) < min(half, S - k):
+                m = queue[c][started[r][c]]
+                t = free[r]
+                if k > 0:
+                    before = end[(((r - step) * 2) * 2 + c) * B + m]
+                    t = None if before < 0 else max(t, before)
+                if t is not None:
+                    got = (t, True, -k, ("F", m, c))
+                    best = got if best is None or got < best else best
+        return best
 
     # the earliest ready pass over all ranks, the lowest rank on a tie; a heap of each rank's
     # candidate, recomputed only where a pass changed what is ready (its rank and neighbours)
@@ -844,9 +858,9 @@ def _chimera_cached(S: int, B: int) -> tuple:
             t, r, ver, op = heapq.heappop(heap)
             if ver == version[r]:
                 break
-        free[r] = end[r, op] = t + 1.0
-        orders[r].append(op)
         kind, m, c = op
+        free[r] = end[((r * 2 + (kind == "B")) * 2 + c) * B + m] = t + 1.0
+        orders[r].append(op)
         if kind == "F":
             held[r][c].append(m)
             started[r][c] += 1
