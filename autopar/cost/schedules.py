@@ -205,9 +205,19 @@ def simulate(schedule: str, n_stages: int, n_microbatches: int, stage_times=None
     """
     S, B, v, stage_times = _checked(schedule, n_stages, n_microbatches, stage_times, backward_ratio, n_virtual,
                                     comm_time, w_fraction)
-    orders, pairs = _orders(schedule, S, B, v)
-    durations = _durations(schedule, S, v, stage_times, backward_ratio, w_fraction)
-    events, sends = _run(orders, durations, S, v, comm_time, placement_of(schedule), pairs=pairs)
+    graph = _graph(schedule, S, B, v)
+    slot_time = _slot_times(graph, schedule, S, v, stage_times, backward_ratio, w_fraction)
+    start, end = _times(graph, slot_time, S, comm_time)
+    events, sends, K = [], {}, len(KINDS)
+    for i, (r, slot, m) in enumerate(zip(graph.rank, graph.slot, graph.micro)):
+        kind, c = KINDS[slot // v % K], slot % v
+        events.append(Event(r, kind, m, c, start[i], end[i]))
+        for j in (graph.first[i], graph.second[i]):   # what arrived from other ranks
+            if j >= 0:
+                src, o = graph.rank[j], (KINDS[graph.slot[j] // v % K], graph.micro[j], graph.slot[j] % v)
+                sends[src, r, o] = Send(src, r, o[0], o[1], o[2], end[j], end[j] + comm_time)
+    events = tuple(sorted(events, key=lambda e: (e.rank, e.start)))
+    sends = tuple(sorted(sends.values(), key=lambda s: (s.start, s.src, s.dst)))
     if schedule in ASYNCHRONOUS:
         return Timeline(schedule, S, B, events, v, sends, _period(events, B), STREAM_BATCHES)
     return Timeline(schedule, S, B, events, v, sends)
@@ -242,24 +252,11 @@ def simulate_step(schedule: str, n_stages: int, n_microbatches: int, stage_times
                       comm_time=comm_time, w_fraction=w_fraction)
         return Step(tl.makespan, tl.bubble_fraction, tuple(tl.max_in_flight(r) for r in range(S)))
     graph = _graph(schedule, S, B, v)
-    durations = _durations(schedule, S, v, stage_times, backward_ratio, w_fraction)
-    slot_time = [durations[r][kind, c] for r in range(S) for kind in KINDS for c in range(v)]
-    end = [0.0] * len(graph.slot)
+    slot_time = _slot_times(graph, schedule, S, v, stage_times, backward_ratio, w_fraction)
+    _, end = _times(graph, slot_time, S, comm_time)
     free = [0.0] * S
-    i = 0
-    for r, slot, a, b in zip(graph.rank, graph.slot, graph.first, graph.second):
-        t = free[r]
-        if a >= 0:
-            arrive = end[a] + comm_time
-            if arrive > t:
-                t = arrive
-            if b >= 0:
-                arrive = end[b] + comm_time
-                if arrive > t:
-                    t = arrive
-        t += slot_time[slot]
-        end[i] = free[r] = t
-        i += 1
+    for r, t in zip(graph.rank, end):
+        free[r] = t
     makespan = max(free)   # (some rank's first pass waits for nothing and starts at 0)
     busy = sum(n * slot_time[slot] for slot, n in graph.slot_counts)
     return Step(makespan, 1.0 - busy / (S * makespan) if makespan > 0 else 0.0, graph.in_flight)
@@ -306,6 +303,36 @@ def makespan_floor(schedule: str, n_stages: int, n_microbatches: int, stage_time
     return out
 
 
+def _slot_times(graph, schedule: str, S: int, v: int, stage_times: list, backward_ratio: float,
+                w_fraction: float) -> list:
+    """Seconds of a pass per slot (rank, kind, chunk), as _Graph numbers them."""
+    durations = _durations(schedule, S, v, stage_times, backward_ratio, w_fraction)
+    return [durations[r][kind, c] for r in range(S) for kind in KINDS for c in range(v)]
+
+
+def _times(graph, slot_time: list, S: int, comm_time: float) -> tuple:
+    """(start, end) of every pass of `graph`, in its order: each starts when its rank is
+    free and what it waits for from other ranks has arrived (comm_time after it ended)."""
+    n = len(graph.slot)
+    start, end = [0.0] * n, [0.0] * n
+    free = [0.0] * S
+    i = 0
+    for r, slot, a, b in zip(graph.rank, graph.slot, graph.first, graph.second):
+        t = free[r]
+        if a >= 0:
+            arrive = end[a] + comm_time
+            if arrive > t:
+                t = arrive
+            if b >= 0:
+                arrive = end[b] + comm_time
+                if arrive > t:
+                    t = arrive
+        start[i] = t
+        end[i] = free[r] = t + slot_time[slot]
+        i += 1
+    return start, end
+
+
 @dataclass(frozen=True)
 class _Graph:
     """A schedule's passes in an order where each comes after the passes it waits for:
@@ -318,6 +345,7 @@ class _Graph:
 
     rank: array
     slot: array
+    micro: array
     first: array
     second: array
     slot_counts: tuple
@@ -332,6 +360,7 @@ def _graph(schedule: str, S: int, B: int, v: int) -> _Graph:
     kind_index = {k: i for i, k in enumerate(KINDS)}
     # every pass waits on passes of its own microbatch: per (rank, kind, chunk) the (rank,
     # id of microbatch 0) of each input, a pass's id being ((rank K + kind) v + chunk) B + m
+    B = STREAM_BATCHES * B if schedule in ASYNCHRONOUS else B   # (the microbatches the orders hold)
     info = {}   # (rank, kind, chunk) -> (slot, id of microbatch 0, its inputs as (rank, id of microbatch 0))
     for r in range(S):
         for kind in KINDS:
@@ -341,11 +370,11 @@ def _graph(schedule: str, S: int, B: int, v: int) -> _Graph:
                     (r2, ((r2 * K + kind_index[op2[0]]) * v + op2[2]) * B)
                     for r2, op2 in pass_inputs(r, (kind, 0, c), S, v, placement)))
     where = array("i", [-1]) * (S * K * v * B)   # pass id -> its position in the walk
-    rank, slot, first, second = array("i"), array("i"), array("i"), array("i")
+    rank, slot, micro, first, second = array("i"), array("i"), array("i"), array("i"), array("i")
     pos = [0] * S
     waiting: dict = {}
     todo, queued = list(range(S - 1, -1, -1)), [True] * S
-    while todo:   # the walk of _run, without times
+    while todo:   # ranks advanced in any order: one blocked on a pass not yet placed waits for it
         r = todo.pop()
         queued[r] = False
         order = orders[r]
@@ -370,6 +399,7 @@ def _graph(schedule: str, S: int, B: int, v: int) -> _Graph:
             where[me] = len(rank)
             rank.append(r)
             slot.append(at)
+            micro.append(m)
             a = b = -1
             for r2, i in inputs:
                 if r2 != r:
@@ -403,7 +433,7 @@ def _graph(schedule: str, S: int, B: int, v: int) -> _Graph:
     counts: dict = {}
     for x in slot:
         counts[x] = counts.get(x, 0) + 1
-    return _Graph(rank, slot, first, second, tuple(counts.items()), tuple(in_flight))
+    return _Graph(rank, slot, micro, first, second, tuple(counts.items()), tuple(in_flight))
 
 
 def _checked(schedule: str, n_stages: int, n_microbatches: int, stage_times, backward_ratio: float,
@@ -899,46 +929,3 @@ def pass_inputs(rank: int, op: Op, S: int, v: int, placement: str = "loop") -> l
         after.append((r2, ("B", m, c2)))
     return after
 
-
-def _run(orders: list, durations: list, S: int, v: int, comm_time: float, placement: str = "loop",
-         pairs: dict | None = None) -> tuple:
-    """Start every op as soon as its rank is free and its inputs have arrived, each rank
-    taking its ops in the listed order; a forward paired with a backward (pairs: {(rank,
-    forward): backward}, listed right after it) waits for the backward's inputs too.
-    Returns the Events by rank and start, and the Sends between ranks."""
-    pairs = pairs or {}
-    end, events, sends = {}, [], {}
-    pos, free = [0] * S, [0.0] * S
-    # each op's start depends only on its rank's previous op and its inputs' ends, so ranks can
-    # be advanced in any order: a rank blocked on a pass not yet run waits until that pass ends
-    waiting: dict = {}   # (rank, op) not yet run -> ranks blocked on it
-    todo, queued = list(range(S - 1, -1, -1)), [True] * S
-    while todo:
-        r = todo.pop()
-        queued[r] = False
-        while pos[r] < len(orders[r]):
-            op = orders[r][pos[r]]
-            deps = pass_inputs(r, op, S, v, placement)
-            partner = pairs.get((r, op))
-            if partner is not None:
-                deps = deps + [d for d in pass_inputs(r, partner, S, v, placement) if d != (r, op)]
-            missing = next((d for d in deps if d not in end), None)
-            if missing is not None:
-                waiting.setdefault(missing, []).append(r)
-                break
-            start = max([free[r]] + [end[(r2, o)] + (comm_time if r2 != r else 0.0) for r2, o in deps])
-            free[r] = end[(r, op)] = start + durations[r][op[0], op[2]]
-            for r2, o in deps:
-                if r2 != r and o[0] != "W":
-                    sends[r2, r, o] = Send(r2, r, o[0], o[1], o[2], end[(r2, o)], end[(r2, o)] + comm_time)
-            events.append(Event(r, op[0], op[1], op[2], start, free[r]))
-            pos[r] += 1
-            for r3 in waiting.pop((r, op), ()):
-                if not queued[r3]:
-                    queued[r3] = True
-                    todo.append(r3)
-    if any(p < len(o) for p, o in zip(pos, orders)):
-        stuck = {r: orders[r][pos[r]] for r in range(S) if pos[r] < len(orders[r])}
-        raise RuntimeError(f"schedule deadlocks; next op per rank: {stuck}")
-    return (tuple(sorted(events, key=lambda e: (e.rank, e.start))),
-            tuple(sorted(sends.values(), key=lambda s: (s.start, s.src, s.dst))))
