@@ -164,13 +164,7 @@ class Timeline:
         backwards finished, where a (microbatch, chunk) is finished by its last backward
         pass (W under zero-bubble, else B).  Each chunk counts as one; with v chunks a
         chunk's activations are 1/v of a stage's."""
-        events = self.on(rank)
-        last = "W" if any(e.kind == "W" for e in events) else "B"
-        held = peak = 0
-        for e in events:
-            held += (e.kind == "F") - (e.kind == last)
-            peak = max(peak, held)
-        return peak
+        return _peak_in_flight([e.kind for e in self.on(rank)])
 
     def __str__(self) -> str:
         """A header, then one row per rank: its passes in order, with one "." per
@@ -206,7 +200,7 @@ def simulate(schedule: str, n_stages: int, n_microbatches: int, stage_times=None
     S, B, v, stage_times = _checked(schedule, n_stages, n_microbatches, stage_times, backward_ratio, n_virtual,
                                     comm_time, w_fraction)
     graph = _graph(schedule, S, B, v)
-    slot_time = _slot_times(graph, schedule, S, v, stage_times, backward_ratio, w_fraction)
+    slot_time = _slot_times(schedule, S, v, stage_times, backward_ratio, w_fraction)
     start, end = _times(graph, slot_time, S, comm_time)
     events, sends, K = [], {}, len(KINDS)
     for i, (r, slot, m) in enumerate(zip(graph.rank, graph.slot, graph.micro)):
@@ -252,12 +246,9 @@ def simulate_step(schedule: str, n_stages: int, n_microbatches: int, stage_times
                       comm_time=comm_time, w_fraction=w_fraction)
         return Step(tl.makespan, tl.bubble_fraction, tuple(tl.max_in_flight(r) for r in range(S)))
     graph = _graph(schedule, S, B, v)
-    slot_time = _slot_times(graph, schedule, S, v, stage_times, backward_ratio, w_fraction)
+    slot_time = _slot_times(schedule, S, v, stage_times, backward_ratio, w_fraction)
     _, end = _times(graph, slot_time, S, comm_time)
-    free = [0.0] * S
-    for r, t in zip(graph.rank, end):
-        free[r] = t
-    makespan = max(free)   # (some rank's first pass waits for nothing and starts at 0)
+    makespan = max(end)   # (some rank's first pass waits for nothing and starts at 0)
     busy = sum(n * slot_time[slot] for slot, n in graph.slot_counts)
     return Step(makespan, 1.0 - busy / (S * makespan) if makespan > 0 else 0.0, graph.in_flight)
 
@@ -303,7 +294,18 @@ def makespan_floor(schedule: str, n_stages: int, n_microbatches: int, stage_time
     return out
 
 
-def _slot_times(graph, schedule: str, S: int, v: int, stage_times: list, backward_ratio: float,
+def _peak_in_flight(kinds: list) -> int:
+    """Most microbatches held at once over one rank's passes, given their kinds in the order
+    they run (see Timeline.max_in_flight)."""
+    last = "W" if "W" in kinds else "B"
+    held = peak = 0
+    for kind in kinds:
+        held += (kind == "F") - (kind == last)
+        peak = max(peak, held)
+    return peak
+
+
+def _slot_times(schedule: str, S: int, v: int, stage_times: list, backward_ratio: float,
                 w_fraction: float) -> list:
     """Seconds of a pass per slot (rank, kind, chunk), as _Graph numbers them."""
     durations = _durations(schedule, S, v, stage_times, backward_ratio, w_fraction)
@@ -422,14 +424,7 @@ def _graph(schedule: str, S: int, B: int, v: int) -> _Graph:
     if any(p < len(o) for p, o in zip(pos, orders)):
         stuck = {r: orders[r][pos[r]] for r in range(S) if pos[r] < len(orders[r])}
         raise RuntimeError(f"schedule deadlocks; next op per rank: {stuck}")
-    in_flight = []
-    for order in orders:   # as Timeline.max_in_flight: a rank runs its passes in its order
-        last = "W" if any(op[0] == "W" for op in order) else "B"
-        held = peak = 0
-        for kind, _, _ in order:
-            held += (kind == "F") - (kind == last)
-            peak = max(peak, held)
-        in_flight.append(peak)
+    in_flight = [_peak_in_flight([op[0] for op in order]) for order in orders]   # (a rank runs them in order)
     counts: dict = {}
     for x in slot:
         counts[x] = counts.get(x, 0) + 1
