@@ -23,7 +23,8 @@ measured):
 
 1. quickstart: a small GPT planned and compiled with `autopar.compile` on Mesh((1,)) and
    trained for a few AdamW steps in float32 next to the same model trained plainly on the
-   same device; max |loss difference| over the steps.
+   same device; max |loss difference| over the steps.  compile's default backend runs
+   (Inductor on a GPU since 2026-11-28: equal to float rounding, not bit for bit).
 2. calibrate: `autopar calibrate` (autopar/runtime/calibrate.py) on this rank: matmul and attention
    FLOP/s per dtype, memory bandwidth, op latency and the AdamW line, next to the preset
    (h100, h200, a100; h100 for another GPU; cpu).  Later sections
@@ -47,7 +48,9 @@ measured):
    torch.cuda.max_memory_allocated over the timed steps (n/a on the CPU).
 5. backends: one model (a Llama of about 1B parameters in bf16 on a GPU; llama-tiny on the
    CPU) stepped by autopar eager, autopar with `backend="inductor"` and `torch.compile` of
-   the plain model (bf16 weights, AdamW): median step, tokens/s and MFU, each autopar row
+   the plain model (AdamW; on a GPU twice: float32 weights with the forward under bf16
+   autocast, the recipe autopar's mixed precision runs, and every weight and state in bf16,
+   a cheaper recipe): median step, tokens/s and MFU, each autopar row
    against its plan priced for that backend (`autopar.plan(..., backend=...)`), and the
    first step (Inductor's compile) beside it.  On the CPU only when named in --sections.
 6. summary: every row in one table, and the median |predicted / measured - 1| per section.
@@ -256,8 +259,8 @@ def quickstart(setup: Setup, args) -> dict:
     planned = time.perf_counter() - start
     cm = autopar.compile(model, mesh, example, plan=plan)
     compiled = time.perf_counter() - start - planned
-    say(f"{name} {dict(size) or ''} float32 on {setup.name}: planned in {planned:.2f} s, compiled in "
-        f"{compiled:.2f} s; {plan.predicted}")
+    say(f"{name} {dict(size) or ''} float32 on {setup.name}, backend {cm.backend!r} (compile's default): planned "
+        f"in {planned:.2f} s, compiled in {compiled:.2f} s; {plan.predicted}")
     opt = cm.build_optimizer(torch.optim.AdamW, lr=1e-3)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
     losses, ref_losses = [], []
@@ -276,7 +279,7 @@ def quickstart(setup: Setup, args) -> dict:
     diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
     say(f"max |loss difference| over {args.steps} steps: {diff:.2e}")
     return {"model": name, "config": size, "losses": losses, "plain_losses": ref_losses, "max_abs_diff": diff,
-            "plan_s": planned, "compile_s": compiled}
+            "plan_s": planned, "compile_s": compiled, "backend": cm.backend}
 
 
 # ------------------------------------------------------------------ 2. calibration
@@ -478,7 +481,8 @@ def run_config(config: Config, setup: Setup, spec, args) -> list:
         plans[label] = autopar.plan(model, autopar.Mesh((1,), ("dp",), device=device), example, compare=False,
                                     mixed_precision=precision, recompute=config.recompute)
     plan = plans["calibrated"]
-    cm = autopar.compile(model, plan.mesh, example, plan=plan, seed=0, check_finite=False, check_inputs=0)
+    cm = autopar.compile(model, plan.mesh, example, plan=plan, seed=0, check_finite=False, check_inputs=0,
+                         backend="eager")
     opt = cm.build_optimizer(torch.optim.AdamW, lr=1e-4)
     batch = tuple(torch.randint(0, vocab, t.shape, device=setup.device) for t in example)
     times, passes = [], []
@@ -548,6 +552,7 @@ def per_backend(setup: Setup, spec, args) -> list:
     mesh = autopar.Mesh((1,), ("dp",), device=spec)
     tokens = math.prod(example[0].shape)
     params = sum(p.numel() for p in model.parameters())
+    label = f"{name} {params / 1e9:.2f}B" if setup.gpu else name   # (the family's builder, resized)
     peak = spec.peak_flops(setup.dtype)
     vocab = model.config.vocab
     batch = tuple(torch.randint(0, vocab, t.shape, device=setup.device) for t in example)
@@ -581,23 +586,37 @@ def per_backend(setup: Setup, spec, args) -> list:
             opt.step()
             opt.zero_grad()
         first, measured[backend] = run(step)
-        rows.append(Row("backends", f"{name} autopar {backend}", "s", plan.step_s, measured[backend], None,
+        rows.append(Row("backends", f"{label} autopar {backend}", "s", plan.step_s, measured[backend], None,
                         detail(first, measured[backend])))
         del cm, opt
         free_memory(setup)
-    plain, _ = build(name, device=setup.device, **overrides)
-    plain = plain.to(setup.dtype)
-    compiled = torch.compile(plain)
-    opt = torch.optim.AdamW(plain.parameters(), lr=1e-4)
+    # torch.compile of the plain model, twice: the same recipe as autopar's mixed precision
+    # (float32 weights and AdamW states, the forward in the compute dtype under autocast),
+    # then every weight and state in the compute dtype (half the optimizer's traffic: a
+    # cheaper recipe, not the same training)
+    recipes = [("float32 weights, autocast", torch.float32, True),
+               (f"{str(setup.dtype).removeprefix('torch.')} weights", setup.dtype, False)]
+    if setup.dtype == torch.float32:
+        recipes = recipes[1:]
+    for recipe, weights, autocast in recipes:
+        torch.manual_seed(0)
+        plain, _ = build(name, device=setup.device, **overrides)
+        plain = plain.to(weights)
+        compiled = torch.compile(plain)
+        opt = torch.optim.AdamW(plain.parameters(), lr=1e-4)
 
-    def step():
-        compiled(*batch).backward()
-        opt.step()
-        opt.zero_grad()
-    first, took = run(step)
-    rows.append(Row("backends", f"{name} torch.compile (plain model)", "s", rows[-1].predicted, took, None,
-                    detail(first, took) + f"; autopar inductor / this {measured['inductor'] / took:.2f}; "
-                    f"predicted column: autopar inductor's plan"))
+        def step():
+            with torch.autocast(setup.device.type, dtype=setup.dtype, enabled=autocast):
+                loss = compiled(*batch)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        first, took = run(step)
+        rows.append(Row("backends", f"{label} torch.compile ({recipe})", "s", plan.step_s, took, None,
+                        detail(first, took) + f"; autopar inductor / this {measured['inductor'] / took:.2f}; "
+                        f"predicted column: autopar inductor's plan"))
+        del plain, compiled, opt
+        free_memory(setup)
     for r in rows:
         say(r)
     return rows

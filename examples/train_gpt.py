@@ -48,9 +48,9 @@ def main(argv=None) -> None:
     parser.add_argument("--pipeline", help="pipeline schedule over the first mesh axis, or 'search'")
     parser.add_argument("--microbatches", type=int, help="microbatches per step of a pipelined plan")
     parser.add_argument("--gantt", help="write the last step's measured pipeline passes as an SVG Gantt chart")
-    parser.add_argument("--backend", default="eager", choices=("eager", "inductor"),
+    parser.add_argument("--backend", default="auto", choices=("auto", "eager", "inductor"),
                         help="run each rank's graph op by op, or its compute between collectives compiled by "
-                             "Inductor (the plan is priced for it)")
+                             "Inductor (the plan is priced for it); auto: Inductor on GPUs, eager on CPU ranks")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="model config or example-input override (default hidden=256 n_heads=8 batch=16 seq=64)")
     args = parser.parse_args(argv)
@@ -82,8 +82,9 @@ def main(argv=None) -> None:
         pipeline = autopar.Pipeline(axis=names[0], groups=shape[0], schedule=args.pipeline,
                                     microbatches=args.microbatches,
                                     virtual=2 if args.pipeline == "interleaved-1f1b" else None)
+    priced_for = args.backend if args.backend != "auto" else ("inductor" if torch.cuda.is_available() else "eager")
     plan = autopar.Plan.load(args.plan) if args.plan else autopar.plan(model, mesh, batch, pipeline=pipeline,
-                                                                       backend=args.backend)
+                                                                       backend=priced_for)
     if rank == 0:
         print(plan, flush=True)
     cm = autopar.compile(model, mesh, batch, plan=plan, backend=args.backend)

@@ -627,6 +627,13 @@ def compile_error_of(spec: tuple, plan_dict: dict, backend: str) -> str:
     return ""
 
 
+def backend_chosen(spec: tuple, plan_dict: dict) -> str:
+    """The backend autopar.compile runs when given none (its "auto")."""
+    plan = Plan.from_dict(plan_dict)
+    model, args, kwargs = build_case(spec)
+    return autopar.compile(model, plan.device_mesh(), args, example_kwargs=kwargs or None, plan=plan).backend
+
+
 def under_backend(backend: str, job, *args):
     """Run `job(*args)` with autopar.compile defaulting to `backend`: the runtime's jobs
     above, unchanged, under another backend."""

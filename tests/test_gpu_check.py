@@ -98,7 +98,8 @@ def test_summary_has_a_median_error_per_section(result):
 
 def test_backends_section_steps_three_ways(tmp_path):
     """`--sections backends` (asked for by name on the CPU): autopar eager, autopar inductor
-    and torch.compile of the plain model each measured, the autopar rows against their plans
+    and torch.compile of the plain model each measured (on a GPU the plain model twice: float32
+    weights under autocast, autopar's recipe, and every weight in bfloat16), the autopar rows against their plans
     priced for that backend."""
     out = tmp_path / "backends.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", AUTOPAR_CACHE=str(tmp_path / "cache"))
@@ -108,6 +109,7 @@ def test_backends_section_steps_three_ways(tmp_path):
     got = json.loads(out.read_text())
     assert got["errors"] == {}
     names = [r["name"] for r in got["rows"] if r["section"] == "backends"]
-    assert names == ["llama-tiny autopar eager", "llama-tiny autopar inductor", "llama-tiny torch.compile (plain model)"]
+    assert names == ["llama-tiny autopar eager", "llama-tiny autopar inductor",
+                     "llama-tiny torch.compile (float32 weights)"]
     for r in got["rows"]:
         assert r["measured"] > 0 and r["predicted"] > 0 and "tokens/s" in r["detail"], r

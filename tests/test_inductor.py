@@ -87,6 +87,26 @@ def test_an_unknown_backend_is_refused():
         check_backend("tvm")
 
 
+def test_auto_takes_inductor_on_gpus_and_eager_on_cpu_ranks_and_split_backward_schedules(pool2):
+    """compile's default backend: Inductor where CUDA is, eager on CPU ranks (what this
+    pool runs), and eager for a zero-bubble plan even on a GPU (its split backward does not
+    run in compiled regions)."""
+    from autopar.runtime.compiled import auto_backend
+    from rt_cases import backend_chosen, build_case
+    spec = ("autopar", "gpt-tiny", (("n_layers", 4),))
+    model, args, _ = build_case(spec)
+    mesh = autopar.Mesh((2,), ("pp",), device="cpu")
+    plain = autopar.plan(model, mesh, args, compare=False)
+    split = autopar.plan(model, mesh, args, compare=False,
+                         pipeline=autopar.Pipeline(axis="pp", groups=2, schedule="zero-bubble", microbatches=2))
+    one_f_one_b = autopar.plan(model, mesh, args, compare=False,
+                               pipeline=autopar.Pipeline(axis="pp", groups=2, schedule="1f1b", microbatches=2))
+    assert [auto_backend(p, cuda=True) for p in (None, plain, one_f_one_b, split)] == \
+        ["inductor", "inductor", "inductor", "eager"]
+    assert {auto_backend(p, cuda=False) for p in (None, plain, one_f_one_b, split)} == {"eager"}
+    assert pool2.run(backend_chosen, spec, plain.to_dict()) == ["eager", "eager"]
+
+
 def test_eval_and_train_switch_the_compiled_graph(pool4):
     """GPT-2 with dropout 0.1: eval(), train() with a step, eval() again: each mode runs its
     own compiled regions, and eval's loss equals the plain model's in eval mode both times

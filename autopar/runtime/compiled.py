@@ -16,6 +16,7 @@ import math
 import os
 import numbers
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -54,6 +55,8 @@ log = logging.getLogger("autopar")
 # take seconds.  Below a second nothing but a mistaken unit (milliseconds) is plausible.
 MIN_TIMEOUT_S = 1.0
 
+AUTO = "auto"   # compile(backend=...)'s default: auto_backend chooses
+
 
 def check_timeout(timeout) -> float:
     """compile's `timeout` in seconds, or ValueError saying what it bounds and what to give."""
@@ -89,7 +92,7 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=N
             local_inputs: bool = False, mixed_precision=None,
             reshard_after_forward: bool = True, timeout: float = DEFAULT_TIMEOUT_S,
             check_finite: bool = True, check_inputs: int = CHECKED_CALLS,
-            check_inputs_every: int = SAMPLE_EVERY, backend: str = "eager", offload_dir=None) -> "CompiledModel":
+            check_inputs_every: int = SAMPLE_EVERY, backend: str = "auto", offload_dir=None) -> "CompiledModel":
     """Compile `model` for `mesh` with `plan` (a Plan, a path to a saved one, or None to plan now).
 
     A model on the meta device is initialised shard by shard (with `seed` if given); a model
@@ -121,7 +124,9 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=N
     backend: "eager" runs the rank's graph op by op; "inductor" compiles its compute
     between collectives with torch.compile (autopar/runtime/inductor.py: regions compile on
     the first step, a region Inductor cannot compile runs eagerly with a warning; results
-    match eager to float rounding, not bit for bit).  Not yet with the zero-bubble schedule.
+    match eager to float rounding, not bit for bit).  Not yet with the split-backward
+    schedules.  "auto" (the default) takes Inductor on GPUs and eager on CPU ranks and for
+    split-backward schedules (auto_backend); cm.backend says which ran.
 
     offload_dir: a directory on a local disk (NVMe) where a plan that keeps optimizer
     states on disk writes them (autopar/runtime/disk.py): each rank makes its own
@@ -129,7 +134,7 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=N
     plan without the disk tier ignores it.  Unset, the environment's AUTOPAR_OFFLOAD_DIR
     is taken (a job script's one setting for every compile)."""
     timeout = check_timeout(timeout)
-    backend = check_backend(backend)
+    backend = AUTO if backend == AUTO else check_backend(backend)
     check_options(bucket_mb, check_inputs, check_inputs_every)
     options = RunOptions(timeout_s=float(timeout), check_finite=bool(check_finite), compared_calls=int(check_inputs),
                          sample_every=int(check_inputs_every), bucket_mb=bucket_mb,
@@ -156,10 +161,15 @@ def _compile(model, mesh, example_inputs, example_kwargs, plan, memory_budget, s
         example_inputs, example_kwargs = pytree.tree_map(
             lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, (tuple(example_inputs), example_kwargs))
     mixed_precision = MixedPrecision.of(mixed_precision)
+    cuda = torch.cuda.is_available()
     if plan is None:
-        plan = _plan_once(model, mesh, example_inputs, example_kwargs, memory_budget, mixed_precision)
+        priced_for = auto_backend(None, cuda) if options.backend == AUTO else options.backend
+        plan = _plan_once(model, mesh, example_inputs, example_kwargs, memory_budget, mixed_precision, priced_for)
     elif not isinstance(plan, Plan):
         plan = Plan.load(plan)
+    if options.backend == AUTO:
+        options = replace(options, backend=auto_backend(plan, cuda))
+        log.info("backend='auto' runs %r (%s)", options.backend, "a GPU" if cuda else "CPU ranks")
     pipelined = plan.pipeline is not None and plan.pipeline.pipelined
     precision = plan.precision
     if mixed_precision is not None and precision != mixed_precision:
@@ -210,7 +220,23 @@ def _compile(model, mesh, example_inputs, example_kwargs, plan, memory_budget, s
     return cm
 
 
-def _plan_once(model, mesh: Mesh, example_inputs, example_kwargs, memory_budget, mixed_precision) -> Plan:
+def auto_backend(plan: Plan | None, cuda: bool) -> str:
+    """What compile(backend="auto") runs: Inductor on GPUs, where it stepped a 1.1B Llama in
+    0.77x eager's time on one H200 (benchmarks/gpu_check.py, 2026-11-28); eager on CPU
+    ranks, where Inductor's gain depends on the model (0.82-1.23x eager's step,
+    benchmarks/compiled.py) and its first step compiles for seconds to minutes; eager for a
+    plan whose pipeline splits the backward (zero-bubble and DualPipe schedules), which
+    compiled regions do not run yet.  plan None: the backend compile plans for."""
+    if not cuda:
+        return "eager"
+    if plan is not None and plan.pipeline is not None and plan.pipeline.pipelined \
+            and plan.pipeline.schedule in SPLIT_BACKWARD:
+        return "eager"
+    return "inductor"
+
+
+def _plan_once(model, mesh: Mesh, example_inputs, example_kwargs, memory_budget, mixed_precision,
+               backend: str = "eager") -> Plan:
     """The plan for compile(plan=None): made on rank 0 and sent to every rank, so a slow
     plan is paid once per job.  Rank 0's failure (an infeasible budget, say) is raised on
     every rank."""
@@ -219,7 +245,7 @@ def _plan_once(model, mesh: Mesh, example_inputs, example_kwargs, memory_budget,
         try:
             made = [make_plan(model, mesh, example_inputs, example_kwargs=example_kwargs,
                                  memory_budget=memory_budget, compare=False,
-                                 mixed_precision=mixed_precision).to_dict()]
+                                 mixed_precision=mixed_precision, backend=backend).to_dict()]
         except Exception as exc:  # every rank must leave the broadcast below
             made = [f"{type(exc).__name__}: {exc}"]
             dist.broadcast_object_list(made, src=0)
