@@ -18,10 +18,11 @@ preset of its GPU, and compares tokens per second per GPU:
 
 A run that accumulates gradients over several micro-steps (global batch / (micro batch x
 data-parallel degree) of them; one sequence each where the source does not say) is
-planned on one micro-step's batch, whose activations are what the device holds, and its
-step is that many micro-steps' forward and backward (with FSDP's gathers and
-reduce-scatters in each) plus, once, the optimizer step, the weight gathers after it and,
-for a run that is not FSDP, the gradient reduction (`step_seconds`).  Overlaps a run states
+planned on one micro-step's batch, whose activations are what the device holds, with
+`autopar.plan(accumulation=...)`: its step is that many micro-steps' forward and backward
+(with FSDP's gathers and reduce-scatters in each) plus, once, the optimizer step, the weight
+gathers after it and, for a run that is not FSDP, the gradient reduction (`step_seconds`);
+autopar's own plan of the job is priced the same way.  Overlaps a run states
 that autopar's runtime does not have (Megatron-LM's parameter-gather and tensor-parallel
 communication overlap) are taken off the same way; a pipelined run's step is the
 schedule's.
@@ -113,26 +114,25 @@ def accumulation(run: dict) -> int:
 
 
 def step_seconds(plan, run: dict) -> float:
-    """Seconds of the run's whole step from the plan of one micro-step: every micro-step
-    runs forward and backward (and, under FSDP / ZeRO-3, gathers its weights and
-    reduce-scatters its gradients); the optimizer step and the weights' gathers after it
-    run once, and so, where the run is not FSDP, does the gradient reduction (DDP's
-    no_sync, Megatron's reduction on the last micro-batch), of which only what backward
-    does not hide counts."""
+    """Seconds of the run's whole step from the plan of one micro-step, planned with the
+    run's gradient accumulation (autopar.plan(accumulation=...)): every micro-step runs
+    forward and backward (and, under FSDP / ZeRO-3, gathers its weights and reduce-scatters
+    its gradients), and the plan charges each its share of what runs once per step (the
+    optimizer step, the weights' gathers after it, the gradient reduction of a run that is
+    not FSDP, of which what the last backward does not hide).  From that, the overlaps a
+    run states that autopar's runtime does not have are taken off: Megatron-LM's
+    --overlap-param-gather hides the distributed optimizer's gathers behind the next step's
+    first forward (about a third of a micro-step's compute), --tp-comm-overlap the
+    tensor-parallel collectives behind the GEMMs they feed.  A pipelined run's step is the
+    schedule's."""
     if plan.pipeline is not None:
         return plan.pipeline.step_s
-    pred, steps, par = plan.predicted, accumulation(run), run["parallel"]
-    optimizer = sum(n.compute_s for n in plan.nodes if n.op == "parameter")
-    gathers = sum(c.seconds for c in plan.collectives_of(phase="step"))
-    grads = 0.0 if par.get("fsdp") or (par.get("zero") or 0) >= 3 else max(pred.overlappable_s - pred.hidden_s, 0.0)
-    # overlaps the run has and autopar's runtime does not: Megatron-LM's --overlap-param-gather
-    # hides the distributed optimizer's gathers behind the next step's first forward (about a
-    # third of a micro-step's compute), --tp-comm-overlap the tensor-parallel collectives
-    # behind the GEMMs they feed
+    pred, par = plan.predicted, run["parallel"]
+    steps = plan.accumulation
+    gathers = steps * sum(c.seconds for c in plan.collectives_of(phase="step"))   # (planned at 1/steps each)
     shown = max(gathers - pred.compute_s / 3, 0.0) if par.get("dp_overlap") else gathers
     tp_hidden = pred.comm_s.get("tp", 0.0) if par.get("tp_comm_overlap") else 0.0
-    once = optimizer + gathers + grads
-    return steps * (pred.step_s - once - tp_hidden) + optimizer + shown + grads
+    return steps * (pred.step_s - tp_hidden) - gathers + shown
 
 
 def build_model(run: dict):
@@ -195,7 +195,8 @@ def forced(run: dict) -> tuple[autopar.Mesh, dict]:
     else:
         layout = "data-parallel"
     kw = {"layout": layout, "compare": False, "mixed_precision": autopar.MixedPrecision(),
-          "backend": "inductor" if run.get("compile") else "eager"}   # torch.compile'd runs fuse as Inductor does
+          "backend": "inductor" if run.get("compile") else "eager",   # torch.compile'd runs fuse as Inductor does
+          "accumulation": accumulation(run)}
     if run.get("recompute") in ("none", "selective", "full"):
         kw["recompute"] = run["recompute"]
         if run["recompute"] == "selective" and run.get("recompute_policy") == "op":
@@ -218,7 +219,7 @@ def terms(plan, run: dict) -> dict:
     pred = plan.predicted
     out = {"compute": pred.compute_s, "hidden communication": -pred.hidden_s}
     out.update({f"communication on {axis}": s for axis, s in pred.comm_s.items()})
-    out["the run's own overlaps"] = step_seconds(plan, run) / accumulation(run) - pred.step_s
+    out["the run's own overlaps"] = step_seconds(plan, run) / plan.accumulation - pred.step_s
     return out
 
 
@@ -235,7 +236,8 @@ def deciding(forced: dict, free: dict, slower: bool) -> str:
 def free_plan(run: dict, model, example, mesh: autopar.Mesh, forced_kw: dict) -> dict:
     """autopar's own plan of the same job: nothing forced, stages searched where the run has a
     pp axis; its predicted step against the forced layout's, and what differs."""
-    kw = {"compare": False, "mixed_precision": forced_kw["mixed_precision"], "backend": forced_kw["backend"]}
+    kw = {"compare": False, "mixed_precision": forced_kw["mixed_precision"], "backend": forced_kw["backend"],
+          "accumulation": forced_kw["accumulation"]}
     if "pipeline" in forced_kw:
         kw["pipeline"] = autopar.Pipeline(axis="pp")
     start = time.perf_counter()

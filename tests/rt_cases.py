@@ -341,9 +341,10 @@ def state_dict_round_trip(plan_dict: dict) -> float:
     return max(float((back[n] - new[tied.get(n, n)]).abs().max()) for n in new)
 
 
-def accumulate_vs_whole_batch(plan_dict: dict, micro: int = 4) -> dict:
+def accumulate_vs_whole_batch(plan_dict: dict, micro: int = 4, priced: bool = False) -> dict:
     """Gradients of `micro` micro-batches accumulated under no_sync versus one step on the
-    whole batch (the loss is a mean, so each micro-batch's loss is divided by `micro`)."""
+    whole batch (the loss is a mean, so each micro-batch's loss is divided by `micro`).
+    priced: the micro-steps' plan made with autopar.plan(accumulation=micro)."""
     from autopar.models import build
     plan = Plan.from_dict(plan_dict)
     mesh = plan.mesh
@@ -353,7 +354,8 @@ def accumulate_vs_whole_batch(plan_dict: dict, micro: int = 4) -> dict:
     whole.train_step(idx, targets)
     torch.manual_seed(0)
     model_small, small = build("gpt-tiny", batch=16 // micro)
-    micro_plan = autopar.plan(model_small, mesh, small, compare=False, layout=plan.origin.split(":", 1)[1])
+    micro_plan = autopar.plan(model_small, mesh, small, compare=False, layout=plan.origin.split(":", 1)[1],
+                              accumulation=micro if priced else 1)
     acc = autopar.compile(copy.deepcopy(model), mesh, small, plan=micro_plan)
     chunks = list(zip(idx.chunk(micro), targets.chunk(micro)))
     for i, (x, y) in enumerate(chunks):
@@ -363,7 +365,8 @@ def accumulate_vs_whole_batch(plan_dict: dict, micro: int = 4) -> dict:
         else:
             acc.backward(acc(x, y) / micro)
     a, b = whole.full_grads(), acc.full_grads()
-    return {"worst": max(excess(b[n], a[n]) for n in a), "bucketed": len(acc.grad_sync.params)}
+    return {"worst": max(excess(b[n], a[n]) for n in a), "bucketed": len(acc.grad_sync.params),
+            "accumulation": micro_plan.accumulation}
 
 
 def memory_after_step(plan_dict: dict, spec=("autopar", "gpt-tiny", (("hidden", 128),))) -> dict:

@@ -51,6 +51,7 @@ class Plan:
     notes: tuple = ()                               # why forms were left off the menus (heads, sequence splits)
     recompute: Recompute | None = None              # layers recomputed in backward (None: none)
     backend: str = "eager"                          # what it was priced for: "eager" or "inductor" (fused chains)
+    accumulation: int = 1                           # micro-steps per optimizer step it was priced for
 
     def device_mesh(self):
         """The Mesh to compile this plan on: the whole mesh of a pipelined plan (whose `mesh`
@@ -135,7 +136,7 @@ class Plan:
             "pipeline": None if self.pipeline is None else self.pipeline.to_dict(), "frozen": list(self.frozen),
             "graph": self.graph, "notes": list(self.notes),
             "recompute": None if self.recompute is None else self.recompute.to_dict(),
-            "backend": self.backend,
+            "backend": self.backend, "accumulation": self.accumulation,
         }
 
     def to_json(self) -> str:
@@ -175,7 +176,7 @@ class Plan:
                    frozen=tuple(d.get("frozen", ())),
                    graph=d.get("graph", ""), notes=tuple(d.get("notes", ())),
                    recompute=None if d.get("recompute") is None else Recompute.from_dict(d["recompute"]),
-                   backend=d.get("backend", "eager"))
+                   backend=d.get("backend", "eager"), accumulation=int(d.get("accumulation", 1)))
 
     def save(self, path) -> None:
         """JSON with a checksum of the plan, so that a file edited by hand is refused at load."""

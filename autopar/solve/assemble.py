@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from autopar.cost import prices as C
 from autopar.plan.plan import Collective, NodeChoice, Prediction
-from autopar.solve.problem import Problem
+from autopar.solve.problem import Problem, bucket_kinds
 from autopar.solve.recompute import RECOMPUTING, beyond_linear, mode_costs
 from autopar.solve.tiers import tier_bytes
 
@@ -70,6 +70,7 @@ class _Tally:
         self.forward = {}    # op index -> its forward compute and synchronous forward communication
         self.gathers = {}    # op index -> seconds of the prefetchable weight gathers it waits for
         self.bucketed = {}   # op index -> seconds of gradient buckets that become ready when its backward ends
+        self.once = {}       # op index -> those of its buckets that run once per step (Pricing.accumulation > 1)
         self.first_reader = _first_readers(problem)
         self.edges_into: dict = {}
         for e in problem.edges:  # a data edge belongs to its consumer, a gradient edge to its tensor's producer
@@ -126,6 +127,9 @@ class _Tally:
                     if phase == "backward" and st.bucketed and st.kind != "all_gather":   # a gradient bucket
                         at = pn.index if e.kind == "data" else self.first_reader.get(param.index)
                         self.bucketed[at] = self.bucketed.get(at, 0.0) + st.seconds
+                        if problem.accumulation > 1 and st.kind in bucket_kinds(
+                                problem.nodes[param.rep].strategies[choice[param.index]]):
+                            self.once[at] = self.once.get(at, 0.0) + st.seconds
                     elif phase == "backward" and pn.index in self.backward:
                         self.backward[pn.index][1] += st.seconds
                     self.collectives.append(Collective(st.kind, (names[st.axis],), st.nbytes, phase, pn.name,
@@ -160,11 +164,25 @@ class _Tally:
         # a CPU rank's collectives reduce on the cores its compute uses: nothing is hidden there
         overlap = mesh.device.asynchronous
         prefetch = hidden_prefetch_seconds(self.forward, self.gathers) if overlap else 0.0
-        hidden = (hidden_gradient_seconds(self.backward, self.bucketed) if overlap else 0.0) + prefetch
+        hidden = (self.hidden_gradients() if overlap else 0.0) + prefetch
         return Prediction(compute + sum(self.comm) - hidden, compute, comm_by_axis, memory, hidden,
                           sum(self.bucketed.values()) + sum(self.gathers.values()), prefetch,
                           sum(self.gathers.values()), host_bound, problem.step_memory(choice),
                           {k: v for k, v in tiers.items() if v})
+
+
+    def hidden_gradients(self) -> float:
+        """What backward hides of the gradient buckets.  Accumulating (Pricing.accumulation
+        k > 1), the buckets that run once per step (priced at 1/k each micro-step) overlap
+        only the last micro-step's backward: their whole seconds against one backward, the
+        hidden part shared over the k micro-steps; the buckets of every micro-step (grouped
+        ZeRO-3 reduce-scatters) against each."""
+        if not self.once:
+            return hidden_gradient_seconds(self.backward, self.bucketed)
+        k = self.problem.accumulation
+        each = {i: t - self.once.get(i, 0.0) for i, t in self.bucketed.items()}
+        return (hidden_gradient_seconds(self.backward, each)
+                + hidden_gradient_seconds(self.backward, {i: t * k for i, t in self.once.items()}) / k)
 
 
 # Host seconds of each op of a recomputed layer, in DeviceSpec.host_op, counted in the host's

@@ -60,16 +60,17 @@ class Request:
     seeds: tuple | None = None
     moe_imbalance: float | dict | None = None   # a number, or measured: {ways: factor}
     backend: str = "eager"                      # what the plan is priced for (Problem's Pricing)
+    accumulation: int = 1                       # micro-steps per optimizer step (Problem's Pricing)
 
     @property
     def pricing(self) -> Pricing:
-        return Pricing(self.moe_imbalance, self.backend)
+        return Pricing(self.moe_imbalance, self.backend, self.accumulation)
 
 
 def plan(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=None,
          memory_budget=None, compare: bool = True, time_limit: float = 60.0, workers: int | None = None,
          layout: str | None = None, mixed_precision=None, pipeline=False, recompute=None,
-         moe_imbalance: float | str | None = None, backend: str = "eager") -> Plan:
+         moe_imbalance: float | str | None = None, backend: str = "eager", accumulation: int = 1) -> Plan:
     """Choose a sharding for every node of `model` on `mesh`.
 
     example_inputs: tensors (real, fake or meta) of the global batch, as the model's forward
@@ -96,6 +97,15 @@ def plan(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, example_kwarg
     its own) or "inductor" (compile(backend="inductor"): chains of memory-bound ops priced
     as one fused kernel, views and fused ops issuing nothing on the host; plan.backend says
     which).
+    accumulation: micro-steps per optimizer step, for a job that accumulates gradients
+    (`with cm.no_sync():` around all but the last micro-step's backward); example_inputs
+    are then one micro-step's batch.  The optimizer step, ZeRO-1/2's gathers after it and
+    the gradient reductions run once per step, so each micro-step is charged 1/accumulation
+    of them (a layout that shards optimizer states or reduces more costs less, per
+    micro-step, than it does at 1), and a ZeRO-2 rank holds its whole local gradient
+    between micro-steps.  The predicted step is one micro-step's; plan.accumulation says
+    what it was priced for.  Not with pipeline stages, whose microbatches accumulate
+    already (Pipeline(microbatches=...)).
     moe_imbalance: for mixture-of-experts models, the busiest expert-holding rank's routed
     rows over the mean (dropless experts run as long as their busiest rank; a trained
     router is seldom even); "measured" runs the model once on the example batch (real
@@ -106,7 +116,7 @@ def plan(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, example_kwarg
     """
     moe_imbalance = _measured(model, moe_imbalance, example_inputs, example_kwargs)
     request = _request(example_inputs, example_kwargs, memory_budget, compare, time_limit, workers, layout,
-                       mixed_precision, pipeline, recompute, None, moe_imbalance, backend)
+                       mixed_precision, pipeline, recompute, None, moe_imbalance, backend, accumulation)
     with _collector_spared():
         return _warned(_plan(model, mesh, request))[0]
 
@@ -115,7 +125,8 @@ def random_plans(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, seed:
                  seeds=None, example_kwargs=None, memory_budget=None, compare: bool = True,
                  time_limit: float = 60.0, workers: int | None = None, layout: str | None = None,
                  mixed_precision=None, pipeline=False, recompute=None,
-                 moe_imbalance: float | str | None = None, backend: str = "eager") -> list[Plan]:
+                 moe_imbalance: float | str | None = None, backend: str = "eager",
+                 accumulation: int = 1) -> list[Plan]:
     """`count` random valid plans of `model` on `mesh`, drawn with seeds seed, seed + 1, ...
     (or with `seeds`, when given): every node's strategy drawn uniformly from its menu (from
     what `layout` allows of it, when one is named), for testing the passes; each plan's
@@ -130,7 +141,7 @@ def random_plans(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, seed:
                          f"pass count=1 (or one seed)")
     moe_imbalance = _measured(model, moe_imbalance, example_inputs, example_kwargs)
     request = _request(example_inputs, example_kwargs, memory_budget, compare, time_limit, workers, layout,
-                       mixed_precision, pipeline, recompute, drawn, moe_imbalance, backend)
+                       mixed_precision, pipeline, recompute, drawn, moe_imbalance, backend, accumulation)
     with _collector_spared():
         return _warned(_plan(model, mesh, request))
 
@@ -151,8 +162,14 @@ def _measured(model, moe_imbalance, example_inputs, example_kwargs):
 
 
 def _request(example_inputs, example_kwargs, memory_budget, compare, time_limit, workers, layout, mixed_precision,
-             pipeline, recompute, seeds, moe_imbalance=None, backend="eager") -> Request:
+             pipeline, recompute, seeds, moe_imbalance=None, backend="eager", accumulation=1) -> Request:
     budget = parse_bytes(memory_budget, "memory_budget") if memory_budget is not None else None
+    if isinstance(accumulation, bool) or not isinstance(accumulation, int) or accumulation < 1:
+        raise ValueError(f"accumulation={accumulation!r}: give the micro-steps per optimizer step as a whole number "
+                         f"of at least 1 (1: every step reduces gradients and steps the optimizer)")
+    if accumulation > 1 and not (pipeline is False or pipeline is None):
+        raise ValueError(f"accumulation={accumulation} with pipeline=...: a pipelined step already accumulates over "
+                         f"its microbatches; give the count as autopar.Pipeline(microbatches=...) instead")
     if isinstance(moe_imbalance, dict):   # measured per number of expert-holding ranks
         moe_imbalance = dict(sorted(moe_imbalance.items()))
     elif moe_imbalance is not None:
@@ -165,7 +182,7 @@ def _request(example_inputs, example_kwargs, memory_budget, compare, time_limit,
     return Request(example_inputs, example_kwargs, budget, compare, SolveOptions(time_limit, workers), layout,
                    MixedPrecision.of(mixed_precision), None if pipeline is False or pipeline is None
                    else (Pipeline() if pipeline is True else pipeline), pipeline is True, check_mode(recompute),
-                   seeds, moe_imbalance, check_backend(backend))
+                   seeds, moe_imbalance, check_backend(backend), accumulation)
 
 
 def _plan(model, mesh, request: Request) -> list[Plan]:
@@ -470,7 +487,7 @@ def _make_plan(problem, model, mesh, choice, sol, origin, compared, budget, timi
                 graph=graph_signature(problem.traced.graph),
                 notes=tuple(m.removeprefix("autopar: ") for m in problem.warnings
                             if not m.startswith("autopar: no sharding rule")) + _routing_notes(problem, choice),
-                recompute=chosen, backend=problem.backend)
+                recompute=chosen, backend=problem.backend, accumulation=problem.accumulation)
 
 
 def _routing_notes(problem, choice) -> tuple:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+from dataclasses import replace
 from typing import NamedTuple
 
 import numpy as np
@@ -53,11 +54,17 @@ def check_backend(backend: str) -> str:
 class Pricing(NamedTuple):
     """What a problem is priced for beyond the model and mesh: moe_imbalance, the busiest
     expert rank's load over the mean (a number, or {ways: factor} measured; None: uniformly
-    random routing, C.routing_imbalance), and the backend the plan runs under ("inductor":
-    chains of memory-bound ops priced as fused, see Problem._fusion)."""
+    random routing, C.routing_imbalance), the backend the plan runs under ("inductor":
+    chains of memory-bound ops priced as fused, see Problem._fusion), and the micro-steps
+    that accumulate gradients for each optimizer step (`cm.no_sync()` around all but the
+    last): what runs once per step, the optimizer step, ZeRO-1/2's gathers after it and
+    the bucketed gradient reductions (grad_sync's all-reduces and ZeRO-2 reduce-scatters),
+    is priced at 1/accumulation of its seconds per micro-step, and a ZeRO-2 parameter keeps
+    its whole local gradient between micro-steps (Problem.once)."""
 
     moe_imbalance: float | dict | None = None
     backend: str = "eager"
+    accumulation: int = 1
 
 
 class Problem:
@@ -72,6 +79,8 @@ class Problem:
         self.precision = precision
         pricing = pricing or Pricing()
         self.moe_imbalance, self.backend = pricing.moe_imbalance, pricing.backend
+        self.accumulation = pricing.accumulation
+        self.once = 1.0 / pricing.accumulation   # a once-per-step cost's share of one micro-step
         self.grouped_gathers = grouped_gathers
         self.prices = LayoutPrices(mesh)   # each pair of layouts priced once for every edge
         self.nodes, self.by_fx = build_nodes(traced)
@@ -447,7 +456,9 @@ class Problem:
         state = C.state_bytes(item, self.precision is not None)
         n = math.prod(mesh.shape[a] for a in s.zero_axes)
         owned = math.ceil(numel / n) if s.zero else numel
-        mem["grads"] = 0.0 if s.offload_weights else (owned if s.zero == 2 else numel) * item
+        # (accumulating, a ZeRO-2 rank keeps the whole local gradient until the last micro-step)
+        mem["grads"] = 0.0 if s.offload_weights else (owned if s.zero == 2 and self.accumulation == 1
+                                                      else numel) * item
         mem["optimizer"] = 0.0 if s.offload else owned * state
         compute = C.optimizer_seconds(owned, item, self.precision is not None, mesh) if not s.offload else 0.0
         for st in self.zero_gather_steps(pn, s):
@@ -455,6 +466,7 @@ class Problem:
         if s.offload:
             compute = C.offload_seconds(s.offload, owned, item, self.precision is not None, mesh.device,
                                         s.offload_weights)
+        compute *= self.once
         step = 0.0 if s.offload else owned * C.step_temporary_bytes(item, self.precision is not None,
                                                                     mesh.device.asynchronous)
         return Choice(compute, tuple(comm), mem, numel * (2 * item + state), step_memory=step)
@@ -466,7 +478,14 @@ class Problem:
         layout = s.outputs[0]
         shape, item = pn.out_shapes[0], pn.out_dtypes[0].itemsize
         steps = self._redistribute(shape, item, zero_layout(layout, s.zero_axes), layout)
-        return C.bucketed(steps, math.prod(shape) * item, ("all_gather",))
+        return self._once_per_step(C.bucketed(steps, math.prod(shape) * item, ("all_gather",)))
+
+    def _once_per_step(self, steps: tuple) -> tuple:
+        """Bucketed steps that run once per optimizer step, each at its share of a micro-step
+        (Pricing.accumulation); the rest as they are."""
+        if self.accumulation == 1:
+            return steps
+        return tuple(replace(st, seconds=st.seconds * self.once) if st.bucketed else st for st in steps)
 
     def grad_destination(self, pn: PNode, s: Strategy, out: int = 0) -> tuple:
         """The layout the gradient of tensor pn[out] must reach when pn takes strategy s:
@@ -501,7 +520,7 @@ class Problem:
             target = self.grad_destination(b, b.strategies[j], e.out)
             steps = self._redistribute(shape, item, a.strategies[i].outputs[0], target)
             if b.kind == "param":
-                steps = C.bucketed(steps, math.prod(shape) * item, bucket_kinds(b.strategies[j]))
+                steps = self._once_per_step(C.bucketed(steps, math.prod(shape) * item, bucket_kinds(b.strategies[j])))
             return (), steps
         p = a.strategies[i].outputs[e.out]
         q = b.strategies[j].inputs[e.operand]
@@ -513,7 +532,7 @@ class Problem:
             if (e.a, e.out) not in self._summed:
                 bwd = self._redistribute(shape, item, g, self.grad_destination(a, a.strategies[i], e.out))
                 if a.kind == "param":
-                    bwd = C.bucketed(bwd, math.prod(shape) * item, bucket_kinds(a.strategies[i]))
+                    bwd = self._once_per_step(C.bucketed(bwd, math.prod(shape) * item, bucket_kinds(a.strategies[i])))
             if a.kind == "param":  # gathered for use, dropped after forward: gather again for backward
                 if self.grouped_pair(a.strategies[i], fwd, bwd):
                     whole = math.prod(shape) * item
@@ -557,8 +576,8 @@ class Problem:
             m = self.prices.seconds(shape, item, src, dst)
             if b.kind == "param":
                 bucketed = self.prices.bucketed(shape, item, src, dst, _zero2(b)[None, :])
-                m = m - bucketed.paid_here
-                self.edge_bucketed[e] = bucketed.bucket_seconds
+                m = m - bucketed.paid_here - (1.0 - self.once) * bucketed.bucket_seconds
+                self.edge_bucketed[e] = self.once * bucketed.bucket_seconds
             own = menu([_shape_key(code(s.outputs[0])) for s in a.strategies])
             theirs = menu([_shape_key(code(s.outputs[e.out])) for s in b.strategies])
             return np.where(own.index[:, None] == theirs.index[None, :], m, m + UNUSABLE)
@@ -579,8 +598,8 @@ class Problem:
             bwd = self.prices.seconds(shape, item, dest, g, reverse=True)
             if a.kind == "param":
                 bucketed = self.prices.bucketed(shape, item, dest, g, _zero2(a)[:, None], reverse=True)
-                bwd = bwd - bucketed.paid_here
-                bucket = bucketed.bucket_seconds
+                bwd = bwd - bucketed.paid_here - (1.0 - self.once) * bucketed.bucket_seconds
+                bucket = self.once * bucketed.bucket_seconds
                 if self.grouped_gathers:   # grouped_pair, for every pair at once
                     plain = np.array([not s.zero and not s.offload for s in a.strategies])
                     grouped = (plain[:, None] & has[None, :] & self.prices.flags(p, q, C.Row.ONE_ALL_GATHER)
