@@ -229,7 +229,8 @@ def _cmd_plan(args) -> int:
         plan = autopar.plan(model, mesh, inputs, example_kwargs=kwargs, memory_budget=args.budget,
                             compare=not args.no_compare, mixed_precision=mixed, pipeline=pipeline,
                             recompute=None if args.recompute == "auto" else args.recompute,
-                            moe_imbalance=getattr(args, "moe_imbalance", None))
+                            moe_imbalance=getattr(args, "moe_imbalance", None),
+                            accumulation=getattr(args, "accumulation", 1))
     except autopar.InfeasibleError as exc:
         print(f"autopar: {exc}", file=sys.stderr)
         return 1
@@ -515,6 +516,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--moe-imbalance", type=float, metavar="R",
                    help="mixture of experts: the busiest expert rank's routed rows over the mean "
                         "(default: uniformly random routing)")
+    p.add_argument("--accumulation", type=int, default=1, metavar="K",
+                   help="gradient accumulation: micro-steps per optimizer step (--batch is one micro-step's); "
+                        "the optimizer step and gradient reductions are priced once per K micro-steps")
     p.add_argument("--no-compare", action="store_true", help="do not cost the hand-written layouts")
     p.add_argument("--save", metavar="PATH", help="write the plan as JSON (autopar.Plan.load reads it)")
     p.add_argument("--html", metavar="PATH", help="write the plan's HTML report (as `autopar report` does)")

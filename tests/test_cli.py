@@ -140,3 +140,15 @@ def test_help_lists_every_subcommand_with_an_example(capsys):
 def test_report_of_a_missing_file(tmp_path, capsys):
     assert main(["-q", "report", str(tmp_path / "nope.json")]) == 2
     assert "no plan file" in capsys.readouterr().err
+
+
+def test_accumulation_prices_the_optimizer_once_per_micro_steps(tmp_path, capsys):
+    one, _ = plan_of(tmp_path, capsys, "--model", "gpt-tiny", "--mesh", "4", "--no-compare", name="a.json")
+    acc, out = plan_of(tmp_path, capsys, "--model", "gpt-tiny", "--mesh", "4", "--no-compare", "--accumulation", "8",
+                       name="b.json")
+    assert acc.accumulation == 8 and one.accumulation == 1
+    assert "gradient accumulation over 8 micro-steps" in out
+    optimizer = [sum(n.compute_s for n in p.nodes if n.op == "parameter") for p in (one, acc)]
+    assert optimizer[0] > 0 and optimizer[1] < optimizer[0]
+    assert main(["-q", "plan", "--model", "gpt-tiny", "--mesh", "4", "--accumulation", "0"]) == 2
+    assert "accumulation=0" in capsys.readouterr().err
