@@ -221,8 +221,8 @@ def _compile(model, mesh, example_inputs, example_kwargs, plan, memory_budget, s
 
 
 def auto_backend(plan: Plan | None, cuda: bool) -> str:
-    """What compile(backend="auto") runs: Inductor on GPUs, where it stepped a 1.1B Llama in
-    0.77x eager's time on one H200 (benchmarks/gpu_check.py, 2026-11-28); eager on CPU
+    """What compile(backend="auto") runs: Inductor on GPUs, where it stepped a 1.04B Llama in
+    0.78x eager's time on one H200 (benchmarks/gpu_check.py, 2026-11-28); eager on CPU
     ranks, where Inductor's gain depends on the model (0.82-1.23x eager's step,
     benchmarks/compiled.py) and its first step compiles for seconds to minutes; eager for a
     plan whose pipeline splits the backward (zero-bubble and DualPipe schedules), which

@@ -170,7 +170,6 @@ class _Tally:
                           sum(self.gathers.values()), host_bound, problem.step_memory(choice),
                           {k: v for k, v in tiers.items() if v})
 
-
     def hidden_gradients(self) -> float:
         """What backward hides of the gradient buckets.  Accumulating (Pricing.accumulation
         k > 1), the buckets that run once per step (priced at 1/k each micro-step) overlap
