@@ -487,6 +487,11 @@ class Problem:
             return steps
         return tuple(replace(st, seconds=st.seconds * self.once) if st.bucketed else st for st in steps)
 
+    def _shared_over_micro_steps(self, seconds: np.ndarray):
+        """What an edge table saves of a once-per-step bucket's seconds when accumulating
+        (Pricing.accumulation): all but its share of one micro-step; 0 at 1."""
+        return 0.0 if self.accumulation == 1 else seconds * (1.0 - self.once)
+
     def grad_destination(self, pn: PNode, s: Strategy, out: int = 0) -> tuple:
         """The layout the gradient of tensor pn[out] must reach when pn takes strategy s:
         its own layout with Partial made Replicate, and for a ZeRO-2 parameter split over
@@ -576,8 +581,8 @@ class Problem:
             m = self.prices.seconds(shape, item, src, dst)
             if b.kind == "param":
                 bucketed = self.prices.bucketed(shape, item, src, dst, _zero2(b)[None, :])
-                m = m - bucketed.paid_here - (1.0 - self.once) * bucketed.bucket_seconds
-                self.edge_bucketed[e] = self.once * bucketed.bucket_seconds
+                m = m - bucketed.paid_here - self._shared_over_micro_steps(bucketed.bucket_seconds)
+                self.edge_bucketed[e] = bucketed.bucket_seconds * self.once
             own = menu([_shape_key(code(s.outputs[0])) for s in a.strategies])
             theirs = menu([_shape_key(code(s.outputs[e.out])) for s in b.strategies])
             return np.where(own.index[:, None] == theirs.index[None, :], m, m + UNUSABLE)
@@ -598,8 +603,8 @@ class Problem:
             bwd = self.prices.seconds(shape, item, dest, g, reverse=True)
             if a.kind == "param":
                 bucketed = self.prices.bucketed(shape, item, dest, g, _zero2(a)[:, None], reverse=True)
-                bwd = bwd - bucketed.paid_here - (1.0 - self.once) * bucketed.bucket_seconds
-                bucket = self.once * bucketed.bucket_seconds
+                bwd = bwd - bucketed.paid_here - self._shared_over_micro_steps(bucketed.bucket_seconds)
+                bucket = bucketed.bucket_seconds * self.once
                 if self.grouped_gathers:   # grouped_pair, for every pair at once
                     plain = np.array([not s.zero and not s.offload for s in a.strategies])
                     grouped = (plain[:, None] & has[None, :] & self.prices.flags(p, q, C.Row.ONE_ALL_GATHER)
