@@ -15,6 +15,9 @@ from dataclasses import asdict, dataclass, field, fields, replace
 import torch
 
 
+CROSS_ENTROPY_KERNELS = ("torch", "fused")   # KernelEfficiency.cross_entropy
+
+
 @dataclass(frozen=True)
 class KernelEfficiency:
     """How close a GPU's kernels come to the rates in its DeviceSpec, by shape
@@ -50,7 +53,11 @@ class KernelEfficiency:
     of its output is not a whole number of 16-byte vectors (the reduction length k or the
     output width n not a multiple of 8 two-byte elements): the library then runs an
     older kernel that loads elements one by one (GPT-2's 50,257-token vocabulary is the
-    usual case).  Sources per preset in autopar/mesh.py."""
+    usual case).  Sources per preset in autopar/mesh.py.
+    cross_entropy: the language-model loss's kernel: "torch" (log-softmax then NLL: its
+    backward holds the log-probabilities' gradient and the logits' gradient at once) or
+    "fused" (one kernel keeps the logits and each row's log-sum-exp and writes only the
+    logits' gradient, as flash-attn's cross-entropy does; see with_cross_entropy)."""
 
     sms: int
     tiles: tuple = ((128, 256, 1.0), (128, 128, 0.92), (64, 128, 0.78), (64, 64, 0.55), (16, 64, 0.3))
@@ -64,6 +71,7 @@ class KernelEfficiency:
     reduction: float = 0.53
     gap: float = 1.5e-6
     misaligned: float = 0.5
+    cross_entropy: str = "torch"
 
     def with_attention(self, kernel: str) -> "KernelEfficiency":
         """These kernels with another attention implementation: "sdpa" (torch's
@@ -79,6 +87,14 @@ class KernelEfficiency:
             return replace(self, attention_kernel="unfused")
         raise ValueError(f"unknown attention kernel {kernel!r}; one of {['sdpa', *named, 'unfused']}")
 
+    def with_cross_entropy(self, kernel: str) -> "KernelEfficiency":
+        """These kernels with the loss run as `kernel`: "torch" (F.cross_entropy, what
+        autopar's runtime runs) or "fused" (a run's own fused cross-entropy kernel, priced
+        for its memory: a published run replayed)."""
+        if kernel not in CROSS_ENTROPY_KERNELS:
+            raise ValueError(f"unknown cross-entropy kernel {kernel!r}; one of {list(CROSS_ENTROPY_KERNELS)}")
+        return replace(self, cross_entropy=kernel)
+
     def to_dict(self) -> dict:
         return {"sms": self.sms, "tiles": [list(t) for t in self.tiles], "k_half": self.k_half,
                 "attention": list(self.attention),
@@ -86,7 +102,7 @@ class KernelEfficiency:
                 "head_dim_exponent": self.head_dim_exponent,
                 "attention_seq_half": self.attention_seq_half, "attention_kernel": self.attention_kernel,
                 "score_passes": list(self.score_passes), "reduction": self.reduction, "gap": self.gap,
-                "misaligned": self.misaligned}
+                "misaligned": self.misaligned, "cross_entropy": self.cross_entropy}
 
     @classmethod
     def from_dict(cls, data: dict) -> "KernelEfficiency":
@@ -98,6 +114,8 @@ class KernelEfficiency:
         d["score_passes"] = tuple(float(x) for x in d.get("score_passes", cls.score_passes))
         if d.get("attention_kernel", "flash") not in ("flash", "unfused"):
             raise ValueError(f"kernels attention_kernel {d['attention_kernel']!r}: one of 'flash', 'unfused'")
+        if d.get("cross_entropy", "torch") not in CROSS_ENTROPY_KERNELS:
+            raise ValueError(f"kernels cross_entropy {d['cross_entropy']!r}: one of {list(CROSS_ENTROPY_KERNELS)}")
         return cls(**d)
 
 

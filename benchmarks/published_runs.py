@@ -172,8 +172,9 @@ def forced(run: dict) -> tuple[autopar.Mesh, dict]:
     names = tuple(a for a, d in degrees if d > 1) or ("dp",)
     preset, _ = PRESET_OF.get(run["hardware"]["gpu"], ("h100", False))
     device = autopar.mesh.PRESETS[preset]
-    # the run's attention implementation (the data file says which its software stack ran)
-    device = dataclasses.replace(device, kernels=device.kernels.with_attention(run.get("attention_kernel", "sdpa")))
+    # the run's attention and loss kernels (the data file says which its software stack ran)
+    device = dataclasses.replace(device, kernels=device.kernels.with_attention(run.get("attention_kernel", "sdpa"))
+                                 .with_cross_entropy(run.get("loss_kernel", "torch")))
     mesh = autopar.Mesh(shape, names, device=device)
     sharded = par.get("fsdp") or (par.get("zero") or 0) >= 3
     tp, cp = (par.get("tp") or 1) > 1, (par.get("cp") or 1) > 1

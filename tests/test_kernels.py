@@ -199,3 +199,14 @@ def test_norms_run_below_the_bandwidth_and_adds_backward_is_free():
     assert K.seconds(add, 0.0, nbytes, BF16, H100, backward=True, count=2) == 0.0
     bias = K.kernel_of("aten.add", None, [(4, 8), (8,)])   # broadcast: backward sums over rows
     assert bias is None and K.seconds(bias, 0.0, nbytes, BF16, H100, backward=True, count=2) > 0
+
+
+def test_cross_entropy_kernel_choices_round_trip_and_bad_names():
+    kern = PRESETS["h100"].kernels
+    assert kern.cross_entropy == "torch" and kern.with_cross_entropy("torch") == kern
+    fused = kern.with_cross_entropy("fused")
+    assert fused.cross_entropy == "fused" and KernelEfficiency.from_dict(fused.to_dict()) == fused
+    with pytest.raises(ValueError, match="unknown cross-entropy kernel 'liger'.*torch.*fused"):
+        kern.with_cross_entropy("liger")
+    with pytest.raises(ValueError, match="cross_entropy 'xla'"):
+        KernelEfficiency.from_dict(dict(kern.to_dict(), cross_entropy="xla"))

@@ -384,10 +384,17 @@ class Problem:
         # working memory: while the op runs backward, the gradients of its outputs, of its
         # inputs and of the tensors it makes and keeps (a composite's inner results, such as
         # a cross entropy's log-probabilities) are live beside what was saved; a view
-        # allocates nothing
-        work = 0.0 if pn.op in VIEWS else in_bytes + out_bytes + sum(
+        # allocates nothing; a fused cross-entropy kernel (KernelEfficiency.cross_entropy)
+        # writes the logits' gradient alone
+        inner = 0.0 if self._fused_loss(pn) else sum(
             self.held_bytes(pn, s, it) for it in self.holdings.get(pn.index, ()) if it[1] == "new")
+        work = 0.0 if pn.op in VIEWS else in_bytes + out_bytes + inner
         return Choice(compute, tuple(comm), mem, forward_s=forward + sum(comm) / 2, work=work)
+
+    def _fused_loss(self, pn: PNode) -> bool:
+        """Whether `pn` is a cross entropy the device's kernels run fused."""
+        kernels = self.mesh.device.kernels
+        return pn.op == "aten.cross_entropy_loss" and kernels is not None and kernels.cross_entropy == "fused"
 
     def internal_collectives(self, pn: PNode, s: Strategy) -> list:
         """(kind, axis, bytes, phase) of each collective a named strategy runs inside the op
