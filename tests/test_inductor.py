@@ -85,6 +85,9 @@ def test_regions_compile_and_keep_the_gradient():
 def test_an_unknown_backend_is_refused():
     with pytest.raises(ValueError, match="backend='tvm'.*eager, inductor"):
         check_backend("tvm")
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=r"compile\(backend='tvm'\): choose 'auto'.*'eager'.*'inductor'"):
+        autopar.compile(model, autopar.Mesh((1,), ("dp",), device="cpu"), (torch.randn(2, 4),), backend="tvm")
 
 
 def test_auto_takes_inductor_on_gpus_and_eager_on_cpu_ranks_and_split_backward_schedules(pool2):
