@@ -127,9 +127,11 @@ class Prediction:
     out of `overlappable_s`.  Two kinds overlap: gradient buckets reduced while backward
     runs (autopar.solve.assemble.hidden_gradient_seconds) and, of which `prefetch_hidden_s` out
     of `prefetchable_s`, ZeRO-3 weight gathers started one ahead while forward runs
-    (autopar.solve.assemble.hidden_prefetch_seconds).  host_bound_s: what the step's compute
-    was raised by to the host's time issuing the ops (DeviceSpec.host_op; 0 where the kernels
-    take longer)."""
+    (autopar.solve.assemble.hidden_prefetch_seconds).  contended_s: what those streams would
+    hide more if their transfers did not wait while the device's own collectives hold the
+    same links (the network where a group spans nodes, else NVLink; contention).
+    host_bound_s: what the step's compute was raised by to the host's time issuing the ops
+    (DeviceSpec.host_op; 0 where the kernels take longer)."""
 
     step_s: float
     compute_s: float
@@ -142,6 +144,7 @@ class Prediction:
     host_bound_s: float = 0.0
     step_memory: float = 0.0   # what the optimizer step allocates while it runs (cost.prices.step_temporary_bytes)
     tiers: dict = field(default_factory=dict)   # "host" / "disk" -> offloaded bytes per device kept there
+    contended_s: float = 0.0
 
     @property
     def memory_total(self) -> float:
@@ -157,6 +160,9 @@ class Prediction:
         parts = ([f"{format_seconds(behind)} behind backward"] if behind > 1e-12 else []) + \
             ([f"{format_seconds(self.prefetch_hidden_s)} of weight gathers behind forward"]
              if self.prefetch_hidden_s > 1e-12 else [])
+        if self.contended_s > 1e-12:
+            parts.append(f"{format_seconds(self.contended_s)} not hidden as the device's own collectives hold the "
+                         f"same links")
         hidden = f", hidden: {' and '.join(parts)}" if parts else ""
         host = f", host-bound: +{format_seconds(self.host_bound_s)}" if self.host_bound_s > 1e-12 else ""
         beyond = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.tiers.items() if v)

@@ -2,6 +2,7 @@
 choice implies, and the predicted step time (overlap counted) and memory per device."""
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 from autopar.cost import prices as C
@@ -66,10 +67,12 @@ class _Tally:
         self.comm = [0.0] * problem.mesh.ndim
         self.memory = dict.fromkeys(CATEGORIES, 0.0)
         self.collectives = []
-        self.backward = {}   # op index -> [its backward compute, the synchronous communication of its backward]
-        self.forward = {}    # op index -> its forward compute and synchronous forward communication
-        self.gathers = {}    # op index -> seconds of the prefetchable weight gathers it waits for
-        self.bucketed = {}   # op index -> seconds of gradient buckets that become ready when its backward ends
+        # per op, what the two-stream overlap models need, communication by link (`link`)
+        self.backward = {}   # op index -> (its backward compute, {link: its backward's synchronous communication})
+        self.forward = {}    # op index -> (its forward compute, {link: its forward's synchronous communication})
+        self.gathers = {}    # op index -> {link: seconds of the prefetchable weight gathers it waits for}
+        self.bucketed = {}   # op index -> {link: seconds of gradient buckets that become ready when its backward ends}
+        self.links = tuple(link(problem.mesh, a) for a in range(problem.mesh.ndim))
         self.once = {}       # op index -> those of its buckets that run once per step (Pricing.accumulation > 1)
         self.first_reader = _first_readers(problem)
         self.edges_into: dict = {}
@@ -86,8 +89,12 @@ class _Tally:
             if self.problem.launches(pn):
                 self.host += self.problem.mesh.device.host_op * (2 if pn.requires_grad else 1)
             fwd = c.forward_s - sum(c.comm) / 2
-            self.backward[pn.index] = [c.compute - fwd, sum(c.comm) / 2]
-            self.forward[pn.index] = fwd + sum(c.comm) / 2
+            half = {}
+            for a, t in enumerate(c.comm):   # half of a strategy's own collectives in each direction
+                if t:
+                    _add(half, self.links[a], t / 2)
+            self.backward[pn.index] = (c.compute - fwd, dict(half))
+            self.forward[pn.index] = (fwd, half)
         if pn.kind == "param" and s.zero:  # ZeRO-1/2: updated weights all-gathered after the step
             for st in self.problem.zero_gather_steps(pn, s):
                 self.comm[st.axis] += st.seconds
@@ -117,21 +124,22 @@ class _Tally:
                           and fwd[0].kind == "all_gather")   # the runtime prefetches exactly these
             for phase, steps in (("forward", fwd), ("backward", bwd)):
                 for st in steps:
+                    on = self.links[st.axis]
                     if phase == "forward" and pn.index in self.forward:
                         if prefetched:
-                            self.gathers[pn.index] = self.gathers.get(pn.index, 0.0) + st.seconds
+                            _add(self.gathers.setdefault(pn.index, {}), on, st.seconds)
                         else:
-                            self.forward[pn.index] += st.seconds
+                            _add(self.forward[pn.index][1], on, st.seconds)
                     self.comm[st.axis] += st.seconds
                     edge_comm += st.seconds
                     if phase == "backward" and st.bucketed and st.kind != "all_gather":   # a gradient bucket
                         at = pn.index if e.kind == "data" else self.first_reader.get(param.index)
-                        self.bucketed[at] = self.bucketed.get(at, 0.0) + st.seconds
+                        _add(self.bucketed.setdefault(at, {}), on, st.seconds)
                         if problem.accumulation > 1 and st.kind in bucket_kinds(
                                 problem.nodes[param.rep].strategies[choice[param.index]]):
-                            self.once[at] = self.once.get(at, 0.0) + st.seconds
+                            _add(self.once.setdefault(at, {}), on, st.seconds)
                     elif phase == "backward" and pn.index in self.backward:
-                        self.backward[pn.index][1] += st.seconds
+                        _add(self.backward[pn.index][1], on, st.seconds)
                     self.collectives.append(Collective(st.kind, (names[st.axis],), st.nbytes, phase, pn.name,
                                                        src.param_name or src.name, st.seconds, st.algorithm))
         return edge_comm
@@ -165,10 +173,31 @@ class _Tally:
         overlap = mesh.device.asynchronous
         prefetch = hidden_prefetch_seconds(self.forward, self.gathers) if overlap else 0.0
         hidden = (self.hidden_gradients() if overlap else 0.0) + prefetch
+        contended = 0.0
+        streamed = {on for d in (*self.gathers.values(), *self.bucketed.values()) for on, t in d.items() if t}
+        held = {on for _, sync in (*self.forward.values(), *self.backward.values()) for on, t in sync.items() if t}
+        if overlap and streamed & held:   # what the links' sharing costs: the same streams on no named link
+            free = self.unlinked()
+            contended = max(0.0, hidden_prefetch_seconds(free.forward, free.gathers) + free.hidden_gradients() - hidden)
+        gathered = sum(_seconds(g) for g in self.gathers.values())
         return Prediction(compute + sum(self.comm) - hidden, compute, comm_by_axis, memory, hidden,
-                          sum(self.bucketed.values()) + sum(self.gathers.values()), prefetch,
-                          sum(self.gathers.values()), host_bound, problem.step_memory(choice),
-                          {k: v for k, v in tiers.items() if v})
+                          sum(_seconds(b) for b in self.bucketed.values()) + gathered, prefetch,
+                          gathered, host_bound, problem.step_memory(choice),
+                          {k: v for k, v in tiers.items() if v}, contended)
+
+    def unlinked(self) -> "_Tally":
+        """A view of this tally's overlap inputs with every transfer on no named link (no
+        contention), for what contention costs."""
+        view = object.__new__(_Tally)
+        view.problem = self.problem
+        strip = lambda d: {None: _seconds(d)}   # noqa: E731
+        # the device's own collectives then block nothing: the stream runs through them as through compute
+        view.forward = {i: (own + _seconds(sync), {}) for i, (own, sync) in self.forward.items()}
+        view.backward = {i: (own + _seconds(sync), {}) for i, (own, sync) in self.backward.items()}
+        view.gathers = {i: strip(d) for i, d in self.gathers.items()}
+        view.bucketed = {i: strip(d) for i, d in self.bucketed.items()}
+        view.once = {i: strip(d) for i, d in self.once.items()}
+        return view
 
     def hidden_gradients(self) -> float:
         """What backward hides of the gradient buckets.  Accumulating (Pricing.accumulation
@@ -179,9 +208,11 @@ class _Tally:
         if not self.once:
             return hidden_gradient_seconds(self.backward, self.bucketed)
         k = self.problem.accumulation
-        each = {i: t - self.once.get(i, 0.0) for i, t in self.bucketed.items()}
+        each = {i: {on: t - self.once.get(i, {}).get(on, 0.0) for on, t in links.items()}
+                for i, links in self.bucketed.items()}
         return (hidden_gradient_seconds(self.backward, each)
-                + hidden_gradient_seconds(self.backward, {i: t * k for i, t in self.once.items()}) / k)
+                + hidden_gradient_seconds(self.backward, {i: {on: t * k for on, t in links.items()}
+                                                          for i, links in self.once.items()}) / k)
 
 
 # Host seconds of each op of a recomputed layer, in DeviceSpec.host_op, counted in the host's
@@ -209,44 +240,106 @@ def _first_readers(problem: Problem) -> dict:
     return out
 
 
+def link(mesh, axis: int) -> str | None:
+    """The links a collective on mesh `axis` loads, for contention between two streams:
+    "network" where its group spans nodes (the nodes' NICs are its slowest hop), "nvlink"
+    inside a node; None on a device that overlaps nothing (its streams never meet)."""
+    if not mesh.device.asynchronous:
+        return None
+    return "network" if mesh.placement(axis)[1] > 1 else "nvlink"
+
+
+def _add(by_link: dict, on, seconds: float) -> None:
+    by_link[on] = by_link.get(on, 0.0) + seconds
+
+
+def _seconds(value) -> float:
+    """The seconds of a {link: seconds} map, or of a plain number."""
+    return sum(value.values()) if isinstance(value, dict) else value
+
+
+def _by_link(value) -> tuple:
+    """(link, seconds) pairs of a {link: seconds} map; a plain number is on no named link."""
+    return tuple(value.items()) if isinstance(value, dict) else ((None, value),)
+
+
+def _run(queue: deque, seconds: float, busy=None) -> None:
+    """The communication stream works through `queue` ([link, seconds left] in its order)
+    for `seconds` of the device's time, during which the device's own collective holds link
+    `busy`: a transfer on that link waits, and the stream, in order, waits behind it.  Two
+    transfers on one link share its bandwidth, so the pair takes their sum in either order;
+    this gives the device's collective the link first."""
+    while seconds > 0 and queue:
+        head = queue[0]
+        if busy is not None and head[0] == busy:
+            return
+        step = min(seconds, head[1])
+        head[1] -= step
+        seconds -= step
+        if head[1] <= 0:
+            queue.popleft()
+
+
+def _segments(value) -> tuple:
+    """(compute, ((link, seconds) of synchronous communication, ...)) of an op's pass, given as
+    that pair or as plain seconds (compute only)."""
+    if isinstance(value, (tuple, list)):
+        own, sync = value
+        return own, _by_link(sync)
+    return value, ()
+
+
 def hidden_prefetch_seconds(forward: dict, gathers: dict) -> float:
     """How much of the weight gathers forward hides (autopar/runtime/reshard.py): two streams, the
-    device running each op's forward (compute and synchronous communication) in order, and
-    the communication stream gathering weights one ahead: the first gather runs when its
-    op is reached, and each gather starts the next one, which runs while the ops up to its
-    reader compute.  An op waits for its own gather; what the stream did meanwhile is
-    hidden."""
-    clock = busy = 0.0
-    ready = {}
-    readers = sorted(i for i, t in gathers.items() if t > 0)
+    device running each op's forward (its compute, then its synchronous communication) in
+    order, and the communication stream gathering weights one ahead: the first gather runs
+    when its op is reached, and each gather starts the next one, which runs while the ops up
+    to its reader compute.  An op waits for its own gather; what the stream did meanwhile is
+    hidden.  A gather makes no progress while the device's own collective holds the same
+    links (contention, `_run`).  forward: op index -> seconds, or (compute, {link:
+    synchronous seconds}); gathers: op index -> seconds or {link: seconds}."""
+    readers = sorted(i for i, t in gathers.items() if _seconds(t) > 0)
     nxt = dict(zip(readers, readers[1:]))
-    free = 0.0
+    queue: deque = deque()
+    waited = 0.0
+    started = set()
     for index in sorted(set(forward) | set(readers)):
-        if index in gathers and gathers[index] > 0:
-            clock = max(clock, ready[index]) if index in ready else clock + gathers[index]
+        if index in started or index == (readers[0] if readers else None):
+            if index in started:   # wait for what is left of its own gather
+                waited += sum(left for _, left in queue)
+                queue.clear()
+            else:                  # the first: nothing ran it ahead
+                waited += _seconds(gathers[index])
             if index in nxt:
-                after = nxt[index]
-                free = ready[after] = max(free, clock) + gathers[after]
-        own = forward.get(index, 0.0)
-        clock += own
-        busy += own
-    return max(0.0, sum(gathers.values()) - (clock - busy))
+                queue.extend([on, t] for on, t in _by_link(gathers[nxt[index]]) if t > 0)
+                started.add(nxt[index])
+        own, sync = _segments(forward.get(index, 0.0))
+        _run(queue, own)
+        for on, t in sync:
+            _run(queue, t, on)
+    return max(0.0, sum(_seconds(gathers[i]) for i in readers) - waited)
 
 
 def hidden_gradient_seconds(backward: dict, bucketed: dict) -> float:
     """How much of the bucketed gradient communication backward hides: two streams, the
-    device running each op's backward (its compute and synchronous communication) in
+    device running each op's backward (its compute, then its synchronous communication) in
     reverse forward order, and the communication stream reducing each gradient bucket once
     the backward of its parameter's first reader has run and the stream is free.  Backward
-    ends when both have finished; what the bucket stream did before that is hidden."""
-    clock = free = 0.0
+    ends when both have finished; what the bucket stream did before that is hidden.  A
+    bucket makes no progress while the device's own collective holds the same links: a
+    ZeRO-3 backward's weight gathers and its gradients' reduce-scatters on one axis, an
+    expert all-to-all across nodes and a data-parallel bucket across nodes (contention,
+    `_run`).  backward: op index -> (compute, synchronous seconds or {link: seconds});
+    bucketed: op index -> seconds or {link: seconds}."""
+    queue: deque = deque()
     total = 0.0
     for index in sorted(set(backward) | set(bucketed), reverse=True):
-        own, sync = backward.get(index, (0.0, 0.0))
-        clock += own + sync
-        seconds = bucketed.get(index, 0.0)
-        if seconds:
-            free = max(free, clock) + seconds
-            total += seconds
-    return max(0.0, total - max(0.0, free - clock))
-
+        own, sync = _segments(backward.get(index, (0.0, 0.0)))
+        _run(queue, own)
+        for on, t in sync:
+            _run(queue, t, on)
+        for on, t in _by_link(bucketed.get(index, 0.0)):
+            if t > 0:
+                queue.append([on, t])
+                total += t
+    return max(0.0, total - sum(left for _, left in queue))
