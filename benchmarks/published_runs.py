@@ -148,7 +148,8 @@ def build_model(run: dict):
         extra = dict(multiple_of=ffn, ffn_dim_multiplier=None) if ffn and ffn >= int(8 * mod["hidden"] / 3) else {}
         return build("llama3-8b", device="meta", batch=batch, seq=seq, dim=mod["hidden"], n_layers=mod["n_layers"],
                      n_heads=mod["n_heads"], n_kv_heads=mod.get("n_kv_heads") or mod["n_heads"],
-                     vocab=mod.get("vocab") or 128256, max_seq=max(seq, 8192), **extra)
+                     vocab=mod.get("vocab") or 128256, max_seq=max(seq, 8192),
+                     float_loss=run.get("loss_dtype") == "float32", **extra)
     if mod["family"] in ("gpt", "mpt"):
         if mod.get("ffn_hidden") and mod["ffn_hidden"] != 4 * mod["hidden"]:
             raise ValueError(f"GPT feed-forward width {mod['ffn_hidden']} is not 4 x {mod['hidden']}")

@@ -52,6 +52,7 @@ class LlamaConfig:
     rope_theta: float = 500000.0
     max_seq: int = 8192  # longest sequence the RoPE tables cover
     tie_embeddings: bool = False  # output shares its weight with tok_embeddings
+    float_loss: bool = False  # the loss on float32 logits (upcast first, as many training loops do)
 
     def __post_init__(self):
         check_config(self, counts=("dim", "n_layers", "n_heads", "n_kv_heads", "vocab", "multiple_of", "max_seq"),
@@ -272,4 +273,6 @@ class Llama(nn.Module):
         logits = self.output(x)  # [batch, seq, vocab]
         if targets is None:
             return logits
+        if self.config.float_loss:
+            logits = logits.float()
         return F.cross_entropy(logits.view(-1, self.config.vocab), targets.view(-1))
