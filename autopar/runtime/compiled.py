@@ -25,7 +25,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.cost.schedules import SPLIT_BACKWARD
 from autopar.solve.planner import plan as make_plan
-from autopar.solve.problem import BACKENDS
+from autopar.solve.problem import check_backend
 from autopar.mesh import Mesh
 from autopar.passes.redistribute import MeshGroups
 from autopar.plan.plan import Plan
@@ -134,10 +134,7 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=N
     plan without the disk tier ignores it.  Unset, the environment's AUTOPAR_OFFLOAD_DIR
     is taken (a job script's one setting for every compile)."""
     timeout = check_timeout(timeout)
-    if backend != AUTO and backend not in BACKENDS:
-        raise ValueError(f"autopar.compile(backend={backend!r}): choose 'auto' (the default: Inductor on GPUs, "
-                         f"eager on CPU ranks), 'eager' (the rank's graph op by op) or 'inductor' (its compute "
-                         f"between collectives compiled by torch.compile)")
+    check_backend(backend, auto=True, where="autopar.compile")
     check_options(bucket_mb, check_inputs, check_inputs_every)
     options = RunOptions(timeout_s=float(timeout), check_finite=bool(check_finite), compared_calls=int(check_inputs),
                          sample_every=int(check_inputs_every), bucket_mb=bucket_mb,

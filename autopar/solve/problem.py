@@ -44,11 +44,15 @@ UNUSABLE = float("inf")  # a choice pair the runtime cannot run as planned: the 
 BACKENDS = ("eager", "inductor")
 
 
-def check_backend(backend: str) -> str:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r}: choose one of {', '.join(BACKENDS)} (eager runs the rank's graph "
-                         f"op by op; inductor compiles its compute between collectives with torch.compile)")
-    return backend
+def check_backend(backend: str, auto: bool = False, where: str = "") -> str:
+    """`backend` if it is one of BACKENDS (or, with `auto`, "auto": compile's default, which
+    chooses per device), else a ValueError naming the choices; `where` prefixes the
+    message (e.g. "autopar.compile")."""
+    if backend in BACKENDS or (auto and backend == "auto"):
+        return backend
+    choices = ("'auto' (the default: Inductor on GPUs, eager on CPU ranks), " if auto else "") + \
+        "'eager' (the rank's graph op by op) or 'inductor' (its compute between collectives compiled by torch.compile)"
+    raise ValueError(f"{where + '(' if where else ''}backend={backend!r}{')' if where else ''}: choose {choices}")
 
 
 class Pricing(NamedTuple):
