@@ -5,8 +5,9 @@ holds more than the tensors alive at the peak (blocks split and freed in odd siz
 cached).  autopar predicts the tensors alive.  This measures both on one GPU for layers
 of the published shape (4,096 wide, 8,192 tokens, the 128,256-word vocabulary), eager,
 bf16 with float32 masters, with and without recomputation, under the allocator's default
-settings and under `expandable_segments:True`; each case runs in its own process, as the
-allocator reads its settings once.
+settings and under `expandable_segments:True`, and once with the loss on float32 logits
+(`float_loss`, torchtitan's loss: case "selective+float32"); each case runs in its own
+process, as the allocator reads its settings once.
 
     python benchmarks/gpu_memory.py [--layers 2] [--seq 8192] [--out result.json]
 
@@ -22,11 +23,13 @@ import sys
 import time
 
 CASES = [("none", ""), ("selective", ""), ("full", ""),
-         ("none", "expandable_segments:True"), ("selective", "expandable_segments:True")]
+         ("none", "expandable_segments:True"), ("selective", "expandable_segments:True"), ("selective+float32", "")]
 
 
 def one(recompute: str, layers: int, seq: int, steps: int) -> dict:
     import torch
+
+    recompute, _, loss = recompute.partition("+")   # "selective+float32": the loss on float32 logits
 
     import socket
 
@@ -44,7 +47,7 @@ def one(recompute: str, layers: int, seq: int, steps: int) -> dict:
     init_process_group("nccl" if gpu else "gloo")
     shape = (dict(dim=4096, n_layers=layers, n_heads=32, n_kv_heads=8, multiple_of=1024, batch=1, seq=seq)
              if gpu else dict(dim=64, n_layers=layers, n_heads=4, n_kv_heads=2, vocab=256, batch=1, seq=64))
-    model, example = build("llama3-8b", device="meta", **shape)
+    model, example = build("llama3-8b", device="meta", float_loss=loss == "float32", **shape)
     device = PRESETS["h200" if gpu and "H200" in torch.cuda.get_device_name() else "h100"] if gpu else None
     mesh = autopar.Mesh((1,), ("dp",), device=device) if device is not None else autopar.Mesh((1,), ("dp",))
     precision = torch.bfloat16 if gpu else None
@@ -79,7 +82,7 @@ def one(recompute: str, layers: int, seq: int, steps: int) -> dict:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     mem = plan.predicted.memory
-    return dict(recompute=recompute, layers=layers, seq=seq, step_s=min(times[1:] or times),
+    return dict(recompute=recompute, loss=loss or "logits' dtype", layers=layers, seq=seq, step_s=min(times[1:] or times),
                 predicted_step_s=plan.step_s, predicted=plan.memory_per_device,
                 parts={k: float(v) for k, v in mem.items()},
                 allocated=max((a for a, _ in phases.values()), default=None),
@@ -93,7 +96,7 @@ def main(argv=None) -> list:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--cases", help="comma-separated recompute[:allocator] cases (default: all five)")
+    parser.add_argument("--cases", help="comma-separated recompute[+float32][:allocator] cases (default: all six)")
     parser.add_argument("--out")
     parser.add_argument("--one", help=argparse.SUPPRESS)   # recompute mode, in a child process
     args = parser.parse_args(argv)
