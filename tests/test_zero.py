@@ -100,7 +100,8 @@ def test_zero3_gathers_in_buckets_prefetches_and_regathers(pool4, reshard, bucke
     """ZeRO-3: every weight is gathered once in forward, in buckets of consecutive weights
     (one flat all-gather each; a bucket after the first is prefetched while the one before
     computes); with reshard_after_forward the weights backward needs are gathered again, one
-    call per bucket, without it never; the gradients are reduce-scattered one call per
+    call per bucket, each after the first started while the bucket after it (in forward
+    order) computes its backward, without it never; the gradients are reduce-scattered one call per
     bucket (more when backward returns to a bucket); gradients equal one device."""
     plan = _plan(("autopar", "gpt-tiny", ()), (4,), ("dp",), "zero3")
     counts = pool4.run(zero3_regather_counts, plan.to_dict(), reshard, bucket_mb=bucket_mb)[0]
@@ -113,8 +114,10 @@ def test_zero3_gathers_in_buckets_prefetches_and_regathers(pool4, reshard, bucke
     if reshard:
         assert counts["regathered"] >= counts["gathers"] // 2, counts
         assert forward_calls < counts["bucket_gathers"] <= 2 * forward_calls, counts
+        # every backward gather after the first was started ahead, while the bucket before computed
+        assert counts["regather_prefetched"] == counts["bucket_gathers"] - forward_calls - 1, counts
     else:
-        assert counts["regathered"] == 0
+        assert counts["regathered"] == counts["regather_prefetched"] == 0
         assert counts["bucket_gathers"] == forward_calls, counts
     assert len(buckets) <= counts["bucket_reduces"] <= 2 * len(buckets), counts
     assert counts["worst"] <= 0, counts

@@ -95,7 +95,7 @@ class Regather:
         # since compile: weights gathered in forward, of which prefetched, gathered again in
         # backward; collective calls of the grouped buckets (gathers, reduce-scatters)
         self.counts = {"gathered": 0, "prefetched": 0, "regathered": 0, "bucket_gathers": 0, "bucket_reduces": 0,
-                       "fetched": 0}
+                       "fetched": 0, "regather_prefetched": 0}
         self.flat: dict[int, tuple] = {}      # k -> (mesh axis, dim) of a groupable gather
         sizes = [groups.size(a) for a in range(groups.ndim)]
         for node in list(gm.graph.nodes):
@@ -142,6 +142,8 @@ class Regather:
         self.next_bucket = None                     # (bucket, work, buffer) of a prefetched bucket
         self.cached: dict[int, list] = {}           # k -> [weight gathered again in backward, uses left]
         self.packed: dict[int, list] = {}           # bucket -> [(k, shard)] the last forward saved
+        self.regathered: set = set()                # buckets gathered again in this backward
+        self.next_regather = None                   # (bucket, members, uses, shards, work, buffer) started ahead
         self.grads: list = []                       # (bucket, k, shard, full gradient) to reduce
         self.reducing: list = []                    # (work, row, [(k, shard)]) launched
 
@@ -269,6 +271,7 @@ class Regather:
     @torch.no_grad()
     def finish(self) -> None:
         """After backward: every grouped gradient reduced and added to its shard's gradient."""
+        self.end_backward()
         self._reduce_waiting()
         for work, row, members in self.reducing:
             if work is not None:
@@ -333,6 +336,7 @@ class Regather:
         self.off_ids = {id(feed[name]) for name in self.offloaded if name in feed}
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack) if self.reshard \
             else contextlib.nullcontext()
+        self.end_backward()   # (a regather started ahead by a backward that ended early)
         self.cached.clear()
         self.packed = {}
         try:
@@ -377,21 +381,51 @@ class Regather:
 
     def _regathered(self, k: int) -> torch.Tensor:
         """Weight k gathered again in backward: the first of its bucket to be unpacked
-        gathers every weight of the bucket that forward saved, in one call."""
+        gathers every weight of the bucket that forward saved, in one call, and starts the
+        gather of the bucket backward reaches next (the nearest earlier one forward saved),
+        which runs while this one's backward computes."""
         if k not in self.cached:
-            saved = self.packed.get(self.bucket_of[k], [])
-            members = list(dict.fromkeys(j for j, _ in saved))
-            shard = dict(saved)
-            uses = {j: sum(1 for i, _ in saved if i == j) for j in members}
-            work, buf = self._launch_bucket(members, [shard[j] for j in members])
-            work.wait()
-            for j, t in self._split_bucket(members, [shard[j] for j in members], buf).items():
-                self.cached[j] = [t, uses[j]]
+            b = self.bucket_of[k]
+            pending, self.next_regather = self.next_regather, None
+            if pending is not None:   # prefetched: this bucket's, or one backward skipped (kept for its turn)
+                self._cache_bucket(*pending)
+            if k not in self.cached:
+                self._cache_bucket(b, *self._launch_regather(b))
+            earlier = [j for j in self.packed if j < b and j not in self.regathered]
+            if earlier:
+                nxt = max(earlier)
+                self.next_regather = (nxt, *self._launch_regather(nxt))
+                self.counts["regather_prefetched"] += 1
         entry = self.cached[k]
         entry[1] -= 1
         if entry[1] <= 0:
             del self.cached[k]
         return entry[0]
+
+
+    def _launch_regather(self, b: int) -> tuple:
+        """Start the gather of every weight of bucket b that forward saved; (members, uses,
+        shards, work, buffer)."""
+        saved = self.packed.get(b, [])
+        members = list(dict.fromkeys(j for j, _ in saved))
+        shard = dict(saved)
+        uses = {j: sum(1 for i, _ in saved if i == j) for j in members}
+        self.regathered.add(b)
+        return (members, uses, [shard[j] for j in members], *self._launch_bucket(members, [shard[j] for j in members]))
+
+    def _cache_bucket(self, b: int, members: list, uses: dict, shards: list, work, buf) -> None:
+        """Wait for bucket b's regather and keep each weight for its uses."""
+        work.wait()
+        for j, t in self._split_bucket(members, shards, buf).items():
+            self.cached[j] = [t, uses[j]]
+
+    def end_backward(self) -> None:
+        """After backward: a regather started for a bucket backward never reached is waited
+        for (every rank issued it) and dropped."""
+        if self.next_regather is not None:
+            self.next_regather[4].wait()
+            self.next_regather = None
+        self.regathered.clear()
 
 
 class _Recipe:
