@@ -18,7 +18,7 @@ from autopar.cost.prices import BUCKET_BYTES, axis_link, collective_time
 from autopar.mesh import PRESETS, DeviceSpec
 from autopar.models import build
 import autopar.solve.pipeline_search as pipeline_search
-from autopar.solve.assemble import hidden_backward_seconds, hidden_gradient_seconds, hidden_prefetch_seconds
+from autopar.solve.assemble import hidden_gradient_seconds, hidden_prefetch_seconds
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
 
@@ -135,22 +135,6 @@ def test_forward_hides_weight_gathers_started_one_ahead():
     assert hidden_prefetch_seconds(ops, {1: 0.5, 3: 0.5}) == pytest.approx(0.5)     # runs during ops 1 and 2
     # a gather longer than the compute it overlaps: 2 s under op 1's 1 s, 1 s exposed
     assert hidden_prefetch_seconds(ops, {1: 0.5, 2: 2.0}) == pytest.approx(1.0)
-
-
-def test_backward_gathers_weights_one_ahead_behind_the_buckets_issued_before():
-    """Backward runs ops 3, 2, 1 (1 s each).  Their weights are gathered again: op 3's when
-    it is reached, and each gather starts the next, issued behind whatever the stream holds."""
-    ops = {3: (1.0, 0.0), 2: (1.0, 0.0), 1: (1.0, 0.0)}
-    gathers = {3: 0.5, 2: 0.5, 1: 0.5}
-    # op 3's gather waits in full; 2's runs under op 3, 1's under op 2
-    assert hidden_backward_seconds(ops, {}, gathers) == pytest.approx((0.0, 1.0))
-    # a 1 s bucket ready after op 3 is issued before op 1's gather: that gather runs after it,
-    # finishes 0.5 s into op 1's turn, and op 1 waits for it
-    assert hidden_backward_seconds(ops, {3: 1.0}, gathers) == pytest.approx((1.0, 0.5))
-    # a gather longer than the op before its reader: op 2 waits 0.5 s for the rest of it
-    assert hidden_backward_seconds(ops, {}, {3: 0.5, 2: 1.5}) == pytest.approx((0.0, 1.0))
-    # without gathers, the buckets alone as hidden_gradient_seconds prices them
-    assert hidden_backward_seconds(ops, {3: 1.5, 2: 1.5}, {})[0] == hidden_gradient_seconds(ops, {3: 1.5, 2: 1.5})
 
 
 def test_zero3_plan_says_what_forward_hides():

@@ -125,10 +125,9 @@ class Prediction:
     """Step time and memory per device by kind.  The step is compute plus communication
     per mesh axis less `hidden_s`: the communication that runs while the device computes,
     out of `overlappable_s`.  Two kinds overlap: gradient buckets reduced while backward
-    runs and, of which `prefetch_hidden_s` out of `prefetchable_s`, ZeRO-3 weight gathers
-    started one ahead while forward runs (autopar.solve.assemble.hidden_prefetch_seconds)
-    and, for weights gathered in buckets, while backward runs
-    (autopar.solve.assemble.hidden_backward_seconds).  contended_s: what those streams would
+    runs (autopar.solve.assemble.hidden_gradient_seconds) and, of which `prefetch_hidden_s` out
+    of `prefetchable_s`, ZeRO-3 weight gathers started one ahead while forward runs
+    (autopar.solve.assemble.hidden_prefetch_seconds).  contended_s: what those streams would
     hide more if their transfers did not wait while the device's own collectives hold the
     same links (the network where a group spans nodes, else NVLink; contention).
     host_bound_s: what the step's compute was raised by to the host's time issuing the ops
@@ -159,7 +158,7 @@ class Prediction:
             mem += f"; the optimizer step's temporaries {format_bytes(self.step_memory)}"
         behind = self.hidden_s - self.prefetch_hidden_s
         parts = ([f"{format_seconds(behind)} behind backward"] if behind > 1e-12 else []) + \
-            ([f"{format_seconds(self.prefetch_hidden_s)} of weight gathers behind forward and backward"]
+            ([f"{format_seconds(self.prefetch_hidden_s)} of weight gathers behind forward"]
              if self.prefetch_hidden_s > 1e-12 else [])
         if self.contended_s > 1e-12:
             parts.append(f"{format_seconds(self.contended_s)} not hidden as the device's own collectives hold the "

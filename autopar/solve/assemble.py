@@ -72,7 +72,6 @@ class _Tally:
         self.forward = {}    # op index -> (its forward compute, {link: its forward's synchronous communication})
         self.gathers = {}    # op index -> {link: seconds of the prefetchable weight gathers it waits for}
         self.bucketed = {}   # op index -> {link: seconds of gradient buckets that become ready when its backward ends}
-        self.regathers = {}  # op index -> {link: seconds of the bucketed weight gathers its backward waits for}
         self.links = tuple(link(problem.mesh, a) for a in range(problem.mesh.ndim))
         self.once = {}       # op index -> those of its buckets that run once per step (Pricing.accumulation > 1)
         self.first_reader = _first_readers(problem)
@@ -139,8 +138,6 @@ class _Tally:
                         if problem.accumulation > 1 and st.kind in bucket_kinds(
                                 problem.nodes[param.rep].strategies[choice[param.index]]):
                             _add(self.once.setdefault(at, {}), on, st.seconds)
-                    elif phase == "backward" and st.bucketed and prefetched and pn.index in self.backward:
-                        _add(self.regathers.setdefault(pn.index, {}), on, st.seconds)   # started a bucket ahead
                     elif phase == "backward" and pn.index in self.backward:
                         _add(self.backward[pn.index][1], on, st.seconds)
                     self.collectives.append(Collective(st.kind, (names[st.axis],), st.nbytes, phase, pn.name,
@@ -175,19 +172,16 @@ class _Tally:
         # a CPU rank's collectives reduce on the cores its compute uses: nothing is hidden there
         overlap = mesh.device.asynchronous
         prefetch = hidden_prefetch_seconds(self.forward, self.gathers) if overlap else 0.0
-        behind, regathered = self.hidden_backward() if overlap else (0.0, 0.0)
-        hidden = behind + regathered + prefetch
+        hidden = (self.hidden_gradients() if overlap else 0.0) + prefetch
         contended = 0.0
-        streamed = {on for d in (*self.gathers.values(), *self.bucketed.values(), *self.regathers.values())
-                    for on, t in d.items() if t}
+        streamed = {on for d in (*self.gathers.values(), *self.bucketed.values()) for on, t in d.items() if t}
         held = {on for _, sync in (*self.forward.values(), *self.backward.values()) for on, t in sync.items() if t}
         if overlap and streamed & held:   # what the links' sharing costs: the same streams on no named link
             free = self.unlinked()
-            contended = max(0.0, hidden_prefetch_seconds(free.forward, free.gathers) + sum(free.hidden_backward())
-                            - hidden)
-        gathered = sum(_seconds(g) for g in (*self.gathers.values(), *self.regathers.values()))
+            contended = max(0.0, hidden_prefetch_seconds(free.forward, free.gathers) + free.hidden_gradients() - hidden)
+        gathered = sum(_seconds(g) for g in self.gathers.values())
         return Prediction(compute + sum(self.comm) - hidden, compute, comm_by_axis, memory, hidden,
-                          sum(_seconds(b) for b in self.bucketed.values()) + gathered, prefetch + regathered,
+                          sum(_seconds(b) for b in self.bucketed.values()) + gathered, prefetch,
                           gathered, host_bound, problem.step_memory(choice),
                           {k: v for k, v in tiers.items() if v}, contended)
 
@@ -202,26 +196,23 @@ class _Tally:
         view.backward = {i: (own + _seconds(sync), {}) for i, (own, sync) in self.backward.items()}
         view.gathers = {i: strip(d) for i, d in self.gathers.items()}
         view.bucketed = {i: strip(d) for i, d in self.bucketed.items()}
-        view.regathers = {i: strip(d) for i, d in self.regathers.items()}
         view.once = {i: strip(d) for i, d in self.once.items()}
         return view
 
-    def hidden_backward(self) -> tuple:
-        """(what backward hides of the gradient buckets, of the weights gathered again;
-        hidden_backward_seconds).  Accumulating (Pricing.accumulation k > 1), the buckets that
-        run once per step (priced at 1/k each micro-step) overlap only the last micro-step's
-        backward: their whole seconds against one backward, the hidden part shared over the
-        k micro-steps; the buckets of every micro-step (grouped ZeRO-3 reduce-scatters) and
-        the regathers against each."""
+    def hidden_gradients(self) -> float:
+        """What backward hides of the gradient buckets.  Accumulating (Pricing.accumulation
+        k > 1), the buckets that run once per step (priced at 1/k each micro-step) overlap
+        only the last micro-step's backward: their whole seconds against one backward, the
+        hidden part shared over the k micro-steps; the buckets of every micro-step (grouped
+        ZeRO-3 reduce-scatters) against each."""
         if not self.once:
-            return hidden_backward_seconds(self.backward, self.bucketed, self.regathers)
+            return hidden_gradient_seconds(self.backward, self.bucketed)
         k = self.problem.accumulation
         each = {i: {on: t - self.once.get(i, {}).get(on, 0.0) for on, t in links.items()}
                 for i, links in self.bucketed.items()}
-        behind, regathered = hidden_backward_seconds(self.backward, each, self.regathers)
-        once = hidden_gradient_seconds(self.backward, {i: {on: t * k for on, t in links.items()}
-                                                       for i, links in self.once.items()})
-        return behind + once / k, regathered
+        return (hidden_gradient_seconds(self.backward, each)
+                + hidden_gradient_seconds(self.backward, {i: {on: t * k for on, t in links.items()}
+                                                          for i, links in self.once.items()}) / k)
 
 
 # Host seconds of each op of a recomputed layer, in DeviceSpec.host_op, counted in the host's
@@ -330,64 +321,25 @@ def hidden_prefetch_seconds(forward: dict, gathers: dict) -> float:
 
 
 def hidden_gradient_seconds(backward: dict, bucketed: dict) -> float:
-    """hidden_backward_seconds's hidden buckets, with no weights gathered again."""
-    return hidden_backward_seconds(backward, bucketed, {})[0]
-
-
-def _drain(queue: deque, tag) -> tuple:
-    """The device waits, idle, while the stream runs through `queue` until every transfer
-    tagged `tag` is done; (seconds of those transfers, seconds of the others ahead of them)."""
-    if not any(item[2] == tag for item in queue):
-        return 0.0, 0.0
-    mine = others = 0.0
-    while queue:
-        on, left, t = queue.popleft()
-        if t == tag:
-            mine += left
-            if not any(item[2] == tag for item in queue):
-                break
-        else:
-            others += left
-    return mine, others
-
-
-def hidden_backward_seconds(backward: dict, bucketed: dict, regathers: dict) -> tuple:
-    """(hidden bucket seconds, hidden regather seconds): what backward hides of its
-    communication stream.  Two streams: the device runs each op's backward (its compute,
-    then its synchronous communication) in reverse forward order; the communication
-    stream, in the order things are issued, reduces each gradient bucket once the backward
-    of its parameter's first reader has run, and gathers again the weights backward
-    needs (ZeRO-3 with reshard_after_forward, autopar/runtime/reshard.py): the first when
-    its op is reached, and each one starts the next, behind whatever the stream holds, so
-    it runs while the ops up to its reader compute.  An op waits for its own weights; a
-    bucket's reduction that backward does not hide runs after it.  A transfer makes no
-    progress while the device's own collective holds the same links (contention, `_run`).
-    backward: op index -> (compute, synchronous seconds or {link: seconds}); bucketed,
-    regathers: op index -> seconds or {link: seconds}."""
-    queue: deque = deque()   # [link, seconds left, the reader of a gather (None: a bucket)]
-    readers = sorted((i for i, t in regathers.items() if _seconds(t) > 0), reverse=True)
-    nxt = dict(zip(readers, readers[1:]))
-    buckets = gathers = waited = exposed = 0.0
-    started: set = set()
-    for index in sorted(set(backward) | set(bucketed) | set(readers), reverse=True):
-        if index in started or index == (readers[0] if readers else None):
-            if index in started:   # wait for what is left of its gather (and what is ahead of it)
-                mine, others = _drain(queue, index)
-                waited += mine
-                exposed += others
-            else:                  # the first: nothing ran it ahead
-                waited += _seconds(regathers[index])
-            gathers += _seconds(regathers[index])
-            if index in nxt:
-                queue.extend([on, t, nxt[index]] for on, t in _by_link(regathers[nxt[index]]) if t > 0)
-                started.add(nxt[index])
+    """How much of the bucketed gradient communication backward hides: two streams, the
+    device running each op's backward (its compute, then its synchronous communication) in
+    reverse forward order, and the communication stream reducing each gradient bucket once
+    the backward of its parameter's first reader has run and the stream is free.  Backward
+    ends when both have finished; what the bucket stream did before that is hidden.  A
+    bucket makes no progress while the device's own collective holds the same links: a
+    ZeRO-3 backward's weight gathers and its gradients' reduce-scatters on one axis, an
+    expert all-to-all across nodes and a data-parallel bucket across nodes (contention,
+    `_run`).  backward: op index -> (compute, synchronous seconds or {link: seconds});
+    bucketed: op index -> seconds or {link: seconds}."""
+    queue: deque = deque()
+    total = 0.0
+    for index in sorted(set(backward) | set(bucketed), reverse=True):
         own, sync = _segments(backward.get(index, (0.0, 0.0)))
         _run(queue, own)
         for on, t in sync:
             _run(queue, t, on)
         for on, t in _by_link(bucketed.get(index, 0.0)):
             if t > 0:
-                queue.append([on, t, None])
-                buckets += t
-    tail = sum(left for _, left, tag in queue if tag is None)
-    return max(0.0, buckets - tail - exposed), max(0.0, gathers - waited)
+                queue.append([on, t])
+                total += t
+    return max(0.0, total - sum(left for _, left in queue))

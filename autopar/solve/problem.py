@@ -333,19 +333,17 @@ class Problem:
         self.edge_forward: dict[EdgeKey, np.ndarray] = {}   # data edges: the forward moves alone
         self.edge_bucketed: dict[EdgeKey, np.ndarray] = {}  # parameter gradients: their bucketed reductions
         self.edge_gathers: dict[EdgeKey, np.ndarray] = {}   # weights read: their forward all-gathers
-        self.edge_regathers: dict[EdgeKey, np.ndarray] = {}  # of those, gathered again ahead in backward (grouped)
         self.edge_costs = {key: self._edge_matrix(key) for key in self.edge_classes}
 
     def overlapped(self, hidden: float, prefetched: float = 0.0) -> "Problem":
         """This problem with each parameter gradient's bucketed reduction priced at
-        (1 - hidden) of its seconds and each weight's prefetched gathers (forward's, and
-        backward's of a grouped weight) at (1 - prefetched): a linear stand-in for the overlap
-        of gradient buckets and regathers with backward (assemble.hidden_backward_seconds)
-        and of prefetched gathers with forward (assemble.hidden_prefetch_seconds), the shares
-        being what a plan hides.  The copy shares everything but its edge costs."""
+        (1 - hidden) of its seconds and each weight's forward gathers at (1 - prefetched):
+        a linear stand-in for the overlap of gradient buckets with backward
+        (solution.hidden_gradient_seconds) and of prefetched gathers with forward
+        (solution.hidden_prefetch_seconds), the shares being what a plan hides.  The copy
+        shares everything but its edge costs."""
         out = copy.copy(self)
-        out.edge_costs = {k: m - hidden * self.edge_bucketed.get(k, 0.0)
-                          - prefetched * (self.edge_gathers.get(k, 0.0) + self.edge_regathers.get(k, 0.0))
+        out.edge_costs = {k: m - hidden * self.edge_bucketed.get(k, 0.0) - prefetched * self.edge_gathers.get(k, 0.0)
                           for k, m in self.edge_costs.items()}
         return out
 
@@ -638,8 +636,6 @@ class Problem:
                 gathered = np.where(grouped, m, gathered)
                 bwd = bwd + np.where(grouped, self.edge_bucketed[e], 0.0)
             self.edge_gathers[e] = gathered
-            if grouped is not None:
-                self.edge_regathers[e] = np.where(grouped & has[None, :], gathered, 0.0)
             bwd = bwd + gathered
         return m + np.where(has[None, :], bwd, 0.0)
 
