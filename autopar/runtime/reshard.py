@@ -402,7 +402,6 @@ class Regather:
             del self.cached[k]
         return entry[0]
 
-
     def _launch_regather(self, b: int) -> tuple:
         """Start the gather of every weight of bucket b that forward saved; (members, uses,
         shards, work, buffer)."""
