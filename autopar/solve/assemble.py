@@ -177,42 +177,37 @@ class _Tally:
         streamed = {on for d in (*self.gathers.values(), *self.bucketed.values()) for on, t in d.items() if t}
         held = {on for _, sync in (*self.forward.values(), *self.backward.values()) for on, t in sync.items() if t}
         if overlap and streamed & held:   # what the links' sharing costs: the same streams on no named link
-            free = self.unlinked()
-            contended = max(0.0, hidden_prefetch_seconds(free.forward, free.gathers) + free.hidden_gradients() - hidden)
+            # (the device's own collectives then block nothing: the stream runs through them as through compute)
+            free = {name: {i: (own + _seconds(sync), {}) for i, (own, sync) in getattr(self, name).items()}
+                    for name in ("forward", "backward")}
+            strip = {name: {i: _seconds(d) for i, d in getattr(self, name).items()}
+                     for name in ("gathers", "bucketed", "once")}
+            contended = max(0.0, hidden_prefetch_seconds(free["forward"], strip["gathers"])
+                            + hidden_gradients(free["backward"], strip["bucketed"], strip["once"],
+                                               problem.accumulation) - hidden)
         gathered = sum(_seconds(g) for g in self.gathers.values())
         return Prediction(compute + sum(self.comm) - hidden, compute, comm_by_axis, memory, hidden,
                           sum(_seconds(b) for b in self.bucketed.values()) + gathered, prefetch,
                           gathered, host_bound, problem.step_memory(choice),
                           {k: v for k, v in tiers.items() if v}, contended)
 
-    def unlinked(self) -> "_Tally":
-        """A view of this tally's overlap inputs with every transfer on no named link (no
-        contention), for what contention costs."""
-        view = object.__new__(_Tally)
-        view.problem = self.problem
-        strip = lambda d: {None: _seconds(d)}   # noqa: E731
-        # the device's own collectives then block nothing: the stream runs through them as through compute
-        view.forward = {i: (own + _seconds(sync), {}) for i, (own, sync) in self.forward.items()}
-        view.backward = {i: (own + _seconds(sync), {}) for i, (own, sync) in self.backward.items()}
-        view.gathers = {i: strip(d) for i, d in self.gathers.items()}
-        view.bucketed = {i: strip(d) for i, d in self.bucketed.items()}
-        view.once = {i: strip(d) for i, d in self.once.items()}
-        return view
-
     def hidden_gradients(self) -> float:
-        """What backward hides of the gradient buckets.  Accumulating (Pricing.accumulation
-        k > 1), the buckets that run once per step (priced at 1/k each micro-step) overlap
-        only the last micro-step's backward: their whole seconds against one backward, the
-        hidden part shared over the k micro-steps; the buckets of every micro-step (grouped
-        ZeRO-3 reduce-scatters) against each."""
-        if not self.once:
-            return hidden_gradient_seconds(self.backward, self.bucketed)
-        k = self.problem.accumulation
-        each = {i: {on: t - self.once.get(i, {}).get(on, 0.0) for on, t in links.items()}
-                for i, links in self.bucketed.items()}
-        return (hidden_gradient_seconds(self.backward, each)
-                + hidden_gradient_seconds(self.backward, {i: {on: t * k for on, t in links.items()}
-                                                          for i, links in self.once.items()}) / k)
+        """What backward hides of the gradient buckets (`hidden_gradients`)."""
+        return hidden_gradients(self.backward, self.bucketed, self.once, self.problem.accumulation)
+
+
+def hidden_gradients(backward: dict, bucketed: dict, once: dict, k: int) -> float:
+    """What backward hides of the gradient buckets.  Accumulating (Pricing.accumulation
+    k > 1), the buckets that run once per step (`once`, priced at 1/k each micro-step)
+    overlap only the last micro-step's backward: their whole seconds against one backward,
+    the hidden part shared over the k micro-steps; the buckets of every micro-step (grouped
+    ZeRO-3 reduce-scatters) against each.  Values: seconds or {link: seconds}."""
+    if not once:
+        return hidden_gradient_seconds(backward, bucketed)
+    each = {i: {on: t - dict(_by_link(once.get(i, 0.0))).get(on, 0.0) for on, t in _by_link(b)}
+            for i, b in bucketed.items()}
+    return (hidden_gradient_seconds(backward, each)
+            + hidden_gradient_seconds(backward, {i: {on: t * k for on, t in _by_link(b)} for i, b in once.items()}) / k)
 
 
 # Host seconds of each op of a recomputed layer, in DeviceSpec.host_op, counted in the host's
@@ -242,11 +237,12 @@ def _first_readers(problem: Problem) -> dict:
 
 def link(mesh, axis: int) -> str | None:
     """The links a collective on mesh `axis` loads, for contention between two streams:
-    "network" where its group spans nodes (the nodes' NICs are its slowest hop), "nvlink"
-    inside a node; None on a device that overlaps nothing (its streams never meet)."""
+    "nvlink" where the axis lies inside a node (Mesh.inside, as the collectives are priced),
+    else "network" (the nodes' NICs are its slowest hop); None on a device that overlaps
+    nothing (its streams never meet)."""
     if not mesh.device.asynchronous:
         return None
-    return "network" if mesh.placement(axis)[1] > 1 else "nvlink"
+    return "nvlink" if mesh.inside[axis] else "network"
 
 
 def _add(by_link: dict, on, seconds: float) -> None:
