@@ -131,7 +131,8 @@ def step_seconds(plan, run: dict) -> float:
     steps = plan.accumulation
     gathers = steps * sum(c.seconds for c in plan.collectives_of(phase="step"))   # (planned at 1/steps each)
     shown = max(gathers - pred.compute_s / 3, 0.0) if par.get("dp_overlap") else gathers
-    tp_hidden = pred.comm_s.get("tp", 0.0) if par.get("tp_comm_overlap") else 0.0
+    # (less what autopar's runtime already hides: input gradients reduced beside the weight gradients)
+    tp_hidden = (pred.comm_s.get("tp", 0.0) - pred.linear_hidden_s.get("tp", 0.0)) if par.get("tp_comm_overlap") else 0.0
     return steps * (pred.step_s - tp_hidden) - gathers + shown
 
 

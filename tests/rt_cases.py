@@ -199,12 +199,19 @@ def train_and_compare(spec: tuple, plan_dict: dict, steps: int = 3, clip: float 
     worst["ok"] = (worst["loss"] <= 0 and worst["grad"][0] <= 0 and worst["param"][0] <= 0
                    and worst["frozen_moved"] == 0.0 and not worst["grads_of_frozen"])
     worst["all_to_all_moves"] = all_to_all_moves(cm.graphs(), plan.mesh.shape)
+    worst["folded_linears"] = folded_linears(cm.graphs())
     worst["synced_by_buckets"] = len(cm.grad_sync.params)
     worst["reduced_during_backward"] = cm.grad_sync.hooked
     regions = cm.runner.regions() if hasattr(cm.runner, "regions") else []
     worst["regions"], worst["failed"] = len(regions), sum(r.failed for r in regions)
     worst["compiled_moves"] = sum(r.moves for r in regions if not r.failed)
     return worst
+
+
+def folded_linears(graphs) -> int:
+    """How many moves were folded with their linear readers (runtime/linear_grads.py)."""
+    from autopar.runtime.linear_grads import linears_then_gradient
+    return sum(n.target is linears_then_gradient for g in graphs for n in g.graph.nodes)
 
 
 def all_to_all_moves(graphs, sizes: tuple) -> int:

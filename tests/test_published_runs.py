@@ -54,13 +54,15 @@ def test_an_accumulating_run_and_autopars_own_plan_are_priced_for_its_micro_step
     layout and autopar's own plan are planned with accumulation=4 and the whole step is 4
     micro-steps less the overlaps the run states.  Priced per single micro-step, the own plan
     came out 0.98x the published layout; priced for the 4, within 1 % of it (what remains is
-    Megatron-LM's tensor-parallel overlap, which autopar's runtime does not have)."""
+    the forward half of Megatron-LM's tensor-parallel overlap, which autopar's runtime does
+    not have: the backward half, input gradients beside weight gradients, it has)."""
     run = next(r for r in RUNS if r["id"] == "meg24-h100-gpt7.1b-96gpu-tp2-pp1")
     assert R.forced(run)[1]["accumulation"] == R.accumulation(run) == 4
     row = R.replay(run)
     assert row["accumulation"] == 4
     assert row["speedup"] > 0.99, row
-    assert "the run's own overlaps" in row["free"], row
+    if row["speedup"] < 0.995:   # the replay names what decides beyond half a percent
+        assert "the run's own overlaps" in row["free"], row
 
 
 def test_a_fused_loss_kernel_keeps_the_logits_gradient_alone():

@@ -66,6 +66,16 @@ class LayoutPrices:
         """[choices of src, choices of dst] booleans of the flag row `row` (prices.Row.ONE_*)."""
         return self.lines(src, dst, reverse)[row, 0][np.ix_(src.index, dst.index)] > 0.5
 
+    def one_reduction(self, src: Menu, dst: Menu, reverse: bool = False) -> np.ndarray:
+        """[choices of src, choices of dst] booleans: the whole move is one all-reduce (over
+        one axis or several, one call) or one reduce-scatter, the input-gradient moves the
+        runtime starts beside a linear's weight gradient (autopar/runtime/linear_grads.py)."""
+        lines = self.lines(src, dst, reverse)
+        only = (np.isclose(lines[C.Row.FIXED], lines[C.Row.ALL_REDUCE_FIXED], rtol=1e-9, atol=0.0)
+                & np.isclose(lines[C.Row.PER_BYTE], lines[C.Row.ALL_REDUCE_PER_BYTE], rtol=1e-9, atol=0.0)
+                & (lines[C.Row.PER_BYTE] > 0)).all(axis=0)
+        return (only | (lines[C.Row.ONE_REDUCE_SCATTER, 0] > 0.5))[np.ix_(src.index, dst.index)]
+
     def seconds(self, shape, item: int, src: Menu, dst: Menu, reverse: bool = False, gathers: bool = False,
                 share: float = 1.0) -> np.ndarray:
         """[choices of src, choices of dst] seconds of moving a tensor of `shape` (elements of

@@ -130,7 +130,10 @@ class Prediction:
     (autopar.solve.assemble.hidden_prefetch_seconds).  contended_s: what those streams would
     hide more if their transfers did not wait while the device's own collectives hold the
     same links (the network where a group spans nodes, else NVLink; contention).
-    host_bound_s: what the step's compute was raised by to the host's time issuing the ops
+    linear_hidden_s: mesh axis -> seconds of the input gradients' collectives of
+    tensor-parallel linears (Megatron's f, Megatron-SP's reduce-scatter) reduced while the
+    same linears' weight gradients compute (autopar/runtime/linear_grads.py), part of
+    hidden_s.  host_bound_s: what the step's compute was raised by to the host's time issuing the ops
     (DeviceSpec.host_op; 0 where the kernels take longer)."""
 
     step_s: float
@@ -145,6 +148,7 @@ class Prediction:
     step_memory: float = 0.0   # what the optimizer step allocates while it runs (cost.prices.step_temporary_bytes)
     tiers: dict = field(default_factory=dict)   # "host" / "disk" -> offloaded bytes per device kept there
     contended_s: float = 0.0
+    linear_hidden_s: dict = field(default_factory=dict)
 
     @property
     def memory_total(self) -> float:
@@ -156,10 +160,13 @@ class Prediction:
         mem = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.memory.items())
         if self.step_memory:
             mem += f"; the optimizer step's temporaries {format_bytes(self.step_memory)}"
-        behind = self.hidden_s - self.prefetch_hidden_s
+        linear = sum(self.linear_hidden_s.values())
+        behind = self.hidden_s - self.prefetch_hidden_s - linear
         parts = ([f"{format_seconds(behind)} behind backward"] if behind > 1e-12 else []) + \
             ([f"{format_seconds(self.prefetch_hidden_s)} of weight gathers behind forward"]
-             if self.prefetch_hidden_s > 1e-12 else [])
+             if self.prefetch_hidden_s > 1e-12 else []) + \
+            ([f"{format_seconds(linear)} of tensor-parallel input gradients behind their weight gradients"]
+             if linear > 1e-12 else [])
         if self.contended_s > 1e-12:
             parts.append(f"{format_seconds(self.contended_s)} not hidden as the device's own collectives hold the "
                          f"same links")

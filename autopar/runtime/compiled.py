@@ -36,6 +36,7 @@ from autopar.runtime.disk import OFFLOAD_DIR_ENV
 from autopar.runtime.faults import (
     DEFAULT_TIMEOUT_S, CollectiveError, NonFiniteError, collectives_named, set_timeout)
 from autopar.runtime.inputs import CHECKED_CALLS, SAMPLE_EVERY
+from autopar.runtime.linear_grads import fold_linear_gradients, kept_nodes
 from autopar.runtime.model import CompiledModel, UnevenInputs
 from autopar.runtime.options import RunOptions
 from autopar.runtime.pipelined import compile_pipelined
@@ -204,6 +205,7 @@ def _compile(model, mesh, example_inputs, example_kwargs, plan, memory_budget, s
         shards = initial_shards(model, plan.param_placements, groups, on_meta, seed, rewritten.traced.parts)
         traced = rewritten.traced
         # ZeRO-3 weights whose gradient nothing else synchronises gather and reduce in buckets
+        fold_linear_gradients(rewritten.graph, kept_nodes(plan))
         alone = frozenset(ph for ph, name in traced.params.items()
                           if not rewritten.grad_sync.get(name) and not getattr(plan.param_states.get(name), "stage", 0))
         regather = Regather(rewritten.graph, set(traced.params), options.reshard_after_forward, groups, alone,

@@ -48,7 +48,7 @@ from torch.distributed import pipelining
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                          ScheduleInterleavedZeroBubble)
 
-from autopar.cost.schedules import ASYNCHRONOUS, group_stages, stage_group, stage_groups
+from autopar.cost.schedules import ASYNCHRONOUS, SPLIT_BACKWARD, group_stages, stage_group, stage_groups
 
 from autopar.trace.batching import batch_size, first_microbatch
 from autopar.mesh import Mesh
@@ -58,6 +58,7 @@ from autopar.passes.rewrite import param_names, stage_graphs
 
 from autopar.runtime.build import initial_shards, rank_graph
 from autopar.runtime.inductor import compile_regions
+from autopar.runtime.linear_grads import fold_linear_gradients, kept_nodes
 from autopar.runtime.model import CompiledModel
 from autopar.runtime.options import RunOptions
 from autopar.runtime.process import STAGE_AXIS, CompileError, group_mesh
@@ -245,6 +246,8 @@ class PipelineRunner:
             offloaded = {ph: f"{key}.weight" if state.offloaded_weights[key] == "disk" else ""
                          for ph, (kind, key) in zip(st.params, feeds[st.index])
                          if kind == "param" and key in state.offloaded_weights}
+            if self.schedule_name not in SPLIT_BACKWARD:   # (their backward splits off the weight gradients itself)
+                fold_linear_gradients(st.graph_module, kept_nodes(model.plan))
             regather = Regather(st.graph_module, set(st.params), reshard_after_forward, model.groups,
                                 offloaded=offloaded, device=model.device, disk=state.disk)
             apply_recompute(st.graph_module, model.plan, model.streams, pipelined=True)

@@ -74,6 +74,7 @@ class _Tally:
         self.bucketed = {}   # op index -> {link: seconds of gradient buckets that become ready when its backward ends}
         self.links = tuple(link(problem.mesh, a) for a in range(problem.mesh.ndim))
         self.once = {}       # op index -> those of its buckets that run once per step (Pricing.accumulation > 1)
+        self.folded = []     # (axis, link, seconds, owner op, linear readers): input gradients reduced beside dW
         self.first_reader = _first_readers(problem)
         self.edges_into: dict = {}
         for e in problem.edges:  # a data edge belongs to its consumer, a gradient edge to its tensor's producer
@@ -122,6 +123,7 @@ class _Tally:
             param = problem.nodes[e.a] if e.kind == "data" else (pn if pn.kind == "param" else None)
             prefetched = (e.kind == "data" and param is not None and param.kind == "param" and len(fwd) == 1
                           and fwd[0].kind == "all_gather")   # the runtime prefetches exactly these
+            folded = self._linear_readers(e, bwd)
             for phase, steps in (("forward", fwd), ("backward", bwd)):
                 for st in steps:
                     on = self.links[st.axis]
@@ -138,11 +140,47 @@ class _Tally:
                         if problem.accumulation > 1 and st.kind in bucket_kinds(
                                 problem.nodes[param.rep].strategies[choice[param.index]]):
                             _add(self.once.setdefault(at, {}), on, st.seconds)
+                    elif phase == "backward" and folded:
+                        self.folded.append((st.axis, on, st.seconds, pn.index, folded))
                     elif phase == "backward" and pn.index in self.backward:
                         _add(self.backward[pn.index][1], on, st.seconds)
                     self.collectives.append(Collective(st.kind, (names[st.axis],), st.nbytes, phase, pn.name,
                                                        src.param_name or src.name, st.seconds, st.algorithm))
         return edge_comm
+
+    def _linear_readers(self, e, bwd: list) -> tuple:
+        """The linears whose weight gradients the runtime computes while edge e's backward
+        collective runs (autopar/runtime/linear_grads.py folds exactly these): one
+        all-reduce or reduce-scatter into the input gradient of a tensor read only as the
+        input of aten.linear ops; () for any other edge."""
+        if len(bwd) != 1 or bwd[0].bucketed or bwd[0].kind not in ("all_reduce", "reduce_scatter"):
+            return ()
+        nodes = self.problem.nodes
+        if e.kind == "data":
+            readers = [] if (e.a, e.out) in self.problem.gradsum_of else [(e.b, e.operand)]
+        elif e.kind == "grad_out":
+            readers = self.problem.readers.get((e.b, e.out), [])
+        else:
+            return ()
+        if readers and all(nodes[r].kind == "op" and nodes[r].op == "aten.linear" and k == 0 for r, k in readers):
+            return tuple(r for r, _ in readers)
+        return ()
+
+    def _fold_linears(self, overlap: bool) -> dict:
+        """Each folded input gradient's collective against its linears' weight gradients
+        (their backward less the input gradient's GEMM, as long as their forward): the part
+        that outlasts them is the owner's synchronous backward communication; returns what
+        is hidden by mesh axis name (nothing where the device is not asynchronous)."""
+        hidden = {}
+        names = self.problem.mesh.axis_names
+        for axis, on, seconds, owner, readers in self.folded:
+            wgrad = sum(max(self.backward[r][0] - self.forward[r][0], 0.0) for r in readers if r in self.backward)
+            h = min(seconds, wgrad) if overlap else 0.0
+            if h:
+                hidden[names[axis]] = hidden.get(names[axis], 0.0) + h
+            if owner in self.backward and seconds > h:
+                _add(self.backward[owner][1], on, seconds - h)
+        return hidden
 
     def prediction(self) -> Prediction:
         """The step: compute (recomputed forwards included) plus communication less what
@@ -171,8 +209,9 @@ class _Tally:
         comm_by_axis = {mesh.axis_names[a]: self.comm[a] for a in range(mesh.ndim)}
         # a CPU rank's collectives reduce on the cores its compute uses: nothing is hidden there
         overlap = mesh.device.asynchronous
+        linear_hidden = self._fold_linears(overlap)
         prefetch = hidden_prefetch_seconds(self.forward, self.gathers) if overlap else 0.0
-        hidden = (self.hidden_gradients() if overlap else 0.0) + prefetch
+        hidden = (self.hidden_gradients() if overlap else 0.0) + prefetch + sum(linear_hidden.values())
         contended = 0.0
         streamed = {on for d in (*self.gathers.values(), *self.bucketed.values()) for on, t in d.items() if t}
         held = {on for _, sync in (*self.forward.values(), *self.backward.values()) for on, t in sync.items() if t}
@@ -184,12 +223,12 @@ class _Tally:
                      for name in ("gathers", "bucketed", "once")}
             contended = max(0.0, hidden_prefetch_seconds(free["forward"], strip["gathers"])
                             + hidden_gradients(free["backward"], strip["bucketed"], strip["once"],
-                                               problem.accumulation) - hidden)
+                                               problem.accumulation) - (hidden - sum(linear_hidden.values())))
         gathered = sum(_seconds(g) for g in self.gathers.values())
         return Prediction(compute + sum(self.comm) - hidden, compute, comm_by_axis, memory, hidden,
                           sum(_seconds(b) for b in self.bucketed.values()) + gathered, prefetch,
                           gathered, host_bound, problem.step_memory(choice),
-                          {k: v for k, v in tiers.items() if v}, contended)
+                          {k: v for k, v in tiers.items() if v}, contended, linear_hidden)
 
     def hidden_gradients(self) -> float:
         """What backward hides of the gradient buckets (`hidden_gradients`)."""

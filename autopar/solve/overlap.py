@@ -36,7 +36,7 @@ class HiddenShares:
 
     @classmethod
     def of(cls, predicted: Prediction) -> "HiddenShares":
-        behind = predicted.hidden_s - predicted.prefetch_hidden_s
+        behind = predicted.hidden_s - predicted.prefetch_hidden_s - sum(predicted.linear_hidden_s.values())
         buckets = predicted.overlappable_s - predicted.prefetchable_s
         return cls(behind / buckets if buckets > 0 else 0.0,
                    predicted.prefetch_hidden_s / predicted.prefetchable_s if predicted.prefetchable_s > 0 else 0.0)
@@ -73,7 +73,7 @@ def solve_problem(problem: Problem, rule, budget, options: SolveOptions = SolveO
         kept = predict(problem, best.kept.choice)
         if kept.step_s < first.step_s * (1 - 1e-9):
             best, first = best.kept, kept
-    if first.hidden_s <= HIDDEN_AT_LEAST * first.step_s:
+    if first.hidden_s - sum(first.linear_hidden_s.values()) <= HIDDEN_AT_LEAST * first.step_s:
         return best
     try:
         other, step = _overlap_solve(problem, rule, budget, options, best, first)
@@ -127,8 +127,9 @@ def step_lower_bound(problem: Problem, options: SolveOptions = SolveOptions()) -
     """Seconds no plan of `problem` that the planner can return (under any budget, with any
     recomputation) is predicted to beat.  A plan's step (assemble) is compute + S + O -
     hidden, O being its gradient buckets and prefetched weight gathers, S the rest of its
-    communication; the hidden part is at most O and at most what the device stream runs
-    (compute + S), so step >= max(compute + S, O) >= a (compute + S) + (1 - a) O for any a
+    communication (less, for linears' input gradients, at most what their weight gradients
+    hide: Problem.overlapped(linear_most=True)); the hidden part is at most O and at most
+    what the device stream runs (compute + S), so step >= max(compute + S, O) >= a (compute + S) + (1 - a) O for any a
     in [0, 1].  For a in {1, 3/4, 1/2} the least of that sum over every plan, with identical
     layers free to alternate (period 2 holds period 1's plans), no memory budget and no
     memory tie-break, is a bound; the largest of the three is returned.  Recomputing only
@@ -136,7 +137,7 @@ def step_lower_bound(problem: Problem, options: SolveOptions = SolveOptions()) -
     bound = 0.0
     for a in (1.0, 0.75, 0.5):
         hidden = (2 * a - 1) / a   # a (compute + S) + (1 - a) O = a (compute + S + O - hidden O)
-        red = reduce_problem(problem.overlapped(hidden, hidden), None, 2)
+        red = reduce_problem(problem.overlapped(hidden, hidden, linear_most=True), None, 2)
         bound = max(bound, a * solve(red.costs, red.edges, None, None, red.allowed,
                                      time_limit=options.time_limit).objective)
     return bound

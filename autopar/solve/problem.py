@@ -333,17 +333,21 @@ class Problem:
         self.edge_forward: dict[EdgeKey, np.ndarray] = {}   # data edges: the forward moves alone
         self.edge_bucketed: dict[EdgeKey, np.ndarray] = {}  # parameter gradients: their bucketed reductions
         self.edge_gathers: dict[EdgeKey, np.ndarray] = {}   # weights read: their forward all-gathers
+        self.edge_linear_slack: dict[EdgeKey, np.ndarray] = {}   # more that linears' weight gradients may hide
         self.edge_costs = {key: self._edge_matrix(key) for key in self.edge_classes}
 
-    def overlapped(self, hidden: float, prefetched: float = 0.0) -> "Problem":
+    def overlapped(self, hidden: float, prefetched: float = 0.0, linear_most: bool = False) -> "Problem":
         """This problem with each parameter gradient's bucketed reduction priced at
         (1 - hidden) of its seconds and each weight's forward gathers at (1 - prefetched):
         a linear stand-in for the overlap of gradient buckets with backward
         (solution.hidden_gradient_seconds) and of prefetched gathers with forward
-        (solution.hidden_prefetch_seconds), the shares being what a plan hides.  The copy
+        (solution.hidden_prefetch_seconds), the shares being what a plan hides.
+        linear_most: a tensor several linears read has its input gradient's collective
+        priced as hidden by the most their weight gradients could (for a bound).  The copy
         shares everything but its edge costs."""
         out = copy.copy(self)
         out.edge_costs = {k: m - hidden * self.edge_bucketed.get(k, 0.0) - prefetched * self.edge_gathers.get(k, 0.0)
+                          - (self.edge_linear_slack.get(k, 0.0) if linear_most else 0.0)
                           for k, m in self.edge_costs.items()}
         return out
 
@@ -590,6 +594,15 @@ class Problem:
             src = menu([code(s.outputs[0]) for s in a.strategies])
             dst = menu([code(self.grad_destination(b, s, e.out)) for s in b.strategies])
             m = self.prices.seconds(shape, item, src, dst)
+            readers = self.readers.get((e.b, e.out), [])
+            if b.kind != "param" and readers and all(self._folds(self.nodes[r], k) for r, k in readers):
+                # the linears' weight gradients hide it (their choices are not this edge's): at
+                # least what their smallest hide; step_lower_bound also takes off up to their largest
+                grads = [self._weight_gradients(self.nodes[r]) for r, _ in readers]
+                folds = self.prices.one_reduction(src, dst)
+                least = np.where(folds, np.minimum(m, sum(g.min() for g in grads)), 0.0)
+                self.edge_linear_slack[e] = np.where(folds, np.minimum(m, sum(g.max() for g in grads)), 0.0) - least
+                m = m - least
             if b.kind == "param":
                 bucketed = self.prices.bucketed(shape, item, src, dst, _zero2(b)[None, :])
                 m = m - bucketed.paid_here - self._shared_over_micro_steps(bucketed.bucket_seconds)
@@ -612,6 +625,9 @@ class Problem:
             g = menu([code(x) if x is not None else None for x in grads])
             dest = menu([code(self.grad_destination(a, s, e.out)) for s in a.strategies])
             bwd = self.prices.seconds(shape, item, dest, g, reverse=True)
+            if a.kind != "param" and self._folds(b, e.operand):   # hidden behind b's weight gradient
+                hidden = np.minimum(bwd, self._weight_gradients(b)[None, :])
+                bwd = bwd - np.where(self.prices.one_reduction(dest, g, reverse=True), hidden, 0.0)
             if a.kind == "param":
                 bucketed = self.prices.bucketed(shape, item, dest, g, _zero2(a)[:, None], reverse=True)
                 bwd = bwd - bucketed.paid_here - self._shared_over_micro_steps(bucketed.bucket_seconds)
@@ -638,6 +654,18 @@ class Problem:
             self.edge_gathers[e] = gathered
             bwd = bwd + gathered
         return m + np.where(has[None, :], bwd, 0.0)
+
+    def _folds(self, reader: PNode, operand: int) -> bool:
+        """Whether the runtime computes `reader`'s weight gradient while its input gradient's
+        collective runs (autopar/runtime/linear_grads.py: the input of an aten.linear), on a
+        device that overlaps them."""
+        return (self.mesh.device.asynchronous and reader.kind == "op" and reader.op == "aten.linear"
+                and operand == 0)
+
+    def _weight_gradients(self, pn: PNode) -> np.ndarray:
+        """Seconds of linear pn's weight (and bias) gradient per choice: its backward less
+        its forward (the input gradient's GEMM costs what the forward's does)."""
+        return np.array([max(c.compute - 2 * (c.forward_s - sum(c.comm) / 2), 0.0) for c in self.choices[pn.rep]])
 
     # --- queries ----------------------------------------------------------------------------
     def node_cost(self, rep: int) -> np.ndarray:

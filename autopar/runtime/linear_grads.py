@@ -1,0 +1,188 @@
+"""Tensor-parallel input gradients reduced while the weight gradients compute.
+
+A column-parallel linear (Megatron's first GEMM of a block) reads its input through a move
+whose forward is nothing (Megatron's f) or an all-gather (Megatron-SP), and whose backward
+is one collective: the input gradient each rank computes is Partial over the tensor-parallel
+axis and is all-reduced (or, under Megatron-SP, reduce-scattered along the sequence).  Run
+as autograd runs it, the linears' backward computes the input gradient and the weight
+gradient together, then the collective runs while the device waits.  Nothing needs the
+weight gradient until the optimizer step, so `fold_linear_gradients` rewrites each such
+move with its readers into one call that computes the input gradient first, starts its
+collective asynchronously, computes the weight and bias gradients while it runs, and waits
+for it only then (Megatron-LM's asynchronous tensor-parallel gradient reduction).
+
+    move(x, m, groups) -> linear(., w1, b1), linear(., w2, b2), ...
+becomes
+    linears_then_gradient(x, m, groups, (w1, b1, w2, b2, ...)) -> getitem 0, 1, ...
+
+Folded: a move with no dim order whose backward is one all-reduce or one reduce-scatter on
+one mesh axis (or one all-reduce over several) and all of whose readers are `aten.linear`
+reading it as their input, none of them kept whole by selective recomputation (those keep
+their own node).  The forward is the move's and the linears' as before; the results equal
+the unfolded graph's up to the order the readers' input gradients are added in.  The cost
+model prices what this hides on asynchronous devices
+(autopar/solve/assemble.py, `hidden_linear_gradients`)."""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn.functional as F
+
+from autopar.passes.collectives import move
+from autopar.passes.redistribute import (normalize_placements, plan_redistribute, redistribute_local,
+                                         reduce_scatter_rows)
+
+LINEAR = torch.ops.aten.linear.default
+
+
+def gradient_step(m, groups, ndim: int):
+    """The one collective step of move m's backward (an all-reduce or a reduce-scatter), or
+    None when it has another number or kind of steps."""
+    src = normalize_placements(m.grad_src, ndim, "grad_src")
+    dst = normalize_placements(m.grad_dst, ndim, "grad_dst")
+    steps = plan_redistribute(src, dst, [groups.size(a) for a in range(len(src))])
+    if len(steps) != 1 or steps[0].kind not in ("all_reduce", "reduce_scatter"):
+        return None
+    return steps[0]
+
+
+def start_gradient(grad: torch.Tensor, step, groups):
+    """Start step's collective on `grad` (this rank's Partial input gradient, a buffer of
+    ours); returns a function that waits for it and gives the reduced gradient."""
+    if step.kind == "all_reduce":
+        group = groups.group_of(step.axes) if step.span else groups.group(step.axis)
+        buf = grad.contiguous()
+        work = dist.all_reduce(buf, group=group, async_op=True)
+        return lambda: (work.wait(), buf)[1]
+    n, d, c = groups.size(step.axis), step.dim, groups.coordinate(step.axis)
+    if grad.size(d) % n:
+        raise ValueError(f"cannot reduce-scatter dim {d} of the input gradient {tuple(grad.shape)} evenly over "
+                         f"mesh axis {step.axis} of size {n}")
+    inp = grad.movedim(d, 0).contiguous()
+    work, row = reduce_scatter_rows(inp.view(n, -1), groups.group(step.axis), c, async_op=True)
+
+    def finish():
+        if work is not None:
+            work.wait()
+        r = row.clone() if row.untyped_storage().data_ptr() == inp.untyped_storage().data_ptr() else row
+        return r.view((inp.size(0) // n,) + tuple(inp.shape[1:])).movedim(0, d).contiguous()
+    return finish
+
+
+class LinearsThenGradient(torch.autograd.Function):
+    """outs[i] = linear(move(x), w_i, b_i); backward: the input gradient, its collective
+    started, the weight and bias gradients, then the wait (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, m, groups, biased, *params):
+        xm = redistribute_local(x, m.src, m.dst, groups)
+        weights, biases, k = [], [], 0
+        for has_bias in biased:
+            weights.append(params[k])
+            biases.append(params[k + 1] if has_bias else None)
+            k += 2 if has_bias else 1
+        ctx.m, ctx.groups, ctx.biased = m, groups, biased
+        ctx.save_for_backward(xm, *weights)
+        return tuple(F.linear(xm, w, b) for w, b in zip(weights, biases))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        xm, *weights = ctx.saved_tensors
+        needs = ctx.needs_input_grad[4:]
+        finish = None
+        if ctx.needs_input_grad[0]:
+            dx = None
+            for g, w in zip(grads, weights):
+                if g is not None:
+                    part = g.matmul(w)
+                    dx = part if dx is None else dx + part
+            if dx is None:
+                dx = torch.zeros_like(xm)
+            step = gradient_step(ctx.m, ctx.groups, dx.dim())
+            finish = start_gradient(dx, step, ctx.groups)
+        flat_x = xm.reshape(-1, xm.size(-1))
+        out, k = [], 0
+        for g, w, has_bias in zip(grads, weights, ctx.biased):
+            flat_g = g.reshape(-1, g.size(-1)) if g is not None else None
+            out.append(flat_g.t().mm(flat_x) if needs[k] and flat_g is not None else None)
+            if has_bias:
+                out.append(flat_g.sum(0) if needs[k + 1] and flat_g is not None else None)
+            k += 2 if has_bias else 1
+        return (finish() if finish is not None else None), None, None, None, *out
+
+
+def linears_then_gradient(x, m, groups, biased: tuple, *params):
+    """The folded call (LinearsThenGradient.apply): a tuple of the linears' outputs."""
+    return LinearsThenGradient.apply(x, m, groups, biased, *params)
+
+
+def _place(gm: fx.GraphModule, node: fx.Node, readers: list, params: list):
+    """Where the folded call goes: before the first reader, once a later reader's weight
+    made after it (a ZeRO-3 gather of a parameter) is moved up there; else after every
+    tensor it reads, if that is before anything reads a reader's output; None where no
+    such place is."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    first = min(readers, key=order.__getitem__)
+    for a in params:
+        if isinstance(a, fx.Node) and order[a] > order[first] and a.op == "call_function" and all(
+                i.op in ("placeholder", "get_attr") for i in a.all_input_nodes):
+            for i in a.all_input_nodes:
+                if i.op == "get_attr" and order[i] > order[first]:
+                    first.prepend(i)
+            first.prepend(a)   # (it reads only parameters and constants)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    made = [a for a in params if isinstance(a, fx.Node)]
+    last = max(made, key=order.__getitem__, default=node)
+    used = [u for r in readers for u in r.users]
+    if used and min(order[u] for u in used) <= order[last]:
+        return None
+    return gm.graph.inserting_before(last.next if order[last] > order[first] else first)
+
+
+def kept_nodes(plan) -> frozenset:
+    """The node names selective recomputation keeps (not folded: they keep their node)."""
+    return frozenset(plan.recompute.kept) if plan.recompute is not None else frozenset()
+
+
+def fold_linear_gradients(gm: fx.GraphModule, keep: frozenset = frozenset()) -> int:
+    """Fold every move that qualifies (module docstring) with its linear readers; `keep`:
+    node names left alone (selective recomputation's kept outputs).  Returns how many."""
+    folded = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not move or len(node.args) != 3 or not node.users:
+            continue
+        x, spec, groups_node = node.args
+        readers = list(node.users)
+        if any(r.op != "call_function" or r.target is not LINEAR or r.args[0] is not node
+               or node in r.args[1:] or r.kwargs or r.name in keep for r in readers):
+            continue
+        val = x.meta.get("val") if isinstance(x, fx.Node) else None
+        if not isinstance(val, torch.Tensor):
+            continue
+        m, groups = getattr(gm, spec.target), getattr(gm, groups_node.target)
+        if gradient_step(m, groups, val.dim()) is None:
+            continue
+        biased = tuple(len(r.args) > 2 and r.args[2] is not None for r in readers)
+        params = [a for r in readers for a in (r.args[1:3] if len(r.args) > 2 and r.args[2] is not None
+                                                else r.args[1:2])]
+        where = _place(gm, node, readers, params)
+        if where is None:
+            continue
+        with where:
+            fused = gm.graph.call_function(linears_then_gradient, (x, spec, groups_node, biased, *params))
+            fused.meta.update({k: v for k, v in readers[0].meta.items() if k != "val"})
+            for i, r in enumerate(readers):
+                item = gm.graph.call_function(operator.getitem, (fused, i))
+                item.meta.update(r.meta)
+                r.replace_all_uses_with(item)
+        for r in readers:
+            gm.graph.erase_node(r)
+        gm.graph.erase_node(node)
+        folded += 1
+    if folded:
+        gm.graph.lint()
+        gm.recompile()
+    return folded
