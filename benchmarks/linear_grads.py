@@ -33,7 +33,7 @@ import autopar.runtime.compiled as compiled_module
 from autopar.models import build
 from autopar.runtime.linear_grads import fold_linear_gradients, linears_then_gradient
 
-MODELS = {"gpt": ("gpt-tiny", dict(hidden=512, n_heads=8, n_layers=4)),
+MODELS = {"gpt": ("gpt-tiny", dict(hidden=512, n_heads=8, n_layers=4, max_seq=256)),
           "llama": ("llama-tiny", dict(dim=512, n_heads=8, n_kv_heads=4, n_layers=4, max_seq=256))}
 
 
