@@ -113,7 +113,7 @@ def accumulation(run: dict) -> int:
     return int(steps) if steps >= 1 and steps == int(steps) else 1
 
 
-def step_seconds(plan, run: dict) -> float:
+def step_seconds(plan, run: dict, own: bool = False) -> float:
     """Seconds of the run's whole step from the plan of one micro-step, planned with the
     run's gradient accumulation (autopar.plan(accumulation=...)): every micro-step runs
     forward and backward (and, under FSDP / ZeRO-3, gathers its weights and reduce-scatters
@@ -123,8 +123,11 @@ def step_seconds(plan, run: dict) -> float:
     run states that autopar's runtime does not have are taken off: Megatron-LM's
     --overlap-param-gather hides the distributed optimizer's gathers behind the next step's
     first forward (about a third of a micro-step's compute), --tp-comm-overlap the
-    tensor-parallel collectives behind the GEMMs they feed.  A pipelined run's step is the
-    schedule's."""
+    tensor-parallel collectives behind the GEMMs they feed.  What autopar's runtime hides
+    that a run does not state is put back (`own` False: the run's layout as it ran): the
+    tensor-parallel input gradients' collectives autopar reduces beside the weight
+    gradients (Prediction.linear_hidden_s), which a run hides only with
+    --tp-comm-overlap or async TP.  A pipelined run's step is the schedule's."""
     if plan.pipeline is not None:
         return plan.pipeline.step_s
     pred, par = plan.predicted, run["parallel"]
@@ -132,8 +135,10 @@ def step_seconds(plan, run: dict) -> float:
     gathers = steps * sum(c.seconds for c in plan.collectives_of(phase="step"))   # (planned at 1/steps each)
     shown = max(gathers - pred.compute_s / 3, 0.0) if par.get("dp_overlap") else gathers
     # (less what autopar's runtime already hides: input gradients reduced beside the weight gradients)
+    overlapped = par.get("tp_comm_overlap") or par.get("async_tp")
     tp_hidden = (pred.comm_s.get("tp", 0.0) - pred.linear_hidden_s.get("tp", 0.0)) if par.get("tp_comm_overlap") else 0.0
-    return steps * (pred.step_s - tp_hidden) - gathers + shown
+    unstated = 0.0 if own or overlapped else sum(pred.linear_hidden_s.values())
+    return steps * (pred.step_s - tp_hidden + unstated) - gathers + shown
 
 
 def build_model(run: dict):
@@ -212,7 +217,7 @@ def forced(run: dict) -> tuple[autopar.Mesh, dict]:
     return mesh, kw
 
 
-def terms(plan, run: dict) -> dict:
+def terms(plan, run: dict, own: bool = False) -> dict:
     """The parts of a plan's step per micro-step, by name: compute, communication per mesh
     axis less what overlaps, or, pipelined, the schedule's step and bubble; and what the
     run's own overlaps take off (step_seconds)."""
@@ -222,7 +227,7 @@ def terms(plan, run: dict) -> dict:
     pred = plan.predicted
     out = {"compute": pred.compute_s, "hidden communication": -pred.hidden_s}
     out.update({f"communication on {axis}": s for axis, s in pred.comm_s.items()})
-    out["the run's own overlaps"] = step_seconds(plan, run) / plan.accumulation - pred.step_s
+    out["the run's own overlaps"] = step_seconds(plan, run, own) / plan.accumulation - pred.step_s
     return out
 
 
@@ -245,14 +250,14 @@ def free_plan(run: dict, model, example, mesh: autopar.Mesh, forced_kw: dict) ->
         kw["pipeline"] = autopar.Pipeline(axis="pp")
     start = time.perf_counter()
     plan = autopar.plan(model, mesh, example, **kw)
-    step = step_seconds(plan, run)
+    step = step_seconds(plan, run, own=True)
     what = (f"{len(plan.pipeline.stages)} stages, {plan.pipeline.schedule} x {plan.pipeline.microbatches}"
             if plan.pipeline is not None else "no stages")
     if plan.recompute is not None and plan.recompute.layers:
         modes = collections.Counter(plan.recompute.layers.values())
         what += ", recompute " + ", ".join(f"{mode} x{n}" for mode, n in sorted(modes.items()))
     return {"free_step_s": step, "free_plan_s": time.perf_counter() - start, "free": what,
-            "free_terms": terms(plan, run)}
+            "free_terms": terms(plan, run, own=True)}
 
 
 def replay(run: dict, free: bool = True) -> dict:
@@ -284,9 +289,10 @@ def replay(run: dict, free: bool = True) -> dict:
     if free:
         try:
             row.update(free_plan(run, model, example, mesh, kw))
-            row["speedup"] = step / row["free_step_s"]
+            # (both as autopar's runtime runs them, with the overlaps the run states)
+            row["speedup"] = step_seconds(plan, run, own=True) / row["free_step_s"]
             if abs(row["speedup"] - 1) > 0.005:
-                why = deciding(terms(plan, run), row.pop("free_terms"), row["speedup"] < 1)
+                why = deciding(terms(plan, run, own=True), row.pop("free_terms"), row["speedup"] < 1)
                 row["free"] += f"; decides: {why}"
             else:
                 row.pop("free_terms")

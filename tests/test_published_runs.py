@@ -87,3 +87,25 @@ def test_a_fused_loss_kernel_keeps_the_logits_gradient_alone():
     assert fused.memory_total <= mesh.device.memory < plain.memory_total
     row = R.replay(run, free=False)
     assert not row["over_memory"], row
+
+
+def test_a_run_without_stated_tensor_parallel_overlap_is_priced_without_autopars():
+    """torchtitan's 8B on 64 H100 under FSDP x TP, run with and without async TP: autopar's
+    runtime reduces the TP input gradients beside the weight gradients, which vanilla TP
+    does not, so the vanilla row's step is the async row's plus exactly what that hides
+    (4 micro-steps' worth where the run accumulates); autopar's own plan is compared with
+    the layout as autopar would run it, the same for both rows."""
+    rows = {}
+    for name in ("vanilla-tp", "async-tp"):
+        run = next(r for r in RUNS if r["id"] == f"tt25-asynctp-8b-64gpu-fsdp8-tp8-bf16-{name}")
+        model, example = R.build_model(run)
+        mesh, kw = R.forced(run)
+        plan = autopar.plan(model, mesh, example, **kw)
+        rows[name] = (run, plan)
+    (vanilla, plan), (fast, same) = rows["vanilla-tp"], rows["async-tp"]
+    assert plan.predicted.step_s == pytest.approx(same.predicted.step_s, rel=1e-12)
+    hidden = sum(plan.predicted.linear_hidden_s.values())
+    assert hidden > 0.01 * plan.predicted.step_s
+    assert R.step_seconds(plan, vanilla) - R.step_seconds(same, fast) == pytest.approx(
+        plan.accumulation * hidden, rel=1e-9)
+    assert R.step_seconds(plan, vanilla, own=True) == pytest.approx(R.step_seconds(same, fast), rel=1e-12)
