@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -32,6 +31,7 @@ import autopar
 import autopar.runtime.compiled as compiled_module
 from autopar.models import build
 from autopar.runtime.linear_grads import fold_linear_gradients, linears_then_gradient
+from compiled import _timed as timed   # (benchmarks/compiled.py: every step between barriers)
 
 MODELS = {"gpt": ("gpt-tiny", dict(hidden=512, n_heads=8, n_layers=4, max_seq=256)),
           "llama": ("llama-tiny", dict(dim=512, n_heads=8, n_kv_heads=4, n_layers=4, max_seq=256))}
@@ -56,15 +56,12 @@ def median_step(name: str, layout: str, folded: bool, args) -> tuple[float, int]
         compiled_module.fold_linear_gradients = fold_linear_gradients
     calls = sum(n.target is linears_then_gradient for g in cm.graphs() for n in g.graph.nodes)
     opt = cm.build_optimizer(torch.optim.AdamW, lr=1e-4)
-    times = []
-    for i in range(args.warmup + args.steps):
-        dist.barrier()
-        start = time.perf_counter()
+
+    def step():
         cm.train_step(*example)
         opt.step()
         opt.zero_grad()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[args.warmup:]), calls
+    return timed(step, args.steps, args.warmup)[1], calls
 
 
 def main() -> None:

@@ -20,8 +20,8 @@ one mesh axis (or one all-reduce over several) and all of whose readers are `ate
 reading it as their input, none of them kept whole by selective recomputation (those keep
 their own node).  The forward is the move's and the linears' as before; the results equal
 the unfolded graph's up to the order the readers' input gradients are added in.  The cost
-model prices what this hides on asynchronous devices
-(autopar/solve/assemble.py, `hidden_linear_gradients`)."""
+model prices what this hides on asynchronous devices (`_Tally._fold_linears` in
+autopar/solve/assemble.py, Prediction.linear_hidden_s; Problem._edge_matrix for the ILP)."""
 from __future__ import annotations
 
 import operator
@@ -123,7 +123,7 @@ def _place(gm: fx.GraphModule, node: fx.Node, readers: list, params: list):
     """Where the folded call goes: before the first reader, once a later reader's weight
     made after it (a ZeRO-3 gather of a parameter) is moved up there; else after every
     tensor it reads, if that is before anything reads a reader's output; None where no
-    such place is."""
+    such place is (a weight moved up stays there: it reads only parameters)."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     first = min(readers, key=order.__getitem__)
     for a in params:
