@@ -208,10 +208,12 @@ def train_and_compare(spec: tuple, plan_dict: dict, steps: int = 3, clip: float 
     return worst
 
 
-def folded_linears(graphs) -> int:
-    """How many moves were folded with their linear readers (runtime/linear_grads.py)."""
-    from autopar.runtime.linear_grads import linears_then_gradient
-    return sum(n.target is linears_then_gradient for g in graphs for n in g.graph.nodes)
+def folded_linears(graphs) -> tuple:
+    """(moves folded with their linear readers, linears folded with the move of their
+    output) in the compiled graphs (runtime/linear_grads.py)."""
+    from autopar.runtime.linear_grads import linear_then_reduce, linears_then_gradient
+    nodes = [n for g in graphs for n in g.graph.nodes]
+    return (sum(n.target is linears_then_gradient for n in nodes), sum(n.target is linear_then_reduce for n in nodes))
 
 
 def all_to_all_moves(graphs, sizes: tuple) -> int:

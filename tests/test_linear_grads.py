@@ -1,6 +1,8 @@
-"""Tensor-parallel input gradients reduced while the weight gradients compute
-(autopar/runtime/linear_grads.py): the fold on a three-node graph, and Megatron TP and
-Megatron-SP training like one device with their moves folded, on 4 gloo ranks."""
+"""Tensor-parallel collectives beside the GEMMs (autopar/runtime/linear_grads.py): input
+gradients reduced while the weight gradients compute, row-parallel outputs reduced in
+pieces while the next piece computes.  The folds on small graphs, their prices, and
+Megatron TP, Megatron-SP and TP x ZeRO-3 training like one device with them, on 4 gloo
+ranks."""
 from __future__ import annotations
 
 import operator
@@ -55,47 +57,64 @@ def test_the_fold_makes_one_call_of_the_move_and_its_linears_and_keeps_the_value
     assert fold_linear_gradients(other) == 0
     assert sum(n.target is move for n in other.graph.nodes) == 1
 
+# (model, mesh, layout, whether a row-parallel linear's output is reduced right after it:
+# under Megatron TP, GPT's and GPT-NeoX's dropout sits between, so the sum is reduced later)
 CASES = [
-    (("autopar", "gpt-tiny", ()), (4,), ("tp",), "megatron-tp"),
-    (("autopar", "gpt-tiny", ()), (2, 2), ("dp", "tp"), "megatron-sp x dp"),
-    (("autopar", "llama-tiny", ()), (2, 2), ("dp", "tp"), "megatron-tp x zero3"),
-    (("hf-llama",), (4,), ("tp",), "megatron-sp"),
-    (("hf-arch", "qwen3"), (2, 2), ("dp", "tp"), "megatron-tp x dp"),
-    (("hf-arch", "gpt_neox"), (4,), ("tp",), "megatron-tp"),
+    (("autopar", "gpt-tiny", ()), (4,), ("tp",), "megatron-tp", False),
+    (("autopar", "gpt-tiny", ()), (2, 2), ("dp", "tp"), "megatron-sp x dp", True),
+    (("autopar", "llama-tiny", ()), (2, 2), ("dp", "tp"), "megatron-tp x zero3", True),
+    (("hf-llama",), (4,), ("tp",), "megatron-sp", True),
+    (("hf-arch", "qwen3"), (2, 2), ("dp", "tp"), "megatron-tp x dp", True),
+    (("hf-arch", "gpt_neox"), (4,), ("tp",), "megatron-tp", False),
 ]
 
 
-@pytest.mark.parametrize("spec,shape,names,layout", CASES,
+@pytest.mark.parametrize("spec,shape,names,layout,rows", CASES,
                          ids=[f"{c[0][-1] if c[0][0] == 'hf-arch' else c[0][1] if len(c[0]) > 1 else c[0][0]}-"
                               f"{c[3]}-{'x'.join(map(str, c[1]))}" for c in CASES])
-def test_folded_tensor_parallel_trains_like_one_device(pool4, spec, shape, names, layout):
+def test_folded_tensor_parallel_trains_like_one_device(pool4, spec, shape, names, layout, rows):
     model, args, kwargs = build_case(spec)
     mesh = autopar.Mesh(shape, names, device="cpu")
     plan = autopar.plan(model, mesh, args, example_kwargs=kwargs or None, compare=False, layout=layout)
     result = pool4.run(train_and_compare, spec, plan.to_dict())
     for r in result:
         assert r["ok"], r
-        assert r["folded_linears"] > 0
+        inputs, outputs = r["folded_linears"]
+        assert inputs > 0 and (outputs > 0) == rows, r["folded_linears"]
 
 
-def test_the_plan_hides_the_input_gradients_all_reduce_behind_the_weight_gradient():
-    """An MLP of width 4,096 under Megatron on 4 H100: its one backward collective is the
-    all-reduce of the first linear's input gradient, and that linear's weight gradient
-    (64 x 4,096 x 1,024 per rank) outlasts it, so all of it is hidden; on CPU ranks nothing
-    is, and the step is longer by exactly that."""
+def test_the_plan_hides_what_the_gemms_outlast():
+    """An MLP of width 4,096 (four linears) and batch 1,024 under Megatron on 4 H100, where
+    every GEMM outlasts the collective beside it: each input gradient's all-reduce or
+    reduce-scatter is hidden whole behind the weight gradient, and each row-parallel
+    output's all-reduce half (two pieces: the last piece's waits); the loss's all-reduce
+    and the forward all-gather are not beside a GEMM.  On CPU ranks nothing is hidden."""
     from autopar.models import build
-    model, example = build("mlp", device="meta", hidden=4096, batch=64)
-    steps = {}
+    from autopar.cost.prices import GEMM_CHUNKS
+    model, example = build("mlp", device="meta", hidden=4096, batch=1024)
     for device in ("h100", "cpu"):
         plan = autopar.plan(model, autopar.Mesh((4,), ("tp",), device=device), example, layout="megatron-tp",
                             compare=False)
         pred = plan.predicted
-        backward = [c for c in plan.collectives if c.phase == "backward"]
-        assert [(c.kind, c.axes) for c in backward] == [("all_reduce", ("tp",))]
+        reductions = [c for c in plan.collectives if c.kind in ("all_reduce", "reduce_scatter")]
+        backward = [c for c in reductions if c.phase == "backward"]
+        rows = [c for c in reductions if c.phase == "forward" and c.tensor.startswith("linear")]
         if device == "h100":
-            assert pred.linear_hidden_s == pytest.approx({"tp": backward[0].seconds}, rel=1e-12)
-            assert pred.hidden_s == pytest.approx(backward[0].seconds, rel=1e-12)
-            assert "tensor-parallel input gradients behind their weight gradients" in str(pred)
+            assert len(backward) == 2 and len(rows) == 1, plan.collectives
+            want = sum(c.seconds for c in backward) + sum(c.seconds for c in rows) * (GEMM_CHUNKS - 1) / GEMM_CHUNKS
+            assert pred.linear_hidden_s == pytest.approx({"tp": want}, rel=1e-12)
+            assert "tensor-parallel collectives behind their GEMMs" in str(pred)
         else:
             assert pred.linear_hidden_s == {} and pred.hidden_s == 0.0
         assert pred.step_s == pytest.approx(pred.compute_s + sum(pred.comm_s.values()) - pred.hidden_s, rel=1e-12)
+
+
+def test_a_row_parallel_output_is_cut_along_batch_then_sequence():
+    """gemm_chunk_dim: the batch dim when it has two rows, else the sequence; never the dim
+    a reduce-scatter scatters, nor the features."""
+    from autopar.cost.prices import gemm_chunk_dim
+    assert gemm_chunk_dim((4, 16, 32), "all_reduce", None) == 0
+    assert gemm_chunk_dim((1, 16, 32), "all_reduce", None) == 1
+    assert gemm_chunk_dim((4, 16, 32), "reduce_scatter", 0) == 1
+    assert gemm_chunk_dim((1, 16, 32), "reduce_scatter", 1) is None
+    assert gemm_chunk_dim((1, 32), "all_reduce", None) is None

@@ -236,6 +236,16 @@ def local_numel(shape, placements, mesh_shape) -> float:
     return numel
 
 
+def local_shape(shape, placements, mesh_shape) -> tuple:
+    """The local shape of a tensor of global `shape` laid out as `placements` (each Shard
+    divides its dim by its mesh axis's size)."""
+    out = list(shape)
+    for p, n in zip(placements, mesh_shape):
+        if isinstance(p, Shard) and 0 <= p.dim < len(out):
+            out[p.dim] //= n
+    return tuple(out)
+
+
 def redistribute(shape, itemsize: int, src, dst, mesh: Mesh) -> tuple[CommStep, ...]:
     """The collectives that turn a tensor of global `shape` from placements `src` into `dst`,
     in the order they run (`autopar.cost.redistribution`; its local steps are free).  An
@@ -304,6 +314,21 @@ def redistribute_price(src: tuple, dst: tuple, mesh: Mesh) -> np.ndarray:
                 out[Row.REDUCE_SCATTER_FIXED, j] += f
                 out[Row.REDUCE_SCATTER_PER_BYTE, j] += b
     return out
+
+
+GEMM_CHUNKS = 2   # a row-parallel linear's output computed in this many pieces, each reduced while the next computes
+
+
+def gemm_chunk_dim(shape, kind: str, dim: int | None) -> int | None:
+    """The dim a row-parallel linear's local output `shape` [.., out] is computed in
+    GEMM_CHUNKS pieces along when its one collective (`kind` "all_reduce", or
+    "reduce_scatter" along `dim`) is started piece by piece (autopar/runtime/linear_grads.py):
+    the first of its two leading dims (batch, then sequence) with at least GEMM_CHUNKS rows
+    that the collective does not scatter along; None where there is none."""
+    for c in (0, 1):
+        if c < len(shape) - 1 and shape[c] >= GEMM_CHUNKS and not (kind == "reduce_scatter" and dim == c):
+            return c
+    return None
 
 
 def bucket_share(nbytes: float) -> float:

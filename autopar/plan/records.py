@@ -130,10 +130,11 @@ class Prediction:
     (autopar.solve.assemble.hidden_prefetch_seconds).  contended_s: what those streams would
     hide more if their transfers did not wait while the device's own collectives hold the
     same links (the network where a group spans nodes, else NVLink; contention).
-    linear_hidden_s: mesh axis -> seconds of the input gradients' collectives of
-    tensor-parallel linears (Megatron's f, Megatron-SP's reduce-scatter) reduced while the
-    same linears' weight gradients compute (autopar/runtime/linear_grads.py), part of
-    hidden_s.  host_bound_s: what the step's compute was raised by to the host's time issuing the ops
+    linear_hidden_s: mesh axis -> seconds of tensor-parallel collectives run beside GEMMs
+    (autopar/runtime/linear_grads.py), part of hidden_s: the input gradients' (Megatron's
+    f, Megatron-SP's reduce-scatter) while the same linears' weight gradients compute, and
+    row-parallel outputs' all-reduces and reduce-scatters piece by piece while the next
+    piece of the GEMM computes.  host_bound_s: what the step's compute was raised by to the host's time issuing the ops
     (DeviceSpec.host_op; 0 where the kernels take longer)."""
 
     step_s: float
@@ -165,7 +166,7 @@ class Prediction:
         parts = ([f"{format_seconds(behind)} behind backward"] if behind > 1e-12 else []) + \
             ([f"{format_seconds(self.prefetch_hidden_s)} of weight gathers behind forward"]
              if self.prefetch_hidden_s > 1e-12 else []) + \
-            ([f"{format_seconds(linear)} of tensor-parallel input gradients behind their weight gradients"]
+            ([f"{format_seconds(linear)} of tensor-parallel collectives behind their GEMMs"]
              if linear > 1e-12 else [])
         if self.contended_s > 1e-12:
             parts.append(f"{format_seconds(self.contended_s)} not hidden as the device's own collectives hold the "

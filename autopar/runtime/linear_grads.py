@@ -1,15 +1,16 @@
-"""Tensor-parallel input gradients reduced while the weight gradients compute.
+"""Tensor-parallel collectives run beside the GEMMs of the linears they belong to.
 
-A column-parallel linear (Megatron's first GEMM of a block) reads its input through a move
-whose forward is nothing (Megatron's f) or an all-gather (Megatron-SP), and whose backward
-is one collective: the input gradient each rank computes is Partial over the tensor-parallel
-axis and is all-reduced (or, under Megatron-SP, reduce-scattered along the sequence).  Run
-as autograd runs it, the linears' backward computes the input gradient and the weight
-gradient together, then the collective runs while the device waits.  Nothing needs the
-weight gradient until the optimizer step, so `fold_linear_gradients` rewrites each such
-move with its readers into one call that computes the input gradient first, starts its
-collective asynchronously, computes the weight and bias gradients while it runs, and waits
-for it only then (Megatron-LM's asynchronous tensor-parallel gradient reduction).
+Input gradients.  A column-parallel linear (Megatron's first GEMM of a block) reads its
+input through a move whose forward is nothing (Megatron's f) or an all-gather
+(Megatron-SP), and whose backward is one collective: the input gradient each rank computes
+is Partial over the tensor-parallel axis and is all-reduced (or, under Megatron-SP,
+reduce-scattered along the sequence).  Run as autograd runs it, the linears' backward
+computes the input gradient and the weight gradient together, then the collective runs
+while the device waits.  Nothing needs the weight gradient until the optimizer step, so
+`fold_linear_gradients` rewrites each such move with its readers into one call that
+computes the input gradient first, starts its collective asynchronously, computes the
+weight and bias gradients while it runs, and waits for it only then (Megatron-LM's
+asynchronous tensor-parallel gradient reduction).
 
     move(x, m, groups) -> linear(., w1, b1), linear(., w2, b2), ...
 becomes
@@ -18,10 +19,20 @@ becomes
 Folded: a move with no dim order whose backward is one all-reduce or one reduce-scatter on
 one mesh axis (or one all-reduce over several) and all of whose readers are `aten.linear`
 reading it as their input, none of them kept whole by selective recomputation (those keep
-their own node).  The forward is the move's and the linears' as before; the results equal
-the unfolded graph's up to the order the readers' input gradients are added in.  The cost
-model prices what this hides on asynchronous devices (`_Tally._fold_linears` in
-autopar/solve/assemble.py, Prediction.linear_hidden_s; Problem._edge_matrix for the ILP)."""
+their own node).
+
+Row-parallel outputs.  A row-parallel linear (the block's last GEMM) gives a Partial
+output that one all-reduce (or Megatron-SP's reduce-scatter) sums.  Where that move is the
+linear's only reader, `linear(h, w, b) -> move` becomes `linear_then_reduce(h, w, b, m,
+groups)`: the GEMM runs in GEMM_CHUNKS pieces along the batch (else the sequence,
+autopar.cost.prices.gemm_chunk_dim), each piece's collective started before the next piece
+computes, the pieces joined after the last wait.  Its backward is the move's, then the
+linear's.  (A dropout between the linear and the move, as GPT-2's, keeps them apart.)
+
+The results equal the unfolded graph's up to the order the readers' input gradients are
+added in and the GEMM's rows computed in pieces.  The cost model prices what this hides on
+asynchronous devices (`_Tally._fold_linears` in autopar/solve/assemble.py,
+Prediction.linear_hidden_s; Problem._edge_matrix for the ILP)."""
 from __future__ import annotations
 
 import operator
@@ -31,6 +42,7 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn.functional as F
 
+from autopar.cost.prices import GEMM_CHUNKS, gemm_chunk_dim
 from autopar.passes.collectives import move
 from autopar.passes.redistribute import (normalize_placements, plan_redistribute, redistribute_local,
                                          reduce_scatter_rows)
@@ -38,20 +50,26 @@ from autopar.passes.redistribute import (normalize_placements, plan_redistribute
 LINEAR = torch.ops.aten.linear.default
 
 
-def gradient_step(m, groups, ndim: int):
-    """The one collective step of move m's backward (an all-reduce or a reduce-scatter), or
-    None when it has another number or kind of steps."""
-    src = normalize_placements(m.grad_src, ndim, "grad_src")
-    dst = normalize_placements(m.grad_dst, ndim, "grad_dst")
+def one_reduction(src, dst, groups, ndim: int):
+    """The one step of the move src -> dst when it is one all-reduce or one reduce-scatter,
+    else None."""
+    src = normalize_placements(src, ndim, "src")
+    dst = normalize_placements(dst, ndim, "dst")
     steps = plan_redistribute(src, dst, [groups.size(a) for a in range(len(src))])
     if len(steps) != 1 or steps[0].kind not in ("all_reduce", "reduce_scatter"):
         return None
     return steps[0]
 
 
-def start_gradient(grad: torch.Tensor, step, groups):
-    """Start step's collective on `grad` (this rank's Partial input gradient, a buffer of
-    ours); returns a function that waits for it and gives the reduced gradient."""
+def gradient_step(m, groups, ndim: int):
+    """The one collective step of move m's backward (an all-reduce or a reduce-scatter), or
+    None when it has another number or kind of steps."""
+    return one_reduction(m.grad_src, m.grad_dst, groups, ndim)
+
+
+def start_reduction(grad: torch.Tensor, step, groups):
+    """Start step's collective on `grad` (this rank's Partial values, a buffer of ours);
+    returns a function that waits for it and gives the reduced tensor."""
     if step.kind == "all_reduce":
         group = groups.group_of(step.axes) if step.span else groups.group(step.axis)
         buf = grad.contiguous()
@@ -102,7 +120,7 @@ class LinearsThenGradient(torch.autograd.Function):
             if dx is None:
                 dx = torch.zeros_like(xm)
             step = gradient_step(ctx.m, ctx.groups, dx.dim())
-            finish = start_gradient(dx, step, ctx.groups)
+            finish = start_reduction(dx, step, ctx.groups)
         flat_x = xm.reshape(-1, xm.size(-1))
         out, k = [], 0
         for g, w, has_bias in zip(grads, weights, ctx.biased):
@@ -112,6 +130,39 @@ class LinearsThenGradient(torch.autograd.Function):
                 out.append(flat_g.sum(0) if needs[k + 1] and flat_g is not None else None)
             k += 2 if has_bias else 1
         return (finish() if finish is not None else None), None, None, None, *out
+
+
+class LinearThenReduce(torch.autograd.Function):
+    """move(linear(h, w, b)) where the move's forward is one all-reduce or reduce-scatter of
+    the Partial output (Megatron's row-parallel GEMM): the output computed in GEMM_CHUNKS
+    pieces along `gemm_chunk_dim` (autopar/cost/prices.py), each piece's collective
+    started before the next piece computes, the pieces joined after the last wait.  Backward: the move's backward, then the linear's."""
+
+    @staticmethod
+    def forward(ctx, h, w, b, m, groups):
+        ctx.m, ctx.groups, ctx.biased = m, groups, b is not None
+        ctx.save_for_backward(h, w)
+        step = one_reduction(m.src, m.dst, groups, h.dim())
+        c = gemm_chunk_dim(tuple(h.shape), step.kind, step.dim)
+        pieces = h.tensor_split(GEMM_CHUNKS, c) if c is not None else (h,)
+        waits = [start_reduction(F.linear(piece, w, b), step, groups) for piece in pieces]
+        done = [wait() for wait in waits]
+        return done[0] if len(done) == 1 else torch.cat(done, c)
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, w = ctx.saved_tensors
+        g = redistribute_local(grad, ctx.m.grad_src, ctx.m.grad_dst, ctx.groups)
+        dh = g.matmul(w) if ctx.needs_input_grad[0] else None
+        flat_g = g.reshape(-1, g.size(-1))
+        dw = flat_g.t().mm(h.reshape(-1, h.size(-1))) if ctx.needs_input_grad[1] else None
+        db = flat_g.sum(0) if ctx.biased and ctx.needs_input_grad[2] else None
+        return dh, dw, db, None, None
+
+
+def linear_then_reduce(h, w, b, m, groups):
+    """The folded row-parallel call (LinearThenReduce.apply)."""
+    return LinearThenReduce.apply(h, w, b, m, groups)
 
 
 def linears_then_gradient(x, m, groups, biased: tuple, *params):
@@ -182,7 +233,36 @@ def fold_linear_gradients(gm: fx.GraphModule, keep: frozenset = frozenset()) -> 
             gm.graph.erase_node(r)
         gm.graph.erase_node(node)
         folded += 1
+    folded += _fold_row_parallel(gm, keep)
     if folded:
         gm.graph.lint()
         gm.recompile()
+    return folded
+
+
+def _fold_row_parallel(gm: fx.GraphModule, keep: frozenset) -> int:
+    """Fold each aten.linear whose only reader is a move whose forward is one all-reduce or
+    reduce-scatter (module docstring) into linear_then_reduce; returns how many."""
+    folded = 0
+    for node in list(gm.graph.nodes):
+        if (node.op != "call_function" or node.target is not LINEAR or node.kwargs or node.name in keep
+                or len(node.users) != 1):
+            continue
+        (mv,) = node.users
+        if mv.op != "call_function" or mv.target is not move or len(mv.args) != 3 or mv.args[0] is not node:
+            continue
+        val = node.meta.get("val")
+        m, groups = getattr(gm, mv.args[1].target), getattr(gm, mv.args[2].target)
+        if not isinstance(val, torch.Tensor) or one_reduction(m.src, m.dst, groups, val.dim()) is None:
+            continue
+        h, w, b = (tuple(node.args) + (None,))[:3]
+        with gm.graph.inserting_before(mv):
+            fused = gm.graph.call_function(linear_then_reduce, (h, w, b, mv.args[1], mv.args[2]))
+        fused.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+        if "val" in mv.meta:
+            fused.meta["val"] = mv.meta["val"]
+        mv.replace_all_uses_with(fused)
+        gm.graph.erase_node(mv)
+        gm.graph.erase_node(node)
+        folded += 1
     return folded

@@ -74,7 +74,7 @@ class _Tally:
         self.bucketed = {}   # op index -> {link: seconds of gradient buckets that become ready when its backward ends}
         self.links = tuple(link(problem.mesh, a) for a in range(problem.mesh.ndim))
         self.once = {}       # op index -> those of its buckets that run once per step (Pricing.accumulation > 1)
-        self.folded = []     # (axis, link, seconds, owner op, linear readers): input gradients reduced beside dW
+        self.folded = []     # (axis, link, seconds, owner op, linears, forward): collectives beside GEMMs
         self.first_reader = _first_readers(problem)
         self.edges_into: dict = {}
         for e in problem.edges:  # a data edge belongs to its consumer, a gradient edge to its tensor's producer
@@ -123,13 +123,16 @@ class _Tally:
             param = problem.nodes[e.a] if e.kind == "data" else (pn if pn.kind == "param" else None)
             prefetched = (e.kind == "data" and param is not None and param.kind == "param" and len(fwd) == 1
                           and fwd[0].kind == "all_gather")   # the runtime prefetches exactly these
-            folded = self._linear_readers(e, bwd)
+            folded = self._linear_readers(e)
+            rows = self._row_parallel(e)
             for phase, steps in (("forward", fwd), ("backward", bwd)):
                 for st in steps:
                     on = self.links[st.axis]
                     if phase == "forward" and pn.index in self.forward:
                         if prefetched:
                             _add(self.gathers.setdefault(pn.index, {}), on, st.seconds)
+                        elif rows:
+                            self.folded.append((st.axis, on, st.seconds, pn.index, rows, True))
                         else:
                             _add(self.forward[pn.index][1], on, st.seconds)
                     self.comm[st.axis] += st.seconds
@@ -141,21 +144,26 @@ class _Tally:
                                 problem.nodes[param.rep].strategies[choice[param.index]]):
                             _add(self.once.setdefault(at, {}), on, st.seconds)
                     elif phase == "backward" and folded:
-                        self.folded.append((st.axis, on, st.seconds, pn.index, folded))
+                        self.folded.append((st.axis, on, st.seconds, pn.index, folded, False))
                     elif phase == "backward" and pn.index in self.backward:
                         _add(self.backward[pn.index][1], on, st.seconds)
                     self.collectives.append(Collective(st.kind, (names[st.axis],), st.nbytes, phase, pn.name,
                                                        src.param_name or src.name, st.seconds, st.algorithm))
         return edge_comm
 
-    def _linear_readers(self, e, bwd: list) -> tuple:
+    def _reduction(self, e, backward: bool):
+        """Edge e's forward or backward move's one all-reduce or reduce-scatter (Step), or None."""
+        return self.problem.edge_reduction(self.problem.rep_edge(e), self.choice[e.a], self.choice[e.b], backward)
+
+    def _linear_readers(self, e) -> tuple:
         """The linears whose weight gradients the runtime computes while edge e's backward
         collective runs (autopar/runtime/linear_grads.py folds exactly these): one
-        all-reduce or reduce-scatter into the input gradient of a tensor read only as the
-        input of aten.linear ops; () for any other edge."""
-        if len(bwd) != 1 or bwd[0].bucketed or bwd[0].kind not in ("all_reduce", "reduce_scatter"):
-            return ()
+        all-reduce or reduce-scatter into the input gradient of a tensor, not a parameter,
+        read only as the input of aten.linear ops; () for any other edge."""
         nodes = self.problem.nodes
+        if e.kind not in ("data", "grad_out") or nodes[e.a if e.kind == "data" else e.b].kind == "param" \
+                or self._reduction(e, backward=True) is None:
+            return ()
         if e.kind == "data":
             readers = [] if (e.a, e.out) in self.problem.gradsum_of else [(e.b, e.operand)]
         elif e.kind == "grad_out":
@@ -166,20 +174,45 @@ class _Tally:
             return tuple(r for r, _ in readers)
         return ()
 
+    def _row_parallel(self, e) -> tuple:
+        """(the linear,) whose output edge e's forward collective the runtime starts piece by
+        piece while the next piece of the GEMM computes (autopar/runtime/linear_grads.py
+        folds exactly these): one all-reduce or reduce-scatter of the only reader's copy of
+        an aten.linear's output that has a dim to cut in pieces (prices.gemm_chunk_dim); ()
+        for any other edge."""
+        a = self.problem.nodes[e.a]
+        if e.kind != "data" or a.kind != "op" or a.op != "aten.linear" \
+                or len(self.problem.readers.get((e.a, e.out), ())) != 1:
+            return ()
+        step = self._reduction(e, backward=False)
+        if step is None:
+            return ()
+        s = self.problem.nodes[a.rep].strategies[self.choice[e.a]]
+        local = C.local_shape(a.out_shapes[e.out], s.outputs[e.out], self.problem.mesh.shape)
+        return (e.a,) if C.gemm_chunk_dim(local, step.kind, step.dim) is not None else ()
+
     def _fold_linears(self, overlap: bool) -> dict:
-        """Each folded input gradient's collective against its linears' weight gradients
-        (their backward less the input gradient's GEMM, as long as their forward): the part
-        that outlasts them is the owner's synchronous backward communication; returns what
-        is hidden by mesh axis name (nothing where the device is not asynchronous)."""
+        """Each folded collective against the GEMMs the runtime runs beside it: an input
+        gradient's against its linears' weight gradients (their backward less the input
+        gradient's GEMM, as long as their forward), a row-parallel output's pieces against
+        the next piece's forward (all but the last piece's, GEMM_CHUNKS pieces).  The part
+        that outlasts them is the owner's synchronous communication; returns what is hidden
+        by mesh axis name (nothing where the device is not asynchronous)."""
         hidden = {}
         names = self.problem.mesh.axis_names
-        for axis, on, seconds, owner, readers in self.folded:
-            wgrad = sum(max(self.backward[r][0] - self.forward[r][0], 0.0) for r in readers if r in self.backward)
-            h = min(seconds, wgrad) if overlap else 0.0
+        for axis, on, seconds, owner, linears, forward in self.folded:
+            if forward:
+                beside = sum(self.forward[r][0] for r in linears if r in self.forward)
+                h = min(seconds, beside) * (C.GEMM_CHUNKS - 1) / C.GEMM_CHUNKS
+            else:
+                h = min(seconds, sum(max(self.backward[r][0] - self.forward[r][0], 0.0)
+                                     for r in linears if r in self.backward))
+            h = h if overlap else 0.0
             if h:
                 hidden[names[axis]] = hidden.get(names[axis], 0.0) + h
-            if owner in self.backward and seconds > h:
-                _add(self.backward[owner][1], on, seconds - h)
+            sync = (self.forward if forward else self.backward).get(owner)
+            if sync is not None and seconds > h:
+                _add(sync[1], on, seconds - h)
         return hidden
 
     def prediction(self) -> Prediction:

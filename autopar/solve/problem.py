@@ -561,6 +561,23 @@ class Problem:
                 bwd = bwd + tuple(st for st in fwd if st.kind == "all_gather")
         return fwd, bwd
 
+    def edge_reduction(self, e: EdgeKey, i: int, j: int, backward: bool):
+        """The one redistribution step (autopar.cost.redistribution.Step, with its dim) of
+        edge e's forward or backward move when that move is exactly one all-reduce or one
+        reduce-scatter, as the runtime runs it (autopar/runtime/linear_grads.py folds those
+        beside linears' GEMMs), else None; e between representatives, choices i and j."""
+        a, b = self.nodes[e.a], self.nodes[e.b]
+        if e.kind == "grad_out" and backward:
+            layouts = (a.strategies[i].outputs[0], self.grad_destination(b, b.strategies[j], e.out))
+        elif e.kind == "data" and not backward:
+            layouts = (a.strategies[i].outputs[e.out], b.strategies[j].inputs[e.operand])
+        elif e.kind == "data" and (e.a, e.out) not in self._summed and b.strategies[j].grads[e.operand] is not None:
+            layouts = (b.strategies[j].grads[e.operand], self.grad_destination(a, a.strategies[i], e.out))
+        else:
+            return None
+        steps = plan_redistribute(tuple(layouts[0]), tuple(layouts[1]), self.mesh.shape)
+        return steps[0] if len(steps) == 1 and steps[0].kind in ("all_reduce", "reduce_scatter") else None
+
     def grouped_pair(self, s: Strategy, fwd: tuple, bwd: tuple) -> bool:
         """Whether a weight stored under s and read through moves fwd (its gradient back
         through bwd) is gathered in buckets (autopar/runtime/reshard.py): plain ZeRO-3, the
@@ -614,6 +631,9 @@ class Problem:
         p = menu([code(s.outputs[e.out]) for s in a.strategies])
         q = menu([code(s.inputs[e.operand]) for s in b.strategies])
         m = self.prices.seconds(shape, item, p, q)
+        if a.kind == "op" and a.op == "aten.linear" and self.mesh.device.asynchronous \
+                and len(self.readers.get((e.a, e.out), ())) == 1:
+            m = m - self._row_parallel_hidden(a, e.out, m, self.prices.one_reduction(p, q))
         self.edge_forward[e] = m
         if not a.requires_grad:
             return m
@@ -661,6 +681,18 @@ class Problem:
         device that overlaps them."""
         return (self.mesh.device.asynchronous and reader.kind == "op" and reader.op == "aten.linear"
                 and operand == 0)
+
+    def _row_parallel_hidden(self, a: PNode, out: int, m: np.ndarray, folds: np.ndarray) -> np.ndarray:
+        """What a linear's output move hides where the runtime computes the GEMM in pieces and
+        reduces each while the next computes (`folds`: the move is one all-reduce or
+        reduce-scatter; the linear's local output has a dim to cut, prices.gemm_chunk_dim, taken
+        as cut whichever dim it scatters): all but the last piece's share of the lesser of the
+        move and the linear's forward, [a's choices, the reader's]."""
+        forward = np.array([c.forward_s - sum(c.comm) / 2 for c in self.choices[a.rep]])
+        cut = np.array([C.gemm_chunk_dim(C.local_shape(a.out_shapes[out], s.outputs[out], self.mesh.shape),
+                                         "all_reduce", None) is not None for s in a.strategies])
+        share = (C.GEMM_CHUNKS - 1) / C.GEMM_CHUNKS
+        return np.where(folds & cut[:, None], np.minimum(m, forward[:, None]) * share, 0.0)
 
     def _weight_gradients(self, pn: PNode) -> np.ndarray:
         """Seconds of linear pn's weight (and bias) gradient per choice: its backward less
