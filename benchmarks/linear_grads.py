@@ -1,11 +1,12 @@
-"""Tensor-parallel input gradients reduced beside the weight gradients, against the same plan
-with the linears unfolded: median step on gloo ranks.
+"""Tensor-parallel collectives beside their GEMMs, against the same plan with the linears
+unfolded: median step on gloo ranks.
 
-- folded: `autopar.compile` as it runs (autopar/runtime/linear_grads.py folds each
-  column-parallel input move with its linears: the input gradient's all-reduce or
-  reduce-scatter starts before the weight gradients compute);
-- unfolded: the same plan with the fold turned off, as autograd orders the linears'
-  backward (input and weight gradients together, then the collective).
+- folded: `autopar.compile` as it runs (autopar/runtime/linear_grads.py: each
+  column-parallel input's gradient collective starts before the weight gradients compute,
+  each row-parallel output's GEMM runs in two pieces, the first reduced while the second
+  computes);
+- unfolded: the same plan with the folds turned off, as autograd orders the linears'
+  backward and the move follows the whole GEMM.
 
 The same model (seed 0), Megatron TP or Megatron-SP over every rank, AdamW, every step
 between barriers, median of `--steps` after `--warmup`, the two variants alternated
@@ -30,7 +31,7 @@ import torch.distributed as dist
 import autopar
 import autopar.runtime.compiled as compiled_module
 from autopar.models import build
-from autopar.runtime.linear_grads import fold_linear_gradients, linears_then_gradient
+from autopar.runtime.linear_grads import fold_linear_gradients, linear_then_reduce, linears_then_gradient
 from compiled import _timed as timed   # (benchmarks/compiled.py: every step between barriers)
 
 MODELS = {"gpt": ("gpt-tiny", dict(hidden=512, n_heads=8, n_layers=4, max_seq=256)),
@@ -42,8 +43,8 @@ def say(text: str) -> None:
         print(text, flush=True)
 
 
-def median_step(name: str, layout: str, folded: bool, args) -> tuple[float, int]:
-    """(median step seconds, folded calls in the rank's graph)."""
+def median_step(name: str, layout: str, folded: bool, args) -> tuple[float, str]:
+    """(median step seconds, the folded calls in the rank's graph: inputs + outputs)."""
     preset, size = MODELS[name]
     torch.manual_seed(0)
     model, example = build(preset, batch=args.batch, seq=args.seq, **size)
@@ -54,7 +55,8 @@ def median_step(name: str, layout: str, folded: bool, args) -> tuple[float, int]
         cm = autopar.compile(model, mesh, example, plan=plan, backend="eager")
     finally:
         compiled_module.fold_linear_gradients = fold_linear_gradients
-    calls = sum(n.target is linears_then_gradient for g in cm.graphs() for n in g.graph.nodes)
+    nodes = [n for g in cm.graphs() for n in g.graph.nodes]
+    calls = f"{sum(n.target is linears_then_gradient for n in nodes)} + {sum(n.target is linear_then_reduce for n in nodes)}"
     opt = cm.build_optimizer(torch.optim.AdamW, lr=1e-4)
 
     def step():
@@ -77,17 +79,17 @@ def main() -> None:
     dist.init_process_group("gloo")
     say(f"{dist.get_world_size()} gloo ranks, batch {args.batch} x {args.seq}, median of {args.steps} steps "
         f"after {args.warmup}, {args.rounds} rounds alternated")
-    say("| model | layout | folded calls | folded | unfolded | folded / unfolded |")
+    say("| model | layout | folded calls (inputs + outputs) | folded | unfolded | folded / unfolded |")
     say("| --- | --- | --- | --- | --- | --- |")
     for name in args.models.split(","):
         for layout in args.layouts.split(","):
             got = {True: [], False: []}
-            calls = 0
+            calls = "0 + 0"
             for _ in range(args.rounds):
                 for folded in (True, False):
                     seconds, n = median_step(name, layout, folded, args)
                     got[folded].append(seconds)
-                    calls = max(calls, n)
+                    calls = n if folded else calls
             a, b = statistics.median(got[True]), statistics.median(got[False])
             say(f"| {name} | {layout} | {calls} | {a * 1e3:.1f} ms | {b * 1e3:.1f} ms | {a / b:.3f} |")
     dist.destroy_process_group()
