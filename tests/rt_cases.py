@@ -248,42 +248,54 @@ def torch_clip_over_parameters(spec: tuple, plan_dict: dict) -> dict:
     return out
 
 
+def _moves_run(gm) -> list:
+    """(Move, the moved tensor's name, the first node reading the moved tensor) of every move
+    the graph runs: its `move` nodes and the moves folded with linears
+    (runtime/linear_grads.py: an input's move inside linears_then_gradient, a row-parallel
+    output's inside linear_then_reduce)."""
+    from autopar.passes.collectives import move
+    from autopar.runtime.linear_grads import linear_then_reduce, linears_then_gradient
+    out = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is move:
+            out.append((getattr(gm, node.args[1].target), node.args[0].name, next(iter(node.users))))
+        elif node.target is linears_then_gradient:   # (x, spec, groups, ...): read by the call itself
+            out.append((getattr(gm, node.args[1].target), node.args[0].name, node))
+        elif node.target is linear_then_reduce:      # (h, w, b, spec, groups): the linear's output moved
+            out.append((getattr(gm, node.args[3].target), node.name, next(iter(node.users))))
+    return out
+
+
 def forward_collectives(spec: tuple, plan_dict: dict) -> list:
     """(kind, mesh axis, module of the reading op) of every forward collective the compiled
-    graph runs in its moves."""
-    from autopar.passes.collectives import move
+    graph runs in its moves (folded ones included)."""
     from autopar.trace.paths import module_path
     from autopar.passes.redistribute import plan_redistribute
     plan = Plan.from_dict(plan_dict)
     model, args, kwargs = build_case(spec)
     cm = autopar.compile(model, plan.mesh, args, example_kwargs=kwargs or None, plan=plan)
-    gm = cm.graph_module
     sizes = tuple(plan.mesh.shape)
     found = []
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is move:
-            m = getattr(gm, node.args[1].target)
-            reader = next(iter(node.users))
-            where = module_path(reader) if reader.op == "call_function" else "output"
-            found.extend((s.kind, s.axes if s.span else s.axis, where)
-                         for s in plan_redistribute(m.src, m.dst, sizes) if s.is_collective)
+    for m, _, reader in _moves_run(cm.graph_module):
+        where = module_path(reader) if reader.op == "call_function" else "output"
+        found.extend((s.kind, s.axes if s.span else s.axis, where)
+                     for s in plan_redistribute(m.src, m.dst, sizes) if s.is_collective)
     return found
 
 
 def collective_moves_per_tensor(spec: tuple, plan_dict: dict) -> dict:
-    """tensor name -> how many moves of the compiled graph run a forward collective on it."""
-    from autopar.passes.collectives import move
+    """tensor name -> how many moves of the compiled graph (folded ones included) run a
+    forward collective on it."""
     from autopar.passes.redistribute import plan_redistribute
     plan = Plan.from_dict(plan_dict)
     model, args, kwargs = build_case(spec)
     cm = autopar.compile(model, plan.mesh, args, example_kwargs=kwargs or None, plan=plan)
-    gm = cm.graph_module
     out: dict = {}
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is move:
-            m = getattr(gm, node.args[1].target)
-            if any(s.is_collective for s in plan_redistribute(m.src, m.dst, tuple(plan.mesh.shape))):
-                out[node.args[0].name] = out.get(node.args[0].name, 0) + 1
+    for m, tensor, _ in _moves_run(cm.graph_module):
+        if any(s.is_collective for s in plan_redistribute(m.src, m.dst, tuple(plan.mesh.shape))):
+            out[tensor] = out.get(tensor, 0) + 1
     return out
 
 

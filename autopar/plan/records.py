@@ -134,8 +134,8 @@ class Prediction:
     (autopar/runtime/linear_grads.py), part of hidden_s: the input gradients' (Megatron's
     f, Megatron-SP's reduce-scatter) while the same linears' weight gradients compute, and
     row-parallel outputs' all-reduces and reduce-scatters piece by piece while the next
-    piece of the GEMM computes.  host_bound_s: what the step's compute was raised by to the host's time issuing the ops
-    (DeviceSpec.host_op; 0 where the kernels take longer)."""
+    piece of the GEMM computes.  host_bound_s: what the step's compute was raised by to
+    the host's time issuing the ops (DeviceSpec.host_op; 0 where the kernels take longer)."""
 
     step_s: float
     compute_s: float

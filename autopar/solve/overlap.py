@@ -129,8 +129,8 @@ def step_lower_bound(problem: Problem, options: SolveOptions = SolveOptions()) -
     hidden, O being its gradient buckets and prefetched weight gathers, S the rest of its
     communication (less, for linears' input gradients, at most what their weight gradients
     hide: Problem.overlapped(linear_most=True)); the hidden part is at most O and at most
-    what the device stream runs (compute + S), so step >= max(compute + S, O) >= a (compute + S) + (1 - a) O for any a
-    in [0, 1].  For a in {1, 3/4, 1/2} the least of that sum over every plan, with identical
+    what the device stream runs (compute + S), so
+    step >= max(compute + S, O) >= a (compute + S) + (1 - a) O for any a in [0, 1].  For a in {1, 3/4, 1/2} the least of that sum over every plan, with identical
     layers free to alternate (period 2 holds period 1's plans), no memory budget and no
     memory tie-break, is a bound; the largest of the three is returned.  Recomputing only
     adds time.  Exact eliminations solve each (a transformer costs no ILP)."""
