@@ -61,12 +61,6 @@ def one_reduction(src, dst, groups, ndim: int):
     return steps[0]
 
 
-def gradient_step(m, groups, ndim: int):
-    """The one collective step of move m's backward (an all-reduce or a reduce-scatter), or
-    None when it has another number or kind of steps."""
-    return one_reduction(m.grad_src, m.grad_dst, groups, ndim)
-
-
 def start_reduction(grad: torch.Tensor, step, groups):
     """Start step's collective on `grad` (this rank's Partial values, a buffer of ours);
     returns a function that waits for it and gives the reduced tensor."""
@@ -119,7 +113,7 @@ class LinearsThenGradient(torch.autograd.Function):
                     dx = part if dx is None else dx + part
             if dx is None:
                 dx = torch.zeros_like(xm)
-            step = gradient_step(ctx.m, ctx.groups, dx.dim())
+            step = one_reduction(ctx.m.grad_src, ctx.m.grad_dst, ctx.groups, dx.dim())
             finish = start_reduction(dx, step, ctx.groups)
         flat_x = xm.reshape(-1, xm.size(-1))
         out, k = [], 0
@@ -214,7 +208,7 @@ def fold_linear_gradients(gm: fx.GraphModule, keep: frozenset = frozenset()) -> 
         if not isinstance(val, torch.Tensor):
             continue
         m, groups = getattr(gm, spec.target), getattr(gm, groups_node.target)
-        if gradient_step(m, groups, val.dim()) is None:
+        if one_reduction(m.grad_src, m.grad_dst, groups, val.dim()) is None:
             continue
         biased = tuple(len(r.args) > 2 and r.args[2] is not None for r in readers)
         params = [a for r in readers for a in (r.args[1:3] if len(r.args) > 2 and r.args[2] is not None

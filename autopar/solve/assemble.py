@@ -166,10 +166,8 @@ class _Tally:
             return ()
         if e.kind == "data":
             readers = [] if (e.a, e.out) in self.problem.gradsum_of else [(e.b, e.operand)]
-        elif e.kind == "grad_out":
-            readers = self.problem.readers.get((e.b, e.out), [])
         else:
-            return ()
+            readers = self.problem.readers.get((e.b, e.out), [])
         if readers and all(nodes[r].kind == "op" and nodes[r].op == "aten.linear" and k == 0 for r, k in readers):
             return tuple(r for r, _ in readers)
         return ()
