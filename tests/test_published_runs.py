@@ -108,4 +108,9 @@ def test_a_run_without_stated_tensor_parallel_overlap_is_priced_without_autopars
     assert hidden > 0.01 * plan.predicted.step_s
     assert R.step_seconds(plan, vanilla) - R.step_seconds(same, fast) == pytest.approx(
         plan.accumulation * hidden, rel=1e-9)
-    assert R.step_seconds(plan, vanilla, own=True) == pytest.approx(R.step_seconds(same, fast), rel=1e-12)
+    assert R.step_seconds(plan, vanilla, "autopar") == pytest.approx(R.step_seconds(same, fast, "autopar"),
+                                                                     rel=1e-12)
+    assert R.step_seconds(plan, vanilla, "autopar") == pytest.approx(plan.accumulation * plan.predicted.step_s,
+                                                                     rel=1e-12)
+    with pytest.raises(ValueError, match="runtime 'own'"):
+        R.step_seconds(plan, vanilla, "own")
