@@ -118,3 +118,62 @@ def test_a_row_parallel_output_is_cut_along_batch_then_sequence():
     assert gemm_chunk_dim((4, 16, 32), "reduce_scatter", 0) == 1
     assert gemm_chunk_dim((1, 16, 32), "reduce_scatter", 1) is None
     assert gemm_chunk_dim((1, 32), "all_reduce", None) is None
+
+
+@pytest.mark.parametrize("device", ["h100", "cpu"])
+def test_pipeline_stages_take_off_what_their_runtime_folds(device):
+    """A stage's costs (solve/pipeline_costs) carry each node's seconds hidden beside GEMMs
+    (Assembled.folded, which add up to the stage plan's Prediction.linear_hidden_s).  A
+    schedule whose stages fold them (1F1B: runtime/pipelined.py folds every stage) runs
+    each stage that much faster than one whose backward splits off the weight gradients
+    (zero-bubble, left unfolded); on CPU ranks nothing is hidden and the two are equal."""
+    from autopar.models import build
+    from autopar.solve.assemble import assemble
+    from autopar.solve.pipeline_candidates import _stages
+    from autopar.solve.pipeline_costs import layer_costs
+    from autopar.solve.solution import build_problem
+    from autopar.solve.solved import SolveOptions
+    model, example = build("llama3-8b", device="meta", batch=2, seq=2048, n_layers=4)
+    stage_mesh = autopar.Mesh((4,), ("tp",), device=device)
+    built = build_problem(model, stage_mesh, example, None, autopar.MixedPrecision.of("bf16"))
+    costs = layer_costs(built, model, SolveOptions(workers=1))
+    parts = costs.by_mode["none"]
+    hidden = sum(c.folded_forward + c.folded_backward for c in parts.members)
+    predicted = assemble(built.problem, built.summed(SolveOptions(workers=1)).choice).predicted
+    assert hidden == pytest.approx(sum(predicted.linear_hidden_s.values()), rel=1e-9)
+    assert (hidden > 0.02 * predicted.step_s) == (device == "h100"), (hidden, predicted)
+    _, f1, b1, *_ = _stages(parts, costs.copies, 0.0, 2, True, "1f1b")
+    cuts, fz, bz, *_ = _stages(parts, costs.copies, 0.0, 2, True, "zero-bubble")
+    for s, (a, b) in enumerate(cuts):
+        members = list(parts.layers[a:b]) + ([parts.prefix] if s == 0 else []) + (
+            [parts.suffix, costs.copies] if s == 1 else [])
+        assert fz[s] - f1[s] == pytest.approx(sum(c.folded_forward for c in members), rel=1e-9, abs=1e-15)
+        assert bz[s] - b1[s] == pytest.approx(sum(c.folded_backward for c in members), rel=1e-9, abs=1e-15)
+    mesh = autopar.Mesh((2, 4), ("pp", "tp"), device=device)
+    steps = {sched: autopar.plan(model, mesh, example, compare=False, layout="megatron-tp",
+                                 mixed_precision=autopar.MixedPrecision(),
+                                 pipeline=autopar.Pipeline(axis="pp", groups=2, schedule=sched, microbatches=2))
+             .pipeline.stage_s for sched in ("1f1b", "zero-bubble")}
+    if device == "h100":
+        assert all(a < b for a, b in zip(steps["1f1b"], steps["zero-bubble"])), steps
+    else:
+        assert steps["1f1b"] == pytest.approx(steps["zero-bubble"], rel=1e-12), steps
+
+
+def test_linears_selective_recomputation_keeps_are_not_priced_as_folded():
+    """The runtime leaves the linears selective recomputation keeps unfolded (their nodes
+    stay, for the saved-tensor policy: linear_grads.kept_nodes), so the price hides nothing
+    beside them: under selective every linear of a layer is kept and only the head's fold
+    is left; full recomputation keeps nothing and hides what the plan without it hides."""
+    from autopar.models import build
+    model, example = build("llama3-8b", device="meta", batch=2, seq=2048, n_layers=4)
+    mesh = autopar.Mesh((4,), ("tp",), device="h100")
+    hidden, kept = {}, {}
+    for mode in ("none", "selective", "full"):
+        plan = autopar.plan(model, mesh, example, compare=False, layout="megatron-tp", recompute=mode,
+                            mixed_precision=autopar.MixedPrecision())
+        hidden[mode] = sum(plan.predicted.linear_hidden_s.values())
+        kept[mode] = plan.recompute.kept if plan.recompute is not None else ()
+    assert sum(name.startswith("linear") for name in kept["selective"]) == 4 * 7, kept["selective"]
+    assert kept["full"] == () and hidden["full"] == pytest.approx(hidden["none"], rel=1e-12)
+    assert 0 < hidden["selective"] < 0.1 * hidden["none"], hidden

@@ -2,6 +2,7 @@
 choice implies, and the predicted step time (overlap counted) and memory per device."""
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass
 
@@ -18,12 +19,16 @@ CATEGORIES = ("params", "grads", "optimizer", "activations", "working")
 class Assembled:
     """A choice's facts.  nodes: node index -> NodeChoice (gradient sums left out);
     collectives: every collective the plan runs, in node order; predicted: the step's
-    time and memory; grad_sums: "source:output" -> the layout its gradient sum takes."""
+    time and memory; grad_sums: "source:output" -> the layout its gradient sum takes;
+    folded: node index -> (forward, backward) seconds of the tensor-parallel collectives it
+    owns that run hidden beside GEMMs (Prediction.linear_hidden_s, per owner: what the
+    pipeline's stage costs take off where the runtime folds them)."""
 
     nodes: dict
     collectives: tuple
     predicted: Prediction
     grad_sums: dict
+    folded: dict = dataclasses.field(default_factory=dict)
 
     def __str__(self) -> str:
         return f"{len(self.nodes)} nodes, {len(self.collectives)} collectives; {self.predicted}"
@@ -51,7 +56,8 @@ def assemble(problem: Problem, choice: dict) -> Assembled:
         nodes[pn.index] = NodeChoice(pn.name, pn.op, pn.module if pn.kind != "param" else pn.param_name,
                                      s.name, tuple(s.split), tuple(s.inputs), tuple(s.outputs), tuple(s.grads),
                                      c.compute, sum(c.comm) + edge_comm, sum(c.memory.values()), tuple(s.reduced))
-    return Assembled(nodes, tuple(tally.collectives), tally.prediction(), grad_sums)
+    predicted = tally.prediction()
+    return Assembled(nodes, tuple(tally.collectives), predicted, grad_sums, dict(tally.folded_at))
 
 
 class _Tally:
@@ -75,6 +81,7 @@ class _Tally:
         self.links = tuple(link(problem.mesh, a) for a in range(problem.mesh.ndim))
         self.once = {}       # op index -> those of its buckets that run once per step (Pricing.accumulation > 1)
         self.folded = []     # (axis, link, seconds, owner op, linears, forward): collectives beside GEMMs
+        self.folded_at = {}  # owner op -> (forward, backward) seconds of them hidden (_fold_linears)
         self.first_reader = _first_readers(problem)
         self.edges_into: dict = {}
         for e in problem.edges:  # a data edge belongs to its consumer, a gradient edge to its tensor's producer
@@ -189,14 +196,16 @@ class _Tally:
         local = C.local_shape(a.out_shapes[e.out], s.outputs[e.out], self.problem.mesh.shape)
         return (e.a,) if C.gemm_chunk_dim(local, step.kind, step.dim) is not None else ()
 
-    def _fold_linears(self, overlap: bool) -> dict:
+    def _fold_linears(self, overlap: bool, kept=frozenset()) -> dict:
         """Each folded collective against the GEMMs the runtime runs beside it: an input
         gradient's against its linears' weight gradients (their backward less the input
         gradient's GEMM, as long as their forward), a row-parallel output's pieces against
         the next piece's forward (all but the last piece's, GEMM_CHUNKS pieces).  The part
         that outlasts them is the owner's synchronous communication; returns what is hidden
-        by mesh axis name (nothing where the device is not asynchronous)."""
-        hidden = {}
+        by mesh axis name (nothing where the device is not asynchronous).  kept: the ops
+        selective recomputation keeps, whose linears the runtime does not fold
+        (runtime/linear_grads.kept_nodes): their collectives stay whole."""
+        hidden, self.folded_at = {}, {}
         names = self.problem.mesh.axis_names
         for axis, on, seconds, owner, linears, forward in self.folded:
             if forward:
@@ -205,9 +214,11 @@ class _Tally:
             else:
                 h = min(seconds, sum(max(self.backward[r][0] - self.forward[r][0], 0.0)
                                      for r in linears if r in self.backward))
-            h = h if overlap else 0.0
+            h = h if overlap and not any(r in kept for r in linears) else 0.0
             if h:
                 hidden[names[axis]] = hidden.get(names[axis], 0.0) + h
+                fwd, bwd = self.folded_at.get(owner, (0.0, 0.0))
+                self.folded_at[owner] = (fwd + h, bwd) if forward else (fwd, bwd + h)
             sync = (self.forward if forward else self.backward).get(owner)
             if sync is not None and seconds > h:
                 _add(sync[1], on, seconds - h)
@@ -240,7 +251,7 @@ class _Tally:
         comm_by_axis = {mesh.axis_names[a]: self.comm[a] for a in range(mesh.ndim)}
         # a CPU rank's collectives reduce on the cores its compute uses: nothing is hidden there
         overlap = mesh.device.asynchronous
-        linear_hidden = self._fold_linears(overlap)
+        linear_hidden = self._fold_linears(overlap, costs.kept if costs is not None else frozenset())
         prefetch = hidden_prefetch_seconds(self.forward, self.gathers) if overlap else 0.0
         hidden = (self.hidden_gradients() if overlap else 0.0) + prefetch + sum(linear_hidden.values())
         contended = 0.0

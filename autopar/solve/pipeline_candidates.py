@@ -23,7 +23,7 @@ from autopar.cost.schedules import (ASYNCHRONOUS, TWO_WAY, V_SHAPED, group_stage
                                     simulate_step)
 from autopar.mesh import Mesh
 from autopar.plan.plan import PipelineLayout, Prediction
-from autopar.solve.pipeline_costs import STATES, LayerCosts, StageParts
+from autopar.solve.pipeline_costs import STATES, LayerCosts, StageParts, folded
 from autopar.solve.solution import Built
 
 
@@ -112,7 +112,7 @@ def plain_choices(costs: LayerCosts | None, mesh: Mesh, built: Built | None) -> 
     out = []
     for mode, parts in (costs.by_mode.items() if costs is not None else ()):
         members = parts.members
-        step = sum(c.forward_s + c.backward_s + c.once_s for c in members)
+        step = sum(c.forward_s + c.backward_s + c.once_s - c.folded_forward - c.folded_backward for c in members)
         held = {k: sum(getattr(c, k) for c in members) for k in (*STATES, "activations")}
         held["working"] = max(c.working for c in members)
         mem = sum(held.values())
@@ -133,16 +133,21 @@ def _stages(parts: StageParts, copies, send, n_stages, overlap, schedule: str = 
     layers, prefix, suffix = parts.layers, parts.prefix, parts.suffix
     v_shaped = schedule in V_SHAPED + TWO_WAY
     paid = 0.0 if overlap else send
-    units = [c.forward_s + c.backward_s for c in layers]
+    fold = folded(schedule)   # (the stages' tensor-parallel collectives beside their GEMMs)
+    def seconds(c):
+        return c.forward_s + c.backward_s - (c.folded_forward + c.folded_backward if fold else 0.0)
+    units = [seconds(c) for c in layers]
     cut = v_cuts if v_shaped else balanced_cuts
-    cuts = cut(units, n_stages, units and (prefix.forward_s + prefix.backward_s), suffix.forward_s + suffix.backward_s)
+    cuts = cut(units, n_stages, units and seconds(prefix), seconds(suffix))
     fwd, bwd, once, acts, work, host = [], [], [], [], [], []
     held_states = {k: [] for k in STATES}
     for s, (a, b) in enumerate(cuts):
         last = [suffix] if v_shaped else [suffix, copies]
         members = list(layers[a:b]) + ([prefix] if s == 0 else []) + (last if s == n_stages - 1 else [])
-        fwd.append(sum(c.forward_s for c in members) + (paid if s < n_stages - 1 else 0.0))
-        bwd.append(sum(c.backward_s for c in members) + (paid if s > 0 else 0.0))
+        fwd.append(sum(c.forward_s - (c.folded_forward if fold else 0.0) for c in members)
+                   + (paid if s < n_stages - 1 else 0.0))
+        bwd.append(sum(c.backward_s - (c.folded_backward if fold else 0.0) for c in members)
+                   + (paid if s > 0 else 0.0))
         once.append(sum(c.once_s for c in members))
         for k, kept in held_states.items():
             kept.append(sum(getattr(c, k) for c in members))

@@ -15,6 +15,7 @@ import dataclasses
 from dataclasses import dataclass, fields
 
 from autopar.cost.prices import local_numel
+from autopar.cost.schedules import SPLIT_BACKWARD
 from autopar.mesh import Mesh
 from autopar.solve import layouts as B
 from autopar.solve.assemble import assemble
@@ -41,6 +42,12 @@ class StageCost:
     activations: float   # bytes kept for backward per microbatch
     working: float = 0.0  # the most any one op needs beyond them while it runs (recompute.working_bytes)
     host: float = 0.0     # bytes per microbatch its layers' offloaded activations keep in host memory
+    # what the tensor-parallel collectives the runtime runs hidden beside their GEMMs
+    # (runtime/linear_grads.py; solve/assemble's Assembled.folded) take off forward_s and
+    # backward_s (a node's hidden seconds split as its seconds are), where the schedule's
+    # stages fold them (folded())
+    folded_forward: float = 0.0
+    folded_backward: float = 0.0
 
     @property
     def states(self) -> float:
@@ -48,6 +55,13 @@ class StageCost:
 
 
 STATES = ("params", "grads", "optimizer")
+
+
+def folded(schedule: str) -> bool:
+    """Whether the runtime folds the tensor-parallel collectives beside their GEMMs in this
+    schedule's stages (runtime/pipelined.py: not where backward splits off the weight
+    gradients itself; "none", the plan without stages, does)."""
+    return schedule not in SPLIT_BACKWARD
 
 
 @dataclass(frozen=True)
@@ -213,6 +227,7 @@ class _Split:
 
     def __init__(self, problem, choice, assembled, prefix: str, position):
         self.problem, self.choice = problem, choice
+        self.folded = assembled.folded
         once: dict = {}
         params = {pn.param_name for pn in problem.nodes if pn.kind == "param"}
         for c in assembled.collectives:  # per-step collectives: gradients of parameters, the optimizer's gathers
@@ -247,6 +262,9 @@ class _Split:
         b["forward_s"] += f
         self.forward[idx] = f if pn.kind == "op" else 0.0
         b["once_s"] += o
+        hidden = min(sum(self.folded.get(idx, (0.0, 0.0))), per_mb)   # (split as the node's seconds are)
+        b["folded_forward"] += hidden * (1 - bwd_share)
+        b["folded_backward"] += hidden * bwd_share
         for kind in (*STATES, "activations"):
             b[kind] += c.memory[kind]
         b["working"] = max(b["working"], c.work if pn.kind == "op" else 0.0)
