@@ -210,10 +210,13 @@ def train_and_compare(spec: tuple, plan_dict: dict, steps: int = 3, clip: float 
 
 def folded_linears(graphs) -> tuple:
     """(moves folded with their linear readers, linears folded with the move of their
-    output) in the compiled graphs (runtime/linear_grads.py)."""
-    from autopar.runtime.linear_grads import linear_then_reduce, linears_then_gradient
-    nodes = [n for g in graphs for n in g.graph.nodes]
-    return (sum(n.target is linears_then_gradient for n in nodes), sum(n.target is linear_then_reduce for n in nodes))
+    output) in the compiled graphs and the recomputed regions inside them
+    (runtime/linear_grads.py)."""
+    import torch.fx as fx
+    from autopar.runtime.linear_grads import ABSORBS, linear_then_reduce
+    nodes = [n for g in graphs for m in g.modules() if isinstance(m, fx.GraphModule) for n in m.graph.nodes
+             if n.op == "call_function" and n.meta.get(ABSORBS)]   # (a kept call's target is wrapped)
+    return (sum(n.target is not linear_then_reduce for n in nodes), sum(n.target is linear_then_reduce for n in nodes))
 
 
 def all_to_all_moves(graphs, sizes: tuple) -> int:

@@ -160,20 +160,23 @@ def test_pipeline_stages_take_off_what_their_runtime_folds(device):
         assert steps["1f1b"] == pytest.approx(steps["zero-bubble"], rel=1e-12), steps
 
 
-def test_linears_selective_recomputation_keeps_are_not_priced_as_folded():
-    """The runtime leaves the linears selective recomputation keeps unfolded (their nodes
-    stay, for the saved-tensor policy: linear_grads.kept_nodes), so the price hides nothing
-    beside them: under selective every linear of a layer is kept and only the head's fold
-    is left; full recomputation keeps nothing and hides what the plan without it hides."""
+def test_a_fold_under_recomputation_is_priced_as_the_runtime_folds_it():
+    """Selective recomputation keeps every linear of a layer: the runtime folds their input
+    gradients as it does without recomputation (the folded call keeps its matrix products:
+    runtime/recompute.py), but not the row-parallel outputs, whose pieces are reduced in
+    place.  "alternate" keeps q and v but not k, gate but not up (one call keeps all its
+    products or none: those input gradients stay whole) and down_proj but not o_proj
+    (o_proj's output is still folded).  Full recomputation keeps nothing and hides what
+    the plan without recomputation hides.  The price hides exactly that much less."""
     from autopar.models import build
     model, example = build("llama3-8b", device="meta", batch=2, seq=2048, n_layers=4)
     mesh = autopar.Mesh((4,), ("tp",), device="h100")
     hidden, kept = {}, {}
-    for mode in ("none", "selective", "full"):
+    for mode in ("none", "selective", "alternate", "full"):
         plan = autopar.plan(model, mesh, example, compare=False, layout="megatron-tp", recompute=mode,
                             mixed_precision=autopar.MixedPrecision())
         hidden[mode] = sum(plan.predicted.linear_hidden_s.values())
         kept[mode] = plan.recompute.kept if plan.recompute is not None else ()
     assert sum(name.startswith("linear") for name in kept["selective"]) == 4 * 7, kept["selective"]
-    assert kept["full"] == () and hidden["full"] == pytest.approx(hidden["none"], rel=1e-12)
-    assert 0 < hidden["selective"] < 0.1 * hidden["none"], hidden
+    assert hidden["full"] == pytest.approx(hidden["none"], rel=1e-12)
+    assert 0 < hidden["alternate"] < hidden["selective"] < hidden["none"], hidden

@@ -18,8 +18,12 @@ becomes
 
 Folded: a move with no dim order whose backward is one all-reduce or one reduce-scatter on
 one mesh axis (or one all-reduce over several) and all of whose readers are `aten.linear`
-reading it as their input, none of them kept whole by selective recomputation (those keep
-their own node).
+reading it as their input, either all or none of them kept by selective recomputation
+(plan.recompute.kept).  The folded call names the linears it absorbs
+(node.meta[ABSORBS]); where they are kept, recomputation keeps the call's matrix products
+(runtime/recompute.py), as it kept the linears'.  A row-parallel linear (below) that
+selective recomputation keeps is not folded: its pieces are reduced in place, and the kept
+products would be reduced again when the region is recomputed.
 
 Row-parallel outputs.  A row-parallel linear (the block's last GEMM) gives a Partial
 output that one all-reduce (or Megatron-SP's reduce-scatter) sums.  Where that move is the
@@ -48,6 +52,7 @@ from autopar.passes.redistribute import (normalize_placements, plan_redistribute
                                          reduce_scatter_rows)
 
 LINEAR = torch.ops.aten.linear.default
+ABSORBS = "autopar_absorbs"   # node.meta key of a folded call: the names of the linears it absorbed
 
 
 def one_reduction(src, dst, groups, ndim: int):
@@ -188,13 +193,14 @@ def _place(gm: fx.GraphModule, node: fx.Node, readers: list, params: list):
 
 
 def kept_nodes(plan) -> frozenset:
-    """The node names selective recomputation keeps (not folded: they keep their node)."""
+    """The node names selective recomputation keeps."""
     return frozenset(plan.recompute.kept) if plan.recompute is not None else frozenset()
 
 
 def fold_linear_gradients(gm: fx.GraphModule, keep: frozenset = frozenset()) -> int:
     """Fold every move that qualifies (module docstring) with its linear readers; `keep`:
-    node names left alone (selective recomputation's kept outputs).  Returns how many."""
+    the node names selective recomputation keeps (a move whose readers are kept and not
+    kept is left alone: one call keeps all of its products or none).  Returns how many."""
     folded = 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not move or len(node.args) != 3 or not node.users:
@@ -202,7 +208,7 @@ def fold_linear_gradients(gm: fx.GraphModule, keep: frozenset = frozenset()) -> 
         x, spec, groups_node = node.args
         readers = list(node.users)
         if any(r.op != "call_function" or r.target is not LINEAR or r.args[0] is not node
-               or node in r.args[1:] or r.kwargs or r.name in keep for r in readers):
+               or node in r.args[1:] or r.kwargs for r in readers) or len({r.name in keep for r in readers}) > 1:
             continue
         val = x.meta.get("val") if isinstance(x, fx.Node) else None
         if not isinstance(val, torch.Tensor):
@@ -219,6 +225,7 @@ def fold_linear_gradients(gm: fx.GraphModule, keep: frozenset = frozenset()) -> 
         with where:
             fused = gm.graph.call_function(linears_then_gradient, (x, spec, groups_node, biased, *params))
             fused.meta.update({k: v for k, v in readers[0].meta.items() if k != "val"})
+            fused.meta[ABSORBS] = tuple(r.name for r in readers)
             for i, r in enumerate(readers):
                 item = gm.graph.call_function(operator.getitem, (fused, i))
                 item.meta.update(r.meta)
@@ -236,7 +243,9 @@ def fold_linear_gradients(gm: fx.GraphModule, keep: frozenset = frozenset()) -> 
 
 def _fold_row_parallel(gm: fx.GraphModule, keep: frozenset) -> int:
     """Fold each aten.linear whose only reader is a move whose forward is one all-reduce or
-    reduce-scatter (module docstring) into linear_then_reduce; returns how many."""
+    reduce-scatter (module docstring) into linear_then_reduce, unless selective
+    recomputation keeps it (`keep`: the pieces are reduced in place, and a kept product
+    would be reduced again when its region is recomputed); returns how many."""
     folded = 0
     for node in list(gm.graph.nodes):
         if (node.op != "call_function" or node.target is not LINEAR or node.kwargs or node.name in keep
@@ -253,6 +262,7 @@ def _fold_row_parallel(gm: fx.GraphModule, keep: frozenset) -> int:
         with gm.graph.inserting_before(mv):
             fused = gm.graph.call_function(linear_then_reduce, (h, w, b, mv.args[1], mv.args[2]))
         fused.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+        fused.meta[ABSORBS] = (node.name,)
         if "val" in mv.meta:
             fused.meta["val"] = mv.meta["val"]
         mv.replace_all_uses_with(fused)

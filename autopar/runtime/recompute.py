@@ -41,6 +41,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from autopar.ops import op_name
 from autopar.passes.recompute import outline_layers
+from autopar.runtime.linear_grads import ABSORBS
 from autopar.plan.records import SELECTIVE_MODES
 from autopar.solve.recompute import PRODUCTS
 
@@ -64,7 +65,7 @@ def _kernels(node: fx.Node):
     """The dispatched ops whose outputs the selective policy keeps while `node` runs (None:
     every op it dispatches, for a kept op whose kernels are not known here)."""
     name = op_name(node)
-    if name in PRODUCTS:
+    if name in PRODUCTS or node.meta.get(ABSORBS):   # (a folded call: its linears' products, runtime/linear_grads.py)
         return _PRODUCT_KERNELS
     if name == "aten.scaled_dot_product_attention":
         return _ATTENTION_KERNELS
@@ -292,7 +293,7 @@ def apply_recompute(gm: fx.GraphModule, plan, streams, pipelined: bool = False) 
     def make(path, mode, region_gm, nodes):
         if mode in SELECTIVE_MODES:
             for name, node in nodes.items():
-                if name in kept and node.op == "call_function":
+                if (name in kept or any(a in kept for a in node.meta.get(ABSORBS, ()))) and node.op == "call_function":
                     node.target = _kept(node.target, _kernels(node))
             region_gm.recompile()
         return Region(path, mode, region_gm, streams, replays=pipelined)

@@ -203,8 +203,9 @@ class _Tally:
         the next piece's forward (all but the last piece's, GEMM_CHUNKS pieces).  The part
         that outlasts them is the owner's synchronous communication; returns what is hidden
         by mesh axis name (nothing where the device is not asynchronous).  kept: the ops
-        selective recomputation keeps, whose linears the runtime does not fold
-        (runtime/linear_grads.kept_nodes): their collectives stay whole."""
+        selective recomputation keeps; the runtime does not fold an input gradient whose
+        linears are some kept and some not, nor a kept row-parallel linear
+        (runtime/linear_grads.fold_linear_gradients): their collectives stay whole."""
         hidden, self.folded_at = {}, {}
         names = self.problem.mesh.axis_names
         for axis, on, seconds, owner, linears, forward in self.folded:
@@ -214,7 +215,8 @@ class _Tally:
             else:
                 h = min(seconds, sum(max(self.backward[r][0] - self.forward[r][0], 0.0)
                                      for r in linears if r in self.backward))
-            h = h if overlap and not any(r in kept for r in linears) else 0.0
+            unfolded = any(r in kept for r in linears) if forward else len({r in kept for r in linears}) > 1
+            h = h if overlap and not unfolded else 0.0
             if h:
                 hidden[names[axis]] = hidden.get(names[axis], 0.0) + h
                 fwd, bwd = self.folded_at.get(owner, (0.0, 0.0))
