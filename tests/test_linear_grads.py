@@ -67,15 +67,28 @@ CASES = [
     (("hf-arch", "qwen3"), (2, 2), ("dp", "tp"), "megatron-tp x dp", True),
     (("hf-arch", "gpt_neox"), (4,), ("tp",), "megatron-tp", False),
 ]
+# under selective recomputation: input gradients folded inside the recomputed regions, the
+# kept row-parallel linears left whole (Megatron-SP's layer norm weights are gathered inside
+# the regions: replayed outside the saved-tensor policy, runtime/reshard.Regather.gather)
+RECOMPUTED = [
+    (("autopar", "gpt-tiny", ()), (4,), ("tp",), "megatron-sp", False, "selective"),
+    (("hf-arch", "qwen3"), (2, 2), ("dp", "tp"), "megatron-tp x dp", False, "selective"),
+    (("hf-arch", "gpt_neox"), (4,), ("tp",), "megatron-sp", False, "selective"),
+]
 
 
-@pytest.mark.parametrize("spec,shape,names,layout,rows", CASES,
+CASES = [c + (None,) for c in CASES] + RECOMPUTED
+
+
+@pytest.mark.parametrize("spec,shape,names,layout,rows,recompute", CASES,
                          ids=[f"{c[0][-1] if c[0][0] == 'hf-arch' else c[0][1] if len(c[0]) > 1 else c[0][0]}-"
-                              f"{c[3]}-{'x'.join(map(str, c[1]))}" for c in CASES])
-def test_folded_tensor_parallel_trains_like_one_device(pool4, spec, shape, names, layout, rows):
+                              f"{c[3]}-{'x'.join(map(str, c[1]))}" + (f"-{c[5]}" if c[5] else "") for c in CASES])
+def test_folded_tensor_parallel_trains_like_one_device(pool4, spec, shape, names, layout, rows, recompute):
     model, args, kwargs = build_case(spec)
     mesh = autopar.Mesh(shape, names, device="cpu")
-    plan = autopar.plan(model, mesh, args, example_kwargs=kwargs or None, compare=False, layout=layout)
+    plan = autopar.plan(model, mesh, args, example_kwargs=kwargs or None, compare=False, layout=layout,
+                        recompute=recompute)
+    assert bool(plan.recompute and plan.recompute.layers) == bool(recompute)
     result = pool4.run(train_and_compare, spec, plan.to_dict())
     for r in result:
         assert r["ok"], r

@@ -19,9 +19,9 @@ becomes
 Folded: a move with no dim order whose backward is one all-reduce or one reduce-scatter on
 one mesh axis (or one all-reduce over several) and all of whose readers are `aten.linear`
 reading it as their input, either all or none of them kept by selective recomputation
-(plan.recompute.kept).  The folded call names the linears it absorbs
-(node.meta[ABSORBS]); where they are kept, recomputation keeps the call's matrix products
-(runtime/recompute.py), as it kept the linears'.  A row-parallel linear (below) that
+(plan.recompute.kept).  The folded call names the linears it absorbs (node.meta[ABSORBS]);
+where they are kept, recomputation keeps the call's matrix products (runtime/recompute.py),
+as it kept the linears'.  A row-parallel linear (below) that
 selective recomputation keeps is not folded: its pieces are reduced in place, and the kept
 products would be reduced again when the region is recomputed.
 

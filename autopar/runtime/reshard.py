@@ -41,6 +41,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 import torch.fx as fx
+from torch.utils._python_dispatch import _disable_current_modes
 
 from autopar.passes.collectives import move
 from autopar.passes.redistribute import plan_redistribute, redistribute_local, reduce_scatter_rows
@@ -289,6 +290,14 @@ class Regather:
 
     # --- forward ----------------------------------------------------------------------------
     def gather(self, k: int, x: torch.Tensor, m, groups) -> torch.Tensor:
+        """The k-th gathered weight of forward.  Outside any dispatch mode: a layer that
+        selective recomputation runs again in backward is replayed op for op by its
+        saved-tensor policy (runtime/recompute.py), and a weight prefetched in forward is
+        gathered on the spot when recomputed; the gather is not the layer's to replay."""
+        with _disable_current_modes():
+            return self._gather(k, x, m, groups)
+
+    def _gather(self, k: int, x: torch.Tensor, m, groups) -> torch.Tensor:
         if self.buckets is None and self.active:
             self._make_buckets()
         if k in self.bucket_of and (self.active or k in self.ready):

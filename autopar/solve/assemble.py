@@ -215,7 +215,8 @@ class _Tally:
             else:
                 h = min(seconds, sum(max(self.backward[r][0] - self.forward[r][0], 0.0)
                                      for r in linears if r in self.backward))
-            unfolded = any(r in kept for r in linears) if forward else len({r in kept for r in linears}) > 1
+            held = {r in kept for r in linears}
+            unfolded = True in held and (forward or len(held) > 1)
             h = h if overlap and not unfolded else 0.0
             if h:
                 hidden[names[axis]] = hidden.get(names[axis], 0.0) + h
