@@ -114,25 +114,39 @@ def accumulation(run: dict) -> int:
     return int(steps) if steps >= 1 and steps == int(steps) else 1
 
 
+def stated_tp_overlap(run: dict) -> bool:
+    """Whether the run hid its tensor-parallel collectives behind GEMMs (Megatron-LM's
+    --tp-comm-overlap, torchtitan's async TP): it is planned with autopar.plan(tp_overlap=)
+    that, so that the price has the overlap the run had (autopar's runtime folds input
+    gradients and row-parallel outputs beside their GEMMs; a run without either ran them
+    whole)."""
+    par = run["parallel"]
+    return bool(par.get("tp_comm_overlap") or par.get("async_tp"))
+
+
 def step_seconds(plan, run: dict, runtime: str = "published") -> float:
     """Seconds of the run's whole step from the plan of one micro-step, planned with the
     run's gradient accumulation (autopar.plan(accumulation=...)): every micro-step runs
     forward and backward (and, under FSDP / ZeRO-3, gathers its weights and reduce-scatters
     its gradients), and the plan charges each its share of what runs once per step (the
     optimizer step, the weights' gathers after it, the gradient reduction of a run that is
-    not FSDP, of which what the last backward does not hide).  From that, the overlaps a
-    run states that autopar's runtime does not have are taken off: Megatron-LM's
-    --overlap-param-gather hides the distributed optimizer's gathers behind the next step's
-    first forward (about a third of a micro-step's compute), --tp-comm-overlap the
-    tensor-parallel collectives behind the GEMMs they feed.  What autopar's runtime hides
-    that a run does not state is put back: the tensor-parallel input gradients'
-    collectives autopar reduces beside the weight gradients (Prediction.linear_hidden_s),
-    which a run hides only with --tp-comm-overlap or async TP.  That is `runtime`
-    "published", the run's layout as it ran; "autopar" is the same plan as autopar's
-    runtime runs it, with its own overlaps and none of the run's, the footing on which two
-    plans of one job are compared.  A pipelined run's step is the schedule's."""
+    not FSDP, of which what the last backward does not hide).
+
+    `runtime` "published", the run's layout as it ran: the plan is priced with the
+    tensor-parallel overlap the run states (stated_tp_overlap: none, or autopar's folds
+    standing for it), and the overlaps a run states beyond autopar's runtime are taken off:
+    Megatron-LM's --overlap-param-gather hides the distributed optimizer's gathers behind
+    the next step's first forward (about a third of a micro-step's compute),
+    --tp-comm-overlap all of the tensor-parallel collectives behind the GEMMs they feed.
+    "autopar": the plan as autopar's runtime runs it (planned with tp_overlap=True), none
+    of the run's own overlaps, the footing on which two plans of one job are compared.  A
+    pipelined run's step is the schedule's."""
     if runtime not in ("published", "autopar"):
         raise ValueError(f"runtime {runtime!r}: 'published' or 'autopar'")
+    want = True if runtime == "autopar" else stated_tp_overlap(run)
+    if plan.tp_overlap != want:
+        raise ValueError(f"a plan with tp_overlap={plan.tp_overlap} priced as {runtime!r} for {run['id']}: "
+                         f"plan it with tp_overlap={want}")
     if plan.pipeline is not None:
         return plan.pipeline.step_s
     pred, par = plan.predicted, run["parallel"]
@@ -141,11 +155,9 @@ def step_seconds(plan, run: dict, runtime: str = "published") -> float:
         return steps * pred.step_s
     gathers = steps * sum(c.seconds for c in plan.collectives_of(phase="step"))   # (planned at 1/steps each)
     shown = max(gathers - pred.compute_s / 3, 0.0) if par.get("dp_overlap") else gathers
-    # (less what autopar's runtime already hides: input gradients reduced beside the weight gradients)
-    overlapped = par.get("tp_comm_overlap") or par.get("async_tp")
+    # (of the tensor-parallel collectives, what autopar's folds leave waiting)
     tp_hidden = (pred.comm_s.get("tp", 0.0) - pred.linear_hidden_s.get("tp", 0.0)) if par.get("tp_comm_overlap") else 0.0
-    unstated = 0.0 if overlapped else sum(pred.linear_hidden_s.values())
-    return steps * (pred.step_s - tp_hidden + unstated) - gathers + shown
+    return steps * (pred.step_s - tp_hidden) - gathers + shown
 
 
 def build_model(run: dict):
@@ -211,7 +223,7 @@ def forced(run: dict) -> tuple[autopar.Mesh, dict]:
         layout = "data-parallel"
     kw = {"layout": layout, "compare": False, "mixed_precision": autopar.MixedPrecision(),
           "backend": "inductor" if run.get("compile") else "eager",   # torch.compile'd runs fuse as Inductor does
-          "accumulation": accumulation(run)}
+          "accumulation": accumulation(run), "tp_overlap": stated_tp_overlap(run)}
     if run.get("recompute") in ("none", "selective", "full"):
         kw["recompute"] = run["recompute"]
         if run["recompute"] == "selective" and run.get("recompute_policy") == "op":
@@ -296,6 +308,10 @@ def replay(run: dict, free: bool = True) -> dict:
     if free:
         try:
             row.update(free_plan(run, model, example, mesh, kw))
+            if not plan.tp_overlap:   # the published layout as autopar's runtime runs it: TP beside GEMMs
+                plan = autopar.plan(model, mesh, example, **dict(kw, tp_overlap=True)) \
+                    if (run["parallel"].get("tp") or 1) > 1 or (run["parallel"].get("cp") or 1) > 1 \
+                    else dataclasses.replace(plan, tp_overlap=True)   # (no TP axis: nothing to fold)
             # plan against plan: both as autopar's runtime runs them; and autopar's plan as
             # autopar runs it against the published layout as it ran (the runtimes differ too)
             row["speedup"] = step_seconds(plan, run, "autopar") / row["free_step_s"]

@@ -193,3 +193,31 @@ def test_a_fold_under_recomputation_is_priced_as_the_runtime_folds_it():
     assert sum(name.startswith("linear") for name in kept["selective"]) == 4 * 7, kept["selective"]
     assert hidden["full"] == pytest.approx(hidden["none"], rel=1e-12)
     assert 0 < hidden["alternate"] < hidden["selective"] < hidden["none"], hidden
+
+
+def test_tp_overlap_false_runs_and_prices_the_collectives_whole(pool4):
+    """autopar.plan(tp_overlap=False): nothing hidden beside GEMMs on GPUs (the step is the
+    folded plan's plus what it hid, the layout being forced), the plan says so, keeps it
+    through to_dict, and compile folds nothing: Megatron TP x DP trains like one device
+    with every collective whole."""
+    from autopar.models import build
+    from autopar.plan.plan import Plan
+    model, example = build("llama3-8b", device="meta", batch=2, seq=2048, n_layers=2)
+    mesh = autopar.Mesh((4,), ("tp",), device="h100")
+    kw = dict(compare=False, layout="megatron-tp", mixed_precision=autopar.MixedPrecision())
+    folded = autopar.plan(model, mesh, example, **kw)
+    whole = autopar.plan(model, mesh, example, tp_overlap=False, **kw)
+    assert folded.tp_overlap and not whole.tp_overlap and whole.predicted.linear_hidden_s == {}
+    hidden = sum(folded.predicted.linear_hidden_s.values())
+    assert hidden > 0
+    assert whole.predicted.step_s == pytest.approx(folded.predicted.step_s + hidden, rel=0.02)
+    assert "run whole, not beside their GEMMs (tp_overlap=False)" in str(whole)
+    assert not Plan.from_dict(whole.to_dict()).tp_overlap
+    with pytest.raises(ValueError, match="tp_overlap='no'"):
+        autopar.plan(model, mesh, example, tp_overlap="no", **kw)
+    spec = ("autopar", "llama-tiny", ())
+    model, args, kwargs = build_case(spec)
+    plan = autopar.plan(model, autopar.Mesh((2, 2), ("dp", "tp"), device="cpu"), args, compare=False,
+                        layout="megatron-tp x dp", tp_overlap=False)
+    for r in pool4.run(train_and_compare, spec, plan.to_dict()):
+        assert r["ok"] and r["folded_linears"] == (0, 0), r

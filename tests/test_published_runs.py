@@ -90,27 +90,31 @@ def test_a_fused_loss_kernel_keeps_the_logits_gradient_alone():
 
 
 def test_a_run_without_stated_tensor_parallel_overlap_is_priced_without_autopars():
-    """torchtitan's 8B on 64 H100 under FSDP x TP, run with and without async TP: autopar's
-    runtime reduces the TP input gradients beside the weight gradients, which vanilla TP
-    does not, so the vanilla row's step is the async row's plus exactly what that hides
-    (4 micro-steps' worth where the run accumulates); autopar's own plan is compared with
-    the layout as autopar would run it, the same for both rows."""
+    """torchtitan's 8B on 64 H100 under FSDP x TP, run with and without async TP: the
+    vanilla row is planned with autopar.plan(tp_overlap=False), its TP collectives whole,
+    the async row with autopar's folds standing for async TP; the vanilla step is at least
+    the async one's plus what the folds hide (4 micro-steps' worth where the run
+    accumulates; the ILP solves the two prices apart).  autopar's own footing takes the
+    folding plan for both rows, and a plan priced for the other footing is refused."""
     rows = {}
     for name in ("vanilla-tp", "async-tp"):
         run = next(r for r in RUNS if r["id"] == f"tt25-asynctp-8b-64gpu-fsdp8-tp8-bf16-{name}")
         model, example = R.build_model(run)
         mesh, kw = R.forced(run)
-        plan = autopar.plan(model, mesh, example, **kw)
-        rows[name] = (run, plan)
-    (vanilla, plan), (fast, same) = rows["vanilla-tp"], rows["async-tp"]
-    assert plan.predicted.step_s == pytest.approx(same.predicted.step_s, rel=1e-12)
-    hidden = sum(plan.predicted.linear_hidden_s.values())
-    assert hidden > 0.01 * plan.predicted.step_s
-    assert R.step_seconds(plan, vanilla) - R.step_seconds(same, fast) == pytest.approx(
-        plan.accumulation * hidden, rel=1e-9)
-    assert R.step_seconds(plan, vanilla, "autopar") == pytest.approx(R.step_seconds(same, fast, "autopar"),
-                                                                     rel=1e-12)
-    assert R.step_seconds(plan, vanilla, "autopar") == pytest.approx(plan.accumulation * plan.predicted.step_s,
-                                                                     rel=1e-12)
+        assert kw["tp_overlap"] == (name == "async-tp")
+        rows[name] = (run, autopar.plan(model, mesh, example, **kw))
+    (vanilla, whole), (fast, folded) = rows["vanilla-tp"], rows["async-tp"]
+    assert whole.predicted.linear_hidden_s == {} and not whole.tp_overlap
+    hidden = sum(folded.predicted.linear_hidden_s.values())
+    assert hidden > 0.01 * folded.predicted.step_s
+    assert R.step_seconds(whole, vanilla) - R.step_seconds(folded, fast) >= folded.accumulation * hidden * (1 - 1e-9)
+    assert R.step_seconds(folded, vanilla, "autopar") == pytest.approx(R.step_seconds(folded, fast, "autopar"),
+                                                                       rel=1e-12)
+    assert R.step_seconds(folded, fast, "autopar") == pytest.approx(folded.accumulation * folded.predicted.step_s,
+                                                                    rel=1e-12)
+    with pytest.raises(ValueError, match="plan it with tp_overlap=True"):
+        R.step_seconds(whole, vanilla, "autopar")
+    with pytest.raises(ValueError, match="plan it with tp_overlap=False"):
+        R.step_seconds(folded, vanilla)
     with pytest.raises(ValueError, match="runtime 'own'"):
-        R.step_seconds(plan, vanilla, "own")
+        R.step_seconds(folded, vanilla, "own")

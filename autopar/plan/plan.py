@@ -52,6 +52,7 @@ class Plan:
     recompute: Recompute | None = None              # layers recomputed in backward (None: none)
     backend: str = "eager"                          # what it was priced for: "eager" or "inductor" (fused chains)
     accumulation: int = 1                           # micro-steps per optimizer step it was priced for
+    tp_overlap: bool = True                         # TP collectives run (and priced) beside their GEMMs
 
     def device_mesh(self):
         """The Mesh to compile this plan on: the whole mesh of a pipelined plan (whose `mesh`
@@ -136,7 +137,7 @@ class Plan:
             "pipeline": None if self.pipeline is None else self.pipeline.to_dict(), "frozen": list(self.frozen),
             "graph": self.graph, "notes": list(self.notes),
             "recompute": None if self.recompute is None else self.recompute.to_dict(),
-            "backend": self.backend, "accumulation": self.accumulation,
+            "backend": self.backend, "accumulation": self.accumulation, "tp_overlap": self.tp_overlap,
         }
 
     def to_json(self) -> str:
@@ -176,7 +177,8 @@ class Plan:
                    frozen=tuple(d.get("frozen", ())),
                    graph=d.get("graph", ""), notes=tuple(d.get("notes", ())),
                    recompute=None if d.get("recompute") is None else Recompute.from_dict(d["recompute"]),
-                   backend=d.get("backend", "eager"), accumulation=int(d.get("accumulation", 1)))
+                   backend=d.get("backend", "eager"), accumulation=int(d.get("accumulation", 1)),
+                   tp_overlap=bool(d.get("tp_overlap", True)))
 
     def save(self, path) -> None:
         """JSON with a checksum of the plan, so that a file edited by hand is refused at load."""

@@ -97,6 +97,8 @@ def plan_text(plan) -> str:
     size = f", {s.variables} variables, {s.constraints} constraints" if s.variables is not None else ""
     lines.append(f"solver: {state}{size}; planned in {t.total_s:.2f}s (trace {t.trace_s:.2f}s, "
                  f"menus and costs {t.costs_s:.2f}s, ILP {t.solve_s:.2f}s)")
+    if not plan.tp_overlap:
+        lines.append("tensor-parallel collectives run whole, not beside their GEMMs (tp_overlap=False)")
     if plan.accumulation > 1:
         lines.append(f"priced for gradient accumulation over {plan.accumulation} micro-steps (cm.no_sync() around "
                      f"all but the last): the step above is one micro-step's, with the optimizer step, the "

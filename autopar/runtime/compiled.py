@@ -204,8 +204,9 @@ def _compile(model, mesh, example_inputs, example_kwargs, plan, memory_budget, s
                                seed_of_job, local_inputs)
         shards = initial_shards(model, plan.param_placements, groups, on_meta, seed, rewritten.traced.parts)
         traced = rewritten.traced
+        if plan.tp_overlap:   # TP collectives beside their GEMMs (runtime/linear_grads.py)
+            fold_linear_gradients(rewritten.graph, kept_nodes(plan))
         # ZeRO-3 weights whose gradient nothing else synchronises gather and reduce in buckets
-        fold_linear_gradients(rewritten.graph, kept_nodes(plan))
         alone = frozenset(ph for ph, name in traced.params.items()
                           if not rewritten.grad_sync.get(name) and not getattr(plan.param_states.get(name), "stage", 0))
         regather = Regather(rewritten.graph, set(traced.params), options.reshard_after_forward, groups, alone,

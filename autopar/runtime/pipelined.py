@@ -246,7 +246,8 @@ class PipelineRunner:
             offloaded = {ph: f"{key}.weight" if state.offloaded_weights[key] == "disk" else ""
                          for ph, (kind, key) in zip(st.params, feeds[st.index])
                          if kind == "param" and key in state.offloaded_weights}
-            if self.schedule_name not in SPLIT_BACKWARD:   # (their backward splits off the weight gradients itself)
+            if self.schedule_name not in SPLIT_BACKWARD and model.plan.tp_overlap:   # (split-backward schedules
+                # take the weight gradients apart themselves)
                 fold_linear_gradients(st.graph_module, kept_nodes(model.plan))
             regather = Regather(st.graph_module, set(st.params), reshard_after_forward, model.groups,
                                 offloaded=offloaded, device=model.device, disk=state.disk)

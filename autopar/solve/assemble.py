@@ -254,7 +254,7 @@ class _Tally:
         comm_by_axis = {mesh.axis_names[a]: self.comm[a] for a in range(mesh.ndim)}
         # a CPU rank's collectives reduce on the cores its compute uses: nothing is hidden there
         overlap = mesh.device.asynchronous
-        linear_hidden = self._fold_linears(overlap, costs.kept if costs is not None else frozenset())
+        linear_hidden = self._fold_linears(overlap and problem.folds_tp, costs.kept if costs is not None else frozenset())
         prefetch = hidden_prefetch_seconds(self.forward, self.gathers) if overlap else 0.0
         hidden = (self.hidden_gradients() if overlap else 0.0) + prefetch + sum(linear_hidden.values())
         contended = 0.0

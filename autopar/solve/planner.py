@@ -61,16 +61,18 @@ class Request:
     moe_imbalance: float | dict | None = None   # a number, or measured: {ways: factor}
     backend: str = "eager"                      # what the plan is priced for (Problem's Pricing)
     accumulation: int = 1                       # micro-steps per optimizer step (Problem's Pricing)
+    tp_overlap: bool = True                     # TP collectives beside their GEMMs (Problem's Pricing)
 
     @property
     def pricing(self) -> Pricing:
-        return Pricing(self.moe_imbalance, self.backend, self.accumulation)
+        return Pricing(self.moe_imbalance, self.backend, self.accumulation, self.tp_overlap)
 
 
 def plan(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=None,
          memory_budget=None, compare: bool = True, time_limit: float = 60.0, workers: int | None = None,
          layout: str | None = None, mixed_precision=None, pipeline=False, recompute=None,
-         moe_imbalance: float | str | None = None, backend: str = "eager", accumulation: int = 1) -> Plan:
+         moe_imbalance: float | str | None = None, backend: str = "eager", accumulation: int = 1,
+         tp_overlap: bool = True) -> Plan:
     """Choose a sharding for every node of `model` on `mesh`.
 
     example_inputs: tensors (real, fake or meta) of the global batch, as the model's forward
@@ -106,6 +108,11 @@ def plan(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, example_kwarg
     between micro-steps.  The predicted step is one micro-step's; plan.accumulation says
     what it was priced for.  Not with pipeline stages, whose microbatches accumulate
     already (Pipeline(microbatches=...)).
+    tp_overlap: True (the default) runs tensor-parallel collectives beside the GEMMs of
+    their linears (an input gradient's collective while the weight gradient computes, a
+    row-parallel output's in pieces; autopar/runtime/linear_grads.py) and prices what that
+    hides on GPUs; False runs and prices them whole (plan.tp_overlap says which; compile
+    follows the plan).
     moe_imbalance: for mixture-of-experts models, the busiest expert-holding rank's routed
     rows over the mean (dropless experts run as long as their busiest rank; a trained
     router is seldom even); "measured" runs the model once on the example batch (real
@@ -116,7 +123,7 @@ def plan(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, example_kwarg
     """
     moe_imbalance = _measured(model, moe_imbalance, example_inputs, example_kwargs)
     request = _request(example_inputs, example_kwargs, memory_budget, compare, time_limit, workers, layout,
-                       mixed_precision, pipeline, recompute, None, moe_imbalance, backend, accumulation)
+                       mixed_precision, pipeline, recompute, None, moe_imbalance, backend, accumulation, tp_overlap)
     with _collector_spared():
         return _warned(_plan(model, mesh, request))[0]
 
@@ -126,7 +133,7 @@ def random_plans(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, seed:
                  time_limit: float = 60.0, workers: int | None = None, layout: str | None = None,
                  mixed_precision=None, pipeline=False, recompute=None,
                  moe_imbalance: float | str | None = None, backend: str = "eager",
-                 accumulation: int = 1) -> list[Plan]:
+                 accumulation: int = 1, tp_overlap: bool = True) -> list[Plan]:
     """`count` random valid plans of `model` on `mesh`, drawn with seeds seed, seed + 1, ...
     (or with `seeds`, when given): every node's strategy drawn uniformly from its menu (from
     what `layout` allows of it, when one is named), for testing the passes; each plan's
@@ -141,7 +148,7 @@ def random_plans(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, seed:
                          f"pass count=1 (or one seed)")
     moe_imbalance = _measured(model, moe_imbalance, example_inputs, example_kwargs)
     request = _request(example_inputs, example_kwargs, memory_budget, compare, time_limit, workers, layout,
-                       mixed_precision, pipeline, recompute, drawn, moe_imbalance, backend, accumulation)
+                       mixed_precision, pipeline, recompute, drawn, moe_imbalance, backend, accumulation, tp_overlap)
     with _collector_spared():
         return _warned(_plan(model, mesh, request))
 
@@ -162,8 +169,12 @@ def _measured(model, moe_imbalance, example_inputs, example_kwargs):
 
 
 def _request(example_inputs, example_kwargs, memory_budget, compare, time_limit, workers, layout, mixed_precision,
-             pipeline, recompute, seeds, moe_imbalance=None, backend="eager", accumulation=1) -> Request:
+             pipeline, recompute, seeds, moe_imbalance=None, backend="eager", accumulation=1,
+             tp_overlap=True) -> Request:
     budget = parse_bytes(memory_budget, "memory_budget") if memory_budget is not None else None
+    if not isinstance(tp_overlap, bool):
+        raise ValueError(f"tp_overlap={tp_overlap!r}: True runs tensor-parallel collectives beside their GEMMs "
+                         f"(and prices it), False runs them whole")
     if isinstance(accumulation, bool) or not isinstance(accumulation, int) or accumulation < 1:
         raise ValueError(f"accumulation={accumulation!r}: give the micro-steps per optimizer step as a whole number "
                          f"of at least 1 (1: every step reduces gradients and steps the optimizer)")
@@ -182,7 +193,7 @@ def _request(example_inputs, example_kwargs, memory_budget, compare, time_limit,
     return Request(example_inputs, example_kwargs, budget, compare, SolveOptions(time_limit, workers), layout,
                    MixedPrecision.of(mixed_precision), None if pipeline is False or pipeline is None
                    else (Pipeline() if pipeline is True else pipeline), pipeline is True, check_mode(recompute),
-                   seeds, moe_imbalance, check_backend(backend), accumulation)
+                   seeds, moe_imbalance, check_backend(backend), accumulation, tp_overlap)
 
 
 def _plan(model, mesh, request: Request) -> list[Plan]:
@@ -487,7 +498,8 @@ def _make_plan(problem, model, mesh, choice, sol, origin, compared, budget, timi
                 graph=graph_signature(problem.traced.graph),
                 notes=tuple(m.removeprefix("autopar: ") for m in problem.warnings
                             if not m.startswith("autopar: no sharding rule")) + _routing_notes(problem, choice),
-                recompute=chosen, backend=problem.backend, accumulation=problem.accumulation)
+                recompute=chosen, backend=problem.backend, accumulation=problem.accumulation,
+                tp_overlap=problem.tp_overlap)
 
 
 def _routing_notes(problem, choice) -> tuple:

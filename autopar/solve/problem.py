@@ -64,11 +64,14 @@ class Pricing(NamedTuple):
     last): what runs once per step, the optimizer step, ZeRO-1/2's gathers after it and
     the bucketed gradient reductions (grad_sync's all-reduces and ZeRO-2 reduce-scatters),
     is priced at 1/accumulation of its seconds per micro-step, and a ZeRO-2 parameter keeps
-    its whole local gradient between micro-steps (Problem.once)."""
+    its whole local gradient between micro-steps (Problem.once).  tp_overlap: whether the
+    runtime runs tensor-parallel collectives beside their GEMMs (runtime/linear_grads.py;
+    False: priced whole, as a runtime without that overlap runs them)."""
 
     moe_imbalance: float | dict | None = None
     backend: str = "eager"
     accumulation: int = 1
+    tp_overlap: bool = True
 
 
 class Problem:
@@ -84,6 +87,9 @@ class Problem:
         pricing = pricing or Pricing()
         self.moe_imbalance, self.backend = pricing.moe_imbalance, pricing.backend
         self.accumulation = pricing.accumulation
+        # TP collectives beside their GEMMs: where the plan asks for them and the device overlaps
+        self.tp_overlap = pricing.tp_overlap
+        self.folds_tp = pricing.tp_overlap and mesh.device.asynchronous
         self.once = 1.0 / pricing.accumulation   # a once-per-step cost's share of one micro-step
         self.grouped_gathers = grouped_gathers
         self.prices = LayoutPrices(mesh)   # each pair of layouts priced once for every edge
@@ -631,7 +637,7 @@ class Problem:
         p = menu([code(s.outputs[e.out]) for s in a.strategies])
         q = menu([code(s.inputs[e.operand]) for s in b.strategies])
         m = self.prices.seconds(shape, item, p, q)
-        if a.kind == "op" and a.op == "aten.linear" and self.mesh.device.asynchronous \
+        if a.kind == "op" and a.op == "aten.linear" and self.folds_tp \
                 and len(self.readers.get((e.a, e.out), ())) == 1:
             m = m - self._row_parallel_hidden(a, e.out, m, self.prices.one_reduction(p, q))
         self.edge_forward[e] = m
@@ -678,9 +684,8 @@ class Problem:
     def _folds(self, reader: PNode, operand: int) -> bool:
         """Whether the runtime computes `reader`'s weight gradient while its input gradient's
         collective runs (autopar/runtime/linear_grads.py: the input of an aten.linear), on a
-        device that overlaps them."""
-        return (self.mesh.device.asynchronous and reader.kind == "op" and reader.op == "aten.linear"
-                and operand == 0)
+        device that overlaps them, where the plan asks for it (Pricing.tp_overlap)."""
+        return self.folds_tp and reader.kind == "op" and reader.op == "aten.linear" and operand == 0
 
     def _row_parallel_hidden(self, a: PNode, out: int, m: np.ndarray, folds: np.ndarray) -> np.ndarray:
         """What a linear's output move hides where the runtime computes the GEMM in pieces and
