@@ -401,3 +401,18 @@ def test_offloaded_activations_in_flight_fit_host_memory():
         plan = autopar.plan(model, mesh, example, compare=False, pipeline=autopar.Pipeline(), memory_budget="1.25GiB")
         modes[host] = set(plan.recompute.layers.values())
     assert modes == {225e9: {"offload"}, 0.5e9: {"full"}}, modes
+
+
+def test_interleaving_tries_three_or_four_stages_a_group_where_they_split_the_layers():
+    """Interleaved 1F1B is searched with 1 and 2 stages per device group, and 3 or 4 where
+    that many split the layers evenly (GPT-530B: 105 layers over 35 groups runs 3 a group,
+    as Korthikanti et al. 2022 did); a fixed count is kept; other schedules stay at theirs."""
+    from autopar.solve.pipeline_options import SearchSpace
+    space = SearchSpace(autopar.Mesh((4,), ("pp",), device="h100"), 8, 80e9, ("interleaved-1f1b",), None, None,
+                        ("none",))
+    assert space.virtuals("interleaved-1f1b", 105, 35) == (1, 2, 3)
+    assert space.virtuals("interleaved-1f1b", 32, 4) == (1, 2, 4)
+    assert space.virtuals("interleaved-1f1b", 10, 2) == (1, 2)
+    assert space.virtuals("1f1b", 105, 35) == (1,) and space.virtuals("zbv", 8, 2) == (2,)
+    fixed = dataclasses.replace(space, fixed=autopar.Pipeline(virtual=5))
+    assert fixed.virtuals("interleaved-1f1b", 105, 35) == (5,)

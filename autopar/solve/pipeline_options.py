@@ -152,10 +152,14 @@ class SearchSpace:
             counts.append(self.batch // rows)
         return counts or ([p] if self.batch % p == 0 else [])
 
-    def virtuals(self, schedule: str) -> tuple:
-        """Stages per device group to try under `schedule`."""
+    def virtuals(self, schedule: str, layers: int = 0, groups: int = 1) -> tuple:
+        """Stages per device group to try under `schedule`: under interleaved 1F1B one and
+        two, and three or four where that many stages split the `layers` evenly over the
+        `groups` (Korthikanti et al. 2022 ran GPT-530B's 105 layers over 35 groups as 3)."""
         if schedule in V_SHAPED:
             return (2,)
         if schedule != "interleaved-1f1b":
             return (1,)
-        return (self.fixed.virtual,) if self.fixed is not None and self.fixed.virtual else (1, 2)
+        if self.fixed is not None and self.fixed.virtual:
+            return (self.fixed.virtual,)
+        return (1, 2) + tuple(v for v in (3, 4) if layers and layers % (groups * v) == 0)

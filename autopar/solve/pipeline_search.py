@@ -172,7 +172,7 @@ def _tasks(space: SearchSpace, costs: StageCosts, cut: Cut) -> list:
     for got in costs(key).variants():   # the free stage plan, then the hand-written ones
         send = send_time(got.boundary, cut.axis, mesh)  # one activation (or gradient) across a cut
         for schedule in space.schedules:
-            for v in space.virtuals(schedule):
+            for v in space.virtuals(schedule, len(got.layer_indices), p):
                 n_stages = p * v
                 if len(got.layer_indices) < n_stages or (schedule == "interleaved-1f1b" and n_mb % p) or (
                         schedule == "dualpipev" and n_mb < 2 * p) or (schedule == "chimera" and (p % 2 or n_mb % p)):
