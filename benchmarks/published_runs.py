@@ -116,10 +116,10 @@ def accumulation(run: dict) -> int:
 
 def stated_tp_overlap(run: dict) -> bool:
     """Whether the run hid its tensor-parallel collectives behind GEMMs (Megatron-LM's
-    --tp-comm-overlap, torchtitan's async TP): it is planned with autopar.plan(tp_overlap=)
-    that, so that the price has the overlap the run had (autopar's runtime folds input
-    gradients and row-parallel outputs beside their GEMMs; a run without either ran them
-    whole)."""
+    --tp-comm-overlap, torchtitan's async TP).  The run is planned with
+    autopar.plan(tp_overlap=<this>), so that its price has the overlap it ran with:
+    autopar's folds (input gradients and row-parallel outputs beside their GEMMs) standing
+    for the run's, or every collective whole."""
     par = run["parallel"]
     return bool(par.get("tp_comm_overlap") or par.get("async_tp"))
 

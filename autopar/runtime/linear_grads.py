@@ -21,9 +21,9 @@ one mesh axis (or one all-reduce over several) and all of whose readers are `ate
 reading it as their input, either all or none of them kept by selective recomputation
 (plan.recompute.kept).  The folded call names the linears it absorbs (node.meta[ABSORBS]);
 where they are kept, recomputation keeps the call's matrix products (runtime/recompute.py),
-as it kept the linears'.  A row-parallel linear (below) that
-selective recomputation keeps is not folded: its pieces are reduced in place, and the kept
-products would be reduced again when the region is recomputed.
+as it kept the linears'.  A row-parallel linear (below) that selective recomputation keeps
+is not folded: its pieces are reduced in place, and the kept products would be reduced
+again when the region is recomputed.
 
 Row-parallel outputs.  A row-parallel linear (the block's last GEMM) gives a Partial
 output that one all-reduce (or Megatron-SP's reduce-scatter) sums.  Where that move is the

@@ -41,8 +41,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from autopar.ops import op_name
 from autopar.passes.recompute import outline_layers
-from autopar.runtime.linear_grads import ABSORBS
 from autopar.plan.records import SELECTIVE_MODES
+from autopar.runtime.linear_grads import ABSORBS
 from autopar.solve.recompute import PRODUCTS
 
 
