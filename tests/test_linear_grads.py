@@ -96,15 +96,22 @@ def test_folded_tensor_parallel_trains_like_one_device(pool4, spec, shape, names
         assert inputs > 0 and (outputs > 0) == rows, r["folded_linears"]
 
 
-def test_the_plan_hides_what_the_gemms_outlast():
+def test_the_plan_hides_what_the_gemms_outlast(monkeypatch):
     """An MLP of width 4,096 (four linears) and batch 1,024 under Megatron on 4 H100, where
     every GEMM outlasts the collective beside it: each input gradient's all-reduce or
     reduce-scatter is hidden whole behind the weight gradient, and each row-parallel
     output's all-reduce half (two pieces: the last piece's waits); the loss's all-reduce
-    and the forward all-gather are not beside a GEMM.  On CPU ranks nothing is hidden."""
+    and the forward all-gather are not beside a GEMM.  That is with the pieces priced at
+    the whole GEMM's rate; as priced (prices.gemm_pieces_extra: 512-row halves run slower
+    here), the row-parallel output hides less, the input gradients the same.  On CPU ranks
+    nothing is hidden."""
     from autopar.models import build
+    from autopar.cost import prices
     from autopar.cost.prices import GEMM_CHUNKS
     model, example = build("mlp", device="meta", hidden=4096, batch=1024)
+    mesh = autopar.Mesh((4,), ("tp",), device="h100")
+    priced = autopar.plan(model, mesh, example, layout="megatron-tp", compare=False).predicted.linear_hidden_s["tp"]
+    monkeypatch.setattr(prices, "gemm_pieces_extra", lambda *args: 0.0)
     for device in ("h100", "cpu"):
         plan = autopar.plan(model, autopar.Mesh((4,), ("tp",), device=device), example, layout="megatron-tp",
                             compare=False)
@@ -117,6 +124,7 @@ def test_the_plan_hides_what_the_gemms_outlast():
             want = sum(c.seconds for c in backward) + sum(c.seconds for c in rows) * (GEMM_CHUNKS - 1) / GEMM_CHUNKS
             assert pred.linear_hidden_s == pytest.approx({"tp": want}, rel=1e-12)
             assert "tensor-parallel collectives behind their GEMMs" in str(pred)
+            assert sum(c.seconds for c in backward) < priced < want
         else:
             assert pred.linear_hidden_s == {} and pred.hidden_s == 0.0
         assert pred.step_s == pytest.approx(pred.compute_s + sum(pred.comm_s.values()) - pred.hidden_s, rel=1e-12)
@@ -221,3 +229,20 @@ def test_tp_overlap_false_runs_and_prices_the_collectives_whole(pool4):
                         layout="megatron-tp x dp", tp_overlap=False)
     for r in pool4.run(train_and_compare, spec, plan.to_dict()):
         assert r["ok"] and r["folded_linears"] == (0, 0), r
+
+
+def test_a_gemm_in_pieces_is_charged_the_rate_its_smaller_pieces_lose():
+    """prices.gemm_pieces_extra: a GEMM whose half fills the device's waves as well as the
+    whole adds nothing (Llama-8B's down projection on 8 H100: 2,048 rows); GPT-2's output
+    projection at 512 rows loses rate in halves (fewer tiles than SMs); nothing on CPU
+    ranks, which have no kernel model.  The plan hides a row-parallel output's pieces less
+    that extra share of the linear's forward."""
+    from autopar.cost.prices import GEMM_CHUNKS, gemm_pieces_extra
+    from autopar.cost.kernels import gemm_efficiency
+    h100 = autopar.Mesh((8,), ("tp",), device="h100")
+    kernels = h100.device.kernels
+    assert gemm_pieces_extra((1, 2048, 4096), 1792, h100) == 0.0
+    want = gemm_efficiency(512, 768, 96, kernels) / gemm_efficiency(256, 768, 96, kernels) - 1
+    assert gemm_pieces_extra((1, 512, 768), 96, h100) == pytest.approx(want, rel=1e-12) and want > 0.1
+    assert gemm_pieces_extra((1, 512, 768), 96, autopar.Mesh((8,), ("tp",), device="cpu")) == 0.0
+    assert GEMM_CHUNKS == 2

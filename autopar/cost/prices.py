@@ -35,6 +35,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar.cost import collectives, nccl
+from autopar.cost import kernels as K
 from autopar.cost.collectives import Line
 from autopar.mesh import NCCL, Mesh
 from autopar.cost.redistribution import COLLECTIVES, layout_code, plan_rows
@@ -329,6 +330,21 @@ def gemm_chunk_dim(shape, kind: str, dim: int | None) -> int | None:
         if c < len(shape) - 1 and shape[c] >= GEMM_CHUNKS and not (kind == "reduce_scatter" and dim == c):
             return c
     return None
+
+
+def gemm_pieces_extra(local_out, k: int, mesh: Mesh) -> float:
+    """The share of a row-parallel linear's forward that computing it in GEMM_CHUNKS pieces
+    adds (>= 0): the rate a GEMM of 1/GEMM_CHUNKS of the rows reaches against the whole
+    GEMM's (kernels.gemm_efficiency: fewer tiles fill fewer waves), for the rank's output
+    `local_out` [.., n] and reduction length k; 0 where the device has no kernel model (CPU
+    ranks)."""
+    kernels = mesh.device.kernels
+    if kernels is None or not local_out:
+        return 0.0
+    m, n = max(math.prod(local_out[:-1]), 1), int(local_out[-1])
+    whole = K.gemm_efficiency(m, n, k, kernels)
+    part = K.gemm_efficiency(math.ceil(m / GEMM_CHUNKS), n, k, kernels)
+    return max(whole / max(part, 1e-6) - 1.0, 0.0)
 
 
 def bucket_share(nbytes: float) -> float:

@@ -82,6 +82,7 @@ class _Tally:
         self.once = {}       # op index -> those of its buckets that run once per step (Pricing.accumulation > 1)
         self.folded = []     # (axis, link, seconds, owner op, linears, forward): collectives beside GEMMs
         self.folded_at = {}  # owner op -> (forward, backward) seconds of them hidden (_fold_linears)
+        self.pieces_extra = {}   # row-parallel linear -> the share of its forward its pieces add
         self.first_reader = _first_readers(problem)
         self.edges_into: dict = {}
         for e in problem.edges:  # a data edge belongs to its consumer, a gradient edge to its tensor's producer
@@ -194,13 +195,17 @@ class _Tally:
             return ()
         s = self.problem.nodes[a.rep].strategies[self.choice[e.a]]
         local = C.local_shape(a.out_shapes[e.out], s.outputs[e.out], self.problem.mesh.shape)
-        return (e.a,) if C.gemm_chunk_dim(local, step.kind, step.dim) is not None else ()
+        if C.gemm_chunk_dim(local, step.kind, step.dim) is None:
+            return ()
+        self.pieces_extra[e.a] = self.problem.pieces_extra(a, s, local)
+        return (e.a,)
 
     def _fold_linears(self, overlap: bool, kept=frozenset()) -> dict:
         """Each folded collective against the GEMMs the runtime runs beside it: an input
         gradient's against its linears' weight gradients (their backward less the input
         gradient's GEMM, as long as their forward), a row-parallel output's pieces against
-        the next piece's forward (all but the last piece's, GEMM_CHUNKS pieces).  The part
+        the next piece's forward (all but the last piece's, GEMM_CHUNKS pieces, less what
+        the GEMM loses in pieces: Problem.pieces_extra).  The part
         that outlasts them is the owner's synchronous communication; returns what is hidden
         by mesh axis name (nothing where the device is not asynchronous).  kept: the ops
         selective recomputation keeps; the runtime does not fold an input gradient whose
@@ -209,9 +214,10 @@ class _Tally:
         hidden, self.folded_at = {}, {}
         names = self.problem.mesh.axis_names
         for axis, on, seconds, owner, linears, forward in self.folded:
-            if forward:
+            if forward:   # (less what the GEMM in pieces costs more than whole)
                 beside = sum(self.forward[r][0] for r in linears if r in self.forward)
-                h = min(seconds, beside) * (C.GEMM_CHUNKS - 1) / C.GEMM_CHUNKS
+                extra = sum(self.forward[r][0] * self.pieces_extra.get(r, 0.0) for r in linears if r in self.forward)
+                h = max(min(seconds, beside) * (C.GEMM_CHUNKS - 1) / C.GEMM_CHUNKS - extra, 0.0)
             else:
                 h = min(seconds, sum(max(self.backward[r][0] - self.forward[r][0], 0.0)
                                      for r in linears if r in self.backward))

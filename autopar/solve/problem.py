@@ -692,12 +692,22 @@ class Problem:
         reduces each while the next computes (`folds`: the move is one all-reduce or
         reduce-scatter; the linear's local output has a dim to cut, prices.gemm_chunk_dim, taken
         as cut whichever dim it scatters): all but the last piece's share of the lesser of the
-        move and the linear's forward, [a's choices, the reader's]."""
+        move and the linear's forward, less what the GEMM in pieces costs more than whole
+        (pieces_extra), [a's choices, the reader's]."""
         forward = np.array([c.forward_s - sum(c.comm) / 2 for c in self.choices[a.rep]])
-        cut = np.array([C.gemm_chunk_dim(C.local_shape(a.out_shapes[out], s.outputs[out], self.mesh.shape),
-                                         "all_reduce", None) is not None for s in a.strategies])
+        local = [C.local_shape(a.out_shapes[out], s.outputs[out], self.mesh.shape) for s in a.strategies]
+        cut = np.array([C.gemm_chunk_dim(x, "all_reduce", None) is not None for x in local])
+        extra = forward * np.array([self.pieces_extra(a, s, x) for s, x in zip(a.strategies, local)])
         share = (C.GEMM_CHUNKS - 1) / C.GEMM_CHUNKS
-        return np.where(folds & cut[:, None], np.minimum(m, forward[:, None]) * share, 0.0)
+        hidden = np.maximum(np.minimum(m, forward[:, None]) * share - extra[:, None], 0.0)
+        return np.where(folds & cut[:, None], hidden, 0.0)
+
+    def pieces_extra(self, a: PNode, s, local_out) -> float:
+        """The share of linear a's forward under strategy s that computing its output
+        (`local_out`, this rank's) in GEMM_CHUNKS pieces adds (prices.gemm_pieces_extra)."""
+        src, i = a.inputs[0]
+        k = C.local_shape(self.nodes[src].out_shapes[i], s.inputs[0], self.mesh.shape)[-1]
+        return C.gemm_pieces_extra(local_out, int(k), self.mesh)
 
     def _weight_gradients(self, pn: PNode) -> np.ndarray:
         """Seconds of linear pn's weight (and bias) gradient per choice: its backward less
