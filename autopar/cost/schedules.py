@@ -45,6 +45,13 @@ from functools import cached_property, lru_cache
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev", "chimera",
              "pipedream-2bw")
 SPLIT_BACKWARD = ("zero-bubble", "zbv", "dualpipev")   # backward as B (inputs) and W (weights) passes
+
+
+def folds_tp(schedule: str) -> bool:
+    """Whether a stage under `schedule` runs its tensor-parallel collectives beside their
+    GEMMs (runtime/linear_grads.py): not where backward splits off the weight gradients
+    itself (SPLIT_BACKWARD); "none", the plan without stages, does."""
+    return schedule not in SPLIT_BACKWARD
 V_SHAPED = ("zbv", "dualpipev")                        # two chunks per rank, placed as a V
 TWO_WAY = ("chimera",)   # two pipelines in opposite directions, every stage held twice
 ASYNCHRONOUS = ("pipedream-2bw",)   # no flush between steps: weights one step stale (offered only when allowed)

@@ -48,7 +48,7 @@ from torch.distributed import pipelining
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                          ScheduleInterleavedZeroBubble)
 
-from autopar.cost.schedules import ASYNCHRONOUS, SPLIT_BACKWARD, group_stages, stage_group, stage_groups
+from autopar.cost.schedules import ASYNCHRONOUS, folds_tp, group_stages, stage_group, stage_groups
 
 from autopar.trace.batching import batch_size, first_microbatch
 from autopar.mesh import Mesh
@@ -246,8 +246,7 @@ class PipelineRunner:
             offloaded = {ph: f"{key}.weight" if state.offloaded_weights[key] == "disk" else ""
                          for ph, (kind, key) in zip(st.params, feeds[st.index])
                          if kind == "param" and key in state.offloaded_weights}
-            if self.schedule_name not in SPLIT_BACKWARD and model.plan.tp_overlap:   # (split-backward schedules
-                # take the weight gradients apart themselves)
+            if folds_tp(self.schedule_name) and model.plan.tp_overlap:
                 fold_linear_gradients(st.graph_module, kept_nodes(model.plan))
             regather = Regather(st.graph_module, set(st.params), reshard_after_forward, model.groups,
                                 offloaded=offloaded, device=model.device, disk=state.disk)

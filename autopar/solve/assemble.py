@@ -20,9 +20,9 @@ class Assembled:
     """A choice's facts.  nodes: node index -> NodeChoice (gradient sums left out);
     collectives: every collective the plan runs, in node order; predicted: the step's
     time and memory; grad_sums: "source:output" -> the layout its gradient sum takes;
-    folded: node index -> (forward, backward) seconds of the tensor-parallel collectives it
-    owns that run hidden beside GEMMs (Prediction.linear_hidden_s, per owner: what the
-    pipeline's stage costs take off where the runtime folds them)."""
+    folded: node index -> seconds of the tensor-parallel collectives it owns that run
+    hidden beside GEMMs (Prediction.linear_hidden_s, per owner: what the pipeline's stage
+    costs take off where the runtime folds them)."""
 
     nodes: dict
     collectives: tuple
@@ -81,7 +81,7 @@ class _Tally:
         self.links = tuple(link(problem.mesh, a) for a in range(problem.mesh.ndim))
         self.once = {}       # op index -> those of its buckets that run once per step (Pricing.accumulation > 1)
         self.folded = []     # (axis, link, seconds, owner op, linears, forward): collectives beside GEMMs
-        self.folded_at = {}  # owner op -> (forward, backward) seconds of them hidden (_fold_linears)
+        self.folded_at = {}  # owner op -> seconds of them hidden (_fold_linears)
         self.pieces_extra = {}   # row-parallel linear -> the share of its forward its pieces add
         self.first_reader = _first_readers(problem)
         self.edges_into: dict = {}
@@ -226,8 +226,7 @@ class _Tally:
             h = h if overlap and not unfolded else 0.0
             if h:
                 hidden[names[axis]] = hidden.get(names[axis], 0.0) + h
-                fwd, bwd = self.folded_at.get(owner, (0.0, 0.0))
-                self.folded_at[owner] = (fwd + h, bwd) if forward else (fwd, bwd + h)
+                self.folded_at[owner] = self.folded_at.get(owner, 0.0) + h
             sync = (self.forward if forward else self.backward).get(owner)
             if sync is not None and seconds > h:
                 _add(sync[1], on, seconds - h)

@@ -19,11 +19,11 @@ import dataclasses
 import functools
 from dataclasses import dataclass, field
 
-from autopar.cost.schedules import (ASYNCHRONOUS, TWO_WAY, V_SHAPED, group_stages, makespan_floor,
+from autopar.cost.schedules import (ASYNCHRONOUS, TWO_WAY, V_SHAPED, folds_tp, group_stages, makespan_floor,
                                     simulate_step)
 from autopar.mesh import Mesh
 from autopar.plan.plan import PipelineLayout, Prediction
-from autopar.solve.pipeline_costs import STATES, LayerCosts, StageParts, folded
+from autopar.solve.pipeline_costs import STATES, LayerCosts, StageParts
 from autopar.solve.solution import Built
 
 
@@ -133,7 +133,7 @@ def _stages(parts: StageParts, copies, send, n_stages, overlap, schedule: str = 
     layers, prefix, suffix = parts.layers, parts.prefix, parts.suffix
     v_shaped = schedule in V_SHAPED + TWO_WAY
     paid = 0.0 if overlap else send
-    fold = folded(schedule)   # (the stages' tensor-parallel collectives beside their GEMMs)
+    fold = folds_tp(schedule)   # (the stages' tensor-parallel collectives beside their GEMMs)
     def seconds(c):
         return c.forward_s + c.backward_s - (c.folded_forward + c.folded_backward if fold else 0.0)
     units = [seconds(c) for c in layers]

@@ -15,7 +15,6 @@ import dataclasses
 from dataclasses import dataclass, fields
 
 from autopar.cost.prices import local_numel
-from autopar.cost.schedules import SPLIT_BACKWARD
 from autopar.mesh import Mesh
 from autopar.solve import layouts as B
 from autopar.solve.assemble import assemble
@@ -45,7 +44,7 @@ class StageCost:
     # what the tensor-parallel collectives the runtime runs hidden beside their GEMMs
     # (runtime/linear_grads.py; solve/assemble's Assembled.folded) take off forward_s and
     # backward_s (a node's hidden seconds split as its seconds are), where the schedule's
-    # stages fold them (folded())
+    # stages fold them (cost.schedules.folds_tp)
     folded_forward: float = 0.0
     folded_backward: float = 0.0
 
@@ -55,13 +54,6 @@ class StageCost:
 
 
 STATES = ("params", "grads", "optimizer")
-
-
-def folded(schedule: str) -> bool:
-    """Whether the runtime folds the tensor-parallel collectives beside their GEMMs in this
-    schedule's stages (runtime/pipelined.py: not where backward splits off the weight
-    gradients itself; "none", the plan without stages, does)."""
-    return schedule not in SPLIT_BACKWARD
 
 
 @dataclass(frozen=True)
@@ -262,7 +254,7 @@ class _Split:
         b["forward_s"] += f
         self.forward[idx] = f if pn.kind == "op" else 0.0
         b["once_s"] += o
-        hidden = min(sum(self.folded.get(idx, (0.0, 0.0))), per_mb)   # (split as the node's seconds are)
+        hidden = min(self.folded.get(idx, 0.0), per_mb)   # (split as the node's seconds are)
         b["folded_forward"] += hidden * (1 - bwd_share)
         b["folded_backward"] += hidden * bwd_share
         for kind in (*STATES, "activations"):
