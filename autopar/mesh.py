@@ -161,6 +161,11 @@ class DeviceSpec:
     generated code, autograd and the dispatcher): on an asynchronous device the step's
     forward and backward take at least their sum however small the kernels
     (autopar.solve.assemble).  0: no such floor.
+    pointwise: measured elementwise ops that compute more than they move (a CPU's gelu,
+    silu, tanh, exp, sigmoid, softmax: transcendental functions evaluated per element):
+    (op key as autopar.cost.kernels.pointwise_key names it, forward seconds per element,
+    backward seconds per element); such an op takes at least its elements times these.
+    Empty (the GPU presets): they stream at memory bandwidth like any elementwise op.
     source: where the numbers come from.
     """
 
@@ -189,6 +194,7 @@ class DeviceSpec:
     attention_flops: tuple = ()
     kernels: KernelEfficiency | None = None
     host_op: float = 0.0
+    pointwise: tuple = ()
 
     def link(self, kind: str, inside: bool) -> tuple | None:
         """(bandwidth, latency, launch) measured for `kind` on the link class, or None."""
@@ -206,6 +212,7 @@ class DeviceSpec:
         d["optimizer"] = list(self.optimizer)
         d["attention_flops"] = [list(f) for f in self.attention_flops]
         d["kernels"] = self.kernels.to_dict() if self.kernels is not None else None
+        d["pointwise"] = [list(x) for x in self.pointwise]
         return d
 
     @classmethod
@@ -222,7 +229,16 @@ class DeviceSpec:
         d["optimizer"] = tuple(float(x) for x in d.get("optimizer", ()))
         d["attention_flops"] = tuple((str(k), float(v)) for k, v in d.get("attention_flops", ()))
         d["kernels"] = KernelEfficiency.from_dict(d["kernels"]) if d.get("kernels") else None
+        d["pointwise"] = tuple((str(k), float(f), float(b)) for k, f, b in d.get("pointwise", ()))
         return cls(**d)
+
+    def pointwise_seconds(self, key: str | None) -> tuple | None:
+        """(forward, backward) seconds per element measured for the elementwise op `key`
+        (autopar.cost.kernels.pointwise_key), or None."""
+        for k, fwd, bwd in self.pointwise:
+            if k == key:
+                return fwd, bwd
+        return None
 
     def save(self, path) -> None:
         with open(path, "w") as f:

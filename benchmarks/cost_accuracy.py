@@ -107,6 +107,8 @@ def timed_steps(cm, optimizer, inputs, warmup: int, steps: int) -> float:
 def measure(args, spec) -> list:
     rows = []
     for label, shape, names, kw in (CASES if dist.get_world_size() == 4 else CASES_2):
+        if args.only and not any(word in label for word in args.only):
+            continue
         torch.manual_seed(0)
         model, example = build("gpt-tiny", hidden=args.hidden, n_heads=args.n_heads, n_layers=args.n_layers,
                                batch=args.batch, seq=args.seq)
@@ -154,6 +156,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--recalibrate", action="store_true", help="measure the cluster again, not from the cache")
+    parser.add_argument("--only", nargs="*", default=(), help="the cases whose label holds one of these words")
     parser.add_argument("--no-paper", action="store_true", help="skip the Llama-3-8B paper check")
     args = parser.parse_args()
     dist.init_process_group("gloo")

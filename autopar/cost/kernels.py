@@ -47,6 +47,10 @@ REDUCTION_OPS = frozenset({"aten.layer_norm", "aten.native_layer_norm", "aten.rm
 # ops whose backward hands the output's gradient to each operand as it is (no kernel) where
 # the operands have one shape
 PASS_THROUGH_OPS = frozenset({"aten.add", "aten.sub"})
+# elementwise ops that evaluate a transcendental function per element: on a CPU they run
+# below memory bandwidth (DeviceSpec.pointwise measures them); keyed by pointwise_key
+POINTWISE_OPS = frozenset({"aten.gelu", "aten.silu", "aten.tanh", "aten.sigmoid", "aten.exp", "aten.softmax",
+                           "aten._softmax", "aten.log_softmax", "aten._log_softmax", "aten.cross_entropy_loss"})
 REFERENCE_K = 8192   # the reduction length of the GEMM a device's `flops` describe
 SPLIT_K_MIN = 256    # the shortest reduction slice a split-K GEMM gives one tile
 
@@ -142,6 +146,21 @@ def kernel_of(op: str, node: fx.Node, shapes: list) -> Gemm | FlashAttention | S
         causal = bool(node.kwargs.get("is_causal", node.args[5] if len(node.args) > 5 else False))
         return FlashAttention(int(q[-2]), int(kv[-2]), int(q[-1]), causal)
     return None
+
+
+def pointwise_key(op: str, node: fx.Node | None) -> str | None:
+    """The DeviceSpec.pointwise key of an elementwise op that computes more than it moves:
+    its op name, gelu's tanh approximation as "aten.gelu:tanh", the softmax variants as
+    "aten.softmax" and "aten.log_softmax", a cross entropy as the log-softmax over its
+    logits it is; None for any other op.  The op's elements are its first operand's."""
+    if op not in POINTWISE_OPS:
+        return None
+    if op == "aten.cross_entropy_loss":
+        return "aten.log_softmax"
+    if op == "aten.gelu":
+        approximate = node.kwargs.get("approximate", "none") if node is not None else "none"
+        return "aten.gelu:tanh" if approximate == "tanh" else op
+    return op.replace("aten._", "aten.")
 
 
 def gemm_efficiency(m: int, n: int, k: int, kernels: KernelEfficiency, batch: int = 1) -> float:

@@ -13,7 +13,9 @@ measure what training gets):
   small heads far below the matmul rate); torch's AdamW
   step over parameters of a few counts and sizes, fitted as seconds per parameter plus
   seconds per element; an elementwise add over a few sizes,
-  fitted as t = c + bytes / W (W the memory bandwidth); and the cost of one tiny op
+  fitted as t = c + bytes / W (W the memory bandwidth); on a CPU, elementwise ops that
+  evaluate a transcendental function per element (gelu, silu, tanh, softmax; their
+  seconds per element, forward and backward); and the cost of one tiny op
   forward and backward (the op latency: kernel launch, or eager dispatch on a CPU).
 - communication: per mesh axis, all-reduce, all-gather, reduce-scatter, all-to-all and a
   send/recv between neighbours over a range of sizes, with the runtime's own collective
@@ -22,7 +24,9 @@ measure what training gets):
   (f = L + s(n) a, b = c(n) / B), b gives the bandwidth B; with the axis's full groups and
   groups of 2 ranks measured, the two fixed costs give the launch L and the per-step
   latency a (one group size: half of f each).  Axes inside a node fill the "intra" link,
-  axes across nodes the "inter" one (several axes of one class: their mean).
+  axes across nodes the "inter" one (several axes of one class: their mean).  On CPU
+  ranks each call is timed after a stretch of compute, as a step makes it (step_chain:
+  calls timed back to back are up to 2x cheaper there).
 
 The result is an autopar.DeviceSpec (`DeviceSpec.load(path)`); a link class not measured
 (one node: "inter") keeps the base preset's numbers.  Results are cached per cluster
@@ -55,7 +59,7 @@ from autopar.passes.redistribute import all_gather_dim, all_to_all_dims, reduce_
 
 log = logging.getLogger("autopar")
 
-FORMAT = 1
+FORMAT = 2   # 2: CPU collectives timed after compute (step_chain), pointwise ops measured
 # (sizes, repeats) per device type: small enough for minutes on a loaded CPU host
 # linear layers (tokens, in, out) and causal attention (batch, heads, seq, head dim) of
 # the shapes training runs
@@ -89,6 +93,7 @@ def _sync(device_type: str) -> None:
 # each timed run repeats the call until it lasts this long: compute runs long enough for
 # ranks that share cores to share them as in training (a scheduler's slices are ms long)
 MIN_SECONDS = {"compute": 0.15, "comm": 0.02, "quick": 0.002}
+STEP_SEGMENT_S = 0.004   # the compute a CPU step runs between two collectives (step_chain)
 
 
 def _slowest(value: float, device_type: str, group) -> float:
@@ -137,6 +142,37 @@ def fit_line(x, t, relative: bool = True) -> tuple:
 
 # ------------------------------------------------------------------ compute
 
+POINTWISE_ELEMENTS = 2**18   # a transformer MLP's activation on a CPU rank: 256 tokens x 1,024
+POINTWISE = {   # DeviceSpec.pointwise keys (autopar.cost.kernels.pointwise_key) and how to run them
+    "aten.gelu": F.gelu,
+    "aten.gelu:tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "aten.silu": F.silu,
+    "aten.tanh": torch.tanh,
+    "aten.sigmoid": torch.sigmoid,
+    "aten.exp": torch.exp,
+    "aten.softmax": lambda x: x.view(-1, 1024).softmax(-1),
+    "aten.log_softmax": lambda x: x.view(-1, 1024).log_softmax(-1),
+}
+
+
+def measure_pointwise(dev, device_type: str, repeats: int, what: str) -> tuple:
+    """(key, forward seconds, backward seconds) of each POINTWISE op over
+    POINTWISE_ELEMENTS float32 elements.  On a CPU they compute more than they move: a
+    gelu's tanh form takes about 0.9 ms for 2^19 elements, against 0.05 ms for an add, so
+    the memory roofline prices it 15x too cheap."""
+    x = torch.randn(POINTWISE_ELEMENTS, device=dev, requires_grad=True)
+    out = []
+    for key, fn in POINTWISE.items():
+        grad = torch.ones_like(fn(x))
+        fwd = _timed(lambda: fn(x), device_type, repeats, what=what)
+        both = _timed(lambda: torch.autograd.grad(fn(x), x, grad), device_type, repeats, what=what)
+        out.append((key, fwd, max(both - fwd, 0.0)))
+    _progress("pointwise (ns per element, forward / backward): " +
+              ", ".join(f"{k} {f / POINTWISE_ELEMENTS * 1e9:.2f}/{b / POINTWISE_ELEMENTS * 1e9:.2f}"
+                        for k, f, b in out))
+    return tuple(out)
+
+
 def measure_compute(device_type: str, repeats: int, quick: bool = False) -> dict:
     dev = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     what = "quick" if quick else "compute"
@@ -172,6 +208,9 @@ def measure_compute(device_type: str, repeats: int, quick: bool = False) -> dict
     rows["add float32"] = points
     bandwidth = 1.0 / per_byte
     _progress(f"memory bandwidth: {bandwidth / 1e9:.1f} GB/s")
+    pointwise = measure_pointwise(dev, device_type, repeats, what) if device_type != "cuda" else ()
+    for key, fwd, bwd in pointwise:
+        rows[f"pointwise {key} (elements, forward s, backward s)"] = [(POINTWISE_ELEMENTS, fwd, bwd)]
     # a tiny op's forward, and forward plus backward, in a chain like a model's graph
     x = torch.randn(8, device=dev, requires_grad=True)
     chain = 32
@@ -201,6 +240,7 @@ def measure_compute(device_type: str, repeats: int, quick: bool = False) -> dict
     rows["adamw (params, elements)"] = points
     _progress(f"AdamW: {max(per_param, 0) * 1e6:.1f} us per parameter, {max(per_element, 1e-15) * 1e9:.2f} ns per element")
     return {"flops": flops, "attention": attention, "mem_bandwidth": bandwidth, "op_latency": op_latency, "points": rows,
+            "pointwise": tuple((k, f / POINTWISE_ELEMENTS, b / POINTWISE_ELEMENTS) for k, f, b in pointwise),
             "optimizer": (max(float(per_param), 0.0), max(float(per_element), 1e-15))}
 
 
@@ -243,8 +283,44 @@ def _steps(kind: str, n: int) -> tuple:
     return n - 1, (n - 1) / n
 
 
+def step_chain(group, device_type: str, repeats: int, quick: bool = False):
+    """(fn, seconds) of a matmul chain of about STEP_SEGMENT_S on a synchronous host (CPU
+    ranks), or None on CUDA.  A step calls each collective after a stretch of compute, and
+    on a host that computes and communicates on the same cores such a call costs more
+    than calls timed back to back (gloo's threads, asleep through the compute, wake; the
+    buffers are out of cache; the slower rank is waited for): on 2 gloo ranks of a 2-core
+    machine a 512 KB all-reduce took 2.9 ms after 4 ms of compute and 2.1 back to back,
+    and inside a Megatron-TP step of the GPT in benchmarks/cost_accuracy.py 2.3-2.6 ms
+    (median call).  So each collective is timed after the chain, less the chain
+    (`in_step`).  On CUDA compute and collectives queue on streams and the host never
+    waits at a call."""
+    if device_type == "cuda":
+        return None
+    what = "quick" if quick else "compute"
+    x, w = torch.randn(256, 512), torch.randn(512, 512)
+    one = _timed(lambda: torch.mm(x, w), device_type, repeats, group, what)
+    reps = max(1, round(STEP_SEGMENT_S / max(one, 1e-7)))
+
+    def chain():
+        for _ in range(reps):
+            torch.mm(x, w)
+
+    return chain, _timed(chain, device_type, repeats, group, what)
+
+
+def in_step(fn, chain, device_type: str, repeats: int, group, quick: bool = False) -> float:
+    """Seconds of one collective call fn() as a step pays it: back to back where `chain` is
+    None (CUDA), else after the compute chain of step_chain, less the chain."""
+    if chain is None:
+        return _timed(fn, device_type, repeats, group, "quick" if quick else "comm")
+    run, seconds = chain
+    both = _timed(lambda: (run(), fn()), device_type, repeats, group, "quick" if quick else "compute")
+    return max(both - seconds, 0.0)
+
+
 def measure_axis(mesh, axis: int, device_type: str, repeats: int, sizes=None, quick: bool = False) -> dict:
-    """Fitted (bandwidth, latency, launch) per collective kind on one mesh axis."""
+    """Fitted (bandwidth, latency, launch) per collective kind on one mesh axis, each call
+    timed as a step pays it (in_step)."""
     group = mesh.get_group(axis)
     n = mesh.size(axis)
     coord = mesh.get_local_rank(axis)
@@ -260,13 +336,16 @@ def measure_axis(mesh, axis: int, device_type: str, repeats: int, sizes=None, qu
                 if dist.get_rank() in (line[i], line[i + 1]):
                     pair_group = g
     out, points = {}, {}
+    chains = {n: step_chain(group, device_type, repeats, quick)}
+    if pair_group is not None:
+        chains[2] = step_chain(pair_group, device_type, repeats, quick)
     sizes = sizes or MESSAGE[device_type]
     for kind in (*KINDS, "send"):
         fits = {}
         configs = [(group, n, coord)] + ([(pair_group, 2, coord % 2)] if pair_group is not None else [])
         for g, size, c in configs:
-            pts = [(float(m), _timed(_collective(kind, m, g, size, c, device), device_type, repeats, g,
-                                     "quick" if quick else "comm"))
+            pts = [(float(m), in_step(_collective(kind, m, g, size, c, device), chains[size], device_type, repeats,
+                                      g, quick))
                    for m in sizes]
             fits[size] = fit_line(*zip(*pts), relative=device_type == "cuda")
             points[f"{kind} n={size}"] = pts
@@ -406,6 +485,7 @@ def calibrate(shape=None, names=None, base: str | None = None, repeats: int = 5,
     spec = replace(
         preset, name=f"{preset.name}-calibrated", flops=tuple(flops.items()),
         attention_flops=tuple(compute["attention"].items()), mem_bandwidth=compute["mem_bandwidth"], op_latency=compute["op_latency"], optimizer=compute["optimizer"],
+        pointwise=compute["pointwise"],
         asynchronous=device_type == "cuda", devices_per_node=per_node, links=tuple(links),
         intra_bandwidth=intra[2] if intra else preset.intra_bandwidth,
         intra_latency=intra[3] if intra else preset.intra_latency,
