@@ -18,6 +18,8 @@ from autopar.cost.prices import BUCKET_BYTES, axis_link, collective_time
 from autopar.mesh import PRESETS, DeviceSpec
 from autopar.models import build
 import autopar.solve.pipeline_search as pipeline_search
+from autopar.runtime import calibrate as calibrate_module
+from autopar.runtime.calibrate import POINTWISE
 from autopar.solve.assemble import hidden_gradient_seconds, hidden_prefetch_seconds
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
@@ -55,6 +57,11 @@ def test_calibrate_measures_every_collective_and_caches(pool2, tmp_path):
     assert 2**28 < spec.host_memory < os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2
     assert 1e6 < spec.disk_write_bandwidth < 1e11 and 1e6 < spec.disk_read_bandwidth < 1e11, spec
     assert 0 < spec.disk_memory and os.listdir(tmp_path / "nvme") == []   # (its files removed)
+    # a CPU's transcendental elementwise ops, each measured per element (DeviceSpec.pointwise)
+    assert {k for k, _, _ in spec.pointwise} == set(POINTWISE)
+    for key, fwd, bwd in spec.pointwise:
+        assert 1e-12 < fwd < 1e-6 and 0 <= bwd < 1e-6, (key, fwd, bwd)
+        assert spec.pointwise_seconds(key) == (fwd, bwd)
     links = {(k, where): (bw, lat, launch) for k, where, bw, lat, launch in spec.links}
     assert set(links) == {(k, "intra") for k in KINDS}            # one node: every kind inside it
     for kind, (bw, lat, launch) in links.items():
@@ -71,7 +78,8 @@ def test_profiles_round_trip_through_files_and_plans(tmp_path):
     spec = dataclasses.replace(
         PRESETS["cpu"], name="measured", links=(("all_reduce", "intra", 3e9, 4e-4, 1e-4),
                                                 ("reduce_scatter", "intra", 1.5e9, 4e-4, 1e-4)),
-        optimizer=(5e-5, 5e-9), attention_flops=(("float32", 1e10),), source="a test")
+        optimizer=(5e-5, 5e-9), attention_flops=(("float32", 1e10),), pointwise=(("aten.gelu", 1e-9, 2e-9),),
+        source="a test")
     path = tmp_path / "dev.json"
     spec.save(path)
     assert DeviceSpec.load(path) == spec
@@ -84,6 +92,49 @@ def test_profiles_round_trip_through_files_and_plans(tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps({"device": {**spec.to_dict(), "speed": 1}}))
     with pytest.raises(ValueError, match="unknown fields \\['speed'\\]"):
         DeviceSpec.load(tmp_path / "bad.json")
+
+
+def test_collectives_are_timed_after_compute_on_a_cpu(monkeypatch):
+    """A CPU step calls each collective after a stretch of compute: in_step times the call
+    after the chain and takes the chain off; on CUDA (no chain) the calls run back to back."""
+    seen = []
+
+    def timed(fn, device_type, repeats, group=None, what="comm"):
+        fn()
+        seen.append(what)
+        return {"compute": 0.0065, "comm": 0.002}[what]
+
+    monkeypatch.setattr(calibrate_module, "_timed", timed)
+    calls = []
+    chain = (lambda: calls.append("chain"), 0.004)
+    assert calibrate_module.in_step(lambda: calls.append("call"), chain, "cpu", 3, None) == pytest.approx(0.0025)
+    assert calls == ["chain", "call"] and seen == ["compute"]
+    assert calibrate_module.in_step(lambda: calls.append("call"), None, "cuda", 3, None) == pytest.approx(0.002)
+    assert seen[-1] == "comm"
+    assert calibrate_module.step_chain(None, "cuda", 3) is None
+
+
+def test_measured_pointwise_ops_price_by_their_elements():
+    """A calibrated CPU prices gelu and the cross entropy by their elements at the measured
+    seconds per element (forward and backward), not as memory traffic; a device without
+    such numbers (every GPU preset) keeps the roofline."""
+    model, example = build("gpt-tiny", hidden=64, n_heads=4, n_layers=2, batch=4, seq=32)
+    base = dataclasses.replace(PRESETS["cpu"], op_latency=0.0)
+    # GPT-2's GELU is the tanh form, a key of its own (the exact one is "aten.gelu")
+    measured = dataclasses.replace(base, pointwise=(("aten.gelu", 1e-7, 1e-7), ("aten.gelu:tanh", 2e-9, 3e-9),
+                                                    ("aten.log_softmax", 1e-9, 1e-9)))
+    nodes = {}
+    for spec in (base, measured):
+        plan = autopar.plan(model, autopar.Mesh((2,), ("dp",), device=spec), example, compare=False,
+                            layout="data-parallel")
+        nodes[spec is measured] = {n.op: n for n in plan.nodes}
+    gelu_elements = 4 * 32 * 4 * 64 / 2              # tokens x the MLP's width, half the batch per rank
+    assert nodes[True]["aten.gelu"].compute_s == pytest.approx(gelu_elements * 5e-9, rel=1e-6)
+    assert nodes[False]["aten.gelu"].compute_s < gelu_elements * 5e-9 / 5
+    loss, plain = nodes[True]["aten.cross_entropy_loss"], nodes[False]["aten.cross_entropy_loss"]
+    vocab = model.lm_head.weight.shape[0]
+    assert loss.compute_s == pytest.approx(4 * 32 * vocab / 2 * 2e-9, rel=1e-6)   # its logits' elements
+    assert loss.compute_s > plain.compute_s
 
 
 def test_measured_links_price_each_kind_by_its_own_line():
