@@ -416,3 +416,23 @@ def test_interleaving_tries_three_or_four_stages_a_group_where_they_split_the_la
     assert space.virtuals("1f1b", 105, 35) == (1,) and space.virtuals("zbv", 8, 2) == (2,)
     fixed = dataclasses.replace(space, fixed=autopar.Pipeline(virtual=5))
     assert fixed.virtuals("interleaved-1f1b", 105, 35) == (5,)
+
+
+def test_one_stage_schedules_need_a_microbatch_per_stage():
+    """GPipe and 1F1B run at least one microbatch per stage (torch's schedules refuse fewer
+    at compile): a fixed layout that asks for fewer is refused when planned, naming the
+    fix, and the search never offers them with fewer."""
+    model, example = build("gpt-tiny", batch=8)
+    mesh = autopar.Mesh((2,), ("pp",), device="cpu")
+    for schedule in ("1f1b", "gpipe"):
+        with pytest.raises(ValueError, match=f"{schedule} runs at least one microbatch per stage .2 stages.; "
+                                             f"give microbatches >= 2"):
+            autopar.plan(model, mesh, example, compare=False,
+                         pipeline=autopar.Pipeline(axis="pp", groups=2, schedule=schedule, microbatches=1))
+    with pytest.raises(ValueError, match="dualpipev runs at least one microbatch per stage .4 stages."):
+        autopar.plan(model, mesh, example, compare=False,
+                     pipeline=autopar.Pipeline(axis="pp", groups=2, schedule="dualpipev", microbatches=2))
+    plan = autopar.plan(model, mesh, example, compare=False,
+                        pipeline=autopar.Pipeline(axis="pp", groups=2, microbatches=1))
+    assert plan.pipeline.pipelined and plan.pipeline.microbatches == 1
+    assert plan.pipeline.schedule not in ("1f1b", "gpipe", "dualpipev")

@@ -55,6 +55,7 @@ def folds_tp(schedule: str) -> bool:
 V_SHAPED = ("zbv", "dualpipev")                        # two chunks per rank, placed as a V
 TWO_WAY = ("chimera",)   # two pipelines in opposite directions, every stage held twice
 ASYNCHRONOUS = ("pipedream-2bw",)   # no flush between steps: weights one step stale (offered only when allowed)
+FULL_FILL = ("gpipe", "1f1b")   # one stage per group that runs at least one microbatch per stage (torch's schedules)
 STREAM_BATCHES = 3   # an asynchronous schedule is simulated as a stream of this many steps
 KINDS = ("F", "B", "W")
 

@@ -13,7 +13,7 @@ import math
 
 from dataclasses import dataclass
 
-from autopar.cost.schedules import ASYNCHRONOUS, SCHEDULES, V_SHAPED
+from autopar.cost.schedules import ASYNCHRONOUS, FULL_FILL, SCHEDULES, V_SHAPED
 from autopar.mesh import Mesh
 
 # The schedules a pipeline may run: the simulator's (autopar.cost.schedules.SCHEDULES), less
@@ -65,6 +65,12 @@ class Pipeline:
             raise ValueError(f"Pipeline(schedule='chimera', groups={self.groups}, microbatches={self.microbatches}): "
                              f"chimera runs an even number of device groups (its two pipelines meet in the middle) "
                              f"and a multiple of groups as microbatches (half of each unit down, half up)")
+        if self.groups is not None and self.microbatches is not None:
+            least = {**{s: self.groups for s in FULL_FILL}, "dualpipev": 2 * self.groups}.get(self.schedule, 0)
+            if self.microbatches < least:
+                raise ValueError(f"Pipeline(schedule={self.schedule!r}, groups={self.groups}, "
+                                 f"microbatches={self.microbatches}): {self.schedule} runs at least one microbatch "
+                                 f"per stage ({least} stages); give microbatches >= {least}")
         if self.groups is not None:
             sizes = [mesh.shape[mesh.axis_names.index(self.axis)]] if self.axis else list(mesh.shape)
             if self.groups < 2 or not any(s % self.groups == 0 for s in sizes):
