@@ -10,7 +10,7 @@ several layouts and meshes, after calibrating the cost model on the same ranks.
    step, zero_grad) after `--warmup`, every step between barriers, median on rank 0.
 3. It prints predicted / measured per case, the Spearman rank correlation of the two
    columns, the median |predicted / measured - 1|, and whether the solver's plan measures
-   fastest of the set (targets: Spearman >= 0.9, median error <= 25 %; printed as
+   fastest of the set (targets: Spearman >= 0.9, median error <= 20 %; printed as
    ratios, not asserted).
 
 Then a paper check, planned on one process: Llama-3-8B on 8 H100 with FSDP (ZeRO-3), one
@@ -178,7 +178,7 @@ def main() -> None:
         fastest = min(rows, key=lambda r: r[2])[0]
         solver = [r for r in rows if r[0].startswith("solver")]
         print(f"\nSpearman rank correlation {rho:.3f} (target >= 0.9: ratio {rho / 0.9:.2f})")
-        print(f"median |predicted / measured - 1| {err * 100:.1f} % (target <= 25 %: ratio {err / 0.25:.2f})")
+        print(f"median |predicted / measured - 1| {err * 100:.1f} % (target <= 20 %: ratio {err / 0.20:.2f})")
         print(f"measured fastest: {fastest}; the solver's plans measured "
               + ", ".join(f"{r[0]} {r[2] * 1e3:.1f} ms (rank {sorted(meas).index(r[2]) + 1} of {len(meas)})"
                           for r in solver))
