@@ -287,8 +287,9 @@ def step_chain(group, device_type: str, repeats: int, quick: bool = False):
     """(fn, seconds) of a matmul chain of about STEP_SEGMENT_S on a synchronous host (CPU
     ranks), or None on CUDA.  A step calls each collective after a stretch of compute, and
     on a host that computes and communicates on the same cores such a call costs more
-    than calls timed back to back (gloo's threads, asleep through the compute, wake; the
-    buffers are out of cache; the slower rank is waited for): on 2 gloo ranks of a 2-core
+    than calls timed back to back (the library's threads wake from sleep, its buffers are
+    out of cache; the ranks arrived within 0.1 ms of each other, so it is not a wait for
+    the slower one): on 2 gloo ranks of a 2-core
     machine a 512 KB all-reduce took 2.9 ms after 4 ms of compute and 2.1 back to back,
     and inside a Megatron-TP step of the GPT in benchmarks/cost_accuracy.py 2.3-2.6 ms
     (median call).  So each collective is timed after the chain, less the chain

@@ -431,18 +431,21 @@ class Problem:
         roofline.  launches: False for an op fused into its chain's kernel (no launch)."""
         mesh = self.mesh
         count = (2 if backward else 1) if launches else 0
-        measured = mesh.device.pointwise_seconds(K.pointwise_key(pn.op, pn.node)) if mesh.device.pointwise else None
         if mesh.device.kernels is None:
             seconds = C.roofline(flops, nbytes, dtype, mesh, kernels=count, attention=pn.op in ATTENTION_OPS)
-            if measured is None:
-                return seconds
-            # evaluated per element of its first operand, below the bandwidth (DeviceSpec.pointwise),
-            # on the rank's share
-            (src, o), placement = pn.inputs[0], s.inputs[0]
-            elements = C.local_numel(self.nodes[src].out_shapes[o], placement, mesh.shape)
-            return max(seconds, elements * measured[1 if backward else 0] + count * mesh.device.op_latency)
-        shapes = [K.local_shape(self.nodes[src].out_shapes[o], p, mesh.shape) for (src, o), p in zip(pn.inputs, s.inputs)]
-        return K.seconds(K.kernel_of(pn.op, pn.node, shapes), flops, nbytes, dtype, mesh, backward=backward, count=count)
+        else:
+            shapes = [K.local_shape(self.nodes[src].out_shapes[o], p, mesh.shape)
+                      for (src, o), p in zip(pn.inputs, s.inputs)]
+            seconds = K.seconds(K.kernel_of(pn.op, pn.node, shapes), flops, nbytes, dtype, mesh, backward=backward,
+                                count=count)
+        measured = mesh.device.pointwise_seconds(K.pointwise_key(pn.op, pn.node)) if mesh.device.pointwise else None
+        if measured is None:
+            return seconds
+        # evaluated per element of its first operand (the rank's share), below the bandwidth
+        # where the device measured it so (DeviceSpec.pointwise: a CPU's)
+        (src, o), placement = pn.inputs[0], s.inputs[0]
+        elements = C.local_numel(self.nodes[src].out_shapes[o], placement, mesh.shape)
+        return max(seconds, elements * measured[1 if backward else 0] + count * mesh.device.op_latency)
 
     def routing_factor(self, pn: PNode, s: Strategy) -> float:
         """How much longer than balanced routing a mixture-of-experts op runs under strategy
