@@ -203,38 +203,6 @@ def test_a_fold_under_recomputation_is_priced_as_the_runtime_folds_it():
     assert 0 < hidden["alternate"] < hidden["selective"] < hidden["none"], hidden
 
 
-def test_the_ilp_puts_back_the_folds_recomputation_stops():
-    """The ILP's edges take off what the folds hide; a recompute assignment puts back the
-    folds the runtime then does not make (solve/recompute._folds_lost): the kept
-    row-parallel linears' under "selective" and, under "alternate", also the input
-    gradients of linears some kept and some not.  What it puts back is what the assembled
-    prediction hides less (the ILP credits an input gradient's fold at least at what its
-    cheapest reader choice hides: within 5 %); full recomputation folds as without."""
-    from autopar.models import build
-    from autopar.solve import layouts as B
-    from autopar.solve.recompute import _folds_lost, mode_costs
-    from autopar.solve.recompute_search import solve_summed
-    from autopar.solve.solution import build_problem
-    model, example = build("llama3-8b", device="meta", batch=2, seq=2048, n_layers=4)
-    mesh = autopar.Mesh((4,), ("tp",), device="h100")
-    problem = build_problem(model, mesh, example, None, autopar.MixedPrecision.of("bf16")).problem
-    rule = B.layouts(mesh)["megatron-tp"]
-    hidden, lost, objective = {}, {}, {}
-    for mode in ("none", "selective", "alternate", "full"):
-        plan = autopar.plan(model, mesh, example, compare=False, layout="megatron-tp", recompute=mode,
-                            mixed_precision=autopar.MixedPrecision())
-        hidden[mode] = sum(plan.predicted.linear_hidden_s.values())
-        solved = solve_summed(problem, rule, None, recompute=mode)
-        objective[mode] = solved.objective
-        kept = mode_costs(problem, solved.choice.modes).kept if solved.choice.modes else set()
-        lost[mode] = sum(m[solved.choice[key.a], solved.choice[key.b]] for key, m in _folds_lost(problem, kept))
-    assert lost["none"] == lost["full"] == 0
-    assert lost["selective"] == pytest.approx(hidden["none"] - hidden["selective"], rel=1e-6)
-    assert lost["alternate"] == pytest.approx(hidden["none"] - hidden["alternate"], rel=0.05)
-    assert lost["alternate"] > 2 * lost["selective"] > 0
-    assert objective["none"] < objective["selective"] < objective["alternate"] < objective["full"]
-
-
 def test_tp_overlap_false_runs_and_prices_the_collectives_whole(pool4):
     """autopar.plan(tp_overlap=False): nothing hidden beside GEMMs on GPUs (the step is the
     folded plan's plus what it hid, the layout being forced), the plan says so, keeps it

@@ -340,11 +340,6 @@ class Problem:
         self.edge_bucketed: dict[EdgeKey, np.ndarray] = {}  # parameter gradients: their bucketed reductions
         self.edge_gathers: dict[EdgeKey, np.ndarray] = {}   # weights read: their forward all-gathers
         self.edge_linear_slack: dict[EdgeKey, np.ndarray] = {}   # more that linears' weight gradients may hide
-        # what the fold of a linear's input gradient (readers all linears) and of a row-parallel
-        # linear's output take off an edge: put back where recomputation keeps the linears so that
-        # the runtime does not fold them (solve/recompute._folds_lost)
-        self.edge_input_fold: dict[EdgeKey, np.ndarray] = {}
-        self.edge_row_fold: dict[EdgeKey, np.ndarray] = {}
         self.edge_costs = {key: self._edge_matrix(key) for key in self.edge_classes}
 
     def overlapped(self, hidden: float, prefetched: float = 0.0, linear_most: bool = False) -> "Problem":
@@ -641,7 +636,6 @@ class Problem:
                 folds = self.prices.one_reduction(src, dst)
                 least = np.where(folds, np.minimum(m, sum(g.min() for g in grads)), 0.0)
                 self.edge_linear_slack[e] = np.where(folds, np.minimum(m, sum(g.max() for g in grads)), 0.0) - least
-                self.edge_input_fold[e] = least
                 m = m - least
             if b.kind == "param":
                 bucketed = self.prices.bucketed(shape, item, src, dst, _zero2(b)[None, :])
@@ -656,8 +650,7 @@ class Problem:
         m = self.prices.seconds(shape, item, p, q)
         if a.kind == "op" and a.op == "aten.linear" and self.folds_tp \
                 and len(self.readers.get((e.a, e.out), ())) == 1:
-            self.edge_row_fold[e] = self._row_parallel_hidden(a, e.out, m, self.prices.one_reduction(p, q))
-            m = m - self.edge_row_fold[e]
+            m = m - self._row_parallel_hidden(a, e.out, m, self.prices.one_reduction(p, q))
         self.edge_forward[e] = m
         if not a.requires_grad:
             return m

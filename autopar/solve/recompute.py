@@ -257,29 +257,7 @@ def _forward_again(problem, modes: dict, layer: dict, kept: set) -> tuple:
             moving[key] = fwd if fwd is not None and fwd.any() else None
         if moving[key] is not None:
             edge_extra[key] = edge_extra.get(key, 0.0) + moving[key]
-    for key, seconds in _folds_lost(problem, kept):
-        edge_extra[key] = edge_extra.get(key, 0.0) + seconds
     return extra, edge_extra
-
-
-def _folds_lost(problem, kept: set):
-    """(edge class, seconds per layout pair) of each fold the edges' prices take off
-    (Problem.edge_input_fold, edge_row_fold) that the runtime does not make where
-    selective recomputation keeps these linears (runtime/linear_grads.fold_linear_gradients,
-    as solve/assemble's _fold_linears prices it): a kept row-parallel linear reduces its
-    output whole, and an input gradient whose linears are some kept and some not moves
-    whole."""
-    if not kept:
-        return
-    for e in problem.edges:
-        if e.kind == "data" and e.a in kept:
-            seconds = problem.edge_row_fold.get(problem.rep_edge(e))
-        elif e.kind == "grad_out" and len({r in kept for r, _ in problem.readers.get((e.b, e.out), ())}) > 1:
-            seconds = problem.edge_input_fold.get(problem.rep_edge(e))
-        else:
-            continue
-        if seconds is not None and seconds.any():
-            yield problem.rep_edge(e), seconds
 
 
 def mode_costs(problem, modes: dict) -> ModeCosts:
