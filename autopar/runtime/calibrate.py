@@ -311,12 +311,15 @@ def step_chain(group, device_type: str, repeats: int, quick: bool = False):
 
 def in_step(fn, chain, device_type: str, repeats: int, group, quick: bool = False) -> float:
     """Seconds of one collective call fn() as a step pays it: back to back where `chain` is
-    None (CUDA), else after the compute chain of step_chain, less the chain."""
+    None (CUDA), else after the compute chain of step_chain, less the chain, and at least
+    what it takes back to back (a small call's difference is within the chain's own
+    noise, and a call never costs less than with everything warm)."""
+    back_to_back = _timed(fn, device_type, repeats, group, "quick" if quick else "comm")
     if chain is None:
-        return _timed(fn, device_type, repeats, group, "quick" if quick else "comm")
+        return back_to_back
     run, seconds = chain
     both = _timed(lambda: (run(), fn()), device_type, repeats, group, "quick" if quick else "compute")
-    return max(both - seconds, 0.0)
+    return max(both - seconds, back_to_back)
 
 
 def measure_axis(mesh, axis: int, device_type: str, repeats: int, sizes=None, quick: bool = False) -> dict:
