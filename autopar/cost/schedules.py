@@ -45,6 +45,11 @@ from functools import cached_property, lru_cache
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev", "chimera",
              "pipedream-2bw")
 SPLIT_BACKWARD = ("zero-bubble", "zbv", "dualpipev")   # backward as B (inputs) and W (weights) passes
+V_SHAPED = ("zbv", "dualpipev")                        # two chunks per rank, placed as a V
+TWO_WAY = ("chimera",)   # two pipelines in opposite directions, every stage held twice
+ASYNCHRONOUS = ("pipedream-2bw",)   # no flush between steps: weights one step stale (offered only when allowed)
+STREAM_BATCHES = 3   # an asynchronous schedule is simulated as a stream of this many steps
+KINDS = ("F", "B", "W")
 
 
 def folds_tp(schedule: str) -> bool:
@@ -52,12 +57,16 @@ def folds_tp(schedule: str) -> bool:
     GEMMs (runtime/linear_grads.py): not where backward splits off the weight gradients
     itself (SPLIT_BACKWARD); "none", the plan without stages, does."""
     return schedule not in SPLIT_BACKWARD
-V_SHAPED = ("zbv", "dualpipev")                        # two chunks per rank, placed as a V
-TWO_WAY = ("chimera",)   # two pipelines in opposite directions, every stage held twice
-ASYNCHRONOUS = ("pipedream-2bw",)   # no flush between steps: weights one step stale (offered only when allowed)
-FULL_FILL = ("gpipe", "1f1b")   # one stage per group that runs at least one microbatch per stage (torch's schedules)
-STREAM_BATCHES = 3   # an asynchronous schedule is simulated as a stream of this many steps
-KINDS = ("F", "B", "W")
+
+
+def least_microbatches(schedule: str | None, groups: int) -> int:
+    """The fewest microbatches `schedule` runs over `groups` device groups: one per stage
+    for GPipe and 1F1B (one stage per group) and DualPipeV (two), as torch's schedules
+    require; 1 for the others (and for None, a schedule not chosen yet)."""
+    if schedule in ("gpipe", "1f1b"):
+        return groups
+    return 2 * groups if schedule == "dualpipev" else 1
+
 
 Op = tuple  # (kind, microbatch, chunk)
 

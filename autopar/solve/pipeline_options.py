@@ -13,7 +13,7 @@ import math
 
 from dataclasses import dataclass
 
-from autopar.cost.schedules import ASYNCHRONOUS, FULL_FILL, SCHEDULES, V_SHAPED
+from autopar.cost.schedules import ASYNCHRONOUS, SCHEDULES, V_SHAPED, least_microbatches
 from autopar.mesh import Mesh
 
 # The schedules a pipeline may run: the simulator's (autopar.cost.schedules.SCHEDULES), less
@@ -66,7 +66,7 @@ class Pipeline:
                              f"chimera runs an even number of device groups (its two pipelines meet in the middle) "
                              f"and a multiple of groups as microbatches (half of each unit down, half up)")
         if self.groups is not None and self.microbatches is not None:
-            least = {**{s: self.groups for s in FULL_FILL}, "dualpipev": 2 * self.groups}.get(self.schedule, 0)
+            least = least_microbatches(self.schedule, self.groups)
             if self.microbatches < least:
                 raise ValueError(f"Pipeline(schedule={self.schedule!r}, groups={self.groups}, "
                                  f"microbatches={self.microbatches}): {self.schedule} runs at least one microbatch "

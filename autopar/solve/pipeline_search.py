@@ -27,7 +27,7 @@ import logging
 import time
 
 from autopar.cost.prices import send_time
-from autopar.cost.schedules import ASYNCHRONOUS, FULL_FILL
+from autopar.cost.schedules import ASYNCHRONOUS, least_microbatches
 from autopar.mesh import parse_bytes
 from autopar.solve.pipeline_candidates import SLOWER, PipelineChoice, evaluate, floor, plain_choices
 from autopar.solve.pipeline_costs import StageCosts
@@ -174,9 +174,8 @@ def _tasks(space: SearchSpace, costs: StageCosts, cut: Cut) -> list:
         for schedule in space.schedules:
             for v in space.virtuals(schedule, len(got.layer_indices), p):
                 n_stages = p * v
-                if len(got.layer_indices) < n_stages or (schedule in FULL_FILL and n_mb < p) or (
-                        schedule == "interleaved-1f1b" and n_mb % p) or (
-                        schedule == "dualpipev" and n_mb < 2 * p) or (schedule == "chimera" and (p % 2 or n_mb % p)):
+                if len(got.layer_indices) < n_stages or n_mb < least_microbatches(schedule, p) or (
+                        schedule == "interleaved-1f1b" and n_mb % p) or (schedule == "chimera" and (p % 2 or n_mb % p)):
                     continue
                 if fixed is not None and not fixed.allows(name, p, schedule, n_mb, v):
                     continue
