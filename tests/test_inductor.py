@@ -29,6 +29,8 @@ def test_inductor_trains_like_one_device(pool4, spec, layout, shape, names):
     result = pool4.run(train_and_compare, spec, plan_dict, 3, None, "adamw", "inductor")[0]
     assert result["ok"], result
     assert result["regions"] > 0 and result["failed"] == 0, result
+    if layout == "data-parallel":   # (GPT's dropouts of probability 0 draw nothing: no cut at them)
+        assert result["regions"] == 1, result
     if layout in ("megatron-tp x dp", "megatron-sp", "ulysses x dp"):   # activation moves inside the regions
         assert result["compiled_moves"] > 0, result
 
@@ -80,6 +82,37 @@ def test_regions_compile_and_keep_the_gradient():
     assert isinstance(regions[0], CompiledRegion) and not regions[0].failed and regions[0].compile_s is not None
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(gw2, gw, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("p, train, cut", [(0.0, True, False), (0.5, False, False), (0.5, True, True)])
+def test_a_dropout_that_draws_nothing_does_not_cut_a_region(p, train, cut):
+    """A dropout of probability 0, or in eval mode, returns its input: it joins the compute
+    around it (run as the plain op, even where the runtime routes it through its random
+    stream), where a dropout that draws runs eagerly between two regions."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from autopar.runtime.rng import RandomStreams, draws_nothing
+
+    def f(x, w):
+        h = torch.ops.aten.native_dropout(torch.relu(x @ w), p, train)[0]
+        return (h.sin() * 2).sum()
+    x, w = torch.randn(4, 8), torch.randn(8, 3)
+    gm = make_fx(f)(x, w)
+    streams = RandomStreams(0, None, torch.device("cpu"))
+    streams.sites.append((torch.ops.aten.native_dropout.default, 0))   # (what install records, without groups)
+    (node,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.native_dropout.default]
+    node.meta["aten_target"], node.target = node.target, streams.draw
+    node.kwargs = {**node.kwargs, "_autopar_site": 0}
+    gm.recompile()
+    assert (draws_nothing(node) is None) == cut
+    state = torch.get_rng_state()
+    expected = gm(x, w)
+    split, regions = compile_regions(gm)
+    assert len(regions) == (2 if cut else 1)
+    assert node.target == streams.draw   # (the graph itself still routes it)
+    got = split(x, w)
+    assert torch.equal(torch.get_rng_state(), state)   # neither moved the user's random state
+    if not cut:
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_an_unknown_backend_is_refused():

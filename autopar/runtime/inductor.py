@@ -9,7 +9,8 @@ copy is then cut into maximal runs of nodes, in graph order, of two kinds:
   functional moves;
 - the rest: moves of parameters and inputs (ZeRO-3's gathers and the runtime's hooks on
   the parameters' own tensors), the runtime's random draws (dropout masks from autopar's
-  own streams, replayed under recomputation), recomputed regions, autopar's own ops
+  own streams, replayed under recomputation; a dropout of probability 0, or in eval mode,
+  draws nothing and counts as compute), recomputed regions, autopar's own ops
   (attention over a mesh axis, experts), anything else.
 
 Every compute run with at least MIN_OPS ops that are not views is compiled by
@@ -42,7 +43,7 @@ from torch.fx.passes.split_module import split_module
 
 from autopar.passes.collectives import move
 from autopar.runtime.functional_moves import functional_move
-from autopar.runtime.rng import is_random
+from autopar.runtime.rng import draws_nothing, is_random
 from autopar.solve.graph import VIEWS
 
 log = logging.getLogger("autopar")
@@ -66,7 +67,8 @@ def is_compute(node: fx.Node) -> bool:
         return False
     if node.target is operator.getitem or getattr(node.target, "_autopar_functional", False):
         return True
-    return _aten_name(node) is not None and not is_random(node)   # (random ops draw from autopar's streams)
+    # (random ops draw from autopar's streams; a dropout that draws nothing is compute)
+    return _aten_name(node) is not None and (not is_random(node) or draws_nothing(node) is not None)
 
 
 class CompiledRegion(nn.Module):
@@ -114,13 +116,19 @@ def _from_input(x: fx.Node) -> bool:
 
 def with_functional_moves(gm: fx.GraphModule) -> tuple[fx.GraphModule, int]:
     """A copy of gm whose moves of activations run as functional collectives
-    (runtime/functional_moves.py), so they join the compute runs; gm itself is left as it
-    is.  Returns (the copy, how many moves were rewritten)."""
+    (runtime/functional_moves.py), so they join the compute runs, and whose dropouts that
+    draw nothing (rng.draws_nothing: probability 0, or eval mode) run as the plain op
+    rather than through their stream, so they do not cut a run either; gm itself is left
+    as it is.  Returns (the copy, how many moves were rewritten)."""
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     out = fx.GraphModule(gm, graph)
     count = 0
     for node in out.graph.nodes:
+        op = draws_nothing(node)
+        if op is not None and node.target is not op:   # (runs as the plain op: it draws nothing)
+            node.target = op
+            node.kwargs = {k: v for k, v in node.kwargs.items() if k != "_autopar_site"}
         if node.op != "call_function" or node.target is not move:
             continue
         x, spec, groups_node, *rest = node.args

@@ -52,6 +52,30 @@ def is_random(node: fx.Node) -> bool:
     return True
 
 
+def _argument(node: fx.Node, op, name: str, default=None):
+    """The value of `op`'s argument `name` at `node` (positional or keyword)."""
+    names = [a.name for a in op._schema.arguments]
+    at = names.index(name)
+    return node.args[at] if at < len(node.args) else node.kwargs.get(name, default)
+
+
+def draws_nothing(node: fx.Node):
+    """The ATen op of a random node (routed through a stream or not) that draws nothing
+    here: a dropout whose probability is the constant 0, or whose `train` flag is the
+    constant False (eval mode), returns its input and an all-true mask.  Else None.  The
+    op stays routed through its stream (so running it never moves the user's own random
+    state), but a compiled region may run it as the plain op, which Inductor reduces to
+    its input."""
+    op = node.meta.get("aten_target", node.target) if node.op == "call_function" else None
+    if op not in (torch.ops.aten.native_dropout.default, torch.ops.aten.dropout.default):
+        return None
+    p = _argument(node, op, "p")
+    train = _argument(node, op, "train")
+    if isinstance(p, (int, float)) and p == 0 or train is False:
+        return op
+    return None
+
+
 class RandomStreams:
     """The streams of one compiled module (see the module docstring).  `calls` counts the
     forward calls of its graphs (each pipeline stage's call of a microbatch is one)."""
