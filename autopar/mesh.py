@@ -152,7 +152,8 @@ class DeviceSpec:
     with the ring formulas of autopar.cost.collectives.  A kind or link not listed uses the
     bandwidths and latencies above.  optimizer: measured AdamW step (seconds per
     parameter tensor, seconds per element); empty: priced as memory traffic
-    (cost.optimizer_seconds).  attention_flops: FLOP/s of the fused attention kernel per
+    (cost.optimizer_seconds).  optimizer_fused: the same for AdamW's fused kernel (what a
+    plan for the backend "inductor" runs).  attention_flops: FLOP/s of the fused attention kernel per
     dtype where it runs slower than matrix multiplies (a CPU's flash attention at small
     head sizes); empty: `flops`.  kernels: how a GPU's kernels fall below these rates by
     shape (KernelEfficiency); None: every op is a roofline at `flops` and `mem_bandwidth`.
@@ -191,6 +192,7 @@ class DeviceSpec:
     links: tuple = ()
     source: str = ""
     optimizer: tuple = ()
+    optimizer_fused: tuple = ()
     attention_flops: tuple = ()
     kernels: KernelEfficiency | None = None
     host_op: float = 0.0
@@ -210,6 +212,7 @@ class DeviceSpec:
         d["algorithms"] = list(self.algorithms)
         d["links"] = [list(x) for x in self.links]
         d["optimizer"] = list(self.optimizer)
+        d["optimizer_fused"] = list(self.optimizer_fused)
         d["attention_flops"] = [list(f) for f in self.attention_flops]
         d["kernels"] = self.kernels.to_dict() if self.kernels is not None else None
         d["pointwise"] = [list(x) for x in self.pointwise]
@@ -227,6 +230,7 @@ class DeviceSpec:
         d["algorithms"] = tuple(d.get("algorithms", ("ring",)))
         d["links"] = tuple((str(k), str(w), float(b), float(lat), float(ln)) for k, w, b, lat, ln in d.get("links", ()))
         d["optimizer"] = tuple(float(x) for x in d.get("optimizer", ()))
+        d["optimizer_fused"] = tuple(float(x) for x in d.get("optimizer_fused", ()))
         d["attention_flops"] = tuple((str(k), float(v)) for k, v in d.get("attention_flops", ()))
         d["kernels"] = KernelEfficiency.from_dict(d["kernels"]) if d.get("kernels") else None
         d["pointwise"] = tuple((str(k), float(f), float(b)) for k, f, b in d.get("pointwise", ()))

@@ -6,11 +6,14 @@ of one model under one layout, four ways, on gloo ranks.
 - torch: the plain model under `torch.compile`, wrapped as torch's own data parallelism
   does it: DistributedDataParallel for the data-parallel layout, FSDP2's `fully_shard` per
   block and on the root for ZeRO-3 (none for megatron-tp, whose activation all-reduces
-  Inductor compiles inside the regions as functional collectives).
+  Inductor compiles inside the regions as functional collectives); with torch's default
+  AdamW, and again with `AdamW(fused=True)`, the kernel autopar's inductor backend steps.
 
 The same model (seed 0), the same global batch split alike, AdamW, every step between
-barriers, median of `--steps` after `--warmup` (the first step of a compiled variant is its
-compile, printed beside it).  Ratios are against autopar eager, measured in the same run.
+barriers; the variants step in turn, one step each per round (`interleaved`), so a slower
+moment of the machine falls on all of them alike; median of `--steps` rounds after
+`--warmup` (the first step of a compiled variant is its compile, printed beside it).
+Ratios are against autopar eager, measured in the same run.
 
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 4 benchmarks/compiled.py
     ... --models gpt,llama --layouts data-parallel,zero3 --steps 8 --warmup 2
@@ -50,6 +53,21 @@ def _timed(step, steps: int, warmup: int) -> tuple[float, float]:
     return times[0], statistics.median(times[warmup:])
 
 
+def interleaved(steps: dict, rounds: int, warmup: int) -> dict:
+    """name -> (first step's seconds, the median of the timed steps) for every step function
+    of `steps`, run in turn: each round runs one step of each, every step between barriers,
+    so a slower moment of the machine falls on every variant alike and the ratios stay
+    fair; the first `warmup` rounds (the first one compiles) are not counted."""
+    times = {name: [] for name in steps}
+    for _ in range(warmup + rounds):
+        for name, step in steps.items():
+            dist.barrier()
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+    return {name: (t[0], statistics.median(t[warmup:])) for name, t in times.items()}
+
+
 def _model(name: str, batch: int, seq: int):
     preset, size = MODELS[name]
     torch.manual_seed(0)
@@ -57,6 +75,7 @@ def _model(name: str, batch: int, seq: int):
 
 
 def autopar_variant(name, layout, backend, args):
+    """One step of the autopar-compiled model under `backend`."""
     model, example = _model(name, args.batch, args.seq)
     mesh = autopar.Mesh((dist.get_world_size(),), ("dp",), device="cpu")
     plan = autopar.plan(model, mesh, example, compare=False, layout=layout)
@@ -67,12 +86,13 @@ def autopar_variant(name, layout, backend, args):
         cm.train_step(*example)
         opt.step()
         opt.zero_grad()
-    return _timed(step, args.steps, args.warmup)
+    return step
 
 
-def torch_variant(name, layout, args):
+def torch_variant(name, layout, args, fused: bool = False):
     """The plain model, compiled, under DDP (data-parallel) or FSDP2 (zero3); each rank its
-    slice of the global batch."""
+    slice of the global batch; AdamW as torch builds it by default, or its fused kernel
+    (what autopar's inductor backend steps)."""
     model, example = _model(name, args.batch, args.seq)
     rank, world = dist.get_rank(), dist.get_world_size()
     local = tuple(t.chunk(world)[rank] for t in example)
@@ -89,13 +109,13 @@ def torch_variant(name, layout, args):
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         run = torch.compile(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **({"fused": True} if fused else {}))
 
     def step():
         run(*local).backward()
         opt.step()
         opt.zero_grad()
-    return _timed(step, args.steps, args.warmup)
+    return step
 
 
 def main() -> None:
@@ -110,23 +130,35 @@ def main() -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     say(f"{dist.get_world_size()} gloo ranks, {torch.get_num_threads()} thread each; batch {args.batch} x {args.seq}; "
-        f"median of {args.steps} steps after {args.warmup}")
+        f"median of {args.steps} rounds after {args.warmup}, the variants stepping in turn")
     say(f"{'model':<6} {'layout':<14} {'autopar eager':>14} {'autopar inductor':>17} {'torch + compile':>16} "
-        f"{'inductor / eager':>17} {'inductor / torch':>17}   first steps (compile)")
+        f"{'+ fused AdamW':>17} {'inductor / eager':>17} {'inductor / torch':>17} {'/ torch fused':>17}   "
+        f"first steps (compile)")
     for name in args.models.split(","):
         for layout in args.layouts.split(","):
-            eager_first, eager = autopar_variant(name, layout, "eager", args)
-            ind_first, ind = autopar_variant(name, layout, "inductor", args)
+            variants = {"eager": autopar_variant(name, layout, "eager", args),
+                        "inductor": autopar_variant(name, layout, "inductor", args)}
+            ref_compile = float("nan")
             try:
                 if layout not in ("data-parallel", "zero3"):   # (torch's wrappers have no such layout)
                     raise NotImplementedError(f"no torch wrapper for {layout}")
-                ref_first, ref = torch_variant(name, layout, args)
+                for key, fused in (("torch", False), ("torch fused", True)):
+                    variants[key] = torch_variant(name, layout, args, fused)
+                    start = time.perf_counter()
+                    variants[key]()   # (its compile: a baseline that fails fails here, alone)
+                    if key == "torch":
+                        ref_compile = time.perf_counter() - start
             except Exception as exc:   # the baseline failing leaves the rest
                 say(f"  torch baseline failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
-                ref_first, ref = float("nan"), float("nan")
+                variants.pop("torch", None)
+                variants.pop("torch fused", None)
+            got = interleaved(variants, args.steps, args.warmup)
+            (eager_first, eager), (ind_first, ind) = got["eager"], got["inductor"]
+            ref = got["torch"][1] if "torch" in got else float("nan")
+            ref_fused = got["torch fused"][1] if "torch fused" in got else float("nan")
             say(f"{name:<6} {layout:<14} {eager * 1e3:11.1f} ms {ind * 1e3:14.1f} ms {ref * 1e3:13.1f} ms "
-                f"{ind / eager:17.2f} {ind / ref:17.2f}   eager {eager_first:.1f} s, inductor {ind_first:.1f} s, "
-                f"torch {ref_first:.1f} s")
+                f"{ref_fused * 1e3:14.1f} ms {ind / eager:17.2f} {ind / ref:17.2f} {ind / ref_fused:17.2f}   "
+                f"eager {eager_first:.1f} s, inductor {ind_first:.1f} s, torch {ref_compile:.1f} s")
     dist.destroy_process_group()
 
 

@@ -661,6 +661,17 @@ def backend_chosen(spec: tuple, plan_dict: dict) -> str:
     return autopar.compile(model, plan.device_mesh(), args, example_kwargs=kwargs or None, plan=plan).backend
 
 
+def optimizer_fused(spec: tuple, plan_dict: dict, backend: str, asks: list) -> list:
+    """For each (optimizer class name, build_optimizer's keyword arguments) in `asks`, the
+    `fused` default of the optimizer cm.build_optimizer builds under `backend` ("absent"
+    where the class has no such option)."""
+    plan = Plan.from_dict(plan_dict)
+    model, args, kwargs = build_case(spec)
+    cm = autopar.compile(model, plan.device_mesh(), args, example_kwargs=kwargs or None, plan=plan, backend=backend)
+    return [cm.build_optimizer(getattr(torch.optim, name), lr=1e-3, **options).optimizer.defaults.get("fused", "absent")
+            for name, options in asks]
+
+
 def under_backend(backend: str, job, *args):
     """Run `job(*args)` with autopar.compile defaulting to `backend`: the runtime's jobs
     above, unchanged, under another backend."""

@@ -115,6 +115,35 @@ def test_a_dropout_that_draws_nothing_does_not_cut_a_region(p, train, cut):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
+def test_inductor_steps_the_fused_optimizer_unless_told_otherwise(pool2):
+    """Under backend "inductor" build_optimizer runs an optimizer's fused kernel where it has
+    one and the call chose neither `fused` nor `foreach`; eager runs torch's default."""
+    from rt_cases import optimizer_fused
+    plan = plan_for(GPT, "data-parallel", shape=(2,), names=("dp",))
+    asks = [("AdamW", {}), ("SGD", {}), ("AdamW", {"fused": False}), ("AdamW", {"foreach": False}), ("RMSprop", {})]
+    assert pool2.run(optimizer_fused, GPT, plan, "inductor", asks)[0] == [True, True, False, None, "absent"]
+    assert pool2.run(optimizer_fused, GPT, plan, "eager", asks[:2])[0] == [None, None]
+
+
+def test_plans_for_inductor_price_the_fused_optimizer_step():
+    """The fused AdamW kernel reads and writes each element FUSED_ADAMW_ACCESSES times,
+    against ADAMW_ACCESSES for the multi-tensor step, and makes no temporaries: a plan
+    priced for Inductor has a cheaper step and no step memory (float32, one H100)."""
+    from autopar.cost import prices
+    from autopar.models import build
+    mesh = autopar.Mesh((8,), ("dp",), device="h100")
+    assert prices.optimizer_seconds(1e9, 4, False, mesh, fused=True) == pytest.approx(
+        prices.optimizer_seconds(1e9, 4, False, mesh) * prices.FUSED_ADAMW_ACCESSES / prices.ADAMW_ACCESSES)
+    model, example = build("gpt-tiny", device="meta", batch=8, seq=64)
+    plans = {b: autopar.plan(model, mesh, example, compare=False, layout="zero2", backend=b)
+             for b in ("eager", "inductor")}
+    assert plans["eager"].predicted.step_memory > 0 and plans["inductor"].predicted.step_memory == 0
+    calibrated = autopar.Mesh((8,), ("dp",), device=autopar.mesh.DeviceSpec.from_dict(
+        {**mesh.device.to_dict(), "optimizer": [1e-5, 2e-11], "optimizer_fused": [1e-6, 5e-12]}))
+    assert prices.optimizer_seconds(1e6, 4, False, calibrated, fused=True) == pytest.approx(1e-6 + 5e-12 * 1e6)
+    assert prices.optimizer_seconds(1e6, 4, False, calibrated) == pytest.approx(1e-5 + 2e-11 * 1e6)
+
+
 def test_an_unknown_backend_is_refused():
     with pytest.raises(ValueError, match=r"backend='tvm': choose 'eager'.*or 'inductor'"):
         check_backend("tvm")

@@ -120,7 +120,8 @@ def step_temporary_bytes(param_itemsize: int, mixed_precision: bool, foreach: bo
     tensors (the denominator sqrt(v) + eps).  Measured on one H100 for a 1.4 B-parameter
     Llama slice under bf16 mixed precision: the step's peak was 11.14 GB above the states
     and gradients, 2 x 4 bytes x 1.39 B elements (docs/gpu/2026-11-26-h100-gpu_memory.txt).
-    On a CPU Adam loops over the tensors one at a time: its temporaries are one tensor's.
+    On a CPU Adam loops over the tensors one at a time: its temporaries are one tensor's;
+    the fused kernel (backend "inductor") makes none either, so `foreach` is False for it.
     The runtime steps in runs (STEP_CHUNK_BYTES; step_temporary_total adds them up)."""
     master = 4 if mixed_precision else param_itemsize
     return (4.0 if mixed_precision else 0.0) + (master if foreach else 0.0)
@@ -424,7 +425,8 @@ def roofline(flops: float, nbytes: float, dtype: torch.dtype, mesh: Mesh, kernel
     return max(work, launch) if dev.asynchronous else work + launch
 
 
-def optimizer_seconds(elements: float, param_itemsize: int, mixed_precision: bool, mesh: Mesh) -> float:
+def optimizer_seconds(elements: float, param_itemsize: int, mixed_precision: bool, mesh: Mesh,
+                      fused: bool = False) -> float:
     """Adam's step over one parameter's `elements`: memory-bound.  On a GPU torch's
     multi-tensor AdamW updates every parameter in a few launches (no launch is charged per
     parameter) but in eight passes over the state: weight decay, the first moment's lerp,
@@ -436,22 +438,32 @@ def optimizer_seconds(elements: float, param_itemsize: int, mixed_precision: boo
     (docs/gpu/2026-11-26-h100-host.txt): 26-29 ps per element in float32 and 33 with
     master weights, against 27 and 31 here.  A CPU rank runs the for-loop Adam, about ten
     eager ops per parameter, priced as one read and write of the weight, gradient and
-    state.  A calibrated device has the step measured."""
+    state.  A calibrated device has the step measured.
+
+    fused: AdamW's fused kernel (what the runtime builds under backend "inductor",
+    runtime/optimizer.fused_options) reads the updated tensor, its gradient and both
+    moments once and writes the tensor and the moments: FUSED_ADAMW_ACCESSES, one launch
+    per device and dtype for all the parameters (none charged per parameter)."""
     if not elements:
         return 0.0
-    if mesh.device.optimizer:   # measured (autopar calibrate)
-        per_param, per_element = mesh.device.optimizer
+    measured = mesh.device.optimizer_fused if fused else mesh.device.optimizer
+    if measured:   # (autopar calibrate)
+        per_param, per_element = measured
         return per_param + per_element * elements
     state = state_bytes(param_itemsize, mixed_precision)
+    updated = 4 if mixed_precision else param_itemsize
+    cast = 2 * (4 + param_itemsize) if mixed_precision else 0
+    if fused:
+        return roofline(0.0, elements * (FUSED_ADAMW_ACCESSES * updated + cast), torch.float32, mesh, kernels=0)
     if not mesh.device.asynchronous:
         nbytes = elements * (3 * param_itemsize + 2 * state)
         return roofline(0.0, nbytes, torch.float32, mesh, kernels=10)
-    updated = 4 if mixed_precision else param_itemsize
-    nbytes = elements * (ADAMW_ACCESSES * updated + (2 * (4 + param_itemsize) if mixed_precision else 0))
+    nbytes = elements * (ADAMW_ACCESSES * updated + cast)
     return roofline(0.0, nbytes, torch.float32, mesh, kernels=0)
 
 
 ADAMW_ACCESSES = 20   # element reads and writes of torch's multi-tensor AdamW step (optimizer_seconds)
+FUSED_ADAMW_ACCESSES = 7   # ... of its fused kernel: tensor, gradient, two moments read; tensor, moments written
 
 
 @dataclass(frozen=True)

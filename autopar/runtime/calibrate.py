@@ -59,7 +59,7 @@ from autopar.passes.redistribute import all_gather_dim, all_to_all_dims, reduce_
 
 log = logging.getLogger("autopar")
 
-FORMAT = 2   # 2: CPU collectives timed after compute (step_chain), pointwise ops measured
+FORMAT = 3   # 2: CPU collectives timed after compute (step_chain), pointwise ops measured; 3: fused AdamW measured
 # (sizes, repeats) per device type: small enough for minutes on a loaded CPU host
 # linear layers (tokens, in, out) and causal attention (batch, heads, seq, head dim) of
 # the shapes training runs
@@ -226,22 +226,28 @@ def measure_compute(device_type: str, repeats: int, quick: bool = False) -> dict
     op_latency = fwd / chain
     rows["tiny op"] = [(chain, fwd), (chain, both)]
     _progress(f"op latency: {op_latency * 1e6:.1f} us forward, {(both - fwd) / chain * 1e6:.1f} us backward")
-    # torch's AdamW step (as the runtime builds it) over k parameters of e elements each
-    points = []
-    for k, e in ((4, 2**10), (32, 2**10), (4, 2**20), (16, 2**18)):
-        params = [torch.zeros(e, device=dev, requires_grad=True) for _ in range(k)]
-        for p in params:
-            p.grad = torch.randn(e, device=dev)
-        opt = torch.optim.AdamW(params, lr=1e-3)
-        points.append((k, k * e, _timed(opt.step, device_type, repeats, what=what)))
-    ks, es, ts = (np.array(c, float) for c in zip(*points))
-    w = 1.0 / ts   # relative error: the small steps fix the per-parameter cost, the large the per-element
-    (per_param, per_element), *_ = np.linalg.lstsq(np.stack([ks, es], 1) * w[:, None], ts * w, rcond=None)
-    rows["adamw (params, elements)"] = points
-    _progress(f"AdamW: {max(per_param, 0) * 1e6:.1f} us per parameter, {max(per_element, 1e-15) * 1e9:.2f} ns per element")
+    # torch's AdamW step (as the runtime builds it: torch's default, and the fused kernel the
+    # backend "inductor" runs) over k parameters of e elements each
+    optimizer = {}
+    for fused in (False, True):
+        points = []
+        for k, e in ((4, 2**10), (32, 2**10), (4, 2**20), (16, 2**18)):
+            params = [torch.zeros(e, device=dev, requires_grad=True) for _ in range(k)]
+            for p in params:
+                p.grad = torch.randn(e, device=dev)
+            opt = torch.optim.AdamW(params, lr=1e-3, **({"fused": True} if fused else {}))
+            points.append((k, k * e, _timed(opt.step, device_type, repeats, what=what)))
+        ks, es, ts = (np.array(c, float) for c in zip(*points))
+        w = 1.0 / ts   # relative error: the small steps fix the per-parameter cost, the large the per-element
+        (per_param, per_element), *_ = np.linalg.lstsq(np.stack([ks, es], 1) * w[:, None], ts * w, rcond=None)
+        name = "adamw fused" if fused else "adamw"
+        rows[f"{name} (params, elements)"] = points
+        _progress(f"{'AdamW, fused' if fused else 'AdamW'}: {max(per_param, 0) * 1e6:.1f} us per parameter, "
+                  f"{max(per_element, 1e-15) * 1e9:.2f} ns per element")
+        optimizer[fused] = (max(float(per_param), 0.0), max(float(per_element), 1e-15))
     return {"flops": flops, "attention": attention, "mem_bandwidth": bandwidth, "op_latency": op_latency, "points": rows,
             "pointwise": tuple((k, f / POINTWISE_ELEMENTS, b / POINTWISE_ELEMENTS) for k, f, b in pointwise),
-            "optimizer": (max(float(per_param), 0.0), max(float(per_element), 1e-15))}
+            "optimizer": optimizer[False], "optimizer_fused": optimizer[True]}
 
 
 # ------------------------------------------------------------------ communication
@@ -489,6 +495,7 @@ def calibrate(shape=None, names=None, base: str | None = None, repeats: int = 5,
     spec = replace(
         preset, name=f"{preset.name}-calibrated", flops=tuple(flops.items()),
         attention_flops=tuple(compute["attention"].items()), mem_bandwidth=compute["mem_bandwidth"], op_latency=compute["op_latency"], optimizer=compute["optimizer"],
+        optimizer_fused=compute.get("optimizer_fused", ()),
         pointwise=compute["pointwise"],
         asynchronous=device_type == "cuda", devices_per_node=per_node, links=tuple(links),
         intra_bandwidth=intra[2] if intra else preset.intra_bandwidth,

@@ -250,9 +250,11 @@ class CompiledModel(nn.Module):
         anyway.  The result is a torch.optim.Optimizer wrapping one of class `cls` (step,
         zero_grad, param_groups, LR schedulers); for an elementwise optimizer its
         state_dict() is under parameter names with DTensors and loads into any plan or mesh,
-        as torch.distributed.checkpoint expects."""
+        as torch.distributed.checkpoint expects.  Under backend "inductor" an optimizer
+        with a fused update (Adam, AdamW, SGD, Adagrad) runs it (fused=True) unless the
+        call says `fused` or `foreach`: the step is compiled like the rest, and priced so."""
         optimizer = build_optimizer(self.rank_state, cls, elementwise, pipelined=self.runner.pipelined,
-                                    bucket_bytes=self.bucket_bytes, **kwargs)
+                                    bucket_bytes=self.bucket_bytes, fuse=self.backend == "inductor", **kwargs)
         self._optimizers.append(weakref.ref(optimizer))
         return optimizer
 

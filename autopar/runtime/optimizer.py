@@ -11,6 +11,7 @@ changed.  Both are torch.optim.Optimizers, so LR schedulers take them.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 
 import torch
@@ -25,12 +26,28 @@ from autopar.runtime.whole_params import ELEMENTWISE, WholeParamOptimizer
 log = logging.getLogger("autopar")
 
 
+def fused_options(cls, kwargs: dict) -> dict:
+    """`kwargs` with fused=True added where `cls` has a fused update (torch's Adam, AdamW,
+    SGD, Adagrad: one kernel per device and dtype reads each parameter, its gradient and its
+    states once) and the caller chose neither `fused` nor `foreach`; else `kwargs` as given."""
+    if "fused" in kwargs or "foreach" in kwargs or "fused" not in inspect.signature(cls.__init__).parameters:
+        return kwargs
+    return {**kwargs, "fused": True}
+
+
 def build_optimizer(state, cls, elementwise: bool | None, *, pipelined: bool, bucket_bytes: int,
-                    **kwargs) -> WrappedOptimizer:
+                    fuse: bool = False, **kwargs) -> WrappedOptimizer:
     """`cls(**kwargs)` over what this rank owns of the parameters of `state`
     (runtime/state.RankState), as the module docstring says.  pipelined: the model runs
     pipeline stages (no whole-parameter optimizer over split weights there yet);
-    bucket_bytes: the size of the all-gathers of ZeRO-1/2 chunks after a step."""
+    bucket_bytes: the size of the all-gathers of ZeRO-1/2 chunks after a step; fuse: the
+    update runs as the class's fused kernel where it has one (fused_options; the backend
+    "inductor" compiles the step, and the plan prices it so)."""
+    if fuse:
+        asked, kwargs = kwargs, fused_options(cls, kwargs)
+        if kwargs is not asked:
+            log.info("%s steps with its fused kernel (backend inductor); pass fused=False for torch's default",
+                     cls.__name__)
     if elementwise is None:
         elementwise = cls in ELEMENTWISE
     pieces = bool(state.zero_layouts) or any(

@@ -239,7 +239,14 @@ class Problem:
         """The optimizer step's temporaries under a solved choice (cost.prices.step_temporary_total)."""
         return C.step_temporary_total((self.choices[pn.rep][choice[pn.index]].step_memory for pn in self.nodes
                                        if pn.kind == "param"), self.precision is not None,
-                                      self.mesh.device.asynchronous)
+                                      self._foreach_step)
+
+    @property
+    def _foreach_step(self) -> bool:
+        """Whether the optimizer step runs torch's multi-tensor kernels, whose temporaries
+        span the parameters stepped together: on a GPU, unless the backend "inductor" runs
+        the fused kernel (runtime/optimizer.fused_options)."""
+        return self.mesh.device.asynchronous and self.backend != "inductor"
 
     def saved_entries(self) -> list:
         """(node index, holding) of everything the ops keep when nothing is recomputed."""
@@ -492,7 +499,8 @@ class Problem:
         mem["grads"] = 0.0 if s.offload_weights else (owned if s.zero == 2 and self.accumulation == 1
                                                       else numel) * item
         mem["optimizer"] = 0.0 if s.offload else owned * state
-        compute = C.optimizer_seconds(owned, item, self.precision is not None, mesh) if not s.offload else 0.0
+        compute = C.optimizer_seconds(owned, item, self.precision is not None, mesh,
+                                      fused=self.backend == "inductor") if not s.offload else 0.0
         for st in self.zero_gather_steps(pn, s):
             comm[st.axis] += st.seconds
         if s.offload:
@@ -500,7 +508,7 @@ class Problem:
                                         s.offload_weights)
         compute *= self.once
         step = 0.0 if s.offload else owned * C.step_temporary_bytes(item, self.precision is not None,
-                                                                    mesh.device.asynchronous)
+                                                                    self._foreach_step)
         return Choice(compute, tuple(comm), mem, numel * (2 * item + state), step_memory=step)
 
     def zero_gather_steps(self, pn: PNode, s: Strategy) -> tuple:
