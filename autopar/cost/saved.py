@@ -30,7 +30,9 @@ from autopar.ops import op_name
 
 class Saved(NamedTuple):
     """One tensor an op keeps: kind "in" (operand `index`), "out" (output `index`) or "new"
-    (`nbytes` of a tensor the op makes, at the op's whole global shapes)."""
+    (`nbytes` of a tensor the op makes, at the op's whole global shapes; index SCALAR: a
+    one-element tensor, the same size on every rank however the op is split, as a
+    loss's total weight)."""
 
     kind: str
     index: int
@@ -38,6 +40,7 @@ class Saved(NamedTuple):
 
 
 FUSED_ATTENTION = "aten.scaled_dot_product_attention"
+SCALAR = -1   # Saved.index of a "new" one-element tensor
 
 
 def saved_by(node: fx.Node, requires_grad: list, gpu: bool) -> tuple | None:
@@ -116,7 +119,7 @@ def _probe(target, args_sig, kwargs_sig, requires_grad):
         elif s in made:
             result.append(Saved("out", made[s]))
         else:
-            result.append(Saved("new", 0, t.untyped_storage().nbytes()))
+            result.append(Saved("new", SCALAR if t.numel() == 1 else 0, t.untyped_storage().nbytes()))
     return tuple(result)
 
 

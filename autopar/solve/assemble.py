@@ -56,6 +56,11 @@ def assemble(problem: Problem, choice: dict) -> Assembled:
         nodes[pn.index] = NodeChoice(pn.name, pn.op, pn.module if pn.kind != "param" else pn.param_name,
                                      s.name, tuple(s.split), tuple(s.inputs), tuple(s.outputs), tuple(s.grads),
                                      c.compute, sum(c.comm) + edge_comm, sum(c.memory.values()), tuple(s.reduced))
+    if not problem.seen_alike(choice):   # the ranks compare their finite checks: one scalar all-reduce,
+        check = tally.finite_check()      # the output node's time
+        out = next((i for i, n in nodes.items() if problem.nodes[i].kind == "output"), None)
+        if out is not None:
+            nodes[out] = dataclasses.replace(nodes[out], comm_s=nodes[out].comm_s + check)
     predicted = tally.prediction()
     return Assembled(nodes, tuple(tally.collectives), predicted, grad_sums, dict(tally.folded_at))
 
@@ -120,6 +125,16 @@ class _Tally:
                     self.collectives.append(Collective(kind, (names[axis],), nbytes, phase, pn.name, pn.name, t * scale))
         for k, v in c.memory.items():
             self.memory[k] += v
+
+    def finite_check(self) -> float:
+        """The finite check's all-reduce (Problem.finite_check), after backward, hiding
+        nothing; returns its seconds."""
+        names = self.problem.mesh.axis_names
+        for st in self.problem.finite_check:
+            self.comm[st.axis] += st.seconds
+            self.collectives.append(Collective(st.kind, (names[st.axis],), st.nbytes, "step", "output",
+                                               "finite check", st.seconds, st.algorithm))
+        return sum(st.seconds for st in self.problem.finite_check)
 
     def edges(self, pn) -> float:
         """The redistributions of the edges `pn` owns; returns their seconds."""

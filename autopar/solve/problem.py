@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar.cost import kernels as K
 from autopar.cost import prices as C
@@ -31,7 +31,7 @@ from autopar.trace.export import Traced
 from autopar.solve.graph import VIEWS, Choice, EdgeKey, PNode, add_gradient_sums, build_nodes
 from autopar.solve.layers import share_layers
 from autopar.solve.menus import build_menus, zero_layout
-from autopar.cost.saved import Saved, is_alias, saved_by
+from autopar.cost.saved import SCALAR, Saved, is_alias, saved_by
 
 # ops Inductor fuses with their fusible neighbours into one kernel: pointwise ops, and the
 # reductions of norms and softmax, which take pointwise prologues and epilogues
@@ -183,7 +183,11 @@ class Problem:
                     held.append(((pn.index, it.index), "out", it.index,
                                  math.prod(pn.out_shapes[it.index]) * pn.out_dtypes[it.index].itemsize))
                 else:
-                    held.append((None, "new", 0, it.nbytes))
+                    held.append((None, "new", it.index, it.nbytes))
+            if pn.op == "aten.cross_entropy_loss" and op_arg(pn.node, 3, "reduction", 1) == 1:
+                # split by rows or classes, the runtime's mean divides by the count of the
+                # targets it counts (passes/local_ops.local_cross_entropy), which it keeps
+                held.append((None, "count", 0, 8.0))
             self.holdings[pn.index] = held
             for key, *_ in held:
                 if key is not None:
@@ -212,6 +216,11 @@ class Problem:
             src, o = pn.inputs[index]
             shape = self.nodes[src].out_shapes[o]
             return nbytes * C.local_numel(shape, s.inputs[index], mesh.shape) / max(1, math.prod(shape))
+        if kind == "count":   # (a local cross entropy's count, _find_saved)
+            split = any(not isinstance(p, Replicate) for lay in (*s.inputs, *s.outputs) for p in lay)
+            return nbytes if split else 0.0
+        if kind == "new" and index == SCALAR:
+            return nbytes
         if kind in ("out", "result"):   # (result: the op's output as it returns it)
             shape = pn.out_shapes[index]
             return nbytes * C.local_numel(shape, s.outputs[index], mesh.shape) / max(1, math.prod(shape))
@@ -566,18 +575,26 @@ class Problem:
             steps = self._redistribute(shape, item, a.strategies[i].outputs[0], target)
             if b.kind == "param":
                 steps = self._once_per_step(C.bucketed(steps, math.prod(shape) * item, bucket_kinds(b.strategies[j])))
+            elif self._cone_deferred(b, e.out, [a.strategies[i].outputs[0]])[j, 0]:
+                steps = self._once_per_step(C.bucketed(steps, math.prod(shape) * item, ("all_reduce",)))
             return (), steps
         p = a.strategies[i].outputs[e.out]
         q = b.strategies[j].inputs[e.operand]
         g = b.strategies[j].grads[e.operand]
         shape, item = a.out_shapes[e.out], a.out_dtypes[e.out].itemsize
         fwd = self._redistribute(shape, item, p, q)
+        if b.kind == "output" and math.prod(shape) == 1 and self._loss_summed([p], [q])[0, 0]:
+            fwd = C.bucketed(fwd, item, ("all_reduce",))   # the loss, summed with the last bucket
         bwd = ()
         if a.requires_grad and g is not None:
             if (e.a, e.out) not in self._summed:
                 bwd = self._redistribute(shape, item, g, self.grad_destination(a, a.strategies[i], e.out))
                 if a.kind == "param":
                     bwd = self._once_per_step(C.bucketed(bwd, math.prod(shape) * item, bucket_kinds(a.strategies[i])))
+                elif self._cone_deferred(a, e.out, [g])[i, 0]:   # left Partial for the parameters' buckets
+                    bwd = self._once_per_step(C.bucketed(bwd, math.prod(shape) * item, ("all_reduce",)))
+            if a.kind == "param" and (e.b, 0) in self._cones:
+                bwd = bwd + self._cone_split_steps(a, a.strategies[i], b, b.strategies[j])
             if a.kind == "param":  # gathered for use, dropped after forward: gather again for backward
                 if self.grouped_pair(a.strategies[i], fwd, bwd):
                     whole = math.prod(shape) * item
@@ -618,6 +635,129 @@ class Problem:
         """Tensors (by representative) whose gradient goes through a gradient-sum node."""
         return {(self.nodes[src].rep, out) for src, out in self.gradsum_of}
 
+    @functools.cached_property
+    def _cones(self) -> set:
+        """Tensors (node index, output) computed from parameters and constants alone whose
+        gradient the runtime may leave Partial for the parameters' bucketed all-reduce
+        (passes/collectives._deferrable_cones: a position embedding looked up by positions
+        the graph makes, added to batch-split activations): an op's output that reads no
+        user input, every other op of its cone (its ancestors up to parameters and
+        constants) read only inside the cone, its parameters read only there too."""
+        out = set()
+        for x in self.nodes:
+            if x.kind != "op" or not x.requires_grad or x.from_input or len(x.out_shapes) != 1:
+                continue
+            cone, todo, ok = {x.index}, [x.index], True
+            while todo and ok:
+                for src, _ in self.nodes[todo.pop()].inputs:
+                    n = self.nodes[src]
+                    if src in cone or (n.kind == "input" and not n.requires_grad):
+                        continue
+                    if n.kind not in ("op", "param") or n.from_input:
+                        ok = False
+                        break
+                    cone.add(src)
+                    if n.kind == "op":
+                        todo.append(src)
+            params = [c for c in cone if self.nodes[c].kind == "param"]
+            if ok and params and all(
+                    r in cone for c in cone - {x.index} for k in range(len(self.nodes[c].out_shapes))
+                    for r, _ in self.readers.get((c, k), ())) \
+                    and all(r == x.index for c in params for r, _ in self.readers.get((c, 0), ())):
+                out.add((x.index, 0))
+        return out
+
+    def _cone_split_steps(self, param: PNode, s: Strategy, root: PNode, t: Strategy) -> tuple:
+        """What a cone root's deferred gradient costs more than its bucketed price where its
+        parameter (read by the root alone, Problem._cones) is stored split on some axes: the
+        runtime defers only over axes where the weight is whole, so there the gradient is
+        all-reduced inside backward, whole (its blocking price less the bucketed one the
+        root's edge already counts).  () where nothing is added."""
+        if (root.index, 0) not in self._cones or not self._replicated(t):
+            return ()
+        axes = [a for a, (p, n) in enumerate(zip(s.outputs[0], self.mesh.shape)) if n > 1 and not isinstance(p, Replicate)]
+        if not axes:
+            return ()
+        shape, item = root.out_shapes[0], root.out_dtypes[0].itemsize
+        src = tuple(Partial() if a in axes else Replicate() for a in range(self.mesh.ndim))
+        blocking = self._redistribute(shape, item, src, tuple(Replicate() for _ in range(self.mesh.ndim)))
+        shared = C.bucketed(blocking, math.prod(shape) * item, ("all_reduce",))
+        return tuple(replace(b, seconds=b.seconds - c.seconds, fixed=b.fixed - c.fixed) for b, c in zip(blocking, shared))
+
+    def seen_alike(self, choice: dict) -> bool:
+        """Whether under `choice` every rank's finite check reads values every rank sees
+        (runtime/faults.seen_alike), so the step runs no all-reduce for it: the loss summed
+        over every mesh axis of more than one rank, and every trained weight whole there,
+        not ZeRO-2/3 or offloaded, its gradient arriving Partial on all those axes (or left
+        Partial for its bucket, Problem._cones).  Checked on the whole choice, outside the
+        ILP: the check's one scalar all-reduce is the assembled step's (assemble.py); the
+        solver does not weigh it."""
+        axes = [a for a, n in enumerate(self.mesh.shape) if n > 1]
+        if not axes:
+            return True
+
+        def strategy(i):
+            return self.nodes[self.nodes[i].rep].strategies[choice[i]]
+
+        def partial(lay):
+            return lay is not None and all(isinstance(lay[a], Partial) for a in axes)
+        for e in self.edges:
+            a, b = self.nodes[e.a], self.nodes[e.b]
+            if e.kind == "data" and b.kind == "output" and math.prod(a.out_shapes[e.out]) == 1 \
+                    and not partial(strategy(e.a).outputs[e.out]):
+                return False
+            if a.kind == "param" and a.requires_grad:
+                s = strategy(e.a)
+                if s.zero >= 2 or s.offload or not all(isinstance(s.outputs[0][x], Replicate) for x in axes):
+                    return False
+                if e.kind == "data" and (a.rep, e.out) not in self._summed and not partial(
+                        strategy(e.b).grads[e.operand]) and not (
+                        (e.b, 0) in self._cones and self._replicated(strategy(e.b))):
+                    return False
+            if e.kind == "grad_out" and b.kind == "param" and b.requires_grad and not partial(strategy(e.a).outputs[0]):
+                return False
+        return True
+
+    @functools.cached_property
+    def finite_check(self) -> tuple:
+        """The steps of the finite check's all-reduce (runtime/faults.check_step: one float64
+        flag over every rank), which a step runs where `seen_alike` is False."""
+        axes = [a for a, n in enumerate(self.mesh.shape) if n > 1]
+        if not axes:
+            return ()
+        src = tuple(Partial() if a in axes else Replicate() for a in range(self.mesh.ndim))
+        return self._redistribute((), 8, src, tuple(Replicate() for _ in range(self.mesh.ndim)))
+
+    @staticmethod
+    def _loss_summed(src: list, dst: list) -> np.ndarray:
+        """[src, dst]: where a one-element graph output (the loss) moving from layout src to
+        dst is only summed (Partial -> Replicate), which the runtime runs as one more element
+        of the last gradient bucket (passes/collectives._scalar_sum, Inserted.output_reduce)."""
+        def kinds(lay):
+            return [type(p).__name__ for p in lay]
+        partial = np.array([set(kinds(x)) <= {"Partial", "Replicate"} and "Partial" in kinds(x) for x in src])
+        whole = np.array([set(kinds(y)) == {"Replicate"} for y in dst])
+        return partial[:, None] & whole[None, :]
+
+    @staticmethod
+    def _replicated(s: Strategy) -> bool:
+        """Whether strategy s keeps every operand, output and gradient whole (Replicate)."""
+        return all(isinstance(p, Replicate) for lay in (*s.inputs, *s.outputs, *(g for g in s.grads if g is not None))
+                   for p in lay)
+
+    def _cone_deferred(self, pn: PNode, out: int, layouts) -> np.ndarray:
+        """[pn's choices, `layouts`]: where the gradient of cone tensor pn[out] (Problem._cones)
+        arriving in each of `layouts` (None: none) stays Partial for the bucketed all-reduce,
+        as the runtime defers it: pn's choice whole on every axis, the gradient only Partial
+        or Replicate.  (The cone's other nodes and its parameters are taken as whole there
+        too, which is what reading them whole at pn mostly means.)"""
+        if (pn.index, out) not in self._cones:
+            return np.zeros((len(pn.strategies), len(layouts)), bool)
+        whole = np.array([self._replicated(s) for s in pn.strategies])
+        partial = np.array([g is not None and all(type(p).__name__ in ("Partial", "Replicate") for p in g)
+                            and any(type(p).__name__ == "Partial" for p in g) for g in layouts])
+        return whole[:, None] & partial[None, :]
+
     def _edge_matrix(self, e: EdgeKey) -> np.ndarray:
         """Seconds of edge `e` for every pair of choices (rows: e.a's, columns: e.b's): what
         `edge_steps` prices, computed once per distinct pair of layouts and spread by index
@@ -649,6 +789,11 @@ class Problem:
                 bucketed = self.prices.bucketed(shape, item, src, dst, _zero2(b)[None, :])
                 m = m - bucketed.paid_here - self._shared_over_micro_steps(bucketed.bucket_seconds)
                 self.edge_bucketed[e] = bucketed.bucket_seconds * self.once
+            elif (e.b, e.out) in self._cones:   # left Partial for the parameters' buckets
+                deferred = self._cone_deferred(b, e.out, [s.outputs[0] for s in a.strategies]).T
+                bucketed = self.prices.bucketed(shape, item, src, dst, np.zeros((1, 1), bool))
+                m = np.where(deferred, m - bucketed.paid_here - self._shared_over_micro_steps(bucketed.bucket_seconds), m)
+                self.edge_bucketed[e] = np.where(deferred, bucketed.bucket_seconds * self.once, 0.0)
             own = menu([_shape_key(code(s.outputs[0])) for s in a.strategies])
             theirs = menu([_shape_key(code(s.outputs[e.out])) for s in b.strategies])
             return np.where(own.index[:, None] == theirs.index[None, :], m, m + UNUSABLE)
@@ -656,6 +801,10 @@ class Problem:
         p = menu([code(s.outputs[e.out]) for s in a.strategies])
         q = menu([code(s.inputs[e.operand]) for s in b.strategies])
         m = self.prices.seconds(shape, item, p, q)
+        if b.kind == "output" and math.prod(shape) == 1:   # the loss, summed with the last bucket
+            summed = self._loss_summed([s.outputs[e.out] for s in a.strategies], [s.inputs[e.operand] for s in b.strategies])
+            bucketed = self.prices.bucketed(shape, item, p, q, np.zeros((1, 1), bool))
+            m = np.where(summed, m - bucketed.paid_here, m)
         if a.kind == "op" and a.op == "aten.linear" and self.folds_tp \
                 and len(self.readers.get((e.a, e.out), ())) == 1:
             m = m - self._row_parallel_hidden(a, e.out, m, self.prices.one_reduction(p, q))
@@ -673,6 +822,12 @@ class Problem:
             if a.kind != "param" and self._folds(b, e.operand):   # hidden behind b's weight gradient
                 hidden = np.minimum(bwd, self._weight_gradients(b)[None, :])
                 bwd = bwd - np.where(self.prices.one_reduction(dest, g, reverse=True), hidden, 0.0)
+            if (e.a, e.out) in self._cones:   # left Partial for the parameters' buckets
+                deferred = self._cone_deferred(a, e.out, grads)
+                bucketed = self.prices.bucketed(shape, item, dest, g, np.zeros((1, 1), bool), reverse=True)
+                bwd = np.where(deferred, bwd - bucketed.paid_here - self._shared_over_micro_steps(
+                    bucketed.bucket_seconds), bwd)
+                self.edge_bucketed[e] = np.where(deferred & has[None, :], bucketed.bucket_seconds * self.once, 0.0)
             if a.kind == "param":
                 bucketed = self.prices.bucketed(shape, item, dest, g, _zero2(a)[:, None], reverse=True)
                 bwd = bwd - bucketed.paid_here - self._shared_over_micro_steps(bucketed.bucket_seconds)
@@ -691,6 +846,10 @@ class Problem:
                         m = np.where(grouped, self.prices.seconds(shape, item, p, q, share=share), m)
                         self.edge_forward[e] = m
                 self.edge_bucketed[e] = np.where(has[None, :], bucket, 0.0)
+        if a.kind == "param" and (e.b, 0) in self._cones:   # a split weight keeps its cone's reduction in backward
+            split = np.array([[sum(st.seconds for st in self._cone_split_steps(a, s, b, t)) for t in b.strategies]
+                              for s in a.strategies])
+            bwd = bwd + split
         if a.kind == "param":  # gathered for use, dropped after forward: gather again for backward
             gathered = self.prices.seconds(shape, item, p, q, gathers=True)
             if grouped is not None:   # the whole move is the gather; the reduce-scatter is the bucket's
