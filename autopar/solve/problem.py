@@ -675,14 +675,16 @@ class Problem:
         root's edge already counts).  () where nothing is added."""
         if (root.index, 0) not in self._cones or not self._replicated(t):
             return ()
-        axes = [a for a, (p, n) in enumerate(zip(s.outputs[0], self.mesh.shape)) if n > 1 and not isinstance(p, Replicate)]
+        axes = [a for a, (p, n) in enumerate(zip(s.outputs[0], self.mesh.shape))
+                if n > 1 and not isinstance(p, Replicate)]
         if not axes:
             return ()
         shape, item = root.out_shapes[0], root.out_dtypes[0].itemsize
         src = tuple(Partial() if a in axes else Replicate() for a in range(self.mesh.ndim))
         blocking = self._redistribute(shape, item, src, tuple(Replicate() for _ in range(self.mesh.ndim)))
         shared = C.bucketed(blocking, math.prod(shape) * item, ("all_reduce",))
-        return tuple(replace(b, seconds=b.seconds - c.seconds, fixed=b.fixed - c.fixed) for b, c in zip(blocking, shared))
+        return tuple(replace(b, seconds=b.seconds - c.seconds, fixed=b.fixed - c.fixed)
+                     for b, c in zip(blocking, shared))
 
     def seen_alike(self, choice: dict) -> bool:
         """Whether under `choice` every rank's finite check reads values every rank sees
@@ -733,10 +735,8 @@ class Problem:
         """[src, dst]: where a one-element graph output (the loss) moving from layout src to
         dst is only summed (Partial -> Replicate), which the runtime runs as one more element
         of the last gradient bucket (passes/collectives._scalar_sum, Inserted.output_reduce)."""
-        def kinds(lay):
-            return [type(p).__name__ for p in lay]
-        partial = np.array([set(kinds(x)) <= {"Partial", "Replicate"} and "Partial" in kinds(x) for x in src])
-        whole = np.array([set(kinds(y)) == {"Replicate"} for y in dst])
+        partial = np.array([_summable(x) for x in src])
+        whole = np.array([all(isinstance(p, Replicate) for p in y) for y in dst])
         return partial[:, None] & whole[None, :]
 
     @staticmethod
@@ -754,8 +754,7 @@ class Problem:
         if (pn.index, out) not in self._cones:
             return np.zeros((len(pn.strategies), len(layouts)), bool)
         whole = np.array([self._replicated(s) for s in pn.strategies])
-        partial = np.array([g is not None and all(type(p).__name__ in ("Partial", "Replicate") for p in g)
-                            and any(type(p).__name__ == "Partial" for p in g) for g in layouts])
+        partial = np.array([g is not None and _summable(g) for g in layouts])
         return whole[:, None] & partial[None, :]
 
     def _edge_matrix(self, e: EdgeKey) -> np.ndarray:
@@ -792,7 +791,8 @@ class Problem:
             elif (e.b, e.out) in self._cones:   # left Partial for the parameters' buckets
                 deferred = self._cone_deferred(b, e.out, [s.outputs[0] for s in a.strategies]).T
                 bucketed = self.prices.bucketed(shape, item, src, dst, np.zeros((1, 1), bool))
-                m = np.where(deferred, m - bucketed.paid_here - self._shared_over_micro_steps(bucketed.bucket_seconds), m)
+                paid = bucketed.paid_here + self._shared_over_micro_steps(bucketed.bucket_seconds)
+                m = np.where(deferred, m - paid, m)
                 self.edge_bucketed[e] = np.where(deferred, bucketed.bucket_seconds * self.once, 0.0)
             own = menu([_shape_key(code(s.outputs[0])) for s in a.strategies])
             theirs = menu([_shape_key(code(s.outputs[e.out])) for s in b.strategies])
@@ -802,7 +802,8 @@ class Problem:
         q = menu([code(s.inputs[e.operand]) for s in b.strategies])
         m = self.prices.seconds(shape, item, p, q)
         if b.kind == "output" and math.prod(shape) == 1:   # the loss, summed with the last bucket
-            summed = self._loss_summed([s.outputs[e.out] for s in a.strategies], [s.inputs[e.operand] for s in b.strategies])
+            summed = self._loss_summed([s.outputs[e.out] for s in a.strategies],
+                                       [s.inputs[e.operand] for s in b.strategies])
             bucketed = self.prices.bucketed(shape, item, p, q, np.zeros((1, 1), bool))
             m = np.where(summed, m - bucketed.paid_here, m)
         if a.kind == "op" and a.op == "aten.linear" and self.folds_tp \
@@ -916,6 +917,12 @@ def bucket_kinds(s: Strategy) -> tuple:
     all-reduces, and a ZeRO-2 parameter's reduce-scatters (a ZeRO-3 weight's reduce-scatter
     joins a bucket where its moves are grouped: Problem.grouped_pair)."""
     return ("all_reduce", "reduce_scatter") if s.zero == 2 else ("all_reduce",)
+
+
+def _summable(layout) -> bool:
+    """Whether `layout` is Partial on some axis and whole on the rest: one all-reduce (or a
+    bucket's share of one) makes it whole."""
+    return all(isinstance(p, (Partial, Replicate)) for p in layout) and any(isinstance(p, Partial) for p in layout)
 
 
 def _zero2(param: PNode) -> np.ndarray:
