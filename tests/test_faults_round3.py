@@ -362,3 +362,18 @@ def test_the_sampled_check_rides_in_the_finite_check_all_reduce(pool4):
     every4 = pool4.run(all_reduces_per_step, spec, plan, True, 4)[0]
     plain = pool4.run(all_reduces_per_step, spec, plan, True, 0)[0]
     assert [a - b for a, b in zip(every4, plain)] == [0, 0, 0, 1, 0, 0, 0, 1]
+
+
+def test_a_failed_wait_on_an_asynchronous_collective_is_named():
+    """A peer gone while a rank waits on an asynchronous collective's Work (a ZeRO-2 bucket's
+    reduce-scatter) fails inside Work.wait(), with no Python frame inside torch: the error
+    names the wait and the autopar code that waited."""
+    from autopar.runtime.faults import _collective_of
+
+    def reduce_scatter_finish():
+        raise RuntimeError("Connection reset by peer")
+    try:
+        reduce_scatter_finish()
+    except RuntimeError as exc:
+        named = _collective_of(exc)
+    assert named.startswith("torch.distributed.Work.wait() on an asynchronous collective in reduce_scatter_finish ("), named

@@ -90,8 +90,8 @@ def _grid_closed_form(form: str, sizes: tuple, gathered: list) -> tuple:
         table[kind] = table.get(kind, 0) + 4 * elements
     for (x, y, first), before in zip(((X, Y, True), (Y, X, False)), gathered):
         gx, gw, gy = x / p * (nj - 1), W / (ni * nj * nl) * (ni - 1), y / p * (nl - 1)
-        if before:
-            outside += 4 * gx
+        if before:   # (the first layer's input is the block's, whole on every rank: nothing gathers it)
+            outside += 0 if first else 4 * gx
             gx = 0
         add(fwd, "all_gather", gx + gw)
         add(bwd, "all_gather", gx + (0 if first else gw))

@@ -72,8 +72,9 @@ def _collective_of(exc: BaseException) -> str:
         return f"{f.name} ({'/'.join(f.filename.replace(os.sep, '/').split('/')[-2:])}:{f.lineno})"
 
     inside = [k for k, f in enumerate(frames) if "/torch/distributed/" in f.filename.replace(os.sep, "/")]
-    if not inside or inside[0] == 0:
-        return where(frames[-1]) if frames else "a collective"
+    if not inside or inside[0] == 0:   # (an asynchronous call's Work.wait(): no Python frame inside torch)
+        return f"torch.distributed.Work.wait() on an asynchronous collective in {where(frames[-1])}" if frames \
+            else "a collective"
     c10d_calls = [frames[k].name for k in inside if frames[k].filename.endswith("distributed_c10d.py")]
     call = c10d_calls[0] if c10d_calls else frames[inside[-1]].name
     return f"torch.distributed.{call} called by {where(frames[inside[0] - 1])}"
