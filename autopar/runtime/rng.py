@@ -28,6 +28,8 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Shard
 
+from autopar.ops import op_arg
+
 MASK64 = (1 << 64) - 1
 
 
@@ -52,13 +54,6 @@ def is_random(node: fx.Node) -> bool:
     return True
 
 
-def _argument(node: fx.Node, op, name: str, default=None):
-    """The value of `op`'s argument `name` at `node` (positional or keyword)."""
-    names = [a.name for a in op._schema.arguments]
-    at = names.index(name)
-    return node.args[at] if at < len(node.args) else node.kwargs.get(name, default)
-
-
 def draws_nothing(node: fx.Node):
     """The ATen op of a random node (routed through a stream or not) that draws nothing
     here: a dropout whose probability is the constant 0, or whose `train` flag is the
@@ -69,8 +64,7 @@ def draws_nothing(node: fx.Node):
     op = node.meta.get("aten_target", node.target) if node.op == "call_function" else None
     if op not in (torch.ops.aten.native_dropout.default, torch.ops.aten.dropout.default):
         return None
-    p = _argument(node, op, "p")
-    train = _argument(node, op, "train")
+    p, train = op_arg(node, 1, "p"), op_arg(node, 2, "train")   # (both dropouts: input, p, train)
     if isinstance(p, (int, float)) and p == 0 or train is False:
         return op
     return None

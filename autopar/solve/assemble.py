@@ -129,12 +129,13 @@ class _Tally:
     def finite_check(self) -> float:
         """The finite check's all-reduce (Problem.finite_check), after backward, hiding
         nothing; returns its seconds."""
-        names = self.problem.mesh.axis_names
+        names, seconds = self.problem.mesh.axis_names, 0.0
         for st in self.problem.finite_check:
             self.comm[st.axis] += st.seconds
+            seconds += st.seconds
             self.collectives.append(Collective(st.kind, (names[st.axis],), st.nbytes, "step", "output",
                                                "finite check", st.seconds, st.algorithm))
-        return sum(st.seconds for st in self.problem.finite_check)
+        return seconds
 
     def edges(self, pn) -> float:
         """The redistributions of the edges `pn` owns; returns their seconds."""
