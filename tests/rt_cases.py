@@ -469,7 +469,8 @@ def zero3_regather_counts(plan_dict: dict, reshard: bool, spec: tuple = ("autopa
     counts = cm.gather_counts()
     regather = getattr(cm.runner, "regather", None)   # (a pipelined runner has one per stage)
     buckets = [len(b) for b in regather.buckets or []] if regather is not None else []
-    return dict(counts, gathers=counts["sites"], worst=worst, buckets=buckets)
+    regions = cm.runner.regions() if hasattr(cm.runner, "regions") else []   # (backend "inductor")
+    return dict(counts, gathers=counts["sites"], worst=worst, buckets=buckets, regions=len(regions))
 
 
 def scheduler_on_sharded_optimizer(plan_dict: dict) -> dict:

@@ -35,6 +35,28 @@ def test_inductor_trains_like_one_device(pool4, spec, layout, shape, names):
         assert result["compiled_moves"] > 0, result
 
 
+@pytest.mark.parametrize("bucket_mb", [25.0, 0.02])
+def test_inductor_zero3_gathers_each_layer_at_its_start(pool4, bucket_mb):
+    """ZeRO-3 under Inductor: a layer's weight gathers run at the layer's start
+    (runtime/inductor.with_weights_ahead), so GPT's two blocks compile as one region each,
+    beside the embedding's and the head's, not a region between every two weights; the
+    gathers, prefetches and bucketed collectives are the ones eager runs (weight by weight
+    too, with buckets of one weight), backward gathers again what it reads (bucket by bucket,
+    as eager), and the gradients equal one device."""
+    from rt_cases import under_backend, zero3_regather_counts
+    plan = _gpt_plan("zero3", ((4,), ("dp",)))
+    eager = pool4.run(zero3_regather_counts, plan, True, GPT, bucket_mb)[0]
+    compiled = pool4.run(under_backend, "inductor", zero3_regather_counts, plan, True, GPT, bucket_mb)[0]
+    assert compiled["regions"] == 4 and eager["regions"] == 0, (compiled, eager)
+    for key in ("gathered", "prefetched", "bucket_gathers", "bucket_reduces", "buckets"):
+        assert compiled[key] == eager[key], (key, compiled, eager)
+    # (a region's compiled backward reads fewer of the saved weights, a bias's gradient needs
+    # none, and reads them all at its start: fewer regathers, fewer of them started ahead)
+    assert 0 < compiled["regathered"] <= eager["regathered"], (compiled, eager)
+    assert compiled["regather_prefetched"] <= eager["regather_prefetched"], (compiled, eager)
+    assert compiled["worst"] <= 0 and eager["worst"] <= 0, (compiled, eager)
+
+
 @pytest.mark.parametrize("recompute", ["selective", "full"])
 def test_inductor_with_recomputation(pool4, recompute):
     import copy

@@ -43,8 +43,10 @@ from torch.fx.passes.split_module import split_module
 
 from autopar.passes.collectives import move
 from autopar.runtime.functional_moves import functional_move
+from autopar.runtime.reshard import Regather
 from autopar.runtime.rng import draws_nothing, is_random
 from autopar.solve.graph import VIEWS
+from autopar.trace.paths import block_of, module_path
 
 log = logging.getLogger("autopar")
 
@@ -144,11 +146,82 @@ def with_functional_moves(gm: fx.GraphModule) -> tuple[fx.GraphModule, int]:
     return out, count
 
 
+def _weight_gather(node: fx.Node) -> bool:
+    """Whether a node makes a weight ready for its reader and reads nothing computed: a
+    ZeRO-3 gather (Regather.gather) or a move of a placeholder (a tied weight's
+    gradient-sum point, a weight's local slice)."""
+    if node.op != "call_function":
+        return False
+    if isinstance(getattr(node.target, "__self__", None), Regather) and node.target.__name__ == "gather":
+        return True
+    return node.target is move and _from_input(node)
+
+
+def _layer(node: fx.Node):
+    """The repeated layer a node computes in ((list path, index); None outside any layer)."""
+    return block_of(module_path(node))
+
+
+def _reader_layer(node: fx.Node):
+    """The layer of the first node that reads what a weight gather makes (through other
+    gathers of it: an identity move, then its gather); None when nothing reads it."""
+    readers = sorted(node.users, key=lambda u: u._sort_key if hasattr(u, "_sort_key") else 0)
+    for u in readers:
+        if _weight_gather(u):
+            return _reader_layer(u)
+        return ("read", _layer(u))
+    return None
+
+
+def with_weights_ahead(gm: fx.GraphModule) -> int:
+    """Move each weight gather (_weight_gather) of gm, in place, to the start of the stretch
+    of its reader's layer: the consecutive compute nodes of one layer since the last node
+    that is neither compute nor a weight gather.  A layer then gathers its weights at its
+    start (ZeRO-3's bucket of them at once, as the runtime's buckets do anyway) and its
+    compute is one run, not one run per weight; the gathers keep their order (the
+    runtime's prefetch counts them in it), and a gather at a layer's start stays where it
+    is.  Returns how many gathers moved."""
+    moved = 0
+    stretch, first = object(), None   # the current stretch's layer and first node
+    since: set = set()                 # the nodes after `first`, as they stand now
+    for node in list(gm.graph.nodes):
+        if node.op in ("placeholder", "output"):
+            continue
+        since.add(node)
+        if node.op == "get_attr":
+            continue
+        if _weight_gather(node):
+            inputs = [x for x in node.all_input_nodes if x in since]
+            if (first is not None and _reader_layer(node) == ("read", stretch)
+                    and all(x.op == "get_attr" for x in inputs)):
+                for x in inputs:   # (its spec and groups, read where it now runs)
+                    first.prepend(x)
+                    since.discard(x)
+                first.prepend(node)
+                since.discard(node)
+                moved += 1
+            continue
+        if not is_compute(node):
+            stretch, first = object(), None
+            continue
+        if not node.meta.get("nn_module_stack") and first is not None:
+            continue   # (a node the passes made, a move of an activation: part of the stretch it is in)
+        layer = _layer(node)
+        if first is None or layer != stretch:
+            stretch, first, since = layer, node, {node}
+    if moved:
+        gm.graph.lint()
+        gm.recompile()
+    return moved
+
+
 def compile_regions(gm: fx.GraphModule) -> tuple[fx.GraphModule, list]:
     """gm cut into runs (module docstring), its moves rewritten as functional collectives and
-    joined to the compute around them, its compute runs wrapped as CompiledRegions; returns
-    (the split module, the regions)."""
+    joined to the compute around them, its weights' gathers moved to their layers' starts
+    (with_weights_ahead), its compute runs wrapped as CompiledRegions; returns (the split
+    module, the regions)."""
     gm, moves = with_functional_moves(gm)
+    ahead = with_weights_ahead(gm)
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
     run_of: dict = {}
     part, kind = 0, None
@@ -180,5 +253,6 @@ def compile_regions(gm: fx.GraphModule) -> tuple[fx.GraphModule, list]:
         regions.append(region)
     log.info("autopar: backend inductor: %d compiled regions with %d of the plan's moves inside (the first step "
              "compiles them; Inductor's FX graph cache keeps them for later processes); %d runs of compute too "
-             "small to compile run eagerly", len(regions), moves, len(compute_parts) - len(regions))
+             "small to compile run eagerly; %d weight gathers moved to their layers' starts", len(regions), moves,
+             len(compute_parts) - len(regions), ahead)
     return split, regions
