@@ -17,6 +17,7 @@ Ratios are against autopar eager, measured in the same run.
 
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 4 benchmarks/compiled.py
     ... --models gpt,llama --layouts data-parallel,zero3 --steps 8 --warmup 2
+    ... --recompute full         (every block recomputed; selective: autopar's variants only)
 """
 from __future__ import annotations
 
@@ -78,7 +79,7 @@ def autopar_variant(name, layout, backend, args):
     """One step of the autopar-compiled model under `backend`."""
     model, example = _model(name, args.batch, args.seq)
     mesh = autopar.Mesh((dist.get_world_size(),), ("dp",), device="cpu")
-    plan = autopar.plan(model, mesh, example, compare=False, layout=layout)
+    plan = autopar.plan(model, mesh, example, compare=False, layout=layout, recompute=args.recompute)
     cm = autopar.compile(model, mesh, example, plan=plan, backend=backend)
     opt = cm.build_optimizer(torch.optim.AdamW, lr=1e-4)
 
@@ -96,6 +97,13 @@ def torch_variant(name, layout, args, fused: bool = False):
     model, example = _model(name, args.batch, args.seq)
     rank, world = dist.get_rank(), dist.get_world_size()
     local = tuple(t.chunk(world)[rank] for t in example)
+    blocks = getattr(model, "blocks", None) or getattr(model, "layers", None) or getattr(model, "h", None)
+    if args.recompute == "full":   # every block under activation checkpointing, as autopar's plan
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+        for i, block in enumerate(blocks):
+            blocks[i] = checkpoint_wrapper(block)
+    elif args.recompute is not None:
+        raise NotImplementedError(f"no torch baseline written for recompute={args.recompute!r}")
     if layout == "data-parallel":
         from torch.nn.parallel import DistributedDataParallel
         wrapped = DistributedDataParallel(model)
@@ -104,7 +112,6 @@ def torch_variant(name, layout, args, fused: bool = False):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         mesh = init_device_mesh("cpu", (world,))
-        blocks = getattr(model, "blocks", None) or getattr(model, "layers", None) or getattr(model, "h", None)
         for block in blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -126,11 +133,14 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--recompute", choices=["selective", "full"],
+                        help="every block recomputed so (the torch baselines: full only, by checkpoint_wrapper)")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     say(f"{dist.get_world_size()} gloo ranks, {torch.get_num_threads()} thread each; batch {args.batch} x {args.seq}; "
-        f"median of {args.steps} rounds after {args.warmup}, the variants stepping in turn")
+        f"median of {args.steps} rounds after {args.warmup}, the variants stepping in turn"
+        + (f"; recompute {args.recompute}" if args.recompute else ""))
     say(f"{'model':<6} {'layout':<14} {'autopar eager':>14} {'autopar inductor':>17} {'torch + compile':>16} "
         f"{'+ fused AdamW':>17} {'inductor / eager':>17} {'inductor / torch':>17} {'/ torch fused':>17}   "
         f"first steps (compile)")

@@ -96,6 +96,7 @@ SLOW = {
     "test_grid_tp.py::test_2_5d_with_zero_over_the_depth_trains_like_one_device",
     "test_inductor.py::test_eval_and_train_switch_the_compiled_graph",
     "test_inductor.py::test_zero_bubble_under_inductor_is_refused",
+    "test_inductor.py::test_inductor_zero3_gathers_each_layer_at_its_start[0.02]",
     "test_inductor.py::test_inductor_mixed_precision_equals_one_device",
     "test_inductor.py::test_inductor_checkpoints_round_trip",
     "test_gpu_check.py::test_every_section_ran",                                       # 26 s
@@ -197,7 +198,7 @@ SAMPLED = {
     "test_grouped_experts.py::test_sorted_moe_trains_like_one_device": (1, 1),
     "test_capacity_experts.py::test_fixed_capacity_dispatch_trains_like_one_device": (0, 1),
     "test_inductor.py::test_inductor_trains_like_one_device": (0, 2),
-    "test_inductor.py::test_inductor_with_recomputation": (0, 1),
+    "test_inductor.py::test_inductor_with_recomputation": (0, None),
     "test_inductor.py::test_inductor_keeps_the_planned_saved_bytes": (0, 1),
     "test_inductor.py::test_inductor_runs_pipeline_stages": (0, 1),
     "test_inductor.py::test_inductor_batch_norm_trains_and_keeps_its_statistics": (0, 1),

@@ -57,16 +57,21 @@ def test_inductor_zero3_gathers_each_layer_at_its_start(pool4, bucket_mb):
     assert compiled["worst"] <= 0 and eager["worst"] <= 0, (compiled, eager)
 
 
-@pytest.mark.parametrize("recompute", ["selective", "full"])
-def test_inductor_with_recomputation(pool4, recompute):
-    import copy
+@pytest.mark.parametrize("layout, recompute", [("megatron-tp x dp", "selective"), ("megatron-tp x dp", "full"),
+                                               ("zero3", "full")])
+def test_inductor_with_recomputation(pool4, layout, recompute):
+    """Recomputed layers under Inductor: the compute inside each layer is compiled too
+    (runtime/inductor._recomputed_layers_compiled; under selective, the runs between the kept
+    products), backward runs the compiled forward again, and training equals one device."""
     from rt_cases import build_case
     model, args, _ = build_case(GPT)
-    plan = autopar.plan(model, autopar.Mesh((2, 2), ("dp", "tp"), device="cpu"), args, compare=False,
-                        layout="megatron-tp x dp", recompute=recompute)
+    mesh = autopar.Mesh((4,), ("dp",), device="cpu") if layout == "zero3" else \
+        autopar.Mesh((2, 2), ("dp", "tp"), device="cpu")
+    plan = autopar.plan(model, mesh, args, compare=False, layout=layout, recompute=recompute)
     assert plan.recompute is not None and plan.recompute.layers
     result = pool4.run(train_and_compare, GPT, plan.to_dict(), 3, None, "adamw", "inductor")[0]
-    assert result["ok"], result
+    assert result["ok"] and result["failed"] == 0, result
+    assert result["layer_regions"] >= len(plan.recompute.layers), result
 
 
 def _graph():

@@ -39,13 +39,17 @@ import warnings
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch._inductor.compile_fx import compile_fx
 from torch.fx.passes.split_module import split_module
+from torch.utils._python_dispatch import _disable_current_modes
 
 from autopar.passes.collectives import move
 from autopar.runtime.functional_moves import functional_move
+from autopar.runtime.recompute import Region
 from autopar.runtime.reshard import Regather
 from autopar.runtime.rng import draws_nothing, is_random
 from autopar.solve.graph import VIEWS
+from autopar.solve.recompute import RECOMPUTING
 from autopar.trace.paths import block_of, module_path
 
 log = logging.getLogger("autopar")
@@ -73,38 +77,84 @@ def is_compute(node: fx.Node) -> bool:
     return _aten_name(node) is not None and (not is_random(node) or draws_nothing(node) is not None)
 
 
+class _WithoutDynamo:
+    """A run compiled by Inductor from its ATen graph directly (compile_fx, AOTAutograd
+    included), once per grad mode and input signature, with no Dynamo frame: what runs
+    inside a recomputed layer, whose backward runs the layer's forward again with Dynamo
+    turned off (torch.utils.checkpoint), where a Dynamo-compiled module would try to trace
+    again and fail."""
+
+    def __init__(self, gm: fx.GraphModule):
+        graph = fx.Graph()
+        graph.output(graph.graph_copy(gm.graph, {}))
+        self.gm = fx.GraphModule(gm, graph)   # (compile_fx may rewrite the graph it is given)
+        self.compiled: dict = {}
+        self.single = isinstance(graph.find_nodes(op="output")[0].args[0], fx.Node)   # (one tensor, not a tuple)
+
+    @staticmethod
+    def _key(args) -> tuple:
+        return (torch.is_grad_enabled(), tuple((tuple(a.shape), a.dtype, a.device, a.requires_grad)
+                                               if isinstance(a, torch.Tensor) else repr(a) for a in args))
+
+    def ready(self, args) -> bool:
+        """Whether a call with `args` runs code already compiled."""
+        return self._key(args) in self.compiled
+
+    def prepare(self, args) -> None:
+        """Compile for `args` (traced outside the layer's checkpointing: its saved-tensor
+        hooks and dispatch modes)."""
+        with torch.autograd.graph.saved_tensors_hooks(_itself, _itself), _disable_current_modes():
+            self.compiled[self._key(args)] = compile_fx(self.gm, list(args))
+
+    def __call__(self, *args):
+        if not self.ready(args):
+            self.prepare(args)
+        out = self.compiled[self._key(args)](*args)
+        return out[0] if self.single and isinstance(out, (list, tuple)) else out
+
+
+def _itself(x):
+    return x
+
+
 class CompiledRegion(nn.Module):
     """One run of compute nodes: the Inductor-compiled module, or the eager one where
-    compiling failed (said once)."""
+    compiling failed (said once).  dynamo False: compiled without Dynamo (_WithoutDynamo),
+    for a run inside a recomputed layer."""
 
-    def __init__(self, eager: fx.GraphModule, label: str):
+    def __init__(self, eager: fx.GraphModule, label: str, dynamo: bool = True):
         super().__init__()
         self.eager = eager
         self.label = label
         # (kept out of the module tree: the compiled module wraps `eager`, registered above)
-        self.__dict__["compiled"] = torch.compile(eager, backend="inductor", fullgraph=True, dynamic=False)
+        self.__dict__["compiled"] = (torch.compile(eager, backend="inductor", fullgraph=True, dynamic=False)
+                                     if dynamo else _WithoutDynamo(eager))
         self.failed = False
         self.compile_s = None
         self.moves = 0   # the plan's moves compiled inside it, as functional collectives
+        self.inside = ""   # the recomputed layer it runs in ("" outside any)
 
     def forward(self, *args):
         if self.failed:
             return self.eager(*args)
-        if self.compile_s is None:   # the first call compiles: say so, and time it
-            log.info("autopar: Inductor compiling region %s ...", self.label)
-            start = time.perf_counter()
-            try:
-                out = self.compiled(*args)
-            except Exception as exc:   # a region Inductor cannot compile runs eagerly
-                self.failed = True
-                reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                warnings.warn(f"autopar: Inductor could not compile the region {self.label} "
-                              f"({type(exc).__name__}: {reason[:300]}); it runs eagerly", stacklevel=2)
-                return self.eager(*args)
-            self.compile_s = time.perf_counter() - start
-            log.info("autopar: compiled region %s in %.1f s", self.label, self.compile_s)
-            return out
-        return self.compiled(*args)
+        first = self.compile_s is None
+        direct = isinstance(self.compiled, _WithoutDynamo)   # (compiles per grad mode and signature)
+        if not first and not (direct and not self.compiled.ready(args)):
+            return self.compiled(*args)
+        log.info("autopar: Inductor compiling region %s ...", self.label)   # say so, and time it
+        start = time.perf_counter()
+        try:
+            out = self.compiled.prepare(args) if direct else self.compiled(*args)
+        except Exception as exc:   # a region Inductor cannot compile runs eagerly
+            self.failed = True
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            warnings.warn(f"autopar: Inductor could not compile the region {self.label} "
+                          f"({type(exc).__name__}: {reason[:300]}); it runs eagerly", stacklevel=2)
+            return self.eager(*args)
+        elapsed = time.perf_counter() - start
+        self.compile_s = elapsed if first else self.compile_s + elapsed
+        log.info("autopar: compiled region %s in %.1f s", self.label, elapsed)
+        return self.compiled(*args) if direct else out
 
 
 def _from_input(x: fx.Node) -> bool:
@@ -116,12 +166,14 @@ def _from_input(x: fx.Node) -> bool:
     return x.op == "placeholder"
 
 
-def with_functional_moves(gm: fx.GraphModule) -> tuple[fx.GraphModule, int]:
+def with_functional_moves(gm: fx.GraphModule, moves: bool = True) -> tuple[fx.GraphModule, int]:
     """A copy of gm whose moves of activations run as functional collectives
     (runtime/functional_moves.py), so they join the compute runs, and whose dropouts that
     draw nothing (rng.draws_nothing: probability 0, or eval mode) run as the plain op
     rather than through their stream, so they do not cut a run either; gm itself is left
-    as it is.  Returns (the copy, how many moves were rewritten)."""
+    as it is.  moves False: the moves stay as they are (a run compiled without Dynamo
+    traces no autograd.Function of a move).  Returns (the copy, how many moves were
+    rewritten)."""
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     out = fx.GraphModule(gm, graph)
@@ -131,7 +183,7 @@ def with_functional_moves(gm: fx.GraphModule) -> tuple[fx.GraphModule, int]:
         if op is not None and node.target is not op:   # (runs as the plain op: it draws nothing)
             node.target = op
             node.kwargs = {k: v for k, v in node.kwargs.items() if k != "_autopar_site"}
-        if node.op != "call_function" or node.target is not move:
+        if not moves or node.op != "call_function" or node.target is not move:
             continue
         x, spec, groups_node, *rest = node.args
         val = x.meta.get("val") if isinstance(x, fx.Node) else None
@@ -215,13 +267,35 @@ def with_weights_ahead(gm: fx.GraphModule) -> int:
     return moved
 
 
-def compile_regions(gm: fx.GraphModule) -> tuple[fx.GraphModule, list]:
+def _recomputed_layers_compiled(gm: fx.GraphModule) -> list:
+    """Each recomputed layer of gm (a runtime/recompute.Region, which gm's copy shares with
+    the graph it was copied from) replaced, in gm only, by one that runs its body cut and
+    compiled the same way (compile_regions), under the same checkpointing: backward runs
+    the compiled forward again.  Under selective recomputation the kept products and
+    attention stay eager calls between the compiled runs (the policy keeps their outputs;
+    the cheap ops between them, fused, run again).  Returns the layers' regions."""
+    regions = []
+    for node in gm.graph.nodes:
+        if node.op != "call_module":
+            continue
+        layer = gm.get_submodule(node.target)
+        if isinstance(layer, Region) and layer.mode in RECOMPUTING:
+            body, inner = compile_regions(layer.body, f"{layer.path}: ", dynamo=False)
+            gm.add_submodule(node.target, Region(layer.path, layer.mode, body, layer.streams, layer.replays))
+            regions += inner
+    return regions
+
+
+def compile_regions(gm: fx.GraphModule, where: str = "", dynamo: bool = True) -> tuple[fx.GraphModule, list]:
     """gm cut into runs (module docstring), its moves rewritten as functional collectives and
     joined to the compute around them, its weights' gathers moved to their layers' starts
-    (with_weights_ahead), its compute runs wrapped as CompiledRegions; returns (the split
-    module, the regions)."""
-    gm, moves = with_functional_moves(gm)
+    (with_weights_ahead), its compute runs wrapped as CompiledRegions, the bodies of its
+    recomputed layers compiled the same way; returns (the split module, the regions, those
+    inside recomputed layers included).  `where` prefixes the regions' labels; dynamo:
+    whether Dynamo compiles them (CompiledRegion)."""
+    gm, moves = with_functional_moves(gm, moves=dynamo)
     ahead = with_weights_ahead(gm)
+    layers = _recomputed_layers_compiled(gm)
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
     run_of: dict = {}
     part, kind = 0, None
@@ -244,13 +318,17 @@ def compile_regions(gm: fx.GraphModule) -> tuple[fx.GraphModule, list]:
         if sub is None or heavy[p] < MIN_OPS:
             continue
         ops = [_aten_name(n) or "getitem" for n in sub.graph.nodes if n.op == "call_function"]
-        where = first[p].meta.get("nn_module_stack") or {}
-        module = next(reversed(where.values()))[0] if where else ""
-        label = f"{len(regions) + 1} ({len(ops)} ops from {ops[0]}{f' in {module}' if module else ''})"
-        region = CompiledRegion(sub, label)
+        stack = first[p].meta.get("nn_module_stack") or {}
+        module = next(reversed(stack.values()))[0] if stack else ""
+        label = f"{where}{len(regions) + 1} ({len(ops)} ops from {ops[0]}{f' in {module}' if module else ''})"
+        region = CompiledRegion(sub, label, dynamo)
+        region.inside = where[:-2]
         region.moves = sum(1 for n in sub.graph.nodes if getattr(n.target, "_autopar_functional", False))
         setattr(split, name, region)
         regions.append(region)
+    if where:
+        return split, regions
+    regions += layers
     log.info("autopar: backend inductor: %d compiled regions with %d of the plan's moves inside (the first step "
              "compiles them; Inductor's FX graph cache keeps them for later processes); %d runs of compute too "
              "small to compile run eagerly; %d weight gathers moved to their layers' starts", len(regions), moves,
