@@ -206,6 +206,7 @@ def train_and_compare(spec: tuple, plan_dict: dict, steps: int = 3, clip: float 
     worst["regions"], worst["failed"] = len(regions), sum(r.failed for r in regions)
     worst["compiled_moves"] = sum(r.moves for r in regions if not r.failed)
     worst["layer_regions"] = sum(bool(r.inside) for r in regions if not r.failed)   # (inside recomputed layers)
+    worst["checkpointed_layers"] = sum(r.checkpointed for r in regions if not r.failed)   # (a whole layer each)
     return worst
 
 

@@ -42,6 +42,7 @@ import torch.nn as nn
 from torch._inductor.compile_fx import compile_fx
 from torch.fx.passes.split_module import split_module
 from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from autopar.passes.collectives import move
 from autopar.runtime.functional_moves import functional_move
@@ -117,14 +118,39 @@ def _itself(x):
     return x
 
 
+class _Checkpointed(nn.Module):
+    """A run under non-reentrant activation checkpointing: compiled by Dynamo, the
+    checkpoint becomes part of the compiled graph, whose backward runs the fused forward
+    again from the run's inputs (AOTAutograd's partitioner recomputes every node of it)."""
+
+    def __init__(self, body: fx.GraphModule):
+        super().__init__()
+        self.body = body
+
+    def forward(self, *args):
+        return checkpoint(self.body, *args, use_reentrant=False, context_fn=_all_recomputed)
+
+
+def _recompute_policy(ctx, func, *args, **kwargs):
+    return CheckpointPolicy.MUST_RECOMPUTE
+
+
+def _all_recomputed():
+    return create_selective_checkpoint_contexts(_recompute_policy)
+
+
 class CompiledRegion(nn.Module):
     """One run of compute nodes: the Inductor-compiled module, or the eager one where
     compiling failed (said once).  dynamo False: compiled without Dynamo (_WithoutDynamo),
-    for a run inside a recomputed layer."""
+    for a run inside a recomputed layer; checkpointed: the run is a whole recomputed layer
+    (_Checkpointed)."""
 
-    def __init__(self, eager: fx.GraphModule, label: str, dynamo: bool = True):
+    def __init__(self, eager: fx.GraphModule, label: str, dynamo: bool = True, checkpointed: bool = False):
         super().__init__()
+        if checkpointed:
+            eager = _Checkpointed(eager)
         self.eager = eager
+        self.checkpointed = checkpointed
         self.label = label
         # (kept out of the module tree: the compiled module wraps `eager`, registered above)
         self.__dict__["compiled"] = (torch.compile(eager, backend="inductor", fullgraph=True, dynamic=False)
@@ -279,20 +305,31 @@ def _recomputed_layers_compiled(gm: fx.GraphModule) -> list:
         if node.op != "call_module":
             continue
         layer = gm.get_submodule(node.target)
-        if isinstance(layer, Region) and layer.mode in RECOMPUTING:
-            body, inner = compile_regions(layer.body, f"{layer.path}: ", dynamo=False)
-            gm.add_submodule(node.target, Region(layer.path, layer.mode, body, layer.streams, layer.replays))
-            regions += inner
+        if not (isinstance(layer, Region) and layer.mode in RECOMPUTING):
+            continue
+        if layer.mode == "full":   # one run of compute (after its weights' gathers): checkpointed inside
+            body, inner = compile_regions(layer.body, f"{layer.path}: ", checkpointed=True)
+            if body is not None:
+                gm.add_submodule(node.target, body)
+                regions += inner
+                continue
+        body, inner = compile_regions(layer.body, f"{layer.path}: ", dynamo=False)
+        gm.add_submodule(node.target, Region(layer.path, layer.mode, body, layer.streams, layer.replays))
+        regions += inner
     return regions
 
 
-def compile_regions(gm: fx.GraphModule, where: str = "", dynamo: bool = True) -> tuple[fx.GraphModule, list]:
+def compile_regions(gm: fx.GraphModule, where: str = "", dynamo: bool = True,
+                    checkpointed: bool = False) -> tuple[fx.GraphModule | None, list]:
     """gm cut into runs (module docstring), its moves rewritten as functional collectives and
     joined to the compute around them, its weights' gathers moved to their layers' starts
     (with_weights_ahead), its compute runs wrapped as CompiledRegions, the bodies of its
     recomputed layers compiled the same way; returns (the split module, the regions, those
     inside recomputed layers included).  `where` prefixes the regions' labels; dynamo:
-    whether Dynamo compiles them (CompiledRegion)."""
+    whether Dynamo compiles them (CompiledRegion).  checkpointed: gm is the body of a layer
+    recomputed whole, to run as one checkpointed compiled region after its weights'
+    gathers; (None, []) where it is more than that (a random draw, a collective on a
+    weight, an op Inductor is not given)."""
     gm, moves = with_functional_moves(gm, moves=dynamo)
     ahead = with_weights_ahead(gm)
     layers = _recomputed_layers_compiled(gm)
@@ -305,6 +342,10 @@ def compile_regions(gm: fx.GraphModule, where: str = "", dynamo: bool = True) ->
             part, kind = part + 1, k
         run_of[node] = part
     compute_parts = {run_of[n] for n in nodes if is_compute(n)}
+    if checkpointed and (len(compute_parts) != 1 or layers
+                         or any(not is_compute(n) and not _weight_gather(n) for n in nodes)
+                         or any(_weight_gather(n) for n in nodes if run_of[n] > min(compute_parts))):
+        return None, []
     heavy = {p: sum(1 for n in nodes if run_of[n] == p and is_compute(n) and n.target is not operator.getitem
                     and f"aten.{_aten_name(n)}" not in VIEWS) for p in compute_parts}
     first = {}
@@ -321,7 +362,7 @@ def compile_regions(gm: fx.GraphModule, where: str = "", dynamo: bool = True) ->
         stack = first[p].meta.get("nn_module_stack") or {}
         module = next(reversed(stack.values()))[0] if stack else ""
         label = f"{where}{len(regions) + 1} ({len(ops)} ops from {ops[0]}{f' in {module}' if module else ''})"
-        region = CompiledRegion(sub, label, dynamo)
+        region = CompiledRegion(sub, label, dynamo, checkpointed)
         region.inside = where[:-2]
         region.moves = sum(1 for n in sub.graph.nodes if getattr(n.target, "_autopar_functional", False))
         setattr(split, name, region)
