@@ -87,6 +87,25 @@ def _graph():
     return gm, x, w
 
 
+def test_every_checkpointed_layer_compiles_past_dynamos_recompile_limit():
+    """Twelve layers recomputed whole, each its own checkpointed region: every one is
+    compiled (Dynamo compiles per code object and stops at its recompile limit, eight, for
+    a forward shared by all), none fails, and each gradient equals the plain graph's."""
+    from torch._dynamo.utils import counters
+    from autopar.runtime.inductor import CompiledRegion
+    regions = []
+    for i in range(12):
+        gm, x, w = _graph()
+        regions.append((CompiledRegion(gm, f"layer {i}", checkpointed=True), x, w))
+    before = counters["stats"]["unique_graphs"]
+    for region, x, w in regions:
+        expected = torch.autograd.grad(region.eager.body(x, w), w)[0]
+        got = torch.autograd.grad(region(x, w), w)[0]
+        assert not region.failed and region.checkpointed
+        assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6), (region.label, got, expected)
+    assert counters["stats"]["unique_graphs"] - before == 12
+
+
 def test_a_region_inductor_cannot_compile_runs_eagerly_with_one_warning():
     gm, x, w = _graph()
     expected = gm(x, w)

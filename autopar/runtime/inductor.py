@@ -118,17 +118,23 @@ def _itself(x):
     return x
 
 
-class _Checkpointed(nn.Module):
-    """A run under non-reentrant activation checkpointing: compiled by Dynamo, the
-    checkpoint becomes part of the compiled graph, whose backward runs the fused forward
-    again from the run's inputs (AOTAutograd's partitioner recomputes every node of it)."""
+def _checkpointed(body: fx.GraphModule) -> fx.GraphModule:
+    """`body` run under non-reentrant activation checkpointing, as a graph of its own (one
+    call of torch.utils.checkpoint.checkpoint): compiled by Dynamo, the checkpoint becomes
+    part of the compiled graph, whose backward runs the fused forward again from the run's
+    inputs (every op tagged to be recomputed).  (A graph module per run, not one wrapper
+    class for all: Dynamo compiles per code object, and would stop compiling a shared
+    forward after its recompile limit, some eight layers in.)"""
+    root = nn.Module()
+    root.body = body
+    graph = fx.Graph()
+    inputs = [graph.placeholder(f"x{i}") for i, _ in enumerate(body.graph.find_nodes(op="placeholder"))]
+    graph.output(graph.call_function(_run_checkpointed, (graph.get_attr("body"), *inputs)))
+    return fx.GraphModule(root, graph)
 
-    def __init__(self, body: fx.GraphModule):
-        super().__init__()
-        self.body = body
 
-    def forward(self, *args):
-        return checkpoint(self.body, *args, use_reentrant=False, context_fn=_all_recomputed)
+def _run_checkpointed(body, *args):
+    return checkpoint(body, *args, use_reentrant=False, context_fn=_all_recomputed)
 
 
 def _recompute_policy(ctx, func, *args, **kwargs):
@@ -143,12 +149,12 @@ class CompiledRegion(nn.Module):
     """One run of compute nodes: the Inductor-compiled module, or the eager one where
     compiling failed (said once).  dynamo False: compiled without Dynamo (_WithoutDynamo),
     for a run inside a recomputed layer; checkpointed: the run is a whole recomputed layer
-    (_Checkpointed)."""
+    (_checkpointed)."""
 
     def __init__(self, eager: fx.GraphModule, label: str, dynamo: bool = True, checkpointed: bool = False):
         super().__init__()
         if checkpointed:
-            eager = _Checkpointed(eager)
+            eager = _checkpointed(eager)
         self.eager = eager
         self.checkpointed = checkpointed
         self.label = label
