@@ -21,7 +21,17 @@ and backward (Megatron's all-reduces, Megatron-SP's reduce-scatters and all-gath
 Ulysses' all-to-alls) sit inside the compiled graphs, issued where the graph has them
 (Inductor's compute/communication reordering is left off: every rank keeps the graph's
 order of collectives).  The rest runs eagerly between the compiled runs, so the gradient
-buckets, ZeRO-3's regathers and their prefetch run as the plan priced them.
+buckets, ZeRO-3's regathers and their prefetch run as the plan priced them.  Before the
+cut, each weight's gather moves to the start of its layer's stretch of compute
+(with_weights_ahead), so a layer is one run, not one run per weight.
+
+A recomputed layer (runtime/recompute.Region) is compiled too.  One recomputed whole
+whose body is one run of compute after its weights' gathers runs as one region with the
+checkpoint inside the compiled graph (_checkpointed): its compiled backward runs the fused
+forward again from the layer's inputs, and ZeRO-3's saved-tensor hooks regather the
+gathered weights it keeps.  Any other (selective, or a body with random draws or eager
+ops) keeps its checkpointing and compiles its runs without Dynamo (_WithoutDynamo), which
+checkpointing turns off when it runs the forward again.
 
 A run Inductor cannot compile runs eagerly, with one warning naming its first ops and the
 error; a compile error never changes a result.  Inductor's FX graph cache (on by default)
