@@ -324,31 +324,32 @@ def _recomputed_layers_compiled(gm: fx.GraphModule) -> list:
         if not (isinstance(layer, Region) and layer.mode in RECOMPUTING):
             continue
         if layer.mode == "full":   # one run of compute (after its weights' gathers): checkpointed inside
-            body, inner = compile_regions(layer.body, f"{layer.path}: ", checkpointed=True)
+            body, inner = compile_regions(layer.body, layer.path, checkpointed=True)
             if body is not None:
                 gm.add_submodule(node.target, body)
                 regions += inner
                 continue
-        body, inner = compile_regions(layer.body, f"{layer.path}: ", dynamo=False)
+        body, inner = compile_regions(layer.body, layer.path, dynamo=False)
         gm.add_submodule(node.target, Region(layer.path, layer.mode, body, layer.streams, layer.replays))
         regions += inner
     return regions
 
 
-def compile_regions(gm: fx.GraphModule, where: str = "", dynamo: bool = True,
+def compile_regions(gm: fx.GraphModule, layer: str = "", dynamo: bool = True,
                     checkpointed: bool = False) -> tuple[fx.GraphModule | None, list]:
     """gm cut into runs (module docstring), its moves rewritten as functional collectives and
     joined to the compute around them, its weights' gathers moved to their layers' starts
     (with_weights_ahead), its compute runs wrapped as CompiledRegions, the bodies of its
     recomputed layers compiled the same way; returns (the split module, the regions, those
-    inside recomputed layers included).  `where` prefixes the regions' labels; dynamo:
-    whether Dynamo compiles them (CompiledRegion).  checkpointed: gm is the body of a layer
-    recomputed whole, to run as one checkpointed compiled region after its weights'
-    gathers; (None, []) where it is more than that (a random draw, a collective on a
-    weight, an op Inductor is not given)."""
+    inside recomputed layers included).  layer: gm is the body of that recomputed layer
+    (its path, which prefixes the regions' labels); dynamo: whether Dynamo compiles them
+    (CompiledRegion).  checkpointed: the layer is recomputed whole, to run as one
+    checkpointed compiled region after its weights' gathers; (None, []) where its body is
+    more than that (a random draw, a collective on a weight, an op Inductor is not given,
+    a run too small to compile)."""
     gm, moves = with_functional_moves(gm, moves=dynamo)
     ahead = with_weights_ahead(gm)
-    layers = _recomputed_layers_compiled(gm)
+    inner = _recomputed_layers_compiled(gm)
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
     run_of: dict = {}
     part, kind = 0, None
@@ -358,12 +359,14 @@ def compile_regions(gm: fx.GraphModule, where: str = "", dynamo: bool = True,
             part, kind = part + 1, k
         run_of[node] = part
     compute_parts = {run_of[n] for n in nodes if is_compute(n)}
-    if checkpointed and (len(compute_parts) != 1 or layers
+    if checkpointed and (len(compute_parts) != 1 or inner
                          or any(not is_compute(n) and not _weight_gather(n) for n in nodes)
                          or any(_weight_gather(n) for n in nodes if run_of[n] > min(compute_parts))):
         return None, []
     heavy = {p: sum(1 for n in nodes if run_of[n] == p and is_compute(n) and n.target is not operator.getitem
                     and f"aten.{_aten_name(n)}" not in VIEWS) for p in compute_parts}
+    if checkpointed and min(heavy.values()) < MIN_OPS:
+        return None, []   # (left uncompiled, the run would lose the layer's checkpointing)
     first = {}
     for node in nodes:
         first.setdefault(run_of[node], node)
@@ -377,15 +380,16 @@ def compile_regions(gm: fx.GraphModule, where: str = "", dynamo: bool = True,
         ops = [_aten_name(n) or "getitem" for n in sub.graph.nodes if n.op == "call_function"]
         stack = first[p].meta.get("nn_module_stack") or {}
         module = next(reversed(stack.values()))[0] if stack else ""
-        label = f"{where}{len(regions) + 1} ({len(ops)} ops from {ops[0]}{f' in {module}' if module else ''})"
+        label = (f"{layer + ': ' if layer else ''}{len(regions) + 1} "
+                 f"({len(ops)} ops from {ops[0]}{f' in {module}' if module else ''})")
         region = CompiledRegion(sub, label, dynamo, checkpointed)
-        region.inside = where[:-2]
+        region.inside = layer
         region.moves = sum(1 for n in sub.graph.nodes if getattr(n.target, "_autopar_functional", False))
         setattr(split, name, region)
         regions.append(region)
-    if where:
+    if layer:
         return split, regions
-    regions += layers
+    regions += inner
     log.info("autopar: backend inductor: %d compiled regions with %d of the plan's moves inside (the first step "
              "compiles them; Inductor's FX graph cache keeps them for later processes); %d runs of compute too "
              "small to compile run eagerly; %d weight gathers moved to their layers' starts", len(regions), moves,
