@@ -267,14 +267,15 @@ def _reader_layer(node: fx.Node):
     return None
 
 
-def with_weights_ahead(gm: fx.GraphModule) -> int:
+def with_weights_ahead(gm: fx.GraphModule, one_layer: bool = False) -> int:
     """Move each weight gather (_weight_gather) of gm, in place, to the start of the stretch
     of its reader's layer: the consecutive compute nodes of one layer since the last node
     that is neither compute nor a weight gather.  A layer then gathers its weights at its
     start (ZeRO-3's bucket of them at once, as the runtime's buckets do anyway) and its
     compute is one run, not one run per weight; the gathers keep their order (the
     runtime's prefetch counts them in it), and a gather at a layer's start stays where it
-    is.  Returns how many gathers moved."""
+    is.  one_layer: gm is one recomputed layer's body, all of it one stretch (its start may
+    hold model-level ops the layer reads, a rotary table).  Returns how many gathers moved."""
     moved = 0
     stretch, first = object(), None   # the current stretch's layer and first node
     since: set = set()                 # the nodes after `first`, as they stand now
@@ -286,7 +287,7 @@ def with_weights_ahead(gm: fx.GraphModule) -> int:
             continue
         if _weight_gather(node):
             inputs = [x for x in node.all_input_nodes if x in since]
-            if (first is not None and _reader_layer(node) == ("read", stretch)
+            if (first is not None and (one_layer or _reader_layer(node) == ("read", stretch))
                     and all(x.op == "get_attr" for x in inputs)):
                 for x in inputs:   # (its spec and groups, read where it now runs)
                     first.prepend(x)
@@ -300,7 +301,7 @@ def with_weights_ahead(gm: fx.GraphModule) -> int:
             continue
         if not node.meta.get("nn_module_stack") and first is not None:
             continue   # (a node the passes made, a move of an activation: part of the stretch it is in)
-        layer = _layer(node)
+        layer = None if one_layer else _layer(node)
         if first is None or layer != stretch:
             stretch, first, since = layer, node, {node}
     if moved:
@@ -348,7 +349,7 @@ def compile_regions(gm: fx.GraphModule, layer: str = "", dynamo: bool = True,
     more than that (a random draw, a collective on a weight, an op Inductor is not given,
     a run too small to compile)."""
     gm, moves = with_functional_moves(gm, moves=dynamo)
-    ahead = with_weights_ahead(gm)
+    ahead = with_weights_ahead(gm, one_layer=checkpointed)
     inner = _recomputed_layers_compiled(gm)
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
     run_of: dict = {}
