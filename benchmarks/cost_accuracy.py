@@ -7,7 +7,9 @@ several layouts and meshes, after calibrating the cost model on the same ranks.
 2. Each case plans the model with the calibrated device (`autopar.plan(..., layout=...)`:
    the best plan within a hand-written layout, or the solver's own plan), compiles it,
    and times `--steps` training steps (forward, backward, gradient synchronisation, AdamW
-   step, zero_grad) after `--warmup`, every step between barriers, median on rank 0.
+   step, zero_grad) after `--warmup`, every step between barriers, median on rank 0.  The
+   cases step in turn, one step each per round, so that the machine's slower moments fall
+   on all of them alike.
 3. It prints predicted / measured per case, the Spearman rank correlation of the two
    columns, the median |predicted / measured - 1|, and whether the solver's plan measures
    fastest of the set (targets: Spearman >= 0.9, median error <= 20 %; printed as
@@ -88,24 +90,41 @@ def spearman(a, b) -> float:
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
-def timed_steps(cm, optimizer, inputs, warmup: int, steps: int) -> float:
-    times = []
-    for i in range(warmup + steps):
-        dist.barrier()
-        start = time.perf_counter()
+def interleaved(steps: list, warmup: int, rounds: int) -> list:
+    """The median seconds of each step function of `steps`, run in turn: each round runs
+    one step of every case, each between barriers, so a slower moment of this shared
+    machine falls on every case alike (timed one case after another, the same plan
+    measured up to 1.4x apart within a run); the first `warmup` rounds are not counted.
+    Each case steps twice in its turn and the second step is timed, its weights and
+    states warm in the caches as in a training run rather than left cold by the other
+    cases.  Rank 0's medians, sent to every rank."""
+    times = [[] for _ in steps]
+    for i in range(warmup + rounds):
+        for k, step in enumerate(steps):
+            dist.barrier()
+            step()
+            dist.barrier()
+            start = time.perf_counter()
+            step()
+            dist.barrier()
+            if i >= warmup:
+                times[k].append(time.perf_counter() - start)
+    t = torch.tensor([statistics.median(ts) for ts in times], dtype=torch.float64)
+    dist.broadcast(t, 0)
+    return [float(v) for v in t]
+
+
+def _step_of(cm, optimizer, inputs):
+    def step():
         cm.train_step(*inputs)
         optimizer.step()
         optimizer.zero_grad()
-        dist.barrier()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    t = torch.tensor([statistics.median(times)], dtype=torch.float64)
-    dist.broadcast(t, 0)
-    return float(t.item())
+    return step
 
 
 def measure(args, spec) -> list:
-    rows = []
+    """Every case planned and compiled first, then timed together (interleaved)."""
+    cases = []
     for label, shape, names, kw in (CASES if dist.get_world_size() == 4 else CASES_2):
         if args.only and not any(word in label for word in args.only):
             continue
@@ -120,13 +139,16 @@ def measure(args, spec) -> list:
             continue
         cm = autopar.compile(model, mesh, example, plan=plan)
         optimizer = cm.build_optimizer(torch.optim.AdamW, lr=1e-3)
-        measured = timed_steps(cm, optimizer, example, args.warmup, args.steps)
         pipelined = plan.pipeline is not None and plan.pipeline.pipelined
         predicted = plan.pipeline.step_s if pipelined else plan.predicted.step_s
-        rows.append((label, predicted, measured, plan))
-        log0(f"  {label:<26} predicted {predicted * 1e3:8.1f} ms  measured {measured * 1e3:8.1f} ms  "
-             f"ratio {predicted / measured:5.2f}")
-        del cm, optimizer
+        cases.append((label, predicted, plan, _step_of(cm, optimizer, example)))
+    log0(f"{len(cases)} cases compiled; timing them in turn, {args.warmup} + {args.steps} rounds")
+    measured = interleaved([c[3] for c in cases], args.warmup, args.steps)
+    rows = []
+    for (label, predicted, plan, _), m in zip(cases, measured):
+        rows.append((label, predicted, m, plan))
+        log0(f"  {label:<26} predicted {predicted * 1e3:8.1f} ms  measured {m * 1e3:8.1f} ms  "
+             f"ratio {predicted / m:5.2f}")
     return rows
 
 
