@@ -17,7 +17,8 @@ Ratios are against autopar eager, measured in the same run.
 
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 4 benchmarks/compiled.py
     ... --models gpt,llama --layouts data-parallel,zero3 --steps 8 --warmup 2
-    ... --recompute full         (every block recomputed; selective: autopar's variants only)
+    ... --recompute full         (every block recomputed; selective: keeping the matrix products
+                                  and attention, torch's baselines by a selective-checkpoint policy)
 """
 from __future__ import annotations
 
@@ -90,6 +91,20 @@ def autopar_variant(name, layout, backend, args):
     return step
 
 
+def _product_policy(ctx, func, *args, **kwargs):
+    """torch's selective checkpointing, keeping what autopar's "selective" keeps: the matrix
+    products (every one here reads a weight) and attention's outputs."""
+    from torch.utils.checkpoint import CheckpointPolicy
+    kept = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
+    return CheckpointPolicy.MUST_SAVE if func in kept else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _keeping_products():
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+    return create_selective_checkpoint_contexts(_product_policy)
+
+
 def torch_variant(name, layout, args, fused: bool = False):
     """The plain model, compiled, under DDP (data-parallel) or FSDP2 (zero3); each rank its
     slice of the global batch; AdamW as torch builds it by default, or its fused kernel
@@ -98,12 +113,11 @@ def torch_variant(name, layout, args, fused: bool = False):
     rank, world = dist.get_rank(), dist.get_world_size()
     local = tuple(t.chunk(world)[rank] for t in example)
     blocks = getattr(model, "blocks", None) or getattr(model, "layers", None) or getattr(model, "h", None)
-    if args.recompute == "full":   # every block under activation checkpointing, as autopar's plan
+    if args.recompute is not None:   # every block under activation checkpointing, as autopar's plan
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+        extra = {"context_fn": _keeping_products} if args.recompute == "selective" else {}
         for i, block in enumerate(blocks):
-            blocks[i] = checkpoint_wrapper(block)
-    elif args.recompute is not None:
-        raise NotImplementedError(f"no torch baseline written for recompute={args.recompute!r}")
+            blocks[i] = checkpoint_wrapper(block, **extra)
     if layout == "data-parallel":
         from torch.nn.parallel import DistributedDataParallel
         wrapped = DistributedDataParallel(model)
@@ -134,7 +148,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--recompute", choices=["selective", "full"],
-                        help="every block recomputed so (the torch baselines: full only, by checkpoint_wrapper)")
+                        help="every block recomputed so (the torch baselines by checkpoint_wrapper, selective with "
+                             "a policy keeping the matrix products and attention)")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     torch.set_num_threads(1)

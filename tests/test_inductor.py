@@ -59,8 +59,10 @@ def test_inductor_zero3_gathers_each_layer_at_its_start(pool4, bucket_mb):
 
 @pytest.mark.parametrize("spec, layout, recompute", [(GPT, "megatron-tp x dp", "selective"),
                                                      (GPT, "megatron-tp x dp", "full"), (GPT, "zero3", "full"),
-                                                     (("hf-arch", "qwen3"), "zero3", "full")],
-                         ids=["gpt-megatron-selective", "gpt-megatron-full", "gpt-zero3-full", "qwen3-zero3-full"])
+                                                     (("hf-arch", "qwen3"), "zero3", "full"),
+                                                     (("hf-llama",), "zero3", "selective")],
+                         ids=["gpt-megatron-selective", "gpt-megatron-full", "gpt-zero3-full", "qwen3-zero3-full",
+                              "llama-zero3-selective"])
 def test_inductor_with_recomputation(pool4, spec, layout, recompute):
     """Recomputed layers under Inductor: the compute inside each layer is compiled too
     (runtime/inductor._recomputed_layers_compiled): a layer recomputed whole as one compiled
@@ -341,6 +343,28 @@ def test_inductor_keeps_the_planned_saved_bytes(pool4, mode):
     rows = pool4.run(under_backend, "inductor", saved_bytes, GPT, plan)
     bad = [(r["measured"], r["predicted"]) for r in rows if abs(r["predicted"] - r["measured"]) > 0.05 * r["measured"]]
     assert not bad, bad
+
+
+def test_inductor_compiles_a_selective_layer_whole(pool4):
+    """Selective recomputation under Inductor, data parallel: each layer is one compiled
+    checkpointed region (runtime/inductor._tagged: the kept products and attention saved by
+    the compiled forward, the ops between them run again in its backward), training equals
+    one device, and what a step keeps is eager's less exactly the kept outputs no backward
+    reads: each block's MLP down-projection, which only the residual add reads (eager's
+    checkpoint caches them; the compiled graph's partitioner does not save them)."""
+    from rc_cases import saved_bytes
+    from rt_cases import build_case, under_backend
+    model, args, _ = build_case(GPT)
+    mesh = autopar.Mesh((4,), ("dp",), device="cpu")
+    plan = autopar.plan(model, mesh, args, compare=False, layout="data-parallel", recompute="selective")
+    layers = len(plan.recompute.layers)
+    result = pool4.run(train_and_compare, GPT, plan.to_dict(), 3, None, "adamw", "inductor")[0]
+    assert result["ok"] and result["failed"] == 0, result
+    assert result["checkpointed_layers"] == layers == len(model.blocks), result
+    eager = pool4.run(saved_bytes, GPT, plan.to_dict())
+    fused = pool4.run(under_backend, "inductor", saved_bytes, GPT, plan.to_dict())
+    unread = layers * (args[0].numel() // 4) * model.blocks[0].mlp.fc2.out_features * 4   # float32
+    assert [r["measured"] for r in fused] == [r["measured"] - unread for r in eager], (fused, eager, unread)
 
 
 @pytest.mark.parametrize("layout", ["data-parallel", "megatron-tp x dp"])

@@ -25,13 +25,20 @@ buckets, ZeRO-3's regathers and their prefetch run as the plan priced them.  Bef
 cut, each weight's gather moves to the start of its layer's stretch of compute
 (with_weights_ahead), so a layer is one run, not one run per weight.
 
-A recomputed layer (runtime/recompute.Region) is compiled too.  One recomputed whole
-whose body is one run of compute after its weights' gathers runs as one region with the
-checkpoint inside the compiled graph (_checkpointed): its compiled backward runs the fused
-forward again from the layer's inputs, and ZeRO-3's saved-tensor hooks regather the
-gathered weights it keeps.  Any other (selective, or a body with random draws or eager
-ops) keeps its checkpointing and compiles its runs without Dynamo (_WithoutDynamo), which
-checkpointing turns off when it runs the forward again.
+A recomputed layer (runtime/recompute.Region) is compiled too.  One whose body is one
+run of compute after its weights' gathers runs as one region with the checkpoint inside
+the compiled graph (_checkpointed): its compiled backward runs the fused forward again from
+the layer's inputs, and ZeRO-3's saved-tensor hooks regather the gathered weights it
+keeps.  Recomputed whole, every op is tagged to be recomputed; selectively, each kept op
+(a product with a weight, attention) runs under an annotation (_tagged) that the
+checkpoint's policy reads as AOTAutograd traces it, so the compiled forward saves the kept
+kernels' outputs and its backward runs only the ops between them again.  The compiled
+graph's partitioner leaves out a kept output that no backward reads (a block's MLP
+down-projection, read only by the residual add), which eager's checkpoint caches: such a
+layer keeps less than the plan's activation bytes by those outputs.  Any other layer (a
+body with random draws or eager ops, or a selective one under a pipeline schedule whose
+backward recomputes it twice) keeps its checkpointing and compiles its runs without
+Dynamo (_WithoutDynamo), which checkpointing turns off when it runs the forward again.
 
 A run Inductor cannot compile runs eagerly, with one warning naming its first ops and the
 error; a compile error never changes a result.  Inductor's FX graph cache (on by default)
@@ -48,6 +55,7 @@ import warnings
 
 import torch
 import torch.fx as fx
+import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 from torch._inductor.compile_fx import compile_fx
 from torch.fx.passes.split_module import split_module
@@ -60,6 +68,7 @@ from autopar.runtime.recompute import Region
 from autopar.runtime.reshard import Regather
 from autopar.runtime.rng import draws_nothing, is_random
 from autopar.solve.graph import VIEWS
+from autopar.plan.records import SELECTIVE_MODES
 from autopar.solve.recompute import RECOMPUTING
 from autopar.trace.paths import block_of, module_path
 
@@ -69,8 +78,9 @@ MIN_OPS = 2   # a run with fewer non-view ops is not worth a compiled region
 
 
 def _aten_name(node: fx.Node) -> str | None:
-    """The ATen op's name (`mm`, `add`...) of a node that calls one, else None."""
-    target = node.target
+    """The ATen op's name (`mm`, `add`...) of a node that calls one (a kept op of a
+    selective layer compiled whole, _tagged, included), else None."""
+    target = getattr(node.target, "_autopar_tagged", node.target)
     if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         name = str(target)
         if name.startswith("aten."):
@@ -128,23 +138,29 @@ def _itself(x):
     return x
 
 
-def _checkpointed(body: fx.GraphModule) -> fx.GraphModule:
+def _checkpointed(body: fx.GraphModule, selective: bool = False) -> fx.GraphModule:
     """`body` run under non-reentrant activation checkpointing, as a graph of its own (one
     call of torch.utils.checkpoint.checkpoint): compiled by Dynamo, the checkpoint becomes
     part of the compiled graph, whose backward runs the fused forward again from the run's
-    inputs (every op tagged to be recomputed).  (A graph module per run, not one wrapper
-    class for all: Dynamo compiles per code object, and would stop compiling a shared
-    forward after its recompile limit, some eight layers in.)"""
+    inputs (every op tagged to be recomputed; selective: except the kept ops' kernels, whose
+    outputs the compiled forward saves, _kept_policy).  (A graph module per run, not one
+    wrapper class for all: Dynamo compiles per code object, and would stop compiling a
+    shared forward after its recompile limit, some eight layers in.)"""
     root = nn.Module()
     root.body = body
     graph = fx.Graph()
     inputs = [graph.placeholder(f"x{i}") for i, _ in enumerate(body.graph.find_nodes(op="placeholder"))]
-    graph.output(graph.call_function(_run_checkpointed, (graph.get_attr("body"), *inputs)))
+    run = _run_selective if selective else _run_checkpointed
+    graph.output(graph.call_function(run, (graph.get_attr("body"), *inputs)))
     return fx.GraphModule(root, graph)
 
 
 def _run_checkpointed(body, *args):
     return checkpoint(body, *args, use_reentrant=False, context_fn=_all_recomputed)
+
+
+def _run_selective(body, *args):
+    return checkpoint(body, *args, use_reentrant=False, context_fn=_kept_recomputed)
 
 
 def _recompute_policy(ctx, func, *args, **kwargs):
@@ -155,16 +171,49 @@ def _all_recomputed():
     return create_selective_checkpoint_contexts(_recompute_policy)
 
 
+KEEP = "autopar_keep"   # the annotation (node.meta["custom"]) of a kept op's nodes: the kernels it keeps
+
+
+def _tagged(target, kernels):
+    """A kept op of a selective layer, as its layer compiled whole runs it: the op under
+    torch.fx.traceback.annotate({KEEP: its kernels}), which Dynamo records on the op's
+    nodes and AOTAutograd's trace of the checkpoint shows the policy (_kept_policy) as each
+    kernel is dispatched; outside a trace (a region that failed to compile runs eagerly)
+    the annotation is set just the same while the op runs.  kernels: the ATen packets
+    whose outputs are kept (runtime/recompute._kernels), None for all."""
+    code = "*" if kernels is None else ",".join(sorted(str(k) for k in kernels))
+
+    def kept_in_layer(*args, **kwargs):
+        with fx_traceback.annotate({KEEP: code}):
+            return target(*args, **kwargs)
+    kept_in_layer._autopar_tagged = target
+    return kept_in_layer
+
+
+def _kept_policy(ctx, func, *args, **kwargs):
+    """The selective policy of a layer compiled whole: a kernel dispatched by a kept op
+    (_tagged) whose outputs that op keeps is saved, everything else recomputed."""
+    code = (fx_traceback.current_meta.get("custom") or {}).get(KEEP)
+    if code is not None and (code == "*" or str(getattr(func, "overloadpacket", func)) in code.split(",")):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _kept_recomputed():
+    return create_selective_checkpoint_contexts(_kept_policy)
+
+
 class CompiledRegion(nn.Module):
     """One run of compute nodes: the Inductor-compiled module, or the eager one where
     compiling failed (said once).  dynamo False: compiled without Dynamo (_WithoutDynamo),
     for a run inside a recomputed layer; checkpointed: the run is a whole recomputed layer
-    (_checkpointed)."""
+    (_checkpointed), selective: one that keeps its kept ops' outputs."""
 
-    def __init__(self, eager: fx.GraphModule, label: str, dynamo: bool = True, checkpointed: bool = False):
+    def __init__(self, eager: fx.GraphModule, label: str, dynamo: bool = True, checkpointed: bool = False,
+                 selective: bool = False):
         super().__init__()
         if checkpointed:
-            eager = _checkpointed(eager)
+            eager = _checkpointed(eager, selective)
         self.eager = eager
         self.checkpointed = checkpointed
         self.label = label
@@ -314,9 +363,14 @@ def _recomputed_layers_compiled(gm: fx.GraphModule) -> list:
     """Each recomputed layer of gm (a runtime/recompute.Region, which gm's copy shares with
     the graph it was copied from) replaced, in gm only, by one that runs its body cut and
     compiled the same way (compile_regions), under the same checkpointing: backward runs
-    the compiled forward again.  Under selective recomputation the kept products and
-    attention stay eager calls between the compiled runs (the policy keeps their outputs;
-    the cheap ops between them, fused, run again).  Returns the layers' regions."""
+    the compiled forward again.  A layer whose body is one run of compute after its
+    weights' gathers is one checkpointed region; under selective recomputation its kept
+    ops (products, attention) run inside it tagged (_with_kept_tagged), and the compiled
+    forward saves their outputs while the cheap ops between them run again, fused.  Any
+    other layer keeps its Region, whose runs between the eager ops compile without Dynamo;
+    there the kept ops stay eager calls between the compiled runs (as under a pipeline
+    schedule whose backward recomputes a layer twice and hands the kept outputs back,
+    Region.replays).  Returns the layers' regions."""
     regions = []
     for node in gm.graph.nodes:
         if node.op != "call_module":
@@ -324,8 +378,10 @@ def _recomputed_layers_compiled(gm: fx.GraphModule) -> list:
         layer = gm.get_submodule(node.target)
         if not (isinstance(layer, Region) and layer.mode in RECOMPUTING):
             continue
-        if layer.mode == "full":   # one run of compute (after its weights' gathers): checkpointed inside
-            body, inner = compile_regions(layer.body, layer.path, checkpointed=True)
+        selective = layer.mode in SELECTIVE_MODES
+        if not (selective and layer.replays):   # one run of compute (after its weights' gathers): checkpointed inside
+            body, inner = compile_regions(_with_kept_tagged(layer.body) if selective else layer.body, layer.path,
+                                          checkpointed=True, selective=selective)
             if body is not None:
                 gm.add_submodule(node.target, body)
                 regions += inner
@@ -336,16 +392,31 @@ def _recomputed_layers_compiled(gm: fx.GraphModule) -> list:
     return regions
 
 
+def _with_kept_tagged(body: fx.GraphModule) -> fx.GraphModule:
+    """A copy of a selective layer's body whose kept ops (runtime/recompute._kept) call
+    their ATen op under its annotation (_tagged): compute that a compiled region can run."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(body.graph, {}))
+    out = fx.GraphModule(body, graph)
+    for node in out.graph.nodes:
+        kept = getattr(node.target, "_autopar_kept", None) if node.op == "call_function" else None
+        if kept is not None:
+            node.target = _tagged(*kept)
+    out.recompile()
+    return out
+
+
 def compile_regions(gm: fx.GraphModule, layer: str = "", dynamo: bool = True,
-                    checkpointed: bool = False) -> tuple[fx.GraphModule | None, list]:
+                    checkpointed: bool = False, selective: bool = False) -> tuple[fx.GraphModule | None, list]:
     """gm cut into runs (module docstring), its moves rewritten as functional collectives and
     joined to the compute around them, its weights' gathers moved to their layers' starts
     (with_weights_ahead), its compute runs wrapped as CompiledRegions, the bodies of its
     recomputed layers compiled the same way; returns (the split module, the regions, those
     inside recomputed layers included).  layer: gm is the body of that recomputed layer
     (its path, which prefixes the regions' labels); dynamo: whether Dynamo compiles them
-    (CompiledRegion).  checkpointed: the layer is recomputed whole, to run as one
-    checkpointed compiled region after its weights' gathers; (None, []) where its body is
+    (CompiledRegion).  checkpointed: the layer is recomputed (whole, or selective: its kept
+    ops tagged, _with_kept_tagged), to run as one checkpointed compiled region after its
+    weights' gathers; (None, []) where its body is
     more than that (a random draw, a collective on a weight, an op Inductor is not given,
     a run too small to compile)."""
     gm, moves = with_functional_moves(gm, moves=dynamo)
@@ -383,7 +454,7 @@ def compile_regions(gm: fx.GraphModule, layer: str = "", dynamo: bool = True,
         module = next(reversed(stack.values()))[0] if stack else ""
         label = (f"{layer + ': ' if layer else ''}{len(regions) + 1} "
                  f"({len(ops)} ops from {ops[0]}{f' in {module}' if module else ''})")
-        region = CompiledRegion(sub, label, dynamo, checkpointed)
+        region = CompiledRegion(sub, label, dynamo, checkpointed, selective)
         region.inside = layer
         region.moves = sum(1 for n in sub.graph.nodes if getattr(n.target, "_autopar_functional", False))
         setattr(split, name, region)

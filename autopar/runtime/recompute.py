@@ -87,6 +87,7 @@ def _kept(target, kernels):
             return target(*args, **kwargs)
         finally:
             _STATE["keep"] = outer
+    kept_op._autopar_kept = (target, kernels)   # (what a layer compiled whole runs instead: runtime/inductor.py)
     return kept_op
 
 
