@@ -379,7 +379,9 @@ def _recomputed_layers_compiled(gm: fx.GraphModule) -> list:
         if not (isinstance(layer, Region) and layer.mode in RECOMPUTING):
             continue
         selective = layer.mode in SELECTIVE_MODES
-        if not (selective and layer.replays):   # one run of compute (after its weights' gathers): checkpointed inside
+        # (fx.traceback.annotate: torch 2.9 and later)
+        if not (selective and (layer.replays or not hasattr(fx_traceback, "annotate"))):
+            # one run of compute (after its weights' gathers): checkpointed inside
             body, inner = compile_regions(_with_kept_tagged(layer.body) if selective else layer.body, layer.path,
                                           checkpointed=True, selective=selective)
             if body is not None:
