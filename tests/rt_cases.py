@@ -810,3 +810,54 @@ def stale_checkpoint(spec: tuple, plan_dict: dict, path: str) -> dict:
     out["step"] = info["step"]
     out["same"] = all(torch.equal(before[k], after[k]) for k in before)
     return out
+
+
+def with_layer_cuts(job, *args):
+    """Run `job(*args)` with the Inductor backend's regions cut at every layer, as on CUDA
+    (runtime/inductor.LAYER_CUTS)."""
+    import autopar.runtime.inductor as inductor
+    inductor.LAYER_CUTS = True
+    try:
+        return job(*args)
+    finally:
+        inductor.LAYER_CUTS = None
+
+
+def buckets_before_first_layer(spec: tuple, plan_dict: dict) -> dict:
+    """One step under backend "inductor", regions cut at every layer, gradient buckets of
+    about one gradient each: the compiled regions, and how many gradient all-reduces had
+    been launched when backward reached the first layer (its region's output gradient) and
+    by the step's end."""
+    import torch.distributed as dist
+
+    import autopar.runtime.inductor as inductor
+    plan = Plan.from_dict(plan_dict)
+    model, args, kwargs = build_case(spec)
+    inductor.LAYER_CUTS = True
+    launched, at_first = [0], []
+    original = dist.all_reduce
+
+    def counting(*a, **kw):
+        launched[0] += bool(kw.get("async_op"))
+        return original(*a, **kw)
+    try:
+        cm = autopar.compile(model, plan.device_mesh(), args, example_kwargs=kwargs or None, plan=plan,
+                             backend="inductor", bucket_mb=0.02)
+        cm.train_step(*args, **kwargs)   # (compiles the regions)
+        regions = cm.runner.regions()
+        first = regions[1]   # (in graph order: the embedding's, then the first layer's)
+        forward = first.forward
+
+        def hooked(*a):
+            out = forward(*a)
+            for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(lambda g: at_first.append(launched[0]))
+            return out
+        first.forward = hooked
+        dist.all_reduce = counting
+        cm.train_step(*args, **kwargs)
+    finally:
+        dist.all_reduce = original
+        inductor.LAYER_CUTS = None
+    return {"regions": len(regions), "first": first.label, "at_first_layer": at_first[:1], "launched": launched[0]}

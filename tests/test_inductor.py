@@ -367,6 +367,21 @@ def test_inductor_compiles_a_selective_layer_whole(pool4):
     assert [r["measured"] for r in fused] == [r["measured"] - unread for r in eager], (fused, eager, unread)
 
 
+def test_inductor_layer_cuts_hand_gradients_to_the_buckets_layer_by_layer(pool4):
+    """On CUDA the compiled regions end at every layer (runtime/inductor.LAYER_CUTS), so that
+    the gradient buckets' all-reduces start while earlier layers' backward runs, as the
+    plan prices them; forced here on CPU ranks: GPT under data parallelism compiles as the
+    embedding, each block and the head, trains like one device, and by the time backward
+    reaches the first block the later blocks' and the head's gradients are on their way."""
+    from rt_cases import buckets_before_first_layer, with_layer_cuts
+    plan = plan_for(GPT, "data-parallel", shape=(4,), names=("dp",))
+    result = pool4.run(with_layer_cuts, train_and_compare, GPT, plan, 3, None, "adamw", "inductor")[0]
+    assert result["ok"] and result["failed"] == 0 and result["regions"] == 4, result
+    got = pool4.run(buckets_before_first_layer, GPT, plan)[0]
+    assert got["regions"] == 4 and "blocks.0" in got["first"], got
+    assert 0 < got["at_first_layer"][0] < got["launched"], got
+
+
 @pytest.mark.parametrize("layout", ["data-parallel", "megatron-tp x dp"])
 def test_inductor_batch_norm_trains_and_keeps_its_statistics(pool4, layout):
     """Batch norm's running statistics (buffers updated in place inside a compiled region):

@@ -204,7 +204,8 @@ class _StageModule(nn.Module):
         if model.backend == "eager":
             return self.graph_module
         if model.training not in self.compiled:
-            self.compiled[model.training] = compile_regions(self.graph_module)
+            self.compiled[model.training] = compile_regions(self.graph_module,
+                                                            layer_cuts=getattr(model, "device_type", None) == "cuda")
         return self.compiled[model.training][0]
 
 

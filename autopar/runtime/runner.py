@@ -142,7 +142,7 @@ class GraphRunner:
             return self.graph_module
         mode = self.model.training
         if mode not in self.compiled:
-            self.compiled[mode] = compile_regions(self.graph_module)
+            self.compiled[mode] = compile_regions(self.graph_module, layer_cuts=self.model.device_type == "cuda")
         return self.compiled[mode][0]
 
     def regions(self) -> list:
