@@ -67,12 +67,12 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from autopar.passes.collectives import move
+from autopar.plan.records import SELECTIVE_MODES
 from autopar.runtime.functional_moves import functional_move
 from autopar.runtime.recompute import Region
 from autopar.runtime.reshard import Regather
 from autopar.runtime.rng import draws_nothing, is_random
 from autopar.solve.graph import VIEWS
-from autopar.plan.records import SELECTIVE_MODES
 from autopar.solve.recompute import RECOMPUTING
 from autopar.trace.paths import block_of, module_path
 
