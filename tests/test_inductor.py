@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 import torch
+import torch.fx as fx
 
 import autopar
 from autopar.runtime.inductor import CompiledRegion, compile_regions
@@ -110,6 +111,34 @@ def test_every_checkpointed_layer_compiles_past_dynamos_recompile_limit():
         assert not region.failed and region.checkpointed
         assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6), (region.label, got, expected)
     assert counters["stats"]["unique_graphs"] - before == 12
+
+
+def test_a_run_compiled_without_dynamo_hands_on_an_ops_several_results():
+    """A run inside a recomputed layer is compiled by compile_fx, which wants a flat tuple of
+    tensors out; a run that hands on an op's several results whole (a Mixtral router's run
+    passes on topk's values and indices) compiles, returns them in their structure, and
+    its gradient is the plain graph's."""
+    import operator
+
+    from autopar.runtime.inductor import CompiledRegion
+    g = fx.Graph()
+    x = g.placeholder("x")
+    top = g.call_function(torch.ops.aten.topk.default, (g.call_function(torch.ops.aten._softmax.default,
+                                                                         (x, -1, False)), 2))
+    g.output((g.call_function(torch.ops.aten.mul.Tensor, (g.call_function(operator.getitem, (top, 0)), 2.0)), top))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    x = torch.randn(8, 5, requires_grad=True)
+    expected = gm(x)
+    region = CompiledRegion(gm, "router", dynamo=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # (no fallback to eager)
+        got = region(x)
+    assert not region.failed and isinstance(got[1], tuple) and len(got[1]) == 2
+    assert torch.equal(got[1][1], expected[1][1])
+    assert torch.allclose(got[0], expected[0]) and torch.allclose(got[1][0], expected[1][0])
+    (want,) = torch.autograd.grad(expected[0].sum() + expected[1][0].sum(), x)
+    (have,) = torch.autograd.grad(got[0].sum() + got[1][0].sum(), x)
+    assert torch.allclose(have, want, rtol=1e-5, atol=1e-6)
 
 
 def test_a_region_inductor_cannot_compile_runs_eagerly_with_one_warning():

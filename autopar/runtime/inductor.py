@@ -61,6 +61,7 @@ import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 import torch.nn as nn
+import torch.utils._pytree as pytree
 from torch._inductor.compile_fx import compile_fx
 from torch.fx.passes.split_module import split_module
 from torch.utils._python_dispatch import _disable_current_modes
@@ -110,14 +111,18 @@ class _WithoutDynamo:
     included), once per grad mode and input signature, with no Dynamo frame: what runs
     inside a recomputed layer, whose backward runs the layer's forward again with Dynamo
     turned off (torch.utils.checkpoint), where a Dynamo-compiled module would try to trace
-    again and fail."""
+    again and fail.  Its graph returns a flat tuple of tensors, as compile_fx requires: an
+    output that is an op's several results (topk's values and indices, which a run may hand
+    on whole) is returned as its items, and the call puts the outputs back in their
+    structure."""
 
     def __init__(self, gm: fx.GraphModule):
         graph = fx.Graph()
-        graph.output(graph.graph_copy(gm.graph, {}))
+        value = graph.graph_copy(gm.graph, {})
+        leaves, self.spec = pytree.tree_flatten(pytree.tree_map(lambda x: _items(graph, x), value))
+        graph.output(tuple(leaves))
         self.gm = fx.GraphModule(gm, graph)   # (compile_fx may rewrite the graph it is given)
         self.compiled: dict = {}
-        self.single = isinstance(graph.find_nodes(op="output")[0].args[0], fx.Node)   # (one tensor, not a tuple)
 
     @staticmethod
     def _key(args) -> tuple:
@@ -137,8 +142,15 @@ class _WithoutDynamo:
     def __call__(self, *args):
         if not self.ready(args):
             self.prepare(args)
-        out = self.compiled[self._key(args)](*args)
-        return out[0] if self.single and isinstance(out, (list, tuple)) else out
+        return pytree.tree_unflatten(list(self.compiled[self._key(args)](*args)), self.spec)
+
+
+def _items(graph: fx.Graph, x):
+    """x, or where x is a node of an op with several results, a tuple of its items."""
+    schema = getattr(x.target, "_schema", None) if isinstance(x, fx.Node) and x.op == "call_function" else None
+    if schema is None or len(schema.returns) < 2:
+        return x
+    return tuple(graph.call_function(operator.getitem, (x, i)) for i in range(len(schema.returns)))
 
 
 def _itself(x):
