@@ -683,11 +683,17 @@ def under_backend(backend: str, job, *args):
     def compile_with(*a, **kw):
         kw.setdefault("backend", backend)
         return original(*a, **kw)
-    autopar.compile = compile_with
+    return _run_with(autopar, "compile", compile_with, job, *args)
+
+
+def _run_with(owner, name: str, value, job, *args):
+    """`job(*args)` with owner.name set to value, and put back after."""
+    original = getattr(owner, name)
+    setattr(owner, name, value)
     try:
         return job(*args)
     finally:
-        autopar.compile = original
+        setattr(owner, name, original)
 
 
 def first_step_losses(spec: tuple, plan_dict: dict) -> dict:
@@ -816,11 +822,7 @@ def with_layer_cuts(job, *args):
     """Run `job(*args)` with the Inductor backend's regions cut at every layer, as on CUDA
     (runtime/inductor.LAYER_CUTS)."""
     import autopar.runtime.inductor as inductor
-    inductor.LAYER_CUTS = True
-    try:
-        return job(*args)
-    finally:
-        inductor.LAYER_CUTS = None
+    return _run_with(inductor, "LAYER_CUTS", True, job, *args)
 
 
 def buckets_before_first_layer(spec: tuple, plan_dict: dict) -> dict:
