@@ -95,6 +95,24 @@ def test_random_plans_include_zero_states_and_train_like_one_device(pool4):
         assert result["ok"], (plan.origin, result)
 
 
+@pytest.mark.parametrize("bucket_mb", [25.0, 0.02])
+def test_zero3_recomputed_layers_gather_again_by_bucket(pool4, bucket_mb):
+    """ZeRO-3 under full recomputation: backward's recomputation of a layer gathers the
+    layer's weights again a bucket at a time (the weights of the bucket that recomputed
+    layers gathered in forward, in one flat call, the next earlier bucket started while
+    this one recomputes), not in one blocking call per weight; gradients equal one device."""
+    plan = _plan(("autopar", "gpt-tiny", ()), (4,), ("dp",), "zero3", recompute="full")
+    counts = pool4.run(zero3_regather_counts, plan.to_dict(), True, bucket_mb=bucket_mb)[0]
+    again, calls = counts["recompute_gathered"], counts["recompute_buckets"]
+    assert counts["gathered"] == counts["gathers"] + again and again > 0, counts
+    assert 1 <= calls <= len(counts["buckets"]), counts
+    if bucket_mb == 25.0:
+        assert calls <= 2 < again, counts   # (many weights a call)
+    else:
+        assert 2 < calls <= again, counts   # (a bucket per weight, or per weight and bias)
+    assert counts["worst"] <= 0, counts
+
+
 @pytest.mark.parametrize("reshard,bucket_mb", [(True, 25.0), (False, 25.0), (True, 0.02)])
 def test_zero3_gathers_in_buckets_prefetches_and_regathers(pool4, reshard, bucket_mb):
     """ZeRO-3: every weight is gathered once in forward, in buckets of consecutive weights

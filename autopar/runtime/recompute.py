@@ -46,7 +46,7 @@ from autopar.runtime.linear_grads import ABSORBS
 from autopar.solve.recompute import PRODUCTS
 
 
-_STATE = {"keep": None, "probe": None}
+_STATE = {"keep": None, "probe": None, "region": None}   # region: the recomputed layer whose forward runs
 
 _aten = torch.ops.aten
 # the kernels whose outputs a kept op's result lives in: a product's matrix multiply (the
@@ -227,8 +227,12 @@ class Region(nn.Module):
         # restoring of the devices' random state is redundant there, and on a GPU it cost
         # 7 ms of GPT-2 124M's 61 ms step with every layer recomputed (one H100,
         # docs/gpu/2026-11-26-h100-recompute-rng-probe.txt)
-        return checkpoint(self._run, calls, *inputs, use_reentrant=False,
-                          preserve_rng_state=self.streams is None, **extra)
+        outer, _STATE["region"] = _STATE.get("region"), self   # (runtime/reshard: gathers made in a recomputed layer)
+        try:
+            return checkpoint(self._run, calls, *inputs, use_reentrant=False,
+                              preserve_rng_state=self.streams is None, **extra)
+        finally:
+            _STATE["region"] = outer
 
 
     def _offloaded(self, *inputs):
@@ -319,6 +323,12 @@ class SavedProbe:
     @property
     def bytes(self) -> int:
         return int(sum(self.storages.values()))
+
+
+def in_recomputed_forward() -> bool:
+    """Whether a recomputed layer's first forward is running (its recomputation in backward
+    is not: checkpointing calls the layer's body then, not Region.forward)."""
+    return _STATE["region"] is not None
 
 
 def note_saved(t: torch.Tensor) -> None:

@@ -201,7 +201,7 @@ class GraphRunner:
 def gather_counts_of(regathers) -> dict:
     """ZeRO-3 gather counts summed over runtime.reshard.Regathers (None: none)."""
     out = {"sites": 0, "gathered": 0, "prefetched": 0, "regathered": 0, "bucket_gathers": 0, "bucket_reduces": 0,
-           "fetched": 0, "regather_prefetched": 0}
+           "fetched": 0, "regather_prefetched": 0, "recompute_gathered": 0, "recompute_buckets": 0}
     for r in regathers:
         if r is not None:
             out["sites"] += len(r.order)
