@@ -826,16 +826,13 @@ def with_layer_cuts(job, *args):
 
 
 def buckets_before_first_layer(spec: tuple, plan_dict: dict) -> dict:
-    """One step under backend "inductor", regions cut at every layer, gradient buckets of
-    about one gradient each: the compiled regions, and how many gradient all-reduces had
-    been launched when backward reached the first layer (its region's output gradient) and
-    by the step's end."""
+    """One step under backend "inductor" (its regions cut at every layer: run it
+    with_layer_cuts), gradient buckets of about one gradient each: the compiled regions,
+    and how many gradient all-reduces had been launched when backward reached the first
+    layer (its region's output gradient) and by the step's end."""
     import torch.distributed as dist
-
-    import autopar.runtime.inductor as inductor
     plan = Plan.from_dict(plan_dict)
     model, args, kwargs = build_case(spec)
-    inductor.LAYER_CUTS = True
     launched, at_first = [0], []
     original = dist.all_reduce
 
@@ -861,5 +858,4 @@ def buckets_before_first_layer(spec: tuple, plan_dict: dict) -> dict:
         cm.train_step(*args, **kwargs)
     finally:
         dist.all_reduce = original
-        inductor.LAYER_CUTS = None
     return {"regions": len(regions), "first": first.label, "at_first_layer": at_first[:1], "launched": launched[0]}

@@ -406,7 +406,7 @@ def test_inductor_layer_cuts_hand_gradients_to_the_buckets_layer_by_layer(pool4)
     plan = plan_for(GPT, "data-parallel", shape=(4,), names=("dp",))
     result = pool4.run(with_layer_cuts, train_and_compare, GPT, plan, 3, None, "adamw", "inductor")[0]
     assert result["ok"] and result["failed"] == 0 and result["regions"] == 4, result
-    got = pool4.run(buckets_before_first_layer, GPT, plan)[0]
+    got = pool4.run(with_layer_cuts, buckets_before_first_layer, GPT, plan)[0]
     assert got["regions"] == 4 and "blocks.0" in got["first"], got
     assert 0 < got["at_first_layer"][0] < got["launched"], got
 
