@@ -365,10 +365,11 @@ def test_inductor_checkpoints_round_trip(pool4, tmp_path):
 @pytest.mark.parametrize("mode", ["none", "selective", "full"])
 def test_inductor_keeps_the_planned_saved_bytes(pool4, mode):
     """What a step keeps for backward (runtime.recompute.measure_saved) under the compiled
-    regions, against the plan's activation bytes: within 5 %, as under eager."""
+    regions, against the activation bytes of the plan priced for Inductor: within 5 %, as
+    under eager."""
     from rc_cases import saved_bytes
     from rt_cases import under_backend
-    plan = _gpt_plan("megatron-tp x dp", recompute=mode)
+    plan = _gpt_plan("megatron-tp x dp", recompute=mode, backend="inductor")
     rows = pool4.run(under_backend, "inductor", saved_bytes, GPT, plan)
     bad = [(r["measured"], r["predicted"]) for r in rows if abs(r["predicted"] - r["measured"]) > 0.05 * r["measured"]]
     assert not bad, bad
@@ -380,7 +381,8 @@ def test_inductor_compiles_a_selective_layer_whole(pool4):
     the compiled forward, the ops between them run again in its backward), training equals
     one device, and what a step keeps is eager's less exactly the kept outputs no backward
     reads: each block's MLP down-projection, which only the residual add reads (eager's
-    checkpoint caches them; the compiled graph's partitioner does not save them)."""
+    checkpoint caches them; the compiled graph's partitioner does not save them).  A plan
+    priced for Inductor (solve/recompute.compiled_whole) predicts exactly those bytes."""
     from rc_cases import saved_bytes
     from rt_cases import build_case, under_backend
     model, args, _ = build_case(GPT)
@@ -394,6 +396,10 @@ def test_inductor_compiles_a_selective_layer_whole(pool4):
     fused = pool4.run(under_backend, "inductor", saved_bytes, GPT, plan.to_dict())
     unread = layers * (args[0].numel() // 4) * model.blocks[0].mlp.fc2.out_features * 4   # float32
     assert [r["measured"] for r in fused] == [r["measured"] - unread for r in eager], (fused, eager, unread)
+    priced = autopar.plan(model, mesh, args, compare=False, layout="data-parallel", recompute="selective",
+                          backend="inductor")
+    assert priced.predicted.memory["activations"] == plan.predicted.memory["activations"] - unread
+    assert [r["measured"] for r in fused] == [priced.predicted.memory["activations"]] * 4, fused
 
 
 def test_inductor_layer_cuts_hand_gradients_to_the_buckets_layer_by_layer(pool4):

@@ -167,6 +167,29 @@ def test_selective_and_full_keep_less():
     assert "fused attention" in plans["selective"].recompute.note
 
 
+@pytest.mark.parametrize("spec,unread", [(GPT, 1), (("hf-arch", "gpt_neox"), 2)], ids=["gpt-tiny", "hf-gpt-neox"])
+def test_inductor_pricing_drops_kept_outputs_no_backward_reads(spec, unread):
+    """A plan priced for Inductor: a selective layer that compiles whole keeps only the kept
+    outputs its backward reads, so under data parallelism and ZeRO-3 each block keeps
+    eager's bytes less its outputs read only by the residual adds (the MLP's down-projection;
+    GPT-NeoX's parallel block also its attention's output projection), and under Megatron TP,
+    whose layers reduce gradients inside them and do not compile whole, eager's bytes."""
+    model, args, kwargs = build_case(spec)
+    width = model.config.hidden_size if hasattr(model.config, "hidden_size") else model.config.hidden
+    tokens = (args[0] if args else kwargs["input_ids"]).numel()
+
+    def activations(layout, backend, mesh=_mesh()):
+        plan = autopar.plan(model, mesh, args, example_kwargs=kwargs or None, compare=False, layout=layout,
+                            recompute="selective", backend=backend)
+        return plan.predicted.memory["activations"], len(plan.recompute.layers)
+
+    dp = autopar.Mesh((4,), ("dp",), device="cpu")
+    for layout in ("data-parallel", "zero3"):
+        (eager, layers), (fused, _) = activations(layout, "eager", dp), activations(layout, "inductor", dp)
+        assert eager - fused == layers * unread * (tokens // 4) * width * 4, (layout, eager, fused)
+    assert activations("megatron-tp x dp", "inductor") == activations("megatron-tp x dp", "eager")
+
+
 @pytest.mark.parametrize("spec,layout", [(GPT, "megatron-tp x dp"), (LLAMA, "zero3")], ids=["gpt-tiny-megatron", "hf-llama-zero3"])
 def test_alternate_recomputes_every_second_projection_and_trains_like_one_device(pool4, spec, layout):
     """recompute="alternate" keeps the outputs of the 1st, 3rd, 5th ... matrix product of each

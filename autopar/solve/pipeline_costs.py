@@ -269,7 +269,7 @@ class _Split:
         problem, choice = self.problem, self.choice
         got = {k: dict(b) for k, b in self.buckets.items()}
         if mode != "none":
-            costs = ModeCosts(problem, {f"{prefix_name}.{i}": mode for i in indices})
+            costs = ModeCosts(problem, {f"{prefix_name}.{i}": mode for i in indices}, pipelined=True)
             layer = layer_paths(problem)
             remade = costs.remade(problem, choice)
             for b in got.values():

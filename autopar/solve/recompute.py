@@ -33,6 +33,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import torch
+import torch.fx.traceback as fx_traceback
 
 from autopar.solve.graph import VIEWS
 from autopar.plan.records import SELECTIVE_MODES, Recompute
@@ -105,11 +107,16 @@ class ModeCosts:
     `activations[rep][choice]` (replacing the Choice's), the seconds of forward run again
     `extra[rep][choice]`, and per edge class the forward moves run again `edge_extra[key]`."""
 
-    def __init__(self, problem, modes: dict):
+    def __init__(self, problem, modes: dict, pipelined: bool = False):
         self.modes = dict(modes)
         nodes = problem.nodes
         layer = layer_paths(problem)
         kept = self.kept = kept_nodes(problem, self.modes, layer)
+        # the selective layers that may compile whole (compiled_whole; a pipeline schedule's
+        # backward may run a layer's forward twice, and the runtime then keeps the kept
+        # outputs as eager checkpointing does)
+        self.compilable = set() if pipelined else compiled_whole(problem, self.modes, layer)
+        self.layer, self.by_whole = layer, {}
         self.entries, holders = _holdings(problem, self.modes, layer, kept)
         self.activations: dict = {}
         keeps: dict = {}   # node index -> bytes it keeps under its layer's mode, per strategy
@@ -149,6 +156,19 @@ class ModeCosts:
                 self.extra[pn.rep] = self.extra.get(pn.rep, 0.0) + term
                 self.linear_crossing[pn.rep] = self.linear_crossing.get(pn.rep, 0.0) + term
 
+    def entries_for(self, problem, choice: dict) -> list:
+        """What backward keeps under a solved choice: self.entries, less the kept outputs no
+        backward reads in each selective layer that compiles whole under it (compiled_whole,
+        and no op of the layer communicating or moving a tensor inside it, as a
+        tensor-parallel layer's folded gradient reductions do).  The ILP's linear terms
+        keep every kept output: they hold for every choice."""
+        whole = frozenset(p for p in self.compilable if _runs_whole(problem, choice, self.layer, p))
+        if not whole:
+            return self.entries
+        if whole not in self.by_whole:
+            self.by_whole[whole] = _holdings(problem, self.modes, self.layer, self.kept, whole)[0]
+        return self.by_whole[whole]
+
     def host_bytes(self, problem, choice: dict) -> float:
         """Activation bytes per device the offloaded layers keep in host memory: their
         storages, each once (the runtime copies a storage once however many views of it
@@ -182,14 +202,101 @@ class ModeCosts:
         return linear - estimate + self.crossing * self.host_bytes(self.problem, choice)
 
 
-def _holdings(problem, modes: dict, layer: dict, kept: set) -> tuple:
+def compiled_whole(problem, modes: dict, layer: dict) -> set:
+    """The paths of the selective layers that backend "inductor" compiles as one region with
+    the checkpoint inside (runtime/inductor: every op of the layer an ATen op that draws no
+    random numbers, and torch new enough to annotate the kept ops)."""
+    if problem.backend != "inductor" or not hasattr(fx_traceback, "annotate"):
+        return set()
+    paths = {path for path, mode in modes.items() if mode in SELECTIVE_MODES}
+    for n, path in layer.items():
+        pn = problem.nodes[n]
+        if path in paths and pn.kind == "op" and not (pn.op.startswith("aten.") and not _draws(pn.node)):
+            paths.discard(path)
+    return paths
+
+
+def _runs_whole(problem, choice: dict, layer: dict, path: str) -> bool:
+    """Whether layer `path` under a solved choice has no op that communicates inside and no
+    tensor moved between its ops (forward or backward)."""
+    nodes = problem.nodes
+    for n, p in layer.items():
+        pn = nodes[n]
+        if p == path and pn.kind == "op" and nodes[pn.rep].strategies[choice[n]].comm:
+            return False
+    for e in problem.edges:
+        if any(nodes[i].kind in ("param", "input") for i in (e.a, e.b) if i < len(nodes)):
+            continue   # (a weight's gather runs before the layer's region, its gradient's reduction after)
+        inside = (layer.get(e.a) == path and layer.get(e.b) == path) if e.kind == "data" else \
+            path in (layer.get(e.a), layer.get(e.b))   # (a gradient's sum over its readers)
+        if inside:
+            m = problem.edge_costs.get(problem.rep_edge(e))
+            if m is not None and m[choice[e.a], choice[e.b]] > 0:
+                return False
+    return True
+
+
+def _draws(node) -> bool:
+    """Whether a traced op draws random numbers when it runs (a dropout of probability 0,
+    or in eval mode, draws nothing; so does attention without dropout)."""
+    target = getattr(node, "target", None)
+    if not isinstance(target, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded not in target.tags:
+        return False
+    args = list(node.args)
+    if target in (torch.ops.aten.native_dropout.default, torch.ops.aten.dropout.default):
+        p, train = (args[1:3] + [node.kwargs.get("p"), node.kwargs.get("train")])[:2]
+        return not (isinstance(p, (int, float)) and p == 0 or train is False)
+    if target is torch.ops.aten.scaled_dot_product_attention.default:
+        p = node.kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+        return p != 0.0
+    return True
+
+
+def _read_in_backward(problem, nodes_of_layer: list, kept: set) -> set:
+    """The storages (node, output) that the backward of a selective layer compiled whole
+    reads: what each op's derivative keeps (its holdings), and, for each op that is not kept
+    but whose output backward reads, what running it again reads, followed back until a
+    kept op's output or the layer's inputs.  The compiled graph's partitioner saves a kept
+    output only when backward reads it (a block's last projection, read only by the
+    residual add, is not saved), where eager checkpointing caches every kept output."""
+    nodes = problem.nodes
+    mine = set(nodes_of_layer)
+    needed: set = set()
+    todo = []
+
+    def need(key):
+        if key not in needed:
+            needed.add(key)
+            todo.append(key)
+
+    for n in nodes_of_layer:
+        for key, kind, index, _ in problem.holdings.get(n, ()):
+            if kind == "in":
+                need(problem.storage_root(*nodes[n].inputs[index]))
+            elif kind == "out":
+                need(key)
+    while todo:
+        src, _ = todo.pop()
+        if src in mine and src not in kept and nodes[src].kind == "op":
+            for s, o in nodes[src].inputs:   # (run again in backward: reads its operands)
+                need(problem.storage_root(s, o))
+    return needed
+
+
+def _holdings(problem, modes: dict, layer: dict, kept: set, compiled: set = frozenset()) -> tuple:
     """(entries: (node index, holding) of what backward keeps under `modes`; holders:
     storage -> how many entries hold it).  A layer that keeps everything holds what
     autograd saves; selectively, only the kept ops' outputs (and what else their kernels
-    return); a recomputed layer also holds the inputs it reads from outside itself."""
+    return); a recomputed layer also holds the inputs it reads from outside itself.  A
+    selective layer in `compiled` (compiled_whole) holds, of those, only the storages its
+    backward reads (_read_in_backward)."""
     nodes = problem.nodes
     entries = []
     holders: dict = {}
+    members: dict = {}   # layer path -> its nodes' indices, ascending
+    for n, path in layer.items():
+        members.setdefault(path, []).append(n)
+    read = {path: _read_in_backward(problem, sorted(members[path]), kept) for path in compiled}
 
     def hold(n, item):
         entries.append((n, item))
@@ -205,16 +312,15 @@ def _holdings(problem, modes: dict, layer: dict, kept: set) -> tuple:
                 hold(n, item)
         elif mode in SELECTIVE_MODES and n in kept:   # its outputs, and what else its kernel
             pn = nodes[n]                            # returns (attention's log-sum-exp)
+            read_back = read.get(layer.get(n))
             for j, shape in enumerate(pn.out_shapes):
-                hold(n, ((n, j), "result", j, math.prod(shape) * pn.out_dtypes[j].itemsize))
+                if read_back is None or (n, j) in read_back:
+                    hold(n, ((n, j), "result", j, math.prod(shape) * pn.out_dtypes[j].itemsize))
             for item in held:
                 if item[1] == "new":
                     hold(n, item)
                 elif item[1] in ("in", "out"):   # under a strategy that communicates inside, the
                     hold(n, (None, "own " + item[1], item[2], item[3]))   # op runs whole (Recompute.whole)
-    members: dict = {}   # layer path -> its nodes' indices, ascending
-    for n, path in layer.items():
-        members.setdefault(path, []).append(n)
     for path, mode in modes.items():
         if mode not in RECOMPUTING:
             continue
@@ -228,6 +334,8 @@ def _holdings(problem, modes: dict, layer: dict, kept: set) -> tuple:
                 root = nodes[key[0]]
                 if root.kind != "op":
                     hold(pn.index, (None, "leaf", k, 0.0))   # (counted only as a move's copy)
+                    continue
+                if path in read and key not in read[path]:
                     continue
                 hold(pn.index, (key, "in", k, math.prod(root.out_shapes[key[1]]) * root.out_dtypes[key[1]].itemsize))
     return entries, holders
@@ -280,7 +388,7 @@ def beyond_linear(problem, choice: dict, costs: ModeCosts | None = None) -> tupl
         entries = problem.saved_entries()
         linear = sum(problem.choices[pn.rep][choice[pn.index]].memory["activations"] for pn in problem.nodes)
     else:
-        entries, linear = costs.entries, costs.activation_bytes(choice)
+        entries, linear = costs.entries_for(problem, choice), costs.activation_bytes(choice)
     exact = problem.kept_bytes(choice, entries)
     work = working_bytes(problem, choice, costs)
     return exact, work, max(exact + work, problem.step_memory(choice)) - linear
