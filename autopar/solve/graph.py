@@ -156,3 +156,25 @@ def add_gradient_sums(nodes: list) -> tuple[dict, dict]:
         nodes.append(gs)
         gradsum_of[(src, out)] = gs.index
     return readers, gradsum_of
+
+
+def draws_random(node) -> bool:
+    """Whether a traced op draws random numbers when it runs (a dropout of probability 0,
+    or in eval mode, draws nothing; so does attention without dropout)."""
+    target = getattr(node, "target", None)
+    if not isinstance(target, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded not in target.tags:
+        return False
+    args = list(node.args)
+    if target in (torch.ops.aten.native_dropout.default, torch.ops.aten.dropout.default):
+        p, train = (args[1:3] + [node.kwargs.get("p"), node.kwargs.get("train")])[:2]
+        return not (isinstance(p, (int, float)) and p == 0 or train is False)
+    if target is torch.ops.aten.scaled_dot_product_attention.default:
+        p = node.kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+        return p != 0.0
+    return True
+
+
+def compiles(pn) -> bool:
+    """Whether backend "inductor" runs op pn inside a compiled region: an ATen op that draws
+    no random numbers (the runtime's is_compute; others run eagerly between regions)."""
+    return pn.kind == "op" and pn.op.startswith("aten.") and not draws_random(pn.node)

@@ -30,6 +30,7 @@ from autopar.ops.rules import ELEMENTWISE
 from autopar.trace.export import Traced
 from autopar.solve.graph import VIEWS, Choice, EdgeKey, PNode, add_gradient_sums, build_nodes
 from autopar.solve.layers import share_layers
+from autopar.solve.partitioned import partitioned_holdings
 from autopar.solve.menus import build_menus, zero_layout
 from autopar.cost.saved import SCALAR, Saved, is_alias, saved_by
 
@@ -189,6 +190,10 @@ class Problem:
                 # targets it counts (passes/local_ops.local_cross_entropy), which it keeps
                 held.append((None, "count", 0, 8.0))
             self.holdings[pn.index] = held
+        # what a step keeps when nothing is recomputed: what the derivatives read under eager;
+        # under Inductor, less what the compiled graphs' partitioner runs again (partitioned.py)
+        self.kept_holdings = partitioned_holdings(self) if self.backend == "inductor" else self.holdings
+        for held in self.kept_holdings.values():
             for key, *_ in held:
                 if key is not None:
                     self.savers[key] = self.savers.get(key, 0) + 1
@@ -259,7 +264,7 @@ class Problem:
 
     def saved_entries(self) -> list:
         """(node index, holding) of everything the ops keep when nothing is recomputed."""
-        return [(n, item) for n, held in self.holdings.items() for item in held]
+        return [(n, item) for n, held in self.kept_holdings.items() for item in held]
 
     def kept_bytes(self, choice: dict, entries) -> float:
         """The activation bytes per device a solved choice keeps, storage by storage as the
@@ -404,7 +409,7 @@ class Problem:
         # kept for backward (see _find_saved): a storage several ops keep is stored once, so
         # each holder carries its share
         mem["activations"] = sum(self.held_bytes(pn, s, it) / (self.savers[it[0]] if it[0] is not None else 1)
-                                 for it in self.holdings.get(pn.index, ()))
+                                 for it in self.kept_holdings.get(pn.index, ()))
         for kind, axis, nbytes, _ in self.internal_collectives(pn, s):   # a named strategy's own
             comm[axis] += C.collective_time(kind, nbytes, axis, mesh)
         if pn.op == "autopar.experts":  # experts split: the step waits for the busiest rank

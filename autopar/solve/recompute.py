@@ -33,10 +33,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import torch
 import torch.fx.traceback as fx_traceback
 
-from autopar.solve.graph import VIEWS
+from autopar.solve.graph import VIEWS, compiles
 from autopar.plan.records import SELECTIVE_MODES, Recompute
 
 MODES = ("none", "selective", "alternate", "full", "offload")
@@ -211,7 +210,7 @@ def compiled_whole(problem, modes: dict, layer: dict) -> set:
     paths = {path for path, mode in modes.items() if mode in SELECTIVE_MODES}
     for n, path in layer.items():
         pn = problem.nodes[n]
-        if path in paths and pn.kind == "op" and not (pn.op.startswith("aten.") and not _draws(pn.node)):
+        if path in paths and pn.kind == "op" and not compiles(pn):
             paths.discard(path)
     return paths
 
@@ -233,22 +232,6 @@ def _runs_whole(problem, choice: dict, layer: dict, path: str) -> bool:
             m = problem.edge_costs.get(problem.rep_edge(e))
             if m is not None and m[choice[e.a], choice[e.b]] > 0:
                 return False
-    return True
-
-
-def _draws(node) -> bool:
-    """Whether a traced op draws random numbers when it runs (a dropout of probability 0,
-    or in eval mode, draws nothing; so does attention without dropout)."""
-    target = getattr(node, "target", None)
-    if not isinstance(target, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded not in target.tags:
-        return False
-    args = list(node.args)
-    if target in (torch.ops.aten.native_dropout.default, torch.ops.aten.dropout.default):
-        p, train = (args[1:3] + [node.kwargs.get("p"), node.kwargs.get("train")])[:2]
-        return not (isinstance(p, (int, float)) and p == 0 or train is False)
-    if target is torch.ops.aten.scaled_dot_product_attention.default:
-        p = node.kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
-        return p != 0.0
     return True
 
 
@@ -303,8 +286,10 @@ def _holdings(problem, modes: dict, layer: dict, kept: set, compiled: set = froz
         if item[0] is not None:
             holders[item[0]] = holders.get(item[0], 0) + 1
 
-    for n, held in problem.holdings.items():
+    for n in sorted(set(problem.holdings) | set(problem.kept_holdings)):
         mode = modes.get(layer.get(n), "none")
+        # (kept as a step keeps them: compiled, less what the partitioner runs again)
+        held = problem.kept_holdings.get(n, ()) if mode == "none" else problem.holdings.get(n, ())
         if mode == "offload":
             continue   # (all of it in host memory)
         if mode == "none":
