@@ -105,3 +105,11 @@ def experts_strategies(in_shapes, mesh_shape, axis_names, needs_grad) -> list[St
 
 
 _NAMES = {"t": "tokens", "e": "experts", "i": "inner", "te": "expert-parallel"}
+
+
+def kept_tokens_factor(strategy, k: int) -> int:
+    """What the op keeps for backward under `strategy`, in units of its own token operand x:
+    1 (x itself), except under expert parallelism ("te"), where the rows it received (k per
+    token of the rank, balanced) and the rows it sent back, which the combine's weighting
+    reads, are kept in x's place (trace/experts.expert_parallel): 2k."""
+    return 2 * k if "te" in strategy.split else 1

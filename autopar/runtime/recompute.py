@@ -316,6 +316,9 @@ class SavedProbe:
     def note(self, t: torch.Tensor) -> None:
         if t.layout != torch.strided or t.device.type == "meta":
             return
+        if torch._C._current_graph_task_id() != -1:
+            return   # (packed while backward runs, as an op whose backward runs its forward again under
+            #          autograd (the experts'): held within that op's backward only, not since forward)
         s = t.untyped_storage()
         if s.data_ptr() not in self.ignore:
             self.storages[s.data_ptr()] = s.nbytes()

@@ -25,6 +25,7 @@ from autopar.cost.redistribution import plan_redistribute
 from autopar.ops import Strategy, op_arg
 from autopar.ops.attention_rule import ATTENTION_OPS
 from autopar.ops.attention_rule import private_holdings
+from autopar.ops.experts_rule import kept_tokens_factor
 from autopar.ops.grid_rule import is_grid, is_split_norm
 from autopar.ops.rules import ELEMENTWISE
 from autopar.trace.export import Traced
@@ -220,7 +221,10 @@ class Problem:
         if kind == "in":
             src, o = pn.inputs[index]
             shape = self.nodes[src].out_shapes[o]
-            return nbytes * C.local_numel(shape, s.inputs[index], mesh.shape) / max(1, math.prod(shape))
+            local = nbytes * C.local_numel(shape, s.inputs[index], mesh.shape) / max(1, math.prod(shape))
+            if pn.op == "autopar.experts" and index == 0:   # (x: the routed rows under expert parallelism)
+                return local * kept_tokens_factor(s, self.nodes[pn.inputs[1][0]].out_shapes[pn.inputs[1][1]][-1])
+            return local
         if kind == "count":   # (a local cross entropy's count, _find_saved)
             split = any(not isinstance(p, Replicate) for lay in (*s.inputs, *s.outputs) for p in lay)
             return nbytes if split else 0.0

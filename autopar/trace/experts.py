@@ -242,7 +242,11 @@ def expert_parallel(x, index, weight, gate, up, down, act: str, n_experts: int, 
     ones = torch.ones(got.shape[0], 1, dtype=got.dtype, device=got.device)
     done = experts(got, got_ids.unsqueeze(-1), ones, gate, up, down, act, first, gate_bias, up_bias, down_bias)
     back = _AllToAll.apply(done, send_sizes, recv_sizes, group)
-    out = torch.empty_like(back).index_copy(0, order, back)  # rows in (token, slot) order again
+    # rows in (token, slot) order again: read through the inverse permutation, whose backward
+    # keeps only the indices (index_copy into a new tensor kept a copy of the rows as well)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    out = back[inverse]
     return _combine(out, weight, tokens, k, x.dtype)
 
 
