@@ -161,7 +161,9 @@ class ModeCosts:
         and no op of the layer communicating or moving a tensor inside it, as a
         tensor-parallel layer's folded gradient reductions do).  The ILP's linear terms
         keep every kept output: they hold for every choice."""
-        whole = frozenset(p for p in self.compilable if _runs_whole(problem, choice, self.layer, p))
+        if not self.compilable:
+            return self.entries
+        whole = frozenset(self.compilable - _moving_layers(problem, choice, self.layer))
         if not whole:
             return self.entries
         if whole not in self.by_whole:
@@ -215,24 +217,23 @@ def compiled_whole(problem, modes: dict, layer: dict) -> set:
     return paths
 
 
-def _runs_whole(problem, choice: dict, layer: dict, path: str) -> bool:
-    """Whether layer `path` under a solved choice has no op that communicates inside and no
-    tensor moved between its ops (forward or backward)."""
+def _moving_layers(problem, choice: dict, layer: dict) -> set:
+    """The layer paths that, under a solved choice, have an op communicating inside or a
+    tensor moved between their ops (forward or backward)."""
     nodes = problem.nodes
-    for n, p in layer.items():
-        pn = nodes[n]
-        if p == path and pn.kind == "op" and nodes[pn.rep].strategies[choice[n]].comm:
-            return False
+    out = {layer[n] for n in layer if nodes[n].kind == "op" and nodes[nodes[n].rep].strategies[choice[n]].comm}
     for e in problem.edges:
-        if any(nodes[i].kind in ("param", "input") for i in (e.a, e.b) if i < len(nodes)):
+        if nodes[e.a].kind in ("param", "input") or nodes[e.b].kind in ("param", "input"):
             continue   # (a weight's gather runs before the layer's region, its gradient's reduction after)
-        inside = (layer.get(e.a) == path and layer.get(e.b) == path) if e.kind == "data" else \
-            path in (layer.get(e.a), layer.get(e.b))   # (a gradient's sum over its readers)
-        if inside:
+        pa, pb = layer.get(e.a), layer.get(e.b)
+        # (a data edge inside one layer; a gradient's sum over its readers touching one)
+        paths = ({pa} if pa == pb else set()) if e.kind == "data" else {pa, pb}
+        paths = {p for p in paths if p is not None and p not in out}
+        if paths:
             m = problem.edge_costs.get(problem.rep_edge(e))
             if m is not None and m[choice[e.a], choice[e.b]] > 0:
-                return False
-    return True
+                out |= paths
+    return out
 
 
 def _read_in_backward(problem, nodes_of_layer: list, kept: set) -> set:
