@@ -204,6 +204,19 @@ def test_inductor_pricing_drops_kept_outputs_no_backward_reads(spec, unread):
     assert activations("megatron-tp x dp", "inductor") == activations("megatron-tp x dp", "eager")
 
 
+def test_inductor_pricing_keeps_eager_bytes_under_a_pipeline():
+    """Under a pipeline schedule a selective layer keeps its kept outputs as eager
+    checkpointing does (a split backward may run its forward twice), so a pipelined plan
+    priced for Inductor keeps what the eager-priced one keeps."""
+    model, example = build("gpt-tiny", n_layers=4)
+    mesh = autopar.Mesh((2, 2), ("pp", "dp"), device="cpu")
+    kept = {b: autopar.plan(model, mesh, example, compare=False, recompute="selective", backend=b,
+                            pipeline=autopar.Pipeline(axis="pp", schedule="1f1b", microbatches=4))
+            for b in ("eager", "inductor")}
+    assert kept["inductor"].pipeline is not None
+    assert kept["inductor"].predicted.memory["activations"] == kept["eager"].predicted.memory["activations"]
+
+
 @pytest.mark.parametrize("spec,layout", [(GPT, "megatron-tp x dp"), (LLAMA, "zero3")], ids=["gpt-tiny-megatron", "hf-llama-zero3"])
 def test_alternate_recomputes_every_second_projection_and_trains_like_one_device(pool4, spec, layout):
     """recompute="alternate" keeps the outputs of the 1st, 3rd, 5th ... matrix product of each

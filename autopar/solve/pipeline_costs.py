@@ -101,8 +101,10 @@ def stage_problem(model, mesh, example_inputs, example_kwargs, mixed_precision, 
     sub = Mesh(sub_shape, mesh.axis_names, device=mesh.device, bandwidth=mesh.bandwidth, latency=mesh.latency)
     batch = batch_size(example_inputs, example_kwargs)
     args, kwargs = first_microbatch((tuple(example_inputs), example_kwargs), batch, mb_size)
-    return build_problem(model, sub, args, kwargs, mixed_precision, tuple(sub_shape) == tuple(mesh.shape),
-                         pricing)
+    built = build_problem(model, sub, args, kwargs, mixed_precision, tuple(sub_shape) == tuple(mesh.shape),
+                          pricing)
+    built.problem.pipelined = True
+    return built
 
 
 class StageCosts:
@@ -269,7 +271,7 @@ class _Split:
         problem, choice = self.problem, self.choice
         got = {k: dict(b) for k, b in self.buckets.items()}
         if mode != "none":
-            costs = ModeCosts(problem, {f"{prefix_name}.{i}": mode for i in indices}, pipelined=True)
+            costs = ModeCosts(problem, {f"{prefix_name}.{i}": mode for i in indices})
             layer = layer_paths(problem)
             remade = costs.remade(problem, choice)
             for b in got.values():

@@ -88,6 +88,7 @@ class Problem:
         self.precision = precision
         pricing = pricing or Pricing()
         self.moe_imbalance, self.backend = pricing.moe_imbalance, pricing.backend
+        self.pipelined = False   # a pipeline stage's problem (pipeline_costs.stage_problem)
         self.accumulation = pricing.accumulation
         # TP collectives beside their GEMMs: where the plan asks for them and the device overlaps
         self.tp_overlap = pricing.tp_overlap

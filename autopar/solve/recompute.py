@@ -106,7 +106,7 @@ class ModeCosts:
     `activations[rep][choice]` (replacing the Choice's), the seconds of forward run again
     `extra[rep][choice]`, and per edge class the forward moves run again `edge_extra[key]`."""
 
-    def __init__(self, problem, modes: dict, pipelined: bool = False):
+    def __init__(self, problem, modes: dict):
         self.modes = dict(modes)
         nodes = problem.nodes
         layer = layer_paths(problem)
@@ -114,7 +114,7 @@ class ModeCosts:
         # the selective layers that may compile whole (compiled_whole; a pipeline schedule's
         # backward may run a layer's forward twice, and the runtime then keeps the kept
         # outputs as eager checkpointing does)
-        self.compilable = set() if pipelined else compiled_whole(problem, self.modes, layer)
+        self.compilable = set() if problem.pipelined else compiled_whole(problem, self.modes, layer)
         self.layer, self.by_whole = layer, {}
         self.entries, holders = _holdings(problem, self.modes, layer, kept)
         self.activations: dict = {}
