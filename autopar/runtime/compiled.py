@@ -176,10 +176,6 @@ def _compile(model, mesh, example_inputs, example_kwargs, plan, memory_budget, s
     if mixed_precision is not None and precision != mixed_precision:
         raise CompileError(f"the plan was made for {precision or 'full precision'}, not {mixed_precision}; "
                            f"plan with mixed_precision={mixed_precision!r} or compile without it")
-    if pipelined and options.backend != "eager" and plan.pipeline.schedule in SPLIT_BACKWARD:
-        raise CompileError(f"backend={options.backend!r} does not run the {plan.pipeline.schedule} schedule yet (its backward "
-                           f"splits input and weight gradients, which a compiled region computes together); "
-                           f"compile with backend='eager', or plan another schedule (1f1b, interleaved-1f1b)")
     if pipelined and local_inputs:
         raise CompileError("a pipelined plan takes the global batch (its schedule splits it into microbatches); "
                            "compile it without local_inputs=True")

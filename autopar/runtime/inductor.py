@@ -73,6 +73,7 @@ from autopar.runtime.functional_moves import functional_move
 from autopar.runtime.recompute import Region
 from autopar.runtime.reshard import Regather
 from autopar.runtime.rng import draws_nothing, is_random
+from autopar.runtime.split_backward import WEIGHT, TwoPassRun, WeightPasses, mark_weights
 from autopar.solve.graph import VIEWS
 from autopar.solve.recompute import RECOMPUTING
 from autopar.trace.paths import block_of, module_path
@@ -229,7 +230,7 @@ class CompiledRegion(nn.Module):
     (_checkpointed), selective: one that keeps its kept ops' outputs."""
 
     def __init__(self, eager: fx.GraphModule, label: str, dynamo: bool = True, checkpointed: bool = False,
-                 selective: bool = False):
+                 selective: bool = False, passes: WeightPasses | None = None):
         super().__init__()
         if checkpointed:
             eager = _checkpointed(eager, selective)
@@ -237,8 +238,13 @@ class CompiledRegion(nn.Module):
         self.checkpointed = checkpointed
         self.label = label
         # (kept out of the module tree: the compiled module wraps `eager`, registered above)
-        self.__dict__["compiled"] = (torch.compile(eager, backend="inductor", fullgraph=True, dynamic=False)
-                                     if dynamo else _WithoutDynamo(eager))
+        if passes is not None:   # (its weights' gradients in a later pass: runtime/split_backward.py)
+            flat = _WithoutDynamo(eager)
+            weight = [bool(n.meta.get(WEIGHT)) for n in eager.graph.find_nodes(op="placeholder")]
+            self.__dict__["compiled"] = TwoPassRun(flat.gm, flat.spec, weight, passes)
+        else:
+            self.__dict__["compiled"] = (torch.compile(eager, backend="inductor", fullgraph=True, dynamic=False)
+                                         if dynamo else _WithoutDynamo(eager))
         self.failed = False
         self.compile_s = None
         self.moves = 0   # the plan's moves compiled inside it, as functional collectives
@@ -248,7 +254,7 @@ class CompiledRegion(nn.Module):
         if self.failed:
             return self.eager(*args)
         first = self.compile_s is None
-        direct = isinstance(self.compiled, _WithoutDynamo)   # (compiles per grad mode and signature)
+        direct = hasattr(self.compiled, "prepare")   # (compiles per grad mode and signature)
         if not first and not (direct and not self.compiled.ready(args)):
             return self.compiled(*args)
         log.info("autopar: Inductor compiling region %s ...", self.label)   # say so, and time it
@@ -429,7 +435,8 @@ def _with_kept_tagged(body: fx.GraphModule) -> fx.GraphModule:
 
 def compile_regions(gm: fx.GraphModule, layer: str = "", dynamo: bool = True,
                     checkpointed: bool = False, selective: bool = False,
-                    layer_cuts: bool = False) -> tuple[fx.GraphModule | None, list]:
+                    layer_cuts: bool = False, passes: WeightPasses | None = None,
+                    params: frozenset = frozenset()) -> tuple[fx.GraphModule | None, list]:
     """gm cut into runs (module docstring), its moves rewritten as functional collectives and
     joined to the compute around them, its weights' gathers moved to their layers' starts
     (with_weights_ahead), its compute runs wrapped as CompiledRegions, the bodies of its
@@ -445,8 +452,11 @@ def compile_regions(gm: fx.GraphModule, layer: str = "", dynamo: bool = True,
     ops tagged, _with_kept_tagged), to run as one checkpointed compiled region after its
     weights' gathers; (None, []) where its body is
     more than that (a random draw, a collective on a weight, an op Inductor is not given,
-    a run too small to compile)."""
-    gm, moves = with_functional_moves(gm, moves=dynamo)
+    a run too small to compile).  passes: gm is a stage's graph under a split-backward
+    schedule, its placeholders `params` the parameters: each region runs its weights'
+    gradients as a later pass that `passes` hands the schedule (runtime/split_backward.py;
+    the moves of activations stay eager there)."""
+    gm, moves = with_functional_moves(gm, moves=dynamo and passes is None)
     ahead = with_weights_ahead(gm, one_layer=checkpointed)
     inner = _recomputed_layers_compiled(gm)
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
@@ -473,6 +483,9 @@ def compile_regions(gm: fx.GraphModule, layer: str = "", dynamo: bool = True,
     first = {}
     for node in nodes:
         first.setdefault(run_of[node], node)
+    if passes is not None:   # (before the cut: the regions' placeholders copy their nodes' meta)
+        compiled = {p for p in compute_parts if heavy[p] >= MIN_OPS}
+        mark_weights(gm, set(params), {n for n in nodes if run_of[n] not in compiled})
     split = split_module(gm, gm, lambda n: run_of.get(n, 0), keep_original_order=True)
     regions = []
     for p in sorted(compute_parts):
@@ -485,7 +498,7 @@ def compile_regions(gm: fx.GraphModule, layer: str = "", dynamo: bool = True,
         module = next(reversed(stack.values()))[0] if stack else ""
         label = (f"{layer + ': ' if layer else ''}{len(regions) + 1} "
                  f"({len(ops)} ops from {ops[0]}{f' in {module}' if module else ''})")
-        region = CompiledRegion(sub, label, dynamo, checkpointed, selective)
+        region = CompiledRegion(sub, label, dynamo, checkpointed, selective, passes)
         region.inside = layer
         region.moves = sum(1 for n in sub.graph.nodes if getattr(n.target, "_autopar_functional", False))
         setattr(split, name, region)

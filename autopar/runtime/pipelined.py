@@ -48,7 +48,7 @@ from torch.distributed import pipelining
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                          ScheduleInterleavedZeroBubble)
 
-from autopar.cost.schedules import ASYNCHRONOUS, folds_tp, group_stages, stage_group, stage_groups
+from autopar.cost.schedules import ASYNCHRONOUS, SPLIT_BACKWARD, folds_tp, group_stages, stage_group, stage_groups
 
 from autopar.trace.batching import batch_size, first_microbatch
 from autopar.mesh import Mesh
@@ -64,6 +64,7 @@ from autopar.runtime.options import RunOptions
 from autopar.runtime.process import STAGE_AXIS, CompileError, group_mesh
 from autopar.runtime.recompute import apply_recompute
 from autopar.runtime.reshard import Regather
+from autopar.runtime.split_backward import WeightPasses
 from autopar.runtime.runner import gather_counts_of, loss_of
 from autopar.runtime.state import build_rank_state, param_key
 from autopar.runtime.flushless import FlushlessSchedule
@@ -161,7 +162,7 @@ def stage_feeds(stages: list, group: int, n_groups: int, param_of: dict, buffer_
 class _StageModule(nn.Module):
     """One stage's graph over this rank's shards: forward(*received, **user_inputs)."""
 
-    def __init__(self, stage, model: CompiledModel, feed: list, regather: Regather):
+    def __init__(self, stage, model: CompiledModel, feed: list, regather: Regather, split_backward: bool = False):
         super().__init__()
         self.graph_module = stage.graph_module
         self.inputs = list(stage.inputs)
@@ -172,6 +173,9 @@ class _StageModule(nn.Module):
         self.model = [model]  # not a submodule: the model's parameters are not this module's children twice
         self.weights: dict | None = None   # key -> tensor read instead of the parameter (see reading)
         self.compiled: dict = {}   # backend "inductor": training mode -> (split module, its regions)
+        # (backend "inductor" under a split-backward schedule: the regions' weight passes, the stage's dw_builder)
+        self.weight_passes = WeightPasses() if model.backend != "eager" and split_backward else None
+        self.param_placeholders = frozenset(ph for ph, (kind, _) in zip(stage.params, feed) if kind == "param")
 
     def forward(self, *received, **inputs):
         missing = [n for n in self.inputs if n not in inputs]
@@ -205,8 +209,20 @@ class _StageModule(nn.Module):
             return self.graph_module
         if model.training not in self.compiled:
             self.compiled[model.training] = compile_regions(self.graph_module,
-                                                            layer_cuts=getattr(model, "device_type", None) == "cuda")
+                                                            layer_cuts=getattr(model, "device_type", None) == "cuda",
+                                                            passes=self.weight_passes,
+                                                            params=self.param_placeholders)
         return self.compiled[model.training][0]
+
+
+def _collecting(method, passes: WeightPasses):
+    """A stage's backward_one_chunk that collects the W passes its regions defer
+    (split_backward.WeightPasses.collecting)."""
+
+    def run(*args, **kwargs):
+        with passes.collecting():
+            return method(*args, **kwargs)
+    return run
 
 
 class PipelineRunner:
@@ -252,11 +268,13 @@ class PipelineRunner:
             regather = Regather(st.graph_module, set(st.params), reshard_after_forward, model.groups,
                                 offloaded=offloaded, device=model.device, disk=state.disk)
             apply_recompute(st.graph_module, model.plan, model.streams, pipelined=True)
-            module = _StageModule(st, model, feeds[st.index], regather)
+            module = _StageModule(st, model, feeds[st.index], regather, self.schedule_name in SPLIT_BACKWARD)
             self.stage_modules.append(module)
             if not own:
+                # (under Inductor, the W of each microbatch is what its regions' backward deferred)
+                dw = {} if module.weight_passes is None else {"dw_builder": module.weight_passes.builder}
                 pipeline_stages.append(PipelineStage(module, st.index, self.n_stages, model.device,
-                                                     group=self.pp_group))
+                                                     group=self.pp_group, **dw))
         self.pipeline_stages = pipeline_stages
         log.info("pipelined %d stages (%s, %d microbatches); this rank holds stages %s of device group %d",
                  self.n_stages, self.schedule_name, self.n_mb, [st.index for st in mine], group)
@@ -266,7 +284,9 @@ class PipelineRunner:
                                                     model.device, lambda out: self._microbatch_loss(out, None),
                                                     received)
             return
-        for stage in pipeline_stages:
+        for stage, module in zip(pipeline_stages, self.stage_modules):
+            if module.weight_passes is not None:
+                stage.backward_one_chunk = _collecting(stage.backward_one_chunk, module.weight_passes)
             for name in ("backward_one_chunk", "backward_weight_one_chunk"):
                 setattr(stage, name, self._sync_on_last(getattr(stage, name)))
         if self.schedule_name not in SCHEDULES:
