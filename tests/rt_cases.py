@@ -128,7 +128,8 @@ def _loss(out):
 _REFERENCE: dict = {}
 
 
-OPTIMIZERS = {"adamw": (torch.optim.AdamW, OPTIM), "adafactor": (torch.optim.Adafactor, dict(lr=1e-3))}
+OPTIMIZERS = {"adamw": (torch.optim.AdamW, OPTIM), "adafactor": (torch.optim.Adafactor, dict(lr=1e-3)),
+              "sgd": (torch.optim.SGD, dict(lr=0.1))}
 
 
 def reference(spec: tuple, steps: int, clip: float | None = None, optim: str = "adamw"):
@@ -207,6 +208,9 @@ def train_and_compare(spec: tuple, plan_dict: dict, steps: int = 3, clip: float 
     worst["compiled_moves"] = sum(r.moves for r in regions if not r.failed)
     worst["layer_regions"] = sum(bool(r.inside) for r in regions if not r.failed)   # (inside recomputed layers)
     worst["checkpointed_layers"] = sum(r.checkpointed for r in regions if not r.failed)   # (a whole layer each)
+    passes = [m.weight_passes for m in getattr(cm.runner, "stage_modules", []) if m.weight_passes is not None]
+    # (split-backward schedules under Inductor: W passes deferred and run, backwards outside the stage's dropped)
+    worst["weight_passes"] = tuple(sum(getattr(p, k) for p in passes) for k in ("deferred", "ran", "dropped"))
     return worst
 
 

@@ -285,15 +285,36 @@ def test_inductor_runs_pipeline_stages(pool4, schedule):
     assert result["regions"] > 0 and result["failed"] == 0, result
 
 
-def test_zero_bubble_under_inductor_is_refused(pool2):
-    from rt_cases import build_case, compile_error_of
-    spec = ("autopar", "gpt-tiny", (("n_layers", 4),))
-    model, args, _ = build_case(spec)
-    plan = autopar.plan(model, autopar.Mesh((2,), ("pp",), device="cpu"), args, compare=False,
-                        pipeline=autopar.Pipeline(axis="pp", groups=2, schedule="zero-bubble",
-                                                  microbatches=2))
-    message = pool2.run(compile_error_of, spec, plan.to_dict(), "inductor")[0]
-    assert "zero-bubble" in message and "backend='eager'" in message, message
+SPLIT_CASES = [(("autopar", "gpt-tiny", (("n_layers", 4),)), "zero-bubble", None),
+               (("autopar", "llama-tiny", (("n_layers", 4),)), "zbv", None),
+               (("autopar", "gpt-tiny", (("n_layers", 4),)), "dualpipev", "zero3"),
+               (("hf-llama", 4), "zbv", "megatron-tp"),
+               (("hf-arch", "mixtral"), "zero-bubble", None)]
+
+
+@pytest.mark.parametrize("spec, schedule, intra", SPLIT_CASES,
+                         ids=["gpt-zero-bubble", "llama-zbv", "gpt-dualpipev-zero3", "hf-llama-zbv-megatron",
+                              "mixtral-zero-bubble"])
+def test_inductor_runs_split_backward_schedules(pool4, spec, schedule, intra):
+    """Zero-bubble, ZB-V and DualPipeV under Inductor (runtime/split_backward.py), two device
+    groups of 2 with data parallelism, ZeRO-3 or Megatron TP inside: each compiled region's
+    backward runs as two compiled passes, its weights' gradients deferred to the schedule's
+    W action, and 3 AdamW steps equal one device.  Every deferred W runs, once per region
+    reading weights, microbatch and step; the pipeline's metadata inference, which asks
+    autograd for input gradients only, defers nothing that runs."""
+    from rt_cases import build_case
+    model, args, kwargs = build_case(spec)
+    inside = "tp" if intra == "megatron-tp" else "dp"
+    microbatches = 4 if schedule == "dualpipev" else 2
+    plan = autopar.plan(model, autopar.Mesh((2, 2), ("pp", inside), device="cpu"), args, example_kwargs=kwargs or None,
+                        compare=False, layout=intra,
+                        pipeline=autopar.Pipeline(axis="pp", groups=2, schedule=schedule, microbatches=microbatches))
+    assert plan.pipeline.schedule == schedule
+    for result in pool4.run(train_and_compare, spec, plan.to_dict(), 3, None, "adamw", "inductor"):
+        assert result["ok"], result
+        assert result["regions"] > 0 and result["failed"] == 0, result
+        deferred, ran, _ = result["weight_passes"]
+        assert deferred == ran and deferred > 0 and deferred % (3 * microbatches) == 0, result
 
 
 def test_plans_priced_for_inductor_fuse_memory_bound_chains():
@@ -445,7 +466,9 @@ def test_inductor_batch_norm_trains_and_keeps_its_statistics(pool4, layout):
     model, x = bn_case()
     plan = autopar.plan(model, autopar.Mesh((2, 2), ("dp", "tp"), device="cpu"), (x,), compare=False,
                         layout=layout).to_dict()
-    result = pool4.run(train_and_compare, ("bn",), plan, 3, None, "adamw", "inductor")[0]
+    # (SGD: a bias before batch norm has no gradient in exact arithmetic, only rounding, which
+    # Adam's normalised step turns into full steps that differ wherever the kernels are fused)
+    result = pool4.run(train_and_compare, ("bn",), plan, 3, None, "sgd", "inductor")[0]
     assert result["ok"] and result["regions"] > 0 and result["failed"] == 0, result
     eager = pool4.run(batch_norm_train_eval, plan)[0]
     fused = pool4.run(under_backend, "inductor", batch_norm_train_eval, plan)[0]

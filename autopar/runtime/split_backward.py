@@ -37,10 +37,12 @@ from functools import partial
 
 import torch
 import torch.fx as fx
+import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch._functorch.aot_autograd import aot_export_joint_simple
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.compile_fx import compile_fx
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 WEIGHT = "autopar_weight"   # node.meta: a region input made only from the stage's parameters
 
@@ -205,10 +207,8 @@ class _Graphs:
 
     def __init__(self, gm: fx.GraphModule, args: list, weight: list):
         traced = [a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args]
-        meta = [a.detach().to("meta").requires_grad_(t.requires_grad) if isinstance(a, torch.Tensor) else a
-                for a, t in zip(args, traced)]
-        with torch.enable_grad():
-            outs = gm(*meta)
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.enable_grad():   # (which outputs take a gradient)
+            outs = gm(*[mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in traced])
         self.n_out = len(outs)
         self.differentiable = [isinstance(o, torch.Tensor) and o.requires_grad for o in outs]
         try:
@@ -227,6 +227,9 @@ class _Graphs:
                   and t.requires_grad}
         self.weights = sorted(wanted)
         self.inputs = [i for i in range(len(args)) if i not in wanted]
+        # (the joint traced each tangent with these strides; autograd may hand a transposed one)
+        self.tangent_strides = [n.meta["val"].stride() for n in bw.graph.find_nodes(op="placeholder")
+                                if n.name.startswith("tangents")]
         first, second, self.second_reads, self.n_boundary = split_gradients(bw, wanted)
         self.inputs_pass = _Lazy(first)
         self.weights_pass = _Lazy(second) if second is not None else None
@@ -260,7 +263,8 @@ class _TwoPass(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         graphs = ctx.graphs
-        tangents = [g for g, d in zip(grads, graphs.differentiable) if d]
+        tangents = [g if g.stride() == st else torch.empty_strided(g.shape, st, dtype=g.dtype, device=g.device).copy_(g)
+                    for g, st in zip((g for g, d in zip(grads, graphs.differentiable) if d), graphs.tangent_strides)]
         bw_args = [*ctx.saved_tensors, *tangents]
         results = graphs.inputs_pass(*bw_args)
         n_in = len(results) - graphs.n_boundary
@@ -277,45 +281,68 @@ class TwoPassRun:
     """A region's compute (graph module gm returning a flat tuple, put back in the region's
     structure by `spec`) run with its backward in two passes: `weight` marks which of its
     inputs are weights (WEIGHT), whose gradients `passes` runs later.  Compiled per input
-    signature, on first use; without grad, the region's inference graph compiled alone."""
+    signature, on first use; without grad, the region's inference graph compiled alone.
+    An input that is a tuple (an op's several results, handed on whole) is taken as its
+    items."""
 
     def __init__(self, gm: fx.GraphModule, spec, weight: list, passes: WeightPasses):
         self.gm = gm
         self.spec = spec
         self.weight = weight
         self.passes = passes
-        self.compiled: dict = {}
-        self.inference: dict = {}
+        self.compiled: dict = {}   # signature -> _Graphs
+        self.inference: dict = {}  # signature -> _Lazy
 
     @staticmethod
-    def _key(args) -> tuple:
-        return tuple((tuple(a.shape), a.dtype, a.device, a.requires_grad) if isinstance(a, torch.Tensor)
-                     else repr(a) for a in args)
+    def _key(flat, in_spec) -> tuple:
+        return (in_spec, tuple((tuple(a.shape), a.dtype, a.device, a.requires_grad) if isinstance(a, torch.Tensor)
+                               else repr(a) for a in flat))
 
-    def _training(self, args) -> bool:
-        return torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+    @staticmethod
+    def _training(flat) -> bool:
+        return torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in flat)
+
+    def _signature(self, args) -> tuple:
+        flat, in_spec = pytree.tree_flatten(list(args))
+        return flat, in_spec, self._key(flat, in_spec), self._training(flat)
 
     def ready(self, args) -> bool:
-        return self._key(args) in (self.compiled if self._training(args) else self.inference)
+        _, _, key, training = self._signature(args)
+        return key in (self.compiled if training else self.inference)
 
     def prepare(self, args) -> None:
-        key = self._key(args)
-        if self._training(args):
-            graphs = self.compiled[key] = _Graphs(self.gm, list(args), self.weight)
-            graphs.forward.ensure([a.detach() if isinstance(a, torch.Tensor) else a for a in args])
+        flat, in_spec, key, training = self._signature(args)
+        gm = self.gm if in_spec == pytree.tree_flatten(list(range(len(args))))[1] else _flat_inputs(self.gm, in_spec, self.spec.num_leaves)
+        if training:
+            # (a tuple input is an activation's items)
+            weight = [w and isinstance(a, torch.Tensor) for a, w in zip(args, self.weight) for _ in pytree.tree_leaves(a)]
+            graphs = self.compiled[key] = _Graphs(gm, flat, weight)
+            graphs.forward.ensure([a.detach() if isinstance(a, torch.Tensor) else a for a in flat])
         else:
-            self.inference[key] = _Lazy(self.gm)
-            self.inference[key].ensure(args)
+            self.inference[key] = _Lazy(gm)
+            self.inference[key].ensure(flat)
 
     def __call__(self, *args):
         if not self.ready(args):
             self.prepare(args)
-        key = self._key(args)
-        if not self._training(args):
-            outs = self.inference[key](*args)
+        flat, _, key, training = self._signature(args)
+        if not training:
+            outs = self.inference[key](*flat)
         else:
             graphs = self.compiled[key]
-            edges = [torch.autograd.graph.get_gradient_edge(args[i]) for i in graphs.weights]
-            inputs = [a.detach() if i in graphs.weights else a for i, a in enumerate(args)]
+            edges = [torch.autograd.graph.get_gradient_edge(flat[i]) for i in graphs.weights]
+            inputs = [a.detach() if i in graphs.weights else a for i, a in enumerate(flat)]
             outs = _TwoPass.apply(self, graphs, edges, _ANCHOR, *inputs)
         return pytree.tree_unflatten(list(outs), self.spec)
+
+
+def _flat_inputs(gm: fx.GraphModule, in_spec, n_out: int) -> fx.GraphModule:
+    """gm (n_out outputs, a flat tuple) taking the leaves of its inputs (in_spec: their
+    list's structure) one by one."""
+    root = nn.Module()
+    root.body = gm
+    graph = fx.Graph()
+    leaves = [graph.placeholder(f"x{i}") for i in range(in_spec.num_leaves)]
+    out = graph.call_module("body", tuple(pytree.tree_unflatten(leaves, in_spec)))
+    graph.output(tuple(graph.call_function(operator.getitem, (out, i)) for i in range(n_out)))
+    return fx.GraphModule(root, graph)
