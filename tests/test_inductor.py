@@ -240,8 +240,8 @@ def test_an_unknown_backend_is_refused():
 
 def test_auto_takes_inductor_on_gpus_and_eager_on_cpu_ranks_and_split_backward_schedules(pool2):
     """compile's default backend: Inductor where CUDA is, eager on CPU ranks (what this
-    pool runs), and eager for a zero-bubble plan even on a GPU (its split backward does not
-    run in compiled regions)."""
+    pool runs), and eager for a zero-bubble plan even on a GPU (its two-pass compiled
+    backward is not measured on one yet)."""
     from autopar.runtime.compiled import auto_backend
     from rt_cases import backend_chosen, build_case
     spec = ("autopar", "gpt-tiny", (("n_layers", 4),))

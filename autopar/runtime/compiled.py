@@ -125,9 +125,10 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=N
     backend: "eager" runs the rank's graph op by op; "inductor" compiles its compute
     between collectives with torch.compile (autopar/runtime/inductor.py: regions compile on
     the first step, a region Inductor cannot compile runs eagerly with a warning; results
-    match eager to float rounding, not bit for bit).  Not yet with the split-backward
-    schedules.  "auto" (the default) takes Inductor on GPUs and eager on CPU ranks and for
-    split-backward schedules (auto_backend); cm.backend says which ran.
+    match eager to float rounding, not bit for bit; under the split-backward schedules each
+    region's backward runs as two compiled passes, runtime/split_backward.py).  "auto" (the
+    default) takes Inductor on GPUs and eager on CPU ranks and for split-backward schedules
+    (auto_backend); cm.backend says which ran.
 
     offload_dir: a directory on a local disk (NVMe) where a plan that keeps optimizer
     states on disk writes them (autopar/runtime/disk.py): each rank makes its own
@@ -225,7 +226,7 @@ def auto_backend(plan: Plan | None, cuda: bool) -> str:
     ranks, where Inductor's gain depends on the model (0.82-1.23x eager's step,
     benchmarks/compiled.py) and its first step compiles for seconds to minutes; eager for a
     plan whose pipeline splits the backward (zero-bubble and DualPipe schedules), which
-    compiled regions do not run yet.  plan None: the backend compile plans for."""
+    run compiled (runtime/split_backward.py) but are not measured on a GPU yet.  plan None: the backend compile plans for."""
     if not cuda:
         return "eager"
     if plan is not None and plan.pipeline is not None and plan.pipeline.pipelined \

@@ -44,6 +44,11 @@ body with random draws or eager ops, or a selective one under a pipeline schedul
 backward recomputes it twice) keeps its checkpointing and compiles its runs without
 Dynamo (_WithoutDynamo), which checkpointing turns off when it runs the forward again.
 
+Under a split-backward pipeline schedule (zero-bubble, ZB-V, DualPipeV) a stage's regions
+run as split_backward.TwoPassRun instead: the backward of each is two compiled passes, the
+input gradients in the schedule's B and the weights' gradients deferred to its W
+(compile_regions' `passes`; the moves of activations stay eager there).
+
 A run Inductor cannot compile runs eagerly, with one warning naming its first ops and the
 error; a compile error never changes a result.  Inductor's FX graph cache (on by default)
 keeps the compiled kernels across processes, so a restarted job compiles from the cache.

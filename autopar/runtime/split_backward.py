@@ -171,9 +171,8 @@ def split_gradients(bw: fx.GraphModule, weights: set) -> tuple:
         if n.op == "call_function" and n.target is operator.getitem and n.args[0] in first:
             first.add(n)
     nodes_first = [n for n in bw.graph.nodes if n in first and n.op != "placeholder"]
-    inputs_pass = _extract(bw, placeholders, nodes_first, inputs_out)
     if not any(isinstance(o, fx.Node) for o in weights_out):
-        return inputs_pass, None, [], 0
+        return _extract(bw, placeholders, nodes_first, inputs_out), None, [], 0
     second = _ancestors(weights_out) - first
     boundary = sorted({x for n in second for x in n.all_input_nodes if x in first and x.op != "placeholder"}
                       | {o for o in weights_out if isinstance(o, fx.Node) and o in first and o.op != "placeholder"},
@@ -323,9 +322,9 @@ class TwoPassRun:
             self.inference[key].ensure(flat)
 
     def __call__(self, *args):
-        if not self.ready(args):
-            self.prepare(args)
         flat, _, key, training = self._signature(args)
+        if key not in (self.compiled if training else self.inference):
+            self.prepare(args)
         if not training:
             outs = self.inference[key](*flat)
         else:
