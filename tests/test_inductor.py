@@ -289,15 +289,17 @@ SPLIT_CASES = [(("autopar", "gpt-tiny", (("n_layers", 4),)), "zero-bubble", None
                (("autopar", "llama-tiny", (("n_layers", 4),)), "zbv", None),
                (("autopar", "gpt-tiny", (("n_layers", 4),)), "dualpipev", "zero3"),
                (("hf-llama", 4), "zbv", "megatron-tp"),
-               (("hf-arch", "mixtral"), "zero-bubble", None)]
+               (("hf-arch", "mixtral"), "zero-bubble", None),
+               (("hf-arch", "gpt_neox"), "zero-bubble", None)]
 
 
 @pytest.mark.parametrize("spec, schedule, intra", SPLIT_CASES,
                          ids=["gpt-zero-bubble", "llama-zbv", "gpt-dualpipev-zero3", "hf-llama-zbv-megatron",
-                              "mixtral-zero-bubble"])
+                              "mixtral-zero-bubble", "hf-gpt-neox-zero-bubble"])
 def test_inductor_runs_split_backward_schedules(pool4, spec, schedule, intra):
     """Zero-bubble, ZB-V and DualPipeV under Inductor (runtime/split_backward.py), two device
-    groups of 2 with data parallelism, ZeRO-3 or Megatron TP inside: each compiled region's
+    groups of 2 with data parallelism, ZeRO-3 or Megatron TP inside (GPT-NeoX: a parallel
+    block whose fused projection's split hands on a list): each compiled region's
     backward runs as two compiled passes, its weights' gradients deferred to the schedule's
     W action, and 3 AdamW steps equal one device.  Every deferred W runs, once per region
     reading weights, microbatch and step; the pipeline's metadata inference, which asks

@@ -152,11 +152,17 @@ class _WithoutDynamo:
 
 
 def _items(graph: fx.Graph, x):
-    """x, or where x is a node of an op with several results, a tuple of its items."""
+    """x, or where x is a node of an op with several results (topk) or a list of them
+    (split), a tuple of its items."""
     schema = getattr(x.target, "_schema", None) if isinstance(x, fx.Node) and x.op == "call_function" else None
-    if schema is None or len(schema.returns) < 2:
+    if schema is None:
         return x
-    return tuple(graph.call_function(operator.getitem, (x, i)) for i in range(len(schema.returns)))
+    n = len(schema.returns)
+    if n == 1 and isinstance(x.meta.get("val"), (list, tuple)):
+        n = len(x.meta["val"])
+    elif n < 2:
+        return x
+    return tuple(graph.call_function(operator.getitem, (x, i)) for i in range(n))
 
 
 def _itself(x):

@@ -235,8 +235,10 @@ class _Graphs:
 
 
 def _copies_out(gm: fx.GraphModule) -> fx.GraphModule:
+    """gm returning a copy of each output (aot_export_joint_simple takes no output that
+    aliases an input: a view of one)."""
     graph = fx.Graph()
-    outs = graph.graph_copy(gm.graph, {})
+    outs = pytree.tree_leaves(graph.graph_copy(gm.graph, {}), is_leaf=lambda x: x is None)
     graph.output(tuple(graph.call_function(torch.ops.aten.clone.default, (o,)) if isinstance(o, fx.Node) else o
                        for o in outs))
     return fx.GraphModule(gm, graph)
