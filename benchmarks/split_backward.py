@@ -23,7 +23,6 @@ import argparse
 import copy
 import os
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -31,7 +30,8 @@ import torch.distributed as dist
 import autopar
 from autopar.cost.schedules import SPLIT_BACKWARD
 from autopar.models import build
-from autopar.runtime.pass_times import EventRecorder, gather_timeline, pass_times
+from autopar.runtime.pass_times import pass_times
+from pipeline import measured_timeline, timed
 from runtime_overhead import init_gloo
 
 SCHEDULES = ("1f1b", "zero-bubble", "zbv", "dualpipev")
@@ -54,19 +54,9 @@ def compiled(gpt, batch, schedule: str, n_mb: int, backend: str):
     return step, cm
 
 
-def timed(step, batch) -> float:
-    dist.barrier()
-    start = time.perf_counter()
-    step(*batch)
-    dist.barrier()
-    return time.perf_counter() - start
-
-
 def measured(cm, step, batch, schedule: str):
     """(W's share of backward, bubble fraction) of one step's measured passes."""
-    with EventRecorder(*cm.runner.pipeline_stages) as recorder:
-        step(*batch)
-        timeline = gather_timeline(recorder, schedule)
+    timeline = measured_timeline(cm, step, batch, schedule)
     return pass_times(timeline).w_fraction, timeline.bubble_fraction
 
 
