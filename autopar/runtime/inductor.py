@@ -265,7 +265,7 @@ class CompiledRegion(nn.Module):
         if self.failed:
             return self.eager(*args)
         first = self.compile_s is None
-        direct = hasattr(self.compiled, "prepare")   # (compiles per grad mode and signature)
+        direct = isinstance(self.compiled, (_WithoutDynamo, TwoPassRun))   # (compiles per grad mode and signature)
         if not first and not (direct and not self.compiled.ready(args)):
             return self.compiled(*args)
         log.info("autopar: Inductor compiling region %s ...", self.label)   # say so, and time it

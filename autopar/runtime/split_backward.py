@@ -251,12 +251,12 @@ _ANCHOR = torch.empty(0, requires_grad=True)
 
 class _TwoPass(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, run, graphs: _Graphs, edges: list, anchor, *args):
+    def forward(ctx, passes: WeightPasses, graphs: _Graphs, edges: list, anchor, *args):
         results = graphs.forward(*args)
         outs, saved = results[:graphs.n_out], results[graphs.n_out:]
         saved = [args[i] if i >= 0 else s for i, s in zip(graphs.saved_input, saved)]
         ctx.save_for_backward(*saved)
-        ctx.graphs, ctx.run, ctx.edges = graphs, run, edges
+        ctx.graphs, ctx.passes, ctx.edges = graphs, passes, edges
         ctx.mark_non_differentiable(*(o for o, d in zip(outs, graphs.differentiable)
                                       if not d and isinstance(o, torch.Tensor)))
         return tuple(outs)
@@ -271,7 +271,7 @@ class _TwoPass(torch.autograd.Function):
         n_in = len(results) - graphs.n_boundary
         if graphs.weights_pass is not None:
             kept = [bw_args[i] for i in graphs.second_reads] + list(results[n_in:])
-            ctx.run.passes.defer(ctx.edges, partial(graphs.weights_pass, *kept))
+            ctx.passes.defer(ctx.edges, partial(graphs.weights_pass, *kept))
         out = [None] * (len(graphs.inputs) + len(graphs.weights))
         for i, g in zip(graphs.inputs, results[:n_in]):
             out[i] = g
@@ -333,7 +333,7 @@ class TwoPassRun:
             graphs = self.compiled[key]
             edges = [torch.autograd.graph.get_gradient_edge(flat[i]) for i in graphs.weights]
             inputs = [a.detach() if i in graphs.weights else a for i, a in enumerate(flat)]
-            outs = _TwoPass.apply(self, graphs, edges, _ANCHOR, *inputs)
+            outs = _TwoPass.apply(self.passes, graphs, edges, _ANCHOR, *inputs)
         return pytree.tree_unflatten(list(outs), self.spec)
 
 
