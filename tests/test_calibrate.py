@@ -139,6 +139,14 @@ def test_measured_pointwise_ops_price_by_their_elements():
     vocab = model.lm_head.weight.shape[0]
     assert loss.compute_s == pytest.approx(4 * 32 * vocab / 2 * 2e-9, rel=1e-6)   # its logits' elements
     assert loss.compute_s > plain.compute_s
+    # under Inductor the tanh GELU runs as x * sigmoid(2 z) (runtime/inductor.with_sigmoid_gelus):
+    # priced at the measured sigmoid's rate
+    both = dataclasses.replace(measured, pointwise=measured.pointwise + (("aten.sigmoid", 5e-10, 5e-10),))
+    compiled = autopar.plan(model, autopar.Mesh((2,), ("dp",), device=both), example, compare=False,
+                            layout="data-parallel", backend="inductor")
+    gelu = {n.op: n for n in compiled.nodes}["aten.gelu"]
+    # (at least; a pass whose memory traffic takes longer is priced by its traffic)
+    assert gelu_elements * 1e-9 * (1 - 1e-6) <= gelu.compute_s < gelu_elements * 1e-9 * 1.1
 
 
 def test_measured_links_price_each_kind_by_its_own_line():

@@ -478,3 +478,44 @@ def test_inductor_batch_norm_trains_and_keeps_its_statistics(pool4, layout):
     for key in fused:   # (lists compared element by element: approx does not nest them in a dict)
         if key != "batches_tracked":
             assert fused[key] == pytest.approx(eager[key], rel=1e-5, abs=1e-6), (key, fused, eager)
+
+
+def test_tanh_gelus_run_as_sigmoids_on_cpu():
+    """aten's tanh GELU and the hand-written 0.5 x (1 + tanh z) become x * sigmoid(2 z) on CPU
+    (Inductor's tanh there costs three exps); a tanh read elsewhere stays; values and
+    gradients equal the graph's, and the sigmoid form is the more accurate where the GELU
+    is small."""
+    import math
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from autopar.runtime.inductor import with_sigmoid_gelus
+    aten = torch.ops.aten
+
+    def f(x, w):
+        h = torch.nn.functional.gelu(x @ w, approximate="tanh")
+        g = 0.5 * h * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (h + 0.044715 * torch.pow(h, 3.0))))
+        t = torch.tanh(g)
+        return (g * (t + 1)).sum() + t.sum()   # (this tanh has two readers: it stays)
+    x, w = torch.randn(16, 8, dtype=torch.float64), torch.randn(8, 32, dtype=torch.float64, requires_grad=True)
+    gm = make_fx(f)(x, w)
+    expected = gm(x, w)
+    (gw,) = torch.autograd.grad(expected, w)
+    assert with_sigmoid_gelus(gm) == 2
+    targets = [n.target for n in gm.graph.nodes]
+    assert aten.gelu.default not in targets and targets.count(aten.tanh.default) == 1
+    assert targets.count(aten.sigmoid.default) == 2
+    got = gm(x, w)
+    (gw2,) = torch.autograd.grad(got, w)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gw2, gw, rtol=1e-12, atol=1e-12)
+    # float32, where the GELU is small: against float64
+    v = torch.linspace(-6, -3, 64)
+    one = make_fx(lambda v: torch.nn.functional.gelu(v, approximate="tanh"))(v)
+    d = v.double()   # (in float64 too, 1 + tanh z rounds to 0 below about -9)
+    exact = d * torch.sigmoid(2 * math.sqrt(2 / math.pi) * (d + 0.044715 * d ** 3))
+    before = ((one(v).double() - exact).abs() / exact.abs()).max()
+    assert with_sigmoid_gelus(one) == 1
+    after = ((one(v).double() - exact).abs() / exact.abs()).max()
+    assert after < 1e-5 < before, (after, before)
+    # on another device nothing is rewritten
+    meta = make_fx(lambda v: torch.nn.functional.gelu(v, approximate="tanh"))(torch.randn(4, device="meta"))
+    assert with_sigmoid_gelus(meta) == 0

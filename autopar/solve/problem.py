@@ -464,7 +464,10 @@ class Problem:
                       for (src, o), p in zip(pn.inputs, s.inputs)]
             seconds = K.seconds(K.kernel_of(pn.op, pn.node, shapes), flops, nbytes, dtype, mesh, backward=backward,
                                 count=count)
-        measured = mesh.device.pointwise_seconds(K.pointwise_key(pn.op, pn.node)) if mesh.device.pointwise else None
+        key = K.pointwise_key(pn.op, pn.node)
+        if key == "aten.gelu:tanh" and self.backend == "inductor" and mesh.device.pointwise_seconds("aten.sigmoid"):
+            key = "aten.sigmoid"   # (compiled as x * sigmoid(2 z) on CPU: runtime/inductor.with_sigmoid_gelus)
+        measured = mesh.device.pointwise_seconds(key) if mesh.device.pointwise else None
         if measured is None:
             return seconds
         # evaluated per element of its first operand (the rank's share), below the bandwidth
