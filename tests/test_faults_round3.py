@@ -183,6 +183,22 @@ def _whole_step_plan(spec: tuple) -> dict:
     return autopar.plan(model, autopar.Mesh((2, 2), ("dp", "tp"), device=device), args, compare=False).to_dict()
 
 
+def checked_tensors(spec: tuple, plan_dict: dict) -> dict:
+    """After a synchronised step and after one under no_sync: how many tensors the finite
+    check reads, against the trained gradients and the step's buckets."""
+    from autopar.runtime.grad_norms import local_grads
+    cm, args, kwargs = _compile(spec, plan_dict)
+    out = {}
+    for name, ctx in (("synced", contextlib.nullcontext), ("no_sync", cm.no_sync)):
+        with ctx():
+            cm.train_step(*args, **kwargs)
+        grads = list(local_grads(cm.rank_state))
+        pieces = cm.grad_sync.checked_pieces(grads)
+        out[name] = {"grads": len(grads), "pieces": len(pieces), "buckets": len(cm.grad_sync.reduced),
+                     "elements": sum(p.numel() for p in pieces), "grad_elements": sum(g.numel() for _, g in grads)}
+    return out
+
+
 def layout_plan(layout: str) -> tuple:
     """(spec, plan dict) of a layout name: "solver" (the whole step on every rank,
     _whole_step_plan), "random", "pipeline" or a hand-written one."""
@@ -377,3 +393,16 @@ def test_a_failed_wait_on_an_asynchronous_collective_is_named():
     except RuntimeError as exc:
         named = _collective_of(exc)
     assert named.startswith("torch.distributed.Work.wait() on an asynchronous collective in reduce_scatter_finish ("), named
+
+
+def test_the_finite_check_reads_each_bucket_whole(pool4):
+    """Under data parallelism the finite check reads each all-reduced bucket's flat buffer
+    (the loss rides at the end of the last) rather than every gradient: one norm per bucket
+    (on CPU ranks torch's foreach norm runs a kernel per tensor); under no_sync, where
+    nothing is bucketed, every gradient."""
+    spec, plan = layout_plan("data-parallel")
+    for r in pool4.run(checked_tensors, spec, plan):
+        synced, alone = r["synced"], r["no_sync"]
+        assert 0 < synced["buckets"] == synced["pieces"] < synced["grads"], r
+        assert synced["elements"] == synced["grad_elements"] + 1, r   # (+ the loss)
+        assert alone["pieces"] == alone["grads"] == synced["grads"], r

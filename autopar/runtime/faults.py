@@ -147,7 +147,7 @@ def check_step(model, loss: torch.Tensor, step: int, finite: bool = True, sample
     flag = torch.zeros(1, dtype=torch.float64, device=device)
     if finite:
         total = loss.detach().double().reshape(()).clone()
-        grads = [g for _, g in local_grads(model.rank_state)]
+        grads = model.grad_sync.checked_pieces(list(local_grads(model.rank_state)))
         if grads:
             norms = torch._foreach_norm([g.detach() for g in grads])
             total = total + torch.stack([n.double().to(device) for n in norms]).sum()

@@ -65,6 +65,9 @@ class GradSync:
         self.pending: dict[tuple, list] = {}
         self.in_flight: list = []
         self.flats: dict = {}   # (bucket's parameters, dtype) -> its flat buffer, reused every step
+        # the last finish()'s all-reduced buckets whose flat buffer holds exactly their members'
+        # gradients (same dtype): (flat, keys), which the finite check reads whole (checked_pieces)
+        self.reduced: list = []
         self.done: set = set()
         self.key_of = {id(p): key for key, p in self.params.items()}
         self.pieces: dict = dict(pieces or {})
@@ -129,6 +132,7 @@ class GradSync:
                    and not is_absent(self.params[k].grad)]
         for key in missing:  # gradients that never fired a hook (e.g. accumulated under no_sync only)
             self.pending.setdefault(self.axes[key], []).append(self.params[key])
+        self.reduced = []
         ride = extra is not None and self._foldable(extra)
         for axes in list(self.pending):
             self._launch(axes, extra[0] if ride and axes == extra[1] else None)
@@ -146,12 +150,26 @@ class GradSync:
                 continue
             work.wait()
             offset = copy_from_flat(flat, [p.grad for p in bucket])
+            if bucket and all(p.grad.dtype == flat.dtype for p in bucket):   # (not the loss's own call)
+                self.reduced.append((flat, [self.key_of[id(p)] for p in bucket]))
             if summed is not None:
                 summed.copy_(flat[offset:].view_as(summed))
         self.in_flight.clear()
         self.done.clear()
         for key, what in self.pieces.items():
             mark(self.shards[key], what)
+
+    def checked_pieces(self, grads: list) -> list:
+        """The tensors that hold `grads` ((key, gradient) of the rank's trained parameters) as
+        the last synchronised step left them: each bucket all-reduced whole, as its flat
+        buffer (which the loss may ride at its end), and every other gradient itself; the
+        finite check reads these (one kernel per bucket, not per parameter: on CPU ranks
+        torch's foreach norm runs one per tensor).  Outside a synchronised step, the
+        gradients themselves."""
+        if not self.enabled or not self.reduced:
+            return [g for _, g in grads]
+        covered = {key for _, keys in self.reduced for key in keys}
+        return [flat for flat, _ in self.reduced] + [g for key, g in grads if key not in covered]
 
     def begin(self) -> None:
         """Before a forward: ZeRO-2 stand-in gradients go, so backward accumulates afresh."""
@@ -161,6 +179,7 @@ class GradSync:
     def no_sync(self):
         """Accumulate gradients without reducing them (gradient accumulation micro-steps)."""
         self.enabled = False
+        self.reduced = []   # (the buckets no longer hold the gradients)
         try:
             yield
         finally:
