@@ -9,7 +9,8 @@ and the code that called it, instead of the backend's default (30 minutes for gl
 torchrun ends the stalled rank when the others exit.
 
 Finite steps.  `check_step(model, loss, step)` costs one scalar all-reduce per step: every
-rank reduces its loss and the norms of its gradient pieces (torch._foreach_norm) into one
+rank reduces its loss and the norms of its gradient pieces (torch._foreach_norm; after a
+synchronised step each all-reduced bucket is read whole, GradSync.checked_pieces) into one
 flag, all-reduced with MAX so that every rank decides alike.  The all-reduce is left out
 only where every rank's own values are provably everyone's (`seen_alike`: the loss and
 every gradient summed over all ranks, as in data parallelism); a plan that computes the
