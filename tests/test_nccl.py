@@ -16,6 +16,7 @@ from autopar.cost import collectives as K
 from autopar.cost import nccl
 from autopar.cost.prices import collective_choice, collective_time, layout_code, redistribute, redistribute_price, \
     send_time
+from autopar.cost.prices import PRICE_ROWS
 from autopar.mesh import PRESETS
 
 GB = 1e9
@@ -142,7 +143,7 @@ def test_gloo_cpu_keeps_the_ring_model_exactly():
     for kind in ("all_reduce", "all_gather", "all_to_all"):
         want = K.seconds(kind, "ring", 1e7, 4, dev.intra_bandwidth, dev.intra_latency, dev.launch_latency)
         assert collective_choice(kind, 1e7, 0, mesh) == ("ring", want)
-    assert redistribute_price(layout_code((Partial(),)), layout_code((Replicate(),)), mesh).shape == (10, 1)
+    assert redistribute_price(layout_code((Partial(),)), layout_code((Replicate(),)), mesh).shape == (PRICE_ROWS, 1)
     assert send_time(1e6, 0, mesh) == dev.launch_latency + dev.intra_latency + 1e6 / dev.intra_bandwidth
 
 
@@ -175,7 +176,7 @@ def test_the_table_lines_are_the_priced_steps_under_nccl(shape):
     for src in itertools.product(opts, repeat=len(shape)):
         for dst in itertools.product((Replicate(), Shard(0), Shard(1)), repeat=len(shape)):
             table = redistribute_price(layout_code(src), layout_code(dst), mesh)
-            assert table.shape == (10, K.NCCL_COLUMNS)
+            assert table.shape == (PRICE_ROWS, K.NCCL_COLUMNS)
             for numel in (64, 1 << 20, 1 << 28):
                 whole = numel * 2
                 priced = redistribute((numel,), 2, src, dst, mesh)

@@ -91,10 +91,15 @@ def test_zero3_weights_are_priced_as_the_runtimes_buckets():
         i, j = choice[e.a], choice[e.b]
         key = grouped.rep_edge(e)
         fwd, bwd = grouped.edge_steps(key, i, j)
-        assert grouped.edge_costs[key][i, j] == pytest.approx(sum(st.seconds for st in fwd + bwd), rel=1e-9, abs=1e-15)
+        # (and the flat buffers' copies around the bucketed calls, which run on the compute stream)
+        copies = grouped.edge_copies.get(key)
+        copied = float(copies[i, j]) if copies is not None else 0.0
+        assert grouped.edge_costs[key][i, j] == pytest.approx(sum(st.seconds for st in fwd + bwd) + copied,
+                                                              rel=1e-9, abs=1e-15)
         if e.kind != "data" or a.kind != "param" or not a.requires_grad or not fwd:
             continue
         whole_fwd, whole_bwd = alone.edge_steps(alone.rep_edge(e), i, j)
+        assert alone.rep_edge(e) not in alone.edge_copies or not alone.edge_copies[alone.rep_edge(e)][i, j]
         assert alone.edge_costs[alone.rep_edge(e)][i, j] == pytest.approx(
             sum(st.seconds for st in whole_fwd + whole_bwd), rel=1e-9, abs=1e-15)
         assert [st.kind for st in fwd] == ["all_gather"]
@@ -107,6 +112,12 @@ def test_zero3_weights_are_priced_as_the_runtimes_buckets():
             assert mine.bucketed and not theirs.bucketed
             assert mine.seconds == pytest.approx(theirs.seconds - theirs.fixed * (1 - share), rel=1e-9)
             assert mine.seconds < theirs.seconds
+        # copied: the gathered weight out of the flat buffer twice and its gradient into the
+        # reduce-scatter's (2 (s + n s) per gather, 2 (s + s / n) for the reduce-scatter, s its share)
+        n, share = mesh.shape[0], 1.0 / mesh.shape[0]
+        moved = 2 * 2 * (share + n * share) + 2 * (1.0 + 1.0 / n)
+        assert copied == pytest.approx(moved * fwd[0].nbytes / mesh.device.mem_bandwidth + mesh.device.op_latency,
+                                       rel=1e-9)
         checked += 1
     assert checked >= 10
     mine, theirs = predict(grouped, choice), predict(alone, choice)

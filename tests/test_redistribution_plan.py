@@ -115,7 +115,7 @@ def test_the_price_line_is_the_priced_steps(sizes):
     for src, dst in all_pairs(len(sizes)):
         priced = redistribute(shape, item, src, dst, mesh)
         (fixed, per_byte, g_fixed, g_per_byte, ar_fixed, rs_fixed, ar_per_byte,
-         rs_per_byte, one_gather, one_scatter) = redistribute_price(layout_code(src), layout_code(dst), mesh)
+         rs_per_byte, one_gather, one_scatter, *copies) = redistribute_price(layout_code(src), layout_code(dst), mesh)
         k = int(np.argmin(fixed + per_byte * whole))   # the cheapest algorithm, as the steps took
         assert fixed[k] + per_byte[k] * whole == pytest.approx(sum(s.seconds for s in priced), rel=1e-12)
         assert {s.algorithm for s in priced} <= set(mesh.device.algorithms)
@@ -131,6 +131,15 @@ def test_the_price_line_is_the_priced_steps(sizes):
         planned = [(s.kind, s.axes, whole * s.share * (sizes[s.axis] if s.kind == "all_gather" else 1))
                    for s in steps if s.is_collective]
         assert priced_calls(shape, item, src, dst, mesh) == planned, (src, dst)
+        # what flat buffers copy per byte of the tensor: each call's local input and output,
+        # read and written, by kind (prices.bucket_copy_bytes)
+        for kind, row in zip(("all_reduce", "reduce_scatter", "all_gather"), copies):
+            moved = 0.0
+            for s in steps:
+                if s.kind == kind:
+                    out = {"all_reduce": 1.0, "reduce_scatter": 1.0 / sizes[s.axis], "all_gather": sizes[s.axis]}[kind]
+                    moved += 2.0 * s.share * (1.0 + out)
+            assert row == pytest.approx(np.full_like(row, moved), rel=1e-12, abs=1e-18), (kind, src, dst)
 
 
 # ---------------------------------------------------------------- on gloo ranks

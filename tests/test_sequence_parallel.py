@@ -252,7 +252,9 @@ def test_megatron_sp_closed_form():
     assert [m for m in stream_moves(tp) if m[0] != "all_gather"] in ([("all_reduce", stream)] * 4,
                                                                      [("all_reduce", stream)] * 5)
     assert stream_moves(tp).count(("all_gather", stream)) <= 1
-    assert sp.predicted.compute_s < tp.predicted.compute_s
+    def ops(plan):   # (not the parameters': Megatron-SP's norm weights' gradients join buckets and are copied)
+        return sum(n.compute_s for n in plan.nodes if n.op != "parameter")
+    assert ops(sp) < ops(tp)
     assert sp.predicted.comm_s["tp"] > tp.predicted.comm_s["tp"]
     assert {c.algorithm.split("/")[0] for c in tp.collectives if c.kind == "all_reduce" and c.nbytes >= stream} \
         == {"nvls"}

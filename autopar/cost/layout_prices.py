@@ -42,10 +42,13 @@ class Bucketed:
     """What a parameter gradient's reduction costs where the runtime buckets it
     (autopar/runtime/grad_sync.py), [choices, choices]: `paid_here` the fixed cost of the
     calls less the gradient's own share (what the step saves by bucketing, to subtract
-    from the edge), `bucket_seconds` what the bucket stream runs for this gradient."""
+    from the edge), `bucket_seconds` what the bucket stream runs for this gradient,
+    `copy_bytes` what the bucket's flat buffer copies of it (prices.bucket_copy_bytes: in
+    and back out, read and write)."""
 
     paid_here: np.ndarray
     bucket_seconds: np.ndarray
+    copy_bytes: np.ndarray
 
 
 class LayoutPrices:
@@ -75,6 +78,12 @@ class LayoutPrices:
                 & np.isclose(lines[C.Row.PER_BYTE], lines[C.Row.ALL_REDUCE_PER_BYTE], rtol=1e-9, atol=0.0)
                 & (lines[C.Row.PER_BYTE] > 0)).all(axis=0)
         return (only | (lines[C.Row.ONE_REDUCE_SCATTER, 0] > 0.5))[np.ix_(src.index, dst.index)]
+
+    def copy_bytes(self, shape, item: int, src: Menu, dst: Menu, kind: str, reverse: bool = False) -> np.ndarray:
+        """[choices of src, choices of dst] bytes the runtime's flat buffers copy where it
+        runs the move's collectives of `kind` in buckets (prices.bucket_copy_bytes)."""
+        whole = (math.prod(shape) if shape else 1) * item
+        return self.lines(src, dst, reverse)[C.COPY_ROWS[kind], 0][np.ix_(src.index, dst.index)] * whole
 
     def seconds(self, shape, item: int, src: Menu, dst: Menu, reverse: bool = False, gathers: bool = False,
                 share: float = 1.0) -> np.ndarray:
@@ -106,7 +115,7 @@ class LayoutPrices:
         whole = (math.prod(shape) if shape else 1) * item
         if whole == 0:
             empty = np.zeros((len(src.index), len(dst.index)))
-            return Bucketed(empty, empty)
+            return Bucketed(empty, empty, empty)
         lines = self.lines(src, dst, reverse)
         best = (lines[C.Row.FIXED] + lines[C.Row.PER_BYTE] * whole).argmin(axis=0)   # `seconds`' algorithm
 
@@ -117,7 +126,9 @@ class LayoutPrices:
         per_byte = (pick(lines[C.Row.ALL_REDUCE_PER_BYTE])
                     + np.where(zero2, pick(lines[C.Row.REDUCE_SCATTER_PER_BYTE]), 0.0))
         share = C.bucket_share(whole)
-        return Bucketed(fixed * (1.0 - share), fixed * share + per_byte * whole)
+        copies = (pick(lines[C.Row.COPY_ALL_REDUCE])
+                  + np.where(zero2, pick(lines[C.Row.COPY_REDUCE_SCATTER]), 0.0)) * whole
+        return Bucketed(fixed * (1.0 - share), fixed * share + per_byte * whole, copies)
 
     def _ids(self, codes) -> np.ndarray:
         return np.array([self.ids.setdefault(c, len(self.ids)) for c in codes], dtype=int)

@@ -269,16 +269,39 @@ def redistribute_codes(shape, itemsize: int, src: tuple, dst: tuple, mesh: Mesh)
 class Row:
     """The rows of a `redistribute_price` table, by name: the whole move's line (fixed
     seconds, seconds per byte), its all-gathers' line, the fixed and per-byte parts of its
-    all-reduces and reduce-scatters, and two flags (1.0 where the whole move is one
-    all-gather, or one reduce-scatter)."""
+    all-reduces and reduce-scatters, two flags (1.0 where the whole move is one
+    all-gather, or one reduce-scatter), and the bytes a bucket copies per byte of the whole
+    tensor where the runtime runs the move's all-reduces, reduce-scatters or all-gathers in
+    flat buffers (COPY_*: `bucket_copy_bytes`; the same in every column)."""
     FIXED, PER_BYTE = 0, 1
     GATHER_FIXED, GATHER_PER_BYTE = 2, 3
     ALL_REDUCE_FIXED, REDUCE_SCATTER_FIXED = 4, 5
     ALL_REDUCE_PER_BYTE, REDUCE_SCATTER_PER_BYTE = 6, 7
     ONE_ALL_GATHER, ONE_REDUCE_SCATTER = 8, 9
+    COPY_ALL_REDUCE, COPY_REDUCE_SCATTER, COPY_GATHER = 10, 11, 12
 
 
-PRICE_ROWS = 10   # the rows of a redistribute_price table (Row)
+PRICE_ROWS = 13   # the rows of a redistribute_price table (Row)
+COPY_ROWS = {"all_reduce": Row.COPY_ALL_REDUCE, "reduce_scatter": Row.COPY_REDUCE_SCATTER,
+             "all_gather": Row.COPY_GATHER}
+
+
+def bucket_copy_bytes(kind: str, share: float, n: int) -> float:
+    """Bytes a flat-buffer collective copies per byte of the whole tensor, one collective
+    of `kind` over n ranks reading `share` of it (plan_rows' share: an all-gather's input,
+    any other's): the local pieces copied into the flat buffer (a read and a write per
+    byte) and the result copied out of it (autopar/runtime/grad_sync.py: torch.cat into
+    the bucket, copy_from_flat back; reshard.py and zero.py: the same around their
+    gathers and reduce-scatters).  An all-reduce moves s in and s out, a reduce-scatter s
+    in and s / n out, an all-gather s in and n s out."""
+    out = {"all_reduce": share, "reduce_scatter": share / n, "all_gather": share * n}[kind]
+    return 2.0 * (share + out)
+
+
+def copy_seconds(nbytes: float, mesh: Mesh) -> float:
+    """Seconds of copying `nbytes` (counted read and write, `bucket_copy_bytes`) at the
+    device's memory bandwidth."""
+    return nbytes / mesh.device.mem_bandwidth
 BUCKET_BYTES = 25 * 2**20   # the runtime's gradient buckets (autopar.compile's bucket_mb default)
 
 
@@ -302,6 +325,9 @@ def redistribute_price(src: tuple, dst: tuple, mesh: Mesh) -> np.ndarray:
     steps = plan_rows(src, dst, mesh.shape)
     if len(steps) == 1 and steps[0][0] in ("all_gather", "reduce_scatter"):
         out[Row.ONE_ALL_GATHER if steps[0][0] == "all_gather" else Row.ONE_REDUCE_SCATTER] = 1.0
+    for kind, a, _, _, share, span in steps:   # (an all-reduce over several axes: one call, one copy)
+        if kind in COPY_ROWS:
+            out[COPY_ROWS[kind]] += bucket_copy_bytes(kind, share, mesh.shape[a])
     for j, column in enumerate(_price_rows(src, dst, mesh)):
         for kind, _, _, f, b, _ in column:
             out[Row.FIXED, j] += f

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Partial, Replicate
+from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.utils import _pytree as pytree
 
 from autopar.ops import tensor_args
@@ -155,7 +155,8 @@ def insert_collectives(gm: fx.GraphModule, plan, groups, defer: dict | None = No
             if axes is None:
                 return back_to
             grad_sync[defer[x.target]] = axes
-            return back_from
+            # (the axes the move slices stay sliced: summing the slices is slicing the sum)
+            return tuple(back_from[a] if a in axes else back_to[a] for a in range(ndim))
         cone = cones.get(x)
         if cone is None:
             return back_to
@@ -240,8 +241,11 @@ def _scalar_sum(x: fx.Node, m: Move) -> bool:
 def _deferrable(gm: fx.GraphModule, plan, defer: dict, ndim: int) -> dict:
     """placeholder -> mesh axes whose all-reduce the runtime may take over: every gradient
     conversion of every placeholder of that parameter (tied weights have several) is exactly
-    Partial -> Replicate on those axes and nothing else."""
-    per_placeholder = {x.target: _reduced_axes(x, plan, ndim) for x in gm.graph.nodes
+    Partial -> Replicate on those axes and, on the others, nothing or a local slice
+    (Replicate -> Shard: a row-parallel linear's bias stored split over the tensor-parallel
+    axis, its gradient whole there and Partial over the data-parallel one), which the move
+    still makes in backward, leaving the slice Partial for the bucket."""
+    per_placeholder = {x.target: _reduced_axes(x, plan, ndim, slices=True) for x in gm.graph.nodes
                        if x.op == "placeholder" and x.target in defer}
     by_param: dict = {}
     for ph, axes in per_placeholder.items():
@@ -250,10 +254,11 @@ def _deferrable(gm: fx.GraphModule, plan, defer: dict, ndim: int) -> dict:
             if axes and by_param[defer[ph]] == {axes}}
 
 
-def _reduced_axes(x: fx.Node, plan, ndim: int) -> tuple | None:
+def _reduced_axes(x: fx.Node, plan, ndim: int, slices: bool = False) -> tuple | None:
     """The mesh axes on which every gradient layout x's readers hand back (or the one its
     gradient sum is in) is Partial where x's own layout is Replicate, and which are the
-    only difference; None when the conversions differ, do more, or do nothing."""
+    only difference (slices: besides axes where every one is Replicate and x's layout
+    Shard, a local slice); None when the conversions differ, do more, or do nothing."""
     producer, index = tensor_key(x)
     p = layout_of(x, 0, ndim)
     target = grad_target(p)
@@ -273,6 +278,9 @@ def _reduced_axes(x: fx.Node, plan, ndim: int) -> tuple | None:
     if len(seen) != 1:
         return None
     axes = seen.pop()
+    if slices:
+        axes = tuple(a for a in axes if not all(isinstance(g[a], Replicate) and isinstance(target[a], Shard)
+                                                for g in conversions))
     if not axes or any(not (isinstance(g[a], Partial) and isinstance(target[a], Replicate))
                        for g in conversions for a in axes):
         return None

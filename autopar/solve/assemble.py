@@ -56,6 +56,9 @@ def assemble(problem: Problem, choice: dict) -> Assembled:
         nodes[pn.index] = NodeChoice(pn.name, pn.op, pn.module if pn.kind != "param" else pn.param_name,
                                      s.name, tuple(s.split), tuple(s.inputs), tuple(s.outputs), tuple(s.grads),
                                      c.compute, sum(c.comm) + edge_comm, sum(c.memory.values()), tuple(s.reduced))
+    for i, seconds in tally.copied.items():
+        if i in nodes:
+            nodes[i] = dataclasses.replace(nodes[i], compute_s=nodes[i].compute_s + seconds)
     if not problem.seen_alike(choice):   # the ranks compare their finite checks: one scalar all-reduce,
         check = tally.finite_check()      # the output node's time
         out = next((i for i, n in nodes.items() if problem.nodes[i].kind == "output"), None)
@@ -89,6 +92,7 @@ class _Tally:
         self.folded_at = {}  # owner op -> seconds of them hidden (_fold_linears)
         self.pieces_extra = {}   # row-parallel linear -> the share of its forward its pieces add
         self.first_reader = _first_readers(problem)
+        self.copied = {}     # node index -> seconds of the bucket copies its tensor's moves make (Problem._copies)
         self.edges_into: dict = {}
         for e in problem.edges:  # a data edge belongs to its consumer, a gradient edge to its tensor's producer
             owner = e.b if e.kind == "data" else (e.b if e.kind == "grad_out" else problem.nodes[e.b].source[0])
@@ -143,6 +147,15 @@ class _Tally:
         edge_comm = 0.0
         for e in self.edges_into.get(pn.index, ()):
             fwd, bwd = problem.edge_steps(problem.rep_edge(e), choice[e.a], choice[e.b])
+            copies = problem.edge_copies.get(problem.rep_edge(e))
+            if copies is not None:   # the flat buffers' copies around bucketed moves: compute, shown
+                seconds = float(copies[choice[e.a], choice[e.b]])   # as the parameter's where they run once
+                once = float(problem.edge_copies_once[problem.rep_edge(e)][choice[e.a], choice[e.b]])
+                self.compute += seconds                             # per step, else as the reader's
+                at = e.a if e.kind == "data" else pn.index
+                at = at if problem.nodes[at].kind == "param" else _upstream_param(problem, at)
+                self.copied[at] = self.copied.get(at, 0.0) + once
+                self.copied[pn.index] = self.copied.get(pn.index, 0.0) + seconds - once
             src = problem.nodes[e.a] if e.kind == "data" else problem.nodes[e.b]
             param = problem.nodes[e.a] if e.kind == "data" else (pn if pn.kind == "param" else None)
             prefetched = (e.kind == "data" and param is not None and param.kind == "param" and len(fwd) == 1
@@ -299,6 +312,40 @@ class _Tally:
     def hidden_gradients(self) -> float:
         """What backward hides of the gradient buckets (`hidden_gradients`)."""
         return hidden_gradients(self.backward, self.bucketed, self.once, self.problem.accumulation)
+
+
+def hidden_gradients(self) -> float:
+        """What backward hides of the gradient buckets (`hidden_gradients`)."""
+        return hidden_gradients(self.backward, self.bucketed, self.once, self.problem.accumulation)
+
+
+def _upstream_param(problem: Problem, index: int) -> int:
+    """The first parameter (breadth first) among the ancestors of node `index` (a tensor
+    computed from parameters alone, Problem._cones), or `index` where there is none."""
+    todo, seen = [index], {index}
+    while todo:
+        for src, _ in problem.nodes[todo.pop(0)].inputs:
+            if problem.nodes[src].kind == "param":
+                return src
+            if src not in seen:
+                seen.add(src)
+                todo.append(src)
+    return index
+
+
+def _upstream_param(problem: Problem, index: int) -> int:
+    """The first parameter (breadth first) among the ancestors of node `index` (a tensor
+    computed from parameters alone whose gradient joins their buckets, Problem._cones),
+    or `index` where there is none."""
+    todo, seen = [index], {index}
+    while todo:
+        for src, _ in problem.nodes[todo.pop(0)].inputs:
+            if problem.nodes[src].kind == "param":
+                return src
+            if src not in seen:
+                seen.add(src)
+                todo.append(src)
+    return index
 
 
 def hidden_gradients(backward: dict, bucketed: dict, once: dict, k: int) -> float:

@@ -366,6 +366,8 @@ class Problem:
         self.edge_bucketed: dict[EdgeKey, np.ndarray] = {}  # parameter gradients: their bucketed reductions
         self.edge_gathers: dict[EdgeKey, np.ndarray] = {}   # weights read: their forward all-gathers
         self.edge_linear_slack: dict[EdgeKey, np.ndarray] = {}   # more that linears' weight gradients may hide
+        self.edge_copies: dict[EdgeKey, np.ndarray] = {}   # bucketed moves: their flat buffers' copies (_copies)
+        self.edge_copies_once: dict[EdgeKey, np.ndarray] = {}   # those of them run once per step (gradient buckets)
         self.edge_costs = {key: self._edge_matrix(key) for key in self.edge_classes}
 
     def overlapped(self, hidden: float, prefetched: float = 0.0, linear_most: bool = False) -> "Problem":
@@ -528,10 +530,26 @@ class Problem:
         if s.offload:
             compute = C.offload_seconds(s.offload, owned, item, self.precision is not None, mesh.device,
                                         s.offload_weights)
+        compute += self._step_copies(pn, s, 0.0 if s.offload_weights else (owned if s.zero == 2 else numel) * item)
         compute *= self.once
         step = 0.0 if s.offload else owned * C.step_temporary_bytes(item, self.precision is not None,
                                                                     self._foreach_step)
         return Choice(compute, tuple(comm), mem, numel * (2 * item + state), step_memory=step)
+
+    def _step_copies(self, pn: PNode, s: Strategy, grad_bytes: float) -> float:
+        """Seconds of a parameter's memory passes around its optimizer step besides the
+        step itself: the finite check reading its gradient (runtime/faults.check_step: one
+        read of `grad_bytes`, this rank's gradient after synchronisation) and, for ZeRO-1/2,
+        the flat buffer's copies of the updated chunks' all-gather (zero.all_gather_chunks,
+        prices.bucket_copy_bytes)."""
+        nbytes = grad_bytes
+        if s.zero:
+            layout = s.outputs[0]
+            whole = math.prod(pn.out_shapes[0]) * pn.out_dtypes[0].itemsize
+            lines = C.redistribute_price(C.layout_code(zero_layout(layout, s.zero_axes)), C.layout_code(layout),
+                                         self.mesh)
+            nbytes += lines[C.Row.COPY_GATHER, 0] * whole
+        return C.copy_seconds(nbytes, self.mesh)
 
     def zero_gather_steps(self, pn: PNode, s: Strategy) -> tuple:
         """The all-gathers that spread a ZeRO-1/2 parameter's updated chunks after the step."""
@@ -801,12 +819,14 @@ class Problem:
                 bucketed = self.prices.bucketed(shape, item, src, dst, _zero2(b)[None, :])
                 m = m - bucketed.paid_here - self._shared_over_micro_steps(bucketed.bucket_seconds)
                 self.edge_bucketed[e] = bucketed.bucket_seconds * self.once
+                m = m + self._copies(e, bucketed.copy_bytes)
             elif (e.b, e.out) in self._cones:   # left Partial for the parameters' buckets
                 deferred = self._cone_deferred(b, e.out, [s.outputs[0] for s in a.strategies]).T
                 bucketed = self.prices.bucketed(shape, item, src, dst, np.zeros((1, 1), bool))
                 paid = bucketed.paid_here + self._shared_over_micro_steps(bucketed.bucket_seconds)
                 m = np.where(deferred, m - paid, m)
                 self.edge_bucketed[e] = np.where(deferred, bucketed.bucket_seconds * self.once, 0.0)
+                m = m + self._copies(e, np.where(deferred, bucketed.copy_bytes, 0.0))   # (its weights' buckets)
             own = menu([_shape_key(code(s.outputs[0])) for s in a.strategies])
             theirs = menu([_shape_key(code(s.outputs[e.out])) for s in b.strategies])
             return np.where(own.index[:, None] == theirs.index[None, :], m, m + UNUSABLE)
@@ -842,10 +862,13 @@ class Problem:
                 bwd = np.where(deferred, bwd - bucketed.paid_here - self._shared_over_micro_steps(
                     bucketed.bucket_seconds), bwd)
                 self.edge_bucketed[e] = np.where(deferred & has[None, :], bucketed.bucket_seconds * self.once, 0.0)
+                copied, once = np.where(deferred & has[None, :], bucketed.copy_bytes, 0.0), True
             if a.kind == "param":
                 bucketed = self.prices.bucketed(shape, item, dest, g, _zero2(a)[:, None], reverse=True)
                 bwd = bwd - bucketed.paid_here - self._shared_over_micro_steps(bucketed.bucket_seconds)
                 bucket = bucketed.bucket_seconds * self.once
+                copied = np.where(has[None, :], bucketed.copy_bytes, 0.0)
+                once = True
                 if self.grouped_gathers:   # grouped_pair, for every pair at once
                     plain = np.array([not s.zero and not s.offload for s in a.strategies])
                     grouped = (plain[:, None] & has[None, :] & self.prices.flags(p, q, C.Row.ONE_ALL_GATHER)
@@ -857,9 +880,17 @@ class Problem:
                         scattered = self.prices.seconds(shape, item, dest, g, reverse=True, share=share)
                         bwd = np.where(grouped, 0.0, bwd)
                         bucket = np.where(grouped, scattered, bucket)
+                        # (copied per micro-step: the gathers, in forward and again in backward,
+                        # and the reduce-scatter; not once per step)
+                        moved = (self.prices.copy_bytes(shape, item, dest, g, "reduce_scatter", reverse=True)
+                                 + 2 * self.prices.copy_bytes(shape, item, p, q, "all_gather"))
+                        copied = np.where(grouped, moved, copied)
+                        once = ~grouped
                         m = np.where(grouped, self.prices.seconds(shape, item, p, q, share=share), m)
                         self.edge_forward[e] = m
                 self.edge_bucketed[e] = np.where(has[None, :], bucket, 0.0)
+            if a.kind == "param" or (e.a, e.out) in self._cones:   # (a cone's: its weights' buckets)
+                bwd = bwd + self._copies(e, copied, once)
         if a.kind == "param" and (e.b, 0) in self._cones:   # a split weight keeps its cone's reduction in backward
             split = np.array([[sum(st.seconds for st in self._cone_split_steps(a, s, b, t)) for t in b.strategies]
                               for s in a.strategies])
@@ -872,6 +903,20 @@ class Problem:
             self.edge_gathers[e] = gathered
             bwd = bwd + gathered
         return m + np.where(has[None, :], bwd, 0.0)
+
+    def _copies(self, e: EdgeKey, nbytes: np.ndarray, once=True) -> np.ndarray:
+        """Seconds the runtime's flat buffers spend copying edge e's bucketed collectives
+        (`nbytes` per pair of choices, prices.bucket_copy_bytes), with one op's latency where
+        something is copied (the copy back into each tensor); `once` (per pair): where they
+        run once per optimizer step (a gradient bucket: at its share of a micro-step,
+        Pricing.accumulation), not every micro-step (a ZeRO-3 weight's gathers).  Kept in
+        edge_copies (and the once-per-step part in edge_copies_once), which the assembled
+        step counts as compute (assemble._Tally.edges)."""
+        seconds = np.where(nbytes > 0, C.copy_seconds(nbytes, self.mesh) + self.mesh.device.op_latency, 0.0)
+        seconds = seconds * np.where(once, self.once, 1.0)
+        self.edge_copies[e] = self.edge_copies.get(e, 0.0) + seconds
+        self.edge_copies_once[e] = self.edge_copies_once.get(e, 0.0) + np.where(once, seconds, 0.0)
+        return seconds
 
     def _folds(self, reader: PNode, operand: int) -> bool:
         """Whether the runtime computes `reader`'s weight gradient while its input gradient's
