@@ -321,20 +321,6 @@ def hidden_gradients(self) -> float:
 
 def _upstream_param(problem: Problem, index: int) -> int:
     """The first parameter (breadth first) among the ancestors of node `index` (a tensor
-    computed from parameters alone, Problem._cones), or `index` where there is none."""
-    todo, seen = [index], {index}
-    while todo:
-        for src, _ in problem.nodes[todo.pop(0)].inputs:
-            if problem.nodes[src].kind == "param":
-                return src
-            if src not in seen:
-                seen.add(src)
-                todo.append(src)
-    return index
-
-
-def _upstream_param(problem: Problem, index: int) -> int:
-    """The first parameter (breadth first) among the ancestors of node `index` (a tensor
     computed from parameters alone whose gradient joins their buckets, Problem._cones),
     or `index` where there is none."""
     todo, seen = [index], {index}
