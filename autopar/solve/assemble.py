@@ -148,10 +148,12 @@ class _Tally:
         for e in self.edges_into.get(pn.index, ()):
             fwd, bwd = problem.edge_steps(problem.rep_edge(e), choice[e.a], choice[e.b])
             copies = problem.edge_copies.get(problem.rep_edge(e))
-            if copies is not None:   # the flat buffers' copies around bucketed moves: compute, shown
-                seconds = float(copies[choice[e.a], choice[e.b]])   # as the parameter's where they run once
+            if copies is not None:
+                # the flat buffers' copies around bucketed moves: compute, shown as the
+                # parameter's where they run once per step, else as the reader's
+                seconds = float(copies[choice[e.a], choice[e.b]])
                 once = float(problem.edge_copies_once[problem.rep_edge(e)][choice[e.a], choice[e.b]])
-                self.compute += seconds                             # per step, else as the reader's
+                self.compute += seconds
                 at = e.a if e.kind == "data" else pn.index
                 at = at if problem.nodes[at].kind == "param" else _upstream_param(problem, at)
                 self.copied[at] = self.copied.get(at, 0.0) + once
@@ -310,11 +312,6 @@ class _Tally:
                           {k: v for k, v in tiers.items() if v}, contended, linear_hidden)
 
     def hidden_gradients(self) -> float:
-        """What backward hides of the gradient buckets (`hidden_gradients`)."""
-        return hidden_gradients(self.backward, self.bucketed, self.once, self.problem.accumulation)
-
-
-def hidden_gradients(self) -> float:
         """What backward hides of the gradient buckets (`hidden_gradients`)."""
         return hidden_gradients(self.backward, self.bucketed, self.once, self.problem.accumulation)
 
