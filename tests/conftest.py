@@ -113,7 +113,7 @@ SLOW = {
     "test_pipeline_search.py::test_search_picks_zbv_where_its_bubble_pays",                    # 16 s
     "test_pipeline_search.py::test_tight_budget_recomputes_inside_the_stages",                 # 16 s
     "test_pipeline_search.py::test_split_pass_cuts_the_planned_graph_at_the_stage_boundaries",  # 11 s
-    "test_pipeline_search.py::test_slow_network_gets_stages_across_nodes_and_tensor_parallelism_inside",
+    "test_pipeline_search.py::test_slow_network_gets_stages_across_nodes_and_the_node_splits_each_stage",
     "test_pipeline_runtime.py::test_newer_schedules_on_hugging_face_families",
     "test_pipeline_runtime.py::test_random_stage_plans_train_like_one_device",          # 33 s
     "test_pipeline_runtime.py::test_mixed_precision_pipeline_equals_one_device_under_the_same_policy",

@@ -99,7 +99,12 @@ def plan_text(plan) -> str:
                  f"menus and costs {t.costs_s:.2f}s, ILP {t.solve_s:.2f}s)")
     if not plan.tp_overlap:
         lines.append("tensor-parallel collectives run whole, not beside their GEMMs (tp_overlap=False)")
-    if plan.accumulation > 1:
+    staged = plan.pipeline is not None and plan.pipeline.pipelined
+    if plan.accumulation > 1 and staged:
+        lines.append(f"a stage accumulates its gradients over the step's {plan.accumulation} microbatches: the step "
+                     f"above is one microbatch's, with the optimizer step, the gradient reductions and ZeRO-1/2's "
+                     f"gathers shared over the {plan.accumulation}")
+    elif plan.accumulation > 1:
         lines.append(f"priced for gradient accumulation over {plan.accumulation} micro-steps (cm.no_sync() around "
                      f"all but the last): the step above is one micro-step's, with the optimizer step, the "
                      f"gradient reductions and ZeRO-1/2's gathers shared over the {plan.accumulation}")

@@ -140,7 +140,7 @@ def _stages(parts: StageParts, copies, send, n_stages, overlap, schedule: str = 
     cut = v_cuts if v_shaped else balanced_cuts
     cuts = cut(units, n_stages, units and seconds(prefix), seconds(suffix))
     fwd, bwd, once, acts, work, host = [], [], [], [], [], []
-    held_states = {k: [] for k in STATES}
+    held_states = {k: [] for k in (*STATES, "synced_grads")}   # (synced_grads: not held beside the rest)
     for s, (a, b) in enumerate(cuts):
         last = [suffix] if v_shaped else [suffix, copies]
         members = list(layers[a:b]) + ([prefix] if s == 0 else []) + (last if s == n_stages - 1 else [])
@@ -190,7 +190,9 @@ def evaluate(parts: StageParts, copies, send, n_stages, p, v, schedule, n_mb, li
     group_once = [sum(once[s] for s in mine) for mine in groups]
     if schedule in TWO_WAY:
         move = transfer or (lambda nbytes: 0.0)
-        group_once = [t + move(sum(held_states["grads"][s] for s in mine)) for t, mine in zip(group_once, groups)]
+        group_once = [t + move(sum(held_states["synced_grads"][s] for s in mine))
+                      for t, mine in zip(group_once, groups)]
+    del held_states["synced_grads"]
     if v > 1:  # group g holds stages g, g + p, ... (V-shaped: g and 2p-1-g): its chunks' times add up
         group_f = [sum(fwd[s] for s in mine) for mine in groups]
         shape = (schedule, p, n_mb, group_f)

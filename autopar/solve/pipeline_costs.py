@@ -12,6 +12,7 @@ step and optimizer all-gathers run once per step.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, fields
 
 from autopar.cost.prices import local_numel
@@ -20,6 +21,7 @@ from autopar.solve import layouts as B
 from autopar.solve.assemble import assemble
 from autopar.solve.ilp import InfeasibleError
 from autopar.solve.recompute import RECOMPUTING, ModeCosts, layer_paths
+from autopar.solve.problem import Pricing
 from autopar.solve.solution import Built, build_problem
 from autopar.solve.solved import SolveOptions
 from autopar.trace.batching import batch_size, first_microbatch
@@ -47,6 +49,10 @@ class StageCost:
     # stages fold them (cost.schedules.folds_tp)
     folded_forward: float = 0.0
     folded_backward: float = 0.0
+    # bytes of its gradients once synchronised (a ZeRO-2 rank's shard: it holds the whole
+    # local gradient, `grads`, until the last microbatch): what chimera's two copies of a
+    # stage sum after the step
+    synced_grads: float = 0.0
 
     @property
     def states(self) -> float:
@@ -97,9 +103,16 @@ def stage_problem(model, mesh, example_inputs, example_kwargs, mixed_precision, 
     """The traced and costed problem of one stage candidate: the model on a sub-mesh of
     `mesh` shaped `sub_shape` (same links), for a microbatch of `mb_size` rows.  Pipeline
     stages gather their ZeRO-3 weights one by one (autopar/runtime/pipelined.py): only the whole
-    mesh's candidate prices them grouped."""
+    mesh's candidate prices them grouped.  A stage accumulates its gradients over the step's
+    batch // mb_size microbatches (the runtime runs every backward but each stage's last
+    under grad_sync.no_sync), so its problem is priced for that accumulation
+    (Pricing.accumulation): the ILP weighs the once-per-step gradient reductions, the
+    optimizer step and ZeRO-1/2's gathers at their share of one microbatch, and a ZeRO-2
+    stage keeps its whole local gradient until the last; _Split counts them back whole,
+    once per step."""
     sub = Mesh(sub_shape, mesh.axis_names, device=mesh.device, bandwidth=mesh.bandwidth, latency=mesh.latency)
     batch = batch_size(example_inputs, example_kwargs)
+    pricing = (pricing or Pricing())._replace(accumulation=max(batch // mb_size, 1))
     args, kwargs = first_microbatch((tuple(example_inputs), example_kwargs), batch, mb_size)
     built = build_problem(model, sub, args, kwargs, mixed_precision, tuple(sub_shape) == tuple(mesh.shape),
                           pricing)
@@ -250,6 +263,7 @@ class _Split:
         total = n.compute_s + n.comm_s
         o = once.get(n.name, 0.0) + ((once.get(n.module, 0.0) + n.compute_s) if pn.kind == "param" else 0.0)
         per_mb = max(total - o, 0.0)
+        o *= self.problem.accumulation   # (priced at its share of one microbatch: stage_problem)
         bwd_share = BACKWARD_SHARE if pn.requires_grad else 0.0
         f = per_mb * (1 - bwd_share)
         b["backward_s"] += per_mb * bwd_share
@@ -261,6 +275,10 @@ class _Split:
         b["folded_backward"] += hidden * bwd_share
         for kind in (*STATES, "activations"):
             b[kind] += c.memory[kind]
+        if pn.kind == "param":
+            st = self.problem.nodes[pn.rep].strategies[self.choice[idx]]
+            ways = math.prod(self.problem.mesh.shape[a] for a in st.zero_axes) if st.zero == 2 else 1
+            b["synced_grads"] += c.memory["grads"] / ways if self.problem.accumulation > 1 else c.memory["grads"]
         b["working"] = max(b["working"], c.work if pn.kind == "op" else 0.0)
         if key == "prefix" and pn.kind == "param" and _read_after_layers(self.problem, pn, prefix):
             for kind in STATES:   # a tied head: the last stage holds it too
