@@ -47,10 +47,13 @@ def test_three_axes_plan_small_and_fast(name):
     solves both graphs by elimination alone: no variable is left.
 
     Time: planning on 3 axes (menus, costs, the ILP and the hand-written layouts it is
-    compared with) takes at most 6x the 2-axis time or 3 s, whichever is more, and under
-    20 s.  Each is the best of two runs: the 2-axis plan takes 0.3-0.5 s, so one slow run on
+    compared with) takes at most 8x the 2-axis time or 3 s, whichever is more, and under
+    20 s.  Each is the best of two runs: the 2-axis plan takes 0.3-1.2 s, so one slow run on
     a loaded machine moved the ratio by 2x.  Measured on 2 cores: gpt-tiny 1.5 s against
-    0.3 s; before the presolve and the vectorised edge costs, 42 s against 2.2 s (19x)."""
+    0.3 s; before the presolve and the vectorised edge costs, 42 s against 2.2 s (19x).
+    Since the flat buffers' copies are priced (three more rows in every pair's price
+    table), 4.8-6.5 s against 0.8-1.2 s on a loaded machine (5.0-6.5x; 4.3-5.0x before,
+    measured side by side), which a 6x bound failed once in CI."""
     model, example = build(name)
     trace(model, tuple(example))  # both plans below start from the cached trace
     two_before = plan_with(model, example, mesh_of(MESH_2), presolve=False, compare=False)
@@ -59,7 +62,7 @@ def test_three_axes_plan_small_and_fast(name):
     assert three.solver.optimal
     assert three.solver.variables <= 5 * two_before.solver.variables
     assert three.solver.variables == 0 and two.solver.variables == 0
-    assert three.timing.total_s <= max(6 * two.timing.total_s, 3.0)
+    assert three.timing.total_s <= max(8 * two.timing.total_s, 3.0)
     assert three.timing.total_s < 20.0
 
 

@@ -94,6 +94,7 @@ class Problem:
         self.tp_overlap = pricing.tp_overlap
         self.folds_tp = pricing.tp_overlap and mesh.device.asynchronous
         self.once = 1.0 / pricing.accumulation   # a once-per-step cost's share of one micro-step
+        self._gather_copies: dict = {}   # (ZeRO layout code, layout code) -> _step_copies' bytes per byte
         self.grouped_gathers = grouped_gathers
         self.prices = LayoutPrices(mesh)   # each pair of layouts priced once for every edge
         self.nodes, self.by_fx = build_nodes(traced)
@@ -546,9 +547,10 @@ class Problem:
         if s.zero:
             layout = s.outputs[0]
             whole = math.prod(pn.out_shapes[0]) * pn.out_dtypes[0].itemsize
-            lines = C.redistribute_price(C.layout_code(zero_layout(layout, s.zero_axes)), C.layout_code(layout),
-                                         self.mesh)
-            nbytes += lines[C.Row.COPY_GATHER, 0] * whole
+            pair = (C.layout_code(zero_layout(layout, s.zero_axes)), C.layout_code(layout))
+            if pair not in self._gather_copies:   # (one price per pair of layouts)
+                self._gather_copies[pair] = C.redistribute_price(*pair, self.mesh)[C.Row.COPY_GATHER, 0]
+            nbytes += self._gather_copies[pair] * whole
         return C.copy_seconds(nbytes, self.mesh)
 
     def zero_gather_steps(self, pn: PNode, s: Strategy) -> tuple:
