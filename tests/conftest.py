@@ -75,7 +75,6 @@ SLOW = {
     "test_recompute.py::test_random_plans_activations_counted_in_their_layouts",        # 9-18 s a model
     "test_grid_tp.py::test_tp_2d_trains_like_one_device[llama]",                     # grid forms: 2D on GPT,
     "test_grid_tp.py::test_tp_2d_trains_like_one_device[hf-llama]",                  # its bytes and 1D's stay fast
-    "test_grid_tp.py::test_three_axis_grids_train_like_one_device",                  # 20 s a case, 8 ranks
     "test_grid_tp.py::test_grid_layers_move_the_bytes_of_their_closed_forms",           # the fast tier took 717 s
     "test_grid_tp.py::test_megatron_block_moves_its_closed_form",
     "test_grid_tp.py::test_weight_stationary_block_moves_its_closed_form",
@@ -95,11 +94,6 @@ SLOW = {
     "test_grid_tp.py::test_a_grid_checkpoint_resumes_under_another_layout_and_back",
     "test_grid_tp.py::test_2_5d_with_zero_over_the_depth_trains_like_one_device",
     "test_inductor.py::test_eval_and_train_switch_the_compiled_graph",
-    "test_inductor.py::test_inductor_runs_split_backward_schedules[llama-zbv]",
-    "test_inductor.py::test_inductor_runs_split_backward_schedules[gpt-dualpipev-zero3]",
-    "test_inductor.py::test_inductor_runs_split_backward_schedules[hf-llama-zbv-megatron]",
-    "test_inductor.py::test_inductor_runs_split_backward_schedules[mixtral-zero-bubble]",
-    "test_inductor.py::test_inductor_runs_split_backward_schedules[hf-gpt-neox-zero-bubble]",
     "test_inductor.py::test_inductor_zero3_gathers_each_layer_at_its_start[0.02]",
     "test_inductor.py::test_inductor_mixed_precision_equals_one_device",
     "test_inductor.py::test_inductor_checkpoints_round_trip",
@@ -107,7 +101,6 @@ SLOW = {
     "test_calibrate.py::test_plan_command_reads_a_profile_and_defaults_to_bf16_on_gpus",   # 26 s
     "test_grouped_experts.py::test_jetmoe_trains_like_one_device",          # 15-25 s
     "test_hf_models.py::test_phimoe_router_noise_is_planned_and_trains",
-    "test_capacity_experts.py::test_switch_trains_like_one_device",             # 12 s a layout
     "test_pipeline_search.py::test_search_does_not_pick_zbv_with_too_few_microbatches",
     "test_pipeline_search.py::test_search_picks_chimera_only_where_its_second_copy_is_cheap",  # 17 s
     "test_pipeline_search.py::test_search_picks_zbv_where_its_bubble_pays",                    # 16 s
@@ -196,19 +189,24 @@ SAMPLED = {
     "test_pipeline_measured.py::test_pipeline_matches_single_device": (("gpipe-4",), None),
     "test_faults_round3.py::test_a_nan_gradient_on_one_rank_stops_every_rank": (3, 3),
     "test_sequence_parallel.py::test_sequence_layouts_train_like_one_device": (3, 5),
-    "test_planner_3axis.py::test_presolve_equals_full_ilp_on_random_graphs": (10, None),
+    "test_planner_3axis.py::test_presolve_equals_full_ilp_on_random_graphs": (10, 10),
     "test_planner_3axis.py::test_presolve_keeps_the_optimum": (1, None),
     "test_user_models.py::test_user_attention_trains_like_one_device": (1, 3),
     "test_grouped_experts.py::test_sorted_moe_trains_like_one_device": (1, 1),
     "test_capacity_experts.py::test_fixed_capacity_dispatch_trains_like_one_device": (0, 1),
     "test_inductor.py::test_inductor_trains_like_one_device": (0, 2),
-    "test_inductor.py::test_inductor_with_recomputation": (0, None),
+    "test_inductor.py::test_inductor_with_recomputation": (0, 2),
     "test_inductor.py::test_inductor_keeps_the_planned_saved_bytes": (0, 1),
     "test_inductor.py::test_inductor_runs_pipeline_stages": (0, 1),
     "test_inductor.py::test_inductor_batch_norm_trains_and_keeps_its_statistics": (0, 1),
     "test_recompute.py::test_recompute_bounds_hold_from_the_keep_everything_reserve": (0, 1),   # 32 s a case
     "test_recompute.py::test_skipped_recompute_assignments_could_not_win": (0, 1),             # 30-40 s a budget
     "test_pipeline_runtime.py::test_own_schedules_on_attention_as_users_write_it": (0, 2),
+    # the slow tier's own samples of its longest sweeps (CI 2026-12-02: both tiers 71 minutes,
+    # the split-backward schedules compiled 49-63 s a case, the 8-rank grids 20-36 s)
+    "test_inductor.py::test_inductor_runs_split_backward_schedules": (("gpt-zero-bubble",), 2),
+    "test_grid_tp.py::test_three_axis_grids_train_like_one_device": (0, 3),
+    "test_capacity_experts.py::test_switch_trains_like_one_device": (0, 2),
 }
 
 
