@@ -167,6 +167,11 @@ class DeviceSpec:
     (op key as autopar.cost.kernels.pointwise_key names it, forward seconds per element,
     backward seconds per element); such an op takes at least its elements times these.
     Empty (the GPU presets): they stream at memory bandwidth like any elementwise op.
+    compute_scale: what `autopar calibrate`'s step check found (how much slower than the
+    single-op rates a model's training step runs its work) and has already applied to the
+    rates above (flops, attention_flops, mem_bandwidth divided by it; pointwise,
+    optimizer, host_op multiplied; op_latency is then the per-op cost the steps show); a
+    record, not applied again.  1.0: not checked (the presets).
     source: where the numbers come from.
     """
 
@@ -197,6 +202,7 @@ class DeviceSpec:
     kernels: KernelEfficiency | None = None
     host_op: float = 0.0
     pointwise: tuple = ()
+    compute_scale: float = 1.0
 
     def link(self, kind: str, inside: bool) -> tuple | None:
         """(bandwidth, latency, launch) measured for `kind` on the link class, or None."""

@@ -66,12 +66,53 @@ def test_calibrate_measures_every_collective_and_caches(pool2, tmp_path):
     assert set(links) == {(k, "intra") for k in KINDS}            # one node: every kind inside it
     for kind, (bw, lat, launch) in links.items():
         assert 1e6 < bw < 1e12 and lat >= 0 and launch >= 0 and lat + launch > 0, (kind, bw, lat, launch)
+    # the step check: its GPT steps measured and predicted, the work scale recorded and
+    # applied, the per-op cost at least a tiny op's
+    rows = json.load(open(out))["points"]["step check (measured s, predicted s, work s, ops)"]
+    assert len(rows) == len(calibrate_module.STEP_MODELS[True])
+    for measured, predicted, work, ops in rows:
+        assert 0 < work < predicted and measured > 0 and ops > 10, (measured, predicted, work, ops)
+    assert 0.2 < spec.compute_scale < 5 and "per op from GPT steps" in spec.source
     # the profile written is what DeviceSpec.load reads, and it plans
     assert DeviceSpec.load(out) == spec
     assert json.load(open(out))["cluster"]["world"] == 2
     model, example = build("gpt-tiny")
     plan = autopar.plan(model, autopar.Mesh((2,), ("dp",), device=out), example, compare=False)
     assert plan.mesh.device == spec and plan.predicted.step_s > 0
+
+
+def test_the_step_check_fits_a_work_scale_and_a_cost_per_op():
+    """fit_step recovers measured = s work + L ops; where the free fit would price an op
+    below a tiny op, L stays at the tiny op's and s alone is fitted."""
+    work, ops = [0.15, 0.03, 0.10], [150, 150, 110]
+    measured = [1.07 * w + 87e-6 * n for w, n in zip(work, ops)]
+    s, per_op = calibrate_module.fit_step(measured, work, ops, 1e-5)
+    assert s == pytest.approx(1.07, rel=1e-6) and per_op == pytest.approx(87e-6, rel=1e-6)
+    below = [1.2 * w + 2e-6 * n for w, n in zip(work, ops)]
+    s, per_op = calibrate_module.fit_step(below, work, ops, 1e-5)
+    assert per_op == 1e-5 and 1.1 < s < 1.2
+    # one model: the scale alone
+    s, per_op = calibrate_module.fit_step([0.2], [0.1], [100], 1e-4)
+    assert per_op == 1e-4 and s == pytest.approx(1.9)
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])
+def test_scaled_compute_scales_every_compute_price(name):
+    """scaled_compute(spec, s, L) turns a one-device step into s x its work + L x its ops
+    exactly (every compute price is work at the spec's rates plus ops at op_latency), and
+    leaves the links alone: a 2-rank plan's communication is unchanged."""
+    spec = dataclasses.replace(PRESETS["cpu"], optimizer=(5e-5, 5e-9), pointwise=(("aten.gelu:tanh", 2e-9, 3e-9),
+                                                                                  ("aten.silu", 1e-9, 2e-9)),
+                               attention_flops=(("float32", 1e10),))
+    model, example = build(name, batch=2, seq=32)
+    step = lambda d, shape=(1,): autopar.plan(model, autopar.Mesh(shape, ("dp",), device=d), example, compare=False,
+                                              layout="data-parallel").predicted
+    whole, work = step(spec).step_s, step(dataclasses.replace(spec, op_latency=0.0)).step_s
+    ops = (whole - work) / spec.op_latency
+    scaled = calibrate_module.scaled_compute(spec, 1.3, 5e-5)
+    assert scaled.compute_scale == pytest.approx(1.3) and scaled.links == spec.links
+    assert step(scaled).step_s == pytest.approx(1.3 * work + 5e-5 * ops, rel=1e-6)
+    assert step(scaled, (2,)).comm_s == pytest.approx(step(spec, (2,)).comm_s, rel=1e-9)
 
 
 def test_profiles_round_trip_through_files_and_plans(tmp_path):

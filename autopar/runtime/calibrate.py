@@ -17,6 +17,11 @@ measure what training gets):
   evaluate a transcendental function per element (gelu, silu, tanh, softmax; their
   seconds per element, forward and backward); and the cost of one tiny op
   forward and backward (the op latency: kernel launch, or eager dispatch on a CPU).
+- a step check (CPU hosts): small GPTs' training steps on every rank at once, against
+  the steps predicted for them from the rates above, fitted as a scale on the work and a
+  cost per op (step_check: what a model's step adds to single ops, and a busy moment
+  during the single-op runs); the work scale is recorded as DeviceSpec.compute_scale, the
+  per-op cost replaces op_latency.
 - communication: per mesh axis, all-reduce, all-gather, reduce-scatter, all-to-all and a
   send/recv between neighbours over a range of sizes, with the runtime's own collective
   code (autopar/passes/redistribute.py), each fitted as t = f + b * m, m being the bytes
@@ -59,7 +64,8 @@ from autopar.passes.redistribute import all_gather_dim, all_to_all_dims, reduce_
 
 log = logging.getLogger("autopar")
 
-FORMAT = 3   # 2: CPU collectives timed after compute (step_chain), pointwise ops measured; 3: fused AdamW measured
+FORMAT = 4   # 2: CPU collectives timed after compute (step_chain), pointwise ops measured; 3: fused AdamW measured;
+# 4: compute rates scaled to a model step (step_check)
 # (sizes, repeats) per device type: small enough for minutes on a loaded CPU host
 # linear layers (tokens, in, out) and causal attention (batch, heads, seq, head dim) of
 # the shapes training runs
@@ -376,6 +382,135 @@ def measure_axis(mesh, axis: int, device_type: str, repeats: int, sizes=None, qu
     return {"links": shared[0], "points": points}
 
 
+# ------------------------------------------------------------------ a model step
+
+# the step check's models (autopar.models' GPT), many tokens and few, narrow and wide: shapes
+# unlike benchmarks/cost_accuracy.py's, which checks the prices on its own model
+STEP_MODELS = {False: (dict(hidden=192, n_heads=6, n_layers=3, batch=8, seq=64),
+                       dict(hidden=192, n_heads=6, n_layers=3, batch=1, seq=64),
+                       dict(hidden=384, n_heads=6, n_layers=2, batch=2, seq=64)),
+               True: (dict(hidden=128, n_heads=4, n_layers=2, batch=4, seq=32),
+                      dict(hidden=128, n_heads=4, n_layers=2, batch=1, seq=32))}
+STEP_SCALE = (0.5, 2.0)   # a work scale outside: the host was busy while part of the calibration ran; say so
+
+
+def _local_step_seconds(model, example, optimizer, repeats: int, device_type: str) -> float:
+    """The median seconds of one plain training step (forward, backward, AdamW, zero_grad)
+    from a barrier to the last rank's end (a barrier after it), every rank stepping at once:
+    a step of the group, which waits for its slowest rank as a synchronised step does.
+    Ranks that share cores fall apart within a step (4 ranks on 2 cores, a data-parallel
+    step's ranks reached the gradient all-reduce 46-104 ms into it), so the group's step
+    is longer than each rank's own.  Each timed step follows an untimed one, its weights
+    warm as in training (benchmarks/cost_accuracy.py times its cases so)."""
+    def step():
+        model(*example).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        step()
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        _sync(device_type)
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+    return _slowest(statistics.median(times), device_type, None)
+
+
+def fit_step(measured, work, ops, op_latency: float, bounds: tuple = (0.25, 4.0)) -> tuple:
+    """(work scale s, seconds per op L) with measured_i ~ s work_i + L ops_i, least squares on
+    relative error, s within `bounds` and L at least the tiny op's `op_latency` (a step of
+    tiny models is mostly ops, which leaves s loose: the bounds keep it physical)."""
+    m, w, n = (np.asarray(x, float) for x in (measured, work, ops))
+    a, b = w / m, n / m   # 1 ~ s a + L b
+
+    def error(sl):
+        return float(np.sum((sl[0] * a + sl[1] * b - 1) ** 2))
+
+    candidates = []
+    if len(m) >= 2 and np.ptp(w / np.maximum(n, 1)) > 0:   # (one model, or one ratio: L is not determined)
+        (s, per_op), *_ = np.linalg.lstsq(np.stack([a, b], 1), np.ones_like(m), rcond=None)
+        candidates.append((float(s), float(per_op)))
+        for s in bounds:   # s on a bound, L fitted
+            candidates.append((s, float(np.sum((1 - s * a) * b) / np.sum(b * b))))
+    # L at the tiny op's, s fitted
+    candidates.append((float(np.sum((1 - op_latency * b) * a) / np.sum(a * a)), op_latency))
+    feasible = [(s, per_op) for s, per_op in candidates
+                if bounds[0] - 1e-12 <= s <= bounds[1] + 1e-12 and per_op >= op_latency * (1 - 1e-12)]
+    if not feasible:   # (every fit below the tiny op's cost: L there, s clamped)
+        s = candidates[-1][0]
+        return float(min(max(s, bounds[0]), bounds[1])), op_latency
+    return min(feasible, key=error)
+
+
+def step_check(spec: DeviceSpec, device_type: str, repeats: int, quick: bool) -> tuple:
+    """(work scale, seconds per op, rows): small GPTs' training steps (STEP_MODELS) run on
+    every rank at once, without communication, against the steps rank 0 predicts for them
+    on one device of `spec`, each prediction split into its work (flops and bytes at the
+    measured rates) and its ops (op_latency each); fit_step finds how much slower the work
+    runs in a model's step and what an op costs there.  The single-op rates miss what a
+    step adds on a CPU host: distinct weights that do not stay in the caches as one
+    repeated op's do, the allocator, and on ranks that oversubscribe the cores the way the
+    scheduler slices a long step (4 ranks on 2 cores: GPT steps measured 1.09-1.54x their
+    prediction, the smaller the step the further, a tiny op's 10 us against about 90 us per
+    op of a model's step); and a calibration whose single-op runs met a busy moment reads
+    slow rates (one 2-rank run: 37.5 GFLOP/s against 72-81 alone), which the step reads
+    back as a scale below 1.  rows: (measured s, predicted s, work s, ops) per model.
+    (1.0, op_latency, ()) on CUDA: its kernels are priced by shape (KernelEfficiency) and
+    checked by benchmarks/gpu_check.py."""
+    if device_type == "cuda":
+        return 1.0, spec.op_latency, ()
+    import autopar
+    from autopar.models import build
+    count = 3 if quick else max(6, repeats)
+    measured, predicted = [], []
+    without_ops = replace(spec, op_latency=0.0)
+    for config in STEP_MODELS[quick]:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model, example = build("gpt-tiny", **config)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        measured.append(_local_step_seconds(model, example, optimizer, count, device_type))
+        got = [None]
+        if dist.get_rank() == 0:
+            try:
+                whole, work = (autopar.plan(model, autopar.Mesh((1,), ("dp",), device=d), example,
+                                            compare=False).predicted.step_s for d in (spec, without_ops))
+                got[0] = (whole, work, (whole - work) / max(spec.op_latency, 1e-12))
+            except Exception as exc:   # a planner bug must not lose the measurements: say so, unscaled
+                log.warning("calibrate: the step check could not plan its GPT %s (%s: %s); compute rates unscaled",
+                            config, type(exc).__name__, exc)
+        dist.broadcast_object_list(got, src=0)
+        if got[0] is None:
+            return 1.0, spec.op_latency, ()
+        predicted.append(got[0])
+    scale, per_op = fit_step(measured, [p[1] for p in predicted], [p[2] for p in predicted], spec.op_latency)
+    if not STEP_SCALE[0] <= scale <= STEP_SCALE[1] and dist.get_rank() == 0:
+        log.warning("calibrate: GPT training steps ran %.2fx the work the single-op rates predict: the host was busy "
+                    "while part of the calibration ran; the rates are scaled to the steps, but measuring again on an "
+                    "idle machine (--force) gives steadier numbers", scale)
+    return scale, per_op, tuple((m, *p) for m, p in zip(measured, predicted))
+
+
+def scaled_compute(spec: DeviceSpec, scale: float, op_latency: float | None = None) -> DeviceSpec:
+    """`spec` with its compute work `scale` times slower (step_check): rates divided by it,
+    seconds per element multiplied, the links untouched; op_latency (seconds per op):
+    replaced where given.  Every compute price is work at these rates plus ops at
+    op_latency, so a one-device step's prediction becomes scale x work + ops x op_latency."""
+    return replace(spec, flops=tuple((k, v / scale) for k, v in spec.flops),
+                   attention_flops=tuple((k, v / scale) for k, v in spec.attention_flops),
+                   mem_bandwidth=spec.mem_bandwidth / scale,
+                   op_latency=spec.op_latency if op_latency is None else op_latency,
+                   optimizer=tuple(x * scale for x in spec.optimizer),
+                   optimizer_fused=tuple(x * scale for x in spec.optimizer_fused),
+                   pointwise=tuple((k, f * scale, b * scale) for k, f, b in spec.pointwise),
+                   host_op=spec.host_op * scale, compute_scale=spec.compute_scale * scale)
+
+
 # ------------------------------------------------------------------ the whole run
 
 def measure_tiers(directory: str | None, per_node: int, nbytes: int, repeats: int, device_type: str) -> dict:
@@ -507,10 +642,19 @@ def calibrate(shape=None, names=None, base: str | None = None, repeats: int = 5,
         **tiers,
         source=f"autopar calibrate, {time.strftime('%Y-%m-%d')}: {desc['world']} x {desc['device']} "
                f"({desc['backend']}), mesh {'x'.join(map(str, shape))}")
-    _progress(f"done in {time.perf_counter() - start:.1f} s")
     shared = [spec]   # every rank plans with rank 0's numbers (its own timings differ a little)
     dist.broadcast_object_list(shared, src=0)
     spec = shared[0]
+    scale, per_op, rows = step_check(spec, device_type, repeats, quick)
+    if rows:
+        tiny = spec.op_latency
+        spec = scaled_compute(spec, scale, per_op)
+        spec = replace(spec, source=f"{spec.source}; work x{scale:.3f}, {per_op * 1e6:.0f} us per op from GPT steps")
+        points["step check (measured s, predicted s, work s, ops)"] = [list(r) for r in rows]
+        _progress("step check: GPT steps " + ", ".join(f"{m * 1e3:.1f} ms measured / {p * 1e3:.1f} predicted"
+                                                       for m, p, *_ in rows) +
+                  f"; work x{scale:.3f}, {per_op * 1e6:.1f} us per op (a tiny op: {tiny * 1e6:.1f})")
+    _progress(f"done in {time.perf_counter() - start:.1f} s")
     if dist.get_rank() == 0:
         os.makedirs(cache_dir(), exist_ok=True)
         _write(cached, spec, desc, points)
