@@ -60,6 +60,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from autopar.cost.collectives import KINDS
 from autopar.mesh import PRESETS, DeviceSpec, Mesh
+from autopar.models import build
+from autopar.solve.planner import plan
 from autopar.passes.redistribute import all_gather_dim, all_to_all_dims, reduce_scatter_rows
 
 log = logging.getLogger("autopar")
@@ -464,8 +466,6 @@ def step_check(spec: DeviceSpec, device_type: str, repeats: int, quick: bool) ->
     checked by benchmarks/gpu_check.py."""
     if device_type == "cuda":
         return 1.0, spec.op_latency, ()
-    import autopar
-    from autopar.models import build
     count = 3 if quick else max(6, repeats)
     measured, predicted = [], []
     without_ops = replace(spec, op_latency=0.0)
@@ -478,8 +478,8 @@ def step_check(spec: DeviceSpec, device_type: str, repeats: int, quick: bool) ->
         got = [None]
         if dist.get_rank() == 0:
             try:
-                whole, work = (autopar.plan(model, autopar.Mesh((1,), ("dp",), device=d), example,
-                                            compare=False).predicted.step_s for d in (spec, without_ops))
+                whole, work = (plan(model, Mesh((1,), ("dp",), device=d), example, compare=False).predicted.step_s
+                               for d in (spec, without_ops))
                 got[0] = (whole, work, (whole - work) / max(spec.op_latency, 1e-12))
             except Exception as exc:   # a planner bug must not lose the measurements: say so, unscaled
                 log.warning("calibrate: the step check could not plan its GPT %s (%s: %s); compute rates unscaled",
