@@ -177,7 +177,9 @@ def _cmd_calibrate(args) -> int:
         if dist.get_rank() == 0:
             rates = ", ".join(f"{k} {v / 1e12:.3g} TFLOP/s" for k, v in spec.flops)
             print(f"{spec.source}\n  compute: {rates}; memory {spec.mem_bandwidth / 1e9:.3g} GB/s; "
-                  f"op latency {spec.op_latency * 1e6:.1f} us")
+                  f"op latency {spec.op_latency * 1e6:.1f} us" +
+                  (f"; a model step's work x{spec.compute_scale:.3f} the single ops' (step check)"
+                   if spec.compute_scale != 1.0 else ""))
             print(f"  host memory {spec.host_memory / 2**30:.1f} GiB per device" + (
                 f"; disk {spec.disk_memory / 2**30:.1f} GiB per device, write {spec.disk_write_bandwidth / 1e9:.3g} "
                 f"GB/s, read {spec.disk_read_bandwidth / 1e9:.3g} GB/s" if args.offload_dir else ""))
