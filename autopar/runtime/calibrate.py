@@ -592,7 +592,7 @@ def calibrate(shape=None, names=None, base: str | None = None, repeats: int = 5,
     key = hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
     cached = os.path.join(cache_dir(), f"calibration-{key}.json")
     if not force and os.path.exists(cached):
-        _progress(f"using the cached calibration {cached} (force=True measures again)")
+        _progress(f"using the cached calibration {cached} (force=True, or --force on the command line, measures again)")
         spec = DeviceSpec.load(cached)
         if out and dist.get_rank() == 0:
             _write(out, spec, desc, json.load(open(cached)).get("points", {}))
