@@ -396,31 +396,21 @@ STEP_MODELS = {False: (dict(hidden=192, n_heads=6, n_layers=3, batch=8, seq=64),
 STEP_SCALE = (0.5, 2.0)   # a work scale outside: the host was busy while part of the calibration ran; say so
 
 
-def _local_step_seconds(model, example, optimizer, repeats: int, device_type: str) -> float:
-    """The median seconds of one plain training step (forward, backward, AdamW, zero_grad)
-    from a barrier to the last rank's end (a barrier after it), every rank stepping at once:
-    a step of the group, which waits for its slowest rank as a synchronised step does.
-    Ranks that share cores fall apart within a step (4 ranks on 2 cores, a data-parallel
-    step's ranks reached the gradient all-reduce 46-104 ms into it), so the group's step
-    is longer than each rank's own.  Each timed step follows an untimed one, its weights
-    warm as in training (benchmarks/cost_accuracy.py times its cases so)."""
+def _group_step_seconds(model, example, optimizer, repeats: int, device_type: str, what: str) -> float:
+    """Seconds of one plain training step (forward, backward, AdamW, zero_grad) of the
+    group: every rank steps at once and each step ends at a barrier, so it lasts until the
+    slowest rank's end, as a synchronised step does (_timed).  Ranks that share cores fall
+    apart within a step (4 ranks on 2 cores, a data-parallel step's ranks reached the
+    gradient all-reduce 46-104 ms into it), so the group's step is longer than each
+    rank's own."""
     def step():
         model(*example).backward()
         optimizer.step()
         optimizer.zero_grad()
-
-    step()
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        step()
-        dist.barrier()
-        start = time.perf_counter()
-        step()
         _sync(device_type)
         dist.barrier()
-        times.append(time.perf_counter() - start)
-    return _slowest(statistics.median(times), device_type, None)
+
+    return _timed(step, device_type, repeats, what=what)
 
 
 def fit_step(measured, work, ops, op_latency: float, bounds: tuple = (0.25, 4.0)) -> tuple:
@@ -439,13 +429,11 @@ def fit_step(measured, work, ops, op_latency: float, bounds: tuple = (0.25, 4.0)
         candidates.append((float(s), float(per_op)))
         for s in bounds:   # s on a bound, L fitted
             candidates.append((s, float(np.sum((1 - s * a) * b) / np.sum(b * b))))
-    # L at the tiny op's, s fitted
-    candidates.append((float(np.sum((1 - op_latency * b) * a) / np.sum(a * a)), op_latency))
+    # L at the tiny op's, s fitted within the bounds (always feasible)
+    s = float(np.sum((1 - op_latency * b) * a) / np.sum(a * a))
+    candidates.append((min(max(s, bounds[0]), bounds[1]), op_latency))
     feasible = [(s, per_op) for s, per_op in candidates
                 if bounds[0] - 1e-12 <= s <= bounds[1] + 1e-12 and per_op >= op_latency * (1 - 1e-12)]
-    if not feasible:   # (every fit below the tiny op's cost: L there, s clamped)
-        s = candidates[-1][0]
-        return float(min(max(s, bounds[0]), bounds[1])), op_latency
     return min(feasible, key=error)
 
 
@@ -474,7 +462,8 @@ def step_check(spec: DeviceSpec, device_type: str, repeats: int, quick: bool) ->
             torch.manual_seed(0)
             model, example = build("gpt-tiny", **config)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        measured.append(_local_step_seconds(model, example, optimizer, count, device_type))
+        measured.append(_group_step_seconds(model, example, optimizer, count, device_type,
+                                            "quick" if quick else "compute"))
         got = [None]
         if dist.get_rank() == 0:
             try:
