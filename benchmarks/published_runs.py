@@ -208,7 +208,9 @@ def forced(run: dict) -> tuple[autopar.Mesh, dict]:
         raise ValueError("context parallelism with tensor parallelism has no hand-written layout yet")
     alone = (par.get("dp") or 1) == 1   # one axis within a stage: the layouts' names drop " x dp"
     if cp:
-        layout = "context-parallel" if alone else "context-parallel x zero3" if sharded else "context-parallel x dp"
+        # (FSDP over the context-parallel ranks too, as torchtitan shards over dp_shard x cp)
+        layout = ("context-parallel x zero3" if sharded else "context-parallel") if alone else \
+            "context-parallel x zero3" if sharded else "context-parallel x dp"
     elif tp:
         sp = par.get("sequence_parallel") or run.get("recompute") == "selective" and run["source"] == "korthikanti2022"
         kind = "megatron-sp" if sp else "megatron-tp"
@@ -302,6 +304,7 @@ def replay(run: dict, free: bool = True) -> dict:
     row.update(layout=kw["layout"], pipeline=str(kw.get("pipeline") or ""), step_s=step, accumulation=steps,
                predicted=tokens / (step * row["gpus"]), ratio=tokens / (step * row["gpus"]) / meas,
                memory_gib=(max(plan.pipeline.memory) if plan.pipeline is not None else plan.predicted.memory_total) / 2**30, measured_memory_gib=run["measured"].get("memory_gib"),
+               memory_kind=run["measured"].get("memory_kind", "allocated"), fp8=bool(run.get("fp8")),
                preset_exact=PRESET_OF.get(run["hardware"]["gpu"], ("", False))[1],
                over_memory=bool((max(plan.pipeline.memory) if plan.pipeline is not None else plan.predicted.memory_total)
                > mesh.device.memory))
@@ -324,6 +327,31 @@ def replay(run: dict, free: bool = True) -> dict:
         except Exception as exc:
             row["free"] = f"not planned: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
     return row
+
+
+def allocator_reserve(rows: list) -> float | None:
+    """The caching allocator's reserved peak over the allocated peak, as the runs that report
+    their reserved peak show it: the median, over the fitting rows only (bf16 rows, not fp8
+    ones planned in bf16), of the measured reserved peak over the predicted allocated peak.
+    autopar predicts what the allocator hands out (its runtime's `max_memory_allocated`, on
+    one H200 within 0.3 %: docs/gpu/2026-11-28-h200-gpu_memory.txt); a source reporting the
+    reserved peak counts, besides, the blocks the allocator holds free between tensors of
+    other sizes.  On that H200 reserved/allocated was 1.02-1.07 under expandable segments and
+    1.03-1.15 under the default allocator, autopar's runtime, 1B-parameter Llama, 8k tokens;
+    FSDP fine-tuning runs publish 1.26-1.35 (Llama-2-7B on 4 A100, the default allocator:
+    meta-llama/llama-recipes pull 41).  None where no fitting row reports a reserved peak."""
+    fitting = [r["measured_memory_gib"] / r["memory_gib"] for r in rows
+               if "ratio" in r and r.get("measured_memory_gib") and r.get("memory_kind") == "reserved"
+               and r["split"] == "fit" and not r.get("fp8")]
+    return statistics.median(fitting) if fitting else None
+
+
+def memory_predicted(r: dict, reserve: float | None) -> float | None:
+    """A row's predicted memory in the measure its source reports (GiB): the allocated peak,
+    or times `reserve` where the source reports the reserved peak (None: no reserve fitted)."""
+    if r.get("memory_kind") != "reserved":
+        return r["memory_gib"]
+    return r["memory_gib"] * reserve if reserve is not None else None
 
 
 def spearman(xs: list, ys: list) -> float:
@@ -448,10 +476,25 @@ def main(argv=None) -> int:
         print(f"published layouts predicted not to fit where they ran ({len(over)}): {', '.join(over)}")
     memory = [r for r in rows if "ratio" in r and r.get("measured_memory_gib")]
     if memory:
-        print("\nmemory, where the source states it (GiB per GPU, predicted / measured):")
+        reserve = allocator_reserve(rows)
+        print("\nmemory, where the source states it (GiB per GPU): the predicted allocated peak; where the "
+              "source reports the reserved peak, times the allocator's reserve"
+              + (f" ({reserve:.3f}, fitted on the fitting bf16 rows: allocator_reserve)" if reserve else
+                 " (none fitted: no fitting bf16 row reports it)"))
+        print(f"  {'run':<52} {'split':<8} {'measure':<9} {'allocated':>9} {'predicted':>9} {'measured':>9} {'pred/meas':>9}")
+        errors = collections.defaultdict(list)
         for r in memory:
-            print(f"  {r['id'][:52]:<52} {r['memory_gib']:6.1f} / {r['measured_memory_gib']:6.1f} = "
-                  f"{r['memory_gib'] / r['measured_memory_gib']:.2f}")
+            pred = memory_predicted(r, reserve)
+            ratio = pred / r["measured_memory_gib"] if pred else float("nan")
+            if pred and not r.get("fp8"):
+                errors[r["split"]].append(abs(ratio - 1))
+            print(f"  {r['id'][:52]:<52} {r['split']:<8} {r['memory_kind']:<9} {r['memory_gib']:9.1f} "
+                  f"{pred or float('nan'):9.1f} {r['measured_memory_gib']:9.1f} {ratio:9.3f}"
+                  + ("  (fp8, planned in bf16)" if r.get("fp8") else ""))
+        for split in ("fit", "held_out"):
+            if errors[split]:
+                print(f"  memory, bf16 {split} rows: median |pred/meas - 1| {statistics.median(errors[split]):.1%}, "
+                      f"largest {max(errors[split]):.1%} ({len(errors[split])} rows)")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1, default=float))
     if args.markdown:
@@ -466,11 +509,16 @@ def markdown(rows: list) -> str:
     out += ["", "| run | source | split | forced layout | measured tok/s/GPU | predicted | pred/meas | memory GiB "
             "(predicted / measured) | autopar's own plan (speedup over the published layout as autopar runs it, and as it ran) |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    reserve = allocator_reserve(rows)
     for r in rows:
         if "ratio" not in r:
             out.append(f"| {r['id']} | {r['source']} | {r['split']} | not planned: {r['skipped']} | | | | | |")
             continue
-        memory = f"{r['memory_gib']:.1f}" + (f" / {r['measured_memory_gib']:.1f}" if r.get("measured_memory_gib") else "")
+        memory = f"{r['memory_gib']:.1f}"
+        if r.get("measured_memory_gib"):
+            pred = memory_predicted(r, reserve)
+            memory = (f"{memory} allocated, {pred:.1f} reserved" if r.get("memory_kind") == "reserved" and pred
+                      else memory) + f" / {r['measured_memory_gib']:.1f}"
         if r["over_memory"]:
             memory += " (over)"
         free = f"{r['speedup']:.2f}x, {r['speedup_as_ran']:.2f}x as it ran ({r['free']})" if "speedup" in r \

@@ -115,6 +115,23 @@ def test_sequence_split_with_data_parallel_and_zero(pool4, layout):
     assert result["ok"], result
 
 
+@pytest.mark.parametrize("model, n", [("hf-llama", 4), ("gpt-tiny", 2)])
+def test_context_parallel_with_zero3_on_its_one_axis(request, model, n):
+    """On a 1-D mesh, context-parallel x zero3: the one axis splits attention's sequence
+    (ring) and stores every parameter sharded over it, as FSDP over the context-parallel
+    ranks does (torchtitan's FSDP 1 x CP 8).  Each weight's state is 1/n per rank and the
+    model trains like one device."""
+    spec = SPECS[model]
+    plan_dict = plan_for(spec, "context-parallel x zero3", shape=(n,), names=("cp",))
+    plan = autopar.Plan.from_dict(plan_dict)
+    assert _attention_kinds(plan) == {"ring"}
+    assert plan.param_placements and all(plan.zero_stage(name) == 3 for name in plan.param_placements)
+    whole = autopar.Plan.from_dict(plan_for(spec, "context-parallel", shape=(n,), names=("cp",)))
+    assert plan.predicted.memory["optimizer"] == pytest.approx(whole.predicted.memory["optimizer"] / n, rel=0.02)
+    result = request.getfixturevalue(f"pool{n}").run(train_and_compare, spec, plan_dict)[0]
+    assert result["ok"], result
+
+
 @pytest.mark.parametrize("layout", ["context-parallel", "ulysses", "megatron-sp"])
 def test_sequence_split_inside_pipeline_stages(pool4, layout):
     spec = ("autopar", "llama-tiny", (("n_layers", 4),))

@@ -32,7 +32,9 @@ comparison with autopar's own plan is like for like:
   axes split the batch, 2D and 2.5D are one plan: the name says the grid's shape.
 - context-parallel x megatron-tp and context-parallel x zero3 (every=True, 2+ axes): ring
   attention on the sequence axis, with Megatron on the tensor-parallel axis, or with every
-  parameter stored sharded over all axes (ZeRO-3) and the batch split elsewhere.
+  parameter stored sharded over all axes (ZeRO-3) and the batch split elsewhere.  On a 1-D
+  mesh, context-parallel x zero3 (every=True) is ring attention on the one axis with every
+  parameter stored sharded over it, as FSDP over the context-parallel ranks keeps them.
 """
 from __future__ import annotations
 
@@ -429,6 +431,8 @@ def layouts(mesh, every: bool = False) -> dict:
         out["megatron-sp"] = megatron_sp(set(range(mesh.ndim)))
         out["context-parallel"] = sequence_split("ring", sp)
         out["ulysses"] = sequence_split("ulysses", sp)
+        if every:   # (the one axis splits the sequence and stores the parameters: FSDP over it)
+            out["context-parallel x zero3"] = sequence_split("ring", sp, zero3)
     if every:
         for name in GRID_LAYOUTS:
             if grid_misfit(name, mesh) is None:
