@@ -115,7 +115,7 @@ def test_sequence_split_with_data_parallel_and_zero(pool4, layout):
     assert result["ok"], result
 
 
-@pytest.mark.parametrize("model, n", [("hf-llama", 4), ("gpt-tiny", 2)])
+@pytest.mark.parametrize("model, n", [("hf-llama", 4), pytest.param("gpt-tiny", 2, marks=pytest.mark.slow)])
 def test_context_parallel_with_zero3_on_its_one_axis(request, model, n):
     """On a 1-D mesh, context-parallel x zero3: the one axis splits attention's sequence
     (ring) and stores every parameter sharded over it, as FSDP over the context-parallel
