@@ -209,8 +209,7 @@ def forced(run: dict) -> tuple[autopar.Mesh, dict]:
     alone = (par.get("dp") or 1) == 1   # one axis within a stage: the layouts' names drop " x dp"
     if cp:
         # (FSDP over the context-parallel ranks too, as torchtitan shards over dp_shard x cp)
-        layout = ("context-parallel x zero3" if sharded else "context-parallel") if alone else \
-            "context-parallel x zero3" if sharded else "context-parallel x dp"
+        layout = "context-parallel x zero3" if sharded else "context-parallel" if alone else "context-parallel x dp"
     elif tp:
         sp = par.get("sequence_parallel") or run.get("recompute") == "selective" and run["source"] == "korthikanti2022"
         kind = "megatron-sp" if sp else "megatron-tp"

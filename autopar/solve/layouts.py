@@ -423,7 +423,6 @@ def layouts(mesh, every: bool = False) -> dict:
         if every:
             for stage in (1, 2, 3):
                 out[f"megatron-tp x zero{stage}"] = megatron_zero(tp, stage)
-            out["context-parallel x zero3"] = sequence_split("ring", sp, zero3)
             if sp != tp:
                 out["context-parallel x megatron-tp"] = sequence_split("ring", sp, megatron({tp}))
     else:
@@ -431,9 +430,8 @@ def layouts(mesh, every: bool = False) -> dict:
         out["megatron-sp"] = megatron_sp(set(range(mesh.ndim)))
         out["context-parallel"] = sequence_split("ring", sp)
         out["ulysses"] = sequence_split("ulysses", sp)
-        if every:   # (the one axis splits the sequence and stores the parameters: FSDP over it)
-            out["context-parallel x zero3"] = sequence_split("ring", sp, zero3)
-    if every:
+    if every:   # (on one axis too: it splits the sequence and stores the parameters, FSDP over it)
+        out["context-parallel x zero3"] = sequence_split("ring", sp, zero3)
         for name in GRID_LAYOUTS:
             if grid_misfit(name, mesh) is None:
                 out[name] = grid(name, mesh)
