@@ -455,3 +455,26 @@ def test_one_stage_schedules_need_a_microbatch_per_stage():
                         pipeline=autopar.Pipeline(axis="pp", groups=2, microbatches=1))
     assert plan.pipeline.pipelined and plan.pipeline.microbatches == 1
     assert plan.pipeline.schedule not in ("1f1b", "gpipe", "dualpipev")
+
+
+def test_a_forced_layout_prices_the_stages_that_run():
+    """plan(layout=..., pipeline=...) plans the stages in that layout, and the search prices,
+    cuts and checks the memory of those stages, not of each candidate's free plan: under
+    megatron-tp x zero1 on (pp 2, dp 4, tp 2) every weight's optimizer state is a quarter
+    on each rank, so the device groups' optimizer bytes add up to the stage plan's (the free
+    plan of a stage, which keeps whole states under accumulation, priced them 4 x before
+    2026-12-03), and the pipeline's step is the schedule of the forced stages: slower than
+    the free stages' or equal, never faster."""
+    model, example = build("llama3-8b", device="meta", batch=32, seq=1024, dim=1024, n_layers=8, n_heads=8,
+                           n_kv_heads=4, vocab=32000, max_seq=1024)   # (no tied weights: each held once)
+    mesh = autopar.Mesh((2, 4, 2), ("pp", "dp", "tp"), device="h100", bandwidth=(25e9, 25e9, 450e9))
+    pipeline = autopar.Pipeline(axis="pp", groups=2, schedule="1f1b", microbatches=4)
+    mp = autopar.MixedPrecision()
+    forced = autopar.plan(model, mesh, example, compare=False, layout="megatron-tp x zero1", pipeline=pipeline,
+                          mixed_precision=mp)
+    assert forced.pipeline.pipelined
+    assert {forced.zero_stage(name) for name in forced.param_placements} == {1}
+    held = sum(g["optimizer"] for g in forced.pipeline.group_memory)
+    assert held == pytest.approx(forced.predicted.memory["optimizer"], rel=0.05)
+    free = autopar.plan(model, mesh, example, compare=False, pipeline=pipeline, mixed_precision=mp)
+    assert forced.pipeline.step_s >= free.pipeline.step_s * (1 - 1e-9)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 
 import pytest
+from torch.distributed.tensor import Shard
 
 import autopar
 from rt_cases import (build_case, compile_error, forward_collectives, local_inputs_match_global,
@@ -72,21 +73,27 @@ def test_data_parallel_gradients_go_through_buckets(pool4):
 
 
 def test_megatron_gpt_has_two_forward_all_reduces_per_block(pool4):
-    """L blocks of Megatron on a 1-D mesh: exactly 2L forward all-reduces, two in every
-    block (of the attention and MLP row-parallel outputs; with dropout 0 the Partial sum
-    passes the dropout and the residual add and is reduced once where the residual stream
-    is read next), no other forward collective (the small embeddings and head stay whole,
-    as the cost model prefers)."""
+    """L blocks of Megatron on a 1-D mesh: two forward all-reduces in every block (of the
+    attention and MLP row-parallel outputs; with dropout 0 the Partial sum passes the
+    dropout and the residual add and is reduced once where the residual stream is read
+    next), one more where the first block reads the vocabulary-parallel embedding's sum
+    (the word embedding, tied to the head, is split by vocabulary as Megatron-LM splits
+    it), and one all-gather of the vocabulary-split logits for the loss (at this size the
+    cost model prefers it to the vocabulary-parallel loss's three all-reduces); no other
+    forward collective."""
     layers = 3
     spec = ("autopar", "gpt-tiny", (("n_layers", layers), ("hidden", 128)))
     model, args, _ = build_case(spec)
     mesh = autopar.Mesh(4, "tp", device="h100")
     plan = autopar.plan(model, mesh, args, compare=False, layout="megatron-tp")
+    assert plan.param_placements["wte.weight"] == (Shard(0),)
     found = pool4.run(forward_collectives, spec, plan.to_dict())[0]
-    assert [k for k, _, _ in found] == ["all_reduce"] * (2 * layers), found
+    assert [k for k, _, _ in found] == ["all_reduce"] * (2 * layers + 1) + ["all_gather"], found
     in_blocks = [(kind, where) for kind, _, where in found if where.startswith("blocks.")]
     for i in range(layers):  # one after attention, one after the MLP, in every block
-        assert len([w for _, w in in_blocks if w == f"blocks.{i}" or w.startswith(f"blocks.{i}.")]) == 2, in_blocks
+        mine = [w for _, w in in_blocks if w == f"blocks.{i}" or w.startswith(f"blocks.{i}.")]
+        assert len(mine) == 2 + (i == 0), in_blocks
+    assert found[-1][2] == "", found   # the loss, outside every module
 
 
 def test_wrong_world_size_fails_fast(pool4):

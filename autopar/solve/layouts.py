@@ -10,8 +10,10 @@ comparison with autopar's own plan is like for like:
 - zero3: every parameter stored sharded over every mesh axis (FSDP / ZeRO-3) and
   all-gathered for use; the batch splits.
 - megatron-tp x dp: the layers' matrices stored and used sharded along the tensor-parallel
-  axis (column or row, Megatron-LM style; biases, norm weights, embeddings and the output
-  head as the cost model prefers);
+  axis (column or row, Megatron-LM style), and the word embedding and output head split by
+  vocabulary where the model's loss names a vocabulary that divides over the ranks (the
+  loss then vocabulary-parallel, as Megatron-LM's); biases, norm weights and position
+  embeddings as the cost model prefers;
   other axes data parallel.  On a 1-D mesh it is plain "megatron-tp"; on a larger mesh
   "megatron-tp (all axes)" is tensor parallelism over every device.  Mixture-of-experts
   layers split every expert's inner dim on the tensor-parallel axes.
@@ -134,20 +136,44 @@ def _head_dim(problem) -> int | None:
     return int(min(dims)) if dims else None
 
 
+def _vocabulary(problem) -> int | None:
+    """The classes dim of the model's cross-entropy loss (its vocabulary), or None."""
+    for pn in problem.nodes:
+        if pn.kind == "op" and pn.op in _CLASS_LOSSES and pn.inputs:
+            src, out = pn.inputs[0]
+            shape = problem.nodes[src].out_shapes[out]
+            return int(shape[1]) if len(shape) >= 2 else None
+    return None
+
+
+_CLASS_LOSSES = frozenset({"aten.cross_entropy_loss", "aten.nll_loss", "aten.nll_loss_nd", "aten.nll_loss_forward"})
+
+
 def megatron(axes_tp):
     """Megatron on the axes in `axes_tp`, data parallel on the others."""
     head_dim = per_problem(_head_dim)
+    vocabulary = per_problem(_vocabulary)
+
+    def outside_layers(problem, pn) -> bool:
+        return bool(problem.layer_groups) and pn.index not in problem.block
 
     def matrix(problem, pn) -> bool:
-        """A weight Megatron shards: a matrix inside the repeated layers (embeddings and the
-        output head are left to the cost model), or any matrix if the model has no layers.
-        A key/value projection with fewer heads than the tensor-parallel ranks (multi-query
+        """A weight Megatron shards: a matrix inside the repeated layers, or any matrix if
+        the model has no layers; outside the layers, the vocabulary's matrices (the word
+        embedding and the output head, [vocabulary, width]: split by vocabulary as Megatron
+        splits them, the loss then vocabulary-parallel) where the model's loss names its
+        vocabulary and it divides over the tensor-parallel ranks; the other weights outside
+        the layers (position embeddings, final norms) are left to the cost model.  A
+        key/value projection with fewer heads than the tensor-parallel ranks (multi-query
         attention: one head of head_dim rows) is not one: Megatron keeps it whole."""
         shape = pn.out_shapes[0]
-        if len(shape) < 2 or (problem.layer_groups and pn.index not in problem.block):
+        if len(shape) < 2:
             return False
-        hd = head_dim(problem)
         tp = math.prod(problem.mesh.shape[a] for a in axes_tp)
+        if problem.layer_groups and pn.index not in problem.block:
+            vocab = vocabulary(problem)
+            return len(shape) == 2 and vocab is not None and shape[0] == vocab and vocab % tp == 0
+        hd = head_dim(problem)
         return hd is None or len(shape) > 2 or min(shape) >= tp * hd
 
     def allowed(problem, pn, strategy) -> bool:
@@ -161,6 +187,9 @@ def megatron(axes_tp):
                     continue
                 if a in axes_tp and matrix(problem, pn) and not isinstance(p, Shard):
                     return False
+                if a in axes_tp and not isinstance(p, Replicate) and outside_layers(problem, pn) \
+                        and matrix(problem, pn) and p.dim != 0:
+                    return False   # (the vocabulary's matrices split by vocabulary)
                 if a not in axes_tp and not isinstance(p, Replicate):
                     return False
             return True

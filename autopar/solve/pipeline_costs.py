@@ -127,9 +127,9 @@ class StageCosts:
     mesh and the best candidate so far (keep_only): the planner reuses them."""
 
     def __init__(self, model, mesh: Mesh, example_inputs, example_kwargs, mixed_precision, options: SolveOptions,
-                 modes: tuple, pricing=None):
+                 modes: tuple, pricing=None, layout: str | None = None):
         self.model, self.mesh = model, mesh
-        self.pricing = pricing
+        self.pricing, self.layout = pricing, layout
         self.example_inputs, self.example_kwargs = example_inputs, example_kwargs
         self.mixed_precision, self.options, self.modes = mixed_precision, options, modes
         self.whole = (tuple(mesh.shape), batch_size(example_inputs, example_kwargs))
@@ -141,7 +141,7 @@ class StageCosts:
             built = self._problems[key] = stage_problem(self.model, self.mesh, self.example_inputs,
                                                         self.example_kwargs, self.mixed_precision, *key,
                                                         self.pricing)
-            self._costs[key] = layer_costs(built, self.model, self.options, self.modes)
+            self._costs[key] = layer_costs(built, self.model, self.options, self.modes, self.layout)
             if key == self.whole and self._costs[key] is not None:
                 # the plan without stages as the planner solves it with no budget (the
                 # overlap-aware second solve; Built.unbudgeted), while the other processes
@@ -170,10 +170,14 @@ class StageCosts:
             del self._problems[key]
 
 
-def layer_costs(built: Built, model, options: SolveOptions, modes=("none",)) -> LayerCosts | None:
+def layer_costs(built: Built, model, options: SolveOptions, modes=("none",), layout: str | None = None
+                ) -> LayerCosts | None:
     """Plan the built problem by its summed optimum (Built.summed: the stage costs below add
     up the plan's seconds, so that is the plan they price best) and split the plan's costs
-    per repeated layer; None when nothing fits.  Under a recompute mode (every repeated
+    per repeated layer; None when nothing fits.  With `layout` (a hand-written layout the
+    stages are forced into: plan(layout=..., pipeline=...)) the stage is planned in that
+    layout alone, so the search prices, cuts and checks the memory of the stages that will
+    run; None where the candidate's sub-mesh has no such layout.  Under a recompute mode (every repeated
     layer alike) a layer keeps what recompute.ModeCosts says, its backward runs again the
     forward of the ops it does not keep, and its working memory includes what it makes
     again.
@@ -184,13 +188,24 @@ def layer_costs(built: Built, model, options: SolveOptions, modes=("none",)) -> 
     Korthikanti et al. 2022).  So the candidate is priced under each of stage_layouts too
     (LayerCosts.alternatives), and the search takes whichever is fastest once it fits."""
     problem = built.problem
-    try:
-        choice = built.summed(options).choice
-    except InfeasibleError:
-        return None
+    if layout is not None:
+        rule = B.layouts(problem.mesh, every=True).get(layout)
+        if rule is None or B.unavailable(rule, problem):
+            return None
+        try:
+            choice = built.laid_out(layout, rule, options).choice
+        except InfeasibleError:
+            return None
+    else:
+        try:
+            choice = built.summed(options).choice
+        except InfeasibleError:
+            return None
     if not problem.layer_groups:
         raise ValueError(f"{type(model).__name__} has no repeated layers (modules named like blocks.0, "
                          f"blocks.1, ...) to cut into pipeline stages")
+    if layout is not None:
+        return _split_costs(problem, choice, modes, layout)
     alternatives = []
     for name, rule in stage_layouts(problem).items():
         try:
@@ -204,16 +219,22 @@ def layer_costs(built: Built, model, options: SolveOptions, modes=("none",)) -> 
 def stage_layouts(problem) -> dict:
     """name -> rule of the hand-written layouts a stage candidate is priced in besides its
     free plan: Megatron-SP where the stage's mesh has a dimension to split and the model
-    has attention (solve/layouts.py)."""
+    has attention, and, on a stage mesh of two or more axes, Megatron with ZeRO-1 over the
+    others (solve/layouts.py).  The free plan weighs no memory: accumulating over the
+    microbatches, it keeps whole optimizer states, which a stage of a large model can hold
+    only by recomputing everything; ZeRO-1 stores them sharded at one gather a step, the
+    layout Megatron-LM runs its pipelines in (its 314B and 462B GPTs' stages: the free plan
+    recomputed every layer and was predicted 0.84-0.91x their layout before this)."""
     mesh = problem.mesh
     if not any(n > 1 for n in mesh.shape):
         return {}
-    rules = B.layouts(mesh)
-    name = "megatron-sp" if "megatron-sp" in rules else "megatron-sp x dp"
-    rule = rules.get(name)
-    if rule is None or not B.relevant(name, problem) or B.unavailable(rule, problem):
-        return {}
-    return {name: rule}
+    rules = B.layouts(mesh, every=True)
+    out = {}
+    for name in ("megatron-sp" if "megatron-sp" in rules else "megatron-sp x dp", "megatron-tp x zero1"):
+        rule = rules.get(name)
+        if rule is not None and B.relevant(name, problem) and not B.unavailable(rule, problem):
+            out[name] = rule
+    return out
 
 
 def _split_costs(problem, choice, modes, layout) -> LayerCosts:

@@ -71,19 +71,21 @@ class _Found:
 
 def search(model, mesh, example_inputs, example_kwargs=None, *, memory_budget=None, schedules=SCHEDULE_CHOICES,
            microbatches=None, options: SolveOptions = SolveOptions(), fixed: Pipeline | None = None,
-           mixed_precision=None, recompute=None, pricing=None) -> PipelineChoice:
+           mixed_precision=None, recompute=None, pricing=None, layout: str | None = None) -> PipelineChoice:
     """The fastest pipeline layout (or none) for `model` on `mesh`; see the module docstring.
     fixed: a Pipeline whose set fields the result must have (then never "no pipeline");
     mixed_precision: an autopar.MixedPrecision the stages are costed under; recompute: the
     recomputation policy of every repeated layer (None: the fastest of none, selective, full and
-    activation offload to host memory that fits).
+    activation offload to host memory that fits); layout: the hand-written layout the
+    stages are planned in (plan(layout=...)), which the search then prices (None: each
+    candidate's free plan, or Megatron-SP where that fits better).
     options.workers: processes that cost candidates at once; each costs whole microbatch
     sizes (one trace each), and the result is the same for any count."""
     start = time.perf_counter()
     space = _space(mesh, batch_size(example_inputs, example_kwargs), memory_budget, schedules, microbatches, fixed,
                    recompute)
     costs = StageCosts(model, mesh, example_inputs, example_kwargs, mixed_precision, options, space.modes,
-                       pricing)
+                       pricing, layout)
     first = space.first_axes()
     # the whole batch on the whole mesh (this process: the planner plans it again) and the
     # candidates over the stage axes, costed side by side; the whole batch and one

@@ -349,7 +349,7 @@ def _plan_with_pipeline(model, mesh, request: Request) -> Plan:
     fixed = None if request.searched else request.pipeline
     choice = search(model, mesh, request.example_inputs, request.example_kwargs, memory_budget=request.budget,
                     options=request.options, fixed=fixed, mixed_precision=request.mixed_precision,
-                    recompute=request.recompute, pricing=request.pricing)
+                    recompute=request.recompute, pricing=request.pricing, layout=request.layout)
     if choice.axis is not None and fixed is None and choice.plain is not None:
         plain = _plain_plan(model, mesh, request, choice)
         if plain is not None and plain.predicted.step_s <= choice.step_s:
