@@ -627,6 +627,51 @@ def test_vocab_parallel_embedding_and_cross_entropy_on_two_ranks():
     torch.testing.assert_close(torch.cat([g0, g1], 1), whole_logits.grad)
 
 
+@pytest.mark.parametrize("padding_idx", [0, 11])
+def test_vocab_parallel_embedding_keeps_the_padding_rows_gradient_zero(padding_idx):
+    """nn.Embedding's padding row gets no gradient: split by vocabulary over two ranks, the
+    rank holding that row (rank 0 for row 0, rank 1 for row 11, its local row 3) leaves it
+    zero, and the two ranks' gradients are the slices of the whole one (they were not:
+    the local lookup dropped padding_idx, and Phi-3 under megatron-tp trained wrong)."""
+    g = torch.Generator().manual_seed(9)
+    table = torch.randn(16, 4, generator=g, dtype=torch.float64)
+    tokens = torch.randint(0, 16, (4, 6), generator=g)
+    tokens[0, :3] = padding_idx
+    whole = table.clone().requires_grad_()
+    (F.embedding(tokens, whole, padding_idx=padding_idx) * torch.arange(4.0, dtype=torch.float64)).sum().backward()
+    assert whole.grad[padding_idx].abs().sum() == 0
+
+    def job(rank):
+        mine = table[8 * rank: 8 * rank + 8].clone().requires_grad_()
+        out = vocab_parallel_embedding(mine, tokens, 16, (S0,), (0,), WorldAxis(), padding_idx)
+        (out * torch.arange(4.0, dtype=torch.float64)).sum().backward()
+        return mine.grad
+
+    g0, g1 = on_ranks(job)
+    torch.testing.assert_close(torch.cat([g0, g1]), whole.grad, rtol=0, atol=0)
+
+
+def test_an_embedding_counting_its_rows_runs_replicated():
+    """scale_grad_by_freq divides a row's gradient by its count in the batch, which a split
+    batch or vocabulary would count locally: the op has no rule, so it runs replicated
+    (and the plan says so)."""
+    class Counted(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(16, 8, scale_grad_by_freq=True)
+            self.head = torch.nn.Linear(8, 16)
+
+        def forward(self, x, y):
+            return F.cross_entropy(self.head(self.emb(x)).flatten(0, 1), y.flatten())
+
+    x = torch.randint(0, 16, (4, 8))
+    mesh = autopar.Mesh((2,), ("dp",), device="cpu")
+    with pytest.warns(UserWarning, match="embedding"):
+        plan = autopar.plan(Counted(), mesh, (x, x), compare=False)
+    assert any("embedding" in op for op in plan.fallback_ops), plan.fallback_ops
+    assert plan.param_placements["emb.weight"] == (R,)
+
+
 @pytest.mark.parametrize("kind", ["ring", "ulysses"])
 def test_sequence_parallel_attention_equals_whole_attention(kind):
     """q, k, v [1, 2, 8, 4] with the sequence split over two ranks (rank r: positions

@@ -393,7 +393,12 @@ def _baddbmm_rule(node, ins, outs):
 
 
 def _embedding_rule(node, ins, outs):
-    """weight [vocab, dim], indices [*]: vocabulary-parallel when `vocab` splits (Partial output)."""
+    """weight [vocab, dim], indices [*]: vocabulary-parallel when `vocab` splits (Partial output).
+    Under scale_grad_by_freq (each row's gradient divided by its count in the batch) or a
+    sparse gradient: no rule, so it runs replicated with a warning (a split batch would
+    count locally)."""
+    if op_arg(node, 3, "scale_grad_by_freq", False) or op_arg(node, 4, "sparse", False):
+        return None
     return parse("vocab+ dim, * -> * dim", ins, outs, lookup={"vocab"})
 
 

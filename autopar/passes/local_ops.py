@@ -91,12 +91,20 @@ def ulysses_on_axis(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                           group=groups.group(axis)), order)
 
 
-def vocab_parallel_embedding(weight, indices, vocab: int, weight_placements, axes: tuple, groups):
-    """weight: [vocab / n, dim_local] rows of this rank; indices: global token ids."""
+def vocab_parallel_embedding(weight, indices, vocab: int, weight_placements, axes: tuple, groups,
+                             padding_idx: int | None = None):
+    """weight: [vocab / n, dim_local] rows of this rank; indices: global token ids.
+    padding_idx: the global row whose gradient stays zero (nn.Embedding's), this rank's
+    local row when it holds it; the ids of other ranks' rows read local row 0 and are
+    masked out of the output, so their gradient into it is zero too."""
     start, rows = shard_offset(vocab, weight_placements, 0, groups)
     mine = (indices >= start) & (indices < start + rows)
     local = torch.where(mine, indices - start, torch.zeros_like(indices))
-    out = F.embedding(local, weight)
+    pad = None
+    if padding_idx is not None:
+        pad = padding_idx % vocab - start
+        pad = pad if 0 <= pad < rows else None
+    out = F.embedding(local, weight, padding_idx=pad)
     return out * mine.unsqueeze(-1).to(out.dtype)
 
 

@@ -205,8 +205,10 @@ def _to_split_norm(node, choice):
 def _to_vocab_parallel_embedding(node, choice, axes):
     weight, indices = node.args[0], node.args[1]
     vocab = _global_shape(node, 0)[0]
+    padding_idx = op_arg(node, 2, "padding_idx", -1)
     node.target = local_ops.vocab_parallel_embedding
-    node.args = (weight, indices, vocab, tuple(choice.inputs[0]), axes, _groups_node(node))
+    node.args = (weight, indices, vocab, tuple(choice.inputs[0]), axes, _groups_node(node),
+                 None if padding_idx is None or padding_idx < 0 else int(padding_idx))
     node.kwargs = {}
 
 
