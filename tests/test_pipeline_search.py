@@ -478,3 +478,54 @@ def test_a_forced_layout_prices_the_stages_that_run():
     assert held == pytest.approx(forced.predicted.memory["optimizer"], rel=0.05)
     free = autopar.plan(model, mesh, example, compare=False, pipeline=pipeline, mixed_precision=mp)
     assert forced.pipeline.step_s >= free.pipeline.step_s * (1 - 1e-9)
+
+
+def test_each_group_synchronises_its_gradients_when_its_own_last_pass_ends():
+    """On an asynchronous device a device group starts its once-per-step work when its own
+    last pass ends (the runtime's buckets open during each stage's last backward), its
+    gradients' synchronisation hidden behind that pass up to its length; a group that ends
+    early does it while the others drain.  On CPU ranks (no overlap), and for the
+    asynchronous schedules, it all follows the makespan."""
+    from autopar.cost.schedules import Step
+    from autopar.solve.pipeline_candidates import step_seconds
+    tl = Step(makespan=10.0, bubble_fraction=0.1, in_flight=(2, 1), ends=(10.0, 8.0), last=(1.0, 1.0))
+    once, sync = [2.0, 3.0], [1.5, 0.5]
+    # group 0: 10 + 2 - min(1.5, 1) = 11; group 1: 8 + 3 - 0.5 = 10.5
+    assert step_seconds(tl, once, sync, hides=True) == pytest.approx(11.0)
+    assert step_seconds(tl, once, sync, hides=False) == pytest.approx(13.0)
+    # nothing left after the pass: the step is the makespan
+    assert step_seconds(tl, [0.5, 0.5], [0.5, 0.5], hides=True) == pytest.approx(10.0)
+    assert step_seconds(Step(10.0, 0.1, (2, 1)), once, sync, hides=True) == pytest.approx(13.0)
+
+
+def test_the_floor_stays_below_every_simulated_step_with_hidden_synchronisation():
+    """The search stops at the first candidate whose floor loses; with each group's
+    synchronisation hidden as it ends, the floor (every group's passes one after another,
+    then what of its once-per-step work is not synchronisation) is still below the step
+    evaluate simulates, for random stage costs, schedules and microbatch counts."""
+    from autopar.solve.pipeline_candidates import evaluate, floor
+    from autopar.solve.pipeline_costs import StageCost, StageParts
+    rng = random.Random(5)
+
+    def cost():
+        once = rng.uniform(0.0, 2.0)
+        return StageCost(forward_s=rng.uniform(0.1, 1.0), backward_s=rng.uniform(0.2, 2.0), once_s=once,
+                         params=1.0, grads=1.0, optimizer=1.0, activations=1.0, sync_s=rng.uniform(0.0, once))
+
+    checked = 0
+    for trial in range(60):
+        layers = tuple(cost() for _ in range(rng.choice([4, 6, 8])))
+        parts = StageParts(layers, cost(), cost())
+        copies = StageCost(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+        p = rng.choice([2, 4])
+        schedule = rng.choice(["1f1b", "gpipe", "interleaved-1f1b", "zero-bubble"])
+        v = 2 if schedule == "interleaved-1f1b" else 1
+        if len(layers) < p * v:
+            continue
+        n_mb = rng.choice([p, 2 * p, 4 * p])
+        for overlap in (False, True):
+            got = evaluate(parts, copies, 0.01, p * v, p, v, schedule, n_mb, float("inf"), overlap)
+            low = floor(parts, copies, 0.01, p * v, p, n_mb, overlap, schedule)
+            assert low <= got.step_s * (1 + 1e-9), (schedule, p, n_mb, overlap, low, got.step_s)
+            checked += 1
+    assert checked >= 60

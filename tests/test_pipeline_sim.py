@@ -14,7 +14,7 @@ import pytest
 from autopar.cost.schedules import (SCHEDULES, SPLIT_BACKWARD, TWO_WAY, Event, Timeline, bubble_formula,
                                     placement_of, stage_of)
 from autopar.plan.gantt import gantt_svg
-from autopar.cost.schedules import makespan_floor, simulate, simulate_step
+from autopar.cost.schedules import ASYNCHRONOUS, makespan_floor, simulate, simulate_step
 
 EPS = 1e-9
 
@@ -383,6 +383,10 @@ def test_simulate_step_is_simulate_without_the_timeline(schedule):
                 assert step.makespan == pytest.approx(tl.makespan, rel=1e-12)
                 assert step.bubble_fraction == pytest.approx(tl.bubble_fraction, rel=1e-9, abs=1e-12)
                 assert step.in_flight == tuple(tl.max_in_flight(r) for r in range(S))
+                if schedule not in ASYNCHRONOUS:   # each rank's end and its last pass's length
+                    mine = [[e for e in tl.events if e.rank == r] for r in range(S)]
+                    assert step.ends == pytest.approx([max(e.end for e in m) for m in mine], rel=1e-12)
+                    assert step.last == pytest.approx([m[-1].end - m[-1].start for m in mine], rel=1e-12)
                 checked += 1
     assert checked >= 25
 

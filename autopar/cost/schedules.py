@@ -243,6 +243,11 @@ class Step:
     makespan: float
     bubble_fraction: float
     in_flight: tuple
+    # per rank: when its last pass ends, and how long that pass runs (what its gradient
+    # buckets, opened during a stage's last backward, can hide behind); empty for an
+    # asynchronous schedule (a stream of steps has no last pass)
+    ends: tuple = ()
+    last: tuple = ()
 
 
 def simulate_step(schedule: str, n_stages: int, n_microbatches: int, stage_times=None, *,
@@ -264,10 +269,12 @@ def simulate_step(schedule: str, n_stages: int, n_microbatches: int, stage_times
         return Step(tl.makespan, tl.bubble_fraction, tuple(tl.max_in_flight(r) for r in range(S)))
     graph = _graph(schedule, S, B, v)
     slot_time = _slot_times(schedule, S, v, stage_times, backward_ratio, w_fraction)
-    _, end = _times(graph, slot_time, S, comm_time)
+    _, end, ends = _times(graph, slot_time, S, comm_time, with_ranks=True)
+    last = [slot_time[slot] if slot >= 0 else 0.0 for slot in _last_slots(schedule, S, B, v)]
     makespan = max(end)   # (some rank's first pass waits for nothing and starts at 0)
     busy = sum(n * slot_time[slot] for slot, n in graph.slot_counts)
-    return Step(makespan, 1.0 - busy / (S * makespan) if makespan > 0 else 0.0, graph.in_flight)
+    return Step(makespan, 1.0 - busy / (S * makespan) if makespan > 0 else 0.0, graph.in_flight,
+                tuple(ends), tuple(last))
 
 
 def makespan_floor(schedule: str, n_stages: int, n_microbatches: int, stage_times=None, *,
@@ -329,9 +336,10 @@ def _slot_times(schedule: str, S: int, v: int, stage_times: list, backward_ratio
     return [durations[r][kind, c] for r in range(S) for kind in KINDS for c in range(v)]
 
 
-def _times(graph, slot_time: list, S: int, comm_time: float) -> tuple:
+def _times(graph, slot_time: list, S: int, comm_time: float, with_ranks: bool = False) -> tuple:
     """(start, end) of every pass of `graph`, in its order: each starts when its rank is
-    free and what it waits for from other ranks has arrived (comm_time after it ended)."""
+    free and what it waits for from other ranks has arrived (comm_time after it ended).
+    with_ranks: also when each rank's last pass ends."""
     n = len(graph.slot)
     start, end = [0.0] * n, [0.0] * n
     free = [0.0] * S
@@ -349,7 +357,19 @@ def _times(graph, slot_time: list, S: int, comm_time: float) -> tuple:
         start[i] = t
         end[i] = free[r] = t + slot_time[slot]
         i += 1
+    if with_ranks:
+        return start, end, free
     return start, end
+
+
+@lru_cache(maxsize=64)
+def _last_slots(schedule: str, S: int, B: int, v: int) -> tuple:
+    """Each rank's last pass's slot (a rank's passes come in its order in the graph)."""
+    graph = _graph(schedule, S, B, v)
+    last = [-1] * S
+    for r, slot in zip(graph.rank, graph.slot):
+        last[r] = slot
+    return tuple(last)
 
 
 @dataclass(frozen=True)

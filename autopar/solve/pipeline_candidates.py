@@ -8,7 +8,9 @@ bubble and the steady state both scale with it; a dynamic programme over layer c
 
 Schedule.  Each (p, S, schedule, microbatches) candidate is run through the simulator
 (autopar.cost.schedules) with the stage times: the step is its makespan plus the slowest
-stage's once-per-step synchronisation.  Crossing a cut costs the boundary activation (and
+group's once-per-step work (gradient synchronisation, the optimizer's step and gathers);
+on an asynchronous device each group starts that work when its own last pass ends, its
+synchronisation hidden behind that pass up to its length (step_seconds).  Crossing a cut costs the boundary activation (and
 its gradient) over the cut axis.  Memory per device: the stage's model states plus its
 activations per microbatch times the microbatches it holds in flight (GPipe: all of them;
 1F1B: S - s), which must fit the budget.
@@ -139,7 +141,7 @@ def _stages(parts: StageParts, copies, send, n_stages, overlap, schedule: str = 
     units = [seconds(c) for c in layers]
     cut = v_cuts if v_shaped else balanced_cuts
     cuts = cut(units, n_stages, units and seconds(prefix), seconds(suffix))
-    fwd, bwd, once, acts, work, host = [], [], [], [], [], []
+    fwd, bwd, once, acts, work, host, sync = [], [], [], [], [], [], []
     held_states = {k: [] for k in (*STATES, "synced_grads")}   # (synced_grads: not held beside the rest)
     for s, (a, b) in enumerate(cuts):
         last = [suffix] if v_shaped else [suffix, copies]
@@ -149,22 +151,48 @@ def _stages(parts: StageParts, copies, send, n_stages, overlap, schedule: str = 
         bwd.append(sum(c.backward_s - (c.folded_backward if fold else 0.0) for c in members)
                    + (paid if s > 0 else 0.0))
         once.append(sum(c.once_s for c in members))
+        sync.append(sum(c.sync_s for c in members))
         for k, kept in held_states.items():
             kept.append(sum(getattr(c, k) for c in members))
         acts.append(sum(c.activations for c in members))
         work.append(max(c.working for c in members))
         host.append(sum(c.host for c in members))
-    return cuts, fwd, bwd, once, held_states, acts, work, host
+    return cuts, fwd, bwd, once, held_states, acts, work, host, sync
+
+
+def _hides_sync(schedule: str, overlap: bool) -> bool:
+    """Whether a device group's gradient buckets run beside its last backward and after it
+    while the other groups drain (an asynchronous device; not the stream of steps of an
+    asynchronous schedule, nor chimera's two pipelines, whose copies sum after the step)."""
+    return overlap and schedule not in ASYNCHRONOUS and schedule not in TWO_WAY
+
+
+def step_seconds(tl, group_once: list, group_sync: list, hides: bool) -> float:
+    """A candidate's step from its simulated schedule `tl` (cost.schedules.Step): the
+    makespan and then the slowest group's once-per-step work; where `hides` (an
+    asynchronous device) each device group starts its once-per-step work when its own last
+    pass ends, the runtime's buckets having gone out during that pass (runtime/pipelined:
+    buckets open for each stage's last backward), so the group's gradient synchronisation
+    hides behind that pass up to its length, and a group that ends early (the last stage
+    of 1F1B ends its last backward while the first stages drain) runs it in its idle time."""
+    if not hides or not tl.ends:
+        return tl.makespan + max(group_once)
+    return max(tl.makespan, max(end + once - min(sync, last)
+                                for end, once, sync, last in zip(tl.ends, group_once, group_sync, tl.last)))
 
 
 def floor(parts: StageParts, copies, send, n_stages, p, n_mb, overlap=False, schedule: str = "1f1b") -> float:
     """The fastest any schedule could run this candidate: no device group runs its passes
-    faster than one after another, then its once-per-step work.  The search simulates
-    candidates in order of it and stops where it exceeds the best step found."""
-    _, fwd, bwd, once, _, _, _, _ = _stages(parts, copies, send, n_stages, overlap, schedule)
+    faster than one after another, then its once-per-step work (of which, where the
+    gradients' synchronisation may hide, what is not synchronisation).  The search
+    simulates candidates in order of it and stops where it exceeds the best step found."""
+    _, fwd, bwd, once, _, _, _, _, sync = _stages(parts, copies, send, n_stages, overlap, schedule)
     ratio = sum(bwd) / max(sum(fwd), 1e-30)   # (the simulator runs backward at this share of forward)
     mine = [group_stages(g, p, n_stages, schedule) for g in range(p)]
     share = 0.5 if schedule in TWO_WAY else 1.0   # (chimera: each copy of a stage runs half the microbatches)
+    if _hides_sync(schedule, overlap):
+        return max(share * n_mb * sum(fwd[s] for s in m) * (1 + ratio) + sum(once[s] - sync[s] for s in m)
+                   for m in mine)
     return (share * n_mb * max(sum(fwd[s] for s in m) for m in mine) * (1 + ratio)
             + max(sum(once[s] for s in m) for m in mine))
 
@@ -183,11 +211,14 @@ def evaluate(parts: StageParts, copies, send, n_stages, p, v, schedule, n_mb, li
     between two device groups (chimera: device groups g and p-1-g sum the gradients of the
     two stages both hold, once per step).  host_limit: host memory per device (0: unbounded),
     which offloaded activations of the microbatches in flight must fit."""
-    cuts, fwd, bwd, once, held_states, acts, work, host = _stages(parts, copies, send, n_stages, overlap, schedule)
+    cuts, fwd, bwd, once, held_states, acts, work, host, sync = _stages(parts, copies, send, n_stages, overlap,
+                                                                        schedule)
     paid = 0.0 if overlap else send
     ratio = sum(bwd) / max(sum(fwd), 1e-30)
     groups = [group_stages(g, p, n_stages, schedule) for g in range(p)]
     group_once = [sum(once[s] for s in mine) for mine in groups]
+    group_sync = [sum(sync[s] for s in mine) for mine in groups]
+    hides = _hides_sync(schedule, overlap)
     if schedule in TWO_WAY:
         move = transfer or (lambda nbytes: 0.0)
         group_once = [t + move(sum(held_states["synced_grads"][s] for s in mine))
@@ -200,7 +231,9 @@ def evaluate(parts: StageParts, copies, send, n_stages, p, v, schedule, n_mb, li
         shape = (schedule, n_stages, n_mb, fwd)
     how = dict(backward_ratio=ratio, n_virtual=v, comm_time=send - paid)
     # (a closed-form bound first, fill and drain included: most candidates lose without a simulation)
-    if makespan_floor(*shape, **how) + max(group_once) > beat * (1 + 1e-9):
+    # (where the synchronisation may hide, the rank that ends last still runs the rest)
+    after = min(o - y for o, y in zip(group_once, group_sync)) if hides else max(group_once)
+    if makespan_floor(*shape, **how) + after > beat * (1 + 1e-9):
         return SLOWER
     tl = simulate_step(*shape, **how)
     memory, group_memory = [], []
@@ -218,7 +251,7 @@ def evaluate(parts: StageParts, copies, send, n_stages, p, v, schedule, n_mb, li
             return None
     if max(memory) > limit:
         return None
-    step = tl.makespan + max(group_once)
+    step = step_seconds(tl, group_once, group_sync, hides)
     return PipelineChoice(None, p, (), tuple(cuts), schedule, n_mb, v, step, tl.bubble_fraction,
                           tuple(f + b for f, b in zip(fwd, bwd)), tuple(memory), group_memory=tuple(group_memory),
                           send_s=send, sends_overlap=overlap)

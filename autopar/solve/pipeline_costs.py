@@ -53,6 +53,10 @@ class StageCost:
     # local gradient, `grads`, until the last microbatch): what chimera's two copies of a
     # stage sum after the step
     synced_grads: float = 0.0
+    # of once_s, the gradients' synchronisation (their buckets go out during a stage's last
+    # backward, runtime/pipelined._sync_on_last: what of it that pass covers is hidden on an
+    # asynchronous device); the rest (the optimizer's step and gathers) runs after it
+    sync_s: float = 0.0
 
     @property
     def states(self) -> float:
@@ -256,11 +260,14 @@ class _Split:
     def __init__(self, problem, choice, assembled, prefix: str, position):
         self.problem, self.choice = problem, choice
         self.folded = assembled.folded
-        once: dict = {}
+        once, sync = {}, {}
         params = {pn.param_name for pn in problem.nodes if pn.kind == "param"}
         for c in assembled.collectives:  # per-step collectives: gradients of parameters, the optimizer's gathers
             if (c.phase == "backward" and c.tensor in params) or c.phase == "step":
                 once[c.node] = once.get(c.node, 0.0) + c.seconds
+            if c.phase == "backward" and c.tensor in params:
+                sync[c.node] = sync.get(c.node, 0.0) + c.seconds
+        self.sync = sync
         self.keys, self.forward = {}, {}   # node index -> its bucket; op -> the forward seconds it runs per microbatch
         self.buckets = {k: dict.fromkeys((f.name for f in fields(StageCost)), 0.0)
                         for k in ["prefix", "suffix", "copies", *range(len(position))]}
@@ -291,6 +298,8 @@ class _Split:
         b["forward_s"] += f
         self.forward[idx] = f if pn.kind == "op" else 0.0
         b["once_s"] += o
+        b["sync_s"] += min(o, (self.sync.get(n.name, 0.0) + (self.sync.get(n.module, 0.0) if pn.kind == "param" else 0.0))
+                           * self.problem.accumulation)
         hidden = min(self.folded.get(idx, 0.0), per_mb)   # (split as the node's seconds are)
         b["folded_forward"] += hidden * (1 - bwd_share)
         b["folded_backward"] += hidden * bwd_share
