@@ -257,14 +257,24 @@ def test_mamba_plans_per_distinct_block_and_trains_like_one_device(pool4):
     plans = {"ilp (2, 2)": autopar.plan(model, mesh, example_kwargs=kwargs, compare=False),
              "ilp (4,)": autopar.plan(model, autopar.Mesh((4,), ("tp",), device="cpu"), example_kwargs=kwargs,
                                       compare=False),
-             # a random valid plan that splits both layers' conv1d channels (one with tokens too)
-             "random:4 (2, 2)": autopar.random_plans(model, mesh, example_kwargs=kwargs, compare=False,
-                                                     seeds=[4])[0]}
-    assert {n.strategy for n in plans["random:4 (2, 2)"].nodes if n.op == "aten.conv1d"} == {"tp=c", "dp=c tp=n"}
+             # the first random valid plan that splits every layer's conv1d channels: which seed
+             # draws it depends on the graph's node order, which a transformers release may change
+             "random (2, 2)": _first_channel_split(model, mesh, kwargs)}
     assert deep_plan.fallback_ops == () and all(p.fallback_ops == () for p in plans.values())
     assert deep_plan.solver.choice_nodes == plans["ilp (2, 2)"].solver.choice_nodes
     assert deep_plan.solver.graph_nodes > 4 * plans["ilp (2, 2)"].solver.graph_nodes
     _train_and_compare_all(pool4, "mamba", plans)
+
+
+def _first_channel_split(model, mesh, kwargs, seeds=range(32)):
+    """The first of `seeds`' random plans in which every aten.conv1d splits its channels
+    (the letter "c" on some axis); the menu offers that split on both axes, so 32 draws of
+    two layers find one with a chance above 1 - 1e-6 (each draw's split is at least 1/4)."""
+    for plan in autopar.random_plans(model, mesh, example_kwargs=kwargs, compare=False, seeds=seeds):
+        convs = [n.strategy for n in plan.nodes if n.op == "aten.conv1d"]
+        if convs and all(re.search(r"=c\b", s) for s in convs):
+            return plan
+    raise AssertionError(f"no random plan of {len(seeds)} splits every conv1d's channels")
 
 
 def _train_and_compare_all(pool4, family: str, plans: dict, context: str = "") -> None:

@@ -221,3 +221,25 @@ def test_topk_and_in_place_ops_have_rules():
         later = gm.graph.call_function(torch.ops.aten.add.Tensor, (div_.args[0], 1))
     later.meta["val"] = div_.meta["val"]
     assert annotate(div_, ins, [tuple(div_.meta["val"].shape)]) is None
+
+
+class _TensorSplit(torch.nn.Module):
+    """Mamba's scan input split at a sequence index (transformers 5.25): torch.tensor_split."""
+
+    def forward(self, x):
+        head, tail = torch.tensor_split(x, [6], dim=2)
+        return head.sum() + 2 * tail.sum()
+
+
+def test_tensor_split_splits_every_dim_but_its_own():
+    """x [4, 8, 10] split at sequence index 6 along dim 2: batch and channels may split on the
+    axis (both parts keep their placement), the split dim never does."""
+    from autopar.ops import annotate
+    from autopar.trace.export import trace
+    gm = trace(_TensorSplit(), (torch.randn(4, 8, 10),)).graph
+    node = next(n for n in gm.graph.nodes if str(n.target).startswith("aten.tensor_split"))
+    ins, outs = [(4, 8, 10)], [tuple(v.shape) for v in node.meta["val"]]
+    assert outs == [(4, 8, 6), (4, 8, 4)]
+    menu = by_name(enumerate_strategies(annotate(node, ins, outs), ins, outs, (4,), ("tp",), [True]))
+    assert set(menu) == {"replicate", "tp=d0", "tp=d1", "tp=+"}   # (+: a Partial input stays Partial: it is linear)
+    assert menu["tp=d1"].inputs == ((Shard(1),),) and menu["tp=d1"].outputs == ((Shard(1),), (Shard(1),))

@@ -576,7 +576,7 @@ RULES = {
     "aten.slice": _slice_rule, "aten.select": _select_rule, "aten.narrow": _slice_rule,
     "aten.cat": _cat_rule, "aten.concat": _cat_rule, "aten.stack": _stack_rule,
     "aten.split": _split_rule, "aten.split_with_sizes": _split_rule, "aten.chunk": _split_rule,
-    "aten.unbind": _split_rule,
+    "aten.unbind": _split_rule, "aten.tensor_split": _split_rule,
     "aten.softmax": _along_dim_rule(1, "dim"), "aten._softmax": _along_dim_rule(1, "dim"),
     "aten.log_softmax": _along_dim_rule(1, "dim"), "aten._log_softmax": _along_dim_rule(1, "dim"),
     "aten.cumsum": _along_dim_rule(1, "dim"), "aten.cumprod": _along_dim_rule(1, "dim"),
