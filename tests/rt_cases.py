@@ -81,9 +81,9 @@ def build_case(spec: tuple):
         from autopar.models import build
         model, example = build(spec[1], **dict(spec[2]))
         return model, tuple(example), {}
-    if kind == "hf-arch":  # ("hf-arch", family): tests/hf_archs.py
-        from hf_archs import build
-        model, kwargs = build(spec[1])
+    if kind == "hf-arch":  # ("hf-arch", family[, layers]): tests/hf_archs.py
+        from hf_archs import LAYERS, build
+        model, kwargs = build(spec[1], layers=spec[2] if len(spec) > 2 else LAYERS)
         return model, (), kwargs
     ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
     if kind == "hf-gpt2":

@@ -123,6 +123,29 @@ def test_family_trains_like_one_device(pool4, family):
     _train_and_compare_all(pool4, family, plans)
 
 
+def test_unrolled_falcon_trains_like_one_device_under_every_layout(pool4):
+    """Falcon (a fused multi-query projection in a parallel block) with enough layers that
+    planning traces three and writes the rest (transformers 5.25 made its layers trace alike):
+    3 AdamW steps on 4 ranks equal one device under the solver's plan and every hand-written
+    layout of the (2, 2) and (4,) meshes (Megatron with ZeRO, sequence splits, grids)."""
+    from autopar.solve.layouts import layouts
+    from autopar.trace.unroll import MIN_LAYERS
+    model, kwargs = build("falcon", layers=MIN_LAYERS)
+    plans, refused = {}, {}
+    for shape, names in (((2, 2), ("dp", "tp")), ((4,), ("tp",))):
+        mesh = autopar.Mesh(shape, names, device="cpu")
+        plans[f"ilp {shape}"] = autopar.plan(model, mesh, example_kwargs=kwargs, compare=False)
+        for name in layouts(mesh, every=True):
+            try:
+                plans[f"{name} {shape}"] = autopar.plan(model, mesh, example_kwargs=kwargs, compare=False,
+                                                        layout=name)
+            except ValueError as exc:   # refused with the reason: no experts; the ring and Falcon's explicit mask
+                refused[f"{name} {shape}"] = str(exc)
+    assert all("expert" in k or "context-parallel" in k for k in refused), refused
+    assert len(plans) > 12 and all(p.fallback_ops == () for p in plans.values())
+    _train_and_compare_all(pool4, ("falcon", MIN_LAYERS), plans)
+
+
 @pytest.mark.parametrize("family", ["gemma2", "gptj"])
 def test_compiled_graph_runs_the_moves_the_plan_prices(pool4, family):
     """The forward collectives the compiled graph's moves run are the plan's, one for one:
@@ -277,12 +300,13 @@ def _first_channel_split(model, mesh, kwargs, seeds=range(32)):
     raise AssertionError(f"no random plan of {len(seeds)} splits every conv1d's channels")
 
 
-def _train_and_compare_all(pool4, family: str, plans: dict, context: str = "") -> None:
+def _train_and_compare_all(pool4, family: str | tuple, plans: dict, context: str = "") -> None:
     """Each plan (label -> Plan) trains `family` 3 AdamW steps on 4 ranks equal to one
     device; every failing plan is named with its loss, gradient and parameter errors."""
     failures = []
     for label, plan in plans.items():
-        result = pool4.run(train_and_compare, ("hf-arch", family), plan.to_dict())[0]
+        spec = ("hf-arch", *family) if isinstance(family, tuple) else ("hf-arch", family)   # (family, layers)
+        result = pool4.run(train_and_compare, spec, plan.to_dict())[0]
         if not result["ok"]:
             failures.append(f"{label}: loss {result['loss']:.2e} grad {result['grad']} param {result['param']}")
     assert not failures, "\n".join(failures + ([context] if context else []))
