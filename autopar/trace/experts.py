@@ -41,6 +41,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from autopar.trace.patches import listed_counts
+
 log = logging.getLogger("autopar")
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
@@ -598,81 +600,6 @@ def _grouped_forward(module, rows, counts):
     return experts(rows, ids, ones, gate, up, down, "silu", 0)
 
 
-# `.tolist()` of a 1-D integer tensor while tracing: the list's values are known only when
-# the step runs; a grouped module given that list reads the tensor instead.
-_LISTED: dict = {}
-
-
-def listed_counts(counts, device):
-    """The tensor a list of counts came from (its `.tolist()` while tracing), or the list
-    as a tensor where its values are plain numbers."""
-    hit = _LISTED.get(id(counts))
-    if hit is not None and hit[0] is counts:
-        return hit[1]
-    if all(isinstance(c, int) for c in counts):
-        return torch.tensor(list(counts), device=device)
-    raise TypeError("grouped experts called with counts that are neither a tensor nor its .tolist()")
-
-
-def _tensor_classes() -> list:
-    """torch.Tensor and the tracing subclasses with their own tolist."""
-    classes = [torch.Tensor]
-    with contextlib.suppress(ImportError):
-        from torch._subclasses.fake_tensor import FakeTensor
-        from torch._subclasses.functional_tensor import FunctionalTensor
-        classes += [c for c in (FunctionalTensor, FakeTensor) if "tolist" in c.__dict__]
-    return classes
-
-
-@contextlib.contextmanager
-def _tolist_remembered():
-    originals = {cls: cls.__dict__.get("tolist") for cls in _tensor_classes()}
-
-    def remembering(original):
-        def tolist(self):
-            out = original(self)
-            if isinstance(out, list) and self.dim() == 1 and not self.is_floating_point():
-                _LISTED[id(out)] = (out, self)
-            return out
-        return tolist
-
-    for cls, original in originals.items():   # (torch.Tensor inherits its tolist from the C base)
-        cls.tolist = remembering(original or cls.tolist)
-    try:
-        yield
-    finally:
-        for cls, original in originals.items():
-            if original is None:
-                del cls.tolist
-            else:
-                cls.tolist = original
-        _LISTED.clear()
-
-
-@contextlib.contextmanager
-def _bincount_sized():
-    """While tracing, `bincount(ids, minlength=E)` of integer ids (the tokens each expert
-    gets) has E bins, as it has whenever every id is below E (ids picked among E experts):
-    counted with scatter_add, whose size is fixed.  An id of E or more then fails the step
-    with an index error instead of growing the histogram; without minlength the size
-    depends on the data and the trace says so."""
-    own_fn, own_method = torch.bincount, torch.Tensor.bincount
-
-    def bincount(ids, weights=None, minlength=0):
-        if minlength <= 0 or ids.dim() != 1 or ids.is_floating_point():
-            return own_fn(ids, weights, minlength)
-        values = torch.ones_like(ids) if weights is None else weights
-        dtype = torch.long if weights is None else (weights.dtype if weights.is_floating_point() else torch.double)
-        return torch.zeros(minlength, dtype=dtype, device=ids.device).scatter_add(0, ids.long(), values.to(dtype))
-
-    torch.bincount = bincount
-    torch.Tensor.bincount = lambda self, weights=None, minlength=0: bincount(self, weights, minlength)
-    try:
-        yield
-    finally:
-        torch.bincount, torch.Tensor.bincount = own_fn, own_method
-
-
 @contextlib.contextmanager
 def experts_as_op(model: torch.nn.Module):
     """While tracing, every experts module the op covers runs through it; the others are
@@ -717,8 +644,7 @@ def experts_as_op(model: torch.nn.Module):
         module.forward = _forward.__get__(module)
         patched.append(module)
     try:
-        with _tolist_remembered(), _bincount_sized():
-            yield len(patched)
+        yield len(patched)
     finally:
         for hook in hooks:
             hook.remove()

@@ -11,19 +11,18 @@ import contextlib
 import copy
 import hashlib
 import logging
-import sys
 import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 
-from autopar.trace.attention import window_attention, window_mask
 from autopar.trace.cache import TRACES, batch_family, fingerprint
 from autopar.trace.experts import experts_as_op
 from autopar.trace.grouped_linear import grouped_linears_as_op
 from autopar.trace.functional import functionalize_writes
 from autopar.trace.fused import Parts, as_linear, split_fused
+from autopar.trace.patches import while_tracing
 from autopar.trace.paths import module_path
 from autopar.trace.unroll import cut_to_three, planning_module, repeated_layers
 from autopar.trace.unroll import unroll as unroll_graph
@@ -128,136 +127,6 @@ def _trace_cached(model, example_inputs, example_kwargs, cache: bool, unroll: bo
     return traced if shared else traced.copy()
 
 
-@contextlib.contextmanager
-def _checkpoints_inline():
-    """Trace `torch.utils.checkpoint(..., use_reentrant=True)` regions as plain code.
-
-    The reentrant form runs its function under no_grad inside an autograd.Function, so
-    export records the region as gradient-free and the compiled model could not train.
-    Its non-reentrant form is traced inline already; this makes both the same (recomputing
-    activations is the planner's choice, not the trace's)."""
-    fn = torch.utils.checkpoint.CheckpointFunction
-    own = fn.__dict__.get("apply")
-    fn.apply = staticmethod(lambda function, preserve_rng_state, *args: function(*args))
-    try:
-        yield
-    finally:
-        if own is None:
-            del fn.apply
-        else:
-            fn.apply = own
-
-
-@contextlib.contextmanager
-def _idle_moves_skipped():
-    """A module moved or cast inside its own forward to where it already is
-    (`self.classifier = self.classifier.to(self.dtype)`, Switch Transformers' router) is
-    left alone while tracing: under export its parameters are tracing tensors, which torch
-    cannot swap in place even for a conversion that changes nothing."""
-    own = torch.nn.Module.to
-
-    def to(module, *args, **kwargs):
-        device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
-        tensors = [*module.parameters(), *module.buffers()]
-        idle = memory_format is None and all(
-            (device is None or t.device == device or (device.index is None and t.device.type == device.type))
-            and (dtype is None or not (t.is_floating_point() or t.is_complex()) or t.dtype == dtype)
-            for t in tensors)
-        return module if idle else own(module, *args, **kwargs)
-
-    torch.nn.Module.to = to
-    try:
-        yield
-    finally:
-        torch.nn.Module.to = own
-
-
-@contextlib.contextmanager
-def _causal_masks_as_flags(model, windows: bool = True):
-    """Hugging Face models build a dense causal mask when they see torch.export, where eager
-    runs pass `is_causal=True` to attention instead (no padding mask, one sequence per row,
-    query and key lengths equal).  When a Hugging Face model inside `model` is called with
-    neither an attention mask nor position ids (so positions are its own 0..s-1), trace it
-    as it runs eagerly: attention then knows its mask is causal, which ring attention needs
-    (a dense mask could say anything).  Whether it was is read from the call itself (a
-    forward pre-hook on each Hugging Face model), so it holds however many inputs the outer
-    module takes (a loss wrapper's `(x, y)` included).  A padding mask or packed sequences
-    still build the dense mask.
-
-    windows: sliding-window layers skip their dense mask too, and their attention call
-    (which gets `sliding_window=w`) runs as autopar::window_attention (autopar/trace/attention.py).
-    Yields the counts (windowed masks skipped, windowed attention calls): a model that
-    skipped masks but made no such call must be traced again with windows=False."""
-    masking = sys.modules.get("transformers.masking_utils")
-    library = sys.modules.get("transformers")
-    names = ("is_torchdynamo_exporting", "find_packed_sequence_indices", "_ignore_causal_mask_sdpa")
-    counts = {"skipped": 0, "calls": 0}
-    pretrained = getattr(library, "PreTrainedModel", None) if library is not None else None
-    hf_models = [m for m in model.modules() if pretrained is not None and isinstance(m, pretrained)]
-    if masking is None or not all(hasattr(masking, n) for n in names) or not hf_models:
-        yield counts
-        return
-    own = {n: getattr(masking, n) for n in names}
-    registry = _attention_registry() if windows else None
-    own_sdpa = registry.get("sdpa") if registry is not None else None
-    plain = [True]   # the Hugging Face model running now got no mask, positions or cache
-
-    def called(module, args, kwargs):
-        given = {k for k, v in kwargs.items() if v is not None}
-        plain[0] = len(args) <= 1 and not given & {"attention_mask", "position_ids", "cache_position",
-                                                    "past_key_values"}
-
-    def exporting():
-        return False if plain[0] else own["is_torchdynamo_exporting"]()
-
-    def packed(position_ids):
-        return None if plain[0] else own["find_packed_sequence_indices"](position_ids)
-
-    def ignore(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size=None):
-        if local_attention_size is None or own_sdpa is None or not plain[0]:
-            return own["_ignore_causal_mask_sdpa"](padding_mask, q_length, kv_length, q_offset, kv_offset,
-                                                   local_attention_size)
-        skip = own["_ignore_causal_mask_sdpa"](padding_mask, q_length, kv_length, q_offset, kv_offset, None)
-        counts["skipped"] += bool(skip)
-        return skip
-
-    def sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-        window = kwargs.get("sliding_window")
-        if plain[0] and window is not None and attention_mask is None and query.shape[2] > 1:
-            counts["calls"] += 1
-            if not dropout:
-                scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
-                out = window_attention(query, key, value, int(window), scale, key.shape[1] != query.shape[1])
-                return out.transpose(1, 2).contiguous(), None
-            pos = torch.arange(query.shape[2], device=query.device)
-            attention_mask = window_mask(pos, pos, int(window))[None, None]
-        return own_sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-
-    hooks = [m.register_forward_pre_hook(called, with_kwargs=True) for m in hf_models]
-    masking.is_torchdynamo_exporting = exporting
-    masking.find_packed_sequence_indices = packed
-    masking._ignore_causal_mask_sdpa = ignore
-    if own_sdpa is not None:
-        registry["sdpa"] = sdpa
-    try:
-        yield counts
-    finally:
-        for h in hooks:
-            h.remove()
-        for n, f in own.items():
-            setattr(masking, n, f)
-        if own_sdpa is not None:
-            registry["sdpa"] = own_sdpa
-
-
-def _attention_registry():
-    """transformers' library-wide attention functions by implementation name, or None."""
-    utils = sys.modules.get("transformers.modeling_utils")
-    interface = getattr(utils, "AttentionInterface", None)
-    mapping = getattr(interface, "_global_mapping", None)
-    return mapping if isinstance(mapping, dict) else None
-
-
 def _trace(model: torch.nn.Module | fx.GraphModule, example_inputs: tuple, example_kwargs: dict | None = None,
            unroll: bool = False) -> Traced:
     """Export `model(*example_inputs, **example_kwargs)` to ATen training IR on fake tensors.
@@ -342,17 +211,16 @@ def _placeholders(ep) -> tuple:
 
 
 def _export(model, example_inputs: tuple, example_kwargs: dict, found):
-    """torch.export.export(strict=False) of the model as it runs eagerly (_checkpoints_inline,
-    experts_as_op, _causal_masks_as_flags), its layer list cut to three when `found`."""
+    """torch.export.export(strict=False) of the model as it runs eagerly (the process-wide
+    replacements of autopar/trace/patches.py, experts_as_op, grouped_linears_as_op), its layer
+    list cut to three when `found`."""
     def export(windows: bool):
         with contextlib.ExitStack() as stack:
-            stack.enter_context(_checkpoints_inline())
-            stack.enter_context(_idle_moves_skipped())
+            seen = stack.enter_context(while_tracing(model, windows=windows))
             stack.enter_context(experts_as_op(model))
             stack.enter_context(grouped_linears_as_op(model))
             if found is not None:
                 stack.enter_context(cut_to_three(found))
-            seen = stack.enter_context(_causal_masks_as_flags(model, windows=windows))
             return torch.export.export(model, example_inputs, example_kwargs, strict=False), seen
 
     try:

@@ -23,7 +23,8 @@ import logging
 
 import torch
 
-from autopar.trace.experts import listed_counts, row_experts, takes_rows_and_counts
+from autopar.trace.experts import row_experts, takes_rows_and_counts
+from autopar.trace.patches import listed_counts
 
 log = logging.getLogger("autopar")
 
