@@ -88,6 +88,7 @@ class TraceCache:
         self._exports: dict = {}    # BatchFamily.fingerprint -> {batch: key in _traces of its export}
         self._outlines: dict = {}   # BatchFamily.fingerprint -> {batch: Outline}, exported here or adopted
         self._cast: dict = {}       # (model fingerprint, dtype) of the model last cast for tracing -> its copy
+        self._told: set = set()     # (what, id of the model) of the once-per-model notices already logged
 
     def __len__(self) -> int:
         return len(self._traces)
@@ -161,12 +162,22 @@ class TraceCache:
             self._cast[key] = make(model, dtype)
         return self._cast[key]
 
+    def first_time(self, what: str, model) -> bool:
+        """True the first time `what` is asked about this model object (a notice tracing logs
+        once per model, not once per trace)."""
+        key = (what, id(model))
+        if key in self._told:
+            return False
+        self._told.add(key)
+        return True
+
     def clear(self) -> None:
-        """Forget every trace, export, outline and cast copy."""
+        """Forget every trace, export, outline, cast copy and notice given."""
         self._traces.clear()
         self._exports.clear()
         self._outlines.clear()
         self._cast.clear()
+        self._told.clear()
 
     def _outline(self, family: str, batch: int):
         """The Outline of the family's trace at `batch` (adopted, or made once from the export)."""

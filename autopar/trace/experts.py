@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from autopar.trace.cache import TRACES
 from autopar.trace.patches import listed_counts
 
 log = logging.getLogger("autopar")
@@ -611,8 +612,7 @@ def experts_as_op(model: torch.nn.Module):
             if not _probe_mask(module, found):
                 continue
             _sequence_known(model, name, module, found, hooks)
-            if id(model) not in _UNHIT_SAID:
-                _UNHIT_SAID.add(id(model))
+            if TRACES.first_time("experts' zero gradients", model):
                 log.warning("autopar: experts in %s run as one op: an expert no token reaches in a step gets a zero "
                             "gradient, where the model as written leaves its gradient None (torch's optimizers then "
                             "skip it: no weight decay, no momentum step)", name)
@@ -655,7 +655,6 @@ def experts_as_op(model: torch.nn.Module):
                     delattr(module, attr)
 
 
-_UNHIT_SAID: set = set()   # models told about their experts' zero gradients (once each)
 
 
 def _sequence_known(model, name: str, module, found, hooks: list) -> None:
