@@ -9,6 +9,7 @@ import torch
 import autopar
 from autopar.cost import kernels as K
 from autopar.cost import prices as C
+from autopar import placements
 from autopar.mesh import PRESETS, DeviceSpec, KernelEfficiency
 from autopar.models import build
 
@@ -151,8 +152,8 @@ def test_the_gap_is_paid_per_kernel_and_the_launch_bound_stays():
 
 def test_kernel_shapes_read_from_local_operands():
     from torch.distributed.tensor import Replicate, Shard
-    assert K.local_shape((8, 1024, 4096), (Shard(0), Replicate()), (4, 2)) == (2, 1024, 4096)
-    assert K.local_shape((10,), (Shard(0), Shard(0)), (2, 2)) == (3,)
+    assert placements.local_shape_ceil((8, 1024, 4096), (Shard(0), Replicate()), (4, 2)) == (2, 1024, 4096)
+    assert placements.local_shape_ceil((10,), (Shard(0), Shard(0)), (2, 2)) == (3,)
     m, ex = build("gpt2-124m", device="meta", batch=8, seq=512, hidden=256, n_layers=1, n_heads=4, vocab=512,
                   max_seq=512)
     plan = autopar.plan(m, H100, ex, layout="data-parallel", compare=False)

@@ -34,7 +34,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Shard
 
 from autopar.mesh import KernelEfficiency, Mesh
 
@@ -99,16 +98,6 @@ class Streamed:
 
     def __str__(self) -> str:
         return "reduction" if self.reduction else "elementwise" + (" (backward free)" if self.pass_through else "")
-
-
-def local_shape(shape, placements, mesh_shape) -> tuple:
-    """The shape a rank holds of a tensor of global `shape` laid out as `placements`
-    (a dim split over an axis of n ranks keeps ceil(size / n))."""
-    out = list(shape)
-    for p, n in zip(placements, mesh_shape):
-        if isinstance(p, Shard) and out:
-            out[p.dim] = math.ceil(out[p.dim] / n)
-    return tuple(out)
 
 
 def kernel_of(op: str, node: fx.Node, shapes: list) -> Gemm | FlashAttention | Streamed | None:

@@ -32,7 +32,6 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar.cost import collectives, nccl
 from autopar.cost import kernels as K
@@ -230,24 +229,6 @@ def collective_time(kind: str, nbytes: float, axis: int, mesh: Mesh) -> float:
     return collective_choice(kind, nbytes, axis, mesh)[1]
 
 
-def local_numel(shape, placements, mesh_shape) -> float:
-    numel = math.prod(shape) if shape else 1
-    for p, n in zip(placements, mesh_shape):
-        if isinstance(p, Shard):
-            numel /= n
-    return numel
-
-
-def local_shape(shape, placements, mesh_shape) -> tuple:
-    """The local shape of a tensor of global `shape` laid out as `placements` (each Shard
-    divides its dim by its mesh axis's size)."""
-    out = list(shape)
-    for p, n in zip(placements, mesh_shape):
-        if isinstance(p, Shard) and 0 <= p.dim < len(out):
-            out[p.dim] //= n
-    return tuple(out)
-
-
 def redistribute(shape, itemsize: int, src, dst, mesh: Mesh) -> tuple[CommStep, ...]:
     """The collectives that turn a tensor of global `shape` from placements `src` into `dst`,
     in the order they run (`autopar.cost.redistribution`; its local steps are free).  An
@@ -432,11 +413,6 @@ def _price_rows(src: tuple, dst: tuple, mesh: Mesh) -> list:
             rows.append((kind, a, share, last.fixed, last.per_byte, last.algorithm))
         columns.append(rows)
     return columns
-
-
-def grad_target(placement):
-    """The placement a tensor's gradient must reach: Shard stays Shard, Partial's is Replicate."""
-    return Replicate() if isinstance(placement, Partial) else placement
 
 
 def roofline(flops: float, nbytes: float, dtype: torch.dtype, mesh: Mesh, kernels: int = 1,

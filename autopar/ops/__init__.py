@@ -3,7 +3,8 @@
 from autopar.ops.annotation import Annotation
 from autopar.ops.rules import (
     INTERNAL_COMM, NO_OUTPUT, TRIVIAL, annotate, op_arg, op_name, outputs_of, tensor_args)
-from autopar.ops.strategy import Strategy, enumerate_strategies, replicated, show_placements
+from autopar.ops.strategy import Strategy, enumerate_strategies, replicated
+from autopar.placements import show_placements
 
 __all__ = ["Annotation", "Strategy", "annotate", "op_arg", "enumerate_strategies", "replicated", "op_name",
            "tensor_args", "outputs_of", "show_placements", "TRIVIAL", "NO_OUTPUT", "INTERNAL_COMM"]

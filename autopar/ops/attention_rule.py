@@ -25,17 +25,10 @@ import math
 from torch.distributed.tensor import Replicate, Shard
 
 from autopar.ops.strategy import Strategy
+from autopar.placements import local_shape
 
 SEQ = 2  # q, k, v and the output are [b, heads, seq, head_dim]
 ATTENTION_OPS = ("aten.scaled_dot_product_attention", "autopar.window_attention")
-
-
-def _local(shape, placements, mesh_shape) -> list:
-    out = list(shape)
-    for p, n in zip(placements, mesh_shape):
-        if isinstance(p, Shard):
-            out[p.dim] //= n
-    return out
 
 
 def sequence_strategies(base: list, in_shapes, out_shape, mesh_shape, axis_names, *, causal: bool,
@@ -60,8 +53,8 @@ def sequence_strategies(base: list, in_shapes, out_shape, mesh_shape, axis_names
         for a, n in enumerate(mesh_shape):
             if n == 1 or s.split[a] is not None:
                 continue
-            q_local = _local(q, s.inputs[0], mesh_shape)
-            k_local = _local(k, s.inputs[1], mesh_shape)
+            q_local = local_shape(q, s.inputs[0], mesh_shape)
+            k_local = local_shape(k, s.inputs[1], mesh_shape)
             for kind in ("ring", "ulysses"):
                 reason = _unfit(kind, n, seq, q_local[1], k_local[1], has_mask,
                                 in_shapes[3] if has_mask else None, causal)
@@ -109,7 +102,7 @@ def _variant(s: Strategy, a: int, n: int, kind: str, q_local, k_local, out_shape
     rows = max(q_local[0], 1)
     qe = math.prod(q_local) / n / rows
     ke = math.prod(k_local) / n / rows
-    oe = math.prod(_local(out_shape, s.outputs[0], mesh_shape)) / n / rows
+    oe = math.prod(local_shape(out_shape, s.outputs[0], mesh_shape)) / n / rows
     # one entry per collective the runtime calls (autopar/passes/attention_ops.py), each
     # priced with its own latency: (kind, axis, elements per row, phase)
     if kind == "ring":

@@ -86,18 +86,6 @@ def offload_label(tier: str, weights: bool = False) -> str:
     return f"{label} with weights" if label and weights else label
 
 
-def show_placements(placements: Placements) -> str:
-    return "(" + ", ".join(_short(p) for p in placements) + ")"
-
-
-def _short(p) -> str:
-    if isinstance(p, Shard):
-        return f"S({p.dim})"
-    if isinstance(p, Partial):
-        return "P"
-    return "R"
-
-
 def _placement(letters, letter, contracted: bool, may_be_partial: bool):
     if letter is None:
         return Replicate()

@@ -24,7 +24,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.utils import _pytree as pytree
 
 from autopar.ops import tensor_args
-from autopar.solve.menus import same_local_shape
+from autopar.placements import grad_targets, same_local_shape
 
 from autopar.passes.local_ops import dim_order, in_dim_order
 from autopar.passes.redistribute import redistribute
@@ -89,10 +89,6 @@ def get_attr(graph: fx.Graph, name: str) -> fx.Node:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         return graph.get_attr(name)
-
-
-def grad_target(placements) -> tuple:
-    return tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
 
 
 def layout_of(node: fx.Node, index: int = 0, ndim: int = 1) -> tuple:
@@ -179,8 +175,8 @@ def insert_collectives(gm: fx.GraphModule, plan, groups, defer: dict | None = No
         producer, index = tensor_key(x)
         p = layout_of(x, 0, ndim)
         w = plan.grad_sums.get(f"{producer.name}:{index}")
-        if w is None or not _same_local_shape(w, p):
-            return x, p, grad_target(p)
+        if w is None or not same_local_shape(w, p):
+            return x, p, grad_targets(p)
         if x not in summed:
             anchor = x
             if x.op == "placeholder":  # keep the placeholders together at the top
@@ -188,7 +184,7 @@ def insert_collectives(gm: fx.GraphModule, plan, groups, defer: dict | None = No
             with graph.inserting_after(anchor):
                 groups_node = get_attr(graph, "_autopar_groups")
             with graph.inserting_after(groups_node):
-                spec = attr(Move(p, p, tuple(w), deferred(x, tuple(w), grad_target(p))))
+                spec = attr(Move(p, p, tuple(w), deferred(x, tuple(w), grad_targets(p))))
             with graph.inserting_after(spec):
                 summed[x] = graph.call_function(move, _move_args(x, spec, groups_node))
             summed[x].meta["val"] = x.meta.get("val")
@@ -261,9 +257,9 @@ def _reduced_axes(x: fx.Node, plan, ndim: int, slices: bool = False) -> tuple | 
     Shard, a local slice); None when the conversions differ, do more, or do nothing."""
     producer, index = tensor_key(x)
     p = layout_of(x, 0, ndim)
-    target = grad_target(p)
+    target = grad_targets(p)
     w = plan.grad_sums.get(f"{producer.name}:{index}")
-    if w is not None and _same_local_shape(w, p):
+    if w is not None and same_local_shape(w, p):
         conversions = [tuple(w)]
     else:
         conversions = []
@@ -347,10 +343,6 @@ def _deferrable_cones(gm: fx.GraphModule, plan, defer: dict, ndim: int, decided:
         if ok and params:
             out[x] = (axes, sorted(ph.target for ph in params))
     return out
-
-
-def _same_local_shape(a, b) -> bool:
-    return same_local_shape(a, b)
 
 
 def _replace_operands(node: fx.Node, replacement: list) -> None:

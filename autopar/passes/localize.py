@@ -13,12 +13,13 @@ import math
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate
 
 from autopar.ops import op_arg, op_name, outputs_of, tensor_args
 from autopar.ops.attention_rule import ATTENTION_OPS
 from autopar.ops.grid_rule import NORM, NORM_OPS, ROLES
 from autopar.ops.strategy import passes_partial
+from autopar.placements import local_shape_even as local_shape
 
 from autopar.passes import grid_ops, local_ops
 from autopar.passes.collectives import get_attr, move
@@ -27,16 +28,6 @@ SIZE_ARG = {"aten.view": 1, "aten.reshape": 1, "aten._unsafe_view": 1, "aten.exp
 MEANS = {"aten.mean"}
 MEAN_LOSSES = {"aten.mse_loss", "aten.l1_loss", "aten.smooth_l1_loss", "aten.huber_loss",
                "aten.binary_cross_entropy", "aten.binary_cross_entropy_with_logits"}
-
-
-def local_shape(shape, placements, mesh_shape) -> list[int]:
-    out = list(shape)
-    for p, n in zip(placements, mesh_shape):
-        if isinstance(p, Shard):
-            if out[p.dim] % n:
-                raise ValueError(f"dim {p.dim} of shape {tuple(shape)} does not divide by {n}")
-            out[p.dim] //= n
-    return out
 
 
 def place_on(gm: fx.GraphModule, device: torch.device) -> fx.GraphModule:

@@ -13,12 +13,12 @@ from dataclasses import asdict, dataclass, field
 from autopar.mesh import Mesh
 from autopar.cost.precision import MixedPrecision
 from autopar.plan.records import (
-    Collective, NodeChoice, ParamState, PipelineLayout, Prediction, Recompute, SolverStats, Timing,
-    placement_from_str, placement_str, show, tier_of)
+    Collective, NodeChoice, ParamState, PipelineLayout, Prediction, Recompute, SolverStats, Timing, tier_of)
+from autopar.placements import placement_from_str, placement_str
 from autopar.plan.report import plan_table, plan_text
 
 __all__ = ["Plan", "PlanFileError", "FORMAT_VERSION", "Collective", "NodeChoice", "ParamState", "PipelineLayout",
-           "Prediction", "Recompute", "SolverStats", "Timing", "placement_from_str", "placement_str", "show"]
+           "Prediction", "Recompute", "SolverStats", "Timing"]
 
 FORMAT_VERSION = 2  # 2: NodeChoice.reduced (localize reads it instead of re-running the op rules)
 

@@ -1,41 +1,13 @@
 """The records a plan is made of: per-node choices, collectives, model-state placements,
-predictions, solver statistics, timing and the pipeline layout, and the text form of a
-placement ("S(0)", "R", "P").  Frozen dataclasses, each with an exact JSON round trip
+predictions, solver statistics, timing and the pipeline layout (a placement's text form,
+"S(0)", "R", "P", is autopar/placements.py's).  Frozen dataclasses, each with an exact JSON round trip
 where it has its own; `autopar.plan.plan.Plan` holds them."""
 from __future__ import annotations
 
-import re
 from dataclasses import asdict, dataclass, field, fields
-
-from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar.mesh import Mesh
 from autopar.ops.strategy import offload_label
-
-
-def placement_str(p) -> str:
-    if isinstance(p, Shard):
-        return f"S({p.dim})"
-    if isinstance(p, Partial):
-        return "P"
-    if isinstance(p, Replicate):
-        return "R"
-    raise TypeError(f"not a placement: {p!r}")
-
-
-def placement_from_str(text: str):
-    if text == "R":
-        return Replicate()
-    if text == "P":
-        return Partial()
-    m = re.fullmatch(r"S\((\d+)\)", text)
-    if not m:
-        raise ValueError(f"not a placement: {text!r}")
-    return Shard(int(m.group(1)))
-
-
-def show(placements) -> str:
-    return "(" + ", ".join(placement_str(p) for p in placements) + ")"
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from autopar.cost import prices as C
+from autopar import placements as P
 from autopar.plan.plan import Collective, NodeChoice, Prediction
 from autopar.solve.problem import Problem, bucket_kinds
 from autopar.solve.recompute import RECOMPUTING, beyond_linear, mode_costs
@@ -225,7 +226,7 @@ class _Tally:
         if step is None:
             return ()
         s = self.problem.nodes[a.rep].strategies[self.choice[e.a]]
-        local = C.local_shape(a.out_shapes[e.out], s.outputs[e.out], self.problem.mesh.shape)
+        local = P.local_shape(a.out_shapes[e.out], s.outputs[e.out], self.problem.mesh.shape)
         if C.gemm_chunk_dim(local, step.kind, step.dim) is None:
             return ()
         self.pieces_extra[e.a] = self.problem.pieces_extra(a, s, local)

@@ -10,7 +10,7 @@ import warnings
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from autopar.cost import prices as C
+from autopar.placements import grad_target
 from autopar.mesh import Mesh
 from autopar.ops import (
     INTERNAL_COMM, Strategy, annotate, enumerate_strategies, op_arg, op_name, replicated, show_placements)
@@ -91,7 +91,6 @@ def build_menus(nodes: list, readers: dict, mesh: Mesh) -> tuple[list, list]:
     return sorted(fallback_ops), messages
 
 
-
 def _say_why_heads_stay_whole(pn: PNode, in_shapes, mesh: Mesh, messages: list) -> None:
     """One note per head count and mesh axis that cannot split attention heads (the planner
     logs the chosen plan's notes once: a pipeline search builds many problems)."""
@@ -151,14 +150,13 @@ def gradsum_menu(nodes: list, readers: dict, gs: PNode) -> list[Strategy]:
     src, out = gs.source
     layouts: dict = {}
     for s in nodes[nodes[src].rep].strategies:
-        layouts.setdefault(tuple(C.grad_target(p) for p in s.outputs[out]), None)
+        layouts.setdefault(tuple(grad_target(p) for p in s.outputs[out]), None)
     for v, k in readers[(src, out)]:
         for s in nodes[nodes[v].rep].strategies:
             if s.grads[k] is not None:
                 layouts.setdefault(tuple(s.grads[k]), None)
     return [Strategy(tuple(None for _ in layout), (), (layout,), (), 1, "sum " + show_placements(layout))
             for layout in layouts]
-
 
 
 def zero_layout(layout: tuple, axes: tuple) -> tuple:
@@ -206,14 +204,6 @@ def param_menu(shape, mesh: Mesh, trainable: bool = True) -> list[Strategy]:
             menu += [dataclasses.replace(base, name=f"{name}, {offload_label(tier, weights)}", offload=tier,
                                          offload_weights=weights) for tier in tiers for weights in (False, True)]
     return menu
-
-
-def same_local_shape(a, b) -> bool:
-    """Whether layouts a and b give every rank a local tensor of the same shape (they differ
-    at most in Replicate versus Partial).  Gradients are summed by autograd, which needs the
-    sum's layout to have the tensor's own local shape."""
-    return all((isinstance(x, Shard) and isinstance(y, Shard) and x.dim == y.dim)
-               or (not isinstance(x, Shard) and not isinstance(y, Shard)) for x, y in zip(a, b))
 
 
 def with_internal(s: Strategy, internal) -> Strategy:

@@ -15,7 +15,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, fields
 
-from autopar.cost.prices import local_numel
+from autopar.placements import local_numel
 from autopar.mesh import Mesh
 from autopar.solve import layouts as B
 from autopar.solve.assemble import assemble

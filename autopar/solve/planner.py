@@ -19,7 +19,8 @@ from autopar.plan.plan import ParamState, Plan, SolverStats, Timing
 from autopar.solve import layouts as B
 from autopar.solve.assemble import assemble, predict
 from autopar.solve.ilp import InfeasibleError
-from autopar.solve.menus import HEADS_NOTE, same_local_shape
+from autopar.placements import same_local_shape
+from autopar.solve.menus import HEADS_NOTE
 from autopar.solve.overlap import solve_problem, step_lower_bound
 from autopar.solve.pipeline_options import Pipeline
 from autopar.solve.pipeline_costs import stage_problem

@@ -19,6 +19,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar.cost import kernels as K
 from autopar.cost import prices as C
+from autopar import placements as P
 from autopar.cost.layout_prices import LayoutPrices, menu
 from autopar.mesh import Mesh
 from autopar.cost.redistribution import plan_redistribute
@@ -223,7 +224,7 @@ class Problem:
         if kind == "in":
             src, o = pn.inputs[index]
             shape = self.nodes[src].out_shapes[o]
-            local = nbytes * C.local_numel(shape, s.inputs[index], mesh.shape) / max(1, math.prod(shape))
+            local = nbytes * P.local_numel(shape, s.inputs[index], mesh.shape) / max(1, math.prod(shape))
             if pn.op == "autopar.experts" and index == 0:   # (x: the routed rows under expert parallelism)
                 return local * kept_tokens_factor(s, self.nodes[pn.inputs[1][0]].out_shapes[pn.inputs[1][1]][-1])
             return local
@@ -234,12 +235,12 @@ class Problem:
             return nbytes
         if kind in ("out", "result"):   # (result: the op's output as it returns it)
             shape = pn.out_shapes[index]
-            return nbytes * C.local_numel(shape, s.outputs[index], mesh.shape) / max(1, math.prod(shape))
+            return nbytes * P.local_numel(shape, s.outputs[index], mesh.shape) / max(1, math.prod(shape))
         # a new tensor: split as the op's largest operand is
         shapes = [(self.nodes[src].out_shapes[o], p) for (src, o), p in zip(pn.inputs, s.inputs)]
         shapes += list(zip(pn.out_shapes, s.outputs))
         shape, p = max(shapes, key=lambda sp: math.prod(sp[0]) if sp[0] else 1)
-        return nbytes * C.local_numel(shape, p, mesh.shape) / max(1, math.prod(shape) if shape else 1)
+        return nbytes * P.local_numel(shape, p, mesh.shape) / max(1, math.prod(shape) if shape else 1)
 
     def remembered(self, kind: str, key, make):
         """make(), computed once per problem and (kind, key): what planning derives from a
@@ -329,14 +330,14 @@ class Problem:
             moves = [st for st in steps if st.is_collective]
             if a.kind == "param" and moves and all(st.kind == "all_gather" for st in moves):
                 return None   # a gathered weight is dropped after forward and gathered again
-            return ("moved", src, out, layout), C.local_numel(shape, layout, self.mesh.shape) * item
+            return ("moved", src, out, layout), P.local_numel(shape, layout, self.mesh.shape) * item
         if a.kind != "op":
             return None
         if a.inputs and is_alias(a.node):
             up, o = a.inputs[0]
             sa = self.nodes[a.rep].strategies[choice[src]]
             return self._storage_as_read(up, o, tuple(sa.inputs[0]), choice, (src, 0))
-        return (src, out), C.local_numel(shape, made, self.mesh.shape) * item
+        return (src, out), P.local_numel(shape, made, self.mesh.shape) * item
 
     # --- costs ------------------------------------------------------------------------------
     def _build_costs(self):
@@ -397,10 +398,10 @@ class Problem:
             return self._param_choice(pn, s)
         if pn.kind != "op":
             return Choice(0.0, tuple(comm), mem)
-        read = [C.local_numel(self.nodes[src].out_shapes[o], p, mesh.shape) * self.nodes[src].out_dtypes[o].itemsize
+        read = [P.local_numel(self.nodes[src].out_shapes[o], p, mesh.shape) * self.nodes[src].out_dtypes[o].itemsize
                 for (src, o), p in zip(pn.inputs, s.inputs)]
         in_bytes = sum(read)
-        out_bytes = sum(C.local_numel(shape, p, mesh.shape) * d.itemsize
+        out_bytes = sum(P.local_numel(shape, p, mesh.shape) * d.itemsize
                         for shape, d, p in zip(pn.out_shapes, pn.out_dtypes, s.outputs))
         dtype = pn.out_dtypes[0] if pn.out_dtypes else torch.float32
         forward = 0.0
@@ -448,7 +449,7 @@ class Problem:
         first = self.nodes[pn.inputs[0][0]]
         rows_shape = first.out_shapes[pn.inputs[0][1]][:1]
         item = first.out_dtypes[pn.inputs[0][1]].itemsize
-        rows = C.local_numel(rows_shape, [p if isinstance(p, Shard) and p.dim == 0 else Replicate()
+        rows = P.local_numel(rows_shape, [p if isinstance(p, Shard) and p.dim == 0 else Replicate()
                                           for p in s.inputs[0]], self.mesh.shape)
         return [(kind, axis, per_row * item * rows, rest[0] if rest else "forward")
                 for kind, axis, per_row, *rest in s.comm]
@@ -463,7 +464,7 @@ class Problem:
         if mesh.device.kernels is None:
             seconds = C.roofline(flops, nbytes, dtype, mesh, kernels=count, attention=pn.op in ATTENTION_OPS)
         else:
-            shapes = [K.local_shape(self.nodes[src].out_shapes[o], p, mesh.shape)
+            shapes = [P.local_shape_ceil(self.nodes[src].out_shapes[o], p, mesh.shape)
                       for (src, o), p in zip(pn.inputs, s.inputs)]
             seconds = K.seconds(K.kernel_of(pn.op, pn.node, shapes), flops, nbytes, dtype, mesh, backward=backward,
                                 count=count)
@@ -476,7 +477,7 @@ class Problem:
         # evaluated per element of its first operand (the rank's share), below the bandwidth
         # where the device measured it so (DeviceSpec.pointwise: a CPU's)
         (src, o), placement = pn.inputs[0], s.inputs[0]
-        elements = C.local_numel(self.nodes[src].out_shapes[o], placement, mesh.shape)
+        elements = P.local_numel(self.nodes[src].out_shapes[o], placement, mesh.shape)
         return max(seconds, elements * measured[1 if backward else 0] + count * mesh.device.op_latency)
 
     def routing_factor(self, pn: PNode, s: Strategy) -> float:
@@ -512,7 +513,7 @@ class Problem:
         comm = [0.0] * mesh.ndim
         mem = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0}
         layout = s.outputs[0]
-        numel = C.local_numel(pn.out_shapes[0], layout, mesh.shape)
+        numel = P.local_numel(pn.out_shapes[0], layout, mesh.shape)
         item = pn.out_dtypes[0].itemsize
         mem["params"] = 0.0 if s.offload_weights else numel * item
         if not pn.requires_grad:
@@ -578,7 +579,7 @@ class Problem:
         """The layout the gradient of tensor pn[out] must reach when pn takes strategy s:
         its own layout with Partial made Replicate, and for a ZeRO-2 parameter split over
         the ZeRO axes (reduce-scattered, not all-reduced)."""
-        target = tuple(C.grad_target(x) for x in s.outputs[out])
+        target = tuple(P.grad_target(x) for x in s.outputs[out])
         if pn.kind == "param" and s.zero == 2:
             target = zero_layout(target, s.zero_axes)
         return target
@@ -934,7 +935,7 @@ class Problem:
         move and the linear's forward, less what the GEMM in pieces costs more than whole
         (pieces_extra), [a's choices, the reader's]."""
         forward = np.array([c.forward_s - sum(c.comm) / 2 for c in self.choices[a.rep]])
-        local = [C.local_shape(a.out_shapes[out], s.outputs[out], self.mesh.shape) for s in a.strategies]
+        local = [P.local_shape(a.out_shapes[out], s.outputs[out], self.mesh.shape) for s in a.strategies]
         cut = np.array([C.gemm_chunk_dim(x, "all_reduce", None) is not None for x in local])
         extra = forward * np.array([self.pieces_extra(a, s, x) for s, x in zip(a.strategies, local)])
         share = (C.GEMM_CHUNKS - 1) / C.GEMM_CHUNKS
@@ -945,7 +946,7 @@ class Problem:
         """The share of linear a's forward under strategy s that computing its output
         (`local_out`, this rank's) in GEMM_CHUNKS pieces adds (prices.gemm_pieces_extra)."""
         src, i = a.inputs[0]
-        k = C.local_shape(self.nodes[src].out_shapes[i], s.inputs[0], self.mesh.shape)[-1]
+        k = P.local_shape(self.nodes[src].out_shapes[i], s.inputs[0], self.mesh.shape)[-1]
         return C.gemm_pieces_extra(local_out, int(k), self.mesh)
 
     def _weight_gradients(self, pn: PNode) -> np.ndarray:

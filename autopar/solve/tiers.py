@@ -18,6 +18,7 @@ import logging
 import math
 
 from autopar.cost import prices as C
+from autopar import placements as P
 from autopar.plan.records import format_bytes
 from autopar.solve.presolve import InfeasibleError
 from autopar.solve.recompute import mode_costs
@@ -45,7 +46,7 @@ def offloaded(problem, choice) -> dict:
         if not s.offload:
             continue
         item = pn.out_dtypes[0].itemsize
-        numel = C.local_numel(pn.out_shapes[0], s.outputs[0], mesh.shape)
+        numel = P.local_numel(pn.out_shapes[0], s.outputs[0], mesh.shape)
         owned = math.ceil(numel / math.prod(mesh.shape[a] for a in s.zero_axes)) if s.zero else numel
         weights = numel * item if s.offload_weights else 0
         out[pn.param_name] = (s.offload, owned * C.offloaded_bytes(item, mixed) + weights, weights)
