@@ -138,7 +138,19 @@ def findings() -> dict:
                 deferred.append(f"{module} imports {target} inside a function")
     cycles = [sorted(c) for c in nx.strongly_connected_components(graph) if len(c) > 1]
     return {"cycles": cycles, "private": private, "deferred": deferred, "reach_ins": reach_ins(files),
-            **map_findings(files, graph.edges)}
+            "into_solve": into_solve(graph.edges), **map_findings(files, graph.edges)}
+
+
+PLANNING_FACE = "autopar.solve.planner"
+
+
+def into_solve(edges) -> list:
+    """Imports of the solver's insides by the passes or the runtime: they read a Plan and
+    the facts below the solver (ops, cost, plan, placements), and call the solver only
+    through its face (autopar.solve.planner: plan())."""
+    return sorted(f"{a} imports {b}" for a, b in edges
+                  if a.startswith(("autopar.passes", "autopar.runtime")) and b.startswith("autopar.solve")
+                  and b != PLANNING_FACE)
 
 
 MAP_FILE = "docs/DESIGN.md"

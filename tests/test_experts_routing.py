@@ -44,12 +44,12 @@ ROUTINGS = {  # name -> (experts per token, logit bias per expert)
 }
 
 
-def routed_mixtral(routing: str):
-    """(model, kwargs): hf_archs' Mixtral with every router replaced by a BiasedRouter, the
-    same on every call."""
+def routed_mixtral(routing: str, layers: int = 2):
+    """(model, kwargs): hf_archs' Mixtral of `layers` layers with every router replaced by a
+    BiasedRouter, the same on every call."""
     from hf_archs import build
     k, bias = ROUTINGS[routing]
-    model, kwargs = build("mixtral")
+    model, kwargs = build("mixtral", layers=layers)
     for layer in model.model.layers:
         layer.mlp.gate = BiasedRouter(layer.mlp.gate.weight, bias, k)
         layer.mlp.top_k = k
@@ -69,10 +69,10 @@ def experts_picked(routing: str) -> set:
     return picked
 
 
-def _reference(routing: str):
+def _reference(routing: str, layers: int = 2):
     """One device: the loss and gradients of every step, the parameters at the end."""
     from rt_cases import OPTIM
-    model, kwargs = routed_mixtral(routing)
+    model, kwargs = routed_mixtral(routing, layers)
     opt = torch.optim.AdamW(model.parameters(), **OPTIM)
     losses, grads = [], []
     for _ in range(STEPS):
@@ -85,15 +85,15 @@ def _reference(routing: str):
     return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def train_routed(routing: str, plan_dict: dict) -> dict:
+def train_routed(routing: str, plan_dict: dict, layers: int = 2) -> dict:
     """On every rank: train the routed model under the plan and on one device; the worst
     excess over the tolerance of loss, gradients and parameters (<= 0: equal), and how many
     routed rows each rank's experts received in the last forward."""
     from autopar.plan.plan import Plan
     from rt_cases import ATOL, OPTIM, RTOL, excess
     plan = Plan.from_dict(plan_dict)
-    losses, grads, params = _reference(routing)
-    model, kwargs = routed_mixtral(routing)
+    losses, grads, params = _reference(routing, layers)
+    model, kwargs = routed_mixtral(routing, layers)
     cm = autopar.compile(model, plan.device_mesh(), example_kwargs=kwargs, plan=plan)
     opt = cm.build_optimizer(torch.optim.AdamW, **OPTIM)
     worst = {"loss": -1.0, "grad": (-1.0, ""), "param": (-1.0, "")}
@@ -116,38 +116,59 @@ def train_routed(routing: str, plan_dict: dict) -> dict:
     return worst
 
 
-def _plan(routing: str, shape: tuple, names: tuple, layout: str | None = None, seed: int | None = None):
-    model, kwargs = routed_mixtral(routing)
+def _experts_kinds(plan) -> set:
+    return {n.strategy for n in plan.nodes if n.op == "autopar.experts"}
+
+
+# what a random case asks of the experts op's strategy
+WANTED = {"experts split, tokens whole": lambda s: "=experts" in s and "tokens" not in s,
+          "expert-parallel": lambda s: "expert-parallel" in s}
+
+
+def _plan(routing: str, shape: tuple, names: tuple, layout: str | None = None, wanted: str | None = None,
+          layers: int = 2):
+    """The solver's plan, or (wanted, a key of WANTED) the first of 64 random valid plans whose
+    experts op runs such a strategy: which seed draws it depends on the graph's node order,
+    which a transformers release may change; that some draw does is what the test needs (one
+    layer: each draw's chance is its menu's share, about 1 in 9 for the rarer ask)."""
+    model, kwargs = routed_mixtral(routing, layers)
     mesh = autopar.Mesh(shape, names, device="cpu")
-    plan = autopar.plan(model, mesh, example_kwargs=kwargs, compare=False, layout=layout) if seed is None else \
-        autopar.random_plans(model, mesh, example_kwargs=kwargs, compare=False, layout=layout, seed=seed)[0]
-    return plan, {n.strategy for n in plan.nodes if n.op == "autopar.experts"}
+    if wanted is None:
+        plan = autopar.plan(model, mesh, example_kwargs=kwargs, compare=False, layout=layout)
+        return plan, _experts_kinds(plan)
+    for plan in autopar.random_plans(model, mesh, example_kwargs=kwargs, compare=False, layout=layout,
+                                     seeds=range(64)):
+        kinds = _experts_kinds(plan)
+        if kinds and all(WANTED[wanted](s) for s in kinds):
+            return plan, kinds
+    raise AssertionError(f"no random plan of 64 runs the experts op {wanted}")
 
 
-CASES = [  # (routing, mesh shape, axis names, layout, random plan seed, the experts' strategies)
+CASES = [  # (routing, mesh shape, axis names, layout, what a random plan must run, the experts' strategies)
     # expert parallelism: the ranks holding experts 2 and 3 receive no row
     ("two of four", (4,), ("tp",), "expert-parallel", None, {"tp=expert-parallel"}),
     ("two of four", (2, 2), ("dp", "tp"), "expert-parallel", None, {"dp=tokens tp=expert-parallel"}),
     ("one gets all", (4,), ("tp",), "expert-parallel", None, {"tp=expert-parallel"}),   # ranks 1-3 idle
     # experts split with tokens whole (the idle ranks' Partial sums are zero), and the inner dim split
-    ("two of four", (2, 2), ("dp", "tp"), None, 1, {"dp=experts"}),
-    ("two of four", (2, 2), ("dp", "tp"), None, 6, {"dp=expert-parallel tp=tokens", "tp=expert-parallel"}),
+    ("two of four", (2, 2), ("dp", "tp"), None, "experts split, tokens whole", None),
+    ("two of four", (2, 2), ("dp", "tp"), None, "expert-parallel", None),
     ("one gets all", (4,), ("tp",), "megatron-tp", None, {"tp=inner"}),
 ]
 
 
-@pytest.mark.parametrize("routing,shape,names,layout,seed,strategies", CASES,
-                         ids=[f"{c[0].replace(' ', '-')}-{'x'.join(map(str, c[1]))}-{c[3] or f'random{c[4]}'}"
-                              for c in CASES])
-def test_routing_that_leaves_experts_idle_trains_like_one_device(pool4, routing, shape, names, layout, seed,
+@pytest.mark.parametrize("routing,shape,names,layout,random,strategies", CASES,
+                         ids=[f"{c[0].replace(' ', '-')}-{'x'.join(map(str, c[1]))}-{c[3] or 'random'}"
+                              f"{'-' + str(k) if c[4] else ''}" for k, c in enumerate(CASES)])
+def test_routing_that_leaves_experts_idle_trains_like_one_device(pool4, routing, shape, names, layout, random,
                                                                  strategies):
     """Loss and gradients at each of 3 AdamW steps and the parameters after them equal one
     device, under expert parallelism whose idle ranks receive and return no row, and under
     the other ways of splitting the experts op."""
     assert experts_picked(routing) == {"two of four": {0, 1}, "one gets all": {0}}[routing]
-    plan, kinds = _plan(routing, shape, names, layout, seed)
-    assert kinds == strategies, kinds
-    worst = pool4.run(train_routed, routing, plan.to_dict())[0]
+    layers = 1 if random else 2
+    plan, kinds = _plan(routing, shape, names, layout, random, layers)
+    assert random or kinds == strategies, kinds
+    worst = pool4.run(train_routed, routing, plan.to_dict(), layers)[0]
     assert worst["loss"] <= 0 and worst["grad"][0] <= 0 and worst["param"][0] <= 0, worst
 
 

@@ -7,8 +7,16 @@ from structure import findings
 
 def test_no_cycles_private_imports_deferred_imports_or_reach_ins():
     found = findings()
-    assert found == {"cycles": [], "private": [], "deferred": [], "reach_ins": [], "unmapped": [],
-                     "mapped_without_file": [], "upward": []}, found
+    assert found == {"cycles": [], "private": [], "deferred": [], "reach_ins": [], "into_solve": [],
+                     "unmapped": [], "mapped_without_file": [], "upward": []}, found
+
+
+def test_the_checker_sees_the_runtime_reach_into_the_solver():
+    """Passes and runtime call the solver only through its face (autopar.solve.planner)."""
+    import structure
+    edges = [("autopar.runtime.x", "autopar.solve.graph"), ("autopar.runtime.x", "autopar.solve.planner"),
+             ("autopar.passes.y", "autopar.ops.rules"), ("autopar.solve.a", "autopar.solve.b")]
+    assert structure.into_solve(edges) == ["autopar.runtime.x imports autopar.solve.graph"]
 
 
 def test_the_checker_sees_a_cycle(tmp_path, monkeypatch):

@@ -623,6 +623,15 @@ NO_OUTPUT = {"aten._assert_tensor_metadata", "aten._assert_scalar", "aten.sym_co
 TRIVIAL = {"aten.view", "aten.reshape", "aten._unsafe_view", "aten.transpose", "aten.permute",
            "aten.t", "aten.numpy_T", "aten.unsqueeze", "aten.squeeze", "aten.expand", "aten.flatten",
            "aten.unflatten", "aten.view_as_complex", "aten.view_as_real"} | ELEMENTWISE
+# ... of which the views and reshapes (the elementwise ops left out), and aliases
+VIEWS = (TRIVIAL - ELEMENTWISE) | {"aten.alias"}
+
+# matrix products: the outputs selective recomputation keeps when one operand is a weight
+PRODUCTS = frozenset({"aten.linear", "aten.mm", "aten.addmm", "aten.bmm", "aten.matmul", "aten.baddbmm",
+                      "aten.einsum"})
+# the expensive core of a layer, whose outputs selective recomputation always keeps
+ALWAYS_KEPT = frozenset({"aten.scaled_dot_product_attention", "autopar.window_attention", "autopar.experts",
+                         "autopar.grouped_linear"})
 
 # Collectives a named strategy runs inside the op when a letter splits:
 # (kind, bytes as a fraction of the output's first-dim count times 4 bytes).

@@ -250,8 +250,24 @@ class PipelineLayout:
                           group_memory=tuple(dict(m) for m in d.get("group_memory", ()))))
 
 
-# the recomputation modes that keep some ops' outputs (Recompute.kept) and run the rest again
+# the recomputation modes that run a layer's forward again in backward, and those of them
+# that keep some ops' outputs (Recompute.kept) and run the rest again
+RECOMPUTING = ("selective", "alternate", "full")
 SELECTIVE_MODES = ("selective", "alternate")
+
+# how a rank's graph runs: op by op, or its compute between collectives compiled by Inductor
+BACKENDS = ("eager", "inductor")
+
+
+def check_backend(backend: str, auto: bool = False, where: str = "") -> str:
+    """`backend` if it is one of BACKENDS (or, with `auto`, "auto": compile's default, which
+    chooses per device), else a ValueError naming the choices; `where` prefixes the
+    message (e.g. "autopar.compile")."""
+    if backend in BACKENDS or (auto and backend == "auto"):
+        return backend
+    choices = ("'auto' (the default: Inductor on GPUs, eager on CPU ranks), " if auto else "") + \
+        "'eager' (the rank's graph op by op) or 'inductor' (its compute between collectives compiled by torch.compile)"
+    raise ValueError(f"{where + '(' if where else ''}backend={backend!r}{')' if where else ''}: choose {choices}")
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.cost.schedules import SPLIT_BACKWARD
 from autopar.solve.planner import plan as make_plan
-from autopar.solve.problem import check_backend
+from autopar.plan.records import check_backend
 from autopar.mesh import Mesh
 from autopar.passes.redistribute import MeshGroups
 from autopar.plan.plan import Plan

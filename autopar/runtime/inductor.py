@@ -79,8 +79,8 @@ from autopar.runtime.recompute import Region
 from autopar.runtime.reshard import Regather
 from autopar.runtime.rng import draws_nothing, is_random
 from autopar.runtime.split_backward import WEIGHT, TwoPassRun, WeightPasses, mark_weights
-from autopar.solve.graph import VIEWS
-from autopar.solve.recompute import RECOMPUTING
+from autopar.ops.rules import VIEWS
+from autopar.plan.records import RECOMPUTING
 from autopar.trace.paths import block_of, module_path
 
 log = logging.getLogger("autopar")

@@ -43,7 +43,7 @@ from autopar.ops import op_name
 from autopar.passes.recompute import outline_layers
 from autopar.plan.records import SELECTIVE_MODES
 from autopar.runtime.linear_grads import ABSORBS
-from autopar.solve.recompute import PRODUCTS
+from autopar.ops.rules import PRODUCTS
 
 
 _STATE = {"keep": None, "probe": None, "region": None}   # region: the recomputed layer whose forward runs

@@ -10,7 +10,8 @@ from autopar.cost import prices as C
 from autopar import placements as P
 from autopar.plan.plan import Collective, NodeChoice, Prediction
 from autopar.solve.problem import Problem, bucket_kinds
-from autopar.solve.recompute import RECOMPUTING, beyond_linear, mode_costs
+from autopar.plan.records import RECOMPUTING
+from autopar.solve.recompute import beyond_linear, mode_costs
 from autopar.solve.tiers import tier_bytes
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "working")

@@ -9,14 +9,13 @@ from typing import NamedTuple
 import torch
 import torch.fx as fx
 
-from autopar.ops import NO_OUTPUT, TRIVIAL, op_name, outputs_of, tensor_args
-from autopar.ops.rules import ELEMENTWISE, LINEAR_ELEMENTWISE
+from autopar.ops import NO_OUTPUT, op_name, outputs_of, tensor_args
+from autopar.ops.rules import LINEAR_ELEMENTWISE, VIEWS
 from autopar.trace.export import Traced
 from autopar.trace.paths import module_path
 
-# Views cost neither time nor memory (an alias is where a tensor's readers share one move,
-# trace.share_reads); linear elementwise ops and views save nothing for backward.
-VIEWS = (TRIVIAL - ELEMENTWISE) | {"aten.alias"}
+# Views (ops.rules.VIEWS) cost neither time nor memory (an alias is where a tensor's readers
+# share one move, trace.share_reads); linear elementwise ops and views save nothing for backward.
 SAVES_NOTHING = VIEWS | LINEAR_ELEMENTWISE | {"aten.add", "aten.sub", "aten.embedding"}
 
 

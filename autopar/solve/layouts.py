@@ -49,7 +49,7 @@ from torch.distributed.tensor import Replicate, Shard
 from autopar.ops.attention_rule import ATTENTION_OPS
 from autopar.ops.grid_rule import form_of, is_grid
 from autopar.ops.strategy import crossed_axes, passes_partial
-from autopar.solve.graph import VIEWS
+from autopar.ops.rules import VIEWS
 
 
 def tp_axis(mesh) -> int:

@@ -30,7 +30,8 @@ import heapq
 import math
 
 from autopar.ops.rules import ELEMENTWISE
-from autopar.solve.graph import VIEWS, compiles
+from autopar.ops.rules import VIEWS
+from autopar.solve.graph import compiles
 
 # ops the partitioner runs again in backward rather than keep (pointwise ops, views, copies
 # and casts), and reductions it runs again unless they shrink their input more than 4x

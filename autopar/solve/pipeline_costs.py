@@ -20,7 +20,8 @@ from autopar.mesh import Mesh
 from autopar.solve import layouts as B
 from autopar.solve.assemble import assemble
 from autopar.solve.ilp import InfeasibleError
-from autopar.solve.recompute import RECOMPUTING, ModeCosts, layer_paths
+from autopar.plan.records import RECOMPUTING
+from autopar.solve.recompute import ModeCosts, layer_paths
 from autopar.solve.problem import Pricing
 from autopar.solve.solution import Built, build_problem
 from autopar.solve.solved import SolveOptions

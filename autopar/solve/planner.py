@@ -25,7 +25,8 @@ from autopar.solve.overlap import solve_problem, step_lower_bound
 from autopar.solve.pipeline_options import Pipeline
 from autopar.solve.pipeline_costs import stage_problem
 from autopar.solve.pipeline_search import search
-from autopar.solve.problem import Pricing, Problem, check_backend
+from autopar.plan.records import check_backend
+from autopar.solve.problem import Pricing, Problem
 from autopar.solve.recompute import check_mode, layer_slots, recompute_record
 from autopar.solve.recompute_search import solve_summed
 from autopar.solve.solution import Built, build_problem

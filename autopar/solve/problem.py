@@ -30,7 +30,8 @@ from autopar.ops.experts_rule import kept_tokens_factor
 from autopar.ops.grid_rule import is_grid, is_split_norm
 from autopar.ops.rules import ELEMENTWISE
 from autopar.trace.export import Traced
-from autopar.solve.graph import VIEWS, Choice, EdgeKey, PNode, add_gradient_sums, build_nodes
+from autopar.ops.rules import VIEWS
+from autopar.solve.graph import Choice, EdgeKey, PNode, add_gradient_sums, build_nodes
 from autopar.solve.layers import share_layers
 from autopar.solve.partitioned import partitioned_holdings
 from autopar.solve.menus import build_menus, zero_layout
@@ -42,20 +43,6 @@ FUSIBLE = ELEMENTWISE | {"aten.layer_norm", "aten.rms_norm", "aten.softmax", "at
                          "aten._log_softmax"}
 
 UNUSABLE = float("inf")  # a choice pair the runtime cannot run as planned: the ILP never picks it
-
-
-BACKENDS = ("eager", "inductor")
-
-
-def check_backend(backend: str, auto: bool = False, where: str = "") -> str:
-    """`backend` if it is one of BACKENDS (or, with `auto`, "auto": compile's default, which
-    chooses per device), else a ValueError naming the choices; `where` prefixes the
-    message (e.g. "autopar.compile")."""
-    if backend in BACKENDS or (auto and backend == "auto"):
-        return backend
-    choices = ("'auto' (the default: Inductor on GPUs, eager on CPU ranks), " if auto else "") + \
-        "'eager' (the rank's graph op by op) or 'inductor' (its compute between collectives compiled by torch.compile)"
-    raise ValueError(f"{where + '(' if where else ''}backend={backend!r}{')' if where else ''}: choose {choices}")
 
 
 class Pricing(NamedTuple):

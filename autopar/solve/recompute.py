@@ -35,21 +35,13 @@ import math
 import numpy as np
 import torch.fx.traceback as fx_traceback
 
-from autopar.solve.graph import VIEWS, compiles
-from autopar.plan.records import SELECTIVE_MODES, Recompute
+from autopar.ops.rules import ALWAYS_KEPT, PRODUCTS, VIEWS
+from autopar.solve.graph import compiles
+from autopar.plan.records import RECOMPUTING, SELECTIVE_MODES, Recompute
 
 MODES = ("none", "selective", "alternate", "full", "offload")
-# the modes that run a layer's forward again in backward
-RECOMPUTING = ("selective", "alternate", "full")
 # the modes the planner's own search tries per set of identical layers
 SEARCHED = ("selective", "full")
-
-# ops whose outputs "selective" keeps, when one operand is a weight (matrix products) or
-# always (attention and experts: the expensive core of a layer)
-PRODUCTS = frozenset({"aten.linear", "aten.mm", "aten.addmm", "aten.bmm", "aten.matmul", "aten.baddbmm",
-                      "aten.einsum"})
-ALWAYS_KEPT = frozenset({"aten.scaled_dot_product_attention", "autopar.window_attention", "autopar.experts",
-                         "autopar.grouped_linear"})
 
 
 def check_mode(recompute) -> str | None:
