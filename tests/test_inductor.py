@@ -82,8 +82,13 @@ def test_inductor_with_recomputation(pool4, spec, layout, recompute):
     assert result["ok"] and result["failed"] == 0, result
     assert result["layer_regions"] >= len(plan.recompute.layers), result
     if layout == "zero3":   # each layer one compiled run, recomputed inside the compiled backward (a
-        # Megatron TP layer holds more than compute and its weights' gathers: several runs, checkpointed whole)
-        assert result["checkpointed_layers"] == len(plan.recompute.layers), result
+        # Megatron TP layer holds more than compute and its weights' gathers: several runs, checkpointed whole),
+        # but for a layer holding a grad-mode region: transformers before 5.19 compute the rotary table under
+        # no_grad (one wrap_with_set_grad_enabled op), which the first layer takes in and compiles in parts
+        from autopar.trace.export import trace
+        regions = sum(1 for n in trace(model, args, kwargs or None).graph.graph.nodes
+                      if "set_grad_enabled" in str(n.target))
+        assert result["checkpointed_layers"] == len(plan.recompute.layers) - min(regions, 1), result
 
 
 def _graph():
