@@ -805,14 +805,15 @@ def train_stale_and_compare(spec: tuple, plan_dict: dict, steps: int = 3) -> dic
             updates.append(cm.full_grads())
         opt.step()
         opt.zero_grad()
+    reduced = reduction_size(model, args, kwargs)
     for k, (got, want) in enumerate(zip(updates, applied)):
         for name, g in want.items():
-            e = excess(got[name], g)
+            e = excess(got[name], g, reduction_band(g, reduced))
             if e > worst["grad"][0]:
                 worst["grad"] = (e, f"update {k + 1} {name}")
     full = cm.full_state_dict()
     for name in params:
-        e = excess(full[name], params[name])
+        e = excess(full[name], params[name], update_band(steps, "adamw"))
         if e > worst["param"][0]:
             worst["param"] = (e, name)
     synchronous = reference(spec, steps)[2]
