@@ -62,7 +62,7 @@ def test_split_experts_are_priced_no_longer_than_the_capacity():
         assert "caps each expert at 1.250x" in note[0], note
     problem = build_problem(model, mesh, args, {}).problem
     ops = [pn for pn in problem.nodes if pn.kind == "op" and pn.op == "autopar.experts"]
-    assert ops and all(problem.routing_factor(pn, s) <= 1.25 for pn in ops for s in problem.nodes[pn.rep].strategies)
+    assert ops and all(problem.node_prices.routing_factor(pn, s) <= 1.25 for pn in ops for s in problem.nodes[pn.rep].strategies)
 
 
 def test_measured_routing_counts_only_kept_rows():

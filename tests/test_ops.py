@@ -134,7 +134,7 @@ def _menu(model_name, mesh, op, **overrides):
     from autopar.solve.problem import Problem
     from autopar.trace.export import trace
     model, example = build(model_name, device="meta", **overrides)
-    problem = Problem(trace(model, example), mesh)
+    problem = Problem.build(trace(model, example), mesh)
     return problem, [pn for pn in problem.nodes if pn.op == op and pn.rep == pn.index]
 
 

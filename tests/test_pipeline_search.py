@@ -177,15 +177,15 @@ def test_search_builds_each_problem_once(monkeypatch, fixed):
     Problem per (sub-mesh, microbatch) candidate plus the unpipelined one, none rebuilt."""
     import autopar.solve.solution as solution
     built = []
-    original = solution.Problem
+    original = solution.Problem.build
 
-    def counting(traced, mesh, precision=None, grouped_gathers=True, moe_imbalance=None):
+    def counting(traced, mesh, *args, **kwargs):
         inputs = tuple(tuple(n.meta["val"].shape) for n in traced.graph.graph.nodes
                        if n.op == "placeholder" and n.target in traced.user_inputs)
         built.append((mesh.shape, inputs))
-        return original(traced, mesh, precision, grouped_gathers, moe_imbalance)
+        return original(traced, mesh, *args, **kwargs)
 
-    monkeypatch.setattr(solution, "Problem", counting)
+    monkeypatch.setattr(solution.Problem, "build", counting)
     model, example = build("gpt-tiny", device="meta", batch=8)
     mesh = autopar.Mesh((2, 2), ("node", "gpu"), device="h100", bandwidth=(2e9, 300e9))
     plan = autopar.plan(model, mesh, example, compare=False, pipeline=fixed or True)
@@ -207,23 +207,23 @@ def test_forked_workers_build_each_problem_once_and_export_once_each(monkeypatch
     import torch
     import autopar.solve.solution as solution
     log = tmp_path / "calls"
-    original_problem, original_export = solution.Problem, torch.export.export
+    original_problem, original_export = solution.Problem.build, torch.export.export
 
     def record(line):
         with open(log, "a") as f:
             f.write(f"{os.getpid()} {line}\n")
 
-    def counting_problem(traced, mesh, precision=None, grouped_gathers=True, moe_imbalance=None):
+    def counting_problem(traced, mesh, *args, **kwargs):
         rows = {tuple(n.meta["val"].shape)[0] for n in traced.graph.graph.nodes
                 if n.op == "placeholder" and n.target in traced.user_inputs}
         record(f"build {mesh.shape} {sorted(rows)}")
-        return original_problem(traced, mesh, precision, grouped_gathers, moe_imbalance)
+        return original_problem(traced, mesh, *args, **kwargs)
 
     def counting_export(*args, **kwargs):
         record("export")
         return original_export(*args, **kwargs)
 
-    monkeypatch.setattr(solution, "Problem", counting_problem)
+    monkeypatch.setattr(solution.Problem, "build", counting_problem)
     monkeypatch.setattr(torch.export, "export", counting_export)
     model, example = build("gpt-tiny", device="meta", batch=8, n_layers=7)   # (a model no other test traced)
     mesh = autopar.Mesh((2, 2), ("node", "gpu"), device="h100", bandwidth=(2e9, 300e9))

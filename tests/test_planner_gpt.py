@@ -101,11 +101,12 @@ def test_ilp_objective_is_the_predicted_step(name, shape):
     pred = predict(problem, summed.choice)
     seconds = pred.step_s + pred.hidden_s - pred.host_bound_s   # (the host's floor: the same for every plan)
     # (the finite check's all-reduce, where the plan runs it, is the assembled step's alone)
-    seconds -= 0.0 if problem.seen_alike(summed.choice) else sum(st.seconds for st in problem.finite_check)
+    seconds -= 0.0 if problem.steps.seen_alike(problem.edges, summed.choice) else sum(
+        st.seconds for st in problem.steps.finite_check)
     held = pred.memory_total - pred.memory["working"]   # the tie-break sees ZeRO states whole:
     low, high = seconds + MEMORY_TIE_BREAK * held, seconds + MEMORY_TIE_BREAK * held * mesh.size
     # input gradients hidden behind weight gradients: the ILP's edges see them, a tensor several
-    # linears read at least as their cheapest choices' weight gradients hide (Problem._edge_matrix)
+    # linears read at least as their cheapest choices' weight gradients hide (EdgePrices)
     linear = sum(pred.linear_hidden_s.values())
     assert (low - linear) * (1 - 1e-6) <= sol.objective <= high * (1 + 1e-6)
     assert 0 <= pred.hidden_s - linear <= pred.overlappable_s

@@ -90,20 +90,20 @@ def test_zero3_weights_are_priced_as_the_runtimes_buckets():
         a = grouped.nodes[e.a]
         i, j = choice[e.a], choice[e.b]
         key = grouped.rep_edge(e)
-        fwd, bwd = grouped.edge_steps(key, i, j)
+        fwd, bwd = grouped.steps.of(key, i, j)
         # (and the flat buffers' copies around the bucketed calls, which run on the compute stream)
-        copies = grouped.edge_copies.get(key)
+        copies = grouped.edge_prices.copies.get(key)
         copied = float(copies[i, j]) if copies is not None else 0.0
         assert grouped.edge_costs[key][i, j] == pytest.approx(sum(st.seconds for st in fwd + bwd) + copied,
                                                               rel=1e-9, abs=1e-15)
         if e.kind != "data" or a.kind != "param" or not a.requires_grad or not fwd:
             continue
-        whole_fwd, whole_bwd = alone.edge_steps(alone.rep_edge(e), i, j)
-        assert alone.rep_edge(e) not in alone.edge_copies or not alone.edge_copies[alone.rep_edge(e)][i, j]
+        whole_fwd, whole_bwd = alone.steps.of(alone.rep_edge(e), i, j)
+        assert alone.rep_edge(e) not in alone.edge_prices.copies or not alone.edge_prices.copies[alone.rep_edge(e)][i, j]
         assert alone.edge_costs[alone.rep_edge(e)][i, j] == pytest.approx(
             sum(st.seconds for st in whole_fwd + whole_bwd), rel=1e-9, abs=1e-15)
         assert [st.kind for st in fwd] == ["all_gather"]
-        if (a.rep, e.out) in grouped._summed:   # a tied weight: its gradient is summed elsewhere
+        if (a.rep, e.out) in grouped.paths.summed:   # a tied weight: its gradient is summed elsewhere
             assert not fwd[0].bucketed
             continue
         assert [st.kind for st in bwd] == ["reduce_scatter", "all_gather"]

@@ -142,7 +142,7 @@ def test_mixture_of_experts_activations_match_saved_bytes(pool4, layout):
 def test_random_plans_activations_counted_in_their_layouts(pool4, spec):
     """Random valid plans reshard tensors between ops, and the copies the moves make are
     what backward keeps: the plan counts activations storage by storage in the layouts it
-    chose (Problem.kept_bytes: a move's new buffer, or the buffer a trailing slice of dim 0
+    chose (SavedMemory.kept_bytes: a move's new buffer, or the buffer a trailing slice of dim 0
     is a view of), within 5 % of the measurement on every rank, for 5 random plans of
     each model (10 in all)."""
     model, args, kwargs = build_case(spec)

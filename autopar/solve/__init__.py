@@ -1,7 +1,9 @@
 """Stage 5, solving: the planning problem, the ILP, and autopar.plan.
 
-graph.py / layers.py / menus.py / problem.py / reduce.py (the problem: nodes, shared layers,
-strategy menus, costs, the folded ILP view), ilp.py (CP-SAT), solved.py (the records:
+graph.py / layers.py / menus.py (the graph's nodes, shared layers and strategy menus),
+pricing.py / fusion.py / saved_memory.py / node_prices.py / gradient_paths.py / edge_prices.py /
+edge_steps.py (the pieces of the problem's prices), problem.py (Problem, their frozen holder),
+reduce.py (the folded ILP view), ilp.py (CP-SAT), solved.py (the records:
 SolveOptions, Solved, Assignment), fitting.py (one recompute assignment under the budget),
 recompute_search.py (which layers recompute), overlap.py (the overlap-aware second solve),
 assemble.py (a choice's collectives, step and memory), solution.py (Built: a traced, costed

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from autopar.cost import prices as C
 from autopar import placements as P
 from autopar.plan.plan import Collective, NodeChoice, Prediction
-from autopar.solve.problem import Problem, bucket_kinds
+from autopar.solve.gradient_paths import bucket_kinds
+from autopar.solve.problem import Problem
 from autopar.plan.records import RECOMPUTING
 from autopar.solve.recompute import beyond_linear, mode_costs
 from autopar.solve.tiers import tier_bytes
@@ -61,7 +62,7 @@ def assemble(problem: Problem, choice: dict) -> Assembled:
     for i, seconds in tally.copied.items():
         if i in nodes:
             nodes[i] = dataclasses.replace(nodes[i], compute_s=nodes[i].compute_s + seconds)
-    if not problem.seen_alike(choice):   # the ranks compare their finite checks: one scalar all-reduce,
+    if not problem.steps.seen_alike(problem.edges, choice):   # the ranks compare their finite checks: one scalar all-reduce,
         check = tally.finite_check()      # the output node's time
         out = next((i for i, n in nodes.items() if problem.nodes[i].kind == "output"), None)
         if out is not None:
@@ -94,7 +95,7 @@ class _Tally:
         self.folded_at = {}  # owner op -> seconds of them hidden (_fold_linears)
         self.pieces_extra = {}   # row-parallel linear -> the share of its forward its pieces add
         self.first_reader = _first_readers(problem)
-        self.copied = {}     # node index -> seconds of the bucket copies its tensor's moves make (Problem._copies)
+        self.copied = {}     # node index -> seconds of the bucket copies its tensor's moves make (EdgePrices.copies)
         self.edges_into: dict = {}
         for e in problem.edges:  # a data edge belongs to its consumer, a gradient edge to its tensor's producer
             owner = e.b if e.kind == "data" else (e.b if e.kind == "grad_out" else problem.nodes[e.b].source[0])
@@ -106,7 +107,7 @@ class _Tally:
         self.compute += c.compute
         if pn.kind == "op":
             self.op_compute += c.compute
-            if self.problem.launches(pn):
+            if self.problem.node_prices.launches(pn):
                 self.host += self.problem.mesh.device.host_op * (2 if pn.requires_grad else 1)
             fwd = c.forward_s - sum(c.comm) / 2
             half = {}
@@ -116,7 +117,7 @@ class _Tally:
             self.backward[pn.index] = (c.compute - fwd, dict(half))
             self.forward[pn.index] = (fwd, half)
         if pn.kind == "param" and s.zero:  # ZeRO-1/2: updated weights all-gathered after the step
-            for st in self.problem.zero_gather_steps(pn, s):
+            for st in self.problem.node_prices.zero_gather_steps(pn, s):
                 self.comm[st.axis] += st.seconds
                 self.collectives.append(Collective("all_gather", (names[st.axis],), st.nbytes, "step",
                                                    pn.param_name, pn.param_name, st.seconds, st.algorithm))
@@ -124,7 +125,7 @@ class _Tally:
             for a, t in enumerate(c.comm):
                 self.comm[a] += t
             if pn.kind == "op" and any(c.comm):   # a named strategy's own collectives, one per call
-                own = self.problem.internal_collectives(pn, s)
+                own = self.problem.node_prices.internal_collectives(pn, s)
                 times = [C.collective_time(kind, nbytes, axis, self.problem.mesh) for kind, axis, nbytes, _ in own]
                 scale = sum(c.comm) / sum(times) if sum(times) else 0.0   # (an experts op's routing factor)
                 for (kind, axis, nbytes, phase), t in zip(own, times):
@@ -133,10 +134,10 @@ class _Tally:
             self.memory[k] += v
 
     def finite_check(self) -> float:
-        """The finite check's all-reduce (Problem.finite_check), after backward, hiding
+        """The finite check's all-reduce (EdgeSteps.finite_check), after backward, hiding
         nothing; returns its seconds."""
         names, seconds = self.problem.mesh.axis_names, 0.0
-        for st in self.problem.finite_check:
+        for st in self.problem.steps.finite_check:
             self.comm[st.axis] += st.seconds
             seconds += st.seconds
             self.collectives.append(Collective(st.kind, (names[st.axis],), st.nbytes, "step", "output",
@@ -148,13 +149,13 @@ class _Tally:
         problem, choice, names = self.problem, self.choice, self.problem.mesh.axis_names
         edge_comm = 0.0
         for e in self.edges_into.get(pn.index, ()):
-            fwd, bwd = problem.edge_steps(problem.rep_edge(e), choice[e.a], choice[e.b])
-            copies = problem.edge_copies.get(problem.rep_edge(e))
+            fwd, bwd = problem.steps.of(problem.rep_edge(e), choice[e.a], choice[e.b])
+            copies = problem.edge_prices.copies.get(problem.rep_edge(e))
             if copies is not None:
                 # the flat buffers' copies around bucketed moves: compute, shown as the
                 # parameter's where they run once per step, else as the reader's
                 seconds = float(copies[choice[e.a], choice[e.b]])
-                once = float(problem.edge_copies_once[problem.rep_edge(e)][choice[e.a], choice[e.b]])
+                once = float(problem.edge_prices.copies_once[problem.rep_edge(e)][choice[e.a], choice[e.b]])
                 self.compute += seconds
                 at = e.a if e.kind == "data" else pn.index
                 at = at if problem.nodes[at].kind == "param" else _upstream_param(problem, at)
@@ -181,7 +182,7 @@ class _Tally:
                     if phase == "backward" and st.bucketed and st.kind != "all_gather":   # a gradient bucket
                         at = pn.index if e.kind == "data" else self.first_reader.get(param.index)
                         _add(self.bucketed.setdefault(at, {}), on, st.seconds)
-                        if problem.accumulation > 1 and st.kind in bucket_kinds(
+                        if problem.pricing.accumulation > 1 and st.kind in bucket_kinds(
                                 problem.nodes[param.rep].strategies[choice[param.index]]):
                             _add(self.once.setdefault(at, {}), on, st.seconds)
                     elif phase == "backward" and folded:
@@ -194,7 +195,7 @@ class _Tally:
 
     def _reduction(self, e, backward: bool):
         """Edge e's forward or backward move's one all-reduce or reduce-scatter (Step), or None."""
-        return self.problem.edge_reduction(self.problem.rep_edge(e), self.choice[e.a], self.choice[e.b], backward)
+        return self.problem.steps.reduction(self.problem.rep_edge(e), self.choice[e.a], self.choice[e.b], backward)
 
     def _linear_readers(self, e) -> tuple:
         """The linears whose weight gradients the runtime computes while edge e's backward
@@ -230,7 +231,7 @@ class _Tally:
         local = P.local_shape(a.out_shapes[e.out], s.outputs[e.out], self.problem.mesh.shape)
         if C.gemm_chunk_dim(local, step.kind, step.dim) is None:
             return ()
-        self.pieces_extra[e.a] = self.problem.pieces_extra(a, s, local)
+        self.pieces_extra[e.a] = self.problem.edge_prices.pieces_extra(a, s, local)
         return (e.a,)
 
     def _fold_linears(self, overlap: bool, kept=frozenset()) -> dict:
@@ -238,7 +239,7 @@ class _Tally:
         gradient's against its linears' weight gradients (their backward less the input
         gradient's GEMM, as long as their forward), a row-parallel output's pieces against
         the next piece's forward (all but the last piece's, GEMM_CHUNKS pieces, less what
-        the GEMM loses in pieces: Problem.pieces_extra).  The part
+        the GEMM loses in pieces: EdgePrices.pieces_extra).  The part
         that outlasts them is the owner's synchronous communication; returns what is hidden
         by mesh axis name (nothing where the device is not asynchronous).  kept: the ops
         selective recomputation keeps; the runtime does not fold an input gradient whose
@@ -292,7 +293,7 @@ class _Tally:
         comm_by_axis = {mesh.axis_names[a]: self.comm[a] for a in range(mesh.ndim)}
         # a CPU rank's collectives reduce on the cores its compute uses: nothing is hidden there
         overlap = mesh.device.asynchronous
-        linear_hidden = self._fold_linears(overlap and problem.folds_tp, costs.kept if costs is not None else frozenset())
+        linear_hidden = self._fold_linears(overlap and problem.edge_prices.folds_tp, costs.kept if costs is not None else frozenset())
         prefetch = hidden_prefetch_seconds(self.forward, self.gathers) if overlap else 0.0
         hidden = (self.hidden_gradients() if overlap else 0.0) + prefetch + sum(linear_hidden.values())
         contended = 0.0
@@ -306,21 +307,21 @@ class _Tally:
                      for name in ("gathers", "bucketed", "once")}
             contended = max(0.0, hidden_prefetch_seconds(free["forward"], strip["gathers"])
                             + hidden_gradients(free["backward"], strip["bucketed"], strip["once"],
-                                               problem.accumulation) - (hidden - sum(linear_hidden.values())))
+                                               problem.pricing.accumulation) - (hidden - sum(linear_hidden.values())))
         gathered = sum(_seconds(g) for g in self.gathers.values())
         return Prediction(compute + sum(self.comm) - hidden, compute, comm_by_axis, memory, hidden,
                           sum(_seconds(b) for b in self.bucketed.values()) + gathered, prefetch,
-                          gathered, host_bound, problem.step_memory(choice),
+                          gathered, host_bound, problem.node_prices.step_memory(choice),
                           {k: v for k, v in tiers.items() if v}, contended, linear_hidden)
 
     def hidden_gradients(self) -> float:
         """What backward hides of the gradient buckets (`hidden_gradients`)."""
-        return hidden_gradients(self.backward, self.bucketed, self.once, self.problem.accumulation)
+        return hidden_gradients(self.backward, self.bucketed, self.once, self.problem.pricing.accumulation)
 
 
 def _upstream_param(problem: Problem, index: int) -> int:
     """The first parameter (breadth first) among the ancestors of node `index` (a tensor
-    computed from parameters alone whose gradient joins their buckets, Problem._cones),
+    computed from parameters alone whose gradient joins their buckets, GradientPaths.cones),
     or `index` where there is none."""
     todo, seen = [index], {index}
     while todo:

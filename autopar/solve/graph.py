@@ -69,7 +69,7 @@ class Choice:
     memory: dict           # "params", "grads", "optimizer", "activations" -> bytes
     plain_memory: float | None = None  # what the memory tie-break sees (ZeRO savings left out)
     forward_s: float = 0.0             # the forward alone (what recomputation runs again)
-    work: float = 0.0                  # bytes live beyond the saved ones while it runs (see Problem._choice)
+    work: float = 0.0                  # bytes live beyond the saved ones while it runs (see NodePrices)
     step_memory: float = 0.0           # bytes the optimizer step allocates while it updates this parameter
 
     @property
@@ -155,6 +155,21 @@ def add_gradient_sums(nodes: list) -> tuple[dict, dict]:
         nodes.append(gs)
         gradsum_of[(src, out)] = gs.index
     return readers, gradsum_of
+
+
+def concrete_edges(nodes: list, gradsum_of: dict) -> list:
+    """Every edge of the graph (EdgeKey): each operand read ("data"), each consumer's
+    gradient joining a gradient sum ("grad_in"), each sum reaching its tensor ("grad_out")."""
+    edges = []
+    for pn in nodes:
+        for k, (src, out) in enumerate(pn.inputs):
+            edges.append(EdgeKey("data", src, pn.index, out, k))
+            gs = gradsum_of.get((src, out))
+            if gs is not None:
+                edges.append(EdgeKey("grad_in", pn.index, gs, out, k))
+    for (src, out), gs in gradsum_of.items():
+        edges.append(EdgeKey("grad_out", gs, src, out, 0))
+    return edges
 
 
 def draws_random(node) -> bool:

@@ -66,7 +66,7 @@ def solve_problem(problem: Problem, rule, budget, options: SolveOptions = SolveO
     arguments, when the caller has it."""
     best = summed or solve_summed(problem, rule, budget, options, minimise_memory=minimise_memory,
                                   recompute=recompute)
-    if minimise_memory or not problem.mesh.device.asynchronous or not problem.edge_bucketed:
+    if minimise_memory or not problem.mesh.device.asynchronous or not problem.edge_prices.bucketed:
         return best
     first = predict(problem, best.choice)
     if best.kept is not None:   # recomputing won on summed seconds; keeping every activation may hide more

@@ -5,7 +5,7 @@ compiler's partitioner, which saves for backward only what it cannot cheaply run
 pointwise op's output (a GELU's inner terms, a norm's scaled input, SwiGLU's gated
 product) is recomputed in backward from what is kept anyway, where eager autograd keeps
 every operand each op's derivative reads.  The model here, per tensor that some op's
-derivative reads (Problem.holdings):
+derivative reads (SavedMemory.holdings):
 
 - it is kept when its producer is not recomputable: a matrix product, attention, an
   embedding, a norm or softmax kernel, a reduction that shrinks its input more than
@@ -41,12 +41,12 @@ RECOMPUTABLE = (ELEMENTWISE - {"aten.dropout", "aten.native_dropout"}) | VIEWS |
 REDUCTIONS = frozenset({"aten.sum", "aten.mean", "aten.amax", "aten.amin", "aten.var", "aten.std"})
 
 
-def partitioned_holdings(problem) -> dict:
-    """node index -> the holdings (Problem.holdings' items) a compiled step keeps for it,
+def partitioned_holdings(nodes: list, holdings: dict, block: dict, storage_root) -> dict:
+    """node index -> the holdings (SavedMemory.holdings' items) a compiled step keeps for it,
     under the module docstring's model; items of tensors run again are dropped, and a
-    recomputed op holds (as "in" items) the operands it reads that are kept."""
-    nodes = problem.nodes
-    region = _regions(problem)
+    recomputed op holds (as "in" items) the operands it reads that are kept.  block: node
+    index -> its layer (solve/layers.py); storage_root: SavedMemory.storage_root."""
+    region = _regions(nodes, block)
     kept: dict = {}
     needs: dict = {}   # storage -> [(reader, item, whether the reader's derivative is pointwise)]
     heap: list = []
@@ -57,7 +57,7 @@ def partitioned_holdings(problem) -> dict:
             heapq.heappush(heap, (-key[0], -key[1]))
         needs[key].append((reader, item, pointwise))
 
-    for n, items in problem.holdings.items():
+    for n, items in holdings.items():
         pn = nodes[n]
         pointwise = recomputable(pn)
         kept[n] = []
@@ -74,7 +74,7 @@ def partitioned_holdings(problem) -> dict:
         if src.kind == "op" and recomputable(src) and all(
                 pointwise and region.get(reader) == region.get(src.index) for reader, _, pointwise in readers):
             for k, (s, o) in enumerate(src.inputs):   # run again: what it reads is needed
-                root = problem.storage_root(s, o)
+                root = storage_root(s, o)
                 head = nodes[root[0]]
                 if head.kind != "op":
                     kept.setdefault(src.index, []).append((None, "leaf", k, 0.0))
@@ -104,14 +104,14 @@ def _in_shapes(pn) -> list:
             if hasattr(a.meta.get("val"), "shape")]
 
 
-def _regions(problem) -> dict:
+def _regions(nodes: list, block: dict) -> dict:
     """op index -> its compiled region: a new one at each layer's bounds and around each op
     that runs eagerly."""
     out, region, last = {}, 0, None
-    for pn in problem.nodes:
+    for pn in nodes:
         if pn.kind != "op":
             continue
-        where = problem.block.get(pn.index)
+        where = block.get(pn.index)
         if not compiles(pn):
             region += 1
             out[pn.index] = region

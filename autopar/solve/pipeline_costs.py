@@ -22,7 +22,7 @@ from autopar.solve.assemble import assemble
 from autopar.solve.ilp import InfeasibleError
 from autopar.plan.records import RECOMPUTING
 from autopar.solve.recompute import ModeCosts, layer_paths
-from autopar.solve.problem import Pricing
+from autopar.solve.pricing import Pricing
 from autopar.solve.solution import Built, build_problem
 from autopar.solve.solved import SolveOptions
 from autopar.trace.batching import batch_size, first_microbatch
@@ -119,10 +119,8 @@ def stage_problem(model, mesh, example_inputs, example_kwargs, mixed_precision, 
     batch = batch_size(example_inputs, example_kwargs)
     pricing = (pricing or Pricing())._replace(accumulation=max(batch // mb_size, 1))
     args, kwargs = first_microbatch((tuple(example_inputs), example_kwargs), batch, mb_size)
-    built = build_problem(model, sub, args, kwargs, mixed_precision, tuple(sub_shape) == tuple(mesh.shape),
-                          pricing)
-    built.problem.pipelined = True
-    return built
+    return build_problem(model, sub, args, kwargs, mixed_precision, tuple(sub_shape) == tuple(mesh.shape),
+                         pricing, pipelined=True)
 
 
 class StageCosts:
@@ -292,7 +290,7 @@ class _Split:
         total = n.compute_s + n.comm_s
         o = once.get(n.name, 0.0) + ((once.get(n.module, 0.0) + n.compute_s) if pn.kind == "param" else 0.0)
         per_mb = max(total - o, 0.0)
-        o *= self.problem.accumulation   # (priced at its share of one microbatch: stage_problem)
+        o *= self.problem.pricing.accumulation   # (priced at its share of one microbatch: stage_problem)
         bwd_share = BACKWARD_SHARE if pn.requires_grad else 0.0
         f = per_mb * (1 - bwd_share)
         b["backward_s"] += per_mb * bwd_share
@@ -300,7 +298,7 @@ class _Split:
         self.forward[idx] = f if pn.kind == "op" else 0.0
         b["once_s"] += o
         b["sync_s"] += min(o, (self.sync.get(n.name, 0.0) + (self.sync.get(n.module, 0.0) if pn.kind == "param" else 0.0))
-                           * self.problem.accumulation)
+                           * self.problem.pricing.accumulation)
         hidden = min(self.folded.get(idx, 0.0), per_mb)   # (split as the node's seconds are)
         b["folded_forward"] += hidden * (1 - bwd_share)
         b["folded_backward"] += hidden * bwd_share
@@ -309,7 +307,7 @@ class _Split:
         if pn.kind == "param":
             st = self.problem.nodes[pn.rep].strategies[self.choice[idx]]
             ways = math.prod(self.problem.mesh.shape[a] for a in st.zero_axes) if st.zero == 2 else 1
-            b["synced_grads"] += c.memory["grads"] / ways if self.problem.accumulation > 1 else c.memory["grads"]
+            b["synced_grads"] += c.memory["grads"] / ways if self.problem.pricing.accumulation > 1 else c.memory["grads"]
         b["working"] = max(b["working"], c.work if pn.kind == "op" else 0.0)
         if key == "prefix" and pn.kind == "param" and _read_after_layers(self.problem, pn, prefix):
             for kind in STATES:   # a tied head: the last stage holds it too
@@ -341,7 +339,7 @@ class _Split:
                     by_layer.setdefault(self.keys.get(n), []).append((n, item))
                 for key, entries in by_layer.items():
                     if key in got:
-                        held = problem.kept_bytes(choice, entries)
+                        held = problem.saved.kept_bytes(choice, entries)
                         got[key]["forward_s"] += costs.crossing * held / 2
                         got[key]["backward_s"] += costs.crossing * held / 2
                         got[key]["host"] += held

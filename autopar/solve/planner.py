@@ -26,7 +26,8 @@ from autopar.solve.pipeline_options import Pipeline
 from autopar.solve.pipeline_costs import stage_problem
 from autopar.solve.pipeline_search import search
 from autopar.plan.records import check_backend
-from autopar.solve.problem import Pricing, Problem
+from autopar.solve.pricing import Pricing
+from autopar.solve.problem import Problem
 from autopar.solve.recompute import check_mode, layer_slots, recompute_record
 from autopar.solve.recompute_search import solve_summed
 from autopar.solve.solution import Built, build_problem
@@ -500,23 +501,23 @@ def _make_plan(problem, model, mesh, choice, sol, origin, compared, budget, timi
                 graph=graph_signature(problem.traced.graph),
                 notes=tuple(m.removeprefix("autopar: ") for m in problem.warnings
                             if not m.startswith("autopar: no sharding rule")) + _routing_notes(problem, choice),
-                recompute=chosen, backend=problem.backend, accumulation=problem.accumulation,
-                tp_overlap=problem.tp_overlap)
+                recompute=chosen, backend=problem.pricing.backend, accumulation=problem.pricing.accumulation,
+                tp_overlap=problem.pricing.tp_overlap)
 
 
 def _routing_notes(problem, choice) -> tuple:
     """What a mixture-of-experts plan's price assumes about routing: the busiest expert
-    rank's rows over the mean, as priced (Problem.routing_factor)."""
-    factors = [problem.routing_factor(pn, problem.nodes[pn.rep].strategies[choice[pn.index]])
+    rank's rows over the mean, as priced (NodePrices.routing_factor)."""
+    factors = [problem.node_prices.routing_factor(pn, problem.nodes[pn.rep].strategies[choice[pn.index]])
                for pn in problem.nodes if pn.kind == "op" and pn.op == "autopar.experts"]
     split = [f for f in factors if f > 1.0]
     if not split:
         return ()
-    if isinstance(problem.moe_imbalance, dict):
+    if isinstance(problem.pricing.moe_imbalance, dict):
         how = "measured on the example batch: " + ", ".join(
-            f"{f:.3f} over {ways} ranks" for ways, f in problem.moe_imbalance.items())
-    elif problem.moe_imbalance is not None:
-        how = f"moe_imbalance={problem.moe_imbalance:g}"
+            f"{f:.3f} over {ways} ranks" for ways, f in problem.pricing.moe_imbalance.items())
+    elif problem.pricing.moe_imbalance is not None:
+        how = f"moe_imbalance={problem.pricing.moe_imbalance:g}"
     else:
         how = ("uniformly random routing of this batch; a trained router is seldom as even: say how uneven "
                "with autopar.plan(moe_imbalance=...)")

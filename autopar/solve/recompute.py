@@ -114,7 +114,7 @@ class ModeCosts:
         for n, item in self.entries:
             pn = nodes[n]
             share = holders[item[0]] if item[0] is not None else 1
-            arr = problem.held_array(pn, item) / share
+            arr = problem.saved.held_array(pn, item) / share
             self.activations[pn.rep] = self.activations.get(pn.rep, 0.0) + arr
             keeps[n] = keeps.get(n, 0.0) + arr
         self.keeps = keeps
@@ -134,7 +134,7 @@ class ModeCosts:
         self.linear_crossing: dict = {}   # rep -> the linear terms of the crossings, per strategy
         self.problem = problem
         seen = set()
-        for n, held in problem.holdings.items():
+        for n, held in problem.saved.holdings.items():
             if self.modes.get(layer.get(n)) != "offload":
                 continue
             pn = nodes[n]
@@ -143,7 +143,7 @@ class ModeCosts:
                 if item[0] is not None and item[0] in seen:
                     continue
                 seen.add(item[0])
-                term = self.crossing * problem.held_array(pn, item)
+                term = self.crossing * problem.saved.held_array(pn, item)
                 self.extra[pn.rep] = self.extra.get(pn.rep, 0.0) + term
                 self.linear_crossing[pn.rep] = self.linear_crossing.get(pn.rep, 0.0) + term
 
@@ -166,7 +166,7 @@ class ModeCosts:
         """Activation bytes per device the offloaded layers keep in host memory: their
         storages, each once (the runtime copies a storage once however many views of it
         are saved)."""
-        return float(problem.kept_bytes(choice, self.host_entries)) if self.host_entries else 0.0
+        return float(problem.saved.kept_bytes(choice, self.host_entries)) if self.host_entries else 0.0
 
     def activation_bytes(self, choice: dict) -> float:
         """Activation bytes per device of a choice under these modes."""
@@ -199,7 +199,7 @@ def compiled_whole(problem, modes: dict, layer: dict) -> set:
     """The paths of the selective layers that backend "inductor" compiles as one region with
     the checkpoint inside (runtime/inductor: every op of the layer an ATen op that draws no
     random numbers, and torch new enough to annotate the kept ops)."""
-    if problem.backend != "inductor" or not hasattr(fx_traceback, "annotate"):
+    if problem.pricing.backend != "inductor" or not hasattr(fx_traceback, "annotate"):
         return set()
     paths = {path for path, mode in modes.items() if mode in SELECTIVE_MODES}
     for n, path in layer.items():
@@ -246,16 +246,16 @@ def _read_in_backward(problem, nodes_of_layer: list, kept: set) -> set:
             todo.append(key)
 
     for n in nodes_of_layer:
-        for key, kind, index, _ in problem.holdings.get(n, ()):
+        for key, kind, index, _ in problem.saved.holdings.get(n, ()):
             if kind == "in":
-                need(problem.storage_root(*nodes[n].inputs[index]))
+                need(problem.saved.storage_root(*nodes[n].inputs[index]))
             elif kind == "out":
                 need(key)
     while todo:
         src, _ = todo.pop()
         if src in mine and src not in kept and nodes[src].kind == "op":
             for s, o in nodes[src].inputs:   # (run again in backward: reads its operands)
-                need(problem.storage_root(s, o))
+                need(problem.saved.storage_root(s, o))
     return needed
 
 
@@ -279,10 +279,10 @@ def _holdings(problem, modes: dict, layer: dict, kept: set, compiled: set = froz
         if item[0] is not None:
             holders[item[0]] = holders.get(item[0], 0) + 1
 
-    for n in sorted(set(problem.holdings) | set(problem.kept_holdings)):
+    for n in sorted(set(problem.saved.holdings) | set(problem.saved.kept_holdings)):
         mode = modes.get(layer.get(n), "none")
         # (kept as a step keeps them: compiled, less what the partitioner runs again)
-        held = problem.kept_holdings.get(n, ()) if mode == "none" else problem.holdings.get(n, ())
+        held = problem.saved.kept_holdings.get(n, ()) if mode == "none" else problem.saved.holdings.get(n, ())
         if mode == "offload":
             continue   # (all of it in host memory)
         if mode == "none":
@@ -308,7 +308,7 @@ def _holdings(problem, modes: dict, layer: dict, kept: set, compiled: set = froz
             for k, (src, o) in enumerate(pn.inputs):
                 if layer.get(src) == path:
                     continue   # (a region holds every input it reads, rotary tables and masks too,
-                key = problem.storage_root(src, o)   # as its ops read them: after their moves)
+                key = problem.saved.storage_root(src, o)   # as its ops read them: after their moves)
                 root = nodes[key[0]]
                 if root.kind != "op":
                     hold(pn.index, (None, "leaf", k, 0.0))   # (counted only as a move's copy)
@@ -339,7 +339,7 @@ def _forward_again(problem, modes: dict, layer: dict, kept: set) -> tuple:
             continue
         key = problem.rep_edge(e)
         if key not in moving:
-            fwd = problem.edge_forward.get(key)
+            fwd = problem.edge_prices.forward.get(key)
             moving[key] = fwd if fwd is not None and fwd.any() else None
         if moving[key] is not None:
             edge_extra[key] = edge_extra.get(key, 0.0) + moving[key]
@@ -363,13 +363,13 @@ def beyond_linear(problem, choice: dict, costs: ModeCosts | None = None) -> tupl
     into its two moments (a lower, plan-dependent reserve made the budgeted search's plans
     less monotonic in the budget)."""
     if costs is None:
-        entries = problem.saved_entries()
+        entries = problem.saved.saved_entries()
         linear = sum(problem.choices[pn.rep][choice[pn.index]].memory["activations"] for pn in problem.nodes)
     else:
         entries, linear = costs.entries_for(problem, choice), costs.activation_bytes(choice)
-    exact = problem.kept_bytes(choice, entries)
+    exact = problem.saved.kept_bytes(choice, entries)
     work = working_bytes(problem, choice, costs)
-    return exact, work, max(exact + work, problem.step_memory(choice)) - linear
+    return exact, work, max(exact + work, problem.node_prices.step_memory(choice)) - linear
 
 
 def working_bytes(problem, choice: dict, costs: ModeCosts | None = None) -> float:
@@ -409,7 +409,7 @@ def recompute_record(problem, choice, predicted, forced):
     kept = tuple(pn.name for pn in problem.nodes if pn.index in costs.kept)
     whole = tuple(pn.name for pn in problem.nodes if pn.name in kept
                   and problem.nodes[pn.rep].strategies[choice[pn.index]].comm)
-    keeping = problem.kept_bytes(choice, problem.saved_entries())
+    keeping = problem.saved.kept_bytes(choice, problem.saved.saved_entries())
     added = costs.seconds(choice)
     note = ""
     if any(m in SELECTIVE_MODES for m in modes.values()):

@@ -82,9 +82,10 @@ class Built:
         return self._summed if self._summed is not None and self._summed.memory <= limit else None
 
 
-def build_problem(model, mesh, args, kwargs, mixed_precision=None, grouped_gathers=True, pricing=None) -> Built:
+def build_problem(model, mesh, args, kwargs, mixed_precision=None, grouped_gathers=True, pricing=None,
+                  pipelined=False) -> Built:
     """Trace `model` on (args, kwargs) and build its strategy menus and costs on `mesh`
-    (grouped_gathers, pricing: see Problem).
+    (grouped_gathers, pricing, pipelined: see Problem).
     Under mixed precision what runs is traced: the model cast to param_dtype on meta inputs.
     Repeated layers are traced three of them and written out (autopar/trace/unroll.py): the same
     graph the runtime traces, checked by its signature when the plan is compiled."""
@@ -92,7 +93,7 @@ def build_problem(model, mesh, args, kwargs, mixed_precision=None, grouped_gathe
     traced = planning_trace(model, args, kwargs, mixed_precision)
     check_loss_output(model, traced)
     t_trace = time.perf_counter() - start
-    problem = Problem(traced, mesh, mixed_precision, grouped_gathers, pricing)
+    problem = Problem.build(traced, mesh, mixed_precision, grouped_gathers, pricing, pipelined)
     t_build = time.perf_counter() - start - t_trace
     log.info("built strategy menus and costs in %.2fs", t_build)
     return Built(problem, t_trace, t_build)
