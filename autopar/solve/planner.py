@@ -5,7 +5,6 @@ import contextlib
 import dataclasses
 import gc
 import logging
-import math
 import random
 import threading
 import time
@@ -16,8 +15,9 @@ import torch
 from autopar.cost.precision import MixedPrecision
 from autopar.mesh import Mesh, parse_bytes
 from autopar.plan.plan import ParamState, Plan, SolverStats, Timing
-from autopar.solve import layouts as B
-from autopar.solve.assemble import assemble, predict
+from autopar.solve.assemble import assemble
+from autopar.solve.infeasible import infeasible_error
+from autopar.solve.layout_checks import check_layout, compare_layouts, faster_layout
 from autopar.solve.ilp import InfeasibleError
 from autopar.placements import same_local_shape
 from autopar.solve.menus import HEADS_NOTE
@@ -28,8 +28,7 @@ from autopar.solve.pipeline_search import search
 from autopar.plan.records import check_backend
 from autopar.solve.pricing import Pricing
 from autopar.solve.problem import Problem
-from autopar.solve.recompute import check_mode, layer_slots, recompute_record
-from autopar.solve.recompute_search import solve_summed
+from autopar.solve.recompute import check_mode, recompute_record
 from autopar.solve.solution import Built, build_problem
 from autopar.solve.solved import SolveOptions
 from autopar.solve.tiers import TierCapacityError, fill_device, within_tiers
@@ -245,7 +244,7 @@ def _plans_built(built: Built, model, mesh: Mesh, request: Request, start, recom
     """_plan_built, or the random plans when the request has seeds, in a list."""
     if request.seeds is None:
         return [_plan_built(built, model, mesh, request, start, recompute, staged, stage_layout)]
-    every = _check_layout(built.problem, model, mesh, request.layout)
+    every = check_layout(built.problem, model, mesh, request.layout)
     rule = every.get(request.layout) if request.layout is not None else None
     return [_make_plan(built.problem, model, mesh, _random_choice(built.problem, s, rule), None, f"random:{s}", {},
                        request.budget, Timing(trace_s=built.trace_s, costs_s=built.costs_s,
@@ -262,7 +261,7 @@ def _plan_built(built: Built, model, mesh: Mesh, request: Request, start, recomp
     hand-written `stage_layout` where the search priced the stages in one."""
     problem, layout, options = built.problem, request.layout, request.options
     limit = request.budget if request.budget is not None else mesh.device.memory
-    every = _check_layout(problem, model, mesh, layout)
+    every = check_layout(problem, model, mesh, layout)
     rule = every.get(layout if layout is not None or not staged else stage_layout)
     try:
         plain_modes = layout is None and recompute in (None, "none")
@@ -278,12 +277,12 @@ def _plan_built(built: Built, model, mesh: Mesh, request: Request, start, recomp
     except TierCapacityError:   # (its own message says what to do)
         raise
     except InfeasibleError:
-        raise _infeasible(problem, model, mesh, limit, options, recompute) from None
+        raise infeasible_error(problem, model, mesh, limit, options, recompute) from None
     choice, compared = best.choice, {}
     if request.compare:
-        compared, choices = _compare_layouts(problem, mesh, options, recompute)
+        compared, choices = compare_layouts(problem, mesh, options, recompute)
         if layout is None and not staged:
-            choice = _faster_layout(problem, choice, compared, choices, limit)
+            choice = faster_layout(problem, choice, compared, choices, limit)
     timing = Timing(trace_s=built.trace_s, costs_s=built.costs_s, solve_s=best.solution.seconds,
                     total_s=time.perf_counter() - start)
     origin = "ilp" if layout is None else f"layout:{layout}"
@@ -292,57 +291,6 @@ def _plan_built(built: Built, model, mesh: Mesh, request: Request, start, recomp
     log.info("planned %s on %s in %.2fs (trace %.2fs)", type(model).__name__, mesh, time.perf_counter() - start,
              built.trace_s)
     return result
-
-
-def _check_layout(problem, model, mesh: Mesh, layout) -> dict:
-    """Every hand-written layout of `mesh` (name -> rule); raises ValueError for a `layout`
-    that is unknown or not possible for this model."""
-    every = B.layouts(mesh, every=True)
-    if layout in B.GRID_LAYOUTS and layout not in every:
-        raise ValueError(f"layout {layout!r} is not possible on mesh {mesh}: {B.grid_misfit(layout, mesh)}")
-    if layout is not None and layout not in every:
-        raise ValueError(f"unknown layout {layout!r} for mesh {mesh}; choose one of {sorted(every)}")
-    if layout is not None and B.unavailable(every[layout], problem):
-        raise ValueError(f"layout {layout!r} is not possible for {type(model).__name__} on {mesh}: "
-                         f"{B.unavailable(every[layout], problem)}")
-    if layout is not None and layout.startswith(("context-parallel", "ulysses")) and not B.relevant(layout, problem):
-        log.warning("layout %r splits attention by sequence, but %s has no fused attention op "
-                    "(torch.nn.functional.scaled_dot_product_attention) to split: its attention is "
-                    "written out in matmuls and softmax, which this layout keeps whole, so it trains as %s. "
-                    "Call scaled_dot_product_attention in the model's attention to split it by sequence",
-                    layout, type(model).__name__,
-                    "Megatron-style tensor parallelism" if "megatron" in layout else
-                    "ZeRO-3" if "zero3" in layout else "data parallelism")
-    if layout == "expert-parallel" and not any(pn.op == "autopar.experts" for pn in problem.nodes):
-        log.warning("layout 'expert-parallel' splits mixture-of-experts ops, but %s has none autopar takes as its "
-                    "experts op (stacked experts modules, grouped experts, or a container of expert MLPs with a "
-                    "one-hot dispatch mask): experts written out in einsums or batched matmuls stay whole under "
-                    "it, so it trains as data parallelism. Leave layout unset: the solver splits such experts "
-                    "by their expert dim where that pays", type(model).__name__)
-    return every
-
-
-def _compare_layouts(problem, mesh: Mesh, options: SolveOptions, recompute) -> tuple:
-    """(name -> Prediction, or why not, of each hand-written layout relevant to the problem;
-    name -> its choice, of those solved)."""
-    rules = B.layouts(mesh)
-    if any(pn.op == "autopar.experts" for pn in problem.nodes):
-        rules["expert-parallel"] = B.layouts(mesh, every=True)["expert-parallel"]
-    compared, choices = {}, {}
-    for name, rule in rules.items():
-        if not B.relevant(name, problem):
-            continue
-        if B.unavailable(rule, problem):
-            compared[name] = B.unavailable(rule, problem)
-            continue
-        try:
-            # (summed, not re-solved for overlap: a hand-written layout leaves few choices)
-            c = solve_summed(problem, rule, None, options, recompute=recompute).choice
-            compared[name] = predict(problem, c)
-            choices[name] = c
-        except InfeasibleError as exc:
-            compared[name] = str(exc)
-    return compared, choices
 
 
 def _plan_with_pipeline(model, mesh, request: Request) -> Plan:
@@ -396,81 +344,6 @@ def _plain_plan(model, mesh, request: Request, choice) -> Plan | None:
         return _plans_built(choice.plain, model, mesh, request, time.perf_counter(), request.recompute)[0]
     except InfeasibleError:
         return None
-
-
-def _infeasible(problem, model, mesh, limit, options: SolveOptions, recompute=None) -> InfeasibleError:
-    """The error for a budget no plan fits: the memory of the least-memory plan found (the
-    minimum of the ILP's linear memory sum, plus that plan's working memory: an upper bound
-    on the true least, which the message says), what it is made of, and what would make the
-    model fit (recomputation among it, with what it saves)."""
-    layered = bool(layer_slots(problem))
-    keep = solve_problem(problem, None, None, options, minimise_memory=True, recompute="none")
-    kept_floor = keep.memory
-    least = recompute if recompute in ("selective", "alternate", "full", "offload") else (
-        "offload" if layered and recompute is None else "none")   # (offload keeps the fewest activations)
-    least_plan = solve_problem(problem, None, None, options, minimise_memory=True, recompute=least) \
-        if least != "none" else keep
-    choice, floor = least_plan.choice, least_plan.memory
-    memory = predict(problem, choice).memory
-    gib = 2**30
-    parts = ", ".join(f"{k} {v / gib:.2f}" for k, v in memory.items())
-    states = floor - memory["activations"] - memory["working"]
-    devices = math.ceil(mesh.size * floor / limit)
-    picked = [problem.nodes[pn.rep].strategies[choice[pn.index]] for pn in problem.nodes if pn.kind == "param"]
-    offloaded = sum(1 for s in picked if s.offload)
-    with_weights = sum(1 for s in picked if s.offload_weights)
-    hints = [f"about {devices} devices instead of {mesh.size} (more data- or tensor-parallel ranks: "
-             f"states and activations both shrink with the device count)"]
-    if memory["activations"] > 0.2 * floor:
-        hints.append(f"fewer activations: activations are {memory['activations'] / floor:.0%} of that minimum, "
-                     f"so a smaller batch per step (gradient accumulation keeps the global batch)")
-    if layered and least == "none":
-        try:
-            full = solve_problem(problem, None, None, options, minimise_memory=True, recompute="full").memory
-            hints.append(f"recomputing activations in backward: recompute='full' (or None, to let the planner "
-                         f"choose per layer) saves {(kept_floor - full) / gib:.2f} GiB per device, for a least of "
-                         f"{full / gib:.2f} GiB")
-        except InfeasibleError:
-            pass
-    with_recompute = ""
-    if least != "none":
-        with_recompute = (f" and every repeated layer's activations offloaded to host memory (which saves "
-                          f"{(kept_floor - floor) / gib:.2f} GiB against keeping every activation)"
-                          if least == "offload" else
-                          f" and every repeated layer recomputed in full (which saves {(kept_floor - floor) / gib:.2f} "
-                          f"GiB against keeping every activation)" if least == "full" else
-                          f" and every repeated layer recomputed selectively (saving {(kept_floor - floor) / gib:.2f} "
-                          f"GiB; recompute='full' or None saves more)")
-    if states > 0.2 * floor:
-        how = "offloaded to host memory" if offloaded else "sharded"
-        hints.append(f"smaller model states: weights, gradients and optimizer states are {states / floor:.0%} of "
-                     f"it even {how}; mixed precision (autopar.MixedPrecision) halves weights and gradients")
-    return InfeasibleError(
-        f"no plan of {type(model).__name__} on {mesh} fits {limit / gib:.2f} GiB per device; the least-memory "
-        f"plan found needs {floor / gib:.2f} GiB per device (GiB: {parts}; the search minimises the ILP's "
-        f"memory sum, so a plan a little smaller may exist), with every parameter sharded "
-        f"(ZeRO-3 or tensor parallel), {offloaded} parameters' optimizer states offloaded to the host"
-        f"{f' ({with_weights} with their weights)' if with_weights else ''}"
-        f"{with_recompute}. To fit: " + "; or ".join(hints) + f"; or raise memory_budget to "
-        f"{floor / gib:.2f} GiB (that plan fits it).")
-
-
-def _faster_layout(problem, best, compared: dict, choices: dict, limit):
-    """The ILP sums communication; the step it predicts subtracts what gradient buckets
-    hide behind backward (assemble.hidden_gradient_seconds), which no linear objective
-    sees.  So a hand-written layout compared with the plan can come out faster once
-    overlap is counted: then that layout's choice is the plan (within the budget), and the
-    log says so."""
-    mine = predict(problem, best)
-    fits = {n: p for n, p in compared.items() if n in choices and p.memory_total <= limit}
-    if not fits:
-        return best
-    name = min(fits, key=lambda n: fits[n].step_s)
-    if fits[name].step_s < mine.step_s * (1 - 1e-9):
-        log.info("%s is predicted faster than the ILP's choice once backward's overlap is counted "
-                 "(%.4g ms against %.4g ms): planning with it", name, fits[name].step_s * 1e3, mine.step_s * 1e3)
-        return choices[name]
-    return best
 
 
 def _make_plan(problem, model, mesh, choice, sol, origin, compared, budget, timing, recompute=None) -> Plan:

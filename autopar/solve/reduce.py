@@ -49,34 +49,60 @@ def reduce_problem(problem: Problem, allowed_fn=None, period: int = SHARE_PERIOD
     counts: dict[int, int] = {}
     for pn in nodes:
         counts[canon(pn.rep)] = counts.get(canon(pn.rep), 0) + 1
-    edge_classes: dict[EdgeKey, int] = {}
+    classes, edge_costs, extra_edges = _edge_classes(problem, canon, modes)
+    mask = {r: _allowed(problem, nodes[r], allowed_fn) for r in reps}
+    tables = _node_tables(problem, reps, counts, canon, modes)
+    root_of, follow, used_edges = _fold_followers(nodes, reps, counts, classes, edge_costs, extra_edges, mask, tables)
+    cost, mem, plain, work = tables
+    roots = [r for r in reps if root_of[r] == r]
+    index = {r: i for i, r in enumerate(roots)}
+    edges = []
+    for key, count in classes.items():
+        if key in used_edges:
+            continue
+        m = edge_costs[key] * count + extra_edges.get(key, 0.0)
+        m = m[np.ix_(follow[key.a], follow[key.b])]
+        edges.append((index[root_of[key.a]], index[root_of[key.b]], m))
+    return Reduced(roots, [cost[r] for r in roots], [mem[r] for r in roots], [plain[r] for r in roots], edges,
+                   [mask[r] for r in roots], root_of, follow, canon, [work[r] for r in roots])
+
+
+def _edge_classes(problem: Problem, canon, modes) -> tuple:
+    """(edge class under `canon` -> how many edges it stands for, -> its cost matrix, -> the
+    seconds `modes` add to it)."""
+    classes: dict[EdgeKey, int] = {}
     edge_costs: dict[EdgeKey, np.ndarray] = {}
     for e in problem.edges:
         rep = problem.rep_edge(e)
         key = rep._replace(a=canon(rep.a), b=canon(rep.b))
-        edge_classes[key] = edge_classes.get(key, 0) + 1
+        classes[key] = classes.get(key, 0) + 1
         edge_costs.setdefault(key, problem.edge_costs[rep])
     extra_edges: dict = {}
     if modes is not None:
         for rep, m in modes.edge_extra.items():
             key = rep._replace(a=canon(rep.a), b=canon(rep.b))
             extra_edges[key] = extra_edges.get(key, 0.0) + m
-    mask = {}
-    for r in reps:
-        pn = nodes[r]
-        m = np.array([True if allowed_fn is None else bool(allowed_fn(problem, pn, s)) for s in pn.strategies])
-        if not m.any():
-            m[:] = True  # the restriction does not speak to this node
-        mask[r] = m
-    incoming: dict[int, list] = {}
-    for key in edge_classes:
-        if key.kind == "data":
-            incoming.setdefault(key.b, []).append(key)
+    return classes, edge_costs, extra_edges
+
+
+def _allowed(problem: Problem, pn, allowed_fn) -> np.ndarray:
+    """Which of pn's strategies `allowed_fn` keeps (all where it keeps none: the restriction
+    does not speak to this node)."""
+    m = np.array([True if allowed_fn is None else bool(allowed_fn(problem, pn, s)) for s in pn.strategies])
+    if not m.any():
+        m[:] = True
+    return m
+
+
+def _node_tables(problem: Problem, reps: list, counts: dict, canon, modes) -> tuple:
+    """(seconds, memory, plain memory, working bytes) per representative and choice, costs
+    multiplied by the nodes each stands for; under `modes`, activations as the modes keep
+    them and the forward run again."""
     cost = {r: problem.node_cost(r) * counts[r] for r in reps}
     mem = {r: problem.node_memory(r) * counts[r] for r in reps}
     plain = {r: problem.node_plain_memory(r) * counts[r] for r in reps}
     work = {r: problem.node_work(r) for r in reps}
-    if modes is not None:  # activations as the modes keep them, and the forward run again
+    if modes is not None:
         for r in reps:
             act = problem.node_activations(r) * counts[r]
             mem[r] = mem[r] - act
@@ -86,6 +112,20 @@ def reduce_problem(problem: Problem, allowed_fn=None, period: int = SHARE_PERIOD
             plain[canon(rep)] = plain[canon(rep)] + arr
         for rep, arr in modes.extra.items():
             cost[canon(rep)] = cost[canon(rep)] + arr
+    return cost, mem, plain, work
+
+
+def _fold_followers(nodes: list, reps: list, counts: dict, classes: dict, edge_costs: dict, extra_edges: dict,
+                    mask: dict, tables: tuple) -> tuple:
+    """(root_of, follow, folded edges): each follower (FOLLOWERS, read from one producer by
+    every node it stands for) folded into its producer's root, its costs and its edge's
+    added to the root's `tables` (in place) per root choice; follow[r]: r's choice per
+    choice of its root."""
+    cost, mem, plain, work = tables
+    incoming: dict[int, list] = {}
+    for key in classes:
+        if key.kind == "data":
+            incoming.setdefault(key.b, []).append(key)
     root_of, follow = {}, {}
     used_edges = set()
     for r in reps:
@@ -93,14 +133,14 @@ def reduce_problem(problem: Problem, allowed_fn=None, period: int = SHARE_PERIOD
         keys = incoming.get(r, [])
         this_map = None
         if (pn.kind == "op" and pn.op in FOLLOWERS and len(keys) == 1 and len(pn.strategies) > 1
-                and edge_classes[keys[0]] == counts[r] and keys[0].a != r
+                and classes[keys[0]] == counts[r] and keys[0].a != r
                 and len(nodes[keys[0].a].strategies) > 1):
             key = keys[0]
             src = key.a
             this_map = pass_through(nodes[src], follow[src], key.out, pn, key.operand, mask[r])
         if this_map is not None:
             root = root_of[src]
-            edge = edge_costs[key] * edge_classes[key] + extra_edges.get(key, 0.0)
+            edge = edge_costs[key] * classes[key] + extra_edges.get(key, 0.0)
             for s_root, (s_src, t) in enumerate(zip(follow[src], this_map)):
                 cost[root][s_root] += edge[s_src, t] + cost[r][t]
                 mem[root][s_root] += mem[r][t]
@@ -110,19 +150,7 @@ def reduce_problem(problem: Problem, allowed_fn=None, period: int = SHARE_PERIOD
             used_edges.add(key)
         else:
             root_of[r], follow[r] = r, np.arange(len(pn.strategies))
-    roots = [r for r in reps if root_of[r] == r]
-    index = {r: i for i, r in enumerate(roots)}
-    edges = []
-    for key, count in edge_classes.items():
-        if key in used_edges:
-            continue
-        m = edge_costs[key] * count + extra_edges.get(key, 0.0)
-        m = m[np.ix_(follow[key.a], follow[key.b])]
-        edges.append((index[root_of[key.a]], index[root_of[key.b]], m))
-    allowed = [mask[r] for r in roots]
-    costs = [cost[r] for r in roots]
-    return Reduced(roots, costs, [mem[r] for r in roots], [plain[r] for r in roots], edges, allowed, root_of,
-                   follow, canon, [work[r] for r in roots])
+    return root_of, follow, used_edges
 
 
 def pass_through(src: PNode, src_map, out: int, pn: PNode, operand: int, mask):
