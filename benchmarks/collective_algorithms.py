@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 
 import autopar
-from autopar.cost.prices import collective_choice, collective_time
+from autopar.cost.collective_prices import collective_choice
+from autopar.cost.prices import collective_time
 from autopar.mesh import PRESETS
 
 SIZES = (("8 B", 8), ("64 KB", 64e3), ("1 MB", 1e6), ("16 MB", 16e6), ("256 MB", 256e6), ("8 GB", 8e9))

@@ -3,7 +3,7 @@ imports hidden inside functions, modules missing from the design's module map, a
 that go up the map, among autopar's own files.
 
     python tests/structure.py            # prints the counts and each finding; exit 1 if any
-    python tests/structure.py --metrics  # largest file, class and function, module-level state
+    python tests/structure.py --metrics  # each size against its budget, module-level state
 
 Library files are everything under autopar/.  The module map is the fenced block headed
 `modules` in docs/DESIGN.md: stage headings (`[trace]`) in flow order, each followed by its
@@ -17,6 +17,10 @@ the only one allowed is `autopar.compile` reaching the runtime, the last stage, 
 A reach-in is `obj._name` where `_name` is a private attribute or method that library code
 defines on `self` (`self._name = ...`, `def _name`) and `obj` is not `self` or `cls`: one
 object using another's privates instead of its public parts.
+
+Size budgets hold a newcomer's reading: no library file over FILE_LINES lines, no class with
+more than CLASS_METHODS methods of its own, no function (or method) over FUNCTION_LINES lines
+(its docstring included).  Each one over is a finding, like an import that goes the wrong way.
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ import networkx as nx
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"autopar": "autopar"}
 ALLOWED_DEFERRED = {("autopar", "autopar.runtime.compiled")}
+FILE_LINES, CLASS_METHODS, FUNCTION_LINES = 500, 25, 80
 
 
 def module_files() -> dict:
@@ -138,7 +143,33 @@ def findings() -> dict:
                 deferred.append(f"{module} imports {target} inside a function")
     cycles = [sorted(c) for c in nx.strongly_connected_components(graph) if len(c) > 1]
     return {"cycles": cycles, "private": private, "deferred": deferred, "reach_ins": reach_ins(files),
-            "into_solve": into_solve(graph.edges), **map_findings(files, graph.edges)}
+            "into_solve": into_solve(graph.edges), **map_findings(files, graph.edges), **size_findings(files)}
+
+
+def sizes(files: dict) -> tuple:
+    """(lines per module, (methods, module.Class) per class, (lines, module.function) per
+    function or method), the sizes the budgets hold."""
+    lines, classes, functions = {}, [], []
+    for module, path in files.items():
+        text = path.read_text()
+        lines[module] = len(text.splitlines())
+        for node in ast.walk(ast.parse(text, str(path))):
+            if isinstance(node, ast.ClassDef):
+                methods = [n for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+                classes.append((len(methods), f"{module}.{node.name}"))
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                functions.append((node.end_lineno - node.lineno + 1, f"{module}.{node.name}"))
+    return lines, classes, functions
+
+
+def size_findings(files: dict) -> dict:
+    """Files, classes and functions over their budgets (FILE_LINES, CLASS_METHODS, FUNCTION_LINES)."""
+    lines, classes, functions = sizes(files)
+    return {"long_files": sorted(f"{m}: {n} lines (budget {FILE_LINES})" for m, n in lines.items() if n > FILE_LINES),
+            "large_classes": sorted(f"{c}: {n} methods (budget {CLASS_METHODS})" for n, c in classes
+                                    if n > CLASS_METHODS),
+            "long_functions": sorted(f"{f}: {n} lines (budget {FUNCTION_LINES})" for n, f in functions
+                                     if n > FUNCTION_LINES)}
 
 
 PLANNING_FACE = "autopar.solve.planner"
@@ -194,18 +225,12 @@ def metrics() -> dict:
     module-level mutable state (a module-level dict, list or set that code mutates later, or
     an instance of a class of the same module)."""
     files = module_files()
-    biggest_file = max((len(p.read_text().splitlines()), m) for m, p in files.items())
-    classes, functions, state = [], [], []
+    lines, classes, functions = sizes(files)
+    state = []
     mutators = {"append", "extend", "add", "update", "setdefault", "pop", "popitem", "clear", "insert",
                 "remove", "discard"}
     for module, path in files.items():
         tree = ast.parse(path.read_text(), str(path))
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ClassDef):
-                methods = [n for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-                classes.append((len(methods), node.end_lineno - node.lineno + 1, f"{module}.{node.name}"))
-            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                functions.append((node.end_lineno - node.lineno + 1, f"{module}.{node.name}"))
         mutable = set()
         for node in tree.body:
             value = getattr(node, "value", None)
@@ -233,9 +258,10 @@ def metrics() -> dict:
                 touched |= set(node.names)
         state += [f"{module}.{name}" for name in sorted(mutable & touched)]
     readme = (ROOT / "README.md").read_text().split()
-    return {"largest file": f"{biggest_file[1]}: {biggest_file[0]} lines",
-            "largest class": "{2}: {0} methods, {1} lines".format(*max(classes)),
-            "longest function": "{1}: {0} lines".format(*max(functions)),
+    biggest = max(lines, key=lines.get)
+    return {"largest file": f"{biggest}: {lines[biggest]} lines (budget {FILE_LINES})",
+            "largest class": "{1}: {0} methods (budget {2})".format(*max(classes), CLASS_METHODS),
+            "longest function": "{1}: {0} lines (budget {2})".format(*max(functions), FUNCTION_LINES),
             "module-level mutable state": f"{len(state)}: {', '.join(state)}",
             "README words": str(len(readme)), "library files": str(len(files)),
             "library lines": str(sum(len(p.read_text().splitlines()) for p in files.values()))}

@@ -14,12 +14,13 @@ import torch
 
 import autopar
 from autopar.cost import collectives as K
-from autopar.cost.prices import BUCKET_BYTES, axis_link, collective_time
+from autopar.cost.collective_prices import axis_link
+from autopar.cost.prices import BUCKET_BYTES, collective_time
 from autopar.mesh import PRESETS, DeviceSpec
 from autopar.models import build
 import autopar.solve.pipeline_search as pipeline_search
-from autopar.runtime import calibrate as calibrate_module
-from autopar.runtime.calibrate import POINTWISE
+from autopar.runtime import calibrate_links, calibrate_step
+from autopar.runtime.calibrate_compute import POINTWISE
 from autopar.solve.assemble import hidden_gradient_seconds, hidden_prefetch_seconds
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
@@ -69,7 +70,7 @@ def test_calibrate_measures_every_collective_and_caches(pool2, tmp_path):
     # the step check: its GPT steps measured and predicted, the work scale recorded and
     # applied, the per-op cost at least a tiny op's
     rows = json.load(open(out))["points"]["step check (measured s, predicted s, work s, ops)"]
-    assert len(rows) == len(calibrate_module.STEP_MODELS[True])
+    assert len(rows) == len(calibrate_step.STEP_MODELS[True])
     for measured, predicted, work, ops in rows:
         assert 0 < work < predicted and measured > 0 and ops > 10, (measured, predicted, work, ops)
     assert 0.2 < spec.compute_scale < 5 and "per op from GPT steps" in spec.source
@@ -86,13 +87,13 @@ def test_the_step_check_fits_a_work_scale_and_a_cost_per_op():
     below a tiny op, L stays at the tiny op's and s alone is fitted."""
     work, ops = [0.15, 0.03, 0.10], [150, 150, 110]
     measured = [1.07 * w + 87e-6 * n for w, n in zip(work, ops)]
-    s, per_op = calibrate_module.fit_step(measured, work, ops, 1e-5)
+    s, per_op = calibrate_step.fit_step(measured, work, ops, 1e-5)
     assert s == pytest.approx(1.07, rel=1e-6) and per_op == pytest.approx(87e-6, rel=1e-6)
     below = [1.2 * w + 2e-6 * n for w, n in zip(work, ops)]
-    s, per_op = calibrate_module.fit_step(below, work, ops, 1e-5)
+    s, per_op = calibrate_step.fit_step(below, work, ops, 1e-5)
     assert per_op == 1e-5 and 1.1 < s < 1.2
     # one model: the scale alone
-    s, per_op = calibrate_module.fit_step([0.2], [0.1], [100], 1e-4)
+    s, per_op = calibrate_step.fit_step([0.2], [0.1], [100], 1e-4)
     assert per_op == 1e-4 and s == pytest.approx(1.9)
 
 
@@ -109,7 +110,7 @@ def test_scaled_compute_scales_every_compute_price(name):
                                               layout="data-parallel").predicted
     whole, work = step(spec).step_s, step(dataclasses.replace(spec, op_latency=0.0)).step_s
     ops = (whole - work) / spec.op_latency
-    scaled = calibrate_module.scaled_compute(spec, 1.3, 5e-5)
+    scaled = calibrate_step.scaled_compute(spec, 1.3, 5e-5)
     assert scaled.compute_scale == pytest.approx(1.3) and scaled.links == spec.links
     assert step(scaled).step_s == pytest.approx(1.3 * work + 5e-5 * ops, rel=1e-6)
     assert step(scaled, (2,)).comm_s == pytest.approx(step(spec, (2,)).comm_s, rel=1e-9)
@@ -146,17 +147,17 @@ def test_collectives_are_timed_after_compute_on_a_cpu(monkeypatch):
         seen.append(what)
         return {"compute": 0.0065, "comm": 0.002}[what]
 
-    monkeypatch.setattr(calibrate_module, "_timed", timed)
+    monkeypatch.setattr(calibrate_links, "timed", timed)
     calls = []
     chain = (lambda: calls.append("chain"), 0.004)
-    assert calibrate_module.in_step(lambda: calls.append("call"), chain, "cpu", 3, None) == pytest.approx(0.0025)
+    assert calibrate_links.in_step(lambda: calls.append("call"), chain, "cpu", 3, None) == pytest.approx(0.0025)
     assert calls == ["call", "chain", "call"] and seen == ["comm", "compute"]
-    assert calibrate_module.in_step(lambda: calls.append("call"), None, "cuda", 3, None) == pytest.approx(0.002)
+    assert calibrate_links.in_step(lambda: calls.append("call"), None, "cuda", 3, None) == pytest.approx(0.002)
     assert seen[-1] == "comm"
     # the chain's noise outweighing the call: what it takes back to back, never 0 or below
     slow = (lambda: None, 0.0060)
-    assert calibrate_module.in_step(lambda: None, slow, "cpu", 3, None) == pytest.approx(0.002)
-    assert calibrate_module.step_chain(None, "cuda", 3) is None
+    assert calibrate_links.in_step(lambda: None, slow, "cpu", 3, None) == pytest.approx(0.002)
+    assert calibrate_links.step_chain(None, "cuda", 3) is None
 
 
 def test_measured_pointwise_ops_price_by_their_elements():
@@ -180,7 +181,7 @@ def test_measured_pointwise_ops_price_by_their_elements():
     vocab = model.lm_head.weight.shape[0]
     assert loss.compute_s == pytest.approx(4 * 32 * vocab / 2 * 2e-9, rel=1e-6)   # its logits' elements
     assert loss.compute_s > plain.compute_s
-    # under Inductor the tanh GELU runs as x * sigmoid(2 z) (runtime/inductor.with_sigmoid_gelus):
+    # under Inductor the tanh GELU runs as x * sigmoid(2 z) (runtime/sigmoid_gelu.with_sigmoid_gelus):
     # priced at the measured sigmoid's rate
     both = dataclasses.replace(measured, pointwise=measured.pointwise + (("aten.sigmoid", 5e-10, 5e-10),))
     compiled = autopar.plan(model, autopar.Mesh((2,), ("dp",), device=both), example, compare=False,

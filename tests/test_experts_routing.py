@@ -175,7 +175,7 @@ def test_routing_that_leaves_experts_idle_trains_like_one_device(pool4, routing,
 def test_experts_op_on_no_rows():
     """The op on a rank that received no row (an expert-parallel rank whose experts nobody
     picked): an empty output of the hidden size, and zero gradients for its experts' weights."""
-    from autopar.trace.experts import experts
+    from autopar.trace.experts_op import experts
     torch.manual_seed(0)
     hidden, inner, local = 8, 4, 2
     x = torch.randn(0, hidden, requires_grad=True)

@@ -424,7 +424,7 @@ def test_inductor_plan_keeps_what_the_partitioner_keeps(pool4, spec):
 
 def test_inductor_compiles_a_selective_layer_whole(pool4):
     """Selective recomputation under Inductor, data parallel: each layer is one compiled
-    checkpointed region (runtime/inductor._tagged: the kept products and attention saved by
+    checkpointed region (runtime/compiled_checkpoint._tagged: the kept products and attention saved by
     the compiled forward, the ops between them run again in its backward), training equals
     one device, and what a step keeps is eager's less exactly the kept outputs no backward
     reads: each block's MLP down-projection, which only the residual add reads (eager's

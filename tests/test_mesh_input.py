@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 import autopar
-from autopar.mesh import GiB, parse_bytes
+from autopar.devices import GiB
+from autopar.mesh import parse_bytes
 
 
 @pytest.mark.parametrize("shape", ["2x2", (2, 2), [2, 2], " 2 x 2 ", (np.int64(2), np.int32(2))])

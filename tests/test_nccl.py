@@ -14,8 +14,8 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 import autopar
 from autopar.cost import collectives as K
 from autopar.cost import nccl
-from autopar.cost.prices import collective_choice, collective_time, layout_code, redistribute, redistribute_price, \
-    send_time
+from autopar.cost.collective_prices import collective_choice, send_time
+from autopar.cost.prices import collective_time, layout_code, redistribute, redistribute_price
 from autopar.cost.prices import PRICE_ROWS
 from autopar.mesh import PRESETS
 

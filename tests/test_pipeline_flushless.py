@@ -7,7 +7,8 @@ import pytest
 from rt_cases import build_case, stale_checkpoint, train_stale_and_compare
 
 import autopar
-from autopar.cost.schedules import bubble_formula, simulate
+from autopar.cost.bubbles import bubble_formula
+from autopar.cost.schedules import simulate
 
 
 def stale_plan(spec, shape, names, groups, layout=None, microbatches=4):

@@ -11,8 +11,9 @@ from collections import Counter
 
 import pytest
 
-from autopar.cost.schedules import (SCHEDULES, SPLIT_BACKWARD, TWO_WAY, Event, Timeline, bubble_formula,
-                                    placement_of, stage_of)
+from autopar.cost.bubbles import bubble_formula
+from autopar.cost.schedules import (SCHEDULES, SPLIT_BACKWARD, TWO_WAY, Event, Timeline, placement_of,
+                                    stage_of)
 from autopar.plan.gantt import gantt_svg
 from autopar.cost.schedules import ASYNCHRONOUS, makespan_floor, simulate, simulate_step
 

@@ -8,7 +8,29 @@ from structure import findings
 def test_no_cycles_private_imports_deferred_imports_or_reach_ins():
     found = findings()
     assert found == {"cycles": [], "private": [], "deferred": [], "reach_ins": [], "into_solve": [],
-                     "unmapped": [], "mapped_without_file": [], "upward": []}, found
+                     "unmapped": [], "mapped_without_file": [], "upward": [], "long_files": [],
+                     "large_classes": [], "long_functions": []}, found
+
+
+def test_the_checker_sees_sizes_over_their_budgets(tmp_path, monkeypatch):
+    """A file one line over FILE_LINES, a class one method over CLASS_METHODS and a function one
+    line over FUNCTION_LINES are each named; one at its budget is not."""
+    import structure
+    pkg = tmp_path / "autopar"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    body = "".join(f"    x{i} = {i}\n" for i in range(structure.FUNCTION_LINES - 2))
+    methods = "".join(f"    def m{i}(self):\n        return {i}\n" for i in range(structure.CLASS_METHODS + 1))
+    (pkg / "big.py").write_text(f"def at_budget():\n{body}    return 0\n\n\ndef over():\n{body}    x = 0\n"
+                                f"    return x\n\n\nclass Wide:\n{methods}")
+    lines = len((pkg / "big.py").read_text().splitlines())
+    (pkg / "big.py").write_text((pkg / "big.py").read_text() + "\n" * (structure.FILE_LINES + 1 - lines))
+    (pkg / "small.py").write_text("\n" * (structure.FILE_LINES - 1) + "X = 1\n")
+    monkeypatch.setattr(structure, "ROOT", tmp_path)
+    found = structure.size_findings(structure.module_files())
+    assert found == {"long_files": [f"autopar.big: {structure.FILE_LINES + 1} lines (budget 500)"],
+                     "large_classes": [f"autopar.big.Wide: {structure.CLASS_METHODS + 1} methods (budget 25)"],
+                     "long_functions": [f"autopar.big.over: {structure.FUNCTION_LINES + 1} lines (budget 80)"]}
 
 
 def test_the_checker_sees_the_runtime_reach_into_the_solver():

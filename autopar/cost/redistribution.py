@@ -157,14 +157,30 @@ def plan_rows(src: tuple, dst: tuple, sizes: tuple) -> tuple:
         dst = tuple(c if n > 1 else REPLICATE for c, n in zip(dst, sizes))
     if src == dst:
         return ()
+    rows, split = _shard_moves(src, dst, sizes)
+    axes = range(len(src))
+    # one all-reduce over every Partial -> Replicate axis, where the local tensor is
+    # smallest: before row `at`, or at the end
+    splits = [r[4] for r in rows] + [split]
+    at = splits.index(max(splits))
+    out = [(kind, a, d, e, 1 / before, ()) for kind, a, d, e, before in rows]
+    reduce = [a for a in axes if src[a] == PARTIAL and dst[a] == REPLICATE]
+    if reduce:
+        out.insert(at, ("all_reduce", reduce[0], None, None, 1 / splits[at], tuple(reduce[1:])))
+    out += [("keep_on_first", a, None, None, 1 / split, ())
+            for a in axes if src[a] == REPLICATE and dst[a] == PARTIAL]
+    return tuple(out)
+
+
+def _changed_axes(src: tuple, dst: tuple, sizes: tuple) -> tuple:
+    """(off, on, split): per axis whether its source shard must come off and its
+    destination shard go on (the axes sharding a dim in both layouts as a common prefix, in
+    mesh order, stay), and how many pieces the source layout cuts the tensor into."""
     k = len(src)
-    axes = range(k)
-    # The stack of dim d is the axes a with cur[a] == d, in mesh order: an axis is on top
-    # when no later axis shards its dim.  (Loops, not all(...): this runs for every pair
-    # of layouts the cost model prices.)
+    # (Loops, not all(...): this runs for every pair of layouts the cost model prices.)
     off, on = [False] * k, [False] * k  # a's src shard must come off / its dst shard go on
     split = 1
-    for a in axes:
+    for a in range(k):
         s, d = src[a], dst[a]
         kept = s == d and s >= 0
         if kept:
@@ -176,8 +192,21 @@ def plan_rows(src: tuple, dst: tuple, sizes: tuple) -> tuple:
         on[a] = d >= 0 and not kept
         if s >= 0:
             split *= sizes[a]
+    return off, on, split
+
+
+def _shard_moves(src: tuple, dst: tuple, sizes: tuple) -> tuple:
+    """(rows, split): the chunks, reduce-scatters, all-to-alls, all-gathers and zero-pads
+    from `src` to `dst` in the order they run, each (kind, axis, dim, to_dim, split before
+    the step), shrinking the local tensor before growing it (the module docstring's step
+    2), and the split after the last."""
+    k = len(src)
+    axes = range(k)
+    off, on, split = _changed_axes(src, dst, sizes)
     swap = [off[a] and on[a] and src[a] != dst[a] for a in axes]  # Shard(d) -> Shard(e)
     cur = list(src)
+    # The stack of dim d is the axes a with cur[a] == d, in mesh order: an axis is on top
+    # when no later axis shards its dim.
 
     def on_top(a: int) -> bool:
         d = cur[a]
@@ -227,15 +256,4 @@ def plan_rows(src: tuple, dst: tuple, sizes: tuple) -> tuple:
             left -= 1
             split *= sizes[a]
             cur[a] = dst[a]
-
-    # one all-reduce over every Partial -> Replicate axis, where the local tensor is
-    # smallest: before row `at`, or at the end
-    splits = [r[4] for r in rows] + [split]
-    at = splits.index(max(splits))
-    out = [(kind, a, d, e, 1 / before, ()) for kind, a, d, e, before in rows]
-    reduce = [a for a in axes if src[a] == PARTIAL and dst[a] == REPLICATE]
-    if reduce:
-        out.insert(at, ("all_reduce", reduce[0], None, None, 1 / splits[at], tuple(reduce[1:])))
-    out += [("keep_on_first", a, None, None, 1 / split, ())
-            for a in axes if src[a] == REPLICATE and dst[a] == PARTIAL]
-    return tuple(out)
+    return rows, split

@@ -1,8 +1,9 @@
-"""Sharding strategies per op: the annotation table (rules.py), the annotation language
+"""Sharding strategies per op: the annotation table (rules.py, with view_rules.py and
+layer_rules.py; what they read off a node: nodes.py), the annotation language
 (annotation.py) and the strategies that follow from an annotation (strategy.py)."""
 from autopar.ops.annotation import Annotation
-from autopar.ops.rules import (
-    INTERNAL_COMM, NO_OUTPUT, TRIVIAL, annotate, op_arg, op_name, outputs_of, tensor_args)
+from autopar.ops.nodes import op_arg, op_name, outputs_of, tensor_args
+from autopar.ops.rules import INTERNAL_COMM, NO_OUTPUT, TRIVIAL, annotate
 from autopar.ops.strategy import Strategy, enumerate_strategies, replicated
 from autopar.placements import show_placements
 

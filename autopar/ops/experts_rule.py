@@ -1,4 +1,4 @@
-"""Strategies of the mixture-of-experts op (autopar/trace/experts.py).
+"""Strategies of the mixture-of-experts op (autopar/trace/experts_op.py).
 
 Operands: x [tokens, hidden], index [tokens, k], weight [tokens, k], gate and up
 [experts, inner, hidden], down [experts, hidden, inner]; output [tokens, hidden].  Each mesh
@@ -13,7 +13,7 @@ axis does one of:
 - "te" expert parallelism: tokens and experts split on the same axis; each rank sends
   the rows of its tokens to the ranks holding their experts and takes the results back
   (two all-to-alls forward, two backward, each of tokens x k rows of hidden values
-  assuming balanced routing: (n - 1) / n of them leave the rank; Problem.routing_factor
+  assuming balanced routing: (n - 1) / n of them leave the rank; NodePrices.routing_factor
   then prices the busiest rank).
 
 At most one axis does "e", "i" or "te"; the others split tokens or nothing.
@@ -88,7 +88,7 @@ def experts_strategies(in_shapes, mesh_shape, axis_names, needs_grad) -> list[St
         inputs = tuple(tuple(ax[0][i] for ax in per_axis) for i in range(count))
         outputs = (tuple(ax[1][0] for ax in per_axis),)
         grads = tuple(tuple(ax[2][i] for ax in per_axis) if needs_grad[i] else None for i in range(count))
-        # the runtime's calls (trace/experts.expert_parallel): forward the row counts (a few
+        # the runtime's calls (trace/experts_op.expert_parallel): forward the row counts (a few
         # elements), the rows' expert ids (k per token, int64: 2k float32 elements' bytes),
         # the rows (k x hidden per token) and their results back; backward the two row moves
         # the other way
@@ -111,5 +111,5 @@ def kept_tokens_factor(strategy, k: int) -> int:
     """What the op keeps for backward under `strategy`, in units of its own token operand x:
     1 (x itself), except under expert parallelism ("te"), where the rows it received (k per
     token of the rank, balanced) and the rows it sent back, which the combine's weighting
-    reads, are kept in x's place (trace/experts.expert_parallel): 2k."""
+    reads, are kept in x's place (trace/experts_op.expert_parallel): 2k."""
     return 2 * k if "te" in strategy.split else 1

@@ -132,64 +132,10 @@ def insert_collectives(gm: fx.GraphModule, plan, groups, defer: dict | None = No
     runtime runs itself (bucketed, overlapped with backward).  For those, a move that would
     end the gradient's journey with Partial -> Replicate leaves it Partial instead, and the
     result's grad_sync[parameter] lists the mesh axes still to reduce."""
-    ndim = plan.mesh.ndim
     graph = gm.graph
     gm._autopar_groups = groups
-    grad_sync: dict = {}
     output_reduce: dict = {}
-    defer = defer or {}
-    count = [0]
-
-    decided = _deferrable(gm, plan, defer, ndim)
-    cones = _deferrable_cones(gm, plan, defer, ndim, decided)
-
-    def deferred(x: fx.Node, back_from: tuple, back_to: tuple) -> tuple:
-        """The gradient layout a move should leave for parameter x, or for a replicated
-        tensor computed from parameters alone (see `defer` and _deferrable_cones)."""
-        if x.op == "placeholder":
-            axes = decided.get(x.target)
-            if axes is None:
-                return back_to
-            grad_sync[defer[x.target]] = axes
-            # (the axes the move slices stay sliced: summing the slices is slicing the sum)
-            return tuple(back_from[a] if a in axes else back_to[a] for a in range(ndim))
-        cone = cones.get(x)
-        if cone is None:
-            return back_to
-        axes, params = cone
-        for ph in params:
-            grad_sync[defer[ph]] = axes
-        return back_from
-
-    def attr(value) -> fx.Node:
-        name = f"_autopar_move_{count[0]}"
-        count[0] += 1
-        setattr(gm, name, value)
-        return get_attr(graph, name)
-
-    summed: dict = {}
-
-    def source_for(x: fx.Node) -> tuple[fx.Node, tuple, tuple]:
-        """The node readers should read, the layout it has, and the layout of the gradient
-        they must hand back."""
-        producer, index = tensor_key(x)
-        p = layout_of(x, 0, ndim)
-        w = plan.grad_sums.get(f"{producer.name}:{index}")
-        if w is None or not same_local_shape(w, p):
-            return x, p, grad_targets(p)
-        if x not in summed:
-            anchor = x
-            if x.op == "placeholder":  # keep the placeholders together at the top
-                anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]
-            with graph.inserting_after(anchor):
-                groups_node = get_attr(graph, "_autopar_groups")
-            with graph.inserting_after(groups_node):
-                spec = attr(Move(p, p, tuple(w), deferred(x, tuple(w), grad_targets(p))))
-            with graph.inserting_after(spec):
-                summed[x] = graph.call_function(move, _move_args(x, spec, groups_node))
-            summed[x].meta["val"] = x.meta.get("val")
-        return summed[x], p, tuple(w)
-
+    writer = _MoveWriter(gm, plan, defer or {})
     for node in list(graph.nodes):
         choice = node.meta.get("autopar")
         if choice is None or node.op not in ("call_function", "output"):
@@ -200,11 +146,11 @@ def insert_collectives(gm: fx.GraphModule, plan, groups, defer: dict | None = No
             raise ValueError(f"{node.name}: plan lists {len(choice.inputs)} operands, graph has {len(operands)}")
         replacement = []
         for k, x in enumerate(operands):
-            src, p, back = source_for(x)
+            src, p, back = writer.source_for(x)
             q = tuple(choice.inputs[k])
             g = choice.grads[k] if k < len(choice.grads) else None
-            if g is not None and src is x and (x.op == "placeholder" or x in cones):
-                back = deferred(x, tuple(g), back)
+            if g is not None and src is x and (x.op == "placeholder" or x in writer.cones):
+                back = writer.deferred(x, tuple(g), back)
             m = Move(p, q, tuple(g) if g is not None else q, back if g is not None else q)
             if not m.needed:
                 replacement.append(src)
@@ -217,13 +163,76 @@ def insert_collectives(gm: fx.GraphModule, plan, groups, defer: dict | None = No
                 continue
             with graph.inserting_before(node):
                 groups_node = get_attr(graph, "_autopar_groups")
-                moved = graph.call_function(move, _move_args(src, attr(m), groups_node))
+                moved = graph.call_function(move, _move_args(src, writer.attr(m), groups_node))
             moved.meta["val"] = x.meta.get("val")  # the same global tensor, in another layout
             replacement.append(moved)
         _replace_operands(node, replacement)
     graph.lint()
     gm.recompile()
-    return Inserted(gm, grad_sync, output_reduce)
+    return Inserted(gm, writer.grad_sync, output_reduce)
+
+
+class _MoveWriter:
+    """What insert_collectives keeps while it rewrites one graph: the gradient reductions it
+    leaves to the runtime (grad_sync), which parameters and parameter-only tensors may leave
+    them (decided, cones), the moves stored on gm so far, and the one gradient-sum move of
+    each tensor whose readers' gradients the plan adds first (summed)."""
+
+    def __init__(self, gm: fx.GraphModule, plan, defer: dict):
+        self.gm, self.graph, self.plan, self.defer = gm, gm.graph, plan, defer
+        self.ndim = plan.mesh.ndim
+        self.grad_sync: dict = {}
+        self.count = 0
+        self.summed: dict = {}
+        self.decided = _deferrable(gm, plan, defer, self.ndim)
+        self.cones = _deferrable_cones(gm, plan, defer, self.ndim, self.decided)
+
+    def deferred(self, x: fx.Node, back_from: tuple, back_to: tuple) -> tuple:
+        """The gradient layout a move should leave for parameter x, or for a replicated
+        tensor computed from parameters alone (see `defer` and _deferrable_cones)."""
+        if x.op == "placeholder":
+            axes = self.decided.get(x.target)
+            if axes is None:
+                return back_to
+            self.grad_sync[self.defer[x.target]] = axes
+            # (the axes the move slices stay sliced: summing the slices is slicing the sum)
+            return tuple(back_from[a] if a in axes else back_to[a] for a in range(self.ndim))
+        cone = self.cones.get(x)
+        if cone is None:
+            return back_to
+        axes, params = cone
+        for ph in params:
+            self.grad_sync[self.defer[ph]] = axes
+        return back_from
+
+    def attr(self, value) -> fx.Node:
+        """A get_attr node of `value` (a Move), stored on gm under a fresh name."""
+        name = f"_autopar_move_{self.count}"
+        self.count += 1
+        setattr(self.gm, name, value)
+        return get_attr(self.graph, name)
+
+    def source_for(self, x: fx.Node) -> tuple[fx.Node, tuple, tuple]:
+        """The node readers should read, the layout it has, and the layout of the gradient
+        they must hand back."""
+        graph = self.graph
+        producer, index = tensor_key(x)
+        p = layout_of(x, 0, self.ndim)
+        w = self.plan.grad_sums.get(f"{producer.name}:{index}")
+        if w is None or not same_local_shape(w, p):
+            return x, p, grad_targets(p)
+        if x not in self.summed:
+            anchor = x
+            if x.op == "placeholder":  # keep the placeholders together at the top
+                anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]
+            with graph.inserting_after(anchor):
+                groups_node = get_attr(graph, "_autopar_groups")
+            with graph.inserting_after(groups_node):
+                spec = self.attr(Move(p, p, tuple(w), self.deferred(x, tuple(w), grad_targets(p))))
+            with graph.inserting_after(spec):
+                self.summed[x] = graph.call_function(move, _move_args(x, spec, groups_node))
+            self.summed[x].meta["val"] = x.meta.get("val")
+        return self.summed[x], p, tuple(w)
 
 
 def _scalar_sum(x: fx.Node, m: Move) -> bool:

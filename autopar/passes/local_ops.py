@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from autopar.trace.attention import window_attention
-from autopar.trace.experts import expert_parallel, experts
+from autopar.trace.experts_op import expert_parallel, experts
 
 from autopar.passes.attention_ops import ring_attention, ulysses_attention
 

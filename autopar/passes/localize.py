@@ -89,7 +89,7 @@ def localize(gm: fx.GraphModule, plan) -> fx.GraphModule:
 
 def _to_local_groups(node, choice, mesh_shape) -> None:
     """A depthwise conv1d (groups = channels) whose channels are split: one group per
-    channel this rank holds (ops/rules._conv1d_rule splits no other grouped conv)."""
+    channel this rank holds (ops/layer_rules.conv1d_rule splits no other grouped conv)."""
     groups = int(op_arg(node, 6, "groups", 1))
     weight = node.args[1].meta["val"].shape
     if groups <= 1 or groups != weight[0]:

@@ -25,17 +25,14 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from autopar.plan.gantt import gantt_svg_text
+from autopar.plan.html_mesh import mesh_svg
+from autopar.plan.html_style import AXIS_COLOURS, COMPUTE_COLOUR, CSS, JS, MEMORY_COLOURS, TIER_COLOURS
 from autopar.cost.schedules import group_stages, simulate
 from autopar.plan.records import Prediction, format_bytes, format_seconds
 from autopar.plan.report import collective_groups, plan_text, recompute_line, sequence_lines, table_rows
 
-COMPUTE_COLOUR = "#4c78a8"
-AXIS_COLOURS = ("#f58518", "#54a24b", "#e45756", "#b279a2", "#72b7b2", "#9d755d")
-MEMORY_COLOURS = {"params": "#4c78a8", "grads": "#f58518", "optimizer": "#54a24b", "activations": "#e45756",
-                  "working": "#b279a2"}
 MEMORY_NAMES = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer states",
                 "activations": "activations", "working": "working (largest op)"}
-TIER_COLOURS = {"device": "#4c78a8", "host": "#72b7b2", "disk": "#9d755d"}
 TIER_NAMES = {"host": "host memory", "disk": "disk"}
 LABEL_W, BAR_W, ROW_H = 190, 560, 22     # horizontal bar charts: label column, bar area, row height
 
@@ -55,10 +52,10 @@ def report_html(plan, title: str | None = None) -> str:
                 _section("text", "The plan as text", "What <code>print(plan)</code> shows in a terminal.",
                          f"<details><summary>show</summary><pre>{_e(plan_text(plan))}</pre></details>")]
     return (f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n<title>{_e(title)}</title>\n'
-            f'<meta name="viewport" content="width=device-width, initial-scale=1">\n<style>{_CSS}</style>\n</head>\n'
+            f'<meta name="viewport" content="width=device-width, initial-scale=1">\n<style>{CSS}</style>\n</head>\n'
             f'<body>\n<h1>{_e(title)}</h1>\n' + "\n".join(sections) +
             f'\n<footer>autopar plan {plan.hash()}, origin {_e(plan.origin)}</footer>\n'
-            f'<script>{_JS}</script>\n</body>\n</html>\n')
+            f'<script>{JS}</script>\n</body>\n</html>\n')
 
 
 # --- summary -------------------------------------------------------------------------------
@@ -127,64 +124,6 @@ def _summary(plan) -> str:
     body = (f'<p class="headline">{_e(headline(plan))}</p>\n<div class="row"><table class="kv">{table}</table>\n'
             f'<div>{mesh_svg(mesh)}</div></div>' + (f"<ul class=notes>{notes}</ul>" if notes else ""))
     return _section("summary", "Summary", "", body)
-
-
-def mesh_svg(mesh) -> str:
-    """The mesh as a grid of devices (rows: the outer axes, columns: the innermost), a dashed
-    box around each node, and per axis its size, link speed and latency, and whether it
-    runs inside a node or across nodes.  Meshes over 256 devices draw the axes only."""
-    inside, n_axes = mesh.inside, len(mesh.shape)
-    cols = mesh.shape[-1]
-    rows = mesh.size // cols
-    per_node = mesh.device.devices_per_node
-    draw = mesh.size <= 256
-    cell = max(8, min(22, 300 // max(cols, rows))) if draw else 0
-    gap = 6                                      # between nodes
-
-    def at(d):                                   # device d's top left corner; nodes hold consecutive devices
-        r, c = divmod(d, cols)
-        if per_node >= cols:
-            return 34 + c * cell, 24 + r * cell + (d // per_node) * gap
-        return 34 + c * cell + (c // per_node) * gap, 24 + r * cell + r * gap
-
-    x_end, y_end = (at(mesh.size - 1)[0] + cell, at(mesh.size - 1)[1] + cell) if draw else (0, 0)
-    legend_y = y_end + 28
-    width = max(x_end + 20, 440)
-    height = legend_y + 20 * n_axes + 10
-    out = [f'<svg class="chart mesh" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-           f'role="img" aria-label="device mesh">']
-    if draw:
-        outer = " x ".join(mesh.axis_names[:-1])
-        out.append(f'<text x="34" y="14" fill="{_axis_name_colour(mesh, -1)}">{_e(mesh.axis_names[-1])} '
-                   f'(columns) &#8594;</text>')
-        if outer:
-            out.append(f'<text x="0" y="0" transform="translate(20 24) rotate(90)" '
-                       f'fill="{_axis_name_colour(mesh, -2)}">{_e(outer)} (rows) &#8594;</text>')
-        for d in range(mesh.size):
-            x, y = at(d)
-            out.append(f'<rect class="device" x="{x + 1}" y="{y + 1}" width="{cell - 2}" height="{cell - 2}" rx="2" '
-                       f'fill="{COMPUTE_COLOUR}"><title>device {d}{_coords(d, mesh.shape, mesh.axis_names)}'
-                       f'</title></rect>')
-        for first in range(0, mesh.size, per_node):
-            (x0, y0), (x1, y1) = at(first), at(min(first + per_node, mesh.size) - 1)
-            if y1 != y0 and per_node < cols:
-                continue                          # a node that wraps a row: left unboxed
-            x0, x1 = (34, at(cols - 1)[0]) if y1 != y0 else (x0, x1)
-            out.append(f'<rect class="node" x="{x0 - 2}" y="{y0 - 2}" width="{x1 - x0 + cell + 4}" '
-                       f'height="{y1 - y0 + cell + 4}" fill="none" stroke="#333" stroke-dasharray="4 2"/>')
-        out.append(f'<text x="34" y="{y_end + 18}" class="small">one square per device; dashed: a node of '
-                   f'{per_node} devices</text>')
-    else:
-        out.append(f'<text x="20" y="16">{mesh.size} devices in nodes of {per_node} (too many to draw one by one)'
-                   f'</text>')
-    for i, (name, size, bw, lat) in enumerate(zip(mesh.axis_names, mesh.shape, mesh.bandwidth, mesh.latency)):
-        y = legend_y + 20 * i + 14
-        where = "inside a node" if inside[i] else "across nodes"
-        out.append(f'<text x="20" y="{y}"><tspan font-weight="bold" fill="{_axis_name_colour(mesh, i)}">'
-                   f'{_e(name)}</tspan> = {size}: '
-                   f'{bw / 1e9:.3g} GB/s, {lat * 1e6:.3g} us per step, {where}</text>')
-    out.append("</svg>")
-    return "".join(out)
 
 
 # --- the plan against the hand-written layouts ----------------------------------------------
@@ -503,9 +442,6 @@ def _memory_colour(kind: str) -> str:
     return AXIS_COLOURS[sum(map(ord, kind)) % len(AXIS_COLOURS)]   # a category added later keeps one colour
 
 
-def _axis_name_colour(mesh, index: int) -> str:
-    return AXIS_COLOURS[index % len(mesh.shape) % len(AXIS_COLOURS)]
-
 
 def _axis_colour(plan, axis: str) -> str:
     names = list(plan.device_mesh().axis_names)
@@ -526,13 +462,6 @@ def _mesh_words(mesh) -> str:
     return " x ".join(f"{a}={s}" for a, s in zip(mesh.axis_names, mesh.shape))
 
 
-def _coords(d: int, shape, names) -> str:
-    coords = []
-    for size in reversed(shape):
-        d, r = divmod(d, size)
-        coords.append(r)
-    return ": " + ", ".join(f"{n}={c}" for n, c in zip(names, reversed(coords)))
-
 
 def _op(op: str) -> str:
     return op.replace("aten.", "")
@@ -551,70 +480,3 @@ def _section(anchor: str, heading: str, text: str, body: str) -> str:
 
 def _e(text) -> str:
     return html.escape(str(text), quote=True)
-
-
-_CSS = """
-body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 0 auto; max-width: 1180px;
-       padding: 16px 24px; color: #222; background: #fff; }
-h1 { font-size: 1.5em; margin-bottom: 4px; }
-h2 { font-size: 1.2em; border-bottom: 1px solid #ddd; padding-bottom: 4px; margin-top: 32px; }
-h3 { font-size: 1em; margin: 16px 0 4px; }
-p { max-width: 900px; line-height: 1.4; }
-.headline { font-size: 1.15em; font-weight: 600; background: #f3f6fa; padding: 10px 14px; border-left: 4px solid
-            #4c78a8; max-width: none; }
-.row { display: flex; flex-wrap: wrap; gap: 24px; align-items: flex-start; }
-table.kv th { text-align: left; padding: 3px 12px 3px 0; vertical-align: top; white-space: nowrap; color: #555; }
-table.kv td { padding: 3px 0; max-width: 520px; }
-#modules td:first-child { white-space: nowrap; }
-table.data { border-collapse: collapse; font-size: 13px; width: 100%; }
-table.data th, table.data td { border-bottom: 1px solid #eee; padding: 3px 6px; text-align: left; vertical-align: top; }
-table.data th { position: sticky; top: 0; background: #fafafa; }
-table.small-table { font-size: 13px; margin-top: 8px; }
-table.small-table td, table.small-table th { padding: 2px 10px 2px 0; text-align: left; }
-td.num, th.num { text-align: right !important; white-space: nowrap; font-variant-numeric: tabular-nums; }
-tr.member td { background: #fbfbfd; color: #444; }
-td.indent { padding-left: 30px !important; }
-button.toggle { width: 22px; padding: 0; font-family: monospace; cursor: pointer; }
-.toggle-space { display: inline-block; width: 26px; }
-.small { font-size: 11px; color: #666; }
-svg text { font-size: 12px; }
-svg text:not([fill]) { fill: #222; }
-svg text.small { font-size: 10px; fill: #666; }
-.scroll { overflow-x: auto; }
-.tools { margin: 8px 0; }
-ul.notes { font-size: 13px; color: #555; }
-pre { font-size: 12px; overflow-x: auto; background: #f7f7f7; padding: 8px; }
-footer { margin-top: 40px; font-size: 11px; color: #888; }
-"""
-
-_JS = """
-(function () {
-  function show(id, open) {
-    var rows = document.querySelectorAll('tr.member.' + id);
-    for (var i = 0; i < rows.length; i++) { rows[i].hidden = !open; }
-    var b = document.querySelector('button.toggle[data-group="' + id + '"]');
-    if (b) { b.textContent = open ? '-' : '+'; b.setAttribute('aria-expanded', open ? 'true' : 'false'); }
-  }
-  var toggles = document.querySelectorAll('button.toggle');
-  for (var i = 0; i < toggles.length; i++) {
-    toggles[i].addEventListener('click', function (ev) {
-      var id = ev.currentTarget.getAttribute('data-group');
-      show(id, ev.currentTarget.getAttribute('aria-expanded') !== 'true');
-    });
-  }
-  function all(open) { for (var i = 0; i < toggles.length; i++) { show(toggles[i].getAttribute('data-group'), open); } }
-  var ea = document.getElementById('expand-all'), ca = document.getElementById('collapse-all');
-  if (ea) { ea.addEventListener('click', function () { all(true); }); }
-  if (ca) { ca.addEventListener('click', function () { all(false); }); }
-  var filter = document.getElementById('filter');
-  if (filter) {
-    filter.addEventListener('input', function () {
-      var q = filter.value.toLowerCase();
-      var groups = document.querySelectorAll('tr.group');
-      for (var i = 0; i < groups.length; i++) {
-        groups[i].style.display = !q || groups[i].textContent.toLowerCase().indexOf(q) >= 0 ? '' : 'none';
-      }
-    });
-  }
-})();
-"""

@@ -137,19 +137,7 @@ def plan_text(plan) -> str:
                      f"its busiest rank (the note below says what routing was priced)")
     lines.extend(sequence_lines(plan))
     lines.append(recompute_line(plan))
-    if plan.baselines:
-        lines.append("")
-        lines.append("hand-written layouts on the same mesh (predicted):")
-        lines.append(f"  {'layout':<22}{'step':>12}{'memory':>12}{'vs plan':>10}")
-        lines.append(f"  {'autopar':<22}{format_seconds(plan.predicted.step_s):>12}{format_bytes(plan.predicted.memory_total):>12}{'1.00x':>10}")
-        limit = plan.memory_budget or plan.mesh.device.memory
-        for name, p in plan.baselines.items():
-            if not isinstance(p, str):
-                ratio = p.step_s / plan.predicted.step_s if plan.predicted.step_s else float("nan")
-                fits = "" if p.memory_total <= limit else f"  does not fit {format_bytes(limit)}"
-                lines.append(f"  {name:<22}{format_seconds(p.step_s):>12}{format_bytes(p.memory_total):>12}{ratio:>9.2f}x{fits}")
-            else:
-                lines.append(f"  {name:<22}  not possible: {p}")
+    lines.extend(_baseline_lines(plan))
     lines.append("")
     lines.append("collectives per step:")
     groups = collective_groups(plan)
@@ -162,6 +150,25 @@ def plan_text(plan) -> str:
     lines.append("")
     lines.append(plan_table(plan))
     return "\n".join(lines)
+
+
+def _baseline_lines(plan) -> list:
+    """The hand-written layouts beside the plan (none where it was made without them)."""
+    if not plan.baselines:
+        return []
+    lines = ["", "hand-written layouts on the same mesh (predicted):",
+             f"  {'layout':<22}{'step':>12}{'memory':>12}{'vs plan':>10}",
+             f"  {'autopar':<22}{format_seconds(plan.predicted.step_s):>12}{format_bytes(plan.predicted.memory_total):>12}{'1.00x':>10}"]
+    limit = plan.memory_budget or plan.mesh.device.memory
+    for name, p in plan.baselines.items():
+        if not isinstance(p, str):
+            ratio = p.step_s / plan.predicted.step_s if plan.predicted.step_s else float("nan")
+            fits = "" if p.memory_total <= limit else f"  does not fit {format_bytes(limit)}"
+            lines.append(f"  {name:<22}{format_seconds(p.step_s):>12}{format_bytes(p.memory_total):>12}{ratio:>9.2f}x{fits}")
+        else:
+            lines.append(f"  {name:<22}  not possible: {p}")
+    return lines
+
 
 @dataclass(frozen=True)
 class TableRow:

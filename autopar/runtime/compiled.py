@@ -37,7 +37,8 @@ from autopar.runtime.faults import (
     DEFAULT_TIMEOUT_S, CollectiveError, NonFiniteError, collectives_named, set_timeout)
 from autopar.runtime.inputs import CHECKED_CALLS, SAMPLE_EVERY
 from autopar.runtime.linear_grads import fold_linear_gradients, kept_nodes
-from autopar.runtime.model import CompiledModel, UnevenInputs
+from autopar.runtime.join import UnevenInputs
+from autopar.runtime.model import CompiledModel
 from autopar.runtime.options import RunOptions
 from autopar.runtime.pipelined import compile_pipelined
 from autopar.runtime.process import CompileError, device_mesh, device_of, ensure_process_group

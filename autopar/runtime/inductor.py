@@ -31,18 +31,19 @@ one run (measured 0-6 % faster there).
 
 A recomputed layer (runtime/recompute.Region) is compiled too.  One whose body is one
 run of compute after its weights' gathers runs as one region with the checkpoint inside
-the compiled graph (_checkpointed): its compiled backward runs the fused forward again from
-the layer's inputs, and ZeRO-3's saved-tensor hooks regather the gathered weights it
-keeps.  Recomputed whole, every op is tagged to be recomputed; selectively, each kept op
-(a product with a weight, attention) runs under an annotation (_tagged) that the
-checkpoint's policy reads as AOTAutograd traces it, so the compiled forward saves the kept
-kernels' outputs and its backward runs only the ops between them again.  The compiled
-graph's partitioner leaves out a kept output that no backward reads (a block's MLP
-down-projection, read only by the residual add), which eager's checkpoint caches: such a
-layer keeps less than the plan's activation bytes by those outputs.  Any other layer (a
-body with random draws or eager ops, or a selective one under a pipeline schedule whose
-backward recomputes it twice) keeps its checkpointing and compiles its runs without
-Dynamo (_WithoutDynamo), which checkpointing turns off when it runs the forward again.
+the compiled graph (runtime/compiled_checkpoint.py): its compiled backward runs the fused
+forward again from the layer's inputs, and ZeRO-3's saved-tensor hooks regather the
+gathered weights it keeps.  Recomputed whole, every op is tagged to be recomputed;
+selectively, each kept op (a product with a weight, attention) runs under an annotation
+(with_kept_tagged) that the checkpoint's policy reads as AOTAutograd traces it, so the
+compiled forward saves the kept kernels' outputs and its backward runs only the ops
+between them again.  The compiled graph's partitioner leaves out a kept output that no
+backward reads (a block's MLP down-projection, read only by the residual add), which
+eager's checkpoint caches: such a layer keeps less than the plan's activation bytes by
+those outputs.  Any other layer (a body with random draws or eager ops, or a selective
+one under a pipeline schedule whose backward recomputes it twice) keeps its
+checkpointing and compiles its runs without Dynamo (_WithoutDynamo), which checkpointing
+turns off when it runs the forward again.
 
 Under a split-backward pipeline schedule (zero-bubble, ZB-V, DualPipeV) a stage's regions
 run as split_backward.TwoPassRun instead: the backward of each is two compiled passes, the
@@ -70,18 +71,20 @@ import torch.utils._pytree as pytree
 from torch._inductor.compile_fx import compile_fx
 from torch.fx.passes.split_module import split_module
 from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from autopar.passes.collectives import move
 from autopar.plan.records import SELECTIVE_MODES
+from autopar.runtime.compiled_checkpoint import as_checkpointed, with_kept_tagged
 from autopar.runtime.functional_moves import functional_move
 from autopar.runtime.recompute import Region
 from autopar.runtime.reshard import Regather
 from autopar.runtime.rng import draws_nothing, is_random
+from autopar.runtime.sigmoid_gelu import with_sigmoid_gelus
 from autopar.runtime.split_backward import WEIGHT, TwoPassRun, WeightPasses, mark_weights
 from autopar.ops.rules import VIEWS
 from autopar.plan.records import RECOMPUTING
 from autopar.trace.paths import block_of, module_path
+
 
 log = logging.getLogger("autopar")
 
@@ -93,7 +96,7 @@ LAYER_CUTS: bool | None = None
 
 def _aten_name(node: fx.Node) -> str | None:
     """The ATen op's name (`mm`, `add`...) of a node that calls one (a kept op of a
-    selective layer compiled whole, _tagged, included), else None."""
+    selective layer compiled whole, with_kept_tagged, included), else None."""
     target = getattr(node.target, "_autopar_tagged", node.target)
     if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         name = str(target)
@@ -169,82 +172,17 @@ def _itself(x):
     return x
 
 
-def _checkpointed(body: fx.GraphModule, selective: bool = False) -> fx.GraphModule:
-    """`body` run under non-reentrant activation checkpointing, as a graph of its own (one
-    call of torch.utils.checkpoint.checkpoint): compiled by Dynamo, the checkpoint becomes
-    part of the compiled graph, whose backward runs the fused forward again from the run's
-    inputs (every op tagged to be recomputed; selective: except the kept ops' kernels, whose
-    outputs the compiled forward saves, _kept_policy).  (A graph module per run, not one
-    wrapper class for all: Dynamo compiles per code object, and would stop compiling a
-    shared forward after its recompile limit, some eight layers in.)"""
-    root = nn.Module()
-    root.body = body
-    graph = fx.Graph()
-    inputs = [graph.placeholder(f"x{i}") for i, _ in enumerate(body.graph.find_nodes(op="placeholder"))]
-    run = _run_selective if selective else _run_checkpointed
-    graph.output(graph.call_function(run, (graph.get_attr("body"), *inputs)))
-    return fx.GraphModule(root, graph)
-
-
-def _run_checkpointed(body, *args):
-    return checkpoint(body, *args, use_reentrant=False, context_fn=_all_recomputed)
-
-
-def _run_selective(body, *args):
-    return checkpoint(body, *args, use_reentrant=False, context_fn=_kept_recomputed)
-
-
-def _recompute_policy(ctx, func, *args, **kwargs):
-    return CheckpointPolicy.MUST_RECOMPUTE
-
-
-def _all_recomputed():
-    return create_selective_checkpoint_contexts(_recompute_policy)
-
-
-KEEP = "autopar_keep"   # the annotation (node.meta["custom"]) of a kept op's nodes: the kernels it keeps
-
-
-def _tagged(target, kernels):
-    """A kept op of a selective layer, as its layer compiled whole runs it: the op under
-    torch.fx.traceback.annotate({KEEP: its kernels}), which Dynamo records on the op's
-    nodes and AOTAutograd's trace of the checkpoint shows the policy (_kept_policy) as each
-    kernel is dispatched; outside a trace (a region that failed to compile runs eagerly)
-    the annotation is set just the same while the op runs.  kernels: the ATen packets
-    whose outputs are kept (runtime/recompute._kernels), None for all."""
-    code = "*" if kernels is None else ",".join(sorted(str(k) for k in kernels))
-
-    def kept_in_layer(*args, **kwargs):
-        with fx_traceback.annotate({KEEP: code}):
-            return target(*args, **kwargs)
-    kept_in_layer._autopar_tagged = target
-    return kept_in_layer
-
-
-def _kept_policy(ctx, func, *args, **kwargs):
-    """The selective policy of a layer compiled whole: a kernel dispatched by a kept op
-    (_tagged) whose outputs that op keeps is saved, everything else recomputed."""
-    code = (fx_traceback.current_meta.get("custom") or {}).get(KEEP)
-    if code is not None and (code == "*" or str(getattr(func, "overloadpacket", func)) in code.split(",")):
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _kept_recomputed():
-    return create_selective_checkpoint_contexts(_kept_policy)
-
-
 class CompiledRegion(nn.Module):
     """One run of compute nodes: the Inductor-compiled module, or the eager one where
     compiling failed (said once).  dynamo False: compiled without Dynamo (_WithoutDynamo),
     for a run inside a recomputed layer; checkpointed: the run is a whole recomputed layer
-    (_checkpointed), selective: one that keeps its kept ops' outputs."""
+    (as_checkpointed), selective: one that keeps its kept ops' outputs."""
 
     def __init__(self, eager: fx.GraphModule, label: str, dynamo: bool = True, checkpointed: bool = False,
                  selective: bool = False, passes: WeightPasses | None = None):
         super().__init__()
         if checkpointed:
-            eager = _checkpointed(eager, selective)
+            eager = as_checkpointed(eager, selective)
         self.eager = eager
         self.checkpointed = checkpointed
         self.label = label
@@ -325,74 +263,6 @@ def with_functional_moves(gm: fx.GraphModule, moves: bool = True) -> tuple[fx.Gr
     return out, count
 
 
-GELU_K = 0.7978845608028654   # sqrt(2 / pi), the tanh GELU's constant
-
-
-def with_sigmoid_gelus(gm: fx.GraphModule) -> int:
-    """On CPU, gm's tanh GELUs rewritten in place as x * sigmoid(2 z), z = sqrt(2/pi) (x +
-    0.044715 x^3): the same function (0.5 (1 + tanh z) = sigmoid(2 z)), computed without
-    tanh.  Inductor's CPU code calls a vectorised tanh that costs about three times its
-    exp: a tanh GELU over 262,144 floats took 565 us compiled (aten's own, 479 us) and the
-    sigmoid form 197 us; forward and backward 1,531 against 742 us (one core).  The sigmoid
-    form is also the more accurate in float32 where the GELU is small (1 + tanh z cancels
-    as z goes negative: a relative error of 1.6e-3 against 1.1e-6, against float64).
-    Rewritten: aten.gelu(approximate="tanh") (nn.GELU("tanh"), GPT-2), and 1 + tanh(z)
-    where the tanh has no other reader (the hand-written GELU of Hugging Face's GPT-2,
-    `gelu_new`, and nanoGPT's). Returns how many were rewritten."""
-    aten = torch.ops.aten
-    count = 0
-    for node in list(gm.graph.nodes):
-        val = node.meta.get("val") if node.op == "call_function" else None
-        if not isinstance(val, torch.Tensor) or val.device.type != "cpu" or not val.dtype.is_floating_point:
-            continue
-        if node.target is aten.gelu.default:
-            approximate = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
-            if approximate != "tanh":
-                continue
-            x, tanh = node.args[0], None
-            op = _inserter(gm, node)
-            cubed = op(aten.mul.Tensor, op(aten.mul.Tensor, x, x), x)
-            z = op(aten.add.Tensor, x, op(aten.mul.Tensor, cubed, 0.044715))
-            out = op(aten.mul.Tensor, x, op(aten.sigmoid.default, op(aten.mul.Tensor, z, 2 * GELU_K)))
-        elif node.target in (aten.add.Tensor, aten.add.Scalar) and len(node.args) == 2 \
-                and node.kwargs.get("alpha", 1) == 1:
-            a, b = node.args
-            tanh, one = (a, b) if isinstance(a, fx.Node) else (b, a)
-            if not (isinstance(tanh, fx.Node) and tanh.op == "call_function" and tanh.target is aten.tanh.default
-                    and not isinstance(one, fx.Node) and one == 1
-                    and all(u is node or _unread_detach(u) for u in tanh.users)):
-                continue
-            op = _inserter(gm, node)
-            out = op(aten.mul.Tensor, op(aten.sigmoid.default, op(aten.mul.Tensor, tanh.args[0], 2.0)), 2.0)
-        else:
-            continue
-        node.replace_all_uses_with(out)
-        gm.graph.erase_node(node)
-        if tanh is not None:
-            for u in list(tanh.users):   # (a tracer's unread detach)
-                gm.graph.erase_node(u)
-            gm.graph.erase_node(tanh)
-        count += 1
-    if count:
-        gm.recompile()
-    return count
-
-
-def _unread_detach(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target is torch.ops.aten.detach.default and not node.users
-
-
-def _inserter(gm: fx.GraphModule, node: fx.Node):
-    """A function (target, *args) -> a new call of target placed before `node`, with its meta
-    (every node a rewrite puts in node's place has node's shape)."""
-    def op(target, *args):
-        with gm.graph.inserting_before(node):
-            made = gm.graph.call_function(target, args)
-        made.meta = dict(node.meta)
-        return made
-    return op
-
-
 def _weight_gather(node: fx.Node) -> bool:
     """Whether a node makes a weight ready for its reader and reads nothing computed: a
     ZeRO-3 gather (Regather.gather) or a move of a placeholder (a tied weight's
@@ -469,7 +339,7 @@ def _recomputed_layers_compiled(gm: fx.GraphModule) -> list:
     compiled the same way (compile_regions), under the same checkpointing: backward runs
     the compiled forward again.  A layer whose body is one run of compute after its
     weights' gathers is one checkpointed region; under selective recomputation its kept
-    ops (products, attention) run inside it tagged (_with_kept_tagged), and the compiled
+    ops (products, attention) run inside it tagged (with_kept_tagged), and the compiled
     forward saves their outputs while the cheap ops between them run again, fused.  Any
     other layer keeps its Region, whose runs between the eager ops compile without Dynamo;
     there the kept ops stay eager calls between the compiled runs (as under a pipeline
@@ -486,7 +356,7 @@ def _recomputed_layers_compiled(gm: fx.GraphModule) -> list:
         # (fx.traceback.annotate: torch 2.9 and later)
         if not (selective and (layer.replays or not hasattr(fx_traceback, "annotate"))):
             # one run of compute (after its weights' gathers): checkpointed inside
-            body, inner = compile_regions(_with_kept_tagged(layer.body) if selective else layer.body, layer.path,
+            body, inner = compile_regions(with_kept_tagged(layer.body) if selective else layer.body, layer.path,
                                           checkpointed=True, selective=selective)
             if body is not None:
                 gm.add_submodule(node.target, body)
@@ -496,20 +366,6 @@ def _recomputed_layers_compiled(gm: fx.GraphModule) -> list:
         gm.add_submodule(node.target, Region(layer.path, layer.mode, body, layer.streams, layer.replays))
         regions += inner
     return regions
-
-
-def _with_kept_tagged(body: fx.GraphModule) -> fx.GraphModule:
-    """A copy of a selective layer's body whose kept ops (runtime/recompute._kept) call
-    their ATen op under its annotation (_tagged): compute that a compiled region can run."""
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(body.graph, {}))
-    out = fx.GraphModule(body, graph)
-    for node in out.graph.nodes:
-        kept = getattr(node.target, "_autopar_kept", None) if node.op == "call_function" else None
-        if kept is not None:
-            node.target = _tagged(*kept)
-    out.recompile()
-    return out
 
 
 def compile_regions(gm: fx.GraphModule, layer: str = "", dynamo: bool = True,
@@ -528,7 +384,7 @@ def compile_regions(gm: fx.GraphModule, layer: str = "", dynamo: bool = True,
     overlap, one region measured 0-6 % faster).  layer: gm is the body of that recomputed layer
     (its path, which prefixes the regions' labels); dynamo: whether Dynamo compiles them
     (CompiledRegion).  checkpointed: the layer is recomputed (whole, or selective: its kept
-    ops tagged, _with_kept_tagged), to run as one checkpointed compiled region after its
+    ops tagged, with_kept_tagged), to run as one checkpointed compiled region after its
     weights' gathers; (None, []) where its body is
     more than that (a random draw, a collective on a weight, an op Inductor is not given,
     a run too small to compile).  passes: gm is a stage's graph under a split-backward

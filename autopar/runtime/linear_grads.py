@@ -36,7 +36,7 @@ linear's.  (A dropout between the linear and the move, as GPT-2's, keeps them ap
 The results equal the unfolded graph's up to the order the readers' input gradients are
 added in and the GEMM's rows computed in pieces.  The cost model prices what this hides on
 asynchronous devices (`_Tally._fold_linears` in autopar/solve/assemble.py,
-Prediction.linear_hidden_s; Problem._edge_matrix for the ILP)."""
+Prediction.linear_hidden_s; EdgePrices for the ILP)."""
 from __future__ import annotations
 
 import operator

@@ -16,12 +16,9 @@ and the memory report (runtime/memory_report.py).
 """
 from __future__ import annotations
 
-import contextlib
-import logging
 import weakref
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import Replicate
 from torch.utils import _pytree as pytree
@@ -34,6 +31,7 @@ from autopar.runtime.grad_norms import clip_grad_norm_, grad_norm
 from autopar.runtime.grad_pieces import pieces_of
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.inputs import ShardedInputs, unpack_sharded
+from autopar.runtime.join import Join
 from autopar.runtime.memory_report import memory_report
 from autopar.runtime.optimizer import build_optimizer, load_state_dict_into, state_dict_of
 from autopar.runtime.options import RunOptions
@@ -43,21 +41,15 @@ from autopar.runtime.process import CompileError
 from autopar.runtime.runner import graph_io
 from autopar.runtime.state import RankState
 
-log = logging.getLogger("autopar")
-
-
-class UnevenInputs(RuntimeError):
-    """Inside `cm.join()`, some rank ran out of batches while this one still had some: every
-    rank with batches left stops at the same step with this error (instead of waiting
-    forever in a collective its finished peer never enters)."""
-
 
 class CompiledModel(nn.Module):
     """One rank's part of the model.  Parameters are this rank's shards, named as in the
     original model (dots become '__' in the module's own attribute names).
 
-    plan, groups, device, device_type, name_of, parts, aliases, buffer_names, masters and
-    zero_layouts are the RankState's (`rank_state`), named here for callers."""
+    plan, groups, device, device_type, name_of, parts, aliases, buffer_names, masters,
+    zero_layouts and zero_grad_chunks (its zero_grads: key -> this rank's chunk of a ZeRO-2
+    parameter's summed gradient, runtime/grad_sync.py) are the RankState's (`rank_state`),
+    named here for callers."""
 
     def __init__(self, rewritten: RankGraph, state: RankState, options: RunOptions, runner, *,
                  batch_scale: int = 1, pieces: dict | None = None, hold=frozenset()):
@@ -75,6 +67,7 @@ class CompiledModel(nn.Module):
         self.name_of, self.parts, self.aliases, self.buffer_names = state.name_of, state.parts, state.aliases, \
             state.buffer_names
         self.masters, self.zero_layouts = state.masters, state.zero_layouts
+        self.zero_grad_chunks = state.zero_grads
         self.modes = rewritten.modes
         self.streams = rewritten.streams
         self.input_layouts = rewritten.input_layouts  # compile(local_inputs=True): each input's layout
@@ -85,6 +78,7 @@ class CompiledModel(nn.Module):
         self.backend = options.backend            # how the runner runs the graph (runtime/inductor.py)
         self.steps = 0                            # train_step calls so far (errors name the step)
         self._optimizers: list = []
+        self.joining = Join(state.device)          # cm.join()'s flags (runtime/join.py)
         self.io = graph_io(rewritten, state.groups, options, batch_scale)
         precision = state.precision
         self.grad_sync = GradSync(state.shards, state.sync_axes, state.groups, options.bucket_mb, state.zero_layouts,
@@ -137,7 +131,6 @@ class CompiledModel(nn.Module):
         return ShardedInputs.of(*pytree.tree_unflatten(out, spec))
 
     # --- uneven data ----------------------------------------------------------------------------
-    @contextlib.contextmanager
     def join(self):
         """For loops whose ranks may have different numbers of batches:
 
@@ -149,34 +142,9 @@ class CompiledModel(nn.Module):
         loop answers its peers' next flag with 0; the ranks that still have batches then
         raise UnevenInputs at that step, all of them, and the finished ranks end cleanly.
         (Every rank computes part of every step, so a rank without data cannot stand in for
-        one; give all ranks the same number of batches, e.g. drop_last=True, to use them all.)"""
-        self._steps_in_join = 0
-        self._joined = True
-        try:
-            yield self
-        except BaseException:
-            self._joined = False
-            raise
-        self._joined = False
-        flag = torch.zeros((), dtype=torch.int64, device=self.device)
-        dist.all_reduce(flag)  # pairs with the flag of a peer's next step (0: they are done too)
-        if flag.item():
-            log.warning("rank %d ran out of batches after %d steps; %d rank(s) had more and stopped",
-                        dist.get_rank(), self._steps_in_join, flag.item())
-
-    def _check_joined(self) -> None:
-        if not getattr(self, "_joined", False):
-            return
-        flag = torch.ones((), dtype=torch.int64, device=self.device)
-        dist.all_reduce(flag)
-        if flag.item() < dist.get_world_size():
-            self._joined = False
-            raise UnevenInputs(f"{dist.get_world_size() - flag.item()} rank(s) ran out of batches before step "
-                               f"{self._steps_in_join} of this cm.join() block while rank {dist.get_rank()} had "
-                               f"more; every rank with batches left stopped here. Catch "
-                               f"autopar.runtime.compiled.UnevenInputs to end the epoch, or give every rank the "
-                               f"same number of batches (DistributedSampler(..., drop_last=True))")
-        self._steps_in_join += 1
+        one; give all ranks the same number of batches, e.g. drop_last=True, to use them all.)
+        (runtime/join.py)"""
+        return self.joining.block(self)
 
     def train_step(self, *args, **kwargs) -> torch.Tensor:
         """Forward, backward and gradient synchronisation; returns the loss (detached).
@@ -188,7 +156,7 @@ class CompiledModel(nn.Module):
         args, kwargs = unpack_sharded(args, kwargs)
         self.steps += 1
         with collectives_named(f"step {self.steps} (forward, backward, gradient synchronisation)", self.timeout_s):
-            self._check_joined()
+            self.joining.check()
             with self.io.check.folded():   # a sampled call's input hashes wait for check_step's all-reduce
                 loss = self.runner.train_step(args, kwargs)
             check_step(self, loss, self.steps, self.check_finite, self.io.check.take_pending())
@@ -265,11 +233,6 @@ class CompiledModel(nn.Module):
         it is what the plan predicts."""
         optimizers = [opt for opt in (ref() for ref in self._optimizers) if opt is not None]
         return memory_report(self.rank_state, optimizers, self.predicted_memory())
-
-    @property
-    def zero_grad_chunks(self) -> dict:
-        """key -> this rank's chunk of a ZeRO-2 parameter's summed gradient (autopar/runtime/grad_sync.py)."""
-        return self.rank_state.zero_grads
 
     def predicted_memory(self) -> dict:
         """The plan's bytes per device of this rank: params, grads, optimizer, activations, total

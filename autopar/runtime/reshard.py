@@ -46,6 +46,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from autopar.passes.collectives import move
 from autopar.passes.redistribute import plan_redistribute, redistribute_local, reduce_scatter_rows
 
+from autopar.runtime.gathered import Fetched, Gathered, GroupGathered, Recipe
 from autopar.runtime.recompute import in_recomputed_forward, note_saved
 from autopar.runtime.state import param_key
 
@@ -67,6 +68,39 @@ def _identity(gm: fx.GraphModule, node: fx.Node) -> bool:
     """Whether a move node's forward leaves its tensor as it is (same layout on both sides)."""
     m = getattr(gm, node.args[1].target)
     return tuple(m.src) == tuple(m.dst)
+
+
+def _bucketed(order: list, flat: dict, feed: dict, groups, bucket_bytes: int) -> tuple[list, dict]:
+    """Regather's buckets: consecutive groupable gathers (`flat`: gather index -> (mesh
+    axis, dim)) on one mesh axis, up to bucket_bytes gathered, read from the shards `feed`
+    holds for this forward; (lists of gather indices, gather index -> its bucket)."""
+    buckets: list = []
+    bucket_of: dict = {}
+    size, axis = 0, None
+    for k in range(len(order)):
+        x = feed.get(order[k][0])
+        if k not in flat or x is None:
+            size, axis = 0, None
+            continue
+        full = x.numel() * x.element_size() * groups.size(flat[k][0])
+        if axis != flat[k][0] or size + full > bucket_bytes or not buckets:
+            buckets.append([])
+            size, axis = 0, flat[k][0]
+        buckets[-1].append(k)
+        bucket_of[k] = len(buckets) - 1
+        size += full
+    return buckets, bucket_of
+
+
+def _split_rows(flat: dict, members: list, shards: list, buf: torch.Tensor) -> dict:
+    """Each member's whole weight from a bucket's gathered rows (its own storage)."""
+    out, offset = {}, 0
+    for k, t in zip(members, shards):
+        dim = flat[k][1]
+        n = t.numel()
+        out[k] = torch.cat([row[offset: offset + n].view(t.shape) for row in buf], dim=dim)
+        offset += n
+    return out
 
 
 class Regather:
@@ -176,29 +210,12 @@ class Regather:
     def fetch(self, x: torch.Tensor) -> torch.Tensor:
         """An offloaded weight for a reader that takes it as stored: a copy on the device,
         fetched again in backward where forward's copies are dropped."""
-        out = _Fetched.apply(x, None, self.groups, self)
+        out = Fetched.apply(x, None, self.groups, self)
         if self.reshard and self.active:
             self.sources[out.untyped_storage().data_ptr()] = (x, None, out, None)
         return out
 
     # --- grouped buckets ----------------------------------------------------------------------
-    def _make_buckets(self) -> None:
-        """Consecutive groupable gathers on one mesh axis, up to bucket_bytes gathered."""
-        self.buckets = []
-        size, axis = 0, None
-        for k in range(len(self.order)):
-            x = self.feed.get(self.order[k][0])
-            if k not in self.flat or x is None:
-                size, axis = 0, None
-                continue
-            full = x.numel() * x.element_size() * self.groups.size(self.flat[k][0])
-            if axis != self.flat[k][0] or size + full > self.bucket_bytes or not self.buckets:
-                self.buckets.append([])
-                size, axis = 0, self.flat[k][0]
-            self.buckets[-1].append(k)
-            self.bucket_of[k] = len(self.buckets) - 1
-            size += full
-
     def _launch_bucket(self, members: list, shards: list):
         """Start one flat all-gather of `shards` (the bucket's members'); (work, buffer)."""
         axis = self.flat[members[0]][0]
@@ -209,16 +226,6 @@ class Regather:
         work = fn(buf, flat, group=self.groups.group(axis), async_op=True)
         self.counts["bucket_gathers"] += 1
         return work, buf.view(n, flat.numel())
-
-    def _split_bucket(self, members: list, shards: list, buf: torch.Tensor) -> dict:
-        """Each member's whole weight from the gathered rows (its own storage)."""
-        out, offset = {}, 0
-        for k, t in zip(members, shards):
-            dim = self.flat[k][1]
-            n = t.numel()
-            out[k] = torch.cat([row[offset: offset + n].view(t.shape) for row in buf], dim=dim)
-            offset += n
-        return out
 
     def _gather_bucket(self, b: int) -> None:
         members = self.buckets[b]
@@ -234,7 +241,7 @@ class Regather:
                 got[1].wait()
             work, buf = self._launch_bucket(members, shards)
             work.wait()
-        self.ready.update(self._split_bucket(members, shards, buf))
+        self.ready.update(_split_rows(self.flat, members, shards, buf))
         if self.active and b + 1 < len(self.buckets):  # the next bucket while this one computes
             nxt = self.buckets[b + 1]
             self.next_bucket = (b + 1, *self._launch_bucket(nxt, [self.feed[self.order[k][0]] for k in nxt]))
@@ -248,7 +255,7 @@ class Regather:
         if k not in self.ready:
             self._gather_bucket(self.bucket_of[k])
         self.counts["gathered"] += 1
-        return _GroupGathered.apply(x, self, k)
+        return GroupGathered.apply(x, self, k)
 
     def take(self, k: int) -> torch.Tensor:
         return self.ready.pop(k)
@@ -305,7 +312,8 @@ class Regather:
 
     def _gather(self, k: int, x: torch.Tensor, m, groups) -> torch.Tensor:
         if self.buckets is None and self.active:
-            self._make_buckets()
+            self.buckets, bucket_of = _bucketed(self.order, self.flat, self.feed, self.groups, self.bucket_bytes)
+            self.bucket_of.update(bucket_of)
         if not self.active and k in self.again:   # a recomputed layer's weight, gathered again in backward
             return self._gathered_again(k, x)
         if k in self.bucket_of and (self.active or k in self.ready):
@@ -321,9 +329,9 @@ class Regather:
         self.counts["gathered"] += 1
         if prefetched is not None:
             self.counts["prefetched"] += 1
-            out = _Gathered.apply(x, m, groups, prefetched)
+            out = Gathered.apply(x, m, groups, prefetched)
         elif self.order[k][0] in self.offloaded:
-            out = _Fetched.apply(x, m, groups, self)
+            out = Fetched.apply(x, m, groups, self)
         else:
             out = move(x, m, groups)
         if self.reshard and self.active:  # the entry holds `out` so its memory is not reused for another
@@ -350,7 +358,7 @@ class Regather:
                 work, buf = self._launch_bucket(members, shards)
             self.counts["recompute_buckets"] += 1
             work.wait()
-            self.again_ready.update(self._split_bucket(members, shards, buf))
+            self.again_ready.update(_split_rows(self.flat, members, shards, buf))
             self.again_done.add(b)
             earlier = {self.bucket_of[j] for j in self.again} - self.again_done
             earlier = [c for c in earlier if c < b]
@@ -362,7 +370,7 @@ class Regather:
         self.counts["gathered"] += 1
         self.counts["recompute_gathered"] += 1
         self.ready[k] = self.again_ready.pop(k)
-        return _GroupGathered.apply(x, self, k)
+        return GroupGathered.apply(x, self, k)
 
     def _again_members(self, b: int) -> tuple:
         members = [j for j in self.buckets[b] if j in self.again]
@@ -422,10 +430,10 @@ class Regather:
         x, m, _, k = source
         if k is not None:
             self.packed.setdefault(self.bucket_of[k], []).append((k, x))
-        return _Recipe(x, m, self.groups, t.size(), t.stride(), t.storage_offset(), k)
+        return Recipe(x, m, self.groups, t.size(), t.stride(), t.storage_offset(), k)
 
     def _unpack(self, packed):
-        if not isinstance(packed, _Recipe):
+        if not isinstance(packed, Recipe):
             return packed
         self.counts["regathered"] += 1
         if packed.m is None:   # an offloaded weight fetched as stored
@@ -472,7 +480,7 @@ class Regather:
     def _cache_bucket(self, b: int, members: list, uses: dict, shards: list, work, buf) -> None:
         """Wait for bucket b's regather and keep each weight for its uses."""
         work.wait()
-        for j, t in self._split_bucket(members, shards, buf).items():
+        for j, t in _split_rows(self.flat, members, shards, buf).items():
             self.cached[j] = [t, uses[j]]
 
     def end_backward(self) -> None:
@@ -487,64 +495,3 @@ class Regather:
             self.next_again = None
         self.again_ready.clear()
         self.again_done.clear()
-
-
-class _Recipe:
-    __slots__ = ("x", "m", "groups", "size", "stride", "offset", "k")
-
-    def __init__(self, x, m, groups, size, stride, offset, k=None):
-        self.x, self.m, self.groups = x, m, groups
-        self.size, self.stride, self.offset = size, stride, offset
-        self.k = k   # a grouped gather's index (its bucket is gathered again at once), or None
-
-
-class _Gathered(torch.autograd.Function):
-    """A prefetched all-gather: forward waits for it; backward is the move's backward."""
-
-    @staticmethod
-    def forward(ctx, x, m, groups, prefetched):
-        ctx.m, ctx.groups, ctx.home = m, groups, x.device
-        work, buf, dim = prefetched
-        work.wait()
-        return buf.movedim(0, dim).contiguous() if dim else buf
-
-    @staticmethod
-    def backward(ctx, grad):
-        m = ctx.m
-        return redistribute_local(grad, m.grad_src, m.grad_dst, ctx.groups).to(ctx.home), None, None, None
-
-
-class _Fetched(torch.autograd.Function):
-    """An offloaded weight copied to the device (and moved from layout m.src to m.dst, m
-    None: as stored); backward brings the gradient back to the shard's home."""
-
-    @staticmethod
-    def forward(ctx, x, m, groups, regather):
-        ctx.m, ctx.groups, ctx.home = m, groups, x.device
-        y = regather.device_copy(x, offloaded=True)
-        return y if m is None else redistribute_local(y, m.src, m.dst, groups)
-
-    @staticmethod
-    def backward(ctx, grad):
-        m = ctx.m
-        if m is not None:
-            grad = redistribute_local(grad, m.grad_src, m.grad_dst, ctx.groups)
-        return grad.to(ctx.home), None, None, None
-
-
-
-class _GroupGathered(torch.autograd.Function):
-    """A grouped gather: forward hands out the weight its bucket gathered; backward passes
-    the whole gradient to the bucket's reduce-scatter (Regather.add_grad) and returns zero
-    for the shard, to which Regather.finish adds the reduced piece."""
-
-    @staticmethod
-    def forward(ctx, x, regather, k):
-        ctx.regather, ctx.k, ctx.home = regather, k, x.device
-        ctx.x = regather.leaf(k, x)   # (the shard parameter, a leaf: not saved through the saved-tensor hooks)
-        return regather.take(k)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.regather.add_grad(ctx.k, ctx.x, grad)
-        return torch.zeros(ctx.x.shape, dtype=ctx.x.dtype, device=ctx.home), None, None

@@ -187,11 +187,8 @@ def build_rank_state(rewritten, plan: Plan, groups: MeshGroups, shards: dict, mo
     parts = traced.parts
     trainable = {n: p.requires_grad for n, p in parts.named_parameters(model).items()}
 
-    def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-        return precision.param_dtype if precision is not None and dtype == torch.float32 else dtype
-
     def compute(t: torch.Tensor) -> torch.Tensor:
-        return t.detach().to(compute_dtype(t.dtype))
+        return t.detach().to(_compute_dtype(precision, t.dtype))
 
     sync = {param_key(name): axes for name, axes in rewritten.grad_sync.items() if name in shards and trainable[name]}
     zero_layouts = {}
@@ -202,17 +199,7 @@ def build_rank_state(rewritten, plan: Plan, groups: MeshGroups, shards: dict, mo
             zero_layouts[k] = zero_layout(state.stage, axes, sync.get(k, ()), shards[name].numel(), groups,
                                           state.offload)
     model_name = {param_key(k): k for k in shards}
-    masters = {}
-    for name, value in shards.items():
-        k = param_key(name)
-        state = plan.param_states.get(name)
-        offload = state is not None and state.offload
-        if trainable.get(name, False) and value.is_floating_point() and (precision is not None or offload):
-            lay = zero_layouts.get(k)
-            part = value.detach().reshape(-1)[lay.start: lay.end] if lay is not None else value.detach()
-            home = torch.device("cpu") if offload else device
-            dtype = torch.float32 if precision is not None else value.dtype
-            masters[k] = nn.Parameter(part.to(home, dtype, copy=True))
+    masters = _masters(plan, shards, trainable, zero_layouts, precision, device)
     weights_tier = {param_key(name): state.offload for name, state in plan.param_states.items()
                     if state.weights and name in shards and trainable.get(name, False)}
     synced = sorted(k for k in weights_tier if sync.get(k))
@@ -222,35 +209,16 @@ def build_rank_state(rewritten, plan: Plan, groups: MeshGroups, shards: dict, mo
                            f"device only; plan them with their weights on the device (ParamState.weights=False)")
     params = nn.ParameterDict({param_key(k): nn.Parameter(compute(v).to(device), requires_grad=trainable[k])
                                for k, v in shards.items() if param_key(k) not in weights_tier})
-    buffers = {}
-    plain_buffers = dict(model.named_buffers())
-    for node in rewritten.graph.graph.nodes:   # the buffers the graph reads
-        if node.op == "placeholder" and node.target in traced.buffers and node.target not in traced.params:
-            name = traced.buffers[node.target]
-            buf = plain_buffers.get(name, traced.constants.get(name))  # (a constant the forward creates)
-            if buf is None or buf.is_meta:
-                raise CompileError(f"buffer {name} has no value; initialise it before compiling")
-            buffers[param_key(name)] = compute(buf).to(device)
-    # names the plain model's state_dict() has: tied aliases and persistent buffers (those the
-    # graph does not read are kept as they are, so a state dict is complete)
+    buffers, buffer_names = _buffers(rewritten, model, compute, device)
+    # names the plain model's state_dict() has: tied aliases (and the persistent buffers, _buffers)
     aliases = {n: traced.tied[n] for n, _ in model.named_parameters(remove_duplicate=False)
                if traced.tied.get(n, n) != n}
-    persistent = set(model.state_dict(keep_vars=True))
-    buffer_names = {}
-    for name, buf in model.named_buffers():
-        if name not in persistent:
-            continue
-        if param_key(name) not in buffers:
-            if buf.is_meta:
-                continue
-            buffers[param_key(name)] = buf.detach().clone().to(device)
-        buffer_names[name] = param_key(name)
     disk_keys = frozenset(k for k in masters if getattr(plan.param_states.get(model_name[k]), "offload", "") == "disk")
     disk = None
     if disk_keys:
         need = sum(masters[k].numel() * C.offloaded_bytes(shards[model_name[k]].element_size(), precision is not None)
                    for k in disk_keys)
-        need += sum(shards[model_name[k]].numel() * compute_dtype(shards[model_name[k]].dtype).itemsize
+        need += sum(shards[model_name[k]].numel() * _compute_dtype(precision, shards[model_name[k]].dtype).itemsize
                     for k, tier in weights_tier.items() if tier == "disk")
         directory = check_directory(offload_dir, need, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         disk = DiskStore(directory, dist.get_rank() if dist.is_initialized() else 0)
@@ -271,3 +239,52 @@ def build_rank_state(rewritten, plan: Plan, groups: MeshGroups, shards: dict, mo
     if disk is not None:
         wait(disk.spill((state.master_file(k), masters[k]) for k in sorted(disk_keys)))
     return state
+
+
+def _compute_dtype(precision: MixedPrecision | None, dtype: torch.dtype) -> torch.dtype:
+    return precision.param_dtype if precision is not None and dtype == torch.float32 else dtype
+
+
+def _masters(plan: Plan, shards: dict, trainable: dict, zero_layouts: dict, precision: MixedPrecision | None,
+             device: torch.device) -> dict:
+    """key -> the master weights of each trained floating-point parameter under mixed
+    precision (float32) or offload (in the host's memory): its ZeRO chunk where it has one."""
+    masters = {}
+    for name, value in shards.items():
+        k = param_key(name)
+        state = plan.param_states.get(name)
+        offload = state is not None and state.offload
+        if trainable.get(name, False) and value.is_floating_point() and (precision is not None or offload):
+            lay = zero_layouts.get(k)
+            part = value.detach().reshape(-1)[lay.start: lay.end] if lay is not None else value.detach()
+            home = torch.device("cpu") if offload else device
+            dtype = torch.float32 if precision is not None else value.dtype
+            masters[k] = nn.Parameter(part.to(home, dtype, copy=True))
+    return masters
+
+
+def _buffers(rewritten, model: nn.Module, compute, device: torch.device) -> tuple[dict, dict]:
+    """(key -> buffer, plain model's name -> key): the buffers the graph reads, in the
+    compute dtype (`compute`), and the plain model's persistent ones (those the graph does
+    not read are kept as they are, so a state dict is complete)."""
+    traced = rewritten.traced
+    buffers = {}
+    plain_buffers = dict(model.named_buffers())
+    for node in rewritten.graph.graph.nodes:   # the buffers the graph reads
+        if node.op == "placeholder" and node.target in traced.buffers and node.target not in traced.params:
+            name = traced.buffers[node.target]
+            buf = plain_buffers.get(name, traced.constants.get(name))  # (a constant the forward creates)
+            if buf is None or buf.is_meta:
+                raise CompileError(f"buffer {name} has no value; initialise it before compiling")
+            buffers[param_key(name)] = compute(buf).to(device)
+    persistent = set(model.state_dict(keep_vars=True))
+    buffer_names = {}
+    for name, buf in model.named_buffers():
+        if name not in persistent:
+            continue
+        if param_key(name) not in buffers:
+            if buf.is_meta:
+                continue
+            buffers[param_key(name)] = buf.detach().clone().to(device)
+        buffer_names[name] = param_key(name)
+    return buffers, buffer_names

@@ -26,7 +26,7 @@ import functools
 import logging
 import time
 
-from autopar.cost.prices import send_time
+from autopar.cost.collective_prices import send_time
 from autopar.cost.schedules import ASYNCHRONOUS, least_microbatches
 from autopar.mesh import parse_bytes
 from autopar.solve.pipeline_candidates import SLOWER, PipelineChoice, evaluate, floor, plain_choices

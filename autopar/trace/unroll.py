@@ -276,11 +276,50 @@ def _write(nodes, prefix, seg0, seg1, seg2, suffix, place, in_layer, names, para
     out = fx.Graph()
     new: dict = {}      # (node of the three-layer graph, layer it is written as) -> new node
     counts = dict(numbering)
-    out_params, out_buffers = {}, {}
     placeholders = [nd for nd in nodes if nd.op == "placeholder"]
     for nd in placeholders:
         if in_layer[nd] is not None and _placeholder_name(nd.name in params, names[nd.name]) != nd.name:
             return None
+    out_params, out_buffers = _write_placeholders(out, new, placeholders, in_layer, names, params, found)
+
+    def emit(nd: fx.Node, layer):
+        base, _ = _split_name(nd.name)
+        num = counts[base]
+        counts[base] = num + 1
+        read = _reader(new, place, seg1, in_layer, n, layer)
+        made = out.create_node(nd.op, nd.target, fx.node.map_arg(nd.args, read), fx.node.map_arg(nd.kwargs, read),
+                               name=base if num == 0 else f"{base}_{num}")
+        made.meta = dict(nd.meta)
+        if layer is not None and layer not in (0, 1) and "nn_module_stack" in nd.meta:
+            made.meta["nn_module_stack"] = _restack(nd.meta["nn_module_stack"], path, 2 if layer == n - 1 else 1,
+                                                    layer)
+        new[(nd, layer)] = made
+
+    for nd in prefix:
+        emit(nd, None)
+    for nd in seg0:
+        emit(nd, 0)
+    for j in range(1, n - 1):
+        for nd in seg1:
+            emit(nd, j)
+    for nd in seg2:
+        emit(nd, n - 1)
+    for nd in suffix:
+        emit(nd, None)
+    output = nodes[-1]
+    result = out.output(fx.node.map_arg(output.args[0], _reader(new, place, seg1, in_layer, n, None)))
+    result.meta = dict(output.meta)
+    return Unrolled(out, out_params, out_buffers)
+
+
+def _write_placeholders(out: fx.Graph, new: dict, placeholders: list, in_layer: dict, names: dict, params: dict,
+                        found: Layers) -> tuple[dict, dict]:
+    """The placeholders written into `out` (and entered in `new`) in the three-layer graph's
+    order, layer 1's repeated as layers 2 .. n-2 right after its own last parameter (and
+    buffer), layer 2's renamed to n-1: (placeholder -> parameter name, placeholder -> buffer
+    name) of the written graph."""
+    n, path = found.count, found.path
+    out_params, out_buffers = {}, {}
 
     def renamed(model_name: str, layer: int) -> str:
         rest = model_name[len(path) + 1:].split(".", 1)
@@ -307,55 +346,29 @@ def _write(nodes, prefix, seg0, seg1, seg2, suffix, place, in_layer, names, para
             for j in range(2, n - 1):
                 for p in group:
                     add_placeholder(p, j)
+    return out_params, out_buffers
 
-    def reader(layer):
-        """How an op written as `layer` (None: prefix or suffix) finds its inputs: a copy j
-        of layer 1 (2 <= j <= n-2) reads copy j-1 where layer 1 reads layer 0, and the last
-        layer reads copy n-2 where the three-layer graph's last reads layer 1."""
-        def read(src: fx.Node):
-            if src in place:
-                k, i = place[src]
-                if i == 2:
-                    return new[(src, n - 1)]
-                if i == 0:
-                    return new[(src, 0)] if layer in (0, 1) else new[(seg1[k], layer - 1)]
-                if layer == n - 1:
-                    return new[(seg1[k], n - 2)]
-                return new[(src, layer)]
-            if src.op == "placeholder" and in_layer[src] is not None:
-                lay = in_layer[src]
-                return new[(src, n - 1 if lay == 2 else (layer if lay == 1 else lay))]
-            return new[(src, None)]
-        return read
 
-    def emit(nd: fx.Node, layer):
-        base, _ = _split_name(nd.name)
-        num = counts[base]
-        counts[base] = num + 1
-        read = reader(layer)
-        made = out.create_node(nd.op, nd.target, fx.node.map_arg(nd.args, read), fx.node.map_arg(nd.kwargs, read),
-                               name=base if num == 0 else f"{base}_{num}")
-        made.meta = dict(nd.meta)
-        if layer is not None and layer not in (0, 1) and "nn_module_stack" in nd.meta:
-            made.meta["nn_module_stack"] = _restack(nd.meta["nn_module_stack"], path, 2 if layer == n - 1 else 1,
-                                                    layer)
-        new[(nd, layer)] = made
-
-    for nd in prefix:
-        emit(nd, None)
-    for nd in seg0:
-        emit(nd, 0)
-    for j in range(1, n - 1):
-        for nd in seg1:
-            emit(nd, j)
-    for nd in seg2:
-        emit(nd, n - 1)
-    for nd in suffix:
-        emit(nd, None)
-    output = nodes[-1]
-    result = out.output(fx.node.map_arg(output.args[0], reader(None)))
-    result.meta = dict(output.meta)
-    return Unrolled(out, out_params, out_buffers)
+def _reader(new: dict, place: dict, seg1: list, in_layer: dict, n: int, layer):
+    """How an op written as `layer` (None: prefix or suffix) finds its inputs among the
+    nodes written so far (`new`): a copy j of layer 1 (2 <= j <= n-2) reads copy j-1 where
+    layer 1 reads layer 0, and the last layer reads copy n-2 where the three-layer graph's
+    last reads layer 1."""
+    def read(src: fx.Node):
+        if src in place:
+            k, i = place[src]
+            if i == 2:
+                return new[(src, n - 1)]
+            if i == 0:
+                return new[(src, 0)] if layer in (0, 1) else new[(seg1[k], layer - 1)]
+            if layer == n - 1:
+                return new[(seg1[k], n - 2)]
+            return new[(src, layer)]
+        if src.op == "placeholder" and in_layer[src] is not None:
+            lay = in_layer[src]
+            return new[(src, n - 1 if lay == 2 else (layer if lay == 1 else lay))]
+        return new[(src, None)]
+    return read
 
 
 def _placeholder_name(is_param: bool, model_name: str) -> str:
