@@ -37,14 +37,7 @@ pool4 = _pool_fixture(4)
 pool2 = _pool_fixture(2)
 
 
-@pytest.fixture(scope="module")
-def pool8():
-    """A WorkerPool of 8 gloo ranks for one test module (3-D layouts), closed after it."""
-    p = WorkerPool(8)
-    try:
-        yield p
-    finally:
-        p.close()
+pool8 = _pool_fixture(8)   # (3-D layouts; kept for the session: starting 8 ranks took 10 s a module)
 
 
 # --- tiers -----------------------------------------------------------------------------------
@@ -54,7 +47,7 @@ def pool8():
 # further fixed-seed sample in the slow tier; the rest of its matrix is marked `full`
 # (`pytest -m full` runs it, `pytest -m "slow or full"` runs everything beyond the fast tier).
 # Which cases land where never changes from run to run.  Budgets (2 cores): the fast tier
-# about 12 minutes, both tiers together under 45.
+# at most 10 minutes, both tiers and the installs together (.ci/run) under 45.
 SLOW = {
     # (the alternate policy's GPT case stays fast)
     "test_recompute.py::test_alternate_recomputes_every_second_projection_and_trains_like_one_device[hf-llama-zero3]",
@@ -111,7 +104,6 @@ SLOW = {
     "test_pipeline_runtime.py::test_newer_schedules_on_hugging_face_families",
     "test_pipeline_runtime.py::test_random_stage_plans_train_like_one_device",          # 33 s
     "test_pipeline_runtime.py::test_mixed_precision_pipeline_equals_one_device_under_the_same_policy",
-    "test_planner_3axis.py::test_hand_written_layouts_plan_on_three_axes",     # 16 s
     "test_planner_3axis.py::test_three_axes_plan_small_and_fast",              # 17 s
     "test_memory_tiers.py::test_disk_states_with_tensor_parallelism_train_like_one_device",
     "test_memory_tiers.py::test_states_four_times_the_budget_train_from_disk",  # 16 s
@@ -154,6 +146,27 @@ SLOW = {
     "test_planner_zero.py::test_plans_shard_more_state_as_the_budget_shrinks",              # 29 s
     "test_gpu_check.py::test_quickstart_trains_like_one_device",                            # 22 s
     "test_pipeline_search.py::test_plain_plan_is_skipped_only_where_it_cannot_win",         # 15 s
+    # (2026-12-06: the fast tier took 824 s on a quiet 2-core machine; these, 250 s of it, bring
+    # it under the guide's 10 minutes)
+    "test_pipeline_search.py::test_a_forced_layout_prices_the_stages_that_run",                 # 49 s
+    "test_inductor.py::test_inductor_compiles_a_selective_layer_whole",                         # 20 s
+    "test_inductor.py::test_inductor_layer_cuts_hand_gradients_to_the_buckets_layer_by_layer",  # 17 s
+    "test_inductor.py::test_inductor_zero3_gathers_each_layer_at_its_start",                    # 17 s
+    "test_inductor.py::test_inductor_plan_keeps_what_the_partitioner_keeps",                    # 26 s, 2 cases
+    "test_inductor.py::test_every_checkpointed_layer_compiles_past_dynamos_recompile_limit",    # 5 s
+    "test_accumulation_pricing.py::test_a_plan_priced_for_accumulation_trains_like_the_whole_batch",   # 15 s
+    "test_pipeline_search.py::test_forked_workers_build_each_problem_once_and_export_once_each",       # 8 s
+    "test_pipeline_search.py::test_large_vocabulary_head_gives_the_last_stage_fewer_layers",           # 8 s
+    "test_pipeline_search.py::test_parallel_costing_gives_the_same_choice",                            # 5 s
+    "test_pipeline_search.py::test_fast_uniform_network_and_small_model_use_no_pipeline",              # 4 s
+    "test_planner_gpt.py::test_heads_an_axis_cannot_split_are_warned_once_per_plan",                   # 7 s
+    "test_fused.py::test_fused_training_resumes_under_another_layout",                                 # 7 s
+    "test_cli.py::test_bf16_halves_parameter_bytes",                                                   # 5 s
+    "test_cli.py::test_pipeline_search_cuts_stages_across_a_slow_network",                             # 4 s
+    "test_semantics.py::test_frozen_parameters_in_pipeline_stages",                                    # 5 s
+    "test_linear_grads.py::test_pipeline_stages_take_off_what_their_runtime_folds",                    # 5 s a device
+    "test_contention.py::test_tensor_parallel_across_nodes_contends_with_the_data_parallel_buckets",   # 5 s
+    "test_memory_tiers.py::test_a_time_limit_too_short_for_any_plan_searches_on_with_a_warning",     # 18 s
 }
 # Whole tests that no tier runs (`pytest -m full`): Inductor's C++ builds on CPU take 30-60 s
 # a test; the same forms run compiled in the slow tier's samples above.
@@ -165,18 +178,21 @@ FULL = {
     # the disk tier keeps its fast-tier test, the newer schedules their hf-llama case
     "test_memory_tiers.py::test_disk_states_with_tensor_parallelism_train_like_one_device",
     "test_pipeline_runtime.py::test_newer_schedules_on_hugging_face_families[hf-deepseek]",
+    # (2026-12-06: both tiers and the installs took 51 minutes in CI; these, whose forms other
+    # slow-tier tests run, bring .ci/run back under 45)
+    "test_planner_3axis.py::test_hand_written_layouts_plan_on_three_axes",   # 57 s: the 3-D layouts train in test_pipeline_runtime and test_grid_tp
 }
 # test -> (cases kept in the fast tier: a count drawn with a fixed seed, or the case ids;
 #          further cases drawn for the slow tier: a count, or None for all the rest)
 SAMPLED = {
-    "test_runtime.py::test_training_matches_one_device": (("mlp-2x2",), 2),
+    "test_runtime.py::test_training_matches_one_device": (("mlp-2x2",), 1),
     "test_semantics.py::test_frozen_parameters_stay_frozen": (0, 1),
     "test_hf_models.py::test_family_trains_like_one_device": (("qwen2",), 2),
     "test_hf_models.py::test_mixture_of_experts_trains_like_one_device": (0, 1),
     "test_hf_models.py::test_further_moe_families_train_like_one_device": (("ernie4_5_moe",), 2),
     "test_hf_models.py::test_further_moe_families_shard_their_experts": (("glm4_moe",), 2),
     "test_hf_models.py::test_megatron_meets_its_closed_form": (3, 5),
-    "test_pipeline_runtime.py::test_every_schedule_trains_like_one_device": (("gpt-tiny-2 stages",), 3),
+    "test_pipeline_runtime.py::test_every_schedule_trains_like_one_device": (("gpt-tiny-2 stages",), 2),
     "test_pipeline_flushless.py::test_stale_weights_train_like_the_reference_rule": (1, 1),
     "test_pipeline_runtime.py::test_three_dimensional_layouts_train_like_one_device": (0, None),
     "test_recompute.py::test_recomputed_training_matches_one_device": (2, 2),
@@ -186,12 +202,12 @@ SAMPLED = {
     "test_unroll.py::test_unrolled_graph_is_the_full_export": (3, 6),
     "test_rebatch.py::test_written_trace_is_the_export": (3, 6),
     "test_pipeline_measured.py::test_measured_bubble_matches_simulator": (0, 3),
-    "test_pipeline_search.py::test_search_never_loses_to_the_plain_plan": (1, 2),
+    "test_pipeline_search.py::test_search_never_loses_to_the_plain_plan": (0, 3),
     "test_pipeline_measured.py::test_pipeline_matches_single_device": (("gpipe-4",), None),
     "test_faults_round3.py::test_a_nan_gradient_on_one_rank_stops_every_rank": (3, 3),
     "test_sequence_parallel.py::test_sequence_layouts_train_like_one_device": (3, 5),
     "test_planner_3axis.py::test_presolve_equals_full_ilp_on_random_graphs": (10, 10),
-    "test_planner_3axis.py::test_presolve_keeps_the_optimum": (1, None),
+    "test_planner_3axis.py::test_presolve_keeps_the_optimum": (0, None),
     "test_user_models.py::test_user_attention_trains_like_one_device": (1, 3),
     "test_grouped_experts.py::test_sorted_moe_trains_like_one_device": (1, 1),
     "test_capacity_experts.py::test_fixed_capacity_dispatch_trains_like_one_device": (0, 1),
@@ -200,14 +216,14 @@ SAMPLED = {
     "test_inductor.py::test_inductor_keeps_the_planned_saved_bytes": (0, 1),
     "test_inductor.py::test_inductor_runs_pipeline_stages": (0, 1),
     "test_inductor.py::test_inductor_batch_norm_trains_and_keeps_its_statistics": (0, 1),
-    "test_recompute.py::test_recompute_bounds_hold_from_the_keep_everything_reserve": (0, 1),   # 32 s a case
+    "test_recompute.py::test_recompute_bounds_hold_from_the_keep_everything_reserve": (0, 0),   # 32-42 s a case
     "test_recompute.py::test_skipped_recompute_assignments_could_not_win": (0, 1),             # 30-40 s a budget
     "test_pipeline_runtime.py::test_own_schedules_on_attention_as_users_write_it": (0, 2),
     # the slow tier's own samples of its longest sweeps (CI 2026-12-02: both tiers 71 minutes,
     # the split-backward schedules compiled 49-63 s a case, the 8-rank grids 20-36 s)
-    "test_inductor.py::test_inductor_runs_split_backward_schedules": (("gpt-zero-bubble",), 2),
-    "test_grid_tp.py::test_three_axis_grids_train_like_one_device": (0, 3),
-    "test_capacity_experts.py::test_switch_trains_like_one_device": (0, 2),
+    "test_inductor.py::test_inductor_runs_split_backward_schedules": (0, 1),
+    "test_grid_tp.py::test_three_axis_grids_train_like_one_device": (0, 2),
+    "test_capacity_experts.py::test_switch_trains_like_one_device": (0, 1),
 }
 
 

@@ -242,13 +242,39 @@ def _solve_ilp(costs, kept, memory, cap, allowed, time_limit) -> _Solved:
     solver.parameters.max_deterministic_time = time_limit
     solver.parameters.relative_gap_limit = RELATIVE_GAP if cap is None else BUDGET_GAP
     solver.parameters.random_seed = 0
-    status = solver.Solve(model)
+    status = _solve_within(solver, model, time_limit)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise InfeasibleError("no assignment of strategies fits the memory budget")
     choice = [next(i for i, v in enumerate(xs) if v is not None and solver.Value(v)) for xs in x]
     proto = model.Proto()
     return _Solved(choice, solver.ObjectiveValue(), solver.BestObjectiveBound(), status == cp_model.OPTIMAL,
                    len(proto.variables), len(proto.constraints))
+
+
+def _solve_within(solver, model, time_limit: float):
+    """CP-SAT's status on `model` within `time_limit` deterministic seconds; where the limit
+    ends the search before any assignment is found (UNKNOWN: not proven infeasible), the
+    search runs again with the limit doubled, up to 16 times it (at least 4 s), with a
+    warning, so that a short limit still yields a plan.  Raises SearchTimeout beyond."""
+    from ortools.sat.python import cp_model
+
+    limit = time_limit
+    status = solver.Solve(model)
+    while status == cp_model.UNKNOWN and limit < max(16 * time_limit, 4.0):
+        limit = max(2 * limit, 0.25)
+        log.warning("the ILP found no assignment within time_limit=%g s (deterministic); searching on to %g s. "
+                    "Raise time_limit (autopar.plan(..., time_limit=...)) to skip this", time_limit, limit)
+        solver.parameters.max_deterministic_time = limit
+        status = solver.Solve(model)
+    if status == cp_model.UNKNOWN:
+        raise SearchTimeout(f"the ILP found no assignment of strategies within {limit:g} deterministic seconds "
+                            f"(time_limit={time_limit:g}, extended {limit / time_limit:g}x): raise time_limit")
+    return status
+
+
+class SearchTimeout(RuntimeError):
+    """The ILP's search ended by its time limit before it found any plan (not an infeasible
+    budget: the limit is too short for the problem)."""
 
 
 def _one_hot_choices(model, costs, allowed) -> list:
