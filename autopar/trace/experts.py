@@ -19,6 +19,7 @@ routers load the experts.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import inspect
 import logging
 
@@ -79,12 +80,14 @@ def _is_oai(module) -> bool:
 
 # --- routing measured on a sample batch -------------------------------------------------------
 
-_RECORDERS: list = []   # while measure_routing runs: lists of (expert ids, expert count)
+# while measure_routing runs (in this thread or task): its list of (expert ids, expert count)
+_ROUTED: contextvars.ContextVar = contextvars.ContextVar("autopar_routed", default=None)
 
 
 def _record(ids, n_experts: int) -> None:
-    if _RECORDERS:
-        _RECORDERS[-1].append((ids.detach().reshape(-1), int(n_experts)))
+    seen = _ROUTED.get()
+    if seen is not None:
+        seen.append((ids.detach().reshape(-1), int(n_experts)))
 
 
 def measure_routing(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None) -> dict:
@@ -100,12 +103,12 @@ def measure_routing(model: torch.nn.Module, args: tuple = (), kwargs: dict | Non
         raise ValueError("moe_imbalance='measured' runs the model on the sample batch: give real tensors (the "
                          "model and example inputs on a device, not meta), or state the load as a number")
     seen: list = []
-    _RECORDERS.append(seen)
+    token = _ROUTED.set(seen)
     try:
         with experts_as_op(model), torch.no_grad():
             model(*args, **(kwargs or {}))
     finally:
-        _RECORDERS.pop()
+        _ROUTED.reset(token)
     if not seen:
         raise ValueError("moe_imbalance='measured': the model has no experts module autopar takes as its experts "
                          "op (Hugging Face's stacked experts, or grouped w1/w2/w3 experts), so there is no "
