@@ -85,7 +85,6 @@ SLOW = {
     "test_grid_tp.py::test_tp_2d_weight_stationary_trains_like_one_device[hf-llama]",
     "test_grid_tp.py::test_a_grid_checkpoint_resumes_under_another_layout_and_back",
     "test_grid_tp.py::test_2_5d_with_zero_over_the_depth_trains_like_one_device",
-    "test_inductor.py::test_inductor_zero3_gathers_each_layer_at_its_start[0.02]",
     "test_inductor.py::test_inductor_mixed_precision_equals_one_device",
     "test_inductor.py::test_inductor_checkpoints_round_trip",
     "test_gpu_check.py::test_every_section_ran",                                       # 26 s
