@@ -4,19 +4,20 @@ import logging as _logging
 from autopar.mesh import DeviceSpec, Mesh
 from autopar.plan.plan import Plan
 from autopar.solve.pipeline_options import Pipeline
+from autopar.solve.pricing import Pricing
+from autopar.solve.solved import SolveOptions
+from autopar.runtime.options import RunOptions
 from autopar.cost.precision import MixedPrecision
 from autopar.solve.ilp import InfeasibleError
 from autopar.trace.export import TraceError
+from autopar.deprecations import AutoparDeprecationWarning
+from autopar.runtime.compiled import compile
 from autopar.solve.planner import plan, random_plans  # last: `autopar.plan` is this function, not the autopar/plan/ folder
 
 _logging.getLogger("autopar").addHandler(_logging.NullHandler())
 
-__all__ = ["Mesh", "DeviceSpec", "MixedPrecision", "Pipeline", "Plan", "plan", "random_plans", "compile",
-           "InfeasibleError", "TraceError"]
+__all__ = ["Mesh", "DeviceSpec", "MixedPrecision", "Pipeline", "Pricing", "SolveOptions", "RunOptions", "Plan",
+           "plan", "random_plans", "compile", "InfeasibleError", "TraceError", "AutoparDeprecationWarning"]
 
 
-def compile(model, mesh, example_inputs=(), **kwargs):
-    """Compile `model` for `mesh` under torchrun: see autopar.runtime.compiled.compile."""
-    from autopar.runtime.compiled import compile as _compile  # the runtime is the last stage: import on use
-    return _compile(model, mesh, example_inputs, **kwargs)
 __version__ = "0.1.0"

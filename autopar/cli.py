@@ -117,10 +117,11 @@ def _cmd_plan(args) -> int:
              "; searching pipeline stages, this takes a while: progress follows" if args.pipeline else "")
     try:
         plan = autopar.plan(model, mesh, inputs, example_kwargs=kwargs, memory_budget=args.budget,
-                            compare=not args.no_compare, mixed_precision=mixed, pipeline=pipeline,
+                            mixed_precision=mixed, pipeline=pipeline,
                             recompute=None if args.recompute == "auto" else args.recompute,
-                            moe_imbalance=getattr(args, "moe_imbalance", None),
-                            accumulation=getattr(args, "accumulation", 1))
+                            pricing=autopar.Pricing(moe_imbalance=getattr(args, "moe_imbalance", None),
+                                                    accumulation=getattr(args, "accumulation", 1)),
+                            solve=autopar.SolveOptions(compare=not args.no_compare))
     except autopar.InfeasibleError as exc:
         print(f"autopar: {exc}", file=sys.stderr)
         return 1
@@ -440,7 +441,7 @@ def _add_calibrate(sub) -> None:
     p.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (default 5)")
     p.add_argument("--force", action="store_true", help="measure again even if this cluster is cached")
     p.add_argument("--offload-dir", metavar="DIR",
-                   help="time writing and reading files here (the disk tier: autopar.compile(offload_dir=DIR))")
+                   help="time writing and reading files here (the disk tier: autopar.RunOptions(offload_dir=DIR))")
     p.set_defaults(func=_cmd_calibrate)
 
 

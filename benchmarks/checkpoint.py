@@ -104,7 +104,7 @@ def fsdp2_side(args, base: str) -> dict:
 def autopar_side(args, base: str, label: str, layout: str, shape: tuple, names: tuple) -> dict:
     model, example = _model(args)
     mesh = autopar.Mesh(shape, names, device="cpu")
-    plan = autopar.plan(model, mesh, example, compare=False, layout=layout)
+    plan = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False, layout=layout))
     cm = autopar.compile(model, mesh, example, plan=plan)
     opt = cm.build_optimizer(torch.optim.AdamW, lr=1e-3)
     cm.train_step(*example)

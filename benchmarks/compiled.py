@@ -80,8 +80,9 @@ def autopar_variant(name, layout, backend, args):
     """One step of the autopar-compiled model under `backend`."""
     model, example = _model(name, args.batch, args.seq)
     mesh = autopar.Mesh((dist.get_world_size(),), ("dp",), device="cpu")
-    plan = autopar.plan(model, mesh, example, compare=False, layout=layout, recompute=args.recompute)
-    cm = autopar.compile(model, mesh, example, plan=plan, backend=backend)
+    plan = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False, layout=layout),
+                        recompute=args.recompute)
+    cm = autopar.compile(model, mesh, example, plan=plan, run=autopar.RunOptions(backend=backend))
     opt = cm.build_optimizer(torch.optim.AdamW, lr=1e-4)
 
     def step():

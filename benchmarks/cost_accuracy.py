@@ -133,7 +133,8 @@ def measure(args, spec) -> list:
                                batch=args.batch, seq=args.seq)
         mesh = autopar.Mesh(shape, names, device=spec)
         try:
-            plan = autopar.plan(model, mesh, example, compare=False, **kw)
+            plan = autopar.plan(model, mesh, example, pipeline=kw.get("pipeline", False),
+                                solve=autopar.SolveOptions(compare=False, layout=kw.get("layout")))
         except (ValueError, autopar.InfeasibleError) as exc:
             log0(f"  {label}: no plan ({exc})")
             continue
@@ -157,8 +158,8 @@ def paper_check() -> None:
     model, example = build("llama3-8b", device="meta", batch=8, seq=8192)
     mesh = autopar.Mesh((8,), ("dp",), device="h100")
     mp = autopar.MixedPrecision(torch.bfloat16)
-    plan = autopar.plan(model, mesh, example, compare=False, layout="zero3", mixed_precision=mp,
-                        recompute="selective")
+    plan = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False, layout="zero3"),
+                        mixed_precision=mp, recompute="selective")
     tokens = 8 * 8192
     per_gpu = tokens / plan.predicted.step_s / 8
     print(f"\nLlama-3-8B, 8 H100, FSDP (zero3), 8 x 8,192 tokens, bf16, selective recomputation:\n"

@@ -255,7 +255,7 @@ def quickstart(setup: Setup, args) -> dict:
     batch = tuple(t.to(setup.device) for t in example)
     mesh = autopar.Mesh((1,), ("dp",), device=setup.preset)
     start = time.perf_counter()
-    plan = autopar.plan(model, mesh, example, compare=False)
+    plan = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False))
     planned = time.perf_counter() - start
     cm = autopar.compile(model, mesh, example, plan=plan)
     compiled = time.perf_counter() - start - planned
@@ -478,11 +478,12 @@ def run_config(config: Config, setup: Setup, spec, args) -> list:
     vocab = model.config.vocab
     plans = {}
     for label, device in (("calibrated", spec), ("preset", setup.preset)):
-        plans[label] = autopar.plan(model, autopar.Mesh((1,), ("dp",), device=device), example, compare=False,
-                                    mixed_precision=precision, recompute=config.recompute)
+        plans[label] = autopar.plan(model, autopar.Mesh((1,), ("dp",), device=device), example,
+                                    solve=autopar.SolveOptions(compare=False), mixed_precision=precision,
+                                    recompute=config.recompute)
     plan = plans["calibrated"]
-    cm = autopar.compile(model, plan.mesh, example, plan=plan, seed=0, check_finite=False, check_inputs=0,
-                         backend="eager")
+    cm = autopar.compile(model, plan.mesh, example, plan=plan, seed=0,
+                         run=autopar.RunOptions(check_finite=False, check_inputs=0, backend="eager"))
     opt = cm.build_optimizer(torch.optim.AdamW, lr=1e-4)
     batch = tuple(torch.randint(0, vocab, t.shape, device=setup.device) for t in example)
     times, passes = [], []
@@ -576,9 +577,10 @@ def per_backend(setup: Setup, spec, args) -> list:
     for backend in ("eager", "inductor"):
         torch.manual_seed(0)
         model, example = build(name, device="meta", **overrides)   # (compile initialises a model once)
-        plan = autopar.plan(model, mesh, example, compare=False, mixed_precision=precision, backend=backend)
-        cm = autopar.compile(model, mesh, example, plan=plan, seed=0, check_finite=False, check_inputs=0,
-                             backend=backend)
+        plan = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False),
+                            pricing=autopar.Pricing(backend=backend), mixed_precision=precision)
+        cm = autopar.compile(model, mesh, example, plan=plan, seed=0,
+                             run=autopar.RunOptions(check_finite=False, check_inputs=0, backend=backend))
         opt = cm.build_optimizer(torch.optim.AdamW, lr=1e-4)
 
         def step():

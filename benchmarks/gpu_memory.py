@@ -15,6 +15,7 @@ Without CUDA it runs a tiny shape on the CPU (peak memory n/a) so the code path 
 """
 from __future__ import annotations
 
+import autopar
 import argparse
 import json
 import os
@@ -51,8 +52,10 @@ def one(recompute: str, layers: int, seq: int, steps: int) -> dict:
     device = PRESETS["h200" if gpu and "H200" in torch.cuda.get_device_name() else "h100"] if gpu else None
     mesh = autopar.Mesh((1,), ("dp",), device=device) if device is not None else autopar.Mesh((1,), ("dp",))
     precision = torch.bfloat16 if gpu else None
-    plan = autopar.plan(model, mesh, example, compare=False, mixed_precision=precision, recompute=recompute)
-    cm = autopar.compile(model, plan.mesh, example, plan=plan, seed=0, check_finite=False, check_inputs=0, backend="eager")
+    plan = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False), mixed_precision=precision,
+                        recompute=recompute)
+    cm = autopar.compile(model, plan.mesh, example, plan=plan, seed=0,
+                         run=autopar.RunOptions(check_finite=False, check_inputs=0, backend="eager"))
     opt = cm.build_optimizer(torch.optim.AdamW, lr=1e-4)
     dev = "cuda" if gpu else "cpu"
     batch = tuple(torch.randint(0, model.config.vocab, t.shape, device=dev) for t in example)

@@ -59,10 +59,10 @@ def main() -> None:
         for precision in (torch.bfloat16, None):
             torch.manual_seed(0)
             model, example = build(model_name, device="meta", **overrides)
-            plan = autopar.plan(model, autopar.Mesh((1,), ("dp",), device=preset), example, compare=False,
-                                mixed_precision=precision)
-            cm = autopar.compile(model, plan.mesh, example, plan=plan, seed=0, check_finite=False, check_inputs=0,
-                                 backend="eager")
+            plan = autopar.plan(model, autopar.Mesh((1,), ("dp",), device=preset), example,
+                                solve=autopar.SolveOptions(compare=False), mixed_precision=precision)
+            cm = autopar.compile(model, plan.mesh, example, plan=plan, seed=0,
+                                 run=autopar.RunOptions(check_finite=False, check_inputs=0, backend="eager"))
             opt = cm.build_optimizer(torch.optim.AdamW, lr=1e-4)
             batch = tuple(torch.randint(0, model.config.vocab, t.shape, device=device) for t in example)
             for _ in range(3):
@@ -100,10 +100,10 @@ def recomputation(preset: str, device) -> None:
     for mode in ("none", "full", "selective"):
         torch.manual_seed(0)
         model, example = build("gpt2-124m", device="meta", batch=8, seq=1024)
-        plan = autopar.plan(model, autopar.Mesh((1,), ("dp",), device=preset), example, compare=False,
-                            mixed_precision=torch.bfloat16, recompute=mode)
-        cm = autopar.compile(model, plan.mesh, example, plan=plan, seed=0, check_finite=False, check_inputs=0,
-                             backend="eager")
+        plan = autopar.plan(model, autopar.Mesh((1,), ("dp",), device=preset), example,
+                            solve=autopar.SolveOptions(compare=False), mixed_precision=torch.bfloat16, recompute=mode)
+        cm = autopar.compile(model, plan.mesh, example, plan=plan, seed=0,
+                             run=autopar.RunOptions(check_finite=False, check_inputs=0, backend="eager"))
         batch = tuple(torch.randint(0, model.config.vocab, t.shape, device=device) for t in example)
         for _ in range(3):
             cm.train_step(*batch)

@@ -80,12 +80,13 @@ def sweep() -> None:
         for batch, seq in SWEEP_WORK:
             model, args = build("gpt2-124m", device="meta", hidden=12288, n_heads=96, n_layers=2, max_seq=seq,
                                 batch=batch, seq=seq)
-            plan = autopar.plan(model, mesh, args, compare=False, mixed_precision="bf16")
+            plan = autopar.plan(model, mesh, args, solve=autopar.SolveOptions(compare=False), mixed_precision="bf16")
             grids = []
             for layout in ("tp-2d", "tp-3d"):
                 try:
-                    grids.append((autopar.plan(model, mesh, args, compare=False, mixed_precision="bf16",
-                                               layout=layout).predicted.step_s, layout))
+                    grids.append((autopar.plan(model, mesh, args, mixed_precision="bf16",
+                                               solve=autopar.SolveOptions(compare=False, layout=layout))
+                                  .predicted.step_s, layout))
                 except ValueError:   # (a grid this mesh or batch cannot have)
                     continue
             linears = [n for n in plan.nodes if n.op == "aten.linear" and n.module.startswith("blocks.")]
@@ -110,8 +111,10 @@ def planner(layers: int, batch: int) -> None:
         for layout in layouts + ("autopar",):
             start = time.perf_counter()
             try:
-                plan = autopar.plan(model, mesh, args, compare=False, mixed_precision="bf16",
-                                    layout=None if layout == "autopar" else layout)
+                plan = autopar.plan(model, mesh, args,
+                                    solve=autopar.SolveOptions(compare=False,
+                                                               layout=None if layout == "autopar" else layout),
+                                    mixed_precision="bf16")
             except Exception as exc:   # (a layout that cannot be had on this mesh: say why)
                 rows.append((layout, None, str(exc)[:120], 0.0))
                 continue
@@ -140,7 +143,7 @@ def measure(steps: int) -> None:
         torch.manual_seed(0)
         model, args = build("gpt-tiny", hidden=256, n_heads=8, n_layers=4, batch=8, seq=128, max_seq=128)
         mesh = autopar.Mesh(shape, tuple("ab"[:len(shape)]), device="cpu")
-        plan = autopar.plan(model, mesh, args, compare=False, layout=layout)
+        plan = autopar.plan(model, mesh, args, solve=autopar.SolveOptions(compare=False, layout=layout))
         cm = autopar.compile(model, plan.device_mesh(), args, plan=plan)
         opt = cm.build_optimizer(torch.optim.AdamW, lr=1e-4)
         times = []

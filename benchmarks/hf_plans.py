@@ -57,7 +57,7 @@ def main() -> None:
         with torch.device("meta"):
             model = make()
         start = time.perf_counter()
-        ilp = autopar.plan(model, mesh, example_kwargs=kwargs, compare=False)
+        ilp = autopar.plan(model, mesh, example_kwargs=kwargs, solve=autopar.SolveOptions(compare=False))
         took = time.perf_counter() - start
         gib = sum(ilp.predicted.memory.values()) / 2**30
         print(f"{name} batch {args.batch} x 2048 on {mesh}: solver {ilp.predicted.step_s * 1e3:.1f} ms, "
@@ -67,7 +67,8 @@ def main() -> None:
             print(f"  solver's experts: {', '.join(experts)}")
         for layout in baselines:
             try:
-                base = autopar.plan(model, mesh, example_kwargs=kwargs, compare=False, layout=layout)
+                base = autopar.plan(model, mesh, example_kwargs=kwargs,
+                                    solve=autopar.SolveOptions(compare=False, layout=layout))
             except Exception as exc:  # a layout no plan of which exists on this mesh
                 print(f"  {layout}: {str(exc)[:200]}")
                 continue

@@ -23,7 +23,7 @@ GIB = 2 ** 30
 def row(model, example, mesh, budget, backend) -> dict:
     start = time.perf_counter()
     plan = autopar.plan(model, mesh, example, mixed_precision="bf16", memory_budget=budget * GIB,
-                        backend=backend, compare=False)
+                        pricing=autopar.Pricing(backend=backend), solve=autopar.SolveOptions(compare=False))
     mem = plan.predicted.memory
     modes = dict(plan.recompute.layers) if plan.recompute is not None else {}
     counted = {m: sum(1 for v in modes.values() if v == m) for m in sorted(set(modes.values()))}

@@ -49,10 +49,10 @@ def median_step(name: str, layout: str, folded: bool, args) -> tuple[float, str]
     torch.manual_seed(0)
     model, example = build(preset, batch=args.batch, seq=args.seq, **size)
     mesh = autopar.Mesh((dist.get_world_size(),), ("tp",), device="cpu")
-    plan = autopar.plan(model, mesh, example, compare=False, layout=layout)
+    plan = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False, layout=layout))
     compiled_module.fold_linear_gradients = fold_linear_gradients if folded else (lambda gm, keep=frozenset(): 0)
     try:
-        cm = autopar.compile(model, mesh, example, plan=plan, backend="eager")
+        cm = autopar.compile(model, mesh, example, plan=plan, run=autopar.RunOptions(backend="eager"))
     finally:
         compiled_module.fold_linear_gradients = fold_linear_gradients
     nodes = [n for g in cm.graphs() for n in g.graph.nodes]

@@ -89,7 +89,7 @@ def autopar_side(layout: str, seq: int, steps: int) -> dict:
     batch = WORLD if layout == "data-parallel" else 1
     model, example = gpt(seq, batch)
     mesh = autopar.Mesh((WORLD,), ("sp",), device="cpu")
-    plan = autopar.plan(model, mesh, example, layout=layout, compare=False)
+    plan = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(layout=layout, compare=False))
     cm = autopar.compile(model, mesh, example, plan=plan)
     opt = cm.build_optimizer(torch.optim.AdamW, lr=1e-4)
 
@@ -133,8 +133,8 @@ def longest(layout: str, cap: float, lengths) -> int | None:
     best = None
     for seq in lengths:
         model, example = gpt(seq, WORLD if layout == "data-parallel" else 1, device="meta")
-        plan = autopar.plan(model, autopar.Mesh((WORLD,), ("sp",), device="cpu"), example, layout=layout,
-                            compare=False)
+        plan = autopar.plan(model, autopar.Mesh((WORLD,), ("sp",), device="cpu"), example,
+                            solve=autopar.SolveOptions(layout=layout, compare=False))
         if plan.predicted.memory["activations"] > cap:
             break
         best = seq
@@ -150,7 +150,7 @@ def llama_longest(devices: int) -> tuple:
         model, example = build("llama3-8b", device="meta", batch=1, seq=seq, max_seq=seq)
         try:
             plan = autopar.plan(model, autopar.Mesh((devices,), ("cp",), device="h100"), example,
-                                mixed_precision="bf16", compare=False)
+                                mixed_precision="bf16", solve=autopar.SolveOptions(compare=False))
         except autopar.InfeasibleError as exc:
             return best + (str(exc).split(";")[0],)
         kinds = sorted({n.strategy for n in plan.nodes if n.op == "aten.scaled_dot_product_attention"})

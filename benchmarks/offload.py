@@ -52,7 +52,8 @@ def plans() -> None:
             for budget in (80, 64, 48, 32, 16):
                 start = time.perf_counter()
                 try:
-                    plan = autopar.plan(model, mesh, example, memory_budget=f"{budget}GiB", compare=False,
+                    plan = autopar.plan(model, mesh, example, memory_budget=f"{budget}GiB",
+                                        solve=autopar.SolveOptions(compare=False),
                                         mixed_precision=autopar.MixedPrecision(param_dtype=torch.bfloat16))
                 except Exception as exc:   # noqa: BLE001 (an infeasible budget is a row too)
                     print(f"| {name} | {device.name} | {budget} | - | - | {type(exc).__name__}: "
@@ -80,14 +81,15 @@ def run(offload_dir: str | None, steps: int) -> None:
     tiers = measure_tiers(directory, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 64 * 2**20, 3, "cpu")
     model, example = build("gpt-tiny", hidden=512, n_layers=4, batch=2, seq=32)
     mesh = autopar.Mesh((2,), ("dp",), device="cpu")
-    base = autopar.plan(model, mesh, example, layout="zero2", compare=False)
+    base = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(layout="zero2", compare=False))
     results = {}
     for tier in ("", "host", "disk"):
         d = base.to_dict()
         for st in d["param_states"].values():
             st["offload"] = tier
         plan = autopar.Plan.from_dict(d)
-        cm = autopar.compile(copy.deepcopy(model), mesh, example, plan=plan, offload_dir=directory)
+        cm = autopar.compile(copy.deepcopy(model), mesh, example, plan=plan,
+                             run=autopar.RunOptions(offload_dir=directory))
         opt = cm.build_optimizer(torch.optim.AdamW, lr=1e-4)
         times, losses = [], []
         store = cm.rank_state.disk

@@ -120,12 +120,13 @@ def compiled(gpt, batch, schedule: str, n_mb: int, lr: float, data_parallel: boo
     if data_parallel:
         mesh = autopar.Mesh((2, world // 2), ("pp", "dp"), device="cpu")
         fixed = autopar.Pipeline(axis="pp", groups=2, schedule=schedule, microbatches=n_mb)
-        plan = autopar.plan(gpt, mesh, batch, compare=False, pipeline=fixed, layout="data-parallel")
+        plan = autopar.plan(gpt, mesh, batch, solve=autopar.SolveOptions(compare=False, layout="data-parallel"),
+                            pipeline=fixed)
     else:
         mesh = autopar.Mesh((world,), ("pp",), device="cpu")
         fixed = autopar.Pipeline(axis="pp", groups=world, schedule=schedule, microbatches=n_mb,
                                  asynchronous=schedule == "pipedream-2bw")
-        plan = autopar.plan(gpt, mesh, batch, compare=False, pipeline=fixed)
+        plan = autopar.plan(gpt, mesh, batch, solve=autopar.SolveOptions(compare=False), pipeline=fixed)
     cm = autopar.compile(gpt, mesh, batch, plan=plan)
     opt = cm.build_optimizer(torch.optim.AdamW, lr=lr)
 

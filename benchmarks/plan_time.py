@@ -43,6 +43,7 @@ Run:
 """
 from __future__ import annotations
 
+import autopar
 import argparse
 import json
 import os
@@ -118,8 +119,8 @@ def run_one(name: str, compare: bool) -> dict:
     model, example_inputs = build(case.model, device="meta", **overrides)
     t_build = time.perf_counter() - start
     mesh = autopar.Mesh(case.shape, case.axes, device=case.device)
-    plan = autopar.plan(model, mesh, example_inputs, compare=compare, mixed_precision=case.precision,
-                        pipeline=case.pipeline)
+    plan = autopar.plan(model, mesh, example_inputs, solve=autopar.SolveOptions(compare=compare),
+                        mixed_precision=case.precision, pipeline=case.pipeline)
     rss_after = _maxrss_bytes()
     pp = plan.pipeline
 

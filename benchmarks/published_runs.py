@@ -117,7 +117,7 @@ def accumulation(run: dict) -> int:
 def stated_tp_overlap(run: dict) -> bool:
     """Whether the run hid its tensor-parallel collectives behind GEMMs (Megatron-LM's
     --tp-comm-overlap, torchtitan's async TP).  The run is planned with
-    autopar.plan(tp_overlap=<this>), so that its price has the overlap it ran with:
+    autopar.Pricing(tp_overlap=<this>), so that its price has the overlap it ran with:
     autopar's folds (input gradients and row-parallel outputs beside their GEMMs) standing
     for the run's, or every collective whole."""
     par = run["parallel"]
@@ -222,9 +222,10 @@ def forced(run: dict) -> tuple[autopar.Mesh, dict]:
         layout = f"zero{par['zero']}"
     else:
         layout = "data-parallel"
-    kw = {"layout": layout, "compare": False, "mixed_precision": autopar.MixedPrecision(),
-          "backend": "inductor" if run.get("compile") else "eager",   # torch.compile'd runs fuse as Inductor does
-          "accumulation": accumulation(run), "tp_overlap": stated_tp_overlap(run)}
+    kw = {"solve": autopar.SolveOptions(layout=layout, compare=False), "mixed_precision": autopar.MixedPrecision(),
+          "pricing": autopar.Pricing(backend="inductor" if run.get("compile") else "eager",   # torch.compile'd runs
+                                     accumulation=accumulation(run),                          # fuse as Inductor does
+                                     tp_overlap=stated_tp_overlap(run))}
     if run.get("recompute") in ("none", "selective", "full"):
         kw["recompute"] = run["recompute"]
         if run["recompute"] == "selective" and run.get("recompute_policy") == "op":
@@ -264,8 +265,8 @@ def deciding(forced: dict, free: dict, slower: bool) -> str:
 def free_plan(run: dict, model, example, mesh: autopar.Mesh, forced_kw: dict) -> dict:
     """autopar's own plan of the same job: nothing forced, stages searched where the run has a
     pp axis; its predicted step against the forced layout's, and what differs."""
-    kw = {"compare": False, "mixed_precision": forced_kw["mixed_precision"], "backend": forced_kw["backend"],
-          "accumulation": forced_kw["accumulation"]}
+    kw = {"solve": autopar.SolveOptions(compare=False), "mixed_precision": forced_kw["mixed_precision"],
+          "pricing": dataclasses.replace(forced_kw["pricing"], tp_overlap=True)}
     if "pipeline" in forced_kw:
         kw["pipeline"] = autopar.Pipeline(axis="pp")
     start = time.perf_counter()
@@ -300,7 +301,7 @@ def replay(run: dict, free: bool = True) -> dict:
     steps = accumulation(run)
     tokens = example[0].numel() * steps
     step = step_seconds(plan, run)
-    row.update(layout=kw["layout"], pipeline=str(kw.get("pipeline") or ""), step_s=step, accumulation=steps,
+    row.update(layout=kw["solve"].layout, pipeline=str(kw.get("pipeline") or ""), step_s=step, accumulation=steps,
                predicted=tokens / (step * row["gpus"]), ratio=tokens / (step * row["gpus"]) / meas,
                memory_gib=(max(plan.pipeline.memory) if plan.pipeline is not None else plan.predicted.memory_total) / 2**30, measured_memory_gib=run["measured"].get("memory_gib"),
                memory_kind=run["measured"].get("memory_kind", "allocated"), fp8=bool(run.get("fp8")),
@@ -311,7 +312,8 @@ def replay(run: dict, free: bool = True) -> dict:
         try:
             row.update(free_plan(run, model, example, mesh, kw))
             if not plan.tp_overlap:   # the published layout as autopar's runtime runs it: TP beside GEMMs
-                plan = autopar.plan(model, mesh, example, **dict(kw, tp_overlap=True)) \
+                plan = autopar.plan(model, mesh, example,
+                                    **dict(kw, pricing=dataclasses.replace(kw["pricing"], tp_overlap=True))) \
                     if (run["parallel"].get("tp") or 1) > 1 or (run["parallel"].get("cp") or 1) > 1 \
                     else dataclasses.replace(plan, tp_overlap=True)   # (no TP axis: nothing to fold)
             # plan against plan: both as autopar's runtime runs them; and autopar's plan as

@@ -247,7 +247,8 @@ def data_parallel(cfg: Config, warmup: int, n: int, profile: bool) -> Result:
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = autopar.Mesh((world,), ("dp",), device="cpu")
     compiled_model = copy.deepcopy(model)  # compile may keep the model's tensors as its shards
-    plan = autopar.plan(compiled_model, mesh, example, compare=False, layout="data-parallel")
+    plan = autopar.plan(compiled_model, mesh, example,
+                        solve=autopar.SolveOptions(compare=False, layout="data-parallel"))
     cm = autopar.compile(compiled_model, mesh, example, plan=plan)
     compiled = make_compiled_step(cm, cm.build_optimizer(OPTIMIZER, lr=LR), example)
 
@@ -301,7 +302,7 @@ def tensor_parallel(cfg: Config, warmup: int, n: int, profile: bool) -> Result:
     world = dist.get_world_size()
     mesh = autopar.Mesh((world,), ("tp",), device="cpu")
     compiled_model = copy.deepcopy(model)
-    plan = autopar.plan(compiled_model, mesh, example, compare=False, layout="megatron-tp")
+    plan = autopar.plan(compiled_model, mesh, example, solve=autopar.SolveOptions(compare=False, layout="megatron-tp"))
     cm = autopar.compile(compiled_model, mesh, example, plan=plan)
     compiled = make_compiled_step(cm, cm.build_optimizer(OPTIMIZER, lr=LR), example)
 
@@ -320,7 +321,7 @@ def single_device(cfg: Config, warmup: int, n: int, profile: bool) -> Result:
         model, example = cfg.build()
         mesh = autopar.Mesh((1,), ("dp",), device="cpu")
         compiled_model = copy.deepcopy(model)
-        plan = autopar.plan(compiled_model, mesh, example, compare=False)
+        plan = autopar.plan(compiled_model, mesh, example, solve=autopar.SolveOptions(compare=False))
         cm = autopar.compile(compiled_model, mesh, example, plan=plan)
         compiled = make_compiled_step(cm, cm.build_optimizer(OPTIMIZER, lr=LR), example)
         eager_model = copy.deepcopy(model)

@@ -42,8 +42,9 @@ def compiled(gpt, batch, schedule: str, n_mb: int, backend: str):
     mesh = autopar.Mesh((dist.get_world_size(),), ("pp",), device="cpu")
     fixed = autopar.Pipeline(axis="pp", groups=mesh.size, schedule=schedule, microbatches=n_mb,
                              virtual=2 if schedule in V_SHAPED else None)
-    plan = autopar.plan(gpt, mesh, batch, compare=False, pipeline=fixed, backend=backend)
-    cm = autopar.compile(gpt, mesh, batch, plan=plan, backend=backend)
+    plan = autopar.plan(gpt, mesh, batch, solve=autopar.SolveOptions(compare=False),
+                        pricing=autopar.Pricing(backend=backend), pipeline=fixed)
+    cm = autopar.compile(gpt, mesh, batch, plan=plan, run=autopar.RunOptions(backend=backend))
     opt = cm.build_optimizer(torch.optim.AdamW, lr=1e-4)
 
     def step(idx, targets):

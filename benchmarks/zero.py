@@ -214,7 +214,8 @@ def autopar_side(model, example, stage: int) -> Side | None:
     mesh = autopar.Mesh((dist.get_world_size(),), ("dp",), device="cpu")
     compiled_model = copy.deepcopy(model)  # compile may keep the model's tensors as its shards
     try:
-        plan = autopar.plan(compiled_model, mesh, example, layout=LAYOUTS[stage], compare=False)
+        plan = autopar.plan(compiled_model, mesh, example,
+                            solve=autopar.SolveOptions(layout=LAYOUTS[stage], compare=False))
     except ValueError as e:
         if "unknown layout" not in str(e):
             raise

@@ -84,10 +84,10 @@ def main(argv=None) -> None:
                                     virtual=2 if args.pipeline == "interleaved-1f1b" else None)
     priced_for = args.backend if args.backend != "auto" else ("inductor" if torch.cuda.is_available() else "eager")
     plan = autopar.Plan.load(args.plan) if args.plan else autopar.plan(model, mesh, batch, pipeline=pipeline,
-                                                                       backend=priced_for)
+                                                                       pricing=autopar.Pricing(backend=priced_for))
     if rank == 0:
         print(plan, flush=True)
-    cm = autopar.compile(model, mesh, batch, plan=plan, backend=args.backend)
+    cm = autopar.compile(model, mesh, batch, plan=plan, run=autopar.RunOptions(backend=args.backend))
     opt = cm.build_optimizer(torch.optim.AdamW, lr=args.lr)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=args.lr) if reference is not None else None
 

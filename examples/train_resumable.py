@@ -70,8 +70,8 @@ def main(argv=None) -> None:
 
     torch.manual_seed(0)
     model, example = build("gpt-tiny", hidden=128, n_heads=4, batch=8, seq=32)
-    plan = autopar.plan(model, mesh, example, compare=False, layout=args.layout)
-    cm = autopar.compile(model, mesh, example, plan=plan, timeout=args.timeout)
+    plan = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False, layout=args.layout))
+    cm = autopar.compile(model, mesh, example, plan=plan, run=autopar.RunOptions(timeout=args.timeout))
     opt = cm.build_optimizer(torch.optim.AdamW, lr=args.lr)
     start = 0
     last = autopar.checkpoint.latest(args.checkpoints)

@@ -60,7 +60,8 @@ def load_mismatch(spec: tuple, plan_dict: dict, other_spec: tuple, path: str, op
     autopar.checkpoint.save(path, cm, cm.build_optimizer(torch.optim.AdamW, **OPTIM) if optimizer else None,
                             step=1)
     other, args2, kwargs2 = build_case(other_spec)
-    plan2 = autopar.plan(other, plan.mesh, args2, example_kwargs=kwargs2 or None, compare=False)
+    plan2 = autopar.plan(other, plan.mesh, args2, example_kwargs=kwargs2 or None,
+                         solve=autopar.SolveOptions(compare=False))
     cm2 = autopar.compile(other, plan2.device_mesh(), args2, example_kwargs=kwargs2 or None, plan=plan2)
     try:
         autopar.checkpoint.load(path, cm2, cm2.build_optimizer(torch.optim.AdamW, **OPTIM))
@@ -92,7 +93,7 @@ def non_finite_step(spec: tuple, plan_dict: dict, poison: str, check: bool = Tru
     plan = Plan.from_dict(plan_dict)
     model, args, kwargs = build_case(spec)
     cm = autopar.compile(model, plan.device_mesh(), args, example_kwargs=kwargs or None, plan=plan,
-                         check_finite=check)
+                         run=autopar.RunOptions(check_finite=check))
     opt = cm.build_optimizer(torch.optim.AdamW, **OPTIM)
     for _ in range(2):
         cm.train_step(*args, **kwargs)
@@ -148,7 +149,7 @@ def batch_check_window(spec: tuple, plan_dict: dict, check_inputs: int, differ_a
     plan = Plan.from_dict(plan_dict)
     model, args, kwargs = build_case(spec)
     cm = autopar.compile(model, plan.device_mesh(), args, example_kwargs=kwargs or None, plan=plan,
-                         check_inputs=check_inputs)
+                         run=autopar.RunOptions(check_inputs=check_inputs))
     try:
         for call in range(1, differ_at + 1):
             mine = args

@@ -36,7 +36,7 @@ def block_case(hidden: int, batch: int, seq: int):
 def block_plan(hidden: int, batch: int, seq: int, shape: tuple, layout: str) -> dict:
     model, x = block_case(hidden, batch, seq)
     mesh = autopar.Mesh(shape, tuple("abc"[:len(shape)]), device="cpu")
-    return autopar.plan(model, mesh, (x,), compare=False, layout=layout).to_dict()
+    return autopar.plan(model, mesh, (x,), solve=autopar.SolveOptions(compare=False, layout=layout)).to_dict()
 
 
 @contextlib.contextmanager

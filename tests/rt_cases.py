@@ -199,7 +199,8 @@ def train_and_compare(spec: tuple, plan_dict: dict, steps: int = 3, clip: float 
     plan = Plan.from_dict(plan_dict)
     losses, grads, params, norms = reference(spec, steps, clip, optim)
     model, args, kwargs = build_case(spec)
-    cm = autopar.compile(model, plan.device_mesh(), args, example_kwargs=kwargs or None, plan=plan, backend=backend)
+    cm = autopar.compile(model, plan.device_mesh(), args, example_kwargs=kwargs or None, plan=plan,
+                         run=autopar.RunOptions(backend=backend))
     cls, options = OPTIMIZERS[optim]
     opt = cm.build_optimizer(cls, **options)
     worst = {"loss": 0.0, "grad": (-1.0, ""), "param": (-1.0, ""), "optimizer": type(opt).__name__}
@@ -352,7 +353,7 @@ def compile_error(kind: str) -> str:
     else:
         mesh = autopar.Mesh((4,), ("dp",), device="cpu")
         layout = "data-parallel" if dist.get_rank() == 0 else "megatron-tp"
-        plan = autopar.plan(model, mesh, example, compare=False, layout=layout)
+        plan = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False, layout=layout))
     try:
         autopar.compile(model, mesh, example, plan=plan)
     except CompileError as exc:
@@ -381,7 +382,7 @@ def local_inputs_match_global(plan_dict: dict) -> tuple:
     torch.manual_seed(0)
     model, example = build("gpt-tiny")
     a = autopar.compile(copy.deepcopy(model), mesh, example, plan=plan)
-    b = autopar.compile(copy.deepcopy(model), mesh, example, plan=plan, local_inputs=True)
+    b = autopar.compile(copy.deepcopy(model), mesh, example, plan=plan, run=autopar.RunOptions(local_inputs=True))
     local = b.shard_inputs(*example)[0]
     return a.train_step(*example).item(), b.train_step(*local).item(), [tuple(t.shape) for t in local]
 
@@ -415,8 +416,9 @@ def accumulate_vs_whole_batch(plan_dict: dict, micro: int = 4, priced: bool = Fa
     whole.train_step(idx, targets)
     torch.manual_seed(0)
     model_small, small = build("gpt-tiny", batch=16 // micro)
-    micro_plan = autopar.plan(model_small, mesh, small, compare=False, layout=plan.origin.split(":", 1)[1],
-                              accumulation=micro if priced else 1)
+    micro_plan = autopar.plan(model_small, mesh, small,
+                              solve=autopar.SolveOptions(compare=False, layout=plan.origin.split(":", 1)[1]),
+                              pricing=autopar.Pricing(accumulation=micro if priced else 1))
     acc = autopar.compile(copy.deepcopy(model), mesh, small, plan=micro_plan)
     chunks = list(zip(idx.chunk(micro), targets.chunk(micro)))
     for i, (x, y) in enumerate(chunks):
@@ -499,8 +501,8 @@ def zero3_regather_counts(plan_dict: dict, reshard: bool, spec: tuple = ("autopa
     plan = Plan.from_dict(plan_dict)
     model, args, _ = build_case(spec)
     _, grads, _, _ = reference(spec, 1)
-    cm = autopar.compile(model, plan.device_mesh(), args, plan=plan, reshard_after_forward=reshard,
-                         bucket_mb=bucket_mb)
+    cm = autopar.compile(model, plan.device_mesh(), args, plan=plan,
+                         run=autopar.RunOptions(reshard_after_forward=reshard, bucket_mb=bucket_mb))
     cm.train_step(*args)
     worst = max(excess(g, grads[0][n]) for n, g in cm.full_grads().items())
     counts = cm.gather_counts()
@@ -653,8 +655,9 @@ def plan_for(spec: tuple, layout: str | None, shape=(2, 2), names=("dp", "tp"), 
     per test session."""
     model, args, kwargs = build_case(spec)
     mesh = autopar.Mesh(shape, names, device="cpu")
-    return autopar.plan(model, mesh, args, example_kwargs=kwargs or None, compare=False, layout=layout,
-                        pipeline=pipeline or False, mixed_precision=mixed_precision).to_dict()
+    return autopar.plan(model, mesh, args, example_kwargs=kwargs or None,
+                        solve=autopar.SolveOptions(compare=False, layout=layout), pipeline=pipeline or False,
+                        mixed_precision=mixed_precision).to_dict()
 
 
 def eval_train_eval(spec: tuple, plan_dict: dict, backend: str = "eager") -> dict:
@@ -664,7 +667,8 @@ def eval_train_eval(spec: tuple, plan_dict: dict, backend: str = "eager") -> dic
     plan = Plan.from_dict(plan_dict)
     model, args, kwargs = build_case(spec)
     plain = copy.deepcopy(model).eval()
-    cm = autopar.compile(model, plan.device_mesh(), args, example_kwargs=kwargs or None, plan=plan, backend=backend)
+    cm = autopar.compile(model, plan.device_mesh(), args, example_kwargs=kwargs or None, plan=plan,
+                         run=autopar.RunOptions(backend=backend))
     with torch.no_grad():
         want = float(_loss(plain(*args, **kwargs)))
     worst = 0.0
@@ -686,7 +690,8 @@ def compile_error_of(spec: tuple, plan_dict: dict, backend: str) -> str:
     plan = Plan.from_dict(plan_dict)
     model, args, kwargs = build_case(spec)
     try:
-        autopar.compile(model, plan.device_mesh(), args, example_kwargs=kwargs or None, plan=plan, backend=backend)
+        autopar.compile(model, plan.device_mesh(), args, example_kwargs=kwargs or None, plan=plan,
+                        run=autopar.RunOptions(backend=backend))
     except CompileError as exc:
         return str(exc)
     return ""
@@ -705,7 +710,8 @@ def optimizer_fused(spec: tuple, plan_dict: dict, backend: str, asks: list) -> l
     where the class has no such option)."""
     plan = Plan.from_dict(plan_dict)
     model, args, kwargs = build_case(spec)
-    cm = autopar.compile(model, plan.device_mesh(), args, example_kwargs=kwargs or None, plan=plan, backend=backend)
+    cm = autopar.compile(model, plan.device_mesh(), args, example_kwargs=kwargs or None, plan=plan,
+                         run=autopar.RunOptions(backend=backend))
     return [cm.build_optimizer(getattr(torch.optim, name), lr=1e-3, **options).optimizer.defaults.get("fused", "absent")
             for name, options in asks]
 
@@ -877,7 +883,7 @@ def buckets_before_first_layer(spec: tuple, plan_dict: dict) -> dict:
         return original(*a, **kw)
     try:
         cm = autopar.compile(model, plan.device_mesh(), args, example_kwargs=kwargs or None, plan=plan,
-                             backend="inductor", bucket_mb=0.02)
+                             run=autopar.RunOptions(backend="inductor", bucket_mb=0.02))
         cm.train_step(*args, **kwargs)   # (compiles the regions)
         regions = cm.runner.regions()
         first = regions[1]   # (in graph order: the embedding's, then the first layer's)

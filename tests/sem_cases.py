@@ -75,12 +75,12 @@ def eval_then_train(spec: tuple, layout: str, shape: tuple) -> dict:
     model.eval()
     plain_eval = _loss(model(*args, **kwargs)).item()
     cm_eval = autopar.compile(model, mesh, args, example_kwargs=kwargs or None,
-                              plan=autopar.plan(model, mesh, args, example_kwargs=kwargs or None, compare=False,
-                                                layout=layout))
+                              plan=autopar.plan(model, mesh, args, example_kwargs=kwargs or None,
+                                                solve=autopar.SolveOptions(compare=False, layout=layout)))
     model.train()
     cm_train = autopar.compile(model, mesh, args, example_kwargs=kwargs or None,
-                               plan=autopar.plan(model, mesh, args, example_kwargs=kwargs or None, compare=False,
-                                                 layout=layout))
+                               plan=autopar.plan(model, mesh, args, example_kwargs=kwargs or None,
+                                                 solve=autopar.SolveOptions(compare=False, layout=layout)))
     out = {"plain_eval": plain_eval, "eval_mode_of_first": cm_eval.training,
            "eval": [_loss(cm_eval(*args, **kwargs)).item() for _ in range(2)],
            "train": [_loss(cm_train(*args, **kwargs)).item() for _ in range(2)]}
@@ -203,8 +203,9 @@ def train_then_eval_error(module_name: str) -> dict:
     torch.manual_seed(0)
     model, x = cls(), torch.randn(8, 4)
     mesh = autopar.Mesh((2,), ("dp",), device="cpu")
-    cm = autopar.compile(model, mesh, (x,), plan=autopar.plan(model, mesh, (x,), compare=False,
-                                                              layout="data-parallel"))
+    cm = autopar.compile(model, mesh, (x,),
+                         plan=autopar.plan(model, mesh, (x,),
+                                           solve=autopar.SolveOptions(compare=False, layout="data-parallel")))
     opt = cm.build_optimizer(torch.optim.SGD, lr=0.1)
     steps = 0
     for _ in range(2):

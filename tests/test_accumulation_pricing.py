@@ -20,7 +20,8 @@ K = 4
 def _plans(layout, shape=(4,), names=("dp",), spec=GPT, **kw):
     model, example, _ = build_case(spec)
     mesh = autopar.Mesh(shape, names, device="h100")
-    return [autopar.plan(model, mesh, example, compare=False, layout=layout, accumulation=k, **kw) for k in (1, K)]
+    return [autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False, layout=layout),
+                         pricing=autopar.Pricing(accumulation=k), **kw) for k in (1, K)]
 
 
 def _optimizer(plan) -> float:
@@ -83,7 +84,7 @@ def test_the_plan_is_never_slower_than_a_hand_written_layout_at_the_same_accumul
     and kept by a round trip."""
     model, example, _ = build_case(("autopar", "gpt-tiny", (("hidden", 256), ("batch", 8))))
     mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="h100")
-    plan = autopar.plan(model, mesh, example, accumulation=8)
+    plan = autopar.plan(model, mesh, example, pricing=autopar.Pricing(accumulation=8))
     fits = [p.step_s for p in plan.baselines.values() if not isinstance(p, str) and p.memory_total <= 80 * 2**30]
     assert fits and plan.predicted.step_s <= min(fits) * (1 + 1e-9)
     assert "gradient accumulation over 8 micro-steps" in str(plan)
@@ -95,14 +96,15 @@ def test_the_plan_is_never_slower_than_a_hand_written_layout_at_the_same_accumul
 def test_a_bad_accumulation_is_refused(bad):
     model, example, _ = build_case(GPT)
     with pytest.raises(ValueError, match=r"accumulation=.*micro-steps per optimizer step"):
-        autopar.plan(model, autopar.Mesh((4,), ("dp",), device="h100"), example, accumulation=bad)
+        autopar.plan(model, autopar.Mesh((4,), ("dp",), device="h100"), example,
+                     pricing=autopar.Pricing(accumulation=bad))
 
 
 def test_accumulation_with_pipeline_stages_is_refused():
     model, example, _ = build_case(GPT)
     with pytest.raises(ValueError, match=r"microbatches"):
-        autopar.plan(model, autopar.Mesh((2, 2), ("pp", "dp"), device="h100"), example, accumulation=2,
-                     pipeline=autopar.Pipeline(axis="pp"))
+        autopar.plan(model, autopar.Mesh((2, 2), ("pp", "dp"), device="h100"), example,
+                     pricing=autopar.Pricing(accumulation=2), pipeline=autopar.Pipeline(axis="pp"))
 
 
 @pytest.mark.parametrize("layout", ["data-parallel", "zero2"])
@@ -111,7 +113,7 @@ def test_a_plan_priced_for_accumulation_trains_like_the_whole_batch(pool4, layou
     the gradients equal one step on the whole batch."""
     model, example, _ = build_case(("autopar", "gpt-tiny", (("batch", 16),)))
     mesh = autopar.Mesh((4,), ("dp",), device="h100")
-    plan = autopar.plan(model, mesh, example, compare=False, layout=layout)
+    plan = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False, layout=layout))
     result = pool4.run(accumulate_vs_whole_batch, plan.to_dict(), 4, True)[0]
     assert result["accumulation"] == 4 and result["bucketed"] > 0
     assert result["worst"] <= 0, result

@@ -98,7 +98,8 @@ def planned_layer_bytes(mesh: autopar.Mesh, layout: str | None) -> float:
     for n_layers in (2, 3):
         model, example = build("gpt-tiny", device="meta", attention="eager", dropout=0.1, n_layers=n_layers,
                                **SHAPE)
-        plan = autopar.plan(model, mesh, example, compare=False, layout=layout, mixed_precision="bf16")
+        plan = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False, layout=layout),
+                            mixed_precision="bf16")
         activations[n_layers] = plan.predicted.memory["activations"]
     return activations[3] - activations[2]
 

@@ -78,7 +78,8 @@ def test_calibrate_measures_every_collective_and_caches(pool2, tmp_path):
     assert DeviceSpec.load(out) == spec
     assert json.load(open(out))["cluster"]["world"] == 2
     model, example = build("gpt-tiny")
-    plan = autopar.plan(model, autopar.Mesh((2,), ("dp",), device=out), example, compare=False)
+    plan = autopar.plan(model, autopar.Mesh((2,), ("dp",), device=out), example,
+                        solve=autopar.SolveOptions(compare=False))
     assert plan.mesh.device == spec and plan.predicted.step_s > 0
 
 
@@ -106,8 +107,9 @@ def test_scaled_compute_scales_every_compute_price(name):
                                                                                   ("aten.silu", 1e-9, 2e-9)),
                                attention_flops=(("float32", 1e10),))
     model, example = build(name, batch=2, seq=32)
-    step = lambda d, shape=(1,): autopar.plan(model, autopar.Mesh(shape, ("dp",), device=d), example, compare=False,
-                                              layout="data-parallel").predicted
+    step = lambda d, shape=(1,): autopar.plan(model, autopar.Mesh(shape, ("dp",), device=d), example,
+                                              solve=autopar.SolveOptions(compare=False,
+                                                                         layout="data-parallel")).predicted
     whole, work = step(spec).step_s, step(dataclasses.replace(spec, op_latency=0.0)).step_s
     ops = (whole - work) / spec.op_latency
     scaled = calibrate_step.scaled_compute(spec, 1.3, 5e-5)
@@ -126,7 +128,8 @@ def test_profiles_round_trip_through_files_and_plans(tmp_path):
     spec.save(path)
     assert DeviceSpec.load(path) == spec
     model, example = build("mlp")
-    plan = autopar.plan(model, autopar.Mesh((2, 2), ("dp", "tp"), device=str(path)), example, compare=False)
+    plan = autopar.plan(model, autopar.Mesh((2, 2), ("dp", "tp"), device=str(path)), example,
+                        solve=autopar.SolveOptions(compare=False))
     plan.save(tmp_path / "plan.json")
     assert autopar.Plan.load(tmp_path / "plan.json").mesh.device == spec
     with pytest.raises(ValueError, match="autopar calibrate"):
@@ -171,8 +174,8 @@ def test_measured_pointwise_ops_price_by_their_elements():
                                                     ("aten.log_softmax", 1e-9, 1e-9)))
     nodes = {}
     for spec in (base, measured):
-        plan = autopar.plan(model, autopar.Mesh((2,), ("dp",), device=spec), example, compare=False,
-                            layout="data-parallel")
+        plan = autopar.plan(model, autopar.Mesh((2,), ("dp",), device=spec), example,
+                            solve=autopar.SolveOptions(compare=False, layout="data-parallel"))
         nodes[spec is measured] = {n.op: n for n in plan.nodes}
     gelu_elements = 4 * 32 * 4 * 64 / 2              # tokens x the MLP's width, half the batch per rank
     assert nodes[True]["aten.gelu"].compute_s == pytest.approx(gelu_elements * 5e-9, rel=1e-6)
@@ -184,8 +187,9 @@ def test_measured_pointwise_ops_price_by_their_elements():
     # under Inductor the tanh GELU runs as x * sigmoid(2 z) (runtime/sigmoid_gelu.with_sigmoid_gelus):
     # priced at the measured sigmoid's rate
     both = dataclasses.replace(measured, pointwise=measured.pointwise + (("aten.sigmoid", 5e-10, 5e-10),))
-    compiled = autopar.plan(model, autopar.Mesh((2,), ("dp",), device=both), example, compare=False,
-                            layout="data-parallel", backend="inductor")
+    compiled = autopar.plan(model, autopar.Mesh((2,), ("dp",), device=both), example,
+                            solve=autopar.SolveOptions(compare=False, layout="data-parallel"),
+                            pricing=autopar.Pricing(backend="inductor"))
     gelu = {n.op: n for n in compiled.nodes}["aten.gelu"]
     # (at least; a pass whose memory traffic takes longer is priced by its traffic)
     assert gelu_elements * 1e-9 * (1 - 1e-6) <= gelu.compute_s < gelu_elements * 1e-9 * 1.1
@@ -211,7 +215,7 @@ def test_a_gradient_pays_its_share_of_its_bucket():
     bytes' share of one call's fixed cost plus its own bandwidth term."""
     mesh = autopar.Mesh((4,), ("dp",), device="cpu")
     model, example = build("gpt-tiny")
-    plan = autopar.plan(model, mesh, example, compare=False, layout="data-parallel")
+    plan = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False, layout="data-parallel"))
     bw, lat, launch = axis_link("all_reduce", 0, mesh)
     fixed, per_byte = K.line("all_reduce", "ring", 4, bw, lat, launch)
     grads = [c for c in plan.collectives if c.phase == "backward" and c.kind == "all_reduce"
@@ -245,8 +249,8 @@ def test_forward_hides_weight_gathers_started_one_ahead():
 def test_zero3_plan_says_what_forward_hides():
     model, example = build("gpt-tiny", batch=64)
     for device in ("h100", "cpu"):
-        p = autopar.plan(model, autopar.Mesh((8,), ("dp",), device=device), example, compare=False,
-                         layout="zero3").predicted
+        p = autopar.plan(model, autopar.Mesh((8,), ("dp",), device=device), example,
+                         solve=autopar.SolveOptions(compare=False, layout="zero3")).predicted
         assert p.step_s == pytest.approx(p.compute_s + sum(p.comm_s.values()) - p.hidden_s)
         if device == "h100":
             assert 0 < p.prefetch_hidden_s <= p.prefetchable_s < sum(p.comm_s.values())
@@ -281,8 +285,8 @@ def test_the_step_subtracts_the_hidden_communication(device):
     """On a GPU (NCCL on its own stream) gradient buckets overlap backward and the plan says
     how much; a CPU rank's collectives reduce on its compute cores: nothing hidden."""
     model, example = build("gpt-tiny", batch=64)
-    plan = autopar.plan(model, autopar.Mesh((8,), ("dp",), device=device), example, compare=False,
-                        layout="data-parallel")
+    plan = autopar.plan(model, autopar.Mesh((8,), ("dp",), device=device), example,
+                        solve=autopar.SolveOptions(compare=False, layout="data-parallel"))
     p = plan.predicted
     assert p.step_s == pytest.approx(p.compute_s + sum(p.comm_s.values()) - p.hidden_s)
     if device == "h100":

@@ -55,7 +55,8 @@ def test_split_experts_are_priced_no_longer_than_the_capacity():
     model, args, _ = build_case(SPEC)
     mesh = autopar.Mesh((4,), ("ep",), device="h100")
     for stated, priced in ((3.0, 1.25), (1.1, 1.1)):
-        plan = autopar.plan(model, mesh, args, compare=False, layout="expert-parallel", moe_imbalance=stated)
+        plan = autopar.plan(model, mesh, args, solve=autopar.SolveOptions(compare=False, layout="expert-parallel"),
+                            pricing=autopar.Pricing(moe_imbalance=stated))
         assert {n.strategy for n in plan.nodes if n.op == "autopar.experts"} == {"ep=expert-parallel"}
         note = [n for n in plan.notes if "busiest rank" in n]
         assert note and f"{priced:.3f}x the mean rows" in note[0], plan.notes
@@ -81,7 +82,7 @@ def test_switch_trains_like_one_device(pool4, layout):
     if layout == "random":
         model, args, _ = build_case(SPEC)
         mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="cpu")
-        plans = [p.to_dict() for p in autopar.random_plans(model, mesh, args, seed=7, count=1)]
+        plans = [p.to_dict() for p in autopar.random_plans(model, mesh, args, seeds=range(7, 8))]
     else:
         plans = [plan_for(SPEC, layout)]
         want = {"expert-parallel": "tp=expert-parallel", "megatron-tp x dp": "tp=inner"}.get(layout)
@@ -112,13 +113,14 @@ def test_fixed_capacity_dispatch_plans_by_its_shapes(caplog):
         for block in model.h:
             block.mlp = CapacityMoE(1024, hidden=4096, experts=8, seq=2048)
     ids = torch.zeros((8, 2048), dtype=torch.long, device="meta")
-    plan = autopar.plan(model, autopar.Mesh((2, 4), ("dp", "tp"), device="h100"), (ids, ids), compare=False)
+    plan = autopar.plan(model, autopar.Mesh((2, 4), ("dp", "tp"), device="h100"), (ids, ids),
+                        solve=autopar.SolveOptions(compare=False))
     assert plan.fallback_ops == ()
     for name in ("h.0.mlp.wi", "h.0.mlp.wo", "h.1.mlp.wi", "h.1.mlp.wo"):
         assert Shard(0) in plan.param_placements[name], (name, plan.param_placements[name])
     small, args, _ = build_case(GSHARD)
-    autopar.plan(small, autopar.Mesh((2, 2), ("dp", "tp"), device="cpu"), args, compare=False,
-                 layout="expert-parallel")
+    autopar.plan(small, autopar.Mesh((2, 2), ("dp", "tp"), device="cpu"), args,
+                 solve=autopar.SolveOptions(compare=False, layout="expert-parallel"))
     assert [r for r in caplog.records if "trains as data parallelism" in r.getMessage()]
 
 
@@ -135,7 +137,7 @@ def test_fixed_capacity_dispatch_trains_like_one_device(pool4, layout):
     assert any(int(block.mlp.kept.sum()) < args[0].numel() for block in model.h)
     if layout == "random":
         mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="cpu")
-        plans = [p.to_dict() for p in autopar.random_plans(model, mesh, args, seed=11, count=2)]
+        plans = [p.to_dict() for p in autopar.random_plans(model, mesh, args, seeds=range(11, 13))]
     else:
         plans = [plan_for(GSHARD, layout)]
         placed = autopar.Plan.from_dict(plans[0]).param_placements

@@ -103,8 +103,8 @@ def test_hf_config_by_name_and_by_file(tmp_path, capsys):
 def test_compare_names_the_layouts_that_changed(tmp_path, capsys):
     model, example = build("gpt-tiny", device="meta")
     mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="h100")
-    dp = autopar.plan(model, mesh, example, compare=False, layout="data-parallel")
-    tp = autopar.plan(model, mesh, example, compare=False, layout="megatron-tp (all axes)")
+    dp = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False, layout="data-parallel"))
+    tp = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False, layout="megatron-tp (all axes)"))
     dp.save(tmp_path / "dp.json")
     tp.save(tmp_path / "tp.json")
     capsys.readouterr()

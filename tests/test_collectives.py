@@ -79,7 +79,7 @@ def test_moves_and_plans_record_the_algorithm():
     assert [s.algorithm for s in small] == ["ring/LL"] and [s.algorithm for s in large] == ["nvls/Simple"]
     assert small[0].seconds == pytest.approx(6.6e-6 + 14 * 0.6e-6 + 2 * 7 / 8 * 64 / 141e9)
     model, example = build("gpt2-124m", device="meta", batch=8)
-    plan = autopar.plan(model, mesh, example, compare=False, layout="data-parallel")
+    plan = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False, layout="data-parallel"))
     grads = [c for c in plan.collectives if c.kind == "all_reduce" and c.phase == "backward"]
     assert {c.algorithm for c in grads} == {"ring/LL", "nvls/Simple"}, {c.algorithm for c in grads}
     assert all(c.algorithm == "ring/LL" for c in grads if c.nbytes < 1e5)

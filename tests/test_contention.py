@@ -51,7 +51,7 @@ def _llama():
 def _unlinked(monkeypatch, model, example, mesh, layout):
     monkeypatch.setattr(assemble, "link", lambda mesh, axis: None)
     try:
-        return autopar.plan(model, mesh, example, compare=False, layout=layout,
+        return autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False, layout=layout),
                             mixed_precision=autopar.MixedPrecision()).predicted
     finally:
         monkeypatch.undo()
@@ -64,7 +64,7 @@ def test_tensor_parallel_across_nodes_contends_with_the_data_parallel_buckets(mo
     model, example = _llama()
     for per_node, shared in ((1, True), (2, False)):
         mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="h100", devices_per_node=per_node)
-        plan = autopar.plan(model, mesh, example, compare=False, layout="megatron-tp x dp",
+        plan = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False, layout="megatron-tp x dp"),
                             mixed_precision=autopar.MixedPrecision())
         p = plan.predicted
         free = _unlinked(monkeypatch, model, example, mesh, "megatron-tp x dp")
@@ -85,7 +85,7 @@ def test_tensor_parallel_across_nodes_contends_with_the_data_parallel_buckets(mo
 def test_cpu_ranks_price_no_contention():
     """gloo reduces on the cores the compute uses: nothing overlaps, nothing contends."""
     model, example = build("gpt-tiny")
-    p = autopar.plan(model, autopar.Mesh((2, 2), ("dp", "tp"), device="cpu"), example, compare=False,
-                     layout="megatron-tp x dp").predicted
+    p = autopar.plan(model, autopar.Mesh((2, 2), ("dp", "tp"), device="cpu"), example,
+                     solve=autopar.SolveOptions(compare=False, layout="megatron-tp x dp")).predicted
     assert p.hidden_s == 0.0 and p.contended_s == 0.0
     assert assemble.link(autopar.Mesh((2,), ("dp",), device="cpu"), 0) is None

@@ -50,7 +50,8 @@ class Wrapper(nn.Module):
 def test_data_dependent_sizes_are_refused_at_trace_time(model, where):
     torch.manual_seed(0)
     with pytest.raises(TraceError) as info:
-        autopar.plan(model(), autopar.Mesh((2,), ("dp",), device="cpu"), (torch.randn(4, 6, 8),), compare=False)
+        autopar.plan(model(), autopar.Mesh((2,), ("dp",), device="cpu"), (torch.randn(4, 6, 8),),
+                     solve=autopar.SolveOptions(compare=False))
     text = str(info.value)
     assert "depends on the data" in text and f"in {where} " in text, text
     assert "experts op" in text and "fixed capacity" in text

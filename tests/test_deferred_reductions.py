@@ -25,7 +25,7 @@ def _by_tensor(plan, tensor, phase):
 def test_the_position_embeddings_gradient_joins_the_buckets(gpt, device):
     model, example = gpt
     mesh = autopar.Mesh((2,), ("dp",), device=device)
-    plan = autopar.plan(model, mesh, example, compare=False, layout="data-parallel")
+    plan = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False, layout="data-parallel"))
     c = _by_tensor(plan, "embedding_1", "backward")   # wpe(positions), added to batch-split tokens
     shape = (64, int(c.nbytes) // (64 * 4))   # (seq, hidden), float32
     steps = C.redistribute(shape, 4, (Partial(),), (Replicate(),), mesh)
@@ -38,14 +38,14 @@ def test_the_loss_is_summed_in_the_last_bucket_and_split_weights_pay_the_finite_
     model, example = gpt
     for device in ("cpu", "h100"):
         mesh = autopar.Mesh((2,), ("dp",), device=device)
-        dp = autopar.plan(model, mesh, example, compare=False, layout="data-parallel")
+        dp = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False, layout="data-parallel"))
         loss = _by_tensor(dp, "cross_entropy_loss", "forward")
         whole = sum(st.seconds for st in C.redistribute((), 4, (Partial(),), (Replicate(),), mesh))
         assert loss.nbytes == 4 and loss.seconds < 0.05 * whole   # a bucket's share of one call's fixed cost
         assert not [c for c in dp.collectives if c.tensor == "finite check"]   # every rank sees everyone's sum
         # Megatron TP's weights are split: a NaN in one rank's piece is that rank's alone, so the
         # step runs the finite check's all-reduce (runtime/faults.check_step), and the plan prices it
-        tp = autopar.plan(model, mesh, example, compare=False, layout="megatron-tp")
+        tp = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False, layout="megatron-tp"))
         (check,) = [c for c in tp.collectives if c.tensor == "finite check"]
         assert check.nbytes == 8 and check.phase == "step" and check.seconds == pytest.approx(
             sum(st.seconds for st in C.redistribute((), 8, (Partial(),), (Replicate(),), mesh)))
@@ -102,7 +102,7 @@ def test_a_bucketed_gradient_pays_its_copies_in_and_out_of_the_flat_buffer(gpt):
     buffers' copies"), and the plan's compute is the sum of its nodes'."""
     model, example = gpt
     mesh = autopar.Mesh((2,), ("dp",), device="cpu")
-    plan = autopar.plan(model, mesh, example, compare=False, layout="data-parallel")
+    plan = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False, layout="data-parallel"))
     dev, checked = mesh.device, 0
     for n in plan.nodes:
         if n.op != "parameter":

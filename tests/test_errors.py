@@ -101,9 +101,9 @@ def test_compile_refuses_a_timeout_no_job_can_meet(timeout, problem):
     then end compile with a CollectiveError after 50 ms)."""
     with pytest.raises(ValueError) as caught:
         autopar.compile(torch.nn.Linear(2, 2), autopar.Mesh((2,), ("dp",), device="cpu"), (torch.ones(2, 2),),
-                        timeout=timeout)
+                        run=autopar.RunOptions(timeout=timeout))
     assert str(caught.value) == (
-        f"autopar.compile(timeout={timeout!r}): {problem}. The timeout bounds how long every collective waits for "
+        f"autopar.RunOptions(timeout={timeout!r}): {problem}. The timeout bounds how long every collective waits for "
         f"the slowest rank, compile's own included (setting up the gloo or NCCL process groups and waiting for "
         f"ranks that trace the model more slowly take seconds); give timeout=60 or more (the default is 600)")
 
@@ -123,7 +123,7 @@ def sharded_calls(plan_dict: dict) -> dict:
     reference = copy.deepcopy(model)
     loss = reference(**kwargs).loss
     loss.backward()
-    cm = autopar.compile(model, plan.mesh, example_kwargs=kwargs, plan=plan, local_inputs=True)
+    cm = autopar.compile(model, plan.mesh, example_kwargs=kwargs, plan=plan, run=autopar.RunOptions(local_inputs=True))
     sharded = cm.shard_inputs(**kwargs)
     args, kw = sharded                                           # the documented use
     out = {"one device": loss.item(), "halves": (len(args), sorted(kw))}
@@ -154,8 +154,8 @@ def test_train_step_takes_shard_inputs_as_it_comes(pool2):
     from hf_archs import build
     from rt_cases import ATOL, RTOL
     model, kwargs = build("llama")
-    plan = autopar.plan(model, autopar.Mesh((2,), ("dp",), device="cpu"), example_kwargs=kwargs, compare=False,
-                        layout="data-parallel")
+    plan = autopar.plan(model, autopar.Mesh((2,), ("dp",), device="cpu"), example_kwargs=kwargs,
+                        solve=autopar.SolveOptions(compare=False, layout="data-parallel"))
     for out in pool2.run(sharded_calls, plan.to_dict()):
         assert out["halves"] == (0, ["input_ids", "labels"])
         for how in ("star", "documented", "whole", "forward star"):
@@ -180,8 +180,7 @@ def test_train_step_takes_shard_inputs_as_it_comes(pool2):
                                 "(0 turns it off)"),
 ])
 def test_compile_refuses_option_values_it_cannot_use(option, value, message):
-    """Refused at the call, before any process group is needed."""
+    """Refused where the run options are made, before any process group is needed."""
     with pytest.raises(ValueError) as caught:
-        autopar.compile(torch.nn.Linear(2, 2), autopar.Mesh((2,), ("dp",), device="cpu"), (torch.ones(2, 2),),
-                        **{option: value})
-    assert str(caught.value) == f"autopar.compile({option}={value!r}): {message}"
+        autopar.RunOptions(**{option: value})
+    assert str(caught.value) == f"autopar.RunOptions({option}={value!r}): {message}"

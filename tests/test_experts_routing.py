@@ -134,10 +134,11 @@ def _plan(routing: str, shape: tuple, names: tuple, layout: str | None = None, w
     model, kwargs = routed_mixtral(routing, layers)
     mesh = autopar.Mesh(shape, names, device="cpu")
     if wanted is None:
-        plan = autopar.plan(model, mesh, example_kwargs=kwargs, compare=False, layout=layout)
+        plan = autopar.plan(model, mesh, example_kwargs=kwargs,
+                            solve=autopar.SolveOptions(compare=False, layout=layout))
         return plan, _experts_kinds(plan)
-    for plan in autopar.random_plans(model, mesh, example_kwargs=kwargs, compare=False, layout=layout,
-                                     seeds=range(64)):
+    for plan in autopar.random_plans(model, mesh, example_kwargs=kwargs,
+                                     solve=autopar.SolveOptions(compare=False, layout=layout), seeds=range(64)):
         kinds = _experts_kinds(plan)
         if kinds and all(WANTED[wanted](s) for s in kinds):
             return plan, kinds

@@ -35,14 +35,14 @@ POISONED = "blocks.1.mlp.fc1.weight"
 
 # --- jobs (every rank) -------------------------------------------------------------------------
 def _compile(spec: tuple, plan_dict: dict, sample_every: int | None = None, **options):
-    """Compile the model of `spec` under `plan_dict`; sample_every: compile's
-    check_inputs_every (the period of the sampled input check)."""
+    """Compile the model of `spec` under `plan_dict`; sample_every: RunOptions'
+    check_inputs_every (the period of the sampled input check); options: RunOptions' others."""
     plan = Plan.from_dict(plan_dict)
     model, args, kwargs = build_case(spec)
     if sample_every is not None:
         options["check_inputs_every"] = sample_every
     cm = autopar.compile(model, plan.device_mesh(), args, example_kwargs=kwargs or None, plan=plan,
-                         timeout=TIMEOUT_S, **options)
+                         run=autopar.RunOptions(timeout=TIMEOUT_S, **options))
     return cm, args, kwargs
 
 
@@ -166,7 +166,7 @@ def all_reduces_per_step(spec: tuple, plan_dict: dict, check_finite: bool, sampl
 @functools.lru_cache(maxsize=None)
 def random_plan(seed: int) -> dict:
     model, args, _ = build_case(GPT)
-    return autopar.random_plans(model, autopar.Mesh(*MESH, device="cpu"), args, seed=seed)[0].to_dict()
+    return autopar.random_plans(model, autopar.Mesh(*MESH, device="cpu"), args, seeds=(seed,))[0].to_dict()
 
 
 @functools.lru_cache(maxsize=None)
@@ -180,7 +180,8 @@ def _whole_step_plan(spec: tuple) -> dict:
     from autopar.mesh import PRESETS
     model, args, _ = build_case(spec)
     device = dataclasses.replace(PRESETS["cpu"], links=(), launch_latency=1.0, intra_latency=1.0, inter_latency=1.0)
-    return autopar.plan(model, autopar.Mesh((2, 2), ("dp", "tp"), device=device), args, compare=False).to_dict()
+    return autopar.plan(model, autopar.Mesh((2, 2), ("dp", "tp"), device=device), args,
+                        solve=autopar.SolveOptions(compare=False)).to_dict()
 
 
 def checked_tensors(spec: tuple, plan_dict: dict) -> dict:

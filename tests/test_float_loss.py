@@ -22,8 +22,9 @@ BATCH, SEQ, VOCAB = 4, 256, 32000
 def _peak(float_loss: bool):
     model, example = build("llama-tiny", device="meta", batch=BATCH, seq=SEQ, vocab=VOCAB, max_seq=SEQ,
                            float_loss=float_loss)
-    return autopar.plan(model, autopar.Mesh((2,), ("dp",), device="h100"), example, compare=False,
-                        layout="data-parallel", mixed_precision=autopar.MixedPrecision()).predicted
+    return autopar.plan(model, autopar.Mesh((2,), ("dp",), device="h100"), example,
+                        solve=autopar.SolveOptions(compare=False, layout="data-parallel"),
+                        mixed_precision=autopar.MixedPrecision()).predicted
 
 
 def test_float_logits_cost_six_bytes_more_per_logit():
@@ -56,6 +57,7 @@ SPEC = ("autopar", "llama-tiny", (("float_loss", True),))
 @pytest.mark.parametrize("layout", ["megatron-tp x dp", "zero3"])
 def test_float_loss_trains_like_one_device_in_mixed_precision(pool4, layout):
     model, example = build("llama-tiny", float_loss=True)
-    plan = autopar.plan(model, autopar.Mesh((2, 2), ("dp", "tp"), device="cpu"), example, compare=False,
-                        layout=layout, mixed_precision=autopar.MixedPrecision())
+    plan = autopar.plan(model, autopar.Mesh((2, 2), ("dp", "tp"), device="cpu"), example,
+                        solve=autopar.SolveOptions(compare=False, layout=layout),
+                        mixed_precision=autopar.MixedPrecision())
     check_mixed_precision(pool4.run(mixed_precision_vs_reference, SPEC, plan.to_dict())[0])

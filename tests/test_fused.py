@@ -89,7 +89,8 @@ def test_megatron_shards_every_part_with_heads_to_split(family):
     """Column-parallel q, k, v (and gate, up) parts; a multi-query key/value head (fewer
     heads than ranks) stays whole on every rank, as Megatron-LM keeps it."""
     model, kwargs = build(family)
-    plan = autopar.plan(model, TP4, example_kwargs=kwargs, compare=False, layout="megatron-tp")
+    plan = autopar.plan(model, TP4, example_kwargs=kwargs,
+                        solve=autopar.SolveOptions(compare=False, layout="megatron-tp"))
     fused = {n: p for n, p in plan.param_placements.items() if "[" in n and n.endswith("]") and ".0." in n}
     assert fused
     for name, (p,) in fused.items():
@@ -111,7 +112,7 @@ def test_fused_weights_initialise_shard_by_shard(pool4, overrides):
     layout, equals the model built whole from the same seed."""
     from autopar.models import build as build_preset
     model, example = build_preset("gpt-tiny", **dict(overrides))
-    plan = autopar.plan(model, TP4, example, compare=False, layout="megatron-tp")
+    plan = autopar.plan(model, TP4, example, solve=autopar.SolveOptions(compare=False, layout="megatron-tp"))
     assert any("attn.qkv.weight[" in n for n in plan.param_placements)
     assert pool4.run(meta_init_matches_whole, "gpt-tiny", plan.to_dict(), overrides) == [0.0] * 4
 

@@ -58,10 +58,10 @@ def _plan(spec: Spec, mesh, kind: str, seed: int):
     model = build(spec)
     example = batches(spec, 1)[0]
     if kind == "solver":
-        return autopar.plan(model, mesh, example, compare=False)
+        return autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False))
     if kind == "random":
-        return autopar.random_plans(model, mesh, example, compare=False, seed=seed)[0]
-    return autopar.plan(model, mesh, example, compare=False, layout=kind)
+        return autopar.random_plans(model, mesh, example, solve=autopar.SolveOptions(compare=False), seeds=(seed,))[0]
+    return autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False, layout=kind))
 
 
 def _examples(default: int) -> int:

@@ -2,6 +2,7 @@
 on a grid of mesh axes (SUMMA 2D, Tesseract 2.5D, the 3D matmul, 2D weight-stationary) and
 the split norms between them train like one device and move the bytes their closed forms
 say; the planner picks a 2D form over 1D where it wins."""
+import autopar
 import pytest
 
 from rt_cases import plan_for, train_and_compare
@@ -153,7 +154,7 @@ def _random_plans(spec, layout, shape, seeds):
     model, args, kwargs = build_case(spec)
     mesh = autopar.Mesh(shape, tuple("abc"[:len(shape)]), device="cpu")
     return [p.to_dict() for p in autopar.random_plans(model, mesh, args, example_kwargs=kwargs or None, seeds=seeds,
-                                                      compare=False, layout=layout)]
+                                                      solve=autopar.SolveOptions(compare=False, layout=layout))]
 
 
 @pytest.mark.parametrize("layout,shape", [("tp-2d", (2, 2)), ("tp-3d", (2, 2, 2)), ("tp-2d-ws", (2, 2))])
@@ -222,7 +223,8 @@ def test_planner_picks_2d_over_1d_where_it_wins_and_not_where_it_does_not():
     mesh = autopar.Mesh((8, 8, 8), ("a", "b", "c"), device="h100", devices_per_node=1)
 
     def step(layout):
-        return autopar.plan(model, mesh, args, compare=False, mixed_precision="bf16", layout=layout)
+        return autopar.plan(model, mesh, args, solve=autopar.SolveOptions(compare=False, layout=layout),
+                            mixed_precision="bf16")
     ilp = step(None)
     crossed = _crossed(ilp.to_dict())
     assert len(crossed) == 12 and None not in crossed, crossed
@@ -234,8 +236,9 @@ def test_planner_picks_2d_over_1d_where_it_wins_and_not_where_it_does_not():
 
     model, args = _gpt3_layers(2, 256)
     mesh = autopar.Mesh((8, 8), ("node", "gpu"), device="h100", devices_per_node=8)
-    ilp = autopar.plan(model, mesh, args, compare=False, mixed_precision="bf16")
+    ilp = autopar.plan(model, mesh, args, solve=autopar.SolveOptions(compare=False), mixed_precision="bf16")
     assert set(_crossed(ilp.to_dict())) == {None}
     assert not {n.strategy.split(" ", 1)[0] for n in ilp.nodes} & set(GRID_FORMS)
-    ws = autopar.plan(model, mesh, args, compare=False, mixed_precision="bf16", layout="tp-2d-ws")
+    ws = autopar.plan(model, mesh, args, solve=autopar.SolveOptions(compare=False, layout="tp-2d-ws"),
+                      mixed_precision="bf16")
     assert ilp.predicted.step_s < ws.predicted.step_s

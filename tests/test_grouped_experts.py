@@ -60,7 +60,8 @@ def test_sorted_moe_plans_with_its_experts_split():
     ids = torch.zeros((8, 2048), dtype=torch.long, device="meta")
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
-        plan = autopar.plan(model, autopar.Mesh((2, 4), ("dp", "tp"), device="h100"), (ids, ids), compare=False)
+        plan = autopar.plan(model, autopar.Mesh((2, 4), ("dp", "tp"), device="h100"), (ids, ids),
+                            solve=autopar.SolveOptions(compare=False))
     experts = [n for n in plan.nodes if n.op == "autopar.experts"]
     assert len(experts) == 2
     for name, placement in plan.param_placements.items():
@@ -71,7 +72,7 @@ def test_sorted_moe_plans_with_its_experts_split():
 def _random_plans(count: int) -> list:
     model, args, _ = build_case(SPEC)
     mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="cpu")
-    return [p.to_dict() for p in autopar.random_plans(model, mesh, args, seed=3, count=count)]
+    return [p.to_dict() for p in autopar.random_plans(model, mesh, args, seeds=range(3, 3 + count))]
 
 
 @pytest.mark.parametrize("layout", [None, "expert-parallel", "megatron-tp x dp", "random"])
@@ -121,7 +122,7 @@ def test_jetmoe_plans_with_its_grouped_linears_split():
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         plan = autopar.plan(model, autopar.Mesh((2, 4), ("dp", "tp"), device="h100"),
-                            example_kwargs={"input_ids": ids, "labels": ids}, compare=False)
+                            example_kwargs={"input_ids": ids, "labels": ids}, solve=autopar.SolveOptions(compare=False))
     grouped = [n for n in plan.nodes if n.op == "autopar.grouped_linear"]
     assert len(grouped) == 8, [n.name for n in grouped]   # per layer: the experts' two, the attention's two
     assert all(n.strategy != "replicate" for n in grouped), [n.strategy for n in grouped]
@@ -136,7 +137,7 @@ def test_jetmoe_trains_like_one_device(pool4, layout):
     if layout == "random":
         model, _, kwargs = build_case(JETMOE)
         mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="cpu")
-        plans = [p.to_dict() for p in autopar.random_plans(model, mesh, example_kwargs=kwargs, seed=5, count=2)]
+        plans = [p.to_dict() for p in autopar.random_plans(model, mesh, example_kwargs=kwargs, seeds=range(5, 7))]
     else:
         plans = [plan_for(JETMOE, layout)]
     for plan_dict in plans:

@@ -34,7 +34,8 @@ def test_every_op_has_a_rule(name, model):
     mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="cpu")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        plan = autopar.plan(model, mesh, example_kwargs={"input_ids": ids, "labels": ids}, compare=False)
+        plan = autopar.plan(model, mesh, example_kwargs={"input_ids": ids, "labels": ids},
+                            solve=autopar.SolveOptions(compare=False))
     fell_back = [str(w.message) for w in caught if "no sharding rule" in str(w.message)]
     assert plan.fallback_ops == () and fell_back == [], f"{name}: replicated ops {plan.fallback_ops}"
     # every parameter is planned: whole, or (a fused projection) as parts that cover it
@@ -97,7 +98,8 @@ def test_megatron_meets_its_closed_form(family):
     else:
         model, kwargs = build(family, SEQ)
     mesh = autopar.Mesh((4,), ("tp",), device="cpu")
-    plan = autopar.plan(model, mesh, example_kwargs=kwargs, compare=False, layout="megatron-tp")
+    plan = autopar.plan(model, mesh, example_kwargs=kwargs,
+                        solve=autopar.SolveOptions(compare=False, layout="megatron-tp"))
     found = sorted((c.kind, c.tensor) for c in forward_in_blocks(plan, hidden))
     kinds = [k for k, _ in found]
     # an all-reduce, or its Megatron-SP form: a reduce-scatter, the norm on a quarter of the
@@ -117,9 +119,11 @@ def test_family_trains_like_one_device(pool4, family):
     plans = {}
     for shape, names in (((4,), ("tp",)), ((2, 2), ("dp", "tp"))):
         mesh = autopar.Mesh(shape, names, device="cpu")
-        plans[f"ilp {shape}"] = autopar.plan(model, mesh, example_kwargs=kwargs, compare=False)
+        plans[f"ilp {shape}"] = autopar.plan(model, mesh, example_kwargs=kwargs,
+                                             solve=autopar.SolveOptions(compare=False))
     mesh = autopar.Mesh((4,), ("tp",), device="cpu")
-    plans["megatron-tp (4,)"] = autopar.plan(model, mesh, example_kwargs=kwargs, compare=False, layout="megatron-tp")
+    plans["megatron-tp (4,)"] = autopar.plan(model, mesh, example_kwargs=kwargs,
+                                             solve=autopar.SolveOptions(compare=False, layout="megatron-tp"))
     _train_and_compare_all(pool4, family, plans)
 
 
@@ -134,11 +138,12 @@ def test_unrolled_falcon_trains_like_one_device_under_every_layout(pool4):
     plans, refused = {}, {}
     for shape, names in (((2, 2), ("dp", "tp")), ((4,), ("tp",))):
         mesh = autopar.Mesh(shape, names, device="cpu")
-        plans[f"ilp {shape}"] = autopar.plan(model, mesh, example_kwargs=kwargs, compare=False)
+        plans[f"ilp {shape}"] = autopar.plan(model, mesh, example_kwargs=kwargs,
+                                             solve=autopar.SolveOptions(compare=False))
         for name in layouts(mesh, every=True):
             try:
-                plans[f"{name} {shape}"] = autopar.plan(model, mesh, example_kwargs=kwargs, compare=False,
-                                                        layout=name)
+                plans[f"{name} {shape}"] = autopar.plan(model, mesh, example_kwargs=kwargs,
+                                                        solve=autopar.SolveOptions(compare=False, layout=name))
             except ValueError as exc:   # refused with the reason: no experts; the ring and Falcon's explicit
                 refused[f"{name} {shape}"] = str(exc)   # mask; Ulysses and one key/value head (transformers < 5.25)
     assert all("expert" in k or (("context-parallel" in k and "mask" in why) or ("ulysses" in k and "heads" in why))
@@ -155,7 +160,8 @@ def test_compiled_graph_runs_the_moves_the_plan_prices(pool4, family):
     from rt_cases import collective_moves_per_tensor, forward_collectives
     model, kwargs = build(family)
     mesh = autopar.Mesh((4,), ("tp",), device="cpu")
-    plan = autopar.plan(model, mesh, example_kwargs=kwargs, compare=False, layout="megatron-tp")
+    plan = autopar.plan(model, mesh, example_kwargs=kwargs,
+                        solve=autopar.SolveOptions(compare=False, layout="megatron-tp"))
     ran = sorted(kind for kind, _, _ in pool4.run(forward_collectives, ("hf-arch", family), plan.to_dict())[0])
     priced = sorted(c.kind for c in plan.collectives if c.phase == "forward" and c.nbytes > 0)
     assert ran == priced
@@ -178,13 +184,15 @@ def test_mixture_of_experts_trains_like_one_device(pool4, family):
         if shape == (2, 2) or family == "mixtral":
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                plans[f"ilp {shape}"] = ilp = autopar.plan(model, mesh, example_kwargs=kwargs, compare=False)
+                plans[f"ilp {shape}"] = ilp = autopar.plan(model, mesh, example_kwargs=kwargs,
+                                                           solve=autopar.SolveOptions(compare=False))
             assert ilp.fallback_ops == () and not [w for w in caught if "no sharding rule" in str(w.message)]
         if shape == (4,):
-            plans["megatron-tp (4,)"] = autopar.plan(model, mesh, example_kwargs=kwargs, compare=False,
-                                                     layout="megatron-tp")
-        plans[f"expert-parallel {shape}"] = ep = autopar.plan(model, mesh, example_kwargs=kwargs, compare=False,
-                                                              layout="expert-parallel")
+            plans["megatron-tp (4,)"] = autopar.plan(model, mesh, example_kwargs=kwargs,
+                                                     solve=autopar.SolveOptions(compare=False, layout="megatron-tp"))
+        plans[f"expert-parallel {shape}"] = ep = autopar.plan(model, mesh, example_kwargs=kwargs,
+                                                              solve=autopar.SolveOptions(compare=False,
+                                                                                         layout="expert-parallel"))
         assert "uniformly random routing" in str(ep)  # the plan says what its price assumes
         kinds = {n.strategy for n in ep.nodes if n.op == "autopar.experts"}
         assert kinds == {"tp=expert-parallel" if shape == (4,) else "dp=tokens tp=expert-parallel"}, kinds
@@ -192,7 +200,8 @@ def test_mixture_of_experts_trains_like_one_device(pool4, family):
         assert experts and all(p[-1] == Shard(0) for p in experts.values()), experts
     mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="cpu")
     for seed in ((1, 2, 3) if family == "mixtral" else ()):
-        plans[f"random {seed}"] = autopar.random_plans(model, mesh, example_kwargs=kwargs, compare=False, seed=seed)[0]
+        plans[f"random {seed}"] = autopar.random_plans(model, mesh, example_kwargs=kwargs,
+                                                       solve=autopar.SolveOptions(compare=False), seeds=(seed,))[0]
     seen = {n.strategy for p in plans.values() for n in p.nodes if n.op == "autopar.experts"}
     _train_and_compare_all(pool4, family, plans, f"experts ran as {sorted(seen)}")
 
@@ -208,7 +217,8 @@ def test_head_count_that_does_not_divide_is_explained(caplog):
     ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0))
     with caplog.at_level("WARNING", logger="autopar"):
         plan = autopar.plan(model, autopar.Mesh((4,), ("tp",), device="cpu"),
-                            example_kwargs={"input_ids": ids, "labels": ids}, compare=False, layout="megatron-tp")
+                            example_kwargs={"input_ids": ids, "labels": ids},
+                            solve=autopar.SolveOptions(compare=False, layout="megatron-tp"))
     said = [r.getMessage() for r in caplog.records if "key/value heads" in r.getMessage()]
     assert len(said) == 1, said
     assert "4 query and 2 key/value heads" in said[0] and "axis 'tp' of 4" in said[0] and "divides 2" in said[0]
@@ -219,8 +229,8 @@ def test_head_count_that_does_not_divide_is_explained(caplog):
     even = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                         num_attention_heads=4, num_key_value_heads=4, use_cache=False))
     with caplog.at_level("WARNING", logger="autopar"):
-        autopar.plan(even, autopar.Mesh((4,), ("tp",), device="cpu"),
-                     example_kwargs={"input_ids": ids, "labels": ids}, compare=False)
+        autopar.plan(even, autopar.Mesh((4,), ("tp",), device="cpu"), example_kwargs={"input_ids": ids, "labels": ids},
+                     solve=autopar.SolveOptions(compare=False))
     assert not [r for r in caplog.records if "key/value heads" in r.getMessage()]
 
 
@@ -233,8 +243,9 @@ def test_further_moe_families_shard_their_experts(family):
     mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="cpu")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        ep = autopar.plan(model, mesh, example_kwargs=kwargs, compare=False, layout="expert-parallel")
-        ilp = autopar.plan(model, mesh, example_kwargs=kwargs, compare=False)
+        ep = autopar.plan(model, mesh, example_kwargs=kwargs,
+                          solve=autopar.SolveOptions(compare=False, layout="expert-parallel"))
+        ilp = autopar.plan(model, mesh, example_kwargs=kwargs, solve=autopar.SolveOptions(compare=False))
     assert not [str(w.message) for w in caught if "no sharding rule" in str(w.message)]
     assert ep.fallback_ops == () and ilp.fallback_ops == ()
     kinds = {n.strategy for n in ep.nodes if n.op == "autopar.experts"}
@@ -249,9 +260,9 @@ def test_further_moe_families_train_like_one_device(pool4, family):
     expert-parallel layout and the solver's plan on (2, 2)."""
     model, kwargs = build(family)
     mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="cpu")
-    plans = {"expert-parallel": autopar.plan(model, mesh, example_kwargs=kwargs, compare=False,
-                                             layout="expert-parallel"),
-             "ilp": autopar.plan(model, mesh, example_kwargs=kwargs, compare=False)}
+    plans = {"expert-parallel": autopar.plan(model, mesh, example_kwargs=kwargs,
+                                             solve=autopar.SolveOptions(compare=False, layout="expert-parallel")),
+             "ilp": autopar.plan(model, mesh, example_kwargs=kwargs, solve=autopar.SolveOptions(compare=False))}
     _train_and_compare_all(pool4, family, plans)
 
 
@@ -260,10 +271,10 @@ def test_llama4_router_and_dense_experts_train_like_one_device(pool4):
     experts as batched matmuls over them: nothing runs replicated, and 3 AdamW steps on 4
     ranks equal one device under the solver's plan on (2, 2) and Megatron's layout on (4,)."""
     model, kwargs = build("llama4")
-    plans = {"ilp (2, 2)": autopar.plan(model, autopar.Mesh((2, 2), ("dp", "tp"), device="cpu"),
-                                        example_kwargs=kwargs, compare=False),
-             "megatron-tp (4,)": autopar.plan(model, autopar.Mesh((4,), ("tp",), device="cpu"),
-                                              example_kwargs=kwargs, compare=False, layout="megatron-tp")}
+    plans = {"ilp (2, 2)": autopar.plan(model, autopar.Mesh((2, 2), ("dp", "tp"), device="cpu"), example_kwargs=kwargs,
+                                        solve=autopar.SolveOptions(compare=False)),
+             "megatron-tp (4,)": autopar.plan(model, autopar.Mesh((4,), ("tp",), device="cpu"), example_kwargs=kwargs,
+                                              solve=autopar.SolveOptions(compare=False, layout="megatron-tp"))}
     assert all(plan.fallback_ops == () for plan in plans.values())
     assert any(n.op == "aten.repeat" for n in plans["ilp (2, 2)"].nodes)
     _train_and_compare_all(pool4, "llama4", plans)
@@ -277,11 +288,13 @@ def test_mamba_plans_per_distinct_block_and_trains_like_one_device(pool4):
     mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="cpu")
     # (a short ILP limit: any valid plan checks these; proving the optimum took 7-23 s a solve)
     deep, kwargs = build("mamba", layers=12)
-    deep_plan = autopar.plan(deep, mesh, example_kwargs=kwargs, compare=False, time_limit=2.0)
+    deep_plan = autopar.plan(deep, mesh, example_kwargs=kwargs,
+                             solve=autopar.SolveOptions(compare=False, time_limit=2.0))
     model, kwargs = build("mamba")
-    plans = {"ilp (2, 2)": autopar.plan(model, mesh, example_kwargs=kwargs, compare=False, time_limit=2.0),
+    plans = {"ilp (2, 2)": autopar.plan(model, mesh, example_kwargs=kwargs,
+                                        solve=autopar.SolveOptions(compare=False, time_limit=2.0)),
              "ilp (4,)": autopar.plan(model, autopar.Mesh((4,), ("tp",), device="cpu"), example_kwargs=kwargs,
-                                      compare=False, time_limit=2.0),
+                                      solve=autopar.SolveOptions(compare=False, time_limit=2.0)),
              # the first random valid plan that splits every layer's conv1d channels: which seed
              # draws it depends on the graph's node order, which a transformers release may change
              "random (2, 2)": _first_channel_split(model, mesh, kwargs)}
@@ -295,7 +308,8 @@ def _first_channel_split(model, mesh, kwargs, seeds=range(32)):
     """The first of `seeds`' random plans in which every aten.conv1d splits its channels
     (the letter "c" on some axis); the menu offers that split on both axes, so 32 draws of
     two layers find one with a chance above 1 - 1e-6 (each draw's split is at least 1/4)."""
-    for plan in autopar.random_plans(model, mesh, example_kwargs=kwargs, compare=False, seeds=seeds):
+    for plan in autopar.random_plans(model, mesh, example_kwargs=kwargs, solve=autopar.SolveOptions(compare=False),
+                                     seeds=seeds):
         convs = [n.strategy for n in plan.nodes if n.op == "aten.conv1d"]
         if convs and all(re.search(r"=c\b", s) for s in convs):
             return plan
@@ -328,8 +342,9 @@ def test_phimoe_router_noise_is_planned_and_trains(pool4, seed):
     mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="cpu")
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
-        plan = (autopar.plan(model, mesh, example_kwargs=kwargs, compare=False) if seed is None else
-                autopar.random_plans(model, mesh, example_kwargs=kwargs, seed=seed)[0])
+        plan = (autopar.plan(model, mesh, example_kwargs=kwargs,
+                             solve=autopar.SolveOptions(compare=False)) if seed is None else
+                autopar.random_plans(model, mesh, example_kwargs=kwargs, seeds=(seed,))[0])
     assert plan.fallback_ops == ()
     result = pool4.run(first_step_losses, spec, plan.to_dict())[0]
     for got, want in zip(result["compiled"], result["plain"]):

@@ -75,8 +75,8 @@ def test_inductor_with_recomputation(pool4, spec, layout, recompute):
     model, args, kwargs = build_case(spec)
     mesh = autopar.Mesh((4,), ("dp",), device="cpu") if layout == "zero3" else \
         autopar.Mesh((2, 2), ("dp", "tp"), device="cpu")
-    plan = autopar.plan(model, mesh, args, example_kwargs=kwargs or None, compare=False, layout=layout,
-                        recompute=recompute)
+    plan = autopar.plan(model, mesh, args, example_kwargs=kwargs or None,
+                        solve=autopar.SolveOptions(compare=False, layout=layout), recompute=recompute)
     assert plan.recompute is not None and plan.recompute.layers
     result = pool4.run(train_and_compare, spec, plan.to_dict(), 3, None, "adamw", "inductor")[0]
     assert result["ok"] and result["failed"] == 0, result
@@ -226,7 +226,8 @@ def test_plans_for_inductor_price_the_fused_optimizer_step():
     assert prices.optimizer_seconds(1e9, 4, False, mesh, fused=True) == pytest.approx(
         prices.optimizer_seconds(1e9, 4, False, mesh) * prices.FUSED_ADAMW_ACCESSES / prices.ADAMW_ACCESSES)
     model, example = build("gpt-tiny", device="meta", batch=8, seq=64)
-    plans = {b: autopar.plan(model, mesh, example, compare=False, layout="zero2", backend=b)
+    plans = {b: autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False, layout="zero2"),
+                             pricing=autopar.Pricing(backend=b))
              for b in ("eager", "inductor")}
     assert plans["eager"].predicted.step_memory > 0 and plans["inductor"].predicted.step_memory == 0
     calibrated = autopar.Mesh((8,), ("dp",), device=autopar.mesh.DeviceSpec.from_dict(
@@ -238,9 +239,10 @@ def test_plans_for_inductor_price_the_fused_optimizer_step():
 def test_an_unknown_backend_is_refused():
     with pytest.raises(ValueError, match=r"backend='tvm': choose 'eager'.*or 'inductor'"):
         check_backend("tvm")
-    model = torch.nn.Linear(4, 4)
-    with pytest.raises(ValueError, match=r"compile\(backend='tvm'\): choose 'auto'.*'eager'.*'inductor'"):
-        autopar.compile(model, autopar.Mesh((1,), ("dp",), device="cpu"), (torch.randn(2, 4),), backend="tvm")
+    with pytest.raises(ValueError, match=r"RunOptions\(backend='tvm'\): choose 'auto'.*'eager'.*'inductor'"):
+        autopar.RunOptions(backend="tvm")
+    with pytest.raises(ValueError, match=r"Pricing\(backend='tvm'\): choose 'eager'.*'inductor'"):
+        autopar.Pricing(backend="tvm")
 
 
 def test_auto_takes_inductor_on_gpus_and_eager_on_cpu_ranks_and_split_backward_schedules(pool2):
@@ -252,10 +254,10 @@ def test_auto_takes_inductor_on_gpus_and_eager_on_cpu_ranks_and_split_backward_s
     spec = ("autopar", "gpt-tiny", (("n_layers", 4),))
     model, args, _ = build_case(spec)
     mesh = autopar.Mesh((2,), ("pp",), device="cpu")
-    plain = autopar.plan(model, mesh, args, compare=False)
-    split = autopar.plan(model, mesh, args, compare=False,
+    plain = autopar.plan(model, mesh, args, solve=autopar.SolveOptions(compare=False))
+    split = autopar.plan(model, mesh, args, solve=autopar.SolveOptions(compare=False),
                          pipeline=autopar.Pipeline(axis="pp", groups=2, schedule="zero-bubble", microbatches=2))
-    one_f_one_b = autopar.plan(model, mesh, args, compare=False,
+    one_f_one_b = autopar.plan(model, mesh, args, solve=autopar.SolveOptions(compare=False),
                                pipeline=autopar.Pipeline(axis="pp", groups=2, schedule="1f1b", microbatches=2))
     assert [auto_backend(p, cuda=True) for p in (None, plain, one_f_one_b, split)] == \
         ["inductor", "inductor", "inductor", "eager"]
@@ -282,7 +284,8 @@ def test_inductor_runs_pipeline_stages(pool4, schedule):
     spec = ("autopar", "gpt-tiny", (("n_layers", 4),))
     model, args, _ = build_case(spec)
     virtual = 2 if schedule == "interleaved-1f1b" else None
-    plan = autopar.plan(model, autopar.Mesh((2, 2), ("pp", "dp"), device="cpu"), args, compare=False,
+    plan = autopar.plan(model, autopar.Mesh((2, 2), ("pp", "dp"), device="cpu"), args,
+                        solve=autopar.SolveOptions(compare=False),
                         pipeline=autopar.Pipeline(axis="pp", groups=2, schedule=schedule, virtual=virtual,
                                                   microbatches=2))
     result = pool4.run(train_and_compare, spec, plan.to_dict(), 3, None, "adamw", "inductor")[0]
@@ -314,7 +317,7 @@ def test_inductor_runs_split_backward_schedules(pool4, spec, schedule, intra):
     inside = "tp" if intra == "megatron-tp" else "dp"
     microbatches = 4 if schedule == "dualpipev" else 2
     plan = autopar.plan(model, autopar.Mesh((2, 2), ("pp", inside), device="cpu"), args, example_kwargs=kwargs or None,
-                        compare=False, layout=intra,
+                        solve=autopar.SolveOptions(compare=False, layout=intra),
                         pipeline=autopar.Pipeline(axis="pp", groups=2, schedule=schedule, microbatches=microbatches))
     assert plan.pipeline.schedule == schedule
     for result in pool4.run(train_and_compare, spec, plan.to_dict(), 3, None, "adamw", "inductor"):
@@ -333,7 +336,8 @@ def test_plans_priced_for_inductor_fuse_memory_bound_chains():
     model, example = build("gpt-tiny", device="meta", hidden=1024, n_heads=16, n_layers=4, batch=8, seq=1024,
                            max_seq=1024)
     mesh = autopar.Mesh((8,), ("dp",), device="h100")
-    plans = {b: autopar.plan(model, mesh, example, compare=False, backend=b, mixed_precision="bf16", layout="zero2")
+    plans = {b: autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False, layout="zero2"),
+                             pricing=autopar.Pricing(backend=b), mixed_precision="bf16")
              for b in ("eager", "inductor")}
     eager, fused = plans["eager"], plans["inductor"]
 
@@ -348,7 +352,8 @@ def test_plans_priced_for_inductor_fuse_memory_bound_chains():
     assert autopar.Plan.from_dict(fused.to_dict()).backend == "inductor"
     assert "priced for backend inductor" in str(fused) and "priced for backend" not in str(eager)
     with pytest.raises(ValueError, match="backend='xla'"):
-        autopar.plan(model, mesh, example, compare=False, backend="xla")
+        autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False),
+                     pricing=autopar.Pricing(backend="xla"))
 
 
 # --- what the plan chose survives compilation -------------------------------------------------
@@ -356,7 +361,8 @@ def test_plans_priced_for_inductor_fuse_memory_bound_chains():
 def _gpt_plan(layout, mesh=((2, 2), ("dp", "tp")), **kw):
     from rt_cases import build_case
     model, args, _ = build_case(GPT)
-    return autopar.plan(model, autopar.Mesh(*mesh, device="cpu"), args, compare=False, layout=layout, **kw).to_dict()
+    return autopar.plan(model, autopar.Mesh(*mesh, device="cpu"), args,
+                        solve=autopar.SolveOptions(compare=False, layout=layout), **kw).to_dict()
 
 
 def test_inductor_mixed_precision_equals_one_device(pool4):
@@ -377,8 +383,8 @@ def test_inductor_frozen_parameters_and_clipping(pool4):
 def test_inductor_accumulation_under_no_sync(pool4):
     from rt_cases import accumulate_vs_whole_batch, build_case, under_backend
     model, example, _ = build_case(("autopar", "gpt-tiny", (("batch", 16),)))
-    plan = autopar.plan(model, autopar.Mesh((4,), ("dp",), device="cpu"), example, compare=False,
-                        layout="data-parallel")
+    plan = autopar.plan(model, autopar.Mesh((4,), ("dp",), device="cpu"), example,
+                        solve=autopar.SolveOptions(compare=False, layout="data-parallel"))
     result = pool4.run(under_backend, "inductor", accumulate_vs_whole_batch, plan.to_dict())[0]
     assert result["bucketed"] > 0 and result["worst"] <= 0, result
 
@@ -413,8 +419,9 @@ def test_inductor_plan_keeps_what_the_partitioner_keeps(pool4, spec):
     from rt_cases import build_case, under_backend
     model, args, kwargs = build_case(spec)
     mesh = autopar.Mesh((4,), ("dp",), device="cpu")
-    plans = {b: autopar.plan(model, mesh, args, example_kwargs=kwargs or None, compare=False, layout="data-parallel",
-                             backend=b) for b in ("eager", "inductor")}
+    plans = {b: autopar.plan(model, mesh, args, example_kwargs=kwargs or None,
+                             solve=autopar.SolveOptions(compare=False, layout="data-parallel"),
+                             pricing=autopar.Pricing(backend=b)) for b in ("eager", "inductor")}
     eager = pool4.run(saved_bytes, spec, plans["eager"].to_dict())
     fused = pool4.run(under_backend, "inductor", saved_bytes, spec, plans["inductor"].to_dict())
     assert all(r["measured"] == r["predicted"] for r in eager), eager
@@ -434,7 +441,8 @@ def test_inductor_compiles_a_selective_layer_whole(pool4):
     from rt_cases import build_case, under_backend
     model, args, _ = build_case(GPT)
     mesh = autopar.Mesh((4,), ("dp",), device="cpu")
-    plan = autopar.plan(model, mesh, args, compare=False, layout="data-parallel", recompute="selective")
+    plan = autopar.plan(model, mesh, args, solve=autopar.SolveOptions(compare=False, layout="data-parallel"),
+                        recompute="selective")
     layers = len(plan.recompute.layers)
     result = pool4.run(train_and_compare, GPT, plan.to_dict(), 3, None, "adamw", "inductor")[0]
     assert result["ok"] and result["failed"] == 0, result
@@ -443,8 +451,8 @@ def test_inductor_compiles_a_selective_layer_whole(pool4):
     fused = pool4.run(under_backend, "inductor", saved_bytes, GPT, plan.to_dict())
     unread = layers * (args[0].numel() // 4) * model.blocks[0].mlp.fc2.out_features * 4   # float32
     assert [r["measured"] for r in fused] == [r["measured"] - unread for r in eager], (fused, eager, unread)
-    priced = autopar.plan(model, mesh, args, compare=False, layout="data-parallel", recompute="selective",
-                          backend="inductor")
+    priced = autopar.plan(model, mesh, args, solve=autopar.SolveOptions(compare=False, layout="data-parallel"),
+                          pricing=autopar.Pricing(backend="inductor"), recompute="selective")
     assert priced.predicted.memory["activations"] == plan.predicted.memory["activations"] - unread
     assert [r["measured"] for r in fused] == [priced.predicted.memory["activations"]] * 4, fused
 
@@ -471,8 +479,8 @@ def test_inductor_batch_norm_trains_and_keeps_its_statistics(pool4, layout):
     from rt_cases import under_backend
     from sem_cases import batch_norm_train_eval, bn_case
     model, x = bn_case()
-    plan = autopar.plan(model, autopar.Mesh((2, 2), ("dp", "tp"), device="cpu"), (x,), compare=False,
-                        layout=layout).to_dict()
+    plan = autopar.plan(model, autopar.Mesh((2, 2), ("dp", "tp"), device="cpu"), (x,),
+                        solve=autopar.SolveOptions(compare=False, layout=layout)).to_dict()
     # (SGD: a bias before batch norm has no gradient in exact arithmetic, only rounding, which
     # Adam's normalised step turns into full steps that differ wherever the kernels are fused)
     result = pool4.run(train_and_compare, ("bn",), plan, 3, None, "sgd", "inductor")[0]

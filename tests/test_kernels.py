@@ -65,9 +65,9 @@ def test_a_gemm_with_rows_off_16_bytes_runs_on_the_slow_kernel():
     # the plan of GPT-2 on one H100 pays for it: about 15 ms of its step
     model, ex = build("gpt2-124m", device="meta", n_layers=1, batch=8, seq=1024)
     mesh = autopar.Mesh((1,), ("dp",), device="h100")
-    odd_step = autopar.plan(model, mesh, ex, compare=False, mixed_precision=BF16).step_s
+    odd_step = autopar.plan(model, mesh, ex, solve=autopar.SolveOptions(compare=False), mixed_precision=BF16).step_s
     model, ex = build("gpt2-124m", device="meta", n_layers=1, batch=8, seq=1024, vocab=50304)
-    padded_step = autopar.plan(model, mesh, ex, compare=False, mixed_precision=BF16).step_s
+    padded_step = autopar.plan(model, mesh, ex, solve=autopar.SolveOptions(compare=False), mixed_precision=BF16).step_s
     assert odd_step - padded_step == pytest.approx(15.4e-3 - 3 * flops / 742e12, rel=0.25)
 
 
@@ -156,7 +156,7 @@ def test_kernel_shapes_read_from_local_operands():
     assert placements.local_shape_ceil((10,), (Shard(0), Shard(0)), (2, 2)) == (3,)
     m, ex = build("gpt2-124m", device="meta", batch=8, seq=512, hidden=256, n_layers=1, n_heads=4, vocab=512,
                   max_seq=512)
-    plan = autopar.plan(m, H100, ex, layout="data-parallel", compare=False)
+    plan = autopar.plan(m, H100, ex, solve=autopar.SolveOptions(layout="data-parallel", compare=False))
     linear = [n for n in plan.nodes if n.op == "aten.linear"]
     attention = [n for n in plan.nodes if n.op == "aten.scaled_dot_product_attention"]
     assert linear and attention
@@ -177,8 +177,9 @@ def test_small_models_are_priced_slower_per_flop_than_large_ones():
     def mfu(hidden, layers, heads):
         m, ex = build("gpt2-124m", device="meta", batch=8, seq=2048, hidden=hidden, n_layers=layers,
                       n_heads=heads, vocab=50368, max_seq=2048, bias=False)
-        plan = autopar.plan(m, autopar.Mesh((1,), ("dp",), device="a100"), ex, layout="data-parallel",
-                            compare=False, mixed_precision=autopar.MixedPrecision())
+        plan = autopar.plan(m, autopar.Mesh((1,), ("dp",), device="a100"), ex,
+                            solve=autopar.SolveOptions(layout="data-parallel", compare=False),
+                            mixed_precision=autopar.MixedPrecision())
         n = sum(p.numel() for p in m.parameters())
         return 6 * n * ex[0].numel() / plan.predicted.step_s / A100.device.peak_flops(BF16)
     small, large = mfu(768, 12, 6), mfu(4096, 4, 32)

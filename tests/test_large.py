@@ -1,4 +1,5 @@
 """Large models are planned on meta tensors: no weights are ever allocated."""
+import autopar
 import json
 import subprocess
 import sys
@@ -8,7 +9,8 @@ import json, resource, torch, autopar
 from autopar.models import build
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 model, example = build("llama3-70b", device="meta")
-plan = autopar.plan(model, autopar.Mesh((16, 8), ("dp", "tp"), device="h100"), example, compare=False)
+plan = autopar.plan(model, autopar.Mesh((16, 8), ("dp", "tp"), device="h100"), example,
+                    solve=autopar.SolveOptions(compare=False))
 after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 print(json.dumps({
     "grew_kib": after - before, "peak_kib": after,
@@ -38,6 +40,6 @@ def test_a_mesh_of_1024_devices_plans_in_one_process():
     from autopar.models import build
     model, example = build("gpt2-124m", device="meta", batch=64)
     mesh = autopar.Mesh((128, 8), ("dp", "tp"), device="h100")
-    plan = autopar.plan(model, mesh, example, compare=False)
+    plan = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False))
     assert mesh.size == 1024 and plan.solver.optimal
     assert plan.predicted.memory_total < mesh.device.memory

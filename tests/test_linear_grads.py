@@ -86,8 +86,8 @@ CASES = [c + (None,) for c in CASES] + RECOMPUTED
 def test_folded_tensor_parallel_trains_like_one_device(pool4, spec, shape, names, layout, rows, recompute):
     model, args, kwargs = build_case(spec)
     mesh = autopar.Mesh(shape, names, device="cpu")
-    plan = autopar.plan(model, mesh, args, example_kwargs=kwargs or None, compare=False, layout=layout,
-                        recompute=recompute)
+    plan = autopar.plan(model, mesh, args, example_kwargs=kwargs or None,
+                        solve=autopar.SolveOptions(compare=False, layout=layout), recompute=recompute)
     assert bool(plan.recompute and plan.recompute.layers) == bool(recompute)
     result = pool4.run(train_and_compare, spec, plan.to_dict())
     for r in result:
@@ -110,11 +110,13 @@ def test_the_plan_hides_what_the_gemms_outlast(monkeypatch):
     from autopar.cost.prices import GEMM_CHUNKS
     model, example = build("mlp", device="meta", hidden=4096, batch=1024)
     mesh = autopar.Mesh((4,), ("tp",), device="h100")
-    priced = autopar.plan(model, mesh, example, layout="megatron-tp", compare=False).predicted.linear_hidden_s["tp"]
+    priced = autopar.plan(model, mesh, example,
+                          solve=autopar.SolveOptions(layout="megatron-tp",
+                                                     compare=False)).predicted.linear_hidden_s["tp"]
     monkeypatch.setattr(prices, "gemm_pieces_extra", lambda *args: 0.0)
     for device in ("h100", "cpu"):
-        plan = autopar.plan(model, autopar.Mesh((4,), ("tp",), device=device), example, layout="megatron-tp",
-                            compare=False)
+        plan = autopar.plan(model, autopar.Mesh((4,), ("tp",), device=device), example,
+                            solve=autopar.SolveOptions(layout="megatron-tp", compare=False))
         pred = plan.predicted
         reductions = [c for c in plan.collectives if c.kind in ("all_reduce", "reduce_scatter")]
         backward = [c for c in reductions if c.phase == "backward"]
@@ -171,7 +173,7 @@ def test_pipeline_stages_take_off_what_their_runtime_folds(device):
         assert fz[s] - f1[s] == pytest.approx(sum(c.folded_forward for c in members), rel=1e-9, abs=1e-15)
         assert bz[s] - b1[s] == pytest.approx(sum(c.folded_backward for c in members), rel=1e-9, abs=1e-15)
     mesh = autopar.Mesh((2, 4), ("pp", "tp"), device=device)
-    steps = {sched: autopar.plan(model, mesh, example, compare=False, layout="megatron-tp",
+    steps = {sched: autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False, layout="megatron-tp"),
                                  mixed_precision=autopar.MixedPrecision(),
                                  pipeline=autopar.Pipeline(axis="pp", groups=2, schedule=sched, microbatches=2))
              .pipeline.stage_s for sched in ("1f1b", "zero-bubble")}
@@ -194,8 +196,8 @@ def test_a_fold_under_recomputation_is_priced_as_the_runtime_folds_it():
     mesh = autopar.Mesh((4,), ("tp",), device="h100")
     hidden, kept = {}, {}
     for mode in ("none", "selective", "alternate", "full"):
-        plan = autopar.plan(model, mesh, example, compare=False, layout="megatron-tp", recompute=mode,
-                            mixed_precision=autopar.MixedPrecision())
+        plan = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False, layout="megatron-tp"),
+                            recompute=mode, mixed_precision=autopar.MixedPrecision())
         hidden[mode] = sum(plan.predicted.linear_hidden_s.values())
         kept[mode] = plan.recompute.kept if plan.recompute is not None else ()
     assert sum(name.startswith("linear") for name in kept["selective"]) == 4 * 7, kept["selective"]
@@ -212,9 +214,9 @@ def test_tp_overlap_false_runs_and_prices_the_collectives_whole(pool4):
     from autopar.plan.plan import Plan
     model, example = build("llama3-8b", device="meta", batch=2, seq=2048, n_layers=2)
     mesh = autopar.Mesh((4,), ("tp",), device="h100")
-    kw = dict(compare=False, layout="megatron-tp", mixed_precision=autopar.MixedPrecision())
+    kw = dict(solve=autopar.SolveOptions(compare=False, layout="megatron-tp"), mixed_precision=autopar.MixedPrecision())
     folded = autopar.plan(model, mesh, example, **kw)
-    whole = autopar.plan(model, mesh, example, tp_overlap=False, **kw)
+    whole = autopar.plan(model, mesh, example, pricing=autopar.Pricing(tp_overlap=False), **kw)
     assert folded.tp_overlap and not whole.tp_overlap and whole.predicted.linear_hidden_s == {}
     hidden = sum(folded.predicted.linear_hidden_s.values())
     assert hidden > 0
@@ -222,11 +224,12 @@ def test_tp_overlap_false_runs_and_prices_the_collectives_whole(pool4):
     assert "run whole, not beside their GEMMs (tp_overlap=False)" in str(whole)
     assert not Plan.from_dict(whole.to_dict()).tp_overlap
     with pytest.raises(ValueError, match="tp_overlap='no'"):
-        autopar.plan(model, mesh, example, tp_overlap="no", **kw)
+        autopar.plan(model, mesh, example, pricing=autopar.Pricing(tp_overlap="no"), **kw)
     spec = ("autopar", "llama-tiny", ())
     model, args, kwargs = build_case(spec)
-    plan = autopar.plan(model, autopar.Mesh((2, 2), ("dp", "tp"), device="cpu"), args, compare=False,
-                        layout="megatron-tp x dp", tp_overlap=False)
+    plan = autopar.plan(model, autopar.Mesh((2, 2), ("dp", "tp"), device="cpu"), args,
+                        solve=autopar.SolveOptions(compare=False, layout="megatron-tp x dp"),
+                        pricing=autopar.Pricing(tp_overlap=False))
     for r in pool4.run(train_and_compare, spec, plan.to_dict()):
         assert r["ok"] and r["folded_linears"] == (0, 0), r
 

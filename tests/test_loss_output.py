@@ -61,7 +61,7 @@ def tokens(*shape):
 def test_a_model_that_returns_logits_is_told_the_fix_when_planned(model, inputs, shown, caplog):
     # (planned it is: a compiled model may be called for its outputs; train_step refuses it)
     with caplog.at_level(logging.WARNING, logger="autopar"):
-        plan = autopar.plan(model, MESH, inputs, compare=False)
+        plan = autopar.plan(model, MESH, inputs, solve=autopar.SolveOptions(compare=False))
     said = [r.getMessage() for r in caplog.records if "train_step will refuse" in r.getMessage()]
     assert len(said) == 1 and plan.step_s > 0
     assert f"{type(model).__name__} returned {shown}" in said[0]
@@ -79,7 +79,7 @@ def test_train_step_refuses_logits_with_the_fix(pool2):
 @pytest.mark.parametrize("model", [LossThenLogits(), Entries(), WithLoss(Logits())])
 def test_a_loss_first_a_loss_entry_or_the_wrapper_plans(model, caplog):
     with caplog.at_level(logging.WARNING, logger="autopar"):
-        plan = autopar.plan(model, MESH, (tokens(4, 8), tokens(4, 8)), compare=False)
+        plan = autopar.plan(model, MESH, (tokens(4, 8), tokens(4, 8)), solve=autopar.SolveOptions(compare=False))
     assert plan.step_s > 0 and plan.param_placements
     assert not [r for r in caplog.records if "train_step will refuse" in r.getMessage()]
 
@@ -112,7 +112,8 @@ class Manual(nn.Module):
 @pytest.mark.parametrize("layout", ["ulysses", "context-parallel"])
 def test_a_sequence_layout_without_fused_attention_warns(layout, caplog):
     with caplog.at_level(logging.WARNING, logger="autopar"):
-        plan = autopar.plan(Manual(), MESH, (tokens(4, 8), tokens(4, 8)), layout=layout, compare=False)
+        plan = autopar.plan(Manual(), MESH, (tokens(4, 8), tokens(4, 8)),
+                            solve=autopar.SolveOptions(layout=layout, compare=False))
     said = [r.getMessage() for r in caplog.records if "has no fused attention op" in r.getMessage()]
     assert len(said) == 1 and f"layout {layout!r}" in said[0] and "trains as data parallelism" in said[0]
     assert plan.step_s > 0

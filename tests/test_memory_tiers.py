@@ -38,7 +38,8 @@ def _plan(spec, shape, names, budget, host_memory, mixed=False, time_limit=60.0,
     model, args, kwargs = build_case(spec)
     mesh = autopar.Mesh(shape, names, device=_device(host_memory, **dict(extra.get("device", ()))))
     return autopar.plan(model, mesh, args, example_kwargs=kwargs or None, memory_budget=budget, recompute="none",
-                        compare=False, mixed_precision=MIXED if mixed else None, time_limit=time_limit).to_dict()
+                        solve=autopar.SolveOptions(compare=False, time_limit=time_limit),
+                        mixed_precision=MIXED if mixed else None).to_dict()
 
 
 def _states(spec) -> float:
@@ -125,7 +126,8 @@ def test_a_disk_too_small_is_named_with_the_bytes_it_lacks():
     model, args, _ = build_case(GPT)
     mesh = autopar.Mesh((2,), ("dp",), device=_device(0.1 * 2**20, disk_memory=0.1 * 2**20))
     with pytest.raises(TierCapacityError, match=r"in disk memory \(offloaded model states\), more than the 0\.00 GiB.*disk_memory"):
-        autopar.plan(model, mesh, args, memory_budget=1.1 * 2**20, recompute="none", compare=False)
+        autopar.plan(model, mesh, args, memory_budget=1.1 * 2**20, recompute="none",
+                     solve=autopar.SolveOptions(compare=False))
 
 
 def test_the_offload_directory_is_checked_before_anything_is_written(tmp_path):
@@ -223,8 +225,8 @@ def test_offloaded_layers_keep_their_activations_in_host_memory(pool2):
     host the rest, and training equals one device."""
     model, args, _ = build_case(GPT)
     mesh = autopar.Mesh((2,), ("dp",), device="cpu")
-    kept = autopar.plan(model, mesh, args, recompute="none", compare=False)
-    off = autopar.plan(model, mesh, args, recompute="offload", compare=False)
+    kept = autopar.plan(model, mesh, args, recompute="none", solve=autopar.SolveOptions(compare=False))
+    off = autopar.plan(model, mesh, args, recompute="offload", solve=autopar.SolveOptions(compare=False))
     assert set(off.recompute.layers.values()) == {"offload"}
     host = off.predicted.tiers["host"]
     assert off.predicted.memory["activations"] + host == pytest.approx(kept.predicted.memory["activations"])
@@ -337,8 +339,8 @@ def test_weights_read_as_stored_are_fetched_for_each_use(pool2):
     device, clipped gradients included."""
     from rt_cases import zero3_regather_counts
     model, args, _ = build_case(GPT)
-    plan = autopar.plan(model, autopar.Mesh((2,), ("tp",), device="cpu"), args, compare=False,
-                        layout="megatron-tp").to_dict()
+    plan = autopar.plan(model, autopar.Mesh((2,), ("tp",), device="cpu"), args,
+                        solve=autopar.SolveOptions(compare=False, layout="megatron-tp")).to_dict()
     plan = _all_weights_in_host_memory(plan, model)
     result = pool2.run(train_and_compare, GPT, plan, 3, 1.0)[0]
     assert result["ok"], result
@@ -366,7 +368,7 @@ def test_offloaded_weights_in_pipeline_stages_train_like_one_device(pool4, kind)
     Hugging Face family: rotary tables and the causal mask built per stage)."""
     model, args, kwargs = build_case((kind,))
     plan = autopar.plan(model, autopar.Mesh((2, 2), ("pp", "dp"), device="cpu"), args, example_kwargs=kwargs,
-                        compare=False, layout="zero3",
+                        solve=autopar.SolveOptions(compare=False, layout="zero3"),
                         pipeline=autopar.Pipeline(axis="pp", groups=2, schedule="1f1b", microbatches=2)).to_dict()
     plan = _all_weights_in_host_memory(plan, model)
     result = pool4.run(train_and_compare, (kind,), plan)[0]
@@ -388,9 +390,11 @@ def test_the_budget_left_takes_back_a_fraction_of_identical_parameters(monkeypat
     model, args, _ = build_case(DEEP)
     budget = _states(DEEP) / 3.0   # (at / 2.8 the ILP's own choice already fills the budget)
     mesh = autopar.Mesh((2,), ("dp",), device=_device(2**30))
-    filled = autopar.plan(model, mesh, args, memory_budget=budget, recompute="none", compare=False)
+    filled = autopar.plan(model, mesh, args, memory_budget=budget, recompute="none",
+                          solve=autopar.SolveOptions(compare=False))
     monkeypatch.setattr(planner, "fill_device", lambda problem, best, rule, budget: best)
-    whole = autopar.plan(model, mesh, args, memory_budget=budget, recompute="none", compare=False)
+    whole = autopar.plan(model, mesh, args, memory_budget=budget, recompute="none",
+                         solve=autopar.SolveOptions(compare=False))
     assert filled.predicted.memory_total <= budget and whole.predicted.memory_total <= budget
     assert _offloaded(filled) < _offloaded(whole), (_offloaded(filled), _offloaded(whole))
     assert filled.predicted.step_s < whole.predicted.step_s
@@ -404,7 +408,7 @@ def test_the_budget_left_takes_back_a_fraction_of_identical_parameters(monkeypat
 def test_a_plan_split_between_tiers_trains_like_one_device(pool2):
     model, args, _ = build_case(WIDE)
     plan = autopar.plan(model, autopar.Mesh((2,), ("dp",), device=_device(2**30)), args,
-                        memory_budget=_states(WIDE) / 5, recompute="none", compare=False)
+                        memory_budget=_states(WIDE) / 5, recompute="none", solve=autopar.SolveOptions(compare=False))
     tiers = {suffix: {getattr(plan.param_states.get(f"blocks.{i}.{suffix}"), "offload", "") for i in range(2)}
              for suffix in ("attn.q.weight", "attn.k.weight", "attn.v.weight", "attn.o.weight", "mlp.fc1.weight")}
     assert any(len(t) > 1 for t in tiers.values()), tiers   # a layer's weight offloaded, the other's kept
@@ -416,7 +420,8 @@ def test_pipeline_stages_offload_their_activations_like_one_device(pool2):
     """recompute="offload" inside two 1F1B stages: each stage's layers copy what they save to
     host memory per microbatch and back for its backward; training equals one device."""
     model, args, _ = build_case(GPT)
-    plan = autopar.plan(model, autopar.Mesh((2,), ("pp",), device="cpu"), args, compare=False, recompute="offload",
+    plan = autopar.plan(model, autopar.Mesh((2,), ("pp",), device="cpu"), args,
+                        solve=autopar.SolveOptions(compare=False), recompute="offload",
                         pipeline=autopar.Pipeline(axis="pp", groups=2, schedule="1f1b", microbatches=2))
     assert set(plan.recompute.layers.values()) == {"offload"}
     assert "activations offloaded to host memory" in plan.pipeline.summary
@@ -431,8 +436,8 @@ def test_a_tied_weight_offloaded_under_zero3_trains_like_one_device(pool2):
     device clips them)."""
     model, args, _ = build_case(GPT)
     assert model.lm_head.weight is model.wte.weight
-    plan = autopar.plan(model, autopar.Mesh((2,), ("dp",), device="cpu"), args, compare=False,
-                        layout="zero3").to_dict()
+    plan = autopar.plan(model, autopar.Mesh((2,), ("dp",), device="cpu"), args,
+                        solve=autopar.SolveOptions(compare=False, layout="zero3")).to_dict()
     plan = _all_weights_in_host_memory(plan, model)
     result = pool2.run(train_and_compare, GPT, plan, 3, 0.05)[0]
     assert result["ok"], result

@@ -96,7 +96,8 @@ def test_memory_of_model_states_is_16_bytes_per_parameter_in_data_parallel():
     """float32 weights (4) + gradients (4) + Adam's two float32 states (8), all replicated."""
     from autopar.models import build
     model, example = build("mlp", hidden=256, batch=4096, device="meta")
-    plan = autopar.plan(model, autopar.Mesh(4, "dp"), example, compare=False, layout="data-parallel")
+    plan = autopar.plan(model, autopar.Mesh(4, "dp"), example,
+                        solve=autopar.SolveOptions(compare=False, layout="data-parallel"))
     n = sum(p.numel() for p in model.parameters())
     assert plan.predicted.memory["params"] == 4 * n
     assert plan.predicted.memory["grads"] == 4 * n

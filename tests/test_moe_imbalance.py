@@ -31,9 +31,11 @@ def _experts_seconds(plan) -> float:
 def test_stated_imbalance_prices_the_busiest_rank():
     model, kwargs = build("mixtral")
     mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="h100")
-    plans = {r: autopar.plan(model, mesh, example_kwargs=kwargs, compare=False, layout="expert-parallel",
-                             moe_imbalance=r) for r in (1.0, 2.0)}
-    default = autopar.plan(model, mesh, example_kwargs=kwargs, compare=False, layout="expert-parallel")
+    plans = {r: autopar.plan(model, mesh, example_kwargs=kwargs,
+                             solve=autopar.SolveOptions(compare=False, layout="expert-parallel"),
+                             pricing=autopar.Pricing(moe_imbalance=r)) for r in (1.0, 2.0)}
+    default = autopar.plan(model, mesh, example_kwargs=kwargs,
+                           solve=autopar.SolveOptions(compare=False, layout="expert-parallel"))
     assert _experts_seconds(plans[2.0]) == pytest.approx(2 * _experts_seconds(plans[1.0]), rel=1e-6)
     # 4 x 16 tokens x 2 slots over 2 expert ranks, randomly routed
     expected = routing_imbalance(4 * 16 * 2, 2)
@@ -42,7 +44,9 @@ def test_stated_imbalance_prices_the_busiest_rank():
     assert "2.000x the mean rows (moe_imbalance=2)" in str(plans[2.0])
     assert f"{expected:.3f}x the mean rows (uniformly random routing" in str(default)
     # the tokens-only layout does not split experts: imbalance changes nothing there
-    dp = [autopar.plan(model, mesh, example_kwargs=kwargs, compare=False, layout="data-parallel", moe_imbalance=r)
+    dp = [autopar.plan(model, mesh, example_kwargs=kwargs,
+                       solve=autopar.SolveOptions(compare=False, layout="data-parallel"),
+                       pricing=autopar.Pricing(moe_imbalance=r))
           for r in (1.0, 3.0)]
     assert dp[0].predicted.step_s == pytest.approx(dp[1].predicted.step_s)
 
@@ -51,8 +55,8 @@ def test_stated_imbalance_prices_the_busiest_rank():
 def test_a_bad_imbalance_is_refused(bad):
     model, kwargs = build("mixtral")
     with pytest.raises(ValueError, match="moe_imbalance"):
-        autopar.plan(model, autopar.Mesh((2,), ("tp",), device="cpu"), example_kwargs=kwargs, compare=False,
-                     moe_imbalance=bad)
+        autopar.plan(model, autopar.Mesh((2,), ("tp",), device="cpu"), example_kwargs=kwargs,
+                     solve=autopar.SolveOptions(compare=False), pricing=autopar.Pricing(moe_imbalance=bad))
 
 
 def test_measured_imbalance_is_the_sample_batchs_busiest_rank():
@@ -80,8 +84,9 @@ def test_measured_imbalance_is_the_sample_batchs_busiest_rank():
     assert measured[2] == pytest.approx(worst)
     assert set(measured) == {2, 4} and measured[4] >= measured[2] >= 1.0
     mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="h100")
-    plans = {r: autopar.plan(model, mesh, example_kwargs=kwargs, compare=False, layout="expert-parallel",
-                             moe_imbalance=r) for r in (1.0, "measured")}
+    plans = {r: autopar.plan(model, mesh, example_kwargs=kwargs,
+                             solve=autopar.SolveOptions(compare=False, layout="expert-parallel"),
+                             pricing=autopar.Pricing(moe_imbalance=r)) for r in (1.0, "measured")}
     assert _experts_seconds(plans["measured"]) == pytest.approx(measured[2] * _experts_seconds(plans[1.0]), rel=1e-6)
     assert f"{measured[2]:.3f}x the mean rows (measured on the example batch" in str(plans["measured"])
 
@@ -90,11 +95,11 @@ def test_measuring_needs_real_tensors_and_experts():
     import torch
     model, kwargs = build("llama")
     with pytest.raises(ValueError, match="no experts module"):
-        autopar.plan(model, autopar.Mesh((2,), ("tp",), device="cpu"), example_kwargs=kwargs, compare=False,
-                     moe_imbalance="measured")
+        autopar.plan(model, autopar.Mesh((2,), ("tp",), device="cpu"), example_kwargs=kwargs,
+                     solve=autopar.SolveOptions(compare=False), pricing=autopar.Pricing(moe_imbalance="measured"))
     with torch.device("meta"):
         model, _ = build("mixtral")
     meta = {k: v.to("meta") for k, v in kwargs.items()}
     with pytest.raises(ValueError, match="real tensors"):
-        autopar.plan(model, autopar.Mesh((2,), ("tp",), device="cpu"), example_kwargs=meta, compare=False,
-                     moe_imbalance="measured")
+        autopar.plan(model, autopar.Mesh((2,), ("tp",), device="cpu"), example_kwargs=meta,
+                     solve=autopar.SolveOptions(compare=False), pricing=autopar.Pricing(moe_imbalance="measured"))

@@ -75,7 +75,8 @@ class Weird(nn.Module):
 def test_op_without_rule_runs_replicated_with_one_warning():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        plan = autopar.plan(Weird(), autopar.Mesh(2, "dp", device="cpu"), (torch.randn(8, 16),), compare=False)
+        plan = autopar.plan(Weird(), autopar.Mesh(2, "dp", device="cpu"), (torch.randn(8, 16),),
+                            solve=autopar.SolveOptions(compare=False))
     msgs = [str(w.message) for w in caught if "no sharding rule" in str(w.message)]
     assert len(plan.fallback_ops) >= 1
     assert len(msgs) == len(plan.fallback_ops)  # one warning per op, not per node
@@ -124,7 +125,8 @@ def test_user_graph_module_is_accepted():
             return F.relu(self.b(F.relu(self.a(x)))).pow(2).mean()
 
     gm = torch.fx.symbolic_trace(Small())
-    plan = autopar.plan(gm, autopar.Mesh(4, "dp", device="cpu"), (torch.randn(4096, 64),), compare=False)
+    plan = autopar.plan(gm, autopar.Mesh(4, "dp", device="cpu"), (torch.randn(4096, 64),),
+                        solve=autopar.SolveOptions(compare=False))
     assert set(plan.param_placements) == {"a.weight", "a.bias", "b.weight", "b.bias"}
     assert any(n.op == "aten.linear" for n in plan.nodes)
 
@@ -166,7 +168,8 @@ def test_reference_models_have_a_rule_for_every_op():
     from autopar.models import build
     for name in ("mlp", "gpt-tiny", "llama-tiny", "bert-tiny"):
         model, example = build(name, device="meta")
-        plan = autopar.plan(model, autopar.Mesh((2, 2), ("dp", "tp")), example, compare=False)
+        plan = autopar.plan(model, autopar.Mesh((2, 2), ("dp", "tp")), example,
+                            solve=autopar.SolveOptions(compare=False))
         assert plan.fallback_ops == (), (name, plan.fallback_ops)
 
 

@@ -159,7 +159,7 @@ T = torch.randn(4, 8, generator=torch.Generator().manual_seed(2), dtype=torch.fl
 def megatron():
     """(model, plan): the MLP under Megatron tensor parallelism on tp=2."""
     model = made(MLP)
-    return model, autopar.plan(model, TP, (X,), compare=False, layout="megatron-tp")
+    return model, autopar.plan(model, TP, (X,), solve=autopar.SolveOptions(compare=False, layout="megatron-tp"))
 
 
 def feed(traced, placeholders, values: dict, inputs: dict) -> list:
@@ -280,7 +280,7 @@ def test_data_parallel_leaves_the_gradient_all_reduce_to_the_runtime():
     0) and the Partial loss is left for it to sum (output_reduce); the graph itself runs no
     collective at all."""
     model = made(Loss)
-    plan = autopar.plan(model, DP, (X, T), compare=False, layout="data-parallel")
+    plan = autopar.plan(model, DP, (X, T), solve=autopar.SolveOptions(compare=False, layout="data-parallel"))
     traced = trace(model, (X, T))
     annotate(traced.graph, plan, traced.params, traced.tied)
     inserted = insert_collectives(traced.graph, plan, WorldAxis(), defer=param_names(traced))
@@ -298,7 +298,7 @@ def test_localize_divides_view_sizes_by_the_split_and_keeps_the_values(megatron)
     [4, 16] become [4, 2, 4] and [4, 8] on each rank; the rewritten graph computes the
     model's output on both ranks."""
     model = made(Heads)
-    plan = autopar.plan(model, TP, (X,), compare=False, layout="megatron-tp")
+    plan = autopar.plan(model, TP, (X,), solve=autopar.SolveOptions(compare=False, layout="megatron-tp"))
     traced = trace(model, (X,))
     gm = traced.graph
     annotate(gm, plan, traced.params, traced.tied)
@@ -318,7 +318,7 @@ def test_localize_scales_a_mean_over_split_rows_to_its_share():
     """Data parallel on dp=2: each rank's mean over its 2 rows is scaled by 1/2, so the two
     ranks' losses (Partial) add up to the whole batch's mean, and so do their gradients."""
     model = made(Loss)
-    plan = autopar.plan(model, DP, (X, T), compare=False, layout="data-parallel")
+    plan = autopar.plan(model, DP, (X, T), solve=autopar.SolveOptions(compare=False, layout="data-parallel"))
     traced = trace(model, (X, T))
     gm = traced.graph
     annotate(gm, plan, traced.params, traced.tied)
@@ -450,7 +450,8 @@ def test_pipeline_split_stages_in_sequence_compute_the_whole_graph():
     of the model."""
     model, example = build("gpt-tiny", n_layers=2)
     model = model.double()
-    plan = autopar.plan(model, autopar.Mesh((2,), ("pp",), device="cpu"), example, compare=False,
+    plan = autopar.plan(model, autopar.Mesh((2,), ("pp",), device="cpu"), example,
+                        solve=autopar.SolveOptions(compare=False),
                         pipeline=autopar.Pipeline(axis="pp", groups=2, schedule="gpipe", microbatches=2))
     assert plan.pipeline.stages == ((0, 1), (1, 2)) and plan.mesh.shape == (1,)
     args, _ = first_microbatch((tuple(example), None), 4, 2)
@@ -667,7 +668,7 @@ def test_an_embedding_counting_its_rows_runs_replicated():
     x = torch.randint(0, 16, (4, 8))
     mesh = autopar.Mesh((2,), ("dp",), device="cpu")
     with pytest.warns(UserWarning, match="embedding"):
-        plan = autopar.plan(Counted(), mesh, (x, x), compare=False)
+        plan = autopar.plan(Counted(), mesh, (x, x), solve=autopar.SolveOptions(compare=False))
     assert any("embedding" in op for op in plan.fallback_ops), plan.fallback_ops
     assert plan.param_placements["emb.weight"] == (R,)
 
@@ -732,7 +733,7 @@ def test_a_moved_attention_output_keeps_the_traced_layout_so_its_view_runs():
     model = ViewedAttention()
     x = torch.randn(4, 8, 16, dtype=torch.float64)
     mesh = autopar.Mesh((2,), ("tp",), device="cpu")
-    for plan in autopar.random_plans(model, mesh, (x,), compare=False, seeds=range(40)):
+    for plan in autopar.random_plans(model, mesh, (x,), solve=autopar.SolveOptions(compare=False), seeds=range(40)):
         traced = trace(model, (x,))
         rewritten = rewrite(traced, plan, WorldAxis())
         moved = [n for n in rewritten.graph.graph.nodes if n.op == "call_function" and n.target is move

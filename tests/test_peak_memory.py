@@ -31,8 +31,8 @@ def test_the_peak_is_the_larger_of_its_two_moments():
 ])
 def test_the_optimizer_steps_temporaries_per_stepped_element(device, precision, per_element):
     model, example = build("gpt-tiny", device="meta")
-    plan = autopar.plan(model, autopar.Mesh((1,), ("dp",), device=device), example, compare=False,
-                        mixed_precision=precision)
+    plan = autopar.plan(model, autopar.Mesh((1,), ("dp",), device=device), example,
+                        solve=autopar.SolveOptions(compare=False), mixed_precision=precision)
     elements = sum(p.numel() for p in model.parameters())
     pred = plan.predicted
     assert pred.step_memory == pytest.approx(per_element * elements)
@@ -44,7 +44,8 @@ def test_the_optimizer_steps_temporaries_per_stepped_element(device, precision, 
 def test_zero1_steps_only_the_ranks_chunk():
     model, example = build("gpt-tiny", device="meta")
     mesh = autopar.Mesh((2,), ("dp",), device="h100")
-    plan = autopar.plan(model, mesh, example, compare=False, mixed_precision=torch.bfloat16, layout="zero1")
+    plan = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False, layout="zero1"),
+                        mixed_precision=torch.bfloat16)
     elements = sum(p.numel() for p in model.parameters())
     assert plan.predicted.step_memory == pytest.approx(8.0 * elements / 2, rel=0.01)
 
@@ -55,8 +56,8 @@ def test_predicted_peaks_match_the_h100s_measured_ones(recompute):
     run = runs[recompute]
     model, example = build("llama3-8b", device="meta", dim=4096, n_layers=run["layers"], n_heads=32, n_kv_heads=8,
                            multiple_of=1024, batch=1, seq=run["seq"])
-    plan = autopar.plan(model, autopar.Mesh((1,), ("dp",), device="h100"), example, compare=False,
-                        mixed_precision=torch.bfloat16, recompute=recompute)
+    plan = autopar.plan(model, autopar.Mesh((1,), ("dp",), device="h100"), example,
+                        solve=autopar.SolveOptions(compare=False), mixed_precision=torch.bfloat16, recompute=recompute)
     pred = plan.predicted
     m = pred.memory
     states = m["params"] + m["optimizer"]

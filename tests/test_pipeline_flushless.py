@@ -14,7 +14,7 @@ from autopar.cost.schedules import simulate
 def stale_plan(spec, shape, names, groups, layout=None, microbatches=4):
     model, args, kwargs = build_case(spec)
     return autopar.plan(model, autopar.Mesh(shape, names, device="cpu"), args, example_kwargs=kwargs or None,
-                        compare=False, layout=layout,
+                        solve=autopar.SolveOptions(compare=False, layout=layout),
                         pipeline=autopar.Pipeline(axis=names[0], groups=groups, schedule="pipedream-2bw",
                                                   microbatches=microbatches, asynchronous=True))
 
@@ -57,10 +57,10 @@ def test_steady_state_has_no_bubble_and_asks_for_permission():
     spec = ("autopar", "gpt-tiny", (("n_layers", 4), ("batch", 8)))
     model, args, _ = build_case(spec)
     mesh = autopar.Mesh((4,), ("pp",), device="cpu")
-    plain = autopar.plan(model, mesh, args, compare=False,
+    plain = autopar.plan(model, mesh, args, solve=autopar.SolveOptions(compare=False),
                          pipeline=autopar.Pipeline(axis="pp", groups=4, microbatches=4))
     assert plain.pipeline.schedule != "pipedream-2bw"
-    allowed = autopar.plan(model, mesh, args, compare=False,
+    allowed = autopar.plan(model, mesh, args, solve=autopar.SolveOptions(compare=False),
                            pipeline=autopar.Pipeline(axis="pp", groups=4, microbatches=4, asynchronous=True))
     assert allowed.pipeline.schedule == "pipedream-2bw"
     assert allowed.pipeline.step_s < plain.pipeline.step_s

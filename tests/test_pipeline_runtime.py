@@ -42,10 +42,10 @@ def pipelined_plan(spec, shape, names, groups, schedule, layout=None, microbatch
     fixed = autopar.Pipeline(axis=names[0], groups=groups, schedule=schedule, virtual=virtual,
                              microbatches=microbatches, asynchronous=schedule == "pipedream-2bw")
     mesh = autopar.Mesh(shape, names, device="cpu")
-    kw = dict(example_kwargs=kwargs or None, compare=False, layout=layout, pipeline=fixed,
+    kw = dict(example_kwargs=kwargs or None, solve=autopar.SolveOptions(compare=False, layout=layout), pipeline=fixed,
               mixed_precision=mixed_precision)
     if seed is not None:
-        return autopar.random_plans(model, mesh, args, seed=seed, **kw)[0]
+        return autopar.random_plans(model, mesh, args, seeds=(seed,), **kw)[0]
     return autopar.plan(model, mesh, args, **kw)
 
 
@@ -113,8 +113,8 @@ def test_hugging_face_models_pipeline_like_one_device(pool2, kind):
     built from the inputs, recomputed per stage), inputs as keyword arguments, 2 stages."""
     model, args, kwargs = build_case((kind,))
     plan = autopar.plan(model, autopar.Mesh((2,), ("pp",), device="cpu"), args, example_kwargs=kwargs,
-                        compare=False, pipeline=autopar.Pipeline(axis="pp", groups=2, schedule="1f1b",
-                                                                 microbatches=2))
+                        solve=autopar.SolveOptions(compare=False),
+                        pipeline=autopar.Pipeline(axis="pp", groups=2, schedule="1f1b", microbatches=2))
     assert plan.pipeline.layer_prefix in ("transformer.h", "model.layers")
     result = pool2.run(train_and_compare, (kind,), plan.to_dict())[0]
     assert result["ok"], result
@@ -134,10 +134,9 @@ def test_newer_schedules_on_hugging_face_families(pool4, kind):
                                           ("chimera", "data-parallel", 2), ("pipedream-2bw", "megatron-tp", 2)):
         inside = "dp" if intra == "data-parallel" else "tp"
         plan = autopar.plan(model, autopar.Mesh((2, 2), ("pp", inside), device="cpu"), args, example_kwargs=kwargs,
-                            compare=False, layout=intra,
+                            solve=autopar.SolveOptions(compare=False, layout=intra),
                             pipeline=autopar.Pipeline(axis="pp", groups=2, schedule=schedule,
-                                                      microbatches=microbatches,
-                                                      asynchronous=schedule == "pipedream-2bw"))
+                                                      microbatches=microbatches, asynchronous=schedule == "pipedream-2bw"))
         assert plan.pipeline.schedule == schedule
         assert len(plan.pipeline.stages) == (4 if schedule in TWO_PER_GROUP else 2)
         job = train_stale_and_compare if schedule == "pipedream-2bw" else train_and_compare   # (2BW: its own rule)
@@ -155,7 +154,8 @@ def test_own_schedules_on_attention_as_users_write_it(pool2, kind, schedule):
     (tests/user_models.py), 2 stages."""
     spec = ("user", kind)
     model, args, kwargs = build_case(spec)
-    plan = autopar.plan(model, autopar.Mesh((2,), ("pp",), device="cpu"), args, compare=False,
+    plan = autopar.plan(model, autopar.Mesh((2,), ("pp",), device="cpu"), args,
+                        solve=autopar.SolveOptions(compare=False),
                         pipeline=autopar.Pipeline(axis="pp", groups=2, schedule=schedule, microbatches=2,
                                                   asynchronous=schedule == "pipedream-2bw"))
     assert plan.pipeline.schedule == schedule

@@ -72,7 +72,7 @@ def slow_network_plan():
     model, example = build("gpt2-1.5b", device="meta", batch=16)
     mesh = autopar.Mesh((8, 8), ("node", "gpu"), device="h100", bandwidth=(2.5e9, 450e9))
     start = time.perf_counter()
-    plan = autopar.plan(model, mesh, example, compare=False, pipeline=True)
+    plan = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False), pipeline=True)
     return plan, time.perf_counter() - start
 
 
@@ -90,7 +90,8 @@ def test_slow_network_gets_stages_across_nodes_and_the_node_splits_each_stage(sl
         if budget is not None:
             model, example = build("gpt2-1.5b", device="meta", batch=16)
             mesh = autopar.Mesh((8, 8), ("node", "gpu"), device="h100", bandwidth=(2.5e9, 450e9))
-            plan = autopar.plan(model, mesh, example, compare=False, pipeline=True, memory_budget=budget)
+            plan = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False), pipeline=True,
+                                memory_budget=budget)
         pp = plan.pipeline
         assert pp.axis == "node" and pp.groups > 1            # stages across nodes
         assert pp.submesh[1] == 8                                # each stage keeps the whole node
@@ -113,7 +114,7 @@ def test_plain_plan_is_skipped_only_where_it_cannot_win(slow_network_plan):
     plan, _ = slow_network_plan
     model, example = build("gpt2-1.5b", device="meta", batch=16)
     mesh = autopar.Mesh((8, 8), ("node", "gpu"), device="h100", bandwidth=(2.5e9, 450e9))
-    plain = autopar.plan(model, mesh, example, compare=False)
+    plain = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False))
     bound = step_lower_bound(build_problem(model, mesh, example, None).problem)
     assert plan.pipeline.step_s < bound <= plain.predicted.step_s * (1 + 1e-9)
     assert plan.pipeline.no_pipeline_step_s > plan.pipeline.step_s
@@ -122,7 +123,7 @@ def test_plain_plan_is_skipped_only_where_it_cannot_win(slow_network_plan):
 def test_fast_uniform_network_and_small_model_use_no_pipeline():
     model, example = build("gpt2-124m", device="meta", batch=8)
     mesh = autopar.Mesh((8,), ("dp",), device="h100", bandwidth=450e9)
-    plan = autopar.plan(model, mesh, example, compare=False, pipeline=True)
+    plan = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False), pipeline=True)
     assert plan.pipeline.axis is None
     assert plan.mesh.shape == (8,)
 
@@ -188,7 +189,7 @@ def test_search_builds_each_problem_once(monkeypatch, fixed):
     monkeypatch.setattr(solution.Problem, "build", counting)
     model, example = build("gpt-tiny", device="meta", batch=8)
     mesh = autopar.Mesh((2, 2), ("node", "gpu"), device="h100", bandwidth=(2e9, 300e9))
-    plan = autopar.plan(model, mesh, example, compare=False, pipeline=fixed or True)
+    plan = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False), pipeline=fixed or True)
     assert len(built) == len(set(built)), built
     if fixed is not None:
         assert plan.pipeline.pipelined and len(built) == 2   # the whole mesh and the one fixed candidate
@@ -251,8 +252,8 @@ def test_tight_budget_recomputes_inside_the_stages():
     mesh = autopar.Mesh((8, 8), ("node", "gpu"), device="h100", bandwidth=(2.5e9, 450e9))
     steps = []
     for budget, recomputes in (("7GiB", False), ("1.6GiB", True), ("1.25GiB", True)):
-        plan = autopar.plan(model, mesh, example, compare=False, pipeline=autopar.Pipeline(),
-                            memory_budget=budget)
+        plan = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False),
+                            pipeline=autopar.Pipeline(), memory_budget=budget)
         pp = plan.pipeline
         assert pp.pipelined and max(pp.memory) <= parse_bytes(budget, "budget")
         if not recomputes:
@@ -288,7 +289,7 @@ def test_search_never_loses_to_the_plain_plan(name, batch, shape, bandwidth, bud
     them), and kept when the best pipeline is not faster."""
     model, example = build(name, device="meta", batch=batch)
     mesh = autopar.Mesh(shape, ("node", "gpu"), device="h100", bandwidth=bandwidth)
-    kw = dict(compare=False, memory_budget=budget, mixed_precision="bf16")
+    kw = dict(solve=autopar.SolveOptions(compare=False), memory_budget=budget, mixed_precision="bf16")
     try:
         plain = autopar.plan(model, mesh, example, **kw)
     except autopar.InfeasibleError:
@@ -314,7 +315,7 @@ def test_search_logs_its_progress(caplog):
     model, example = build("gpt-tiny", device="meta", batch=8)
     mesh = autopar.Mesh((2, 2), ("node", "gpu"), device="h100", bandwidth=(2e9, 300e9))
     with caplog.at_level("INFO", logger="autopar"):
-        autopar.plan(model, mesh, example, compare=False, pipeline=True)
+        autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False), pipeline=True)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("pipeline search:")]
     assert lines, [r.getMessage() for r in caplog.records]
     done, total = (int(x.split()[-1] if i == 0 else x.split()[0]) for i, x in enumerate(lines[-1].split(" of ")[:2]))
@@ -347,7 +348,7 @@ def test_search_picks_zbv_where_its_bubble_pays():
     model, example, mesh = _slow_network_gpt()
     steps = {}
     for schedule in ("1f1b", "zero-bubble", "zbv", None):
-        plan = autopar.plan(model, mesh, example, compare=False,
+        plan = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False),
                             pipeline=autopar.Pipeline(axis="node", groups=8, microbatches=8, schedule=schedule))
         steps[schedule or "free"] = plan.pipeline
     free = steps["free"]
@@ -361,9 +362,9 @@ def test_search_does_not_pick_zbv_with_too_few_microbatches():
     """4 microbatches on 8 groups: ZB-V's warm-up (2(S-r)-1 forwards before the first
     backward) cannot fill, and ZB-H1 is faster: the search picks zero-bubble."""
     model, example, mesh = _slow_network_gpt()
-    free = autopar.plan(model, mesh, example, compare=False,
+    free = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False),
                         pipeline=autopar.Pipeline(axis="node", groups=8, microbatches=4)).pipeline
-    zbv = autopar.plan(model, mesh, example, compare=False,
+    zbv = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False),
                        pipeline=autopar.Pipeline(axis="node", groups=8, microbatches=4, schedule="zbv")).pipeline
     assert free.schedule == "zero-bubble"
     assert free.step_s < zbv.step_s
@@ -398,7 +399,7 @@ def test_large_vocabulary_head_gives_the_last_stage_fewer_layers():
     fewer of the 32 layers than the others, and the plan's summary names the cut."""
     model, example = build("llama3-8b", device="meta", batch=8)
     mesh = autopar.Mesh((4, 8), ("node", "gpu"), device="h100")
-    pp = autopar.plan(model, mesh, example, compare=False,
+    pp = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False),
                       pipeline=autopar.Pipeline(axis="node", groups=4, schedule="1f1b", microbatches=8)).pipeline
     layers = [b - a for a, b in pp.stages]
     assert sum(layers) == 32 and layers[-1] < max(layers[1:-1])
@@ -417,7 +418,8 @@ def test_offloaded_activations_in_flight_fit_host_memory():
     for host in (225e9, 0.5e9):
         device = dataclasses.replace(PRESETS["h100"], host_memory=host, host_bandwidth=200e9)
         mesh = autopar.Mesh((8, 8), ("node", "gpu"), device=device, bandwidth=(2.5e9, 450e9))
-        plan = autopar.plan(model, mesh, example, compare=False, pipeline=autopar.Pipeline(), memory_budget="1.25GiB")
+        plan = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False),
+                            pipeline=autopar.Pipeline(), memory_budget="1.25GiB")
         modes[host] = set(plan.recompute.layers.values())
     assert modes == {225e9: {"offload"}, 0.5e9: {"full"}}, modes
 
@@ -446,12 +448,12 @@ def test_one_stage_schedules_need_a_microbatch_per_stage():
     for schedule in ("1f1b", "gpipe"):
         with pytest.raises(ValueError, match=f"{schedule} runs at least one microbatch per stage .2 stages.; "
                                              f"give microbatches >= 2"):
-            autopar.plan(model, mesh, example, compare=False,
+            autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False),
                          pipeline=autopar.Pipeline(axis="pp", groups=2, schedule=schedule, microbatches=1))
     with pytest.raises(ValueError, match="dualpipev runs at least one microbatch per stage .4 stages."):
-        autopar.plan(model, mesh, example, compare=False,
+        autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False),
                      pipeline=autopar.Pipeline(axis="pp", groups=2, schedule="dualpipev", microbatches=2))
-    plan = autopar.plan(model, mesh, example, compare=False,
+    plan = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False),
                         pipeline=autopar.Pipeline(axis="pp", groups=2, microbatches=1))
     assert plan.pipeline.pipelined and plan.pipeline.microbatches == 1
     assert plan.pipeline.schedule not in ("1f1b", "gpipe", "dualpipev")
@@ -470,13 +472,14 @@ def test_a_forced_layout_prices_the_stages_that_run():
     mesh = autopar.Mesh((2, 4, 2), ("pp", "dp", "tp"), device="h100", bandwidth=(25e9, 25e9, 450e9))
     pipeline = autopar.Pipeline(axis="pp", groups=2, schedule="1f1b", microbatches=4)
     mp = autopar.MixedPrecision()
-    forced = autopar.plan(model, mesh, example, compare=False, layout="megatron-tp x zero1", pipeline=pipeline,
-                          mixed_precision=mp)
+    forced = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False, layout="megatron-tp x zero1"),
+                          pipeline=pipeline, mixed_precision=mp)
     assert forced.pipeline.pipelined
     assert {forced.zero_stage(name) for name in forced.param_placements} == {1}
     held = sum(g["optimizer"] for g in forced.pipeline.group_memory)
     assert held == pytest.approx(forced.predicted.memory["optimizer"], rel=0.05)
-    free = autopar.plan(model, mesh, example, compare=False, pipeline=pipeline, mixed_precision=mp)
+    free = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False), pipeline=pipeline,
+                        mixed_precision=mp)
     assert forced.pipeline.step_s >= free.pipeline.step_s * (1 - 1e-9)
 
 

@@ -56,7 +56,7 @@ def test_three_axes_plan_small_and_fast(name):
     measured side by side), which a 6x bound failed once in CI."""
     model, example = build(name)
     trace(model, tuple(example))  # both plans below start from the cached trace
-    two_before = plan_with(model, example, mesh_of(MESH_2), presolve=False, compare=False)
+    two_before = plan_with(model, example, mesh_of(MESH_2), presolve=False, solve=autopar.SolveOptions(compare=False))
     two, three = (min((plan_with(model, example, mesh_of(m)) for _ in range(2)),
                       key=lambda p: p.timing.total_s) for m in (MESH_2, MESH_3))
     assert three.solver.optimal
@@ -152,13 +152,13 @@ def test_hand_written_layouts_plan_on_three_axes():
     than autopar's plan."""
     model, example = build("gpt-tiny")
     mesh = mesh_of(MESH_3)
-    best = autopar.plan(model, mesh, example, compare=False)
+    best = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False))
     names = sorted(baselines.layouts(mesh, every=True))
     assert len(names) == 19  # 10, Megatron-SP, ring and Ulysses x dp, ring x Megatron, ring x ZeRO-3,
     #                          tp-2d/2.5d/3d/2d-ws
     tp = mesh.axis_names.index("tp")
     for name in names:
-        plan = autopar.plan(model, mesh, example, layout=name, compare=False)
+        plan = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(layout=name, compare=False))
         assert plan.origin == f"layout:{name}"
         assert plan.solver.optimal
         assert best.predicted.step_s <= plan.predicted.step_s * (1 + 1e-9), name

@@ -111,7 +111,7 @@ def test_ilp_objective_is_the_predicted_step(name, shape):
     assert (low - linear) * (1 - 1e-6) <= sol.objective <= high * (1 + 1e-6)
     assert 0 <= pred.hidden_s - linear <= pred.overlappable_s
     # the plan returned is never slower, overlap counted, than the summed optimum
-    plan = autopar.plan(model, mesh, example, compare=False)
+    plan = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False))
     assert plan.predicted.step_s <= pred.step_s * (1 + 1e-9)
     assert predict(problem, solve_problem(problem, None, None).choice).step_s == \
         pytest.approx(plan.predicted.step_s, rel=1e-9)
@@ -123,7 +123,7 @@ def test_heads_an_axis_cannot_split_are_warned_once_per_plan(caplog):
     model, example = build("gpt2-124m", device="meta", batch=16)
     mesh = autopar.Mesh((8, 8), ("node", "gpu"), device="h100")
     with caplog.at_level(logging.WARNING, logger="autopar"):
-        plan = autopar.plan(model, mesh, example, compare=False, pipeline=True)
+        plan = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False), pipeline=True)
     warned = [r.getMessage() for r in caplog.records if "cannot be split by heads" in r.getMessage()]
     assert len(warned) == len(set(warned)) >= 1, warned   # each (heads, axis) once
     assert any("12 query and 12 key/value heads" in w and "'gpu' of 8" in w for w in warned)

@@ -17,7 +17,8 @@ BUDGETS = [None, "15GiB", "10GiB", "7GiB"]
 def sweep():
     model, example = build("llama3-8b", device="meta", batch=8)
     mesh = autopar.Mesh((8, 8), ("dp", "tp"), device="h100")
-    plans = [autopar.plan(model, mesh, example, compare=False, memory_budget=b) for b in BUDGETS]
+    plans = [autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False),
+                          memory_budget=b) for b in BUDGETS]
     return model, example, mesh, plans
 
 
@@ -52,7 +53,7 @@ def test_a_budget_below_the_minimum_names_the_minimum_and_the_fixes(sweep):
     model, example, mesh, _ = sweep
     # (with weights and activations offloadable, 1 GiB fits: 0.25 GiB does not)
     with pytest.raises(autopar.InfeasibleError) as info:
-        autopar.plan(model, mesh, example, compare=False, memory_budget="0.25GiB")
+        autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False), memory_budget="0.25GiB")
     text = str(info.value)
     floor = float(re.search(r"least-memory plan found needs ([\d.]+) GiB", text).group(1))
     assert 0.25 < floor < 3
@@ -60,11 +61,13 @@ def test_a_budget_below_the_minimum_names_the_minimum_and_the_fixes(sweep):
                  "raise memory_budget"):
         assert hint in text, text
     with pytest.raises(autopar.InfeasibleError) as info:   # recomputation forced off: the error offers it
-        autopar.plan(model, mesh, example, compare=False, memory_budget="0.25GiB", recompute="none")
+        autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False), memory_budget="0.25GiB",
+                     recompute="none")
     saved = re.search(r"recompute='full' \(or None, to let the planner choose per layer\) saves ([\d.]+) GiB "
                       r"per device, for a least of ([\d.]+) GiB", str(info.value))
     assert saved and float(saved.group(2)) >= floor - 0.01, str(info.value)   # (full keeps more than offload)
-    plan = autopar.plan(model, mesh, example, compare=False, memory_budget=f"{floor * 1.01:.3f}GiB")
+    plan = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False),
+                        memory_budget=f"{floor * 1.01:.3f}GiB")
     assert plan.predicted.memory_total <= floor * 1.01 * 2**30
 
 

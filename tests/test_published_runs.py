@@ -57,7 +57,7 @@ def test_an_accumulating_run_and_autopars_own_plan_are_priced_for_its_micro_step
     above it since autopar's runtime runs tensor-parallel collectives beside their GEMMs,
     part of what Megatron-LM's --tp-comm-overlap hides)."""
     run = next(r for r in RUNS if r["id"] == "meg24-h100-gpt7.1b-96gpu-tp2-pp1")
-    assert R.forced(run)[1]["accumulation"] == R.accumulation(run) == 4
+    assert R.forced(run)[1]["pricing"].accumulation == R.accumulation(run) == 4
     row = R.replay(run)
     assert row["accumulation"] == 4
     assert row["speedup"] > 0.99, row
@@ -101,7 +101,7 @@ def test_a_run_without_stated_tensor_parallel_overlap_is_priced_without_autopars
         run = next(r for r in RUNS if r["id"] == f"tt25-asynctp-8b-64gpu-fsdp8-tp8-bf16-{name}")
         model, example = R.build_model(run)
         mesh, kw = R.forced(run)
-        assert kw["tp_overlap"] == (name == "async-tp")
+        assert kw["pricing"].tp_overlap == (name == "async-tp")
         rows[name] = (run, autopar.plan(model, mesh, example, **kw))
     (vanilla, whole), (fast, folded) = rows["vanilla-tp"], rows["async-tp"]
     assert whole.predicted.linear_hidden_s == {} and not whole.tp_overlap
@@ -150,6 +150,6 @@ def test_fsdp_over_the_context_parallel_ranks_shards_the_states_there():
     ranks: forced as context-parallel x zero3 on the one axis, its states are an eighth and
     it fits where it ran (replicated states, 160 GiB, did not)."""
     run = next(r for r in RUNS if r["id"] == "tt24-t2-8b-8gpu-fsdp1-cp8-s256k")
-    assert R.forced(run)[1]["layout"] == "context-parallel x zero3"
+    assert R.forced(run)[1]["solve"].layout == "context-parallel x zero3"
     row = R.replay(run, free=False)
     assert not row["over_memory"] and row["memory_gib"] < run["measured"]["memory_gib"]

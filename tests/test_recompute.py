@@ -31,10 +31,11 @@ def _mesh():
 def _plan(spec, layout=None, recompute=None, pipeline=False) -> dict:
     model, args, kwargs = build_case(spec)
     if pipeline:
-        return autopar.plan(model, _mesh(), args, example_kwargs=kwargs or None, compare=False,
+        return autopar.plan(model, _mesh(), args, example_kwargs=kwargs or None,
+                            solve=autopar.SolveOptions(compare=False),
                             pipeline=autopar.Pipeline(axis="dp", microbatches=2), recompute=recompute).to_dict()
-    return autopar.plan(model, _mesh(), args, example_kwargs=kwargs or None, compare=False, layout=layout,
-                        recompute=recompute).to_dict()
+    return autopar.plan(model, _mesh(), args, example_kwargs=kwargs or None,
+                        solve=autopar.SolveOptions(compare=False, layout=layout), recompute=recompute).to_dict()
 
 
 CASES = [(spec, layout, mode) for spec in (GPT, LLAMA) for layout in ("megatron-tp x dp", "zero3", "pipeline")
@@ -98,8 +99,8 @@ def test_recompute_under_mixed_precision_equals_one_device(pool4, mode):
     bf16 roundings, master weights alike by the norm of their difference against the
     change the steps made: rt_cases.check_mixed_precision)."""
     model, args, kwargs = build_case(GPT)
-    plan = autopar.plan(model, _mesh(), args, compare=False, layout="megatron-tp x dp", recompute=mode,
-                        mixed_precision=autopar.MixedPrecision())
+    plan = autopar.plan(model, _mesh(), args, solve=autopar.SolveOptions(compare=False, layout="megatron-tp x dp"),
+                        recompute=mode, mixed_precision=autopar.MixedPrecision())
     assert set(plan.recompute.layers.values()) == {mode}
     check_mixed_precision(pool4.run(mixed_precision_vs_reference, GPT, plan.to_dict())[0])
 
@@ -132,8 +133,8 @@ def test_mixture_of_experts_activations_match_saved_bytes(pool4, layout):
     nothing packed while backward runs: it had read 2.4x the plan)."""
     spec = ("hf-arch", "mixtral")
     model, args, kwargs = build_case(spec)
-    plan = autopar.plan(model, autopar.Mesh((4,), ("dp",), device="cpu"), args, example_kwargs=kwargs, compare=False,
-                        layout=layout).to_dict()
+    plan = autopar.plan(model, autopar.Mesh((4,), ("dp",), device="cpu"), args, example_kwargs=kwargs,
+                        solve=autopar.SolveOptions(compare=False, layout=layout)).to_dict()
     rows = pool4.run(saved_bytes, spec, plan)
     assert all(r["measured"] == pytest.approx(r["predicted"], rel=0.05) for r in rows), rows
 
@@ -146,7 +147,7 @@ def test_random_plans_activations_counted_in_their_layouts(pool4, spec):
     is a view of), within 5 % of the measurement on every rank, for 5 random plans of
     each model (10 in all)."""
     model, args, kwargs = build_case(spec)
-    plans = autopar.random_plans(model, _mesh(), args, example_kwargs=kwargs or None, seed=0, count=5)
+    plans = autopar.random_plans(model, _mesh(), args, example_kwargs=kwargs or None, seeds=range(5))
     rows = []
     for plan in plans:
         for r in pool4.run(saved_bytes, spec, plan.to_dict()):
@@ -166,7 +167,8 @@ def test_selective_and_full_keep_less():
     step time; the printed plan names the layers, the policy, the bytes saved and the time
     added, and the JSON keeps the choice."""
     model, example = build("gpt-tiny")
-    plans = {m: autopar.plan(model, _mesh(), example, compare=False, recompute=m) for m in ("none", "selective", "full")}
+    plans = {m: autopar.plan(model, _mesh(), example, solve=autopar.SolveOptions(compare=False),
+                             recompute=m) for m in ("none", "selective", "full")}
     act = {m: p.predicted.memory["activations"] for m, p in plans.items()}
     step = {m: p.predicted.step_s for m, p in plans.items()}
     assert act["full"] < act["selective"] < act["none"]
@@ -193,8 +195,9 @@ def test_inductor_pricing_drops_kept_outputs_no_backward_reads(spec, unread):
     tokens = (args[0] if args else kwargs["input_ids"]).numel()
 
     def activations(layout, backend, mesh=_mesh()):
-        plan = autopar.plan(model, mesh, args, example_kwargs=kwargs or None, compare=False, layout=layout,
-                            recompute="selective", backend=backend)
+        plan = autopar.plan(model, mesh, args, example_kwargs=kwargs or None,
+                            solve=autopar.SolveOptions(compare=False, layout=layout),
+                            pricing=autopar.Pricing(backend=backend), recompute="selective")
         return plan.predicted.memory["activations"], len(plan.recompute.layers)
 
     dp = autopar.Mesh((4,), ("dp",), device="cpu")
@@ -210,7 +213,8 @@ def test_inductor_pricing_keeps_eager_bytes_under_a_pipeline():
     priced for Inductor keeps what the eager-priced one keeps."""
     model, example = build("gpt-tiny", n_layers=4)
     mesh = autopar.Mesh((2, 2), ("pp", "dp"), device="cpu")
-    kept = {b: autopar.plan(model, mesh, example, compare=False, recompute="selective", backend=b,
+    kept = {b: autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False),
+                            pricing=autopar.Pricing(backend=b), recompute="selective",
                             pipeline=autopar.Pipeline(axis="pp", schedule="1f1b", microbatches=4))
             for b in ("eager", "inductor")}
     assert kept["inductor"].pipeline is not None
@@ -254,22 +258,24 @@ def test_budget_sweep_is_ordered():
     recomputation with the memory it saves."""
     model, example = build("gpt2-124m", device="meta", batch=16, seq=1024)
     mesh = autopar.Mesh((8,), ("dp",), device="h100")
-    free = autopar.plan(model, mesh, example, compare=False, mixed_precision="bf16", recompute="none")
+    free = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False), mixed_precision="bf16",
+                        recompute="none")
     # what the free plan holds with its gradients beside its activations: the planner's own
     # measure (solve/recompute.beyond_linear), a little above the peak it reports
     need = sum(free.predicted.memory.values())
     assert free.predicted.memory_total <= need
     steps = []
     for frac in (1.0, 0.8, 0.6, 0.5, 0.45):
-        plan = autopar.plan(model, mesh, example, compare=False, mixed_precision="bf16", memory_budget=need * frac)
+        plan = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False), mixed_precision="bf16",
+                            memory_budget=need * frac)
         assert plan.predicted.memory_total <= need * frac * (1 + 1e-6)
         steps.append((plan.predicted.step_s, plan.recompute))
     assert all(a[0] <= b[0] * (1 + 1e-9) for a, b in zip(steps, steps[1:])), steps
     assert steps[0][1] is None
     assert any(r is not None and r.layers for _, r in steps), steps
     with pytest.raises(autopar.InfeasibleError, match="recompute"):
-        autopar.plan(model, mesh, example, compare=False, mixed_precision="bf16", memory_budget=need * 0.02,
-                     recompute="none")
+        autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False), mixed_precision="bf16",
+                     memory_budget=need * 0.02, recompute="none")
 
 
 def test_llama3_8b_8k_tokens_on_eight_h100():
@@ -281,8 +287,8 @@ def test_llama3_8b_8k_tokens_on_eight_h100():
     mesh = autopar.Mesh((8,), ("dp",), device="h100")
     plans = {}
     for budget in ("80GiB", "64GiB"):
-        plan = plans[budget] = autopar.plan(model, mesh, example, compare=False, mixed_precision="bf16",
-                                            memory_budget=budget)
+        plan = plans[budget] = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False),
+                                            mixed_precision="bf16", memory_budget=budget)
         assert plan.predicted.memory_total <= autopar.mesh.parse_bytes(budget)
         tokens = 8192 / plan.predicted.step_s
         print(f"llama3-8b 8x8192 on 8 H100 within {budget}: {tokens:.0f} tokens/s/GPU predicted, "
@@ -300,7 +306,8 @@ def test_llama3_8b_256k_tokens_on_eight_h100():
     sequence split in attention (ring or Ulysses) and layers recomputed."""
     model, example = build("llama3-8b", device="meta", batch=1, seq=262144, max_seq=262144)
     mesh = autopar.Mesh((8,), ("cp",), device="h100")
-    plan = autopar.plan(model, mesh, example, compare=False, mixed_precision="bf16", memory_budget="80GiB")
+    plan = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False), mixed_precision="bf16",
+                        memory_budget="80GiB")
     assert plan.predicted.memory_total <= 80 * 2**30
     assert plan.recompute is not None and plan.recompute.layers
     kinds = {n.split[0] for n in plan.nodes if n.op == "aten.scaled_dot_product_attention"}
@@ -386,9 +393,10 @@ def test_keeping_every_activation_wins_when_its_overlap_does():
                            vocab=50368, max_seq=2048, bias=False)
     mesh = autopar.Mesh((32,), ("dp",), device="a100-40gb")
     mp = autopar.MixedPrecision()
-    fsdp = autopar.plan(model, mesh, example, layout="zero3", recompute="none", compare=False, mixed_precision=mp)
+    fsdp = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(layout="zero3", compare=False),
+                        recompute="none", mixed_precision=mp)
     assert fsdp.predicted.memory_total <= mesh.device.memory
-    free = autopar.plan(model, mesh, example, compare=False, mixed_precision=mp)
+    free = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False), mixed_precision=mp)
     assert free.predicted.memory_total <= mesh.device.memory
     assert free.predicted.step_s <= fsdp.predicted.step_s * (1 + 1e-9)
     assert free.recompute is None or not free.recompute.layers

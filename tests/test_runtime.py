@@ -30,11 +30,13 @@ def plans_for(model_key: str, shape: tuple) -> dict:
     spec = MODELS[model_key]
     model, args, kwargs = build_case(spec)
     mesh = autopar.Mesh(shape, MESHES[shape], device="cpu")
-    out = {"ilp": autopar.plan(model, mesh, args, example_kwargs=kwargs or None, compare=False)}
+    out = {"ilp": autopar.plan(model, mesh, args, example_kwargs=kwargs or None,
+                               solve=autopar.SolveOptions(compare=False))}
     for layout in autopar.solve.layouts.layouts(mesh):
         if layout.startswith(autopar.solve.layouts.SEQUENCE_LAYOUTS):
             continue  # tests/test_sequence_parallel.py trains those on these models
-        out[layout] = autopar.plan(model, mesh, args, example_kwargs=kwargs or None, compare=False, layout=layout)
+        out[layout] = autopar.plan(model, mesh, args, example_kwargs=kwargs or None,
+                                   solve=autopar.SolveOptions(compare=False, layout=layout))
     seeds = range(RANDOM_PER_MESH * len(MESHES))[list(MESHES).index(shape)::len(MESHES)]
     for p in autopar.random_plans(model, mesh, args, example_kwargs=kwargs or None, seeds=seeds):
         out[p.origin] = p
@@ -85,7 +87,7 @@ def test_megatron_gpt_has_two_forward_all_reduces_per_block(pool4):
     spec = ("autopar", "gpt-tiny", (("n_layers", layers), ("hidden", 128)))
     model, args, _ = build_case(spec)
     mesh = autopar.Mesh(4, "tp", device="h100")
-    plan = autopar.plan(model, mesh, args, compare=False, layout="megatron-tp")
+    plan = autopar.plan(model, mesh, args, solve=autopar.SolveOptions(compare=False, layout="megatron-tp"))
     assert plan.param_placements["wte.weight"] == (Shard(0),)
     found = pool4.run(forward_collectives, spec, plan.to_dict())[0]
     assert [k for k, _, _ in found] == ["all_reduce"] * (2 * layers + 1) + ["all_gather"], found
@@ -113,7 +115,8 @@ def test_meta_model_initialised_shard_by_shard_equals_whole(pool4, name):
     from autopar.models import build
     model, example = build(name, device="meta")
     mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="h100")
-    plan = autopar.plan(model, mesh, example, compare=False, layout="megatron-tp (all axes)")
+    plan = autopar.plan(model, mesh, example,
+                        solve=autopar.SolveOptions(compare=False, layout="megatron-tp (all axes)"))
     assert any(any(p.is_shard() for p in pl) for pl in plan.param_placements.values())
     assert pool4.run(meta_init_matches_whole, name, plan.to_dict()) == [0.0] * 4
 
@@ -121,7 +124,7 @@ def test_meta_model_initialised_shard_by_shard_equals_whole(pool4, name):
 def test_inputs_already_local_to_each_rank(pool4):
     model, example, _ = build_case(MODELS["gpt-tiny"])
     mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="cpu")
-    plan = autopar.plan(model, mesh, example, compare=False, layout="data-parallel")
+    plan = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False, layout="data-parallel"))
     results = pool4.run(local_inputs_match_global, plan.to_dict())
     for global_loss, local_loss, shapes in results:
         assert local_loss == pytest.approx(global_loss, rel=1e-6)
@@ -132,14 +135,15 @@ def test_inputs_already_local_to_each_rank(pool4):
 def test_full_state_dict_round_trip(pool4):
     model, example, _ = build_case(MODELS["gpt-tiny"])
     mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="h100")
-    plan = autopar.plan(model, mesh, example, compare=False, layout="megatron-tp (all axes)")
+    plan = autopar.plan(model, mesh, example,
+                        solve=autopar.SolveOptions(compare=False, layout="megatron-tp (all axes)"))
     assert pool4.run(state_dict_round_trip, plan.to_dict()) == [0.0] * 4
 
 
 def test_gradient_accumulation_equals_one_large_batch(pool4):
     model, example, _ = build_case(("autopar", "gpt-tiny", (("batch", 16),)))
     mesh = autopar.Mesh((4,), ("dp",), device="h100")
-    plan = autopar.plan(model, mesh, example, compare=False, layout="data-parallel")
+    plan = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False, layout="data-parallel"))
     result = pool4.run(accumulate_vs_whole_batch, plan.to_dict())[0]
     assert result["bucketed"] > 0  # the micro-steps really skipped the gradient all-reduce
     assert result["worst"] <= 0, result
@@ -151,7 +155,7 @@ def test_model_state_bytes_held_equal_the_plan(pool4, layout):
     equal the plan's memory model, byte for byte."""
     model, example, _ = build_case(("autopar", "gpt-tiny", (("hidden", 128),)))
     mesh = autopar.Mesh((4,), ("dp",), device="h100")
-    plan = autopar.plan(model, mesh, example, compare=False, layout=layout)
+    plan = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False, layout=layout))
     for report in pool4.run(memory_after_step, plan.to_dict()):
         measured, predicted = report["measured"], report["predicted"]
         for kind in ("params", "grads", "optimizer"):
@@ -163,9 +167,9 @@ def test_training_matches_one_device_on_two_ranks(pool2, model_key):
     spec = MODELS[model_key]
     model, args, _ = build_case(spec)
     mesh = autopar.Mesh((2,), ("tp",), device="cpu")
-    plans = [autopar.plan(model, mesh, args, compare=False, layout=layout)
+    plans = [autopar.plan(model, mesh, args, solve=autopar.SolveOptions(compare=False, layout=layout))
              for layout in ("data-parallel", "megatron-tp", "zero3")]
-    plans += autopar.random_plans(model, mesh, args, seed=100, count=4)
+    plans += autopar.random_plans(model, mesh, args, seeds=range(100, 104))
     failures = []
     for plan in plans:
         result = pool2.run(train_and_compare, spec, plan.to_dict())[0]

@@ -66,10 +66,10 @@ def test_frozen_parameters_in_pipeline_stages(pool4):
 def test_frozen_parameters_are_priced_as_weights_only():
     model, args, _ = build_case(GPT)
     mesh = autopar.Mesh(4, "dp", device="cpu")
-    full = autopar.plan(model, mesh, args, compare=False, layout="data-parallel")
+    full = autopar.plan(model, mesh, args, solve=autopar.SolveOptions(compare=False, layout="data-parallel"))
     spec = ("frozen", GPT, FROZEN["embedding"])
     frozen_model, _, _ = build_case(spec)
-    part = autopar.plan(frozen_model, mesh, args, compare=False, layout="data-parallel")
+    part = autopar.plan(frozen_model, mesh, args, solve=autopar.SolveOptions(compare=False, layout="data-parallel"))
     frozen_bytes = sum(p.numel() * 4 for n, p in frozen_model.named_parameters() if not p.requires_grad)
     assert set(part.frozen) == {"wte.weight", "wpe.weight"}
     assert part.predicted.memory["params"] == full.predicted.memory["params"]
@@ -94,7 +94,8 @@ def test_dropout_streams(pool4, layout):
     draws new masks; eval is the plain model."""
     model, x = dropnet_case()
     mesh = autopar.Mesh(*MESH, device="cpu")
-    plan = autopar.plan(model, mesh, (x,), compare=False, layout=None if layout == "replicated" else layout)
+    plan = autopar.plan(model, mesh, (x,),
+                        solve=autopar.SolveOptions(compare=False, layout=None if layout == "replicated" else layout))
     if layout == "replicated":  # the solver keeps this small model whole on every rank
         assert all(p == Replicate() for p in plan.node("dropout").outputs[0])
     results = pool4.run(dropout_masks, plan.to_dict())
@@ -114,7 +115,8 @@ def test_dropout_streams(pool4, layout):
 
 def test_same_seed_same_run(pool4):
     model, x = dropnet_case()
-    plan = autopar.plan(model, autopar.Mesh(*MESH, device="cpu"), (x,), compare=False, layout="data-parallel")
+    plan = autopar.plan(model, autopar.Mesh(*MESH, device="cpu"), (x,),
+                        solve=autopar.SolveOptions(compare=False, layout="data-parallel"))
     a = pool4.run(dropout_masks, plan.to_dict(), 7)[0]
     b = pool4.run(dropout_masks, plan.to_dict(), 7)[0]
     c = pool4.run(dropout_masks, plan.to_dict(), 8)[0]
@@ -172,7 +174,8 @@ def test_batch_norm_statistics_in_train_and_eval(pool4, layout):
     """BatchNorm trained 2 steps, then eval: losses in both modes, running mean and the
     batch counter equal the plain model's (the counter does not move in eval)."""
     model, x = bn_case()
-    plan = autopar.plan(model, autopar.Mesh(*MESH, device="cpu"), (x,), compare=False, layout=layout)
+    plan = autopar.plan(model, autopar.Mesh(*MESH, device="cpu"), (x,),
+                        solve=autopar.SolveOptions(compare=False, layout=layout))
     r = pool4.run(batch_norm_train_eval, plan.to_dict())[0]
     assert r["train"] == pytest.approx(r["plain_train"], rel=1e-5)
     assert r["eval"] == pytest.approx(r["plain_eval"], rel=1e-5)

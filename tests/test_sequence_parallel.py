@@ -148,7 +148,7 @@ def test_random_plans_with_sequence_strategies(pool4):
     mesh, with whatever the other ops drew) train like one device."""
     model, args, kwargs = build_case(GPT)
     mesh = autopar.Mesh((2, 2), ("dp", "sp"), device="cpu")
-    plans = autopar.random_plans(model, mesh, args, compare=False, seed=0, count=40)
+    plans = autopar.random_plans(model, mesh, args, solve=autopar.SolveOptions(compare=False), seeds=range(40))
     chosen = [p for p in plans if _attention_kinds(p) & {"ring", "ulysses"}][:4]
     assert len(chosen) == 4
     assert {"ring", "ulysses"} <= set().union(*(_attention_kinds(p) for p in chosen))
@@ -187,7 +187,8 @@ def test_why_a_sequence_split_is_left_off():
     """A sequence that does not divide into 2 x the axis size keeps ring attention off the
     menu, and the plan says so and how to fix it; Ulysses needs the heads to divide."""
     model, example = build("gpt-tiny", seq=12)
-    plan = autopar.plan(model, autopar.Mesh((4,), ("sp",), device="cpu"), example, compare=True)
+    plan = autopar.plan(model, autopar.Mesh((4,), ("sp",), device="cpu"), example,
+                        solve=autopar.SolveOptions(compare=True))
     notes = " ".join(plan.notes)
     assert "ring on 'sp': sequence 12 does not divide into 8 chunks" in notes and "pad it" in notes
     assert "ring" not in _attention_kinds(plan)
@@ -201,7 +202,8 @@ def test_dense_masks_keep_the_ring_off():
     import hf_archs
     model, kwargs = hf_archs.build("llama", seq=16)
     kwargs = dict(kwargs, attention_mask=torch.ones(4, 16, dtype=torch.long))
-    plan = autopar.plan(model, autopar.Mesh((2,), ("sp",), device="cpu"), (), example_kwargs=kwargs, compare=True)
+    plan = autopar.plan(model, autopar.Mesh((2,), ("sp",), device="cpu"), (), example_kwargs=kwargs,
+                        solve=autopar.SolveOptions(compare=True))
     assert any("ring on 'sp': an explicit attention mask" in n and "self_attn" in n for n in plan.notes), plan.notes
     assert "an explicit attention mask" in plan.baselines["context-parallel"]
     assert not isinstance(plan.baselines["ulysses"], str)
@@ -228,7 +230,7 @@ def test_short_sequences_large_batch_split_the_batch():
     costs no communication in attention, so the planner splits no sequence there."""
     model, example = build("llama3-8b", device="meta", n_layers=2, batch=64, seq=8192)
     plan = autopar.plan(model, autopar.Mesh((8,), ("dp",), device="h100"), example, mixed_precision="bf16",
-                        compare=False)
+                        solve=autopar.SolveOptions(compare=False))
     assert not _attention_kinds(plan) & {"ring", "ulysses"}
     assert all(n.inputs[0][0] == torch.distributed.tensor.Shard(0) for n in plan.nodes if n.op == ATTENTION)
 
@@ -248,8 +250,10 @@ def test_megatron_sp_closed_form():
     # split by its contraction, which adds an all-reduce of the logits)
     model, example = build("gpt2-124m", device="meta", n_layers=2, batch=8, seq=1024, vocab=50304)
     mesh = autopar.Mesh((4,), ("tp",), device="h100")
-    tp = autopar.plan(model, mesh, example, mixed_precision="bf16", layout="megatron-tp", compare=False)
-    sp = autopar.plan(model, mesh, example, mixed_precision="bf16", layout="megatron-sp", compare=False)
+    tp = autopar.plan(model, mesh, example, mixed_precision="bf16",
+                      solve=autopar.SolveOptions(layout="megatron-tp", compare=False))
+    sp = autopar.plan(model, mesh, example, mixed_precision="bf16",
+                      solve=autopar.SolveOptions(layout="megatron-sp", compare=False))
     stream = 8 * 1024 * 768 * 2
     params = set(sp.param_placements)
 
@@ -277,7 +281,8 @@ def test_megatron_sp_closed_form():
         == {"nvls"}
     assert sp.predicted.memory["activations"] < tp.predicted.memory["activations"]
     ampere = autopar.Mesh((4,), ("tp",), device="a100")
-    tp_a, sp_a = (autopar.plan(model, ampere, example, mixed_precision="bf16", layout=name, compare=False)
+    tp_a, sp_a = (autopar.plan(model, ampere, example, mixed_precision="bf16",
+                               solve=autopar.SolveOptions(layout=name, compare=False))
                   for name in ("megatron-tp", "megatron-sp"))
     assert sp_a.predicted.step_s <= tp_a.predicted.step_s
     assert megatron_sp_axes(sp) == ["tp"] and megatron_sp_axes(tp) == []

@@ -9,7 +9,7 @@ def test_no_cycles_private_imports_deferred_imports_or_reach_ins():
     found = findings()
     assert found == {"cycles": [], "private": [], "deferred": [], "reach_ins": [], "into_solve": [],
                      "unmapped": [], "mapped_without_file": [], "upward": [], "long_files": [],
-                     "large_classes": [], "long_functions": []}, found
+                     "large_classes": [], "long_functions": [], "face_parameters": []}, found
 
 
 def test_the_checker_sees_sizes_over_their_budgets(tmp_path, monkeypatch):
@@ -31,6 +31,22 @@ def test_the_checker_sees_sizes_over_their_budgets(tmp_path, monkeypatch):
     assert found == {"long_files": [f"autopar.big: {structure.FILE_LINES + 1} lines (budget 500)"],
                      "large_classes": [f"autopar.big.Wide: {structure.CLASS_METHODS + 1} methods (budget 25)"],
                      "long_functions": [f"autopar.big.over: {structure.FUNCTION_LINES + 1} lines (budget 80)"]}
+
+
+def test_the_checker_sees_faces_over_their_parameter_budget(tmp_path, monkeypatch):
+    """A face with FACE_PARAMETERS + 1 parameters, and one that hides options behind
+    **kwargs, are each named; one at its budget is not."""
+    import structure
+    pkg = tmp_path / "autopar"
+    pkg.mkdir()
+    at = ", ".join(f"a{i}" for i in range(structure.FACE_PARAMETERS))
+    (pkg / "__init__.py").write_text("from autopar.faces import plan, compile, other\n")
+    (pkg / "faces.py").write_text(f"def plan({at}, *, extra=None):\n    pass\n\n\n"
+                                  f"def compile(model, **kwargs):\n    pass\n\n\ndef other({at}):\n    pass\n")
+    monkeypatch.setattr(structure, "ROOT", tmp_path)
+    assert structure.face_findings(structure.module_files()) == [
+        "autopar.compile: 1 parameters and **kwargs (budget 10, no **kwargs)",
+        "autopar.plan: 11 parameters (budget 10, no **kwargs)"]
 
 
 def test_the_checker_sees_the_runtime_reach_into_the_solver():

@@ -164,8 +164,8 @@ def test_batch_norm_statistics_survive_checkpoints(pool4, tmp_path):
     from sem_cases import bn_case
     model, x = bn_case()
     mesh = autopar.Mesh(*MESH, device="cpu")
-    a = autopar.plan(model, mesh, (x,), compare=False, layout="data-parallel").to_dict()
-    b = autopar.plan(model, mesh, (x,), compare=False, layout="megatron-tp x dp").to_dict()
+    a = autopar.plan(model, mesh, (x,), solve=autopar.SolveOptions(compare=False, layout="data-parallel")).to_dict()
+    b = autopar.plan(model, mesh, (x,), solve=autopar.SolveOptions(compare=False, layout="megatron-tp x dp")).to_dict()
     r = pool4.run(checkpoint_round_trip, ("bn",), a, b, str(tmp_path / "ckpt"))[0]
     assert r["keys_equal_plain"]
     assert r["worst"] == 0.0
@@ -187,13 +187,13 @@ def test_repeated_planning_does_not_grow_memory():
     import tracemalloc
     model, args, _ = build_case(GPT)
     mesh = autopar.Mesh(*MESH, device="cpu")
-    autopar.plan(model, mesh, args, compare=False)
+    autopar.plan(model, mesh, args, solve=autopar.SolveOptions(compare=False))
     gc.collect()
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]
         for _ in range(8):
-            autopar.plan(model, mesh, args, compare=False)
+            autopar.plan(model, mesh, args, solve=autopar.SolveOptions(compare=False))
         gc.collect()
         grown = tracemalloc.get_traced_memory()[0] - before
     finally:

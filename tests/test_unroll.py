@@ -137,7 +137,8 @@ def test_a_plan_from_an_unrolled_trace_compiles_against_the_full_graph():
     the same one."""
     model, inputs = build("llama3-8b", device="meta", batch=4, seq=16, n_layers=8, dim=64, n_heads=4, n_kv_heads=2,
                           vocab=128)
-    plan = autopar.plan(model, autopar.Mesh((2, 2), ("dp", "tp")), tuple(inputs), compare=False)
+    plan = autopar.plan(model, autopar.Mesh((2, 2), ("dp", "tp")), tuple(inputs),
+                        solve=autopar.SolveOptions(compare=False))
     assert plan.graph == graph_signature(trace(model, tuple(inputs), cache=False).graph)
 
 

@@ -46,7 +46,8 @@ def test_titan_llama_plans_like_autopars_llama():
             model = titan_llama(model)
         with warnings.catch_warnings():
             warnings.simplefilter("error", UserWarning)
-            plans[name] = autopar.plan(model, mesh, example, compare=False, mixed_precision="bf16")
+            plans[name] = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False),
+                                       mixed_precision="bf16")
     ours, theirs = plans["autopar"], plans["titan"]
     assert theirs.step_s == pytest.approx(ours.step_s, rel=0.02)
     assert theirs.memory_per_device == pytest.approx(ours.memory_per_device, rel=0.03)

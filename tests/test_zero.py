@@ -26,7 +26,8 @@ LAYOUT_OF_STAGE = {0: "data-parallel", 1: "zero1", 2: "zero2", 3: "zero3"}
 def _plan(spec, shape, names, layout, **kw):
     model, args, kwargs = build_case(spec)
     mesh = autopar.Mesh(shape, names, device="cpu")
-    return autopar.plan(model, mesh, args, example_kwargs=kwargs or None, compare=False, layout=layout, **kw)
+    return autopar.plan(model, mesh, args, example_kwargs=kwargs or None,
+                        solve=autopar.SolveOptions(compare=False, layout=layout), **kw)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -75,7 +76,7 @@ def test_mixed_precision_equals_one_device_under_the_same_policy(pool4, layout):
 def test_gradient_accumulation_under_zero_equals_the_whole_batch(pool4, layout):
     model, example, _ = build_case(("autopar", "gpt-tiny", (("batch", 16),)))
     mesh = autopar.Mesh((4,), ("dp",), device="h100")
-    plan = autopar.plan(model, mesh, example, compare=False, layout=layout)
+    plan = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False, layout=layout))
     result = pool4.run(accumulate_vs_whole_batch, plan.to_dict())[0]
     assert result["bucketed"] > 0
     assert result["worst"] <= 0, result
@@ -86,7 +87,7 @@ def test_random_plans_include_zero_states_and_train_like_one_device(pool4):
     spec = MODELS_ZERO["gpt-tiny"]
     model, args, _ = build_case(spec)
     mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="cpu")
-    plans = autopar.random_plans(model, mesh, args, seed=7, count=3)
+    plans = autopar.random_plans(model, mesh, args, seeds=range(7, 10))
     stages = {s.stage for p in plans for s in p.param_states.values()}
     assert stages >= {1, 2}
     assert any(s.offload for p in plans for s in p.param_states.values())

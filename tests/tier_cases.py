@@ -112,7 +112,7 @@ def disk_errors(spec: tuple, plan_dict: dict, blocked: str) -> dict:
         for name, directory in (("missing", None), ("blocked", os.path.join(blocked, "under-a-file"))):
             try:
                 autopar.compile(copy.deepcopy(model), plan.device_mesh(), args, example_kwargs=kwargs or None,
-                                plan=plan, offload_dir=directory)
+                                plan=plan, run=autopar.RunOptions(offload_dir=directory))
                 out[name] = None
             except Exception as exc:   # noqa: BLE001 (the test reads the message)
                 out[name] = f"{type(exc).__name__}: {exc}"

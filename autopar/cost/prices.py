@@ -74,7 +74,7 @@ def routing_imbalance(rows: int, ranks: int) -> float:
     hold equal shares of the experts: the maximum load of m balls in n bins, m/n +
     sqrt(2 (m/n) ln n) for m >> n ln n (Raab and Steger 1998), over m/n.  A dropless op
     runs as long as its busiest rank; a trained router is less even than random, which
-    `autopar.plan(moe_imbalance=...)` states."""
+    `autopar.Pricing(moe_imbalance=...)` states."""
     if ranks <= 1 or rows <= 0:
         return 1.0
     return 1.0 + math.sqrt(2.0 * ranks * math.log(ranks) / rows)

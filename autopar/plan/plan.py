@@ -207,7 +207,7 @@ class Plan:
             raise PlanFileError(f"plan file {path} was changed after it was saved (its checksum {checksum} does "
                                 f"not match its contents {plan.hash()}): a hand-edited placement or strategy can "
                                 f"make the passes produce wrong shapes. Fix the choice with autopar.plan(..., "
-                                f"layout=...) or memory_budget instead, or plan again")
+                                f"solve=SolveOptions(layout=...)) or memory_budget instead, or plan again")
         return plan
 
     # --- printing ---------------------------------------------------------------------------

@@ -13,9 +13,11 @@ import torch.distributed as dist
 
 from autopar.mesh import DeviceSpec, Mesh
 from autopar.models import build
-from autopar.solve.planner import plan
+from autopar.solve.planner import SolveOptions, plan
 
 from autopar.runtime.calibrate_timing import synchronize, timed
+
+QUICK = SolveOptions(compare=False)   # the step check's plans: no comparison table
 
 log = logging.getLogger("autopar")
 
@@ -100,7 +102,7 @@ def step_check(spec: DeviceSpec, device_type: str, repeats: int, quick: bool) ->
         got = [None]
         if dist.get_rank() == 0:
             try:
-                whole, work = (plan(model, Mesh((1,), ("dp",), device=d), example, compare=False).predicted.step_s
+                whole, work = (plan(model, Mesh((1,), ("dp",), device=d), example, solve=QUICK).predicted.step_s
                                for d in (spec, without_ops))
                 got[0] = (whole, work, (whole - work) / max(spec.op_latency, 1e-12))
             except Exception as exc:   # a planner bug must not lose the measurements: say so, unscaled

@@ -12,9 +12,7 @@ local shards.
 from __future__ import annotations
 
 import logging
-import math
 import os
-import numbers
 import time
 from dataclasses import replace
 
@@ -24,8 +22,8 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from autopar.cost.schedules import SPLIT_BACKWARD
-from autopar.solve.planner import plan as make_plan
-from autopar.plan.records import check_backend
+from autopar.solve.planner import Pricing, SolveOptions, plan as make_plan
+from autopar.deprecations import moved_keywords
 from autopar.mesh import Mesh
 from autopar.passes.redistribute import MeshGroups
 from autopar.plan.plan import Plan
@@ -33,13 +31,11 @@ from autopar.cost.precision import MixedPrecision
 
 from autopar.runtime.build import initial_shards, rank_graph
 from autopar.runtime.disk import OFFLOAD_DIR_ENV
-from autopar.runtime.faults import (
-    DEFAULT_TIMEOUT_S, CollectiveError, NonFiniteError, collectives_named, set_timeout)
-from autopar.runtime.inputs import CHECKED_CALLS, SAMPLE_EVERY
+from autopar.runtime.faults import CollectiveError, NonFiniteError, collectives_named, set_timeout
 from autopar.runtime.linear_grads import fold_linear_gradients, kept_nodes
 from autopar.runtime.join import UnevenInputs
 from autopar.runtime.model import CompiledModel
-from autopar.runtime.options import RunOptions
+from autopar.runtime.options import AUTO, RunOptions
 from autopar.runtime.pipelined import compile_pipelined
 from autopar.runtime.process import CompileError, device_mesh, device_of, ensure_process_group
 from autopar.runtime.recompute import apply_recompute
@@ -51,109 +47,48 @@ __all__ = ["compile", "CompiledModel", "CompileError", "UnevenInputs", "Collecti
 
 log = logging.getLogger("autopar")
 
-# compile(timeout=...)'s least value.  The timeout bounds every wait of a collective for its
-# slowest peer, compile's own included: setting up the gloo or NCCL groups of the mesh, and
-# waiting at compile's first collective for the ranks that trace the model more slowly,
-# take seconds.  Below a second nothing but a mistaken unit (milliseconds) is plausible.
-MIN_TIMEOUT_S = 1.0
-
-AUTO = "auto"   # compile(backend=...)'s default: auto_backend chooses
+# old keywords of compile() -> (the record keyword, its class, its field)
+COMPILE_MOVES = {k: ("run", RunOptions, k) for k in (
+    "timeout", "check_finite", "check_inputs", "check_inputs_every", "local_inputs", "bucket_mb",
+    "reshard_after_forward", "backend", "offload_dir")}
 
 
-def check_timeout(timeout) -> float:
-    """compile's `timeout` in seconds, or ValueError saying what it bounds and what to give."""
-    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not math.isfinite(timeout):
-        problem = "not a finite number of seconds"
-    elif timeout < MIN_TIMEOUT_S:
-        problem = f"under the least timeout, {MIN_TIMEOUT_S:g} s"
-    else:
-        return float(timeout)
-    raise ValueError(f"autopar.compile(timeout={timeout!r}): {problem}. The timeout bounds how long every collective "
-                     f"waits for the slowest rank, compile's own included (setting up the gloo or NCCL process "
-                     f"groups and waiting for ranks that trace the model more slowly take seconds); give "
-                     f"timeout=60 or more (the default is {DEFAULT_TIMEOUT_S:g})")
-
-
-def check_options(bucket_mb, check_inputs, check_inputs_every) -> None:
-    """compile's numeric options other than the timeout, or ValueError naming the option,
-    its value and what it may be."""
-    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, numbers.Real) or not math.isfinite(bucket_mb) \
-            or bucket_mb <= 0:
-        raise ValueError(f"autopar.compile(bucket_mb={bucket_mb!r}): the gradient bucket size must be a positive "
-                         f"number of MiB (25 is DDP's default; larger buckets mean fewer, later all-reduces)")
-    for name, value, what in (("check_inputs", check_inputs, "how many first calls compare every input's hash"),
-                              ("check_inputs_every", check_inputs_every,
-                               "after those, every how many calls one is compared")):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-            raise ValueError(f"autopar.compile({name}={value!r}): {what}; a whole number of at least 0 "
-                             f"(0 turns it off)")
-
-
+@moved_keywords("autopar.compile", COMPILE_MOVES)
 def compile(model: nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=None, plan=None,
-            memory_budget=None, seed: int | None = None, bucket_mb: float = 25.0,
-            local_inputs: bool = False, mixed_precision=None,
-            reshard_after_forward: bool = True, timeout: float = DEFAULT_TIMEOUT_S,
-            check_finite: bool = True, check_inputs: int = CHECKED_CALLS,
-            check_inputs_every: int = SAMPLE_EVERY, backend: str = "auto", offload_dir=None) -> "CompiledModel":
+            memory_budget=None, seed: int | None = None, mixed_precision=None,
+            run: RunOptions | None = None) -> "CompiledModel":
     """Compile `model` for `mesh` with `plan` (a Plan, a path to a saved one, or None to plan now).
 
     A model on the meta device is initialised shard by shard (with `seed` if given); a model
     on CPU is sliced.  Every rank must pass the same model, mesh, inputs and plan.
 
-    local_inputs: the compiled module takes each rank's own shard of every input (laid out
-    as `cm.input_layouts` says, see `cm.shard_inputs`) instead of the global batch.
+    memory_budget: with plan=None, the budget rank 0 plans for (as autopar.plan's).
 
     mixed_precision: an autopar.MixedPrecision (a plan made with one carries it too): the
     module computes in param_dtype, the optimizer keeps float32 master weights, gradients
     are summed in reduce_dtype.
 
-    reshard_after_forward: ZeRO-3 weights gathered for forward are dropped and gathered
-    again in backward (False: kept from forward to backward, one gather fewer).
-
-    timeout: seconds any collective may wait (every process group of the job, compile's
-    own included): a stalled rank ends every rank with a CollectiveError naming the
-    collective (autopar/runtime/faults.py).  check_finite: train_step raises NonFiniteError on
-    every rank when the loss or a gradient is NaN or infinite (one scalar all-reduce per
-    step); the user may switch it later as cm.check_finite.  check_inputs: during the first this
-    many calls the ranks compare a hash of their inputs (autopar/runtime/inputs.py): without
-    local_inputs every rank must pass the same global batch (0 turns it off).
-    check_inputs_every: after those calls, every this many-th call's inputs are compared by
-    a hash that rides in the step's NaN-check all-reduce (no extra collective where the
-    step makes that all-reduce; 0 turns it off).  timeout is at
-    least MIN_TIMEOUT_S (1 s): a minute or more leaves room for ranks that load data or
-    evaluate at different speeds.
-
-    backend: "eager" runs the rank's graph op by op; "inductor" compiles its compute
-    between collectives with torch.compile (autopar/runtime/inductor.py: regions compile on
-    the first step, a region Inductor cannot compile runs eagerly with a warning; results
-    match eager to float rounding, not bit for bit; under the split-backward schedules each
-    region's backward runs as two compiled passes, runtime/split_backward.py).  "auto" (the
-    default) takes Inductor on GPUs and eager on CPU ranks and for split-backward schedules
-    (auto_backend); cm.backend says which ran.
-
-    offload_dir: a directory on a local disk (NVMe) where a plan that keeps optimizer
-    states on disk writes them (autopar/runtime/disk.py): each rank makes its own
-    directory inside it, checked for room at compile and removed when the job ends.  A
-    plan without the disk tier ignores it.  Unset, the environment's AUTOPAR_OFFLOAD_DIR
-    is taken (a job script's one setting for every compile)."""
-    timeout = check_timeout(timeout)
-    check_backend(backend, auto=True, where="autopar.compile")
-    check_options(bucket_mb, check_inputs, check_inputs_every)
-    options = RunOptions(timeout_s=float(timeout), check_finite=bool(check_finite), compared_calls=int(check_inputs),
-                         sample_every=int(check_inputs_every), bucket_mb=bucket_mb,
-                         reshard_after_forward=reshard_after_forward, backend=backend,
-                         offload_dir=str(offload_dir) if offload_dir is not None else os.environ.get(OFFLOAD_DIR_ENV))
+    run: an autopar.RunOptions, how the compiled model runs: the collective timeout, the
+    finite and input checks, whether inputs are each rank's own shards (local_inputs), the
+    gradient bucket size, ZeRO-3's gathers in backward, the backend (eager, Inductor, or
+    "auto": Inductor on GPUs) and the disk tier's directory.  None: RunOptions()."""
+    options = run if run is not None else RunOptions()
+    if not isinstance(options, RunOptions):
+        raise TypeError(f"autopar.compile(run={run!r}): give an autopar.RunOptions(...) or None")
+    if options.offload_dir is None and os.environ.get(OFFLOAD_DIR_ENV):
+        options = replace(options, offload_dir=os.environ[OFFLOAD_DIR_ENV])
+    timeout = options.timeout
     ensure_process_group()
     set_timeout(timeout)
     with collectives_named("compile", timeout):
-        cm = _compile(model, mesh, example_inputs, example_kwargs, plan, memory_budget, seed, local_inputs,
-                      mixed_precision, options)
+        cm = _compile(model, mesh, example_inputs, example_kwargs, plan, memory_budget, seed, mixed_precision,
+                      options)
     set_timeout(timeout)   # (the groups compile made since)
     return cm
 
 
-def _compile(model, mesh, example_inputs, example_kwargs, plan, memory_budget, seed, local_inputs,
-             mixed_precision, options: RunOptions) -> "CompiledModel":
+def _compile(model, mesh, example_inputs, example_kwargs, plan, memory_budget, seed, mixed_precision,
+             options: RunOptions) -> "CompiledModel":
     start = time.perf_counter()
     world = dist.get_world_size()
     if world != mesh.size:
@@ -178,9 +113,10 @@ def _compile(model, mesh, example_inputs, example_kwargs, plan, memory_budget, s
     if mixed_precision is not None and precision != mixed_precision:
         raise CompileError(f"the plan was made for {precision or 'full precision'}, not {mixed_precision}; "
                            f"plan with mixed_precision={mixed_precision!r} or compile without it")
+    local_inputs = options.local_inputs
     if pipelined and local_inputs:
         raise CompileError("a pipelined plan takes the global batch (its schedule splits it into microbatches); "
-                           "compile it without local_inputs=True")
+                           "compile it without RunOptions(local_inputs=True)")
     if not pipelined and (plan.mesh.shape != mesh.shape or plan.mesh.axis_names != mesh.axis_names):
         raise CompileError(f"the plan was made for mesh {plan.mesh.shape} {plan.mesh.axis_names}, "
                            f"not {mesh.shape} {mesh.axis_names}; plan again for this mesh")
@@ -245,8 +181,8 @@ def _plan_once(model, mesh: Mesh, example_inputs, example_kwargs, memory_budget,
     if dist.get_rank() == 0:
         try:
             made = [make_plan(model, mesh, example_inputs, example_kwargs=example_kwargs,
-                                 memory_budget=memory_budget, compare=False,
-                                 mixed_precision=mixed_precision, backend=backend).to_dict()]
+                              memory_budget=memory_budget, mixed_precision=mixed_precision,
+                              pricing=Pricing(backend=backend), solve=SolveOptions(compare=False)).to_dict()]
         except Exception as exc:  # every rank must leave the broadcast below
             made = [f"{type(exc).__name__}: {exc}"]
             dist.broadcast_object_list(made, src=0)

@@ -49,8 +49,8 @@ def check_directory(directory, need: float, local_ranks: int) -> Path:
     of `local_ranks` ranks; CompileError saying what to change otherwise."""
     if directory is None:
         raise CompileError(f"the plan keeps optimizer states on disk ({need / 2**30:.2f} GiB on this rank): pass "
-                           f"autopar.compile(..., offload_dir=...) naming a directory on a local disk (NVMe) "
-                           f"(or set {OFFLOAD_DIR_ENV}), or plan without the disk tier (a larger memory_budget, "
+                           f"autopar.compile(..., run=autopar.RunOptions(offload_dir=...)) naming a directory on a "
+                           f"local disk (NVMe) (or set {OFFLOAD_DIR_ENV}), or plan without the disk tier (a larger memory_budget, "
                            f"or more devices)")
     path = Path(directory).expanduser()
     try:

@@ -36,7 +36,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from autopar.runtime.grad_norms import local_grads
 
-DEFAULT_TIMEOUT_S = 600.0   # compile(timeout=...)'s default: torch's gloo default is 30 minutes
+DEFAULT_TIMEOUT_S = 600.0   # RunOptions(timeout=...)'s default: torch's gloo default is 30 minutes
 
 _TIMED_OUT = ("timed out", "timeout", "deadline exceeded")
 _PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe", "socket closed")
@@ -105,8 +105,8 @@ def collectives_named(what: str, timeout_s: float | None):
                      "torchrun's report of its exit code, says why")
         else:
             cause = (f"no answer within the collective timeout of {limit}: another rank stalled or died. Raise "
-                     f"autopar.compile(..., timeout=seconds) if a rank is legitimately slow (a long "
-                     f"checkpoint or evaluation on one rank), else look for the rank that stalled")
+                     f"autopar.compile(..., run=autopar.RunOptions(timeout=seconds)) if a rank is legitimately slow "
+                     f"(a long checkpoint or evaluation on one rank), else look for the rank that stalled")
         raise CollectiveError(
             f"rank {dist.get_rank()}: {_collective_of(exc)} failed during {what}: {cause}. Every rank of the "
             f"job stops; torchrun --max-restarts starts it again (resume from autopar.checkpoint.latest). "
@@ -191,7 +191,7 @@ def check_step(model, loss: torch.Tensor, step: int, finite: bool = True, sample
         f"step {step}: the loss is {what} and {where} (non-finite values seen on rank(s) {_ranks(seen_on)} of "
         f"{world}). The optimizer has not stepped: skip this batch (opt.zero_grad() and go on), lower the learning "
         f"rate or look for the cause (a log of 0, a division by a zero norm, fp16 overflow). "
-        f"compile(..., check_finite=False) turns this check off")
+        f"compile(..., run=RunOptions(check_finite=False)) turns this check off")
 
 
 def _ranks(ranks: list) -> str:

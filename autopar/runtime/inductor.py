@@ -1,4 +1,4 @@
-"""compile(backend="inductor"): each rank's graph run as Inductor-compiled regions.
+"""compile(run=RunOptions(backend="inductor")): each rank's graph run as Inductor-compiled regions.
 
 After every pass, the rank's graph is copied and the plan's moves of activations (every
 move whose tensor does not come straight from a placeholder) are rewritten as functional

@@ -184,7 +184,7 @@ class InputCheck:
         self.layouts = layouts
         self.batch_scale = batch_scale
         self.calls = 0
-        self.compared_calls = int(compared_calls)   # compile(check_inputs=...): calls whose inputs ranks compare
+        self.compared_calls = int(compared_calls)   # RunOptions(check_inputs=...): calls whose inputs ranks compare
         self.sample_every = int(sample_every)       # after those, every this many-th call compared by its hashes
         self.pending: InputSample | None = None   # a sampled call's hashes, for the step's reduction
         self._folding = False
@@ -335,8 +335,8 @@ class InputCheck:
                     f"rank {rank} passed a different input {e.name!r} than rank 0 on call {call} ({_brief(b)} vs "
                     f"{_brief(every[0][1][k])}){also}.{later} autopar takes the same global batch on every rank; "
                     f"to give each rank its own part (the DistributedDataParallel habit), compile with "
-                    f"local_inputs=True and pass the rank's piece laid out as cm.input_layouts says "
-                    f"(cm.shard_inputs cuts it from a global batch)")
+                    f"run=autopar.RunOptions(local_inputs=True) and pass the rank's piece laid out as "
+                    f"cm.input_layouts says (cm.shard_inputs cuts it from a global batch)")
             raise InputError(
                 f"ranks {base} and {rank} hold the same piece of input {e.name!r} (layout {_layout(layout)}: split "
                 f"only over mesh axes {split}) but passed {_brief(every[base][1][k])} and {_brief(b)} on call "

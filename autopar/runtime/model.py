@@ -6,7 +6,7 @@ layouts, buffers, names, process groups), the feed of the graph's placeholders
 (runtime/runner.GraphIO) and the gradient synchronisation (runtime/grad_sync.GradSync),
 all built before the model and handed to it whole.  How a step runs is its runner's:
 runtime/runner.GraphRunner runs the per-rank graph that runtime/build.py made (forward on
-the global batch, or on this rank's shards with local_inputs=True),
+the global batch, or on this rank's shards with run=RunOptions(local_inputs=True)),
 runtime/pipelined.PipelineRunner this rank's pipeline stages under the plan's schedule.
 
 The rest of its public methods are one-line doors to the modules that own each concern,
@@ -70,10 +70,10 @@ class CompiledModel(nn.Module):
         self.zero_grad_chunks = state.zero_grads
         self.modes = rewritten.modes
         self.streams = rewritten.streams
-        self.input_layouts = rewritten.input_layouts  # compile(local_inputs=True): each input's layout
+        self.input_layouts = rewritten.input_layouts  # RunOptions(local_inputs=True): each input's layout
         self.graph_module = rewritten.graph.to(state.device)
         self.bucket_bytes = options.bucket_bytes
-        self.timeout_s = options.timeout_s        # the collective timeout errors name
+        self.timeout_s = options.timeout        # the collective timeout errors name
         self.check_finite = options.check_finite  # runtime/faults.check_step (the user may switch it)
         self.backend = options.backend            # how the runner runs the graph (runtime/inductor.py)
         self.steps = 0                            # train_step calls so far (errors name the step)
@@ -102,7 +102,7 @@ class CompiledModel(nn.Module):
 
     def forward(self, *args, **kwargs):
         """Forward on the global batch (every rank passes the same full inputs), or on this
-        rank's shards when compiled with local_inputs=True.  A pipelined plan returns the
+        rank's shards when compiled with run=RunOptions(local_inputs=True).  A pipelined plan returns the
         batch's loss on every rank (its stages' forward passes only).  Also takes what
         `shard_inputs` returns, whole or star-unpacked (runtime/inputs.ShardedInputs)."""
         args, kwargs = unpack_sharded(args, kwargs)
@@ -118,12 +118,13 @@ class CompiledModel(nn.Module):
         return self.runner.gather_counts()
 
     def shard_inputs(self, *args, **kwargs):
-        """This rank's shards of global inputs, for a module compiled with local_inputs=True:
-        a ShardedInputs (autopar/runtime/inputs.py), the pair `args, kwargs` of the shards, which
+        """This rank's shards of global inputs, for a module compiled with
+        run=RunOptions(local_inputs=True): a ShardedInputs (autopar/runtime/inputs.py), the
+        pair `args, kwargs` of the shards, which
         train_step and forward also take as it is (`cm.train_step(*cm.shard_inputs(*batch))`)."""
         if self.input_layouts is None:
-            raise CompileError("shard_inputs is for modules compiled with local_inputs=True; this one takes "
-                               "the global batch as it is")
+            raise CompileError("shard_inputs is for modules compiled with run=RunOptions(local_inputs=True); this "
+                               "one takes the global batch as it is")
         flat, spec = pytree.tree_flatten((args, kwargs))
         tensors = iter(self.input_layouts)
         out = [redistribute_local(t, tuple(Replicate() for _ in layout), layout, self.groups)

@@ -96,8 +96,8 @@ def graph_io(rewritten, groups, options: RunOptions, batch_scale: int = 1) -> Gr
             order.append(("buffer", param_key(traced.buffers[node.target])))
         else:
             order.append(("input", None))
-    check = InputCheck(rewritten.inputs, groups, batch_scale, rewritten.input_layouts, options.compared_calls,
-                       options.sample_every)
+    check = InputCheck(rewritten.inputs, groups, batch_scale, rewritten.input_layouts, options.check_inputs,
+                       options.check_inputs_every)
     return GraphIO(order, [n.target for n in gm.graph.nodes if n.op == "placeholder"], traced.in_spec,
                    traced.out_spec, rewritten.output_reduce, check)
 

@@ -263,7 +263,8 @@ def _solve_within(solver, model, time_limit: float):
     while status == cp_model.UNKNOWN and limit < max(16 * time_limit, 4.0):
         limit = max(2 * limit, 0.25)
         log.warning("the ILP found no assignment within time_limit=%g s (deterministic); searching on to %g s. "
-                    "Raise time_limit (autopar.plan(..., time_limit=...)) to skip this", time_limit, limit)
+                    "Raise the time limit (autopar.plan(..., solve=SolveOptions(time_limit=...))) to skip this",
+                    time_limit, limit)
         solver.parameters.max_deterministic_time = limit
         status = solver.Solve(model)
     if status == cp_model.UNKNOWN:

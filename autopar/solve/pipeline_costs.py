@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from autopar.placements import local_numel
 from autopar.mesh import Mesh
@@ -117,7 +117,7 @@ def stage_problem(model, mesh, example_inputs, example_kwargs, mixed_precision, 
     once per step."""
     sub = Mesh(sub_shape, mesh.axis_names, device=mesh.device, bandwidth=mesh.bandwidth, latency=mesh.latency)
     batch = batch_size(example_inputs, example_kwargs)
-    pricing = (pricing or Pricing())._replace(accumulation=max(batch // mb_size, 1))
+    pricing = replace(pricing or Pricing(), accumulation=max(batch // mb_size, 1))
     args, kwargs = first_microbatch((tuple(example_inputs), example_kwargs), batch, mb_size)
     return build_problem(model, sub, args, kwargs, mixed_precision, tuple(sub_shape) == tuple(mesh.shape),
                          pricing, pipelined=True)
@@ -178,7 +178,7 @@ def layer_costs(built: Built, model, options: SolveOptions, modes=("none",), lay
     """Plan the built problem by its summed optimum (Built.summed: the stage costs below add
     up the plan's seconds, so that is the plan they price best) and split the plan's costs
     per repeated layer; None when nothing fits.  With `layout` (a hand-written layout the
-    stages are forced into: plan(layout=..., pipeline=...)) the stage is planned in that
+    stages are forced into: plan(solve=SolveOptions(layout=...), pipeline=...)) the stage is planned in that
     layout alone, so the search prices, cuts and checks the memory of the stages that will
     run; None where the candidate's sub-mesh has no such layout.  Under a recompute mode (every repeated
     layer alike) a layer keeps what recompute.ModeCosts says, its backward runs again the

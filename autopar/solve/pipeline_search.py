@@ -77,7 +77,7 @@ def search(model, mesh, example_inputs, example_kwargs=None, *, memory_budget=No
     mixed_precision: an autopar.MixedPrecision the stages are costed under; recompute: the
     recomputation policy of every repeated layer (None: the fastest of none, selective, full and
     activation offload to host memory that fits); layout: the hand-written layout the
-    stages are planned in (plan(layout=...)), which the search then prices (None: each
+    stages are planned in (SolveOptions(layout=...)), which the search then prices (None: each
     candidate's free plan, or Megatron-SP where that fits better).
     options.workers: processes that cost candidates at once; each costs whole microbatch
     sizes (one trace each), and the result is the same for any count."""

@@ -4,15 +4,18 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import inspect
 import logging
 import random
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
 
 from autopar.cost.precision import MixedPrecision
+from autopar.deprecations import REMOVED_IN, AutoparDeprecationWarning, moved_keywords
 from autopar.mesh import Mesh, parse_bytes
 from autopar.plan.plan import ParamState, Plan, SolverStats, Timing
 from autopar.solve.assemble import assemble
@@ -25,7 +28,6 @@ from autopar.solve.overlap import solve_problem, step_lower_bound
 from autopar.solve.pipeline_options import Pipeline
 from autopar.solve.pipeline_costs import stage_problem
 from autopar.solve.pipeline_search import search
-from autopar.plan.records import check_backend
 from autopar.solve.pricing import Pricing
 from autopar.solve.problem import Problem
 from autopar.solve.recompute import check_mode, recompute_record
@@ -44,115 +46,108 @@ log = logging.getLogger("autopar")
 class Request:
     """What autopar.plan (or autopar.random_plans) was asked, read once: the model's example
     inputs (the global batch), the memory budget in bytes per device (None: the device's
-    memory), whether to compare the hand-written layouts, how to solve (SolveOptions), the
-    layout to stay within, the precision, the pipeline (None: no search; an
-    autopar.Pipeline, possibly empty: its fixed fields), the recomputation policy, and the
-    random seeds (None: the best plan, not random ones)."""
+    memory), how to search (SolveOptions: time limit, workers, comparison, layout), the
+    precision, the pipeline (None: no search; an autopar.Pipeline, possibly empty: its fixed
+    fields), the recomputation policy, what the step is priced for (Pricing, its MoE
+    imbalance measured where asked) and the random seeds (None: the best plan)."""
 
     example_inputs: tuple
     example_kwargs: dict | None
     budget: float | None
-    compare: bool
     options: SolveOptions
-    layout: str | None
     mixed_precision: MixedPrecision | None
     pipeline: Pipeline | None
     searched: bool            # pipeline=True: the search may also answer "no pipeline"
     recompute: str | None
+    pricing: Pricing
     seeds: tuple | None = None
-    moe_imbalance: float | dict | None = None   # a number, or measured: {ways: factor}
-    backend: str = "eager"                      # what the plan is priced for (Problem's Pricing)
-    accumulation: int = 1                       # micro-steps per optimizer step (Problem's Pricing)
-    tp_overlap: bool = True                     # TP collectives beside their GEMMs (Problem's Pricing)
 
     @property
-    def pricing(self) -> Pricing:
-        return Pricing(self.moe_imbalance, self.backend, self.accumulation, self.tp_overlap)
+    def compare(self) -> bool:
+        return self.options.compare
+
+    @property
+    def layout(self) -> str | None:
+        return self.options.layout
 
 
-def plan(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=None,
-         memory_budget=None, compare: bool = True, time_limit: float = 60.0, workers: int | None = None,
-         layout: str | None = None, mixed_precision=None, pipeline=False, recompute=None,
-         moe_imbalance: float | str | None = None, backend: str = "eager", accumulation: int = 1,
-         tp_overlap: bool = True) -> Plan:
+# old keywords of plan() and random_plans() -> (the record keyword, its class, its field)
+PLAN_MOVES = {**{k: ("solve", SolveOptions, k) for k in ("compare", "time_limit", "workers", "layout")},
+              **{k: ("pricing", Pricing, k) for k in ("backend", "accumulation", "tp_overlap", "moe_imbalance")}}
+
+
+@moved_keywords("autopar.plan", PLAN_MOVES)
+def plan(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, example_kwargs=None, memory_budget=None,
+         mixed_precision=None, pipeline=False, recompute=None, pricing: Pricing | None = None,
+         solve: SolveOptions | None = None) -> Plan:
     """Choose a sharding for every node of `model` on `mesh`.
 
     example_inputs: tensors (real, fake or meta) of the global batch, as the model's forward
-    takes them.  memory_budget: bytes per device ('70GiB' works); None means the device's
-    memory.  compare: also cost the hand-written layouts (data parallel, ZeRO-3, Megatron).
-    time_limit: CP-SAT's deterministic seconds per ILP; workers: processes that plan at
-    once (None: $AUTOPAR_WORKERS, else the cores this process may use; the plan is the same
-    for any number).
-    layout: instead of the best plan, the best plan within one hand-written layout (a name
-    from `autopar.solve.layouts.layouts(mesh)`, e.g. "data-parallel").
+    takes them (example_kwargs: its keyword inputs).  memory_budget: bytes per device
+    ('70GiB' works); None means the device's memory.
     mixed_precision: an autopar.MixedPrecision (or "bf16", "fp16", a torch dtype); costs and
     memory are then those of the low-precision compute with float32 master weights.
     pipeline: True to also search pipeline stages (autopar.solve.pipeline_search): when cutting
     the model into stages is faster, the plan returned is each stage's plan on its sub-mesh
     for one microbatch, and `plan.pipeline` says how many stages, where they are cut, the
     schedule and the microbatch count.  An autopar.Pipeline fixes some of those (axis,
-    groups, schedule, microbatches, virtual) and always pipelines; `layout` then applies to
-    the stages' plan.
+    groups, schedule, microbatches, virtual) and always pipelines.
     recompute: None lets the ILP choose activation recomputation per set of identical
     layers (autopar/solve/recompute.py) when the budget needs it; "none", "selective" or "full"
     forces that policy on every repeated layer (for comparisons).  With pipeline=..., the
     search picks one policy for every layer of the stages (the fastest that fits).
-    backend: what the plan is priced for: "eager" (every op reads, writes and launches on
-    its own) or "inductor" (compile(backend="inductor"): chains of memory-bound ops priced
-    as one fused kernel, views and fused ops issuing nothing on the host; plan.backend says
-    which).
-    accumulation: micro-steps per optimizer step, for a job that accumulates gradients
-    (`with cm.no_sync():` around all but the last micro-step's backward); example_inputs
-    are then one micro-step's batch.  The optimizer step, ZeRO-1/2's gathers after it and
-    the gradient reductions run once per step, so each micro-step is charged 1/accumulation
-    of them (a layout that shards optimizer states or reduces more costs less, per
-    micro-step, than it does at 1), and a ZeRO-2 rank holds its whole local gradient
-    between micro-steps.  The predicted step is one micro-step's; plan.accumulation says
-    what it was priced for.  Not with pipeline stages, whose microbatches accumulate
-    already (Pipeline(microbatches=...)).
-    tp_overlap: True (the default) runs tensor-parallel collectives beside the GEMMs of
-    their linears (an input gradient's collective while the weight gradient computes, a
-    row-parallel output's in pieces; autopar/runtime/linear_grads.py) and prices what that
-    hides on GPUs; False runs and prices them whole (plan.tp_overlap says which; compile
-    follows the plan).
-    moe_imbalance: for mixture-of-experts models, the busiest expert-holding rank's routed
-    rows over the mean (dropless experts run as long as their busiest rank; a trained
-    router is seldom even); "measured" runs the model once on the example batch (real
-    tensors) and prices each split by the load its ranks would see
-    (autopar.trace.experts.measure_routing); None prices uniformly random routing
-    (autopar.cost.prices.routing_imbalance: close to 1 for large batches).
+    pricing: an autopar.Pricing, what the step is priced for and runs as: the backend
+    ("eager" or "inductor"), gradient accumulation, tensor-parallel overlap, MoE routing
+    imbalance (plan.backend, plan.accumulation, plan.tp_overlap record it).
+    solve: an autopar.SolveOptions, how to search: the ILP's time limit, worker processes,
+    whether to also solve the hand-written layouts (plan.compare), and optionally one
+    hand-written layout to stay within.
     Random valid plans, for testing the passes: autopar.random_plans.
     """
-    moe_imbalance = _measured(model, moe_imbalance, example_inputs, example_kwargs)
-    request = _request(example_inputs, example_kwargs, memory_budget, compare, time_limit, workers, layout,
-                       mixed_precision, pipeline, recompute, None, moe_imbalance, backend, accumulation, tp_overlap)
+    request = _request(model, example_inputs, example_kwargs, memory_budget, mixed_precision, pipeline, recompute,
+                       pricing, solve, None)
     with _collector_spared():
         return _warned(_plan(model, mesh, request))[0]
 
 
-def random_plans(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, seed: int = 0, count: int = 1,
-                 seeds=None, example_kwargs=None, memory_budget=None, compare: bool = True,
-                 time_limit: float = 60.0, workers: int | None = None, layout: str | None = None,
-                 mixed_precision=None, pipeline=False, recompute=None,
-                 moe_imbalance: float | str | None = None, backend: str = "eager",
-                 accumulation: int = 1, tp_overlap: bool = True) -> list[Plan]:
-    """`count` random valid plans of `model` on `mesh`, drawn with seeds seed, seed + 1, ...
-    (or with `seeds`, when given): every node's strategy drawn uniformly from its menu (from
-    what `layout` allows of it, when one is named), for testing the passes; each plan's
-    origin is "random:<seed>".  The model is traced and costed once.  The other arguments
-    are autopar.plan's; with pipeline=..., the stages are searched as plan() does and one
-    seed draws the stages' plan (count 1)."""
-    drawn = tuple(seeds) if seeds is not None else tuple(range(seed, seed + count))
-    if not drawn:
-        raise ValueError("random_plans: count must be at least 1 (or seeds non-empty)")
-    if pipeline is not False and len(drawn) != 1:
+REQUEST_KEYWORDS = tuple(p.name for p in inspect.signature(plan).parameters.values() if p.kind is p.KEYWORD_ONLY)
+
+
+@moved_keywords("autopar.random_plans", PLAN_MOVES)
+def random_plans(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, seeds=(0,), **request) -> list[Plan]:
+    """Random valid plans of `model` on `mesh`, one per seed in `seeds`: every node's strategy
+    drawn uniformly from its menu (from what SolveOptions(layout=...) allows of it, when one
+    is named), for testing the passes; each plan's origin is "random:<seed>".  The model is
+    traced and costed once.  `request`: autopar.plan's keywords (REQUEST_KEYWORDS), meaning
+    what they mean there; with pipeline=..., the stages are searched as plan() does and the
+    one seed draws the stages' plan."""
+    drawn = _seeds(seeds, request)
+    unknown = sorted(set(request) - set(REQUEST_KEYWORDS))
+    if unknown:
+        raise TypeError(f"autopar.random_plans got {', '.join(k + '=' for k in unknown)}: it takes seeds= and "
+                        f"autopar.plan's keywords ({', '.join(REQUEST_KEYWORDS)})")
+    if request.get("pipeline", False) is not False and len(drawn) != 1:
         raise ValueError(f"random_plans with pipeline=... draws one plan of the stages, not {len(drawn)}: "
-                         f"pass count=1 (or one seed)")
-    moe_imbalance = _measured(model, moe_imbalance, example_inputs, example_kwargs)
-    request = _request(example_inputs, example_kwargs, memory_budget, compare, time_limit, workers, layout,
-                       mixed_precision, pipeline, recompute, drawn, moe_imbalance, backend, accumulation, tp_overlap)
+                         f"pass one seed")
+    args = {k: request.get(k, p.default) for k, p in inspect.signature(plan).parameters.items()
+            if k in REQUEST_KEYWORDS}
+    built = _request(model, example_inputs, seeds=drawn, **args)
     with _collector_spared():
-        return _warned(_plan(model, mesh, request))
+        return _warned(_plan(model, mesh, built))
+
+
+def _seeds(seeds, request: dict) -> tuple:
+    """random_plans' seeds, from seeds= or the old seed=/count= (deprecated: they fold into
+    seeds=range(seed, seed + count)), checked non-empty."""
+    if "seed" in request or "count" in request:
+        start, count = request.pop("seed", 0), request.pop("count", 1)
+        warnings.warn(f"autopar.random_plans(seed=, count=) is deprecated and goes in release {REMOVED_IN}: pass "
+                      f"seeds=range({start}, {start + count})", AutoparDeprecationWarning, stacklevel=4)
+        seeds = range(start, start + count)
+    drawn = tuple(seeds)
+    if not drawn:
+        raise ValueError("autopar.random_plans: seeds= is empty; give at least one seed")
+    return drawn
 
 
 def _warned(plans: list) -> list:
@@ -163,39 +158,26 @@ def _warned(plans: list) -> list:
     return plans
 
 
-def _measured(model, moe_imbalance, example_inputs, example_kwargs):
-    """moe_imbalance="measured": {experts' ways: busiest rank over the mean} of the sample batch."""
-    if not (isinstance(moe_imbalance, str) and moe_imbalance == "measured"):
-        return moe_imbalance
-    return measure_routing(model, tuple(example_inputs), dict(example_kwargs or {}))
-
-
-def _request(example_inputs, example_kwargs, memory_budget, compare, time_limit, workers, layout, mixed_precision,
-             pipeline, recompute, seeds, moe_imbalance=None, backend="eager", accumulation=1,
-             tp_overlap=True) -> Request:
+def _request(model, example_inputs, example_kwargs=None, memory_budget=None, mixed_precision=None, pipeline=False,
+             recompute=None, pricing=None, solve=None, seeds=None) -> Request:
+    """The request plan() and random_plans() were given, checked, with "measured" MoE
+    imbalance measured on the example batch."""
     budget = parse_bytes(memory_budget, "memory_budget") if memory_budget is not None else None
-    if not isinstance(tp_overlap, bool):
-        raise ValueError(f"tp_overlap={tp_overlap!r}: True runs tensor-parallel collectives beside their GEMMs "
-                         f"(and prices it), False runs them whole")
-    if isinstance(accumulation, bool) or not isinstance(accumulation, int) or accumulation < 1:
-        raise ValueError(f"accumulation={accumulation!r}: give the micro-steps per optimizer step as a whole number "
-                         f"of at least 1 (1: every step reduces gradients and steps the optimizer)")
-    if accumulation > 1 and not (pipeline is False or pipeline is None):
-        raise ValueError(f"accumulation={accumulation} with pipeline=...: a pipelined step already accumulates over "
-                         f"its microbatches; give the count as autopar.Pipeline(microbatches=...) instead")
-    if isinstance(moe_imbalance, dict):   # measured per number of expert-holding ranks
-        moe_imbalance = dict(sorted(moe_imbalance.items()))
-    elif moe_imbalance is not None:
-        if isinstance(moe_imbalance, bool) or not isinstance(moe_imbalance, (int, float)) or not moe_imbalance >= 1:
-            raise ValueError(f"moe_imbalance={moe_imbalance!r}: give the busiest expert rank's load over the mean "
-                             f"load as a number of at least 1 (1.0: perfectly balanced routing; 1.5: the busiest "
-                             f"rank gets half again its share), \"measured\" to measure it on the example batch, "
-                             f"or None for uniformly random routing")
-        moe_imbalance = float(moe_imbalance)
-    return Request(example_inputs, example_kwargs, budget, compare, SolveOptions(time_limit, workers), layout,
-                   MixedPrecision.of(mixed_precision), None if pipeline is False or pipeline is None
-                   else (Pipeline() if pipeline is True else pipeline), pipeline is True, check_mode(recompute),
-                   seeds, moe_imbalance, check_backend(backend), accumulation, tp_overlap)
+    pricing = pricing if pricing is not None else Pricing()
+    solve = solve if solve is not None else SolveOptions()
+    for name, value, cls in (("pricing", pricing, Pricing), ("solve", solve, SolveOptions)):
+        if not isinstance(value, cls):
+            raise TypeError(f"autopar.plan({name}={value!r}): give an autopar.{cls.__name__}(...) or None")
+    if pricing.accumulation > 1 and not (pipeline is False or pipeline is None):
+        raise ValueError(f"Pricing(accumulation={pricing.accumulation}) with pipeline=...: a pipelined step already "
+                         f"accumulates over its microbatches; give the count as autopar.Pipeline(microbatches=...) "
+                         f"instead")
+    if isinstance(pricing.moe_imbalance, str):   # "measured": {experts' ways: busiest rank over the mean}
+        pricing = dataclasses.replace(pricing, moe_imbalance=measure_routing(model, tuple(example_inputs),
+                                                                             dict(example_kwargs or {})))
+    return Request(example_inputs, example_kwargs, budget, solve, MixedPrecision.of(mixed_precision),
+                   None if pipeline is False or pipeline is None else (Pipeline() if pipeline is True else pipeline),
+                   pipeline is True, check_mode(recompute), pricing, seeds)
 
 
 def _plan(model, mesh, request: Request) -> list[Plan]:

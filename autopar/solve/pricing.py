@@ -2,31 +2,56 @@
 a problem and its pieces remember what they derive (Remembered)."""
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import NamedTuple
+from dataclasses import dataclass, replace
 
 from autopar.cost import prices as C
 from autopar.mesh import Mesh
+from autopar.plan.records import check_backend
 
 
-class Pricing(NamedTuple):
-    """What a problem is priced for beyond the model and mesh: moe_imbalance, the busiest
-    expert rank's load over the mean (a number, or {ways: factor} measured; None: uniformly
-    random routing, C.routing_imbalance), the backend the plan runs under ("inductor":
-    chains of memory-bound ops priced as fused, see autopar/solve/fusion.py), and the
-    micro-steps that accumulate gradients for each optimizer step (`cm.no_sync()` around all
-    but the last): what runs once per step, the optimizer step, ZeRO-1/2's gathers after it
-    and the bucketed gradient reductions (grad_sync's all-reduces and ZeRO-2
-    reduce-scatters), is priced at 1/accumulation of its seconds per micro-step, and a
-    ZeRO-2 parameter keeps its whole local gradient between micro-steps (`once`).
-    tp_overlap: whether the runtime runs tensor-parallel collectives beside their GEMMs
-    (runtime/linear_grads.py; False: priced whole, as a runtime without that overlap runs
-    them)."""
+@dataclass(frozen=True, kw_only=True)
+class Pricing:
+    """What a plan's step is priced for beyond the model and mesh (autopar.plan(pricing=...);
+    the plan records it, and compile runs the step so):
 
-    moe_imbalance: float | dict | None = None
+    backend: "eager" (every op reads, writes and launches on its own) or "inductor"
+    (compile(run=RunOptions(backend="inductor")): chains of memory-bound ops priced as one
+    fused kernel, autopar/solve/fusion.py; views and fused ops issue nothing on the host).
+
+    accumulation: micro-steps per optimizer step, for a job that accumulates gradients
+    (`with cm.no_sync():` around all but the last micro-step's backward; the example inputs
+    are one micro-step's batch).  What runs once per step, the optimizer step, ZeRO-1/2's
+    gathers after it and the bucketed gradient reductions, is priced at 1/accumulation of
+    its seconds per micro-step, and a ZeRO-2 parameter keeps its whole local gradient
+    between micro-steps (`once`).  Not with pipeline stages, whose microbatches accumulate
+    already (Pipeline(microbatches=...)).
+
+    tp_overlap: True runs tensor-parallel collectives beside the GEMMs of their linears
+    (runtime/linear_grads.py) and prices what that hides on GPUs; False runs and prices them
+    whole.
+
+    moe_imbalance: for mixture-of-experts models, the busiest expert-holding rank's routed
+    rows over the mean (dropless experts run as long as their busiest rank); "measured"
+    runs the model once on the example batch (real tensors) and prices each split by the
+    load its ranks would see (the planner turns it into {ways: factor},
+    autopar.trace.experts.measure_routing); None prices uniformly random routing
+    (autopar.cost.prices.routing_imbalance: close to 1 for large batches)."""
+
     backend: str = "eager"
     accumulation: int = 1
     tp_overlap: bool = True
+    moe_imbalance: float | dict | str | None = None
+
+    def __post_init__(self):
+        check_backend(self.backend, where="autopar.Pricing")
+        if not isinstance(self.tp_overlap, bool):
+            raise ValueError(f"autopar.Pricing(tp_overlap={self.tp_overlap!r}): True runs tensor-parallel collectives "
+                             f"beside their GEMMs (and prices it), False runs them whole")
+        acc = self.accumulation
+        if isinstance(acc, bool) or not isinstance(acc, int) or acc < 1:
+            raise ValueError(f"autopar.Pricing(accumulation={acc!r}): give the micro-steps per optimizer step as a "
+                             f"whole number of at least 1 (1: every step reduces gradients and steps the optimizer)")
+        object.__setattr__(self, "moe_imbalance", _checked_imbalance(self.moe_imbalance))
 
     @property
     def once(self) -> float:
@@ -65,3 +90,18 @@ class Remembered:
         """C.redistribute on this problem's mesh, remembered."""
         return self("redistribution", (shape, itemsize, src, dst),
                     lambda: C.redistribute(shape, itemsize, src, dst, self.mesh))
+
+
+def _checked_imbalance(value):
+    """Pricing.moe_imbalance as a float, a {ways: factor} table sorted by ways, "measured"
+    or None; a ValueError for anything else."""
+    if isinstance(value, dict):   # measured per number of expert-holding ranks
+        return dict(sorted(value.items()))
+    if value is None or (isinstance(value, str) and value == "measured"):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 1:
+        raise ValueError(f"autopar.Pricing(moe_imbalance={value!r}): give the busiest expert rank's load over the "
+                         f"mean load as a number of at least 1 (1.0: perfectly balanced routing; 1.5: the busiest "
+                         f"rank gets half again its share), \"measured\" to measure it on the example batch, or "
+                         f"None for uniformly random routing")
+    return float(value)

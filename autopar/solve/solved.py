@@ -4,22 +4,48 @@ choice itself (Assignment: a strategy per node and the layers it recomputes).
 """
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 from autopar.solve.ilp import Solution
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SolveOptions:
-    """How hard and on how many cores to solve, given once at the face (autopar.plan) and
-    passed down whole.  time_limit: CP-SAT's deterministic seconds per ILP (the search is
-    stopped by deterministic time, so the same inputs give the same plan); workers:
-    processes that solve recompute assignments and cost pipeline candidates at once (None:
-    $AUTOPAR_WORKERS, else the cores this process may use; autopar/solve/forked.py).  The
-    plan is the same for any number of workers."""
+    """How to search for the plan (autopar.plan(solve=...)), passed down whole.
+
+    time_limit: CP-SAT's deterministic seconds per ILP (the search is stopped by
+    deterministic time, so the same inputs give the same plan; a search that runs out is
+    given longer, autopar/solve/ilp.py).  workers: processes that solve recompute
+    assignments and cost pipeline candidates at once (None: $AUTOPAR_WORKERS, else the
+    cores this process may use; autopar/solve/forked.py); the plan is the same for any
+    number.  compare: also solve within each hand-written layout (data parallel, ZeRO-3,
+    Megatron, ...) for the plan's comparison table (plan.compare); False skips those ILPs.
+    layout: instead of the best plan, the best plan within one hand-written layout (a name
+    from `autopar.solve.layouts.layouts(mesh)`, e.g. "data-parallel"); with a pipeline, the
+    layout of the stages' plan."""
 
     time_limit: float = 60.0
     workers: int | None = None
+    compare: bool = True
+    layout: str | None = None
+
+    def __post_init__(self):
+        limit = self.time_limit
+        if isinstance(limit, bool) or not isinstance(limit, numbers.Real) or not math.isfinite(limit) or limit <= 0:
+            raise ValueError(f"autopar.SolveOptions(time_limit={limit!r}): CP-SAT's deterministic seconds per ILP, a "
+                             f"positive number (60 is the default; small models solve in well under a second)")
+        workers = self.workers
+        if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+            raise ValueError(f"autopar.SolveOptions(workers={workers!r}): processes that plan at once, a whole number "
+                             f"of at least 1, or None for $AUTOPAR_WORKERS or else the usable cores")
+        if not isinstance(self.compare, bool):
+            raise ValueError(f"autopar.SolveOptions(compare={self.compare!r}): True also solves the hand-written "
+                             f"layouts for plan.compare, False skips them")
+        if self.layout is not None and not isinstance(self.layout, str):
+            raise ValueError(f"autopar.SolveOptions(layout={self.layout!r}): the name of a hand-written layout "
+                             f"(autopar.solve.layouts.layouts(mesh): e.g. 'data-parallel', 'megatron-tp'), or None")
 
     def __str__(self) -> str:
         workers = "the usable cores" if self.workers is None else f"{self.workers} processes"
