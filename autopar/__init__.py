@@ -2,12 +2,12 @@
 import logging as _logging
 
 from autopar.mesh import DeviceSpec, Mesh
-from autopar.plan.plan import Plan
+from autopar.report.plan import Plan
 from autopar.solve.pipeline_options import Pipeline
 from autopar.cost.precision import MixedPrecision
 from autopar.solve.ilp import InfeasibleError
 from autopar.trace.export import TraceError
-from autopar.solve.planner import plan, random_plans  # last: `autopar.plan` is this function, not the autopar/plan/ folder
+from autopar.solve.planner import plan, random_plans
 
 _logging.getLogger("autopar").addHandler(_logging.NullHandler())
 

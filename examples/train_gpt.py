@@ -111,7 +111,7 @@ def main(argv=None) -> None:
         if rank == 0:
             print(line, flush=True)
     if recorder is not None:
-        from autopar.plan.gantt import gantt_svg
+        from autopar.report.gantt import gantt_svg
         from autopar.runtime.pass_times import gather_timeline
         timeline = gather_timeline(recorder, plan.pipeline.schedule)
         if rank == 0:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 import autopar
-from autopar.plan.plan import Plan
+from autopar.report.plan import Plan
 from rt_cases import OPTIM, build_case
 
 

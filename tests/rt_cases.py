@@ -9,7 +9,7 @@ import math
 import torch
 
 import autopar
-from autopar.plan.plan import Plan
+from autopar.report.plan import Plan
 
 RTOL, ATOL = 1e-5, 1e-6
 # Adam divides by sqrt(v) + eps, so rounding noise in a gradient that is (nearly) zero in

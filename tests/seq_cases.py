@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 import autopar
 from autopar.trace.attention import window_attention
-from autopar.plan.plan import Plan
+from autopar.report.plan import Plan
 from rt_cases import build_case
 
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from rt_cases import OPTIM, _loss, build_case, plan_for
 
 import autopar
-from autopar.plan.plan import Plan
+from autopar.report.plan import Plan
 from autopar.runtime.compiled import NonFiniteError
 from autopar.runtime.inputs import InputError
 

@@ -11,7 +11,7 @@ import torch.fx as fx
 
 import autopar
 from autopar.runtime.inductor import CompiledRegion, compile_regions
-from autopar.plan.records import check_backend
+from autopar.report.records import check_backend
 from rt_cases import eval_train_eval, plan_for, train_and_compare
 
 GPT = ("autopar", "gpt-tiny", ())

@@ -209,7 +209,7 @@ def test_tp_overlap_false_runs_and_prices_the_collectives_whole(pool4):
     through to_dict, and compile folds nothing: Megatron TP x DP trains like one device
     with every collective whole."""
     from autopar.models import build
-    from autopar.plan.plan import Plan
+    from autopar.report.plan import Plan
     model, example = build("llama3-8b", device="meta", batch=2, seq=2048, n_layers=2)
     mesh = autopar.Mesh((4,), ("tp",), device="h100")
     kw = dict(compare=False, layout="megatron-tp", mixed_precision=autopar.MixedPrecision())

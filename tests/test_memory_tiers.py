@@ -105,8 +105,8 @@ def test_states_go_to_disk_only_beyond_host_memory():
     text = str(plan)
     assert "offload to disk" in text and "off the device: host" in text
     # the report draws each tier beside the device, with its capacity
-    from autopar.plan.html import report_html
-    from autopar.plan.records import format_bytes
+    from autopar.report.html import report_html
+    from autopar.report.records import format_bytes
     page = report_html(plan)
     assert 'id="tier-chart"' in page
     for tier, label, capacity in (("host", "host memory", 0.2 * 2**20), ("disk", "disk", plan.mesh.device.disk_memory)):

@@ -12,7 +12,7 @@ import torch
 
 import autopar
 from autopar.models import build
-from autopar.plan.records import peak_bytes
+from autopar.report.records import peak_bytes
 
 MEASURED = pathlib.Path(__file__).resolve().parent.parent / "docs" / "gpu" / "2026-11-26-h100-gpu_memory.json"
 

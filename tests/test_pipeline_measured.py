@@ -26,7 +26,7 @@ import torch
 
 from autopar.runtime.pass_times import PassTimes, pass_times
 from autopar.cost.schedules import Timeline
-from autopar.plan.gantt import gantt_svg
+from autopar.report.gantt import gantt_svg
 from autopar.cost.schedules import simulate
 
 BUBBLE_TOL = 0.10

@@ -14,7 +14,7 @@ import pytest
 from autopar.cost.bubbles import bubble_formula
 from autopar.cost.schedules import (SCHEDULES, SPLIT_BACKWARD, TWO_WAY, Event, Timeline, placement_of,
                                     stage_of)
-from autopar.plan.gantt import gantt_svg
+from autopar.report.gantt import gantt_svg
 from autopar.cost.schedules import ASYNCHRONOUS, makespan_floor, simulate, simulate_step
 
 EPS = 1e-9

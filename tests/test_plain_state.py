@@ -15,7 +15,7 @@ from rt_cases import ATOL, OPTIM, RTOL, _loss, build_case, plan_for
 
 import autopar
 import autopar.checkpoint
-from autopar.plan.plan import Plan
+from autopar.report.plan import Plan
 
 DP4 = ((4,), ("dp",))
 TP = ((2, 2), ("dp", "tp"))

@@ -17,7 +17,7 @@ import autopar.solve.ilp as S
 from autopar.ops.strategy import crossed_axes
 from autopar.solve import layouts as baselines
 from autopar.models import build
-from autopar.plan.plan import Prediction
+from autopar.report.plan import Prediction
 from autopar.solve.ilp import InfeasibleError, evaluate, solve
 from autopar.trace.export import trace
 

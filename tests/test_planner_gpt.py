@@ -7,7 +7,7 @@ import pytest
 from torch.distributed.tensor import Shard
 
 import autopar
-from autopar.plan.plan import Prediction
+from autopar.report.plan import Prediction
 from autopar.models import build
 
 

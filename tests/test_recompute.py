@@ -9,7 +9,7 @@ import pytest
 
 import autopar
 from autopar.models import build
-from autopar.plan.plan import Plan
+from autopar.report.plan import Plan
 from autopar.solve.recompute import layer_slots
 from autopar.solve.fitting import solve_modes
 from autopar.solve.recompute_search import HeldPlan, RecomputeCandidate, byte_price, mode_assignments, solve_summed

@@ -9,7 +9,7 @@ import os
 import torch
 
 import autopar
-from autopar.plan.plan import Plan
+from autopar.report.plan import Plan
 from rt_cases import OPTIM, build_case
 
 

@@ -20,7 +20,7 @@ import operator
 
 import torch.fx as fx
 
-from autopar.plan.records import SELECTIVE_MODES
+from autopar.report.records import SELECTIVE_MODES
 from autopar.trace.paths import module_path
 
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from autopar.plan.plan import Plan
+from autopar.report.plan import Plan
 from autopar.trace.export import TraceError, Traced, graph_signature
 
 from autopar.passes.annotate import PlanMismatch, annotate

@@ -13,7 +13,7 @@ from autopar.passes.localize import place_on
 from autopar.passes.modes import ModeSwitch, mode_switch
 from autopar.passes.rewrite import Rewritten, rewrite
 from autopar.passes.shard_params import init_sharded, shard_full_model
-from autopar.plan.plan import Plan
+from autopar.report.plan import Plan
 from autopar.cost.precision import cast_for_trace, meta_inputs
 from autopar.trace.export import TraceError, trace
 

@@ -25,10 +25,10 @@ from torch.utils import _pytree as pytree
 
 from autopar.cost.schedules import SPLIT_BACKWARD
 from autopar.solve.planner import plan as make_plan
-from autopar.plan.records import check_backend
+from autopar.report.records import check_backend
 from autopar.mesh import Mesh
 from autopar.passes.redistribute import MeshGroups
-from autopar.plan.plan import Plan
+from autopar.report.plan import Plan
 from autopar.cost.precision import MixedPrecision
 
 from autopar.runtime.build import initial_shards, rank_graph

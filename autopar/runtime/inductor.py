@@ -73,7 +73,7 @@ from torch.fx.passes.split_module import split_module
 from torch.utils._python_dispatch import _disable_current_modes
 
 from autopar.passes.collectives import move
-from autopar.plan.records import SELECTIVE_MODES
+from autopar.report.records import SELECTIVE_MODES
 from autopar.runtime.compiled_checkpoint import as_checkpointed, with_kept_tagged
 from autopar.runtime.functional_moves import functional_move
 from autopar.runtime.recompute import Region
@@ -82,7 +82,7 @@ from autopar.runtime.rng import draws_nothing, is_random
 from autopar.runtime.sigmoid_gelu import with_sigmoid_gelus
 from autopar.runtime.split_backward import WEIGHT, TwoPassRun, WeightPasses, mark_weights
 from autopar.ops.rules import VIEWS
-from autopar.plan.records import RECOMPUTING
+from autopar.report.records import RECOMPUTING
 from autopar.trace.paths import block_of, module_path
 
 

@@ -41,7 +41,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from autopar.ops import op_name
 from autopar.passes.recompute import outline_layers
-from autopar.plan.records import SELECTIVE_MODES
+from autopar.report.records import SELECTIVE_MODES
 from autopar.runtime.linear_grads import ABSORBS
 from autopar.ops.rules import PRODUCTS
 

@@ -29,7 +29,7 @@ from autopar.cost import prices as C
 from autopar.cost.precision import MixedPrecision
 from autopar.passes.redistribute import MeshGroups, redistribute_local
 from autopar.passes.shard_params import shard_of
-from autopar.plan.plan import Plan
+from autopar.report.plan import Plan
 from autopar.trace.fused import Parts
 
 from autopar.runtime.disk import DiskStore, check_directory, wait

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 from autopar.cost import prices as C
 from autopar import placements as P
-from autopar.plan.plan import Collective, NodeChoice, Prediction
+from autopar.report.plan import Collective, NodeChoice, Prediction
 from autopar.solve.gradient_paths import bucket_kinds
 from autopar.solve.problem import Problem
-from autopar.plan.records import RECOMPUTING
+from autopar.report.records import RECOMPUTING
 from autopar.solve.recompute import beyond_linear, mode_costs
 from autopar.solve.tiers import tier_bytes
 

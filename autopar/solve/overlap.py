@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from autopar.plan.plan import Prediction
+from autopar.report.plan import Prediction
 from autopar.solve.assemble import predict
 from autopar.solve.fitting import solve_modes
 from autopar.solve.ilp import InfeasibleError, solve

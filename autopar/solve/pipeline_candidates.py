@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from autopar.cost.schedules import (ASYNCHRONOUS, TWO_WAY, V_SHAPED, folds_tp, group_stages, makespan_floor,
                                     simulate_step)
 from autopar.mesh import Mesh
-from autopar.plan.plan import PipelineLayout, Prediction
+from autopar.report.plan import PipelineLayout, Prediction
 from autopar.solve.pipeline_costs import STATES, LayerCosts, StageParts
 from autopar.solve.solution import Built
 

@@ -20,7 +20,7 @@ from autopar.mesh import Mesh
 from autopar.solve import layouts as B
 from autopar.solve.assemble import assemble
 from autopar.solve.ilp import InfeasibleError
-from autopar.plan.records import RECOMPUTING
+from autopar.report.records import RECOMPUTING
 from autopar.solve.recompute import ModeCosts, layer_paths
 from autopar.solve.pricing import Pricing
 from autopar.solve.solution import Built, build_problem

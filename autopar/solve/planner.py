@@ -14,7 +14,7 @@ import torch
 
 from autopar.cost.precision import MixedPrecision
 from autopar.mesh import Mesh, parse_bytes
-from autopar.plan.plan import ParamState, Plan, SolverStats, Timing
+from autopar.report.plan import ParamState, Plan, SolverStats, Timing
 from autopar.solve.assemble import assemble
 from autopar.solve.infeasible import infeasible_error
 from autopar.solve.layout_checks import check_layout, compare_layouts, faster_layout
@@ -25,7 +25,7 @@ from autopar.solve.overlap import solve_problem, step_lower_bound
 from autopar.solve.pipeline_options import Pipeline
 from autopar.solve.pipeline_costs import stage_problem
 from autopar.solve.pipeline_search import search
-from autopar.plan.records import check_backend
+from autopar.report.records import check_backend
 from autopar.solve.pricing import Pricing
 from autopar.solve.problem import Problem
 from autopar.solve.recompute import check_mode, recompute_record

@@ -37,7 +37,7 @@ import torch.fx.traceback as fx_traceback
 
 from autopar.ops.rules import ALWAYS_KEPT, PRODUCTS, VIEWS
 from autopar.solve.graph import compiles
-from autopar.plan.records import RECOMPUTING, SELECTIVE_MODES, Recompute
+from autopar.report.records import RECOMPUTING, SELECTIVE_MODES, Recompute
 
 MODES = ("none", "selective", "alternate", "full", "offload")
 # the modes the planner's own search tries per set of identical layers
@@ -357,7 +357,7 @@ def beyond_linear(problem, choice: dict, costs: ModeCosts | None = None) -> tupl
     memory sum) of a solved choice under recompute costs (None: nothing recomputed).  The
     ILP sums states, gradients and its activation estimate; the plan is held to states and
     gradients plus the larger of the exact activations with the working memory and the
-    optimizer step's temporaries.  That bounds the peak (plan.records.peak_bytes, where the
+    optimizer step's temporaries.  That bounds the peak (report.records.peak_bytes, where the
     gradients are not yet there at backward's start) from above: the planner keeps that
     margin, room for gradient accumulation, and plans as it did before the peak was split
     into its two moments (a lower, plan-dependent reserve made the budgeted search's plans

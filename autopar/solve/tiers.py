@@ -19,7 +19,7 @@ import math
 
 from autopar.cost import prices as C
 from autopar import placements as P
-from autopar.plan.records import format_bytes
+from autopar.report.records import format_bytes
 from autopar.solve.presolve import InfeasibleError
 from autopar.solve.recompute import mode_costs
 from autopar.solve.solved import Assignment

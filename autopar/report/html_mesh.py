@@ -1,11 +1,11 @@
-"""The device mesh drawn for the HTML report (autopar/plan/html.py): a grid of devices, a
+"""The device mesh drawn for the HTML report (autopar/report/html.py): a grid of devices, a
 box around each node, and per axis its size, link speed and latency, as inline SVG.
 """
 from __future__ import annotations
 
 from html import escape
 
-from autopar.plan.html_style import AXIS_COLOURS, COMPUTE_COLOUR
+from autopar.report.html_style import AXIS_COLOURS, COMPUTE_COLOUR
 
 
 def mesh_svg(mesh) -> str:

@@ -10,7 +10,7 @@ from autopar.ops.attention_rule import ATTENTION_OPS
 from autopar.ops.grid_rule import GRID_FORMS
 from autopar.ops.strategy import crossed_axes, offload_label
 from autopar.placements import show_placements as show
-from autopar.plan.records import format_bytes, format_seconds
+from autopar.report.records import format_bytes, format_seconds
 from autopar.trace.paths import layer_path
 
 

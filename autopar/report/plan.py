@@ -1,8 +1,8 @@
 """The Plan: what autopar chose, for every node, with the predicted time and memory.
 
 A Plan is the only thing the passes and the runtime consume.  It is plain data made of the
-records in autopar/plan/records.py: it prints as a table a person reads in a terminal
-(autopar/plan/report.py), saves to JSON and loads back equal.
+records in autopar/report/records.py: it prints as a table a person reads in a terminal
+(autopar/report/text.py), saves to JSON and loads back equal.
 """
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from dataclasses import asdict, dataclass, field
 
 from autopar.mesh import Mesh
 from autopar.cost.precision import MixedPrecision
-from autopar.plan.records import (
+from autopar.report.records import (
     Collective, NodeChoice, ParamState, PipelineLayout, Prediction, Recompute, SolverStats, Timing, tier_of)
 from autopar.placements import placement_from_str, placement_str
-from autopar.plan.report import plan_table, plan_text
+from autopar.report.text import plan_table, plan_text
 
 __all__ = ["Plan", "PlanFileError", "FORMAT_VERSION", "Collective", "NodeChoice", "ParamState", "PipelineLayout",
            "Prediction", "Recompute", "SolverStats", "Timing"]

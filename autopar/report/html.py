@@ -1,6 +1,6 @@
 """The plan as one self-contained HTML page, for a person deciding whether to trust it.
 
-    autopar report plan.json -o report.html       (or autopar.plan.html.write_report(plan, path))
+    autopar report plan.json -o report.html       (or autopar.report.html.write_report(plan, path))
 
 Everything is inline (SVG charts, CSS, a few lines of JavaScript for the collapsible
 table); the page fetches nothing, so it opens offline and can be mailed.  Sections, top
@@ -9,7 +9,7 @@ the plan against the hand-written layouts (step time split into compute and comm
 per mesh axis; memory per device against the budget); memory per device by category, and
 what the plan keeps in host memory or on disk against each tier's capacity; the
 step timeline (and the pipeline's Gantt chart when the plan has stages); the per-module
-table, whose repeated layers collapse into one row (autopar.plan.report.table_rows, the same
+table, whose repeated layers collapse into one row (autopar.report.text.table_rows, the same
 rows the terminal table prints) and expand into their nodes; the collectives grouped by
 phase, kind and axis; the terminal text of the plan.
 
@@ -24,12 +24,12 @@ import math
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from autopar.plan.gantt import gantt_svg_text
-from autopar.plan.html_mesh import mesh_svg
-from autopar.plan.html_style import AXIS_COLOURS, COMPUTE_COLOUR, CSS, JS, MEMORY_COLOURS, TIER_COLOURS
+from autopar.report.gantt import gantt_svg_text
+from autopar.report.html_mesh import mesh_svg
+from autopar.report.html_style import AXIS_COLOURS, COMPUTE_COLOUR, CSS, JS, MEMORY_COLOURS, TIER_COLOURS
 from autopar.cost.schedules import group_stages, simulate
-from autopar.plan.records import Prediction, format_bytes, format_seconds
-from autopar.plan.report import collective_groups, plan_text, recompute_line, sequence_lines, table_rows
+from autopar.report.records import Prediction, format_bytes, format_seconds
+from autopar.report.text import collective_groups, plan_text, recompute_line, sequence_lines, table_rows
 
 MEMORY_NAMES = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer states",
                 "activations": "activations", "working": "working (largest op)"}
@@ -267,7 +267,7 @@ def _timeline(plan) -> str:
 
 
 def pipeline_gantt(plan) -> str:
-    """The Gantt chart of the plan's pipeline schedule (autopar.plan.gantt), simulated from
+    """The Gantt chart of the plan's pipeline schedule (autopar.report.gantt), simulated from
     its stage times with backward taken as twice forward (the plan keeps each stage's
     forward + backward, not the split) and the sends between stages as the search priced
     them (on an asynchronous device a send delays its receiver; elsewhere it is inside the

@@ -1,7 +1,7 @@
 """The records a plan is made of: per-node choices, collectives, model-state placements,
 predictions, solver statistics, timing and the pipeline layout (a placement's text form,
 "S(0)", "R", "P", is autopar/placements.py's).  Frozen dataclasses, each with an exact JSON round trip
-where it has its own; `autopar.plan.plan.Plan` holds them."""
+where it has its own; `autopar.report.plan.Plan` holds them."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields

@@ -1,4 +1,4 @@
-"""The HTML report's look (autopar/plan/html.py): its colours (compute, mesh axes, memory
+"""The HTML report's look (autopar/report/html.py): its colours (compute, mesh axes, memory
 categories, memory tiers), its style sheet, and the few lines of script that open and
 close the per-module table's rows and filter them.
 """
