@@ -3,9 +3,9 @@ import logging as _logging
 
 from autopar.mesh import DeviceSpec, Mesh
 from autopar.report.plan import Plan
-from autopar.solve.pipeline_options import Pipeline
+from autopar.solve.pipeline.options import Pipeline
 from autopar.cost.precision import MixedPrecision
-from autopar.solve.ilp import InfeasibleError
+from autopar.solve.ilp.formulation import InfeasibleError
 from autopar.trace.export import TraceError
 from autopar.solve.planner import plan, random_plans
 

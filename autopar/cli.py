@@ -37,10 +37,10 @@ from autopar.cli_args import (
     parse_overrides, pipeline_of)
 from autopar.report.html import write_report
 from autopar.models import PRESETS, ConfigError, build, list_models
-from autopar.solve.pipeline_options import SCHEDULE_CHOICES
+from autopar.solve.pipeline.options import SCHEDULE_CHOICES
 from autopar.report.plan import PlanFileError
 from autopar.report.records import format_bytes, format_seconds
-from autopar.solve.recompute import MODES
+from autopar.solve.recompute.modes import MODES
 from autopar.report.text import node_layout, table_rows
 from autopar.runtime.calibrate import calibrate
 

@@ -32,7 +32,7 @@ measured):
 3. ops: about a dozen ops (matmuls large, skinny and small; causal attention at a few
    sequence lengths and head sizes; add, GELU, SiLU; layer and RMS norm; softmax), each the
    only op of a module whose operands are parameters.  The prediction is what the planner
-   prices for that node on a (1,) mesh (`autopar.solve.solution.build_problem`: the FLOP counter
+   prices for that node on a (1,) mesh (`autopar.solve.built.build_problem`: the FLOP counter
    on meta tensors, then `cost.roofline` for forward and for backward); the measurement is
    the op's forward, and forward plus backward (torch.autograd.grad of every operand), in
    CUDA events (perf_counter on the CPU), median of several runs after warm-up.  The f+b
@@ -85,7 +85,7 @@ from autopar.mesh import PRESETS
 from autopar.models import build
 from autopar.runtime import init_process_group
 from autopar.runtime.calibrate import calibrate
-from autopar.solve.solution import build_problem
+from autopar.solve.built import build_problem
 
 SECTIONS = ("quickstart", "calibrate", "ops", "configs", "backends")
 CPU_DEFAULT = ("quickstart", "calibrate", "ops", "configs")   # backends compiles with Inductor: asked for by name

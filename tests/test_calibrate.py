@@ -18,7 +18,7 @@ from autopar.cost.collective_prices import axis_link
 from autopar.cost.prices import BUCKET_BYTES, collective_time
 from autopar.mesh import PRESETS, DeviceSpec
 from autopar.models import build
-import autopar.solve.pipeline_search as pipeline_search
+import autopar.solve.pipeline.search as pipeline_search
 from autopar.runtime import calibrate_links, calibrate_step
 from autopar.runtime.calibrate_compute import POINTWISE
 from autopar.solve.assemble import hidden_gradient_seconds, hidden_prefetch_seconds

@@ -408,7 +408,7 @@ def test_inductor_plan_keeps_what_the_partitioner_keeps(pool4, spec):
     """Nothing recomputed, data parallel: the compiled graphs' partitioner runs pointwise
     chains again in backward (GPT-2's tanh GELU, Llama's RMSNorm scaling and SwiGLU product)
     rather than keep them, so a step keeps a third less than under eager; a plan priced for
-    Inductor (solve/partitioned.py) predicts what it keeps within 2 %."""
+    Inductor (solve/problem/partitioned.py) predicts what it keeps within 2 %."""
     from rc_cases import saved_bytes
     from rt_cases import build_case, under_backend
     model, args, kwargs = build_case(spec)
@@ -429,7 +429,7 @@ def test_inductor_compiles_a_selective_layer_whole(pool4):
     one device, and what a step keeps is eager's less exactly the kept outputs no backward
     reads: each block's MLP down-projection, which only the residual add reads (eager's
     checkpoint caches them; the compiled graph's partitioner does not save them).  A plan
-    priced for Inductor (solve/recompute.compiled_whole) predicts exactly those bytes."""
+    priced for Inductor (solve/recompute/modes.compiled_whole) predicts exactly those bytes."""
     from rc_cases import saved_bytes
     from rt_cases import build_case, under_backend
     model, args, _ = build_case(GPT)

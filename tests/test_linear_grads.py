@@ -143,17 +143,17 @@ def test_a_row_parallel_output_is_cut_along_batch_then_sequence():
 
 @pytest.mark.parametrize("device", ["h100", "cpu"])
 def test_pipeline_stages_take_off_what_their_runtime_folds(device):
-    """A stage's costs (solve/pipeline_costs) carry each node's seconds hidden beside GEMMs
+    """A stage's costs (solve/pipeline/costs) carry each node's seconds hidden beside GEMMs
     (Assembled.folded, which add up to the stage plan's Prediction.linear_hidden_s).  A
     schedule whose stages fold them (1F1B: runtime/pipelined.py folds every stage) runs
     each stage that much faster than one whose backward splits off the weight gradients
     (zero-bubble, left unfolded); on CPU ranks nothing is hidden and the two are equal."""
     from autopar.models import build
     from autopar.solve.assemble import assemble
-    from autopar.solve.pipeline_candidates import _stages
-    from autopar.solve.pipeline_costs import layer_costs
-    from autopar.solve.solution import build_problem
-    from autopar.solve.solved import SolveOptions
+    from autopar.solve.pipeline.candidates import _stages
+    from autopar.solve.pipeline.costs import layer_costs
+    from autopar.solve.built import build_problem
+    from autopar.solve.ilp.solved import SolveOptions
     model, example = build("llama3-8b", device="meta", batch=2, seq=2048, n_layers=4)
     stage_mesh = autopar.Mesh((4,), ("tp",), device=device)
     built = build_problem(model, stage_mesh, example, None, autopar.MixedPrecision.of("bf16"))

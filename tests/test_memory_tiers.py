@@ -16,7 +16,7 @@ from autopar.cost import prices as C
 from autopar.mesh import PRESETS
 from autopar.runtime.disk import DiskStore, OffloadError, check_directory, wait
 from autopar.runtime.process import CompileError
-from autopar.solve.tiers import TierCapacityError
+from autopar.solve.recompute.tiers import TierCapacityError
 from rt_cases import build_case, train_and_compare
 from tier_cases import disk_capacity, disk_errors, resume_bitwise, saved_by_tier, with_tier
 
@@ -241,7 +241,7 @@ def test_offloaded_layers_keep_their_activations_in_host_memory(pool2):
 
 
 def test_the_planner_tries_offload_beside_recomputation():
-    from autopar.solve.recompute_search import mode_assignments
+    from autopar.solve.recompute.search import mode_assignments
     slots = [("blocks", (0, 1, 2, 3))]
     tried = [tuple(c.modes.values()) for c in mode_assignments(None, slots, None)]
     assert ("offload",) * 4 in tried and ("offload", "none", "offload", "none") in tried
@@ -382,7 +382,7 @@ def _offloaded(plan: autopar.Plan) -> int:
 
 def test_the_budget_left_takes_back_a_fraction_of_identical_parameters(monkeypatch):
     """The ILP gives the four identical layers one choice each; what the budget leaves is
-    filled by taking some layers' states back to the device (solve/tiers.fill_device): a
+    filled by taking some layers' states back to the device (solve/recompute/tiers.fill_device): a
     faster plan within the same budget, with identical parameters split between tiers."""
     import autopar.solve.planner as planner
     model, args, _ = build_case(DEEP)

@@ -318,7 +318,7 @@ def test_one_list_of_schedules_from_simulator_to_runtime():
     """The schedules a plan may name (the search's, the CLI's, autopar.Pipeline's) are the
     simulator's less "naive", and the runtime has a torch schedule class for each."""
     from autopar.runtime.pipelined import SCHEDULES as RUNS
-    from autopar.solve.pipeline_options import SCHEDULE_CHOICES
+    from autopar.solve.pipeline.options import SCHEDULE_CHOICES
     assert SCHEDULE_CHOICES == tuple(s for s in SCHEDULES if s != "naive")
     assert set(RUNS) == set(SCHEDULE_CHOICES)
 

@@ -79,7 +79,7 @@ def test_zero3_weights_are_priced_as_the_runtimes_buckets():
     from autopar.cost.prices import bucket_share
     from autopar.solve.assemble import predict
     from autopar.solve.overlap import solve_problem
-    from autopar.solve.solution import build_problem
+    from autopar.solve.built import build_problem
     model, example = build("gpt-tiny", device="meta")
     mesh = autopar.Mesh((4,), ("dp",), device="h100")
     grouped = build_problem(model, mesh, example, {}).problem

@@ -45,7 +45,7 @@ class Plan:
     timing: Timing = field(default_factory=Timing, compare=False)  # wall seconds of each planning step
     param_states: dict = field(default_factory=dict)  # parameter name -> ParamState (ZeRO-1/2, offload)
     precision: MixedPrecision | None = None         # None: the model's own dtypes
-    pipeline: PipelineLayout | None = None          # stages, schedule, microbatches (autopar.solve.pipeline_search)
+    pipeline: PipelineLayout | None = None          # stages, schedule, microbatches (autopar.solve.pipeline.search)
     frozen: tuple = ()                              # parameters planned without gradient (requires_grad=False)
     graph: str = ""                                 # autopar.trace.export.graph_signature of the graph planned
     notes: tuple = ()                               # why forms were left off the menus (heads, sequence splits)

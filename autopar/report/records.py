@@ -202,7 +202,7 @@ def _flat_dict(record) -> dict:
 
 @dataclass(frozen=True)
 class PipelineLayout:
-    """The pipeline stages of a plan (autopar.solve.pipeline_search).  axis: the mesh axis cut into
+    """The pipeline stages of a plan (autopar.solve.pipeline.search).  axis: the mesh axis cut into
     `groups` device groups, each a sub-mesh of shape `submesh` (None: the search chose no
     pipeline); stages: (first, last + 1) positions in `layer_indices` of the repeated layers
     `layer_prefix`.<i>, per stage; schedule, microbatches and virtual stages per group;
@@ -272,7 +272,7 @@ def check_backend(backend: str, auto: bool = False, where: str = "") -> str:
 
 @dataclass(frozen=True)
 class Recompute:
-    """The activation recomputation of a plan (autopar/solve/recompute.py).  layers: layer path ->
+    """The activation recomputation of a plan (autopar/solve/recompute/modes.py).  layers: layer path ->
     "selective", "alternate" or "full", for the layers that recompute (the others keep what
     autograd saves); kept: the graph nodes whose outputs the SELECTIVE_MODES keep (matrix
     products with a weight, attention, experts; under "alternate" every second product of a

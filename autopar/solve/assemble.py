@@ -9,11 +9,11 @@ from dataclasses import dataclass
 from autopar.cost import prices as C
 from autopar import placements as P
 from autopar.report.plan import Collective, NodeChoice, Prediction
-from autopar.solve.gradient_paths import bucket_kinds
-from autopar.solve.problem import Problem
+from autopar.solve.problem.gradient_paths import bucket_kinds
+from autopar.solve.problem.problem import Problem
 from autopar.report.records import RECOMPUTING
-from autopar.solve.recompute import beyond_linear, mode_costs
-from autopar.solve.tiers import tier_bytes
+from autopar.solve.recompute.modes import beyond_linear, mode_costs
+from autopar.solve.recompute.tiers import tier_bytes
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "working")
 

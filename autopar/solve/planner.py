@@ -18,20 +18,20 @@ from autopar.report.plan import ParamState, Plan, SolverStats, Timing
 from autopar.solve.assemble import assemble
 from autopar.solve.infeasible import infeasible_error
 from autopar.solve.layout_checks import check_layout, compare_layouts, faster_layout
-from autopar.solve.ilp import InfeasibleError
+from autopar.solve.ilp.formulation import InfeasibleError
 from autopar.placements import same_local_shape
-from autopar.solve.menus import HEADS_NOTE
+from autopar.solve.problem.menus import HEADS_NOTE
 from autopar.solve.overlap import solve_problem, step_lower_bound
-from autopar.solve.pipeline_options import Pipeline
-from autopar.solve.pipeline_costs import stage_problem
-from autopar.solve.pipeline_search import search
+from autopar.solve.pipeline.options import Pipeline
+from autopar.solve.pipeline.costs import stage_problem
+from autopar.solve.pipeline.search import search
 from autopar.report.records import check_backend
-from autopar.solve.pricing import Pricing
-from autopar.solve.problem import Problem
-from autopar.solve.recompute import check_mode, recompute_record
-from autopar.solve.solution import Built, build_problem
-from autopar.solve.solved import SolveOptions
-from autopar.solve.tiers import TierCapacityError, fill_device, within_tiers
+from autopar.solve.problem.pricing import Pricing
+from autopar.solve.problem.problem import Problem
+from autopar.solve.recompute.modes import check_mode, recompute_record
+from autopar.solve.built import Built, build_problem
+from autopar.solve.ilp.solved import SolveOptions
+from autopar.solve.recompute.tiers import TierCapacityError, fill_device, within_tiers
 from autopar.trace.batching import batch_size
 from autopar.ops import op_arg
 from autopar.trace.experts import measure_routing

@@ -10,9 +10,9 @@ from torch.distributed.tensor import Partial, Replicate
 from autopar.cost import prices as C
 from autopar.cost.redistribution import plan_redistribute
 from autopar.ops import Strategy
-from autopar.solve.gradient_paths import GradientPaths, bucket_kinds, grad_destination, loss_summed, replicated
-from autopar.solve.graph import EdgeKey
-from autopar.solve.pricing import Pricing, Remembered
+from autopar.solve.problem.gradient_paths import GradientPaths, bucket_kinds, grad_destination, loss_summed, replicated
+from autopar.solve.problem.graph import EdgeKey
+from autopar.solve.problem.pricing import Pricing, Remembered
 
 
 class EdgeSteps:

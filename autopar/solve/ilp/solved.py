@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autopar.solve.ilp import Solution
+from autopar.solve.ilp.formulation import Solution
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,9 @@ from autopar.ops.attention_rule import private_holdings
 from autopar.ops.experts_rule import kept_tokens_factor
 from autopar.ops.grid_rule import is_grid, is_split_norm
 from autopar.ops.rules import VIEWS
-from autopar.solve.graph import PNode
-from autopar.solve.partitioned import partitioned_holdings
-from autopar.solve.pricing import Remembered
+from autopar.solve.problem.graph import PNode
+from autopar.solve.problem.partitioned import partitioned_holdings
+from autopar.solve.problem.pricing import Remembered
 
 
 class SavedMemory:
@@ -92,7 +92,7 @@ class SavedMemory:
         if kind == "leaf":
             return 0.0
         if kind.startswith("own "):   # kept by an op run whole when it communicates inside
-            if not s.comm:            # (recompute.ModeCosts, selective)
+            if not s.comm:            # (recompute/modes.ModeCosts, selective)
                 return 0.0
             kind = kind[4:]
         if kind == "in":

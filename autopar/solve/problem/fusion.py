@@ -3,7 +3,7 @@ reads the chain's inputs once, writes only what leaves the chain and launches on
 from __future__ import annotations
 
 from autopar.ops.rules import ELEMENTWISE, VIEWS
-from autopar.solve.graph import PNode
+from autopar.solve.problem.graph import PNode
 
 # ops Inductor fuses with their fusible neighbours into one kernel: pointwise ops, and the
 # reductions of norms and softmax, which take pointwise prologues and epilogues

@@ -11,9 +11,9 @@ import numpy as np
 from autopar import placements as P
 from autopar.cost import prices as C
 from autopar.cost.layout_prices import LayoutPrices, menu
-from autopar.solve.gradient_paths import GradientPaths, grad_destination, loss_summed
-from autopar.solve.graph import EdgeKey, PNode
-from autopar.solve.pricing import Pricing
+from autopar.solve.problem.gradient_paths import GradientPaths, grad_destination, loss_summed
+from autopar.solve.problem.graph import EdgeKey, PNode
+from autopar.solve.problem.pricing import Pricing
 
 UNUSABLE = float("inf")  # a choice pair the runtime cannot run as planned: the ILP never picks it
 

@@ -1,5 +1,5 @@
 """Which layers recompute their activations: the fastest plan over the recompute
-assignments (autopar/solve/recompute.py's MODES per set of identical layers) that fits the
+assignments (autopar/solve/recompute/modes.py's MODES per set of identical layers) that fits the
 budget, each assignment a RecomputeCandidate solved by fitting.solve_modes.
 
 Recomputing only adds time, so the assignments are tried only when the fastest plan with
@@ -22,13 +22,13 @@ import logging
 import time
 from dataclasses import dataclass, replace
 
-from autopar.solve.fitting import priced_solve, solve_modes
+from autopar.solve.recompute.fitting import priced_solve, solve_modes
 from autopar.solve.forked import forked_map, worker_count
-from autopar.solve.ilp import InfeasibleError
-from autopar.solve.problem import Problem
-from autopar.solve.recompute import MODES, SEARCHED, ModeCosts, check_mode, layer_slots, mode_costs
-from autopar.solve.reduce import reduce_problem
-from autopar.solve.solved import SolveOptions, Solved
+from autopar.solve.ilp.formulation import InfeasibleError
+from autopar.solve.problem.problem import Problem
+from autopar.solve.recompute.modes import MODES, SEARCHED, ModeCosts, check_mode, layer_slots, mode_costs
+from autopar.solve.ilp.reduce import reduce_problem
+from autopar.solve.ilp.solved import SolveOptions, Solved
 
 log = logging.getLogger("autopar")
 

@@ -14,11 +14,11 @@ from autopar.mesh import Mesh
 from autopar.ops import Strategy, op_arg
 from autopar.ops.attention_rule import ATTENTION_OPS
 from autopar.ops.rules import VIEWS
-from autopar.solve import fusion
-from autopar.solve.graph import Choice, PNode
-from autopar.solve.menus import zero_layout
-from autopar.solve.pricing import Pricing, Remembered
-from autopar.solve.saved_memory import SavedMemory
+from autopar.solve.problem import fusion
+from autopar.solve.problem.graph import Choice, PNode
+from autopar.solve.problem.menus import zero_layout
+from autopar.solve.problem.pricing import Pricing, Remembered
+from autopar.solve.problem.saved_memory import SavedMemory
 
 
 class NodePrices:

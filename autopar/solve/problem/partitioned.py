@@ -31,7 +31,7 @@ import math
 
 from autopar.ops.rules import ELEMENTWISE
 from autopar.ops.rules import VIEWS
-from autopar.solve.graph import compiles
+from autopar.solve.problem.graph import compiles
 
 # ops the partitioner runs again in backward rather than keep (pointwise ops, views, copies
 # and casts), and reductions it runs again unless they shrink their input more than 4x
@@ -45,7 +45,7 @@ def partitioned_holdings(nodes: list, holdings: dict, block: dict, storage_root)
     """node index -> the holdings (SavedMemory.holdings' items) a compiled step keeps for it,
     under the module docstring's model; items of tensors run again are dropped, and a
     recomputed op holds (as "in" items) the operands it reads that are kept.  block: node
-    index -> its layer (solve/layers.py); storage_root: SavedMemory.storage_root."""
+    index -> its layer (solve/problem/layers.py); storage_root: SavedMemory.storage_root."""
     region = _regions(nodes, block)
     kept: dict = {}
     needs: dict = {}   # storage -> [(reader, item, whether the reader's derivative is pointwise)]

@@ -1,4 +1,4 @@
-"""Stage costs for the pipeline search (autopar/solve/pipeline_search.py).
+"""Stage costs for the pipeline search (autopar/solve/pipeline/search.py).
 
 For each sub-mesh and microbatch size the whole model is planned by the intra-stage ILP
 (tensor, data parallelism and ZeRO inside the stage) on a microbatch; the plan's per-node
@@ -19,12 +19,12 @@ from autopar.placements import local_numel
 from autopar.mesh import Mesh
 from autopar.solve import layouts as B
 from autopar.solve.assemble import assemble
-from autopar.solve.ilp import InfeasibleError
+from autopar.solve.ilp.formulation import InfeasibleError
 from autopar.report.records import RECOMPUTING
-from autopar.solve.recompute import ModeCosts, layer_paths
-from autopar.solve.pricing import Pricing
-from autopar.solve.solution import Built, build_problem
-from autopar.solve.solved import SolveOptions
+from autopar.solve.recompute.modes import ModeCosts, layer_paths
+from autopar.solve.problem.pricing import Pricing
+from autopar.solve.built import Built, build_problem
+from autopar.solve.ilp.solved import SolveOptions
 from autopar.trace.batching import batch_size, first_microbatch
 from autopar.trace.paths import layer_of
 
@@ -42,7 +42,7 @@ class StageCost:
     grads: float         # ... of gradients
     optimizer: float     # ... and of optimizer states (with master weights)
     activations: float   # bytes kept for backward per microbatch
-    working: float = 0.0  # the most any one op needs beyond them while it runs (recompute.working_bytes)
+    working: float = 0.0  # the most any one op needs beyond them while it runs (recompute/modes.working_bytes)
     host: float = 0.0     # bytes per microbatch its layers' offloaded activations keep in host memory
     # what the tensor-parallel collectives the runtime runs hidden beside their GEMMs
     # (runtime/linear_grads.py; solve/assemble's Assembled.folded) take off forward_s and
@@ -153,14 +153,14 @@ class StageCosts:
         return self._costs[key]
 
     def share(self, groups) -> dict:
-        """{key: costs} over groups of keys (pipeline_workers.deal), costed here."""
+        """{key: costs} over groups of keys (workers.deal), costed here."""
         return {key: self(key) for group in groups for key in group}
 
     def missing(self, keys) -> list:
         return [k for k in keys if k not in self._costs]
 
     def adopt(self, costed: dict) -> None:
-        """Costs another process computed (pipeline_workers.Costed.costs)."""
+        """Costs another process computed (workers.Costed.costs)."""
         self._costs.update(costed)
 
     def problem(self, key) -> Built | None:
@@ -181,7 +181,7 @@ def layer_costs(built: Built, model, options: SolveOptions, modes=("none",), lay
     stages are forced into: plan(layout=..., pipeline=...)) the stage is planned in that
     layout alone, so the search prices, cuts and checks the memory of the stages that will
     run; None where the candidate's sub-mesh has no such layout.  Under a recompute mode (every repeated
-    layer alike) a layer keeps what recompute.ModeCosts says, its backward runs again the
+    layer alike) a layer keeps what recompute/modes.ModeCosts says, its backward runs again the
     forward of the ops it does not keep, and its working memory includes what it makes
     again.
 

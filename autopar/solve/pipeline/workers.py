@@ -19,8 +19,8 @@ import time
 from dataclasses import dataclass
 
 from autopar.solve.forked import forked_lanes, forked_map, worker_count
-from autopar.solve.pipeline_costs import StageCosts
-from autopar.solve.solution import planning_trace
+from autopar.solve.pipeline.costs import StageCosts
+from autopar.solve.built import planning_trace
 from autopar.trace.batching import first_microbatch
 from autopar.trace.cache import TRACES
 

@@ -20,9 +20,9 @@ import math
 from autopar.cost import prices as C
 from autopar import placements as P
 from autopar.report.records import format_bytes
-from autopar.solve.presolve import InfeasibleError
-from autopar.solve.recompute import mode_costs
-from autopar.solve.solved import Assignment
+from autopar.solve.ilp.presolve import InfeasibleError
+from autopar.solve.recompute.modes import mode_costs
+from autopar.solve.ilp.solved import Assignment
 
 log = logging.getLogger("autopar")
 

@@ -3,7 +3,7 @@
 Alpa's formulation, solved with OR-Tools CP-SAT: a one-hot choice per node, and per edge a
 one-hot choice over pairs (source layout class, destination layout class) tied to the two
 node choices.  Costs are scaled to integers first.  Before any variable is made, an exact
-presolve (autopar/solve/presolve.py) folds what no ILP is needed for into node costs: separable and
+presolve (ilp/presolve.py) folds what no ILP is needed for into node costs: separable and
 single-choice edges, dominated and duplicate choices, nodes that dynamic programming
 eliminates (chains, leaves, pairs of nodes joined into one).  Without a binding memory
 budget that usually leaves nothing: a transformer graph is solved by elimination alone,
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autopar.solve.presolve import InfeasibleError, Presolve, distinct
+from autopar.solve.ilp.presolve import InfeasibleError, Presolve, distinct
 
 log = logging.getLogger("autopar")
 

@@ -6,13 +6,13 @@ Candidates.  The mesh is split evenly along one axis a into p groups of devices 
 shape[a]); every stage runs on a sub-mesh of shape[a] / p along a and the full size along
 the other axes, with the same links.  p = 1 is "no pipeline".  The pieces:
 
-- pipeline_options.py: what is searched (the schedules, autopar.Pipeline's fixed fields,
+- options.py: what is searched (the schedules, autopar.Pipeline's fixed fields,
   the axes and microbatch counts: SearchSpace);
-- pipeline_costs.py: a candidate's stage costs, each (sub-mesh, microbatch) planned by the
+- costs.py: a candidate's stage costs, each (sub-mesh, microbatch) planned by the
   intra-stage ILP once and split per repeated layer (StageCosts);
-- pipeline_workers.py: who traces and costs which candidates on the cores this process may
+- workers.py: who traces and costs which candidates on the cores this process may
   use, and what a forked worker hands back (Costed);
-- pipeline_candidates.py: one candidate cut into stages and run through the schedule
+- candidates.py: one candidate cut into stages and run through the schedule
   simulator, and the record of the choice (PipelineChoice, whose `layout` is the plan's
   PipelineLayout).
 
@@ -29,12 +29,12 @@ import time
 from autopar.cost.collective_prices import send_time
 from autopar.cost.schedules import ASYNCHRONOUS, least_microbatches
 from autopar.mesh import parse_bytes
-from autopar.solve.pipeline_candidates import SLOWER, PipelineChoice, evaluate, floor, plain_choices
-from autopar.solve.pipeline_costs import StageCosts
-from autopar.solve.pipeline_options import SCHEDULE_CHOICES, Cut, Pipeline, SearchSpace
-from autopar.solve.pipeline_workers import cost_in_parallel, trace_and_cost
-from autopar.solve.recompute import SEARCHED
-from autopar.solve.solved import SolveOptions
+from autopar.solve.pipeline.candidates import SLOWER, PipelineChoice, evaluate, floor, plain_choices
+from autopar.solve.pipeline.costs import StageCosts
+from autopar.solve.pipeline.options import SCHEDULE_CHOICES, Cut, Pipeline, SearchSpace
+from autopar.solve.pipeline.workers import cost_in_parallel, trace_and_cost
+from autopar.solve.recompute.modes import SEARCHED
+from autopar.solve.ilp.solved import SolveOptions
 from autopar.trace.batching import batch_size
 
 log = logging.getLogger("autopar")
@@ -136,7 +136,7 @@ def _fastest_plain(plain: list, limit) -> PipelineChoice | None:
 
 def _search_axes(space: SearchSpace, costs: StageCosts, axes, found: _Found, start) -> None:
     """Cost every candidate that cuts one of `axes`, then evaluate them fastest floor first
-    (pipeline_candidates.floor: the step no schedule can beat), stopping where the floor
+    (candidates.floor: the step no schedule can beat), stopping where the floor
     exceeds the best step found: only the candidates that could still win are simulated."""
     todo = space.cuts(axes)
     cost_in_parallel(costs, costs.missing(space.keys(axes)), costs.options.workers)
@@ -165,7 +165,7 @@ def _search_axes(space: SearchSpace, costs: StageCosts, axes, found: _Found, sta
 def _tasks(space: SearchSpace, costs: StageCosts, cut: Cut) -> list:
     """(floor, cut, stage costs, schedule, virtual count, recompute mode, its parts, send
     seconds) of every layout of one cut: each stage layout (the free plan's and the
-    hand-written ones of pipeline_costs.stage_layouts), schedule, virtual stage count and
+    hand-written ones of costs.stage_layouts), schedule, virtual stage count and
     recompute mode."""
     mesh, fixed = space.mesh, space.fixed
     key = space.key(cut)

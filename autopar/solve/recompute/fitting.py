@@ -2,7 +2,7 @@
 layers alike (period 1) or alternating (period 2), the ILP's budget lowered by what the
 plan needs beyond its linear memory sum until a plan fits with its own.
 
-The recompute search (autopar/solve/recompute_search.py) calls solve_modes once per
+The recompute search (autopar/solve/recompute/search.py) calls solve_modes once per
 assignment; the overlap re-solve (autopar/solve/overlap.py) once more per discount.
 """
 from __future__ import annotations
@@ -11,11 +11,11 @@ import dataclasses
 
 import numpy as np
 
-from autopar.solve.ilp import InfeasibleError, Solution, solve
-from autopar.solve.problem import Problem
-from autopar.solve.recompute import ModeCosts, beyond_linear, mode_costs
-from autopar.solve.reduce import reduce_problem
-from autopar.solve.solved import Assignment, SolveOptions, Solved
+from autopar.solve.ilp.formulation import InfeasibleError, Solution, solve
+from autopar.solve.problem.problem import Problem
+from autopar.solve.recompute.modes import ModeCosts, beyond_linear, mode_costs
+from autopar.solve.ilp.reduce import reduce_problem
+from autopar.solve.ilp.solved import Assignment, SolveOptions, Solved
 
 RESERVE_TRIES = 8   # budgets the reserve is raised through before no plan is said to fit
 

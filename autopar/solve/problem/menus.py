@@ -18,7 +18,7 @@ from autopar.ops.attention_rule import ATTENTION_OPS, sequence_strategies
 from autopar.ops.grid_rule import NORM_OPS, grid_strategies, matmul_grid_strategies, split_norm_strategies
 from autopar.ops.experts_rule import experts_strategies
 from autopar.ops.strategy import offload_label
-from autopar.solve.graph import PNode
+from autopar.solve.problem.graph import PNode
 
 log = logging.getLogger("autopar")
 

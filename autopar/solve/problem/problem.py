@@ -7,7 +7,7 @@ the backend fuses (fusion.py), what ops keep for backward (saved_memory.py), eac
 prices (node_prices.py), where gradients go (gradient_paths.py), every edge's prices
 (edge_prices.py) and its collectives per pair of choices (edge_steps.py).  Solved for the
 best plan and for the hand-written layouts (the same problem with menus restricted;
-reduce.py folds it for the ILP).
+ilp/reduce.py folds it for the ILP).
 """
 from __future__ import annotations
 
@@ -17,16 +17,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from autopar.mesh import Mesh
-from autopar.solve.edge_prices import EdgePrices
-from autopar.solve.edge_steps import EdgeSteps
-from autopar.solve.fusion import fused_chains
-from autopar.solve.gradient_paths import GradientPaths
-from autopar.solve.graph import EdgeKey, add_gradient_sums, build_nodes, concrete_edges
-from autopar.solve.layers import share_layers
-from autopar.solve.menus import build_menus
-from autopar.solve.node_prices import NodePrices
-from autopar.solve.pricing import Pricing, Remembered
-from autopar.solve.saved_memory import SavedMemory
+from autopar.solve.problem.edge_prices import EdgePrices
+from autopar.solve.problem.edge_steps import EdgeSteps
+from autopar.solve.problem.fusion import fused_chains
+from autopar.solve.problem.gradient_paths import GradientPaths
+from autopar.solve.problem.graph import EdgeKey, add_gradient_sums, build_nodes, concrete_edges
+from autopar.solve.problem.layers import share_layers
+from autopar.solve.problem.menus import build_menus
+from autopar.solve.problem.node_prices import NodePrices
+from autopar.solve.problem.pricing import Pricing, Remembered
+from autopar.solve.problem.saved_memory import SavedMemory
 from autopar.trace.export import Traced
 
 
@@ -36,7 +36,7 @@ class Problem:
     graph then traced from the model cast to its param_dtype, or None), pricing (Pricing),
     grouped_gathers (whether the runtime gathers ZeRO-3 weights in buckets: it does for a
     whole model, not inside pipeline stages), pipelined (a pipeline stage's problem,
-    pipeline_costs.stage_problem).  Graph: nodes (PNode, by_fx: fx name -> index), readers
+    pipeline/costs.stage_problem).  Graph: nodes (PNode, by_fx: fx name -> index), readers
     ((node, output) -> its readers), gradsum_of (tensor -> its gradient-sum node), the layer
     sharing (layer_groups, tie, block) and the menus' fallback_ops and warnings.  Pieces:
     saved (SavedMemory), node_prices (NodePrices: `choices`), paths (GradientPaths), steps
@@ -108,8 +108,8 @@ class Problem:
         """This problem with each parameter gradient's bucketed reduction priced at
         (1 - hidden) of its seconds and each weight's forward gathers at (1 - prefetched):
         a linear stand-in for the overlap of gradient buckets with backward
-        (solution.hidden_gradient_seconds) and of prefetched gathers with forward
-        (solution.hidden_prefetch_seconds), the shares being what a plan hides.
+        (assemble.hidden_gradient_seconds) and of prefetched gathers with forward
+        (assemble.hidden_prefetch_seconds), the shares being what a plan hides.
         linear_most: a tensor several linears read has its input gradient's collective
         priced as hidden by the most their weight gradients could (for a bound).  The copy
         shares everything but its edge costs."""

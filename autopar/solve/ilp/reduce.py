@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from autopar.ops import TRIVIAL
-from autopar.solve.problem import Problem
-from autopar.solve.graph import EdgeKey, PNode
-from autopar.solve.layers import SHARE_PERIOD
+from autopar.solve.problem.problem import Problem
+from autopar.solve.problem.graph import EdgeKey, PNode
+from autopar.solve.problem.layers import SHARE_PERIOD
 
 # Ops folded into their producer's choice (they take the layout it offers); not the alias
 # a shared tensor's readers read (trace.share_reads), whose layout change is its point.
@@ -38,7 +38,7 @@ def reduce_problem(problem: Problem, allowed_fn=None, period: int = SHARE_PERIOD
 
     period 1 ties odd layers to even ones too (every identical layer the same choice):
     half the variables; period 2 lets layouts alternate from layer to layer.  modes: an
-    autopar.solve.recompute.ModeCosts (the activation bytes and the forward run again of the
+    autopar.solve.recompute.modes.ModeCosts (the activation bytes and the forward run again of the
     layers it recomputes), or None (every layer keeps its activations)."""
     nodes = problem.nodes
 

@@ -2,10 +2,10 @@
 costs its strategy menus; a Built remembers the two solves with no layout rule and no
 budget that both the pipeline search and the planner ask for, so neither is solved twice.
 
-Solving itself is in three modules, each calling the one before: fitting.py (one recompute
-assignment under the budget), recompute_search.py (which layers recompute: the summed
-optimum), overlap.py (the overlap-aware second solve: solve_problem); assemble.py turns a
-choice into the plan's facts.
+Solving itself is in three modules, each calling the one before: recompute/fitting.py (one
+recompute assignment under the budget), recompute/search.py (which layers recompute: the
+summed optimum), overlap.py (the overlap-aware second solve: solve_problem); assemble.py
+turns a choice into the plan's facts.
 """
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import time
 
 from autopar.cost.precision import cast_for_trace, meta_inputs
 from autopar.solve.overlap import solve_problem
-from autopar.solve.problem import Problem
-from autopar.solve.recompute_search import solve_summed
-from autopar.solve.solved import SolveOptions, Solved
+from autopar.solve.problem.problem import Problem
+from autopar.solve.recompute.search import solve_summed
+from autopar.solve.ilp.solved import SolveOptions, Solved
 from autopar.trace.cache import TRACES
 from autopar.trace.export import trace
 from autopar.trace.loss import check_loss_output
@@ -51,7 +51,7 @@ class Built:
 
     def laid_out(self, name: str, rule, options: SolveOptions) -> Solved:
         """solve_summed under the hand-written layout `name` (its `rule`), no budget: a
-        pipeline stage priced as an expert lays it out (pipeline_costs.layer_costs)."""
+        pipeline stage priced as an expert lays it out (pipeline/costs.layer_costs)."""
         if name not in self._laid_out:
             self._laid_out[name] = solve_summed(self.problem, rule, None, options)
         return self._laid_out[name]

@@ -36,7 +36,7 @@ import numpy as np
 import torch.fx.traceback as fx_traceback
 
 from autopar.ops.rules import ALWAYS_KEPT, PRODUCTS, VIEWS
-from autopar.solve.graph import compiles
+from autopar.solve.problem.graph import compiles
 from autopar.report.records import RECOMPUTING, SELECTIVE_MODES, Recompute
 
 MODES = ("none", "selective", "alternate", "full", "offload")

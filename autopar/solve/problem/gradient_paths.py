@@ -13,9 +13,9 @@ from torch.distributed.tensor import Partial, Replicate
 from autopar import placements as P
 from autopar.cost import prices as C
 from autopar.ops import Strategy
-from autopar.solve.graph import PNode
-from autopar.solve.menus import zero_layout
-from autopar.solve.pricing import Remembered
+from autopar.solve.problem.graph import PNode
+from autopar.solve.problem.menus import zero_layout
+from autopar.solve.problem.pricing import Remembered
 
 
 class GradientPaths:

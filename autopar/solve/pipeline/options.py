@@ -1,4 +1,4 @@
-"""What the pipeline search ranges over (autopar/solve/pipeline_search.py): the schedules,
+"""What the pipeline search ranges over (autopar/solve/pipeline/search.py): the schedules,
 what the user fixed (Pipeline), and the candidates: a mesh axis cut into device groups and
 a microbatch count, each costed at one (sub-mesh shape, microbatch rows) key.
 

@@ -1,4 +1,4 @@
-"""One pipeline candidate evaluated (autopar/solve/pipeline_search.py): cut the layers into
+"""One pipeline candidate evaluated (autopar/solve/pipeline/search.py): cut the layers into
 stages, run the schedule through the simulator, check memory; and the record of what the
 search chose (PipelineChoice), from which the plan's PipelineLayout is built.
 
@@ -25,8 +25,8 @@ from autopar.cost.schedules import (ASYNCHRONOUS, TWO_WAY, V_SHAPED, folds_tp, g
                                     simulate_step)
 from autopar.mesh import Mesh
 from autopar.report.plan import PipelineLayout, Prediction
-from autopar.solve.pipeline_costs import STATES, LayerCosts, StageParts
-from autopar.solve.solution import Built
+from autopar.solve.pipeline.costs import STATES, LayerCosts, StageParts
+from autopar.solve.built import Built
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class PipelineChoice:
     layer_prefix: str = ""  # module path of the repeated layers ("blocks" for blocks.0, blocks.1, ...)
     layer_indices: tuple = ()  # their indices in order; stages count positions in this list
     group_memory: tuple = ()   # per device group: {params, grads, optimizer, activations, working} bytes per device
-    recompute: str = "none"    # what every repeated layer keeps for backward (autopar/solve/recompute.py)
+    recompute: str = "none"    # what every repeated layer keeps for backward (autopar/solve/recompute/modes.py)
     built: Built | None = field(default=None, compare=False, repr=False)  # the problem of one stage's plan
     plain: Built | None = field(default=None, compare=False, repr=False)  # the unpipelined problem (whole batch)
     send_s: float = 0.0           # one activation's (or gradient's) trip across a cut
