@@ -42,7 +42,7 @@ from autopar.report.plan import PlanFileError
 from autopar.report.records import format_bytes, format_seconds
 from autopar.solve.recompute.modes import MODES
 from autopar.report.text import node_layout, table_rows
-from autopar.runtime.calibrate import calibrate
+from autopar.runtime.calibrate.fit import calibrate
 
 log = logging.getLogger("autopar")
 

@@ -25,7 +25,7 @@ measured):
    trained for a few AdamW steps in float32 next to the same model trained plainly on the
    same device; max |loss difference| over the steps.  compile's default backend runs
    (Inductor on a GPU since 2026-11-28: equal to float rounding, not bit for bit).
-2. calibrate: `autopar calibrate` (autopar/runtime/calibrate.py) on this rank: matmul and attention
+2. calibrate: `autopar calibrate` (autopar/runtime/calibrate/fit.py) on this rank: matmul and attention
    FLOP/s per dtype, memory bandwidth, op latency and the AdamW line, next to the preset
    (h100, h200, a100; h100 for another GPU; cpu).  Later sections
    predict with this profile, and with the preset beside it.
@@ -84,7 +84,7 @@ import autopar
 from autopar.mesh import PRESETS
 from autopar.models import build
 from autopar.runtime import init_process_group
-from autopar.runtime.calibrate import calibrate
+from autopar.runtime.calibrate.fit import calibrate
 from autopar.solve.built import build_problem
 
 SECTIONS = ("quickstart", "calibrate", "ops", "configs", "backends")

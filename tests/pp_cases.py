@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from autopar.runtime.pass_times import EventRecorder, gather_timeline
+from autopar.runtime.pipeline.pass_times import EventRecorder, gather_timeline
 
 N_STAGES, LAYERS, HIDDEN, MB = 4, 8, 512, 512
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}

@@ -1,4 +1,4 @@
-"""Tensor-parallel collectives beside the GEMMs (autopar/runtime/linear_grads.py): input
+"""Tensor-parallel collectives beside the GEMMs (autopar/runtime/grads/linear.py): input
 gradients reduced while the weight gradients compute, row-parallel outputs reduced in
 pieces while the next piece computes.  The folds on small graphs, their prices, and
 Megatron TP, Megatron-SP and TP x ZeRO-3 training like one device with them, on 4 gloo
@@ -14,7 +14,7 @@ from torch.distributed.tensor import Partial, Replicate
 
 import autopar
 from autopar.passes.collectives import Move, move
-from autopar.runtime.linear_grads import fold_linear_gradients, linears_then_gradient
+from autopar.runtime.grads.linear import fold_linear_gradients, linears_then_gradient
 from rt_cases import build_case, train_and_compare
 
 
@@ -69,7 +69,7 @@ CASES = [
 ]
 # under selective recomputation: input gradients folded inside the recomputed regions, the
 # kept row-parallel linears left whole (Megatron-SP's layer norm weights are gathered inside
-# the regions: replayed outside the saved-tensor policy, runtime/reshard.Regather.gather)
+# the regions: replayed outside the saved-tensor policy, runtime/regions/reshard.Regather.gather)
 RECOMPUTED = [
     (("autopar", "gpt-tiny", ()), (4,), ("tp",), "megatron-sp", False, "selective"),
     (("hf-arch", "qwen3"), (2, 2), ("dp", "tp"), "megatron-tp x dp", False, "selective"),
@@ -145,7 +145,7 @@ def test_a_row_parallel_output_is_cut_along_batch_then_sequence():
 def test_pipeline_stages_take_off_what_their_runtime_folds(device):
     """A stage's costs (solve/pipeline/costs) carry each node's seconds hidden beside GEMMs
     (Assembled.folded, which add up to the stage plan's Prediction.linear_hidden_s).  A
-    schedule whose stages fold them (1F1B: runtime/pipelined.py folds every stage) runs
+    schedule whose stages fold them (1F1B: runtime/pipeline/pipelined.py folds every stage) runs
     each stage that much faster than one whose backward splits off the weight gradients
     (zero-bubble, left unfolded); on CPU ranks nothing is hidden and the two are equal."""
     from autopar.models import build
@@ -184,7 +184,7 @@ def test_pipeline_stages_take_off_what_their_runtime_folds(device):
 def test_a_fold_under_recomputation_is_priced_as_the_runtime_folds_it():
     """Selective recomputation keeps every linear of a layer: the runtime folds their input
     gradients as it does without recomputation (the folded call keeps its matrix products:
-    runtime/recompute.py), but not the row-parallel outputs, whose pieces are reduced in
+    runtime/regions/recompute.py), but not the row-parallel outputs, whose pieces are reduced in
     place.  "alternate" keeps q and v but not k, gate but not up (one call keeps all its
     products or none: those input gradients stay whole) and down_proj but not o_proj
     (o_proj's output is still folded).  Full recomputation keeps nothing and hides what

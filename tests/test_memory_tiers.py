@@ -14,7 +14,7 @@ import torch
 import autopar
 from autopar.cost import prices as C
 from autopar.mesh import PRESETS
-from autopar.runtime.disk import DiskStore, OffloadError, check_directory, wait
+from autopar.runtime.state.disk import DiskStore, OffloadError, check_directory, wait
 from autopar.runtime.process import CompileError
 from autopar.solve.recompute.tiers import TierCapacityError
 from rt_cases import build_case, train_and_compare

@@ -24,7 +24,7 @@ import pp_cases
 import pytest
 import torch
 
-from autopar.runtime.pass_times import PassTimes, pass_times
+from autopar.runtime.pipeline.pass_times import PassTimes, pass_times
 from autopar.cost.schedules import Timeline
 from autopar.report.gantt import gantt_svg
 from autopar.cost.schedules import simulate

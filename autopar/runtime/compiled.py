@@ -32,20 +32,20 @@ from autopar.report.plan import Plan
 from autopar.cost.precision import MixedPrecision
 
 from autopar.runtime.build import initial_shards, rank_graph
-from autopar.runtime.disk import OFFLOAD_DIR_ENV
-from autopar.runtime.faults import (
+from autopar.runtime.state.disk import OFFLOAD_DIR_ENV
+from autopar.runtime.checks.faults import (
     DEFAULT_TIMEOUT_S, CollectiveError, NonFiniteError, collectives_named, set_timeout)
-from autopar.runtime.inputs import CHECKED_CALLS, SAMPLE_EVERY
-from autopar.runtime.linear_grads import fold_linear_gradients, kept_nodes
-from autopar.runtime.join import UnevenInputs
+from autopar.runtime.checks.inputs import CHECKED_CALLS, SAMPLE_EVERY
+from autopar.runtime.grads.linear import fold_linear_gradients, kept_nodes
+from autopar.runtime.checks.join import UnevenInputs
 from autopar.runtime.model import CompiledModel
 from autopar.runtime.options import RunOptions
-from autopar.runtime.pipelined import compile_pipelined
+from autopar.runtime.pipeline.pipelined import compile_pipelined
 from autopar.runtime.process import CompileError, device_mesh, device_of, ensure_process_group
-from autopar.runtime.recompute import apply_recompute
-from autopar.runtime.reshard import Regather, offloaded_weights
+from autopar.runtime.regions.recompute import apply_recompute
+from autopar.runtime.regions.reshard import Regather, offloaded_weights
 from autopar.runtime.runner import GraphRunner
-from autopar.runtime.state import build_rank_state
+from autopar.runtime.state.rank_state import build_rank_state
 
 __all__ = ["compile", "CompiledModel", "CompileError", "UnevenInputs", "CollectiveError", "NonFiniteError"]
 

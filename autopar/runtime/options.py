@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autopar.runtime.faults import DEFAULT_TIMEOUT_S
-from autopar.runtime.inputs import CHECKED_CALLS, SAMPLE_EVERY
+from autopar.runtime.checks.faults import DEFAULT_TIMEOUT_S
+from autopar.runtime.checks.inputs import CHECKED_CALLS, SAMPLE_EVERY
 
 
 @dataclass(frozen=True)

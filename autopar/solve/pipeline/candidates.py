@@ -171,7 +171,7 @@ def step_seconds(tl, group_once: list, group_sync: list, hides: bool) -> float:
     """A candidate's step from its simulated schedule `tl` (cost.schedules.Step): the
     makespan and then the slowest group's once-per-step work; where `hides` (an
     asynchronous device) each device group starts its once-per-step work when its own last
-    pass ends, the runtime's buckets having gone out during that pass (runtime/pipelined:
+    pass ends, the runtime's buckets having gone out during that pass (runtime/pipeline/pipelined:
     buckets open for each stage's last backward), so the group's gradient synchronisation
     hides behind that pass up to its length, and a group that ends early (the last stage
     of 1F1B ends its last backward while the first stages drain) runs it in its idle time."""
@@ -241,7 +241,7 @@ def evaluate(parts: StageParts, copies, send, n_stages, p, v, schedule, n_mb, li
         held = tl.in_flight[g]
         mine = groups[g]
         held_parts = {k: sum(kept[s] for s in mine) for k, kept in held_states.items()}
-        if schedule in ASYNCHRONOUS:   # two stashed weight versions beside the live ones (runtime/flushless.py)
+        if schedule in ASYNCHRONOUS:   # two stashed weight versions beside the live ones (runtime/pipeline/flushless.py)
             held_parts["params"] *= 3
         held_parts["activations"] = max(acts[s] for s in mine) * held
         held_parts["working"] = max(work[s] for s in mine)

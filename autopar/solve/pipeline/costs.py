@@ -45,7 +45,7 @@ class StageCost:
     working: float = 0.0  # the most any one op needs beyond them while it runs (recompute/modes.working_bytes)
     host: float = 0.0     # bytes per microbatch its layers' offloaded activations keep in host memory
     # what the tensor-parallel collectives the runtime runs hidden beside their GEMMs
-    # (runtime/linear_grads.py; solve/assemble's Assembled.folded) take off forward_s and
+    # (runtime/grads/linear.py; solve/assemble's Assembled.folded) take off forward_s and
     # backward_s (a node's hidden seconds split as its seconds are), where the schedule's
     # stages fold them (cost.schedules.folds_tp)
     folded_forward: float = 0.0
@@ -55,7 +55,7 @@ class StageCost:
     # stage sum after the step
     synced_grads: float = 0.0
     # of once_s, the gradients' synchronisation (their buckets go out during a stage's last
-    # backward, runtime/pipelined._sync_on_last: what of it that pass covers is hidden on an
+    # backward, runtime/pipeline/pipelined._sync_on_last: what of it that pass covers is hidden on an
     # asynchronous device); the rest (the optimizer's step and gathers) runs after it
     sync_s: float = 0.0
 
@@ -107,10 +107,10 @@ def stage_problem(model, mesh, example_inputs, example_kwargs, mixed_precision, 
                   pricing=None) -> Built:
     """The traced and costed problem of one stage candidate: the model on a sub-mesh of
     `mesh` shaped `sub_shape` (same links), for a microbatch of `mb_size` rows.  Pipeline
-    stages gather their ZeRO-3 weights one by one (autopar/runtime/pipelined.py): only the whole
+    stages gather their ZeRO-3 weights one by one (autopar/runtime/pipeline/pipelined.py): only the whole
     mesh's candidate prices them grouped.  A stage accumulates its gradients over the step's
     batch // mb_size microbatches (the runtime runs every backward but each stage's last
-    under grad_sync.no_sync), so its problem is priced for that accumulation
+    under runtime/grads/sync.no_sync), so its problem is priced for that accumulation
     (Pricing.accumulation): the ILP weighs the once-per-step gradient reductions, the
     optimizer step and ZeRO-1/2's gathers at their share of one microbatch, and a ZeRO-2
     stage keeps its whole local gradient until the last; _Split counts them back whole,

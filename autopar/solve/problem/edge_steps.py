@@ -78,7 +78,7 @@ class EdgeSteps:
     def reduction(self, e: EdgeKey, i: int, j: int, backward: bool):
         """The one redistribution step (autopar.cost.redistribution.Step, with its dim) of
         edge e's forward or backward move when that move is exactly one all-reduce or one
-        reduce-scatter, as the runtime runs it (autopar/runtime/linear_grads.py folds those
+        reduce-scatter, as the runtime runs it (autopar/runtime/grads/linear.py folds those
         beside linears' GEMMs), else None; e between representatives, choices i and j."""
         a, b = self.nodes[e.a], self.nodes[e.b]
         if e.kind == "grad_out" and backward:
@@ -95,7 +95,7 @@ class EdgeSteps:
 
     def grouped_pair(self, s: Strategy, fwd: tuple, bwd: tuple) -> bool:
         """Whether a weight stored under s and read through moves fwd (its gradient back
-        through bwd) is gathered in buckets (autopar/runtime/reshard.py): plain ZeRO-3, the
+        through bwd) is gathered in buckets (autopar/runtime/regions/reshard.py): plain ZeRO-3, the
         weight sharded on an axis where it is read whole, the move one all-gather and its
         gradient's one reduce-scatter on that axis, nothing else synchronising it.  Its
         gathers, the one again in backward and the reduce-scatter then pay `bucket_share`
@@ -105,7 +105,7 @@ class EdgeSteps:
 
     def seen_alike(self, edges: list, choice: dict) -> bool:
         """Whether under `choice` every rank's finite check reads values every rank sees
-        (runtime/faults.seen_alike), so the step runs no all-reduce for it: the loss summed
+        (runtime/checks/faults.seen_alike), so the step runs no all-reduce for it: the loss summed
         over every mesh axis of more than one rank, and every trained weight whole there,
         not ZeRO-2/3 or offloaded, its gradient arriving Partial on all those axes (or left
         Partial for its bucket, GradientPaths.cones).  Checked on the whole choice (`edges`:
@@ -139,7 +139,7 @@ class EdgeSteps:
 
     @functools.cached_property
     def finite_check(self) -> tuple:
-        """The steps of the finite check's all-reduce (runtime/faults.check_step: one float64
+        """The steps of the finite check's all-reduce (runtime/checks/faults.check_step: one float64
         flag over every rank), which a step runs where `seen_alike` is False."""
         axes = [a for a, n in enumerate(self.mesh.shape) if n > 1]
         if not axes:

@@ -125,7 +125,7 @@ class NodePrices:
         key = K.pointwise_key(pn.op, pn.node)
         if key == "aten.gelu:tanh" and self.pricing.backend == "inductor" \
                 and mesh.device.pointwise_seconds("aten.sigmoid"):
-            key = "aten.sigmoid"   # (compiled as x * sigmoid(2 z) on CPU: runtime/inductor.with_sigmoid_gelus)
+            key = "aten.sigmoid"   # (compiled as x * sigmoid(2 z) on CPU: runtime/regions/inductor.with_sigmoid_gelus)
         measured = mesh.device.pointwise_seconds(key) if mesh.device.pointwise else None
         if measured is None:
             return seconds
@@ -194,7 +194,7 @@ class NodePrices:
 
     def _step_copies(self, pn: PNode, s: Strategy, grad_bytes: float) -> float:
         """Seconds of a parameter's memory passes around its optimizer step besides the
-        step itself: the finite check reading its gradient (runtime/faults.check_step: one
+        step itself: the finite check reading its gradient (runtime/checks/faults.check_step: one
         read of `grad_bytes`, this rank's gradient after synchronisation) and, for ZeRO-1/2,
         the flat buffer's copies of the updated chunks' all-gather (zero.all_gather_chunks,
         prices.bucket_copy_bytes), one price per pair of layouts."""
@@ -221,7 +221,7 @@ class NodePrices:
     def _foreach_step(self) -> bool:
         """Whether the optimizer step runs torch's multi-tensor kernels, whose temporaries
         span the parameters stepped together: on a GPU, unless the backend "inductor" runs
-        the fused kernel (runtime/optimizer.fused_options)."""
+        the fused kernel (runtime/state/optimizer.fused_options)."""
         return self.mesh.device.asynchronous and self.pricing.backend != "inductor"
 
     def step_memory(self, choice: dict) -> float:

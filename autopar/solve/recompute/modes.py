@@ -197,7 +197,7 @@ class ModeCosts:
 
 def compiled_whole(problem, modes: dict, layer: dict) -> set:
     """The paths of the selective layers that backend "inductor" compiles as one region with
-    the checkpoint inside (runtime/inductor: every op of the layer an ATen op that draws no
+    the checkpoint inside (runtime/regions/inductor: every op of the layer an ATen op that draws no
     random numbers, and torch new enough to annotate the kept ops)."""
     if problem.pricing.backend != "inductor" or not hasattr(fx_traceback, "annotate"):
         return set()
