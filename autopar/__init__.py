@@ -2,17 +2,17 @@
 import logging as _logging
 
 from autopar.mesh import DeviceSpec, Mesh
-from autopar.plan.plan import Plan
-from autopar.solve.pipeline_options import Pipeline
-from autopar.solve.pricing import Pricing
-from autopar.solve.solved import SolveOptions
+from autopar.report.plan import Plan
+from autopar.solve.pipeline.options import Pipeline
+from autopar.solve.problem.pricing import Pricing
+from autopar.solve.ilp.solved import SolveOptions
 from autopar.runtime.options import RunOptions
 from autopar.cost.precision import MixedPrecision
-from autopar.solve.ilp import InfeasibleError
+from autopar.solve.ilp.formulation import InfeasibleError
 from autopar.trace.export import TraceError
 from autopar.deprecations import AutoparDeprecationWarning
 from autopar.runtime.compiled import compile
-from autopar.solve.planner import plan, random_plans  # last: `autopar.plan` is this function, not the autopar/plan/ folder
+from autopar.solve.planner import plan, random_plans
 
 _logging.getLogger("autopar").addHandler(_logging.NullHandler())
 

@@ -1,5 +1,5 @@
 """Sharded checkpoints of a compiled model and its optimizer, with the plan, the step and
-the RNG states (autopar/runtime/checkpoint.py):
+the RNG states (autopar/runtime/state/checkpoint.py):
 
     import autopar.checkpoint
     autopar.checkpoint.save(path, cm, opt, step=step, extra={"epoch": epoch})
@@ -15,6 +15,6 @@ or without a process group:
     model.load_state_dict(autopar.checkpoint.to_state_dict(path))   # one process, whole tensors
     autopar.checkpoint.export(path, "model.safetensors")            # or "model.pt" (torch.save)
 """
-from autopar.runtime.checkpoint import CheckpointError, export, latest, load, save, to_state_dict
+from autopar.runtime.state.checkpoint import CheckpointError, export, latest, load, save, to_state_dict
 
 __all__ = ["save", "load", "latest", "to_state_dict", "export", "CheckpointError"]

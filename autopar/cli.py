@@ -35,14 +35,14 @@ import autopar
 from autopar.cli_args import (
     HF_COUNTS, UsageError, check_count, device_of, parse_axes, parse_bandwidth, parse_budget, parse_mesh,
     parse_overrides, pipeline_of)
-from autopar.plan.html import write_report
+from autopar.report.html import write_report
 from autopar.models import PRESETS, ConfigError, build, list_models
-from autopar.solve.pipeline_options import SCHEDULE_CHOICES
-from autopar.plan.plan import PlanFileError
-from autopar.plan.records import format_bytes, format_seconds
-from autopar.solve.recompute import MODES
-from autopar.plan.report import node_layout, table_rows
-from autopar.runtime.calibrate import calibrate
+from autopar.solve.pipeline.options import SCHEDULE_CHOICES
+from autopar.report.plan import PlanFileError
+from autopar.report.records import format_bytes, format_seconds
+from autopar.solve.recompute.modes import MODES
+from autopar.report.text import node_layout, table_rows
+from autopar.runtime.calibrate.fit import calibrate
 
 log = logging.getLogger("autopar")
 

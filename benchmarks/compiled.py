@@ -2,7 +2,7 @@
 of one model under one layout, four ways, on gloo ranks.
 
 - autopar eager: `autopar.compile(..., plan=plan)` (the rank's graph op by op);
-- autopar inductor: the same plan, `backend="inductor"` (autopar/runtime/inductor.py);
+- autopar inductor: the same plan, `backend="inductor"` (autopar/runtime/regions/inductor.py);
 - torch: the plain model under `torch.compile`, wrapped as torch's own data parallelism
   does it: DistributedDataParallel for the data-parallel layout, FSDP2's `fully_shard` per
   block and on the root for ZeRO-3 (none for megatron-tp, whose activation all-reduces

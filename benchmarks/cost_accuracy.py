@@ -1,7 +1,7 @@
 """Does the cost model predict what runs?  Predicted vs measured step time for a GPT under
 several layouts and meshes, after calibrating the cost model on the same ranks.
 
-1. `autopar calibrate` (autopar/runtime/calibrate.py) measures the ranks: matmul and memory rates,
+1. `autopar calibrate` (autopar/runtime/calibrate/fit.py) measures the ranks: matmul and memory rates,
    op latency, and every collective on a (ranks,) mesh (full groups and pairs); cached per
    cluster, so a second run reuses it (--recalibrate measures again).
 2. Each case plans the model with the calibrated device (`autopar.plan(..., layout=...)`:
@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 import autopar
 from autopar.models import build
-from autopar.runtime.calibrate import calibrate
+from autopar.runtime.calibrate.fit import calibrate
 
 # (label, mesh shape, axis names, plan keywords), per world size
 CASES_2 = [

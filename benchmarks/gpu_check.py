@@ -25,14 +25,14 @@ measured):
    trained for a few AdamW steps in float32 next to the same model trained plainly on the
    same device; max |loss difference| over the steps.  compile's default backend runs
    (Inductor on a GPU since 2026-11-28: equal to float rounding, not bit for bit).
-2. calibrate: `autopar calibrate` (autopar/runtime/calibrate.py) on this rank: matmul and attention
+2. calibrate: `autopar calibrate` (autopar/runtime/calibrate/fit.py) on this rank: matmul and attention
    FLOP/s per dtype, memory bandwidth, op latency and the AdamW line, next to the preset
    (h100, h200, a100; h100 for another GPU; cpu).  Later sections
    predict with this profile, and with the preset beside it.
 3. ops: about a dozen ops (matmuls large, skinny and small; causal attention at a few
    sequence lengths and head sizes; add, GELU, SiLU; layer and RMS norm; softmax), each the
    only op of a module whose operands are parameters.  The prediction is what the planner
-   prices for that node on a (1,) mesh (`autopar.solve.solution.build_problem`: the FLOP counter
+   prices for that node on a (1,) mesh (`autopar.solve.built.build_problem`: the FLOP counter
    on meta tensors, then `cost.roofline` for forward and for backward); the measurement is
    the op's forward, and forward plus backward (torch.autograd.grad of every operand), in
    CUDA events (perf_counter on the CPU), median of several runs after warm-up.  The f+b
@@ -84,8 +84,8 @@ import autopar
 from autopar.mesh import PRESETS
 from autopar.models import build
 from autopar.runtime import init_process_group
-from autopar.runtime.calibrate import calibrate
-from autopar.solve.solution import build_problem
+from autopar.runtime.calibrate.fit import calibrate
+from autopar.solve.built import build_problem
 
 SECTIONS = ("quickstart", "calibrate", "ops", "configs", "backends")
 CPU_DEFAULT = ("quickstart", "calibrate", "ops", "configs")   # backends compiles with Inductor: asked for by name

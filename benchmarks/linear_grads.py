@@ -1,7 +1,7 @@
 """Tensor-parallel collectives beside their GEMMs, against the same plan with the linears
 unfolded: median step on gloo ranks.
 
-- folded: `autopar.compile` as it runs (autopar/runtime/linear_grads.py: each
+- folded: `autopar.compile` as it runs (autopar/runtime/grads/linear.py: each
   column-parallel input's gradient collective starts before the weight gradients compute,
   each row-parallel output's GEMM runs in two pieces, the first reduced while the second
   computes);
@@ -31,7 +31,7 @@ import torch.distributed as dist
 import autopar
 import autopar.runtime.compiled as compiled_module
 from autopar.models import build
-from autopar.runtime.linear_grads import fold_linear_gradients, linear_then_reduce, linears_then_gradient
+from autopar.runtime.grads.linear import fold_linear_gradients, linear_then_reduce, linears_then_gradient
 from compiled import _timed as timed   # (benchmarks/compiled.py: every step between barriers)
 
 MODELS = {"gpt": ("gpt-tiny", dict(hidden=512, n_heads=8, n_layers=4, max_seq=256)),

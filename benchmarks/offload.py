@@ -16,7 +16,7 @@ Two parts:
         A GPT (hidden 512, 4 layers, 12.7 M parameters, fp32 AdamW) on 2 gloo ranks, ZeRO-2
         over both, with its optimizer states on the device, in host memory and on disk
         (the same layout, only the tier changes; the losses must agree exactly).  The disk
-        is timed first in the same directory (autopar.runtime.calibrate.measure_tiers).
+        is timed first in the same directory (autopar.runtime.calibrate.fit.measure_tiers).
         Printed per tier: the median step, and for disk the bytes the store read and wrote
         per step, the time they take at the measured rates, and the ratio of the measured
         step to the host tier's step plus that time (target <= 1.3).
@@ -74,7 +74,7 @@ def plans() -> None:
 
 
 def run(offload_dir: str | None, steps: int) -> None:
-    from autopar.runtime.calibrate import measure_tiers
+    from autopar.runtime.calibrate.fit import measure_tiers
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     directory = offload_dir or tempfile.gettempdir()

@@ -23,7 +23,7 @@ zero_grad, between two barriers, timed on rank 0; after `--warmup` untimed steps
 sides alternate for `--steps` steps each and the median is reported.  The step-0 losses
 must agree (same weights, same batch).  For autopar's last step the measured passes give
 the measured bubble fraction, and the simulator run with the measured per-stage pass
-times gives the predicted one (autopar.runtime.pass_times.pass_times).
+times gives the predicted one (autopar.runtime.pipeline.pass_times.pass_times).
 
 Then 2 stages x data parallel 2 on a (2, 2) mesh, 1F1B: autopar with the gradient
 reduction overlapped with each stage's last backward (the default) against the same
@@ -48,7 +48,7 @@ from torch import nn
 
 import autopar
 from autopar.models import build
-from autopar.runtime.pass_times import EventRecorder, gather_timeline, pass_times
+from autopar.runtime.pipeline.pass_times import EventRecorder, gather_timeline, pass_times
 from runtime_overhead import init_gloo
 
 
@@ -139,7 +139,7 @@ def compiled(gpt, batch, schedule: str, n_mb: int, lr: float, data_parallel: boo
 
 
 def measured_timeline(cm, step, batch, schedule: str):
-    """Every rank's passes of one step (autopar.runtime.pass_times), as one Timeline."""
+    """Every rank's passes of one step (autopar.runtime.pipeline.pass_times), as one Timeline."""
     if schedule == "chimera":   # autopar's own runner records its passes itself
         cm.runner.schedule.events = []
         step(*batch)

@@ -109,7 +109,7 @@ def run_one(name: str, compare: bool) -> dict:
     rss_start = _maxrss_bytes()  # before torch is imported
     import autopar
     from autopar.models import build
-    from autopar.plan.plan import Prediction
+    from autopar.report.plan import Prediction
 
     case = ALL[name]
     rss_before = _maxrss_bytes()

@@ -12,9 +12,9 @@ zero_grad between two barriers, timed on rank 0).  The step-0 losses must agree.
 
 Printed per schedule: the median step of each backend and inductor / eager (the baseline:
 autopar eager, measured in the same run), and from one measured step
-(autopar.runtime.pass_times) each backend's share of backward spent in W passes (what the
+(autopar.runtime.pipeline.pass_times) each backend's share of backward spent in W passes (what the
 schedule can move into its bubbles; under Inductor it was 0 before
-runtime/split_backward.py, when the compiled regions could not run these schedules at
+runtime/regions/split_backward.py, when the compiled regions could not run these schedules at
 all) and the measured bubble fraction.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch.distributed as dist
 import autopar
 from autopar.cost.schedules import SPLIT_BACKWARD
 from autopar.models import build
-from autopar.runtime.pass_times import pass_times
+from autopar.runtime.pipeline.pass_times import pass_times
 from pipeline import measured_timeline, timed
 from runtime_overhead import init_gloo
 

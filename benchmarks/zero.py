@@ -88,7 +88,7 @@ from runtime_overhead import Config, count_collectives, init_gloo, log0, summary
 from torch.distributed.tensor import DTensor
 
 import autopar
-from autopar.runtime.grad_pieces import is_absent
+from autopar.runtime.grads.pieces import is_absent
 
 WORLD = 4
 OPTIMIZER = torch.optim.AdamW

@@ -23,7 +23,7 @@ from pathlib import Path
 from playwright.sync_api import sync_playwright
 
 import autopar
-from autopar.plan.html import write_report
+from autopar.report.html import write_report
 from autopar.models import build
 
 

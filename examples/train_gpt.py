@@ -94,7 +94,7 @@ def main(argv=None) -> None:
     recorder = None
     for step in range(args.steps):
         if args.gantt and step == args.steps - 1 and cm.runner.pipelined:
-            from autopar.runtime.pass_times import EventRecorder
+            from autopar.runtime.pipeline.pass_times import EventRecorder
             recorder = EventRecorder(*cm.runner.pipeline_stages)
         start = time.perf_counter()
         loss = cm.train_step(*batch)
@@ -111,8 +111,8 @@ def main(argv=None) -> None:
         if rank == 0:
             print(line, flush=True)
     if recorder is not None:
-        from autopar.plan.gantt import gantt_svg
-        from autopar.runtime.pass_times import gather_timeline
+        from autopar.report.gantt import gantt_svg
+        from autopar.runtime.pipeline.pass_times import gather_timeline
         timeline = gather_timeline(recorder, plan.pipeline.schedule)
         if rank == 0:
             pp = plan.pipeline

@@ -12,7 +12,7 @@ from rt_cases import OPTIM, _loss, build_case, excess, reference
 
 import autopar
 import autopar.checkpoint
-from autopar.plan.plan import Plan
+from autopar.report.plan import Plan
 from autopar.runtime.compiled import NonFiniteError
 
 

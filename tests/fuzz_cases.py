@@ -306,7 +306,7 @@ def compiled(spec: Spec, loop: Loop, plan_dict: dict, other_dict: dict | None, p
 
     import autopar
     import autopar.checkpoint
-    from autopar.plan.plan import Plan
+    from autopar.report.plan import Plan
 
     plan = Plan.from_dict(plan_dict)
     data = batches(spec, _batches_needed(loop))

@@ -11,7 +11,7 @@ import torch.nn as nn
 import autopar
 from autopar.passes import grid_ops as G
 from autopar.passes import redistribute as R
-from autopar.plan.plan import Plan
+from autopar.report.plan import Plan
 
 
 class Block(nn.Module):

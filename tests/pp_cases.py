@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from autopar.runtime.pass_times import EventRecorder, gather_timeline
+from autopar.runtime.pipeline.pass_times import EventRecorder, gather_timeline
 
 N_STAGES, LAYERS, HIDDEN, MB = 4, 8, 512, 512
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -83,7 +83,7 @@ def compiled_pipeline_events(spec: tuple, plan_dict: dict, warmup: int = 1):
     """Compile a pipelined plan, run `warmup` train steps, then time one: the Timeline of
     every rank's passes (EventRecorder on the compiled model's PipelineStages)."""
     import autopar
-    from autopar.plan.plan import Plan
+    from autopar.report.plan import Plan
     from rt_cases import build_case
 
     plan = Plan.from_dict(plan_dict)
@@ -99,7 +99,7 @@ def compiled_pipeline_events(spec: tuple, plan_dict: dict, warmup: int = 1):
 def pipelined_forward_loss(spec: tuple, plan_dict: dict) -> tuple:
     """(compiled forward's loss, the plain model's loss) on the example batch, before any step."""
     import autopar
-    from autopar.plan.plan import Plan
+    from autopar.report.plan import Plan
     from rt_cases import build_case
 
     plan = Plan.from_dict(plan_dict)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 import autopar
-from autopar.plan.plan import Plan
+from autopar.report.plan import Plan
 from rt_cases import OPTIM, build_case
 
 
@@ -16,9 +16,9 @@ def _compiled(spec, plan_dict):
 
 
 def saved_bytes(spec: tuple, plan_dict: dict) -> dict:
-    """This rank's bytes kept for backward in one step (runtime.recompute.measure_saved), the
+    """This rank's bytes kept for backward in one step (runtime.regions.recompute.measure_saved), the
     plan's prediction, and how many recomputed regions the compiled graphs hold."""
-    from autopar.runtime.recompute import Region, measure_saved
+    from autopar.runtime.regions.recompute import Region, measure_saved
     cm, args, kwargs = _compiled(spec, plan_dict)
     regions = sum(isinstance(m, Region) for g in cm.runner.graphs() for m in g.modules())
     return {"measured": measure_saved(cm, *args, **kwargs),

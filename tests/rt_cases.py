@@ -9,7 +9,7 @@ import math
 import torch
 
 import autopar
-from autopar.plan.plan import Plan
+from autopar.report.plan import Plan
 
 RTOL, ATOL = 1e-5, 1e-6
 # Adam divides by sqrt(v) + eps, so rounding noise in a gradient that is (nearly) zero in
@@ -249,9 +249,9 @@ def train_and_compare(spec: tuple, plan_dict: dict, steps: int = 3, clip: float 
 def folded_linears(graphs) -> tuple:
     """(moves folded with their linear readers, linears folded with the move of their
     output) in the compiled graphs and the recomputed regions inside them
-    (runtime/linear_grads.py)."""
+    (runtime/grads/linear.py)."""
     import torch.fx as fx
-    from autopar.runtime.linear_grads import ABSORBS, linear_then_reduce
+    from autopar.runtime.grads.linear import ABSORBS, linear_then_reduce
     nodes = [n for g in graphs for m in g.modules() if isinstance(m, fx.GraphModule) for n in m.graph.nodes
              if n.op == "call_function" and n.meta.get(ABSORBS)]   # (a kept call's target is wrapped)
     return (sum(n.target is not linear_then_reduce for n in nodes), sum(n.target is linear_then_reduce for n in nodes))
@@ -292,10 +292,10 @@ def torch_clip_over_parameters(spec: tuple, plan_dict: dict) -> dict:
 def _moves_run(gm) -> list:
     """(Move, the moved tensor's name, the first node reading the moved tensor) of every move
     the graph runs: its `move` nodes and the moves folded with linears
-    (runtime/linear_grads.py: an input's move inside linears_then_gradient, a row-parallel
+    (runtime/grads/linear.py: an input's move inside linears_then_gradient, a row-parallel
     output's inside linear_then_reduce)."""
     from autopar.passes.collectives import move
-    from autopar.runtime.linear_grads import linear_then_reduce, linears_then_gradient
+    from autopar.runtime.grads.linear import linear_then_reduce, linears_then_gradient
     out = []
     for node in gm.graph.nodes:
         if node.op != "call_function":
@@ -862,8 +862,8 @@ def stale_checkpoint(spec: tuple, plan_dict: dict, path: str) -> dict:
 
 def with_layer_cuts(job, *args):
     """Run `job(*args)` with the Inductor backend's regions cut at every layer, as on CUDA
-    (runtime/inductor.LAYER_CUTS)."""
-    import autopar.runtime.inductor as inductor
+    (runtime/regions/inductor.LAYER_CUTS)."""
+    import autopar.runtime.regions.inductor as inductor
     return _run_with(inductor, "LAYER_CUTS", True, job, *args)
 
 

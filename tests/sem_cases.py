@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import autopar
-from autopar.plan.plan import Plan
+from autopar.report.plan import Plan
 from autopar.runtime import compiled
 from rt_cases import OPTIM, _loss, build_case
 

@@ -6,14 +6,14 @@ import torch.nn.functional as F
 
 import autopar
 from autopar.trace.attention import window_attention
-from autopar.plan.plan import Plan
+from autopar.report.plan import Plan
 from rt_cases import build_case
 
 
 def saved_activation_bytes(spec: tuple, plan_dict: dict) -> dict:
     """Bytes this rank keeps for backward in one training step of the plan
-    (runtime.recompute.measure_saved), and the plan's predicted activation memory."""
-    from autopar.runtime.recompute import measure_saved
+    (runtime.regions.recompute.measure_saved), and the plan's predicted activation memory."""
+    from autopar.runtime.regions.recompute import measure_saved
     plan = Plan.from_dict(plan_dict)
     model, args, kwargs = build_case(spec)
     cm = autopar.compile(model, plan.device_mesh(), args, example_kwargs=kwargs or None, plan=plan)

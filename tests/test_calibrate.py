@@ -18,9 +18,10 @@ from autopar.cost.collective_prices import axis_link
 from autopar.cost.prices import BUCKET_BYTES, collective_time
 from autopar.mesh import PRESETS, DeviceSpec
 from autopar.models import build
-import autopar.solve.pipeline_search as pipeline_search
-from autopar.runtime import calibrate_links, calibrate_step
-from autopar.runtime.calibrate_compute import POINTWISE
+import autopar.solve.pipeline.search as pipeline_search
+from autopar.runtime.calibrate import links as calibrate_links
+from autopar.runtime.calibrate import step as calibrate_step
+from autopar.runtime.calibrate.compute import POINTWISE
 from autopar.solve.assemble import hidden_gradient_seconds, hidden_prefetch_seconds
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
@@ -33,7 +34,7 @@ def _calibrate_job(cache: str, out: str, offload_dir: str):
     import time
 
     os.environ["AUTOPAR_CACHE"] = cache
-    from autopar.runtime.calibrate import calibrate
+    from autopar.runtime.calibrate.fit import calibrate
     start = time.perf_counter()
     first = calibrate(quick=True, repeats=2, out=out, offload_dir=offload_dir)
     mid = time.perf_counter()
@@ -184,7 +185,7 @@ def test_measured_pointwise_ops_price_by_their_elements():
     vocab = model.lm_head.weight.shape[0]
     assert loss.compute_s == pytest.approx(4 * 32 * vocab / 2 * 2e-9, rel=1e-6)   # its logits' elements
     assert loss.compute_s > plain.compute_s
-    # under Inductor the tanh GELU runs as x * sigmoid(2 z) (runtime/sigmoid_gelu.with_sigmoid_gelus):
+    # under Inductor the tanh GELU runs as x * sigmoid(2 z) (runtime/regions/sigmoid_gelu.with_sigmoid_gelus):
     # priced at the measured sigmoid's rate
     both = dataclasses.replace(measured, pointwise=measured.pointwise + (("aten.sigmoid", 5e-10, 5e-10),))
     compiled = autopar.plan(model, autopar.Mesh((2,), ("dp",), device=both), example,

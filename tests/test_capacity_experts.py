@@ -10,7 +10,7 @@ import torch
 
 import autopar
 from torch.distributed.tensor import Shard
-from autopar.solve.solution import build_problem
+from autopar.solve.built import build_problem
 from autopar.trace.experts import experts_as_op, mask_experts_weights, measure_routing
 from rt_cases import build_case, plan_for, train_and_compare
 

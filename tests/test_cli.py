@@ -12,7 +12,7 @@ import pytest
 import autopar
 from autopar.cli import build_parser, main
 from autopar.models import build
-from autopar.plan.report import table_rows
+from autopar.report.text import table_rows
 
 
 def plan_of(tmp_path, capsys, *argv, name="plan.json"):

@@ -11,7 +11,7 @@ import pytest
 import autopar
 import autopar.solve.assemble as assemble
 from autopar.models import build
-from autopar.plan.plan import Plan
+from autopar.report.plan import Plan
 from autopar.solve.assemble import hidden_gradient_seconds, hidden_prefetch_seconds
 
 

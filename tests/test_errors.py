@@ -114,8 +114,8 @@ def sharded_calls(plan_dict: dict) -> dict:
     """On each of 2 ranks, an HF Llama (keyword inputs) compiled with local_inputs=True and
     called with cm.shard_inputs' result every way: the losses, how far the gradients of one
     train_step(*cm.shard_inputs(...)) are from one device's, and the errors of the mixes."""
-    from autopar.plan.plan import Plan
-    from autopar.runtime.inputs import InputError
+    from autopar.report.plan import Plan
+    from autopar.runtime.checks.inputs import InputError
     from hf_archs import build
     from rt_cases import excess
     plan = Plan.from_dict(plan_dict)

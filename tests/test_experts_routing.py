@@ -89,7 +89,7 @@ def train_routed(routing: str, plan_dict: dict, layers: int = 2) -> dict:
     """On every rank: train the routed model under the plan and on one device; the worst
     excess over the tolerance of loss, gradients and parameters (<= 0: equal), and how many
     routed rows each rank's experts received in the last forward."""
-    from autopar.plan.plan import Plan
+    from autopar.report.plan import Plan
     from rt_cases import ATOL, OPTIM, RTOL, excess
     plan = Plan.from_dict(plan_dict)
     losses, grads, params = _reference(routing, layers)

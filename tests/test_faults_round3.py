@@ -22,9 +22,9 @@ import torch.distributed as dist
 from rt_cases import OPTIM, _loss, build_case, plan_for
 
 import autopar
-from autopar.plan.plan import Plan
+from autopar.report.plan import Plan
 from autopar.runtime.compiled import NonFiniteError
-from autopar.runtime.inputs import InputError
+from autopar.runtime.checks.inputs import InputError
 
 GPT = ("autopar", "gpt-tiny", ())
 GPT4 = ("autopar", "gpt-tiny", (("n_layers", 4),))   # (two pipeline stages of two blocks)
@@ -187,7 +187,7 @@ def _whole_step_plan(spec: tuple) -> dict:
 def checked_tensors(spec: tuple, plan_dict: dict) -> dict:
     """After a synchronised step and after one under no_sync: how many tensors the finite
     check reads, against the trained gradients and the step's buckets."""
-    from autopar.runtime.grad_norms import local_grads
+    from autopar.runtime.grads.norms import local_grads
     cm, args, kwargs = _compile(spec, plan_dict)
     out = {}
     for name, ctx in (("synced", contextlib.nullcontext), ("no_sync", cm.no_sync)):
@@ -385,7 +385,7 @@ def test_a_failed_wait_on_an_asynchronous_collective_is_named():
     """A peer gone while a rank waits on an asynchronous collective's Work (a ZeRO-2 bucket's
     reduce-scatter) fails inside Work.wait(), with no Python frame inside torch: the error
     names the wait and the autopar code that waited."""
-    from autopar.runtime.faults import _collective_of
+    from autopar.runtime.checks.faults import _collective_of
 
     def reduce_scatter_finish():
         raise RuntimeError("Connection reset by peer")

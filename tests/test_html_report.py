@@ -1,4 +1,4 @@
-"""The HTML report (autopar/plan/html.py) rendered in headless Chromium: the charts have
+"""The HTML report (autopar/report/html.py) rendered in headless Chromium: the charts have
 size, the per-module table has one row per collapsed group and one hidden row per node of
 a group, the bars are drawn to scale, nothing logs an error, and the page fetches nothing.
 
@@ -21,10 +21,10 @@ import pytest
 
 import autopar
 from autopar.cli import main
-from autopar.plan.html import report_html, write_report
+from autopar.report.html import report_html, write_report
 from autopar.models import build
-from autopar.plan.records import Prediction
-from autopar.plan.report import collective_groups, table_rows
+from autopar.report.records import Prediction
+from autopar.report.text import collective_groups, table_rows
 
 
 def chromium_path() -> str | None:

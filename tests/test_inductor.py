@@ -1,5 +1,5 @@
 """compile(backend="inductor"): the rank's compute between collectives compiled by
-Inductor (autopar/runtime/inductor.py).  Every parallel form trains like one device on 4
+Inductor (autopar/runtime/regions/inductor.py).  Every parallel form trains like one device on 4
 gloo ranks (fused kernels reorder float operations: compared within rt_cases' 1e-5
 relative tolerance, as every other form); a region Inductor cannot compile runs eagerly
 with one warning; train() and eval() switch the compiled graph like the eager one."""
@@ -10,8 +10,8 @@ import torch
 import torch.fx as fx
 
 import autopar
-from autopar.runtime.inductor import CompiledRegion, compile_regions
-from autopar.plan.records import check_backend
+from autopar.runtime.regions.inductor import CompiledRegion, compile_regions
+from autopar.report.records import check_backend
 from rt_cases import eval_train_eval, plan_for, train_and_compare
 
 GPT = ("autopar", "gpt-tiny", ())
@@ -39,7 +39,7 @@ def test_inductor_trains_like_one_device(pool4, spec, layout, shape, names):
 @pytest.mark.parametrize("bucket_mb", [25.0, 0.02])
 def test_inductor_zero3_gathers_each_layer_at_its_start(pool4, bucket_mb):
     """ZeRO-3 under Inductor: a layer's weight gathers run at the layer's start
-    (runtime/inductor.with_weights_ahead), so GPT's two blocks compile as one region each,
+    (runtime/regions/inductor.with_weights_ahead), so GPT's two blocks compile as one region each,
     beside the embedding's and the head's, not a region between every two weights; the
     gathers, prefetches and bucketed collectives are the ones eager runs (weight by weight
     too, with buckets of one weight), backward gathers again what it reads (bucket by bucket,
@@ -66,7 +66,7 @@ def test_inductor_zero3_gathers_each_layer_at_its_start(pool4, bucket_mb):
                               "llama-zero3-selective"])
 def test_inductor_with_recomputation(pool4, spec, layout, recompute):
     """Recomputed layers under Inductor: the compute inside each layer is compiled too
-    (runtime/inductor._recomputed_layers_compiled): a layer recomputed whole as one compiled
+    (runtime/regions/inductor._recomputed_layers_compiled): a layer recomputed whole as one compiled
     run under checkpointing, whose compiled backward runs the fused forward again; under
     selective, the runs between the kept products, under the layer's checkpointing.
     Training equals one device.  (Qwen3's first layer starts with the model's rotary table,
@@ -104,7 +104,7 @@ def test_every_checkpointed_layer_compiles_past_dynamos_recompile_limit():
     compiled (Dynamo compiles per code object and stops at its recompile limit, eight, for
     a forward shared by all), none fails, and each gradient equals the plain graph's."""
     from torch._dynamo.utils import counters
-    from autopar.runtime.inductor import CompiledRegion
+    from autopar.runtime.regions.inductor import CompiledRegion
     regions = []
     for i in range(12):
         gm, x, w = _graph()
@@ -125,7 +125,7 @@ def test_a_run_compiled_without_dynamo_hands_on_an_ops_several_results():
     its gradient is the plain graph's."""
     import operator
 
-    from autopar.runtime.inductor import CompiledRegion
+    from autopar.runtime.regions.inductor import CompiledRegion
     g = fx.Graph()
     x = g.placeholder("x")
     top = g.call_function(torch.ops.aten.topk.default, (g.call_function(torch.ops.aten._softmax.default,
@@ -181,7 +181,7 @@ def test_a_dropout_that_draws_nothing_does_not_cut_a_region(p, train, cut):
     around it (run as the plain op, even where the runtime routes it through its random
     stream), where a dropout that draws runs eagerly between two regions."""
     from torch.fx.experimental.proxy_tensor import make_fx
-    from autopar.runtime.rng import RandomStreams, draws_nothing
+    from autopar.runtime.regions.rng import RandomStreams, draws_nothing
 
     def f(x, w):
         h = torch.ops.aten.native_dropout(torch.relu(x @ w), p, train)[0]
@@ -305,7 +305,7 @@ SPLIT_CASES = [(("autopar", "gpt-tiny", (("n_layers", 4),)), "zero-bubble", None
                          ids=["gpt-zero-bubble", "llama-zbv", "gpt-dualpipev-zero3", "hf-llama-zbv-megatron",
                               "mixtral-zero-bubble", "hf-gpt-neox-zero-bubble"])
 def test_inductor_runs_split_backward_schedules(pool4, spec, schedule, intra):
-    """Zero-bubble, ZB-V and DualPipeV under Inductor (runtime/split_backward.py), two device
+    """Zero-bubble, ZB-V and DualPipeV under Inductor (runtime/regions/split_backward.py), two device
     groups of 2 with data parallelism, ZeRO-3 or Megatron TP inside (GPT-NeoX: a parallel
     block whose fused projection's split hands on a list): each compiled region's
     backward runs as two compiled passes, its weights' gradients deferred to the schedule's
@@ -398,7 +398,7 @@ def test_inductor_checkpoints_round_trip(pool4, tmp_path):
 
 @pytest.mark.parametrize("mode", ["none", "selective", "full"])
 def test_inductor_keeps_the_planned_saved_bytes(pool4, mode):
-    """What a step keeps for backward (runtime.recompute.measure_saved) under the compiled
+    """What a step keeps for backward (runtime.regions.recompute.measure_saved) under the compiled
     regions, against the activation bytes of the plan priced for Inductor: within 5 %, as
     under eager."""
     from rc_cases import saved_bytes
@@ -414,7 +414,7 @@ def test_inductor_plan_keeps_what_the_partitioner_keeps(pool4, spec):
     """Nothing recomputed, data parallel: the compiled graphs' partitioner runs pointwise
     chains again in backward (GPT-2's tanh GELU, Llama's RMSNorm scaling and SwiGLU product)
     rather than keep them, so a step keeps a third less than under eager; a plan priced for
-    Inductor (solve/partitioned.py) predicts what it keeps within 2 %."""
+    Inductor (solve/problem/partitioned.py) predicts what it keeps within 2 %."""
     from rc_cases import saved_bytes
     from rt_cases import build_case, under_backend
     model, args, kwargs = build_case(spec)
@@ -431,12 +431,12 @@ def test_inductor_plan_keeps_what_the_partitioner_keeps(pool4, spec):
 
 def test_inductor_compiles_a_selective_layer_whole(pool4):
     """Selective recomputation under Inductor, data parallel: each layer is one compiled
-    checkpointed region (runtime/compiled_checkpoint._tagged: the kept products and attention saved by
+    checkpointed region (runtime/regions/compiled_checkpoint._tagged: the kept products and attention saved by
     the compiled forward, the ops between them run again in its backward), training equals
     one device, and what a step keeps is eager's less exactly the kept outputs no backward
     reads: each block's MLP down-projection, which only the residual add reads (eager's
     checkpoint caches them; the compiled graph's partitioner does not save them).  A plan
-    priced for Inductor (solve/recompute.compiled_whole) predicts exactly those bytes."""
+    priced for Inductor (solve/recompute/modes.compiled_whole) predicts exactly those bytes."""
     from rc_cases import saved_bytes
     from rt_cases import build_case, under_backend
     model, args, _ = build_case(GPT)
@@ -458,7 +458,7 @@ def test_inductor_compiles_a_selective_layer_whole(pool4):
 
 
 def test_inductor_layer_cuts_hand_gradients_to_the_buckets_layer_by_layer(pool4):
-    """On CUDA the compiled regions end at every layer (runtime/inductor.LAYER_CUTS), so that
+    """On CUDA the compiled regions end at every layer (runtime/regions/inductor.LAYER_CUTS), so that
     the gradient buckets' all-reduces start while earlier layers' backward runs, as the
     plan prices them; forced here on CPU ranks: GPT under data parallelism compiles as the
     embedding, each block and the head, trains like one device, and by the time backward
@@ -500,7 +500,7 @@ def test_tanh_gelus_run_as_sigmoids_on_cpu():
     is small."""
     import math
     from torch.fx.experimental.proxy_tensor import make_fx
-    from autopar.runtime.inductor import with_sigmoid_gelus
+    from autopar.runtime.regions.inductor import with_sigmoid_gelus
     aten = torch.ops.aten
 
     def f(x, w):

@@ -1,4 +1,4 @@
-"""Tensor-parallel collectives beside the GEMMs (autopar/runtime/linear_grads.py): input
+"""Tensor-parallel collectives beside the GEMMs (autopar/runtime/grads/linear.py): input
 gradients reduced while the weight gradients compute, row-parallel outputs reduced in
 pieces while the next piece computes.  The folds on small graphs, their prices, and
 Megatron TP, Megatron-SP and TP x ZeRO-3 training like one device with them, on 4 gloo
@@ -14,7 +14,7 @@ from torch.distributed.tensor import Partial, Replicate
 
 import autopar
 from autopar.passes.collectives import Move, move
-from autopar.runtime.linear_grads import fold_linear_gradients, linears_then_gradient
+from autopar.runtime.grads.linear import fold_linear_gradients, linears_then_gradient
 from rt_cases import build_case, train_and_compare
 
 
@@ -69,7 +69,7 @@ CASES = [
 ]
 # under selective recomputation: input gradients folded inside the recomputed regions, the
 # kept row-parallel linears left whole (Megatron-SP's layer norm weights are gathered inside
-# the regions: replayed outside the saved-tensor policy, runtime/reshard.Regather.gather)
+# the regions: replayed outside the saved-tensor policy, runtime/regions/reshard.Regather.gather)
 RECOMPUTED = [
     (("autopar", "gpt-tiny", ()), (4,), ("tp",), "megatron-sp", False, "selective"),
     (("hf-arch", "qwen3"), (2, 2), ("dp", "tp"), "megatron-tp x dp", False, "selective"),
@@ -145,17 +145,17 @@ def test_a_row_parallel_output_is_cut_along_batch_then_sequence():
 
 @pytest.mark.parametrize("device", ["h100", "cpu"])
 def test_pipeline_stages_take_off_what_their_runtime_folds(device):
-    """A stage's costs (solve/pipeline_costs) carry each node's seconds hidden beside GEMMs
+    """A stage's costs (solve/pipeline/costs) carry each node's seconds hidden beside GEMMs
     (Assembled.folded, which add up to the stage plan's Prediction.linear_hidden_s).  A
-    schedule whose stages fold them (1F1B: runtime/pipelined.py folds every stage) runs
+    schedule whose stages fold them (1F1B: runtime/pipeline/pipelined.py folds every stage) runs
     each stage that much faster than one whose backward splits off the weight gradients
     (zero-bubble, left unfolded); on CPU ranks nothing is hidden and the two are equal."""
     from autopar.models import build
     from autopar.solve.assemble import assemble
-    from autopar.solve.pipeline_candidates import _stages
-    from autopar.solve.pipeline_costs import layer_costs
-    from autopar.solve.solution import build_problem
-    from autopar.solve.solved import SolveOptions
+    from autopar.solve.pipeline.candidates import _stages
+    from autopar.solve.pipeline.costs import layer_costs
+    from autopar.solve.built import build_problem
+    from autopar.solve.ilp.solved import SolveOptions
     model, example = build("llama3-8b", device="meta", batch=2, seq=2048, n_layers=4)
     stage_mesh = autopar.Mesh((4,), ("tp",), device=device)
     built = build_problem(model, stage_mesh, example, None, autopar.MixedPrecision.of("bf16"))
@@ -186,7 +186,7 @@ def test_pipeline_stages_take_off_what_their_runtime_folds(device):
 def test_a_fold_under_recomputation_is_priced_as_the_runtime_folds_it():
     """Selective recomputation keeps every linear of a layer: the runtime folds their input
     gradients as it does without recomputation (the folded call keeps its matrix products:
-    runtime/recompute.py), but not the row-parallel outputs, whose pieces are reduced in
+    runtime/regions/recompute.py), but not the row-parallel outputs, whose pieces are reduced in
     place.  "alternate" keeps q and v but not k, gate but not up (one call keeps all its
     products or none: those input gradients stay whole) and down_proj but not o_proj
     (o_proj's output is still folded).  Full recomputation keeps nothing and hides what
@@ -211,7 +211,7 @@ def test_tp_overlap_false_runs_and_prices_the_collectives_whole(pool4):
     through to_dict, and compile folds nothing: Megatron TP x DP trains like one device
     with every collective whole."""
     from autopar.models import build
-    from autopar.plan.plan import Plan
+    from autopar.report.plan import Plan
     model, example = build("llama3-8b", device="meta", batch=2, seq=2048, n_layers=2)
     mesh = autopar.Mesh((4,), ("tp",), device="h100")
     kw = dict(solve=autopar.SolveOptions(compare=False, layout="megatron-tp"), mixed_precision=autopar.MixedPrecision())

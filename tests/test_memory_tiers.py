@@ -14,9 +14,9 @@ import torch
 import autopar
 from autopar.cost import prices as C
 from autopar.mesh import PRESETS
-from autopar.runtime.disk import DiskStore, OffloadError, check_directory, wait
+from autopar.runtime.state.disk import DiskStore, OffloadError, check_directory, wait
 from autopar.runtime.process import CompileError
-from autopar.solve.tiers import TierCapacityError
+from autopar.solve.recompute.tiers import TierCapacityError
 from rt_cases import build_case, train_and_compare
 from tier_cases import disk_capacity, disk_errors, resume_bitwise, saved_by_tier, with_tier
 
@@ -106,8 +106,8 @@ def test_states_go_to_disk_only_beyond_host_memory():
     text = str(plan)
     assert "offload to disk" in text and "off the device: host" in text
     # the report draws each tier beside the device, with its capacity
-    from autopar.plan.html import report_html
-    from autopar.plan.records import format_bytes
+    from autopar.report.html import report_html
+    from autopar.report.records import format_bytes
     page = report_html(plan)
     assert 'id="tier-chart"' in page
     for tier, label, capacity in (("host", "host memory", 0.2 * 2**20), ("disk", "disk", plan.mesh.device.disk_memory)):
@@ -243,7 +243,7 @@ def test_offloaded_layers_keep_their_activations_in_host_memory(pool2):
 
 
 def test_the_planner_tries_offload_beside_recomputation():
-    from autopar.solve.recompute_search import mode_assignments
+    from autopar.solve.recompute.search import mode_assignments
     slots = [("blocks", (0, 1, 2, 3))]
     tried = [tuple(c.modes.values()) for c in mode_assignments(None, slots, None)]
     assert ("offload",) * 4 in tried and ("offload", "none", "offload", "none") in tried
@@ -384,7 +384,7 @@ def _offloaded(plan: autopar.Plan) -> int:
 
 def test_the_budget_left_takes_back_a_fraction_of_identical_parameters(monkeypatch):
     """The ILP gives the four identical layers one choice each; what the budget leaves is
-    filled by taking some layers' states back to the device (solve/tiers.fill_device): a
+    filled by taking some layers' states back to the device (solve/recompute/tiers.fill_device): a
     faster plan within the same budget, with identical parameters split between tiers."""
     import autopar.solve.planner as planner
     model, args, _ = build_case(DEEP)

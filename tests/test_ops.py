@@ -133,7 +133,7 @@ def test_user_graph_module_is_accepted():
 
 def _menu(model_name, mesh, op, **overrides):
     from autopar.models import build
-    from autopar.solve.problem import Problem
+    from autopar.solve.problem.problem import Problem
     from autopar.trace.export import trace
     model, example = build(model_name, device="meta", **overrides)
     problem = Problem.build(trace(model, example), mesh)

@@ -12,7 +12,7 @@ import torch
 
 import autopar
 from autopar.models import build
-from autopar.plan.records import peak_bytes
+from autopar.report.records import peak_bytes
 
 MEASURED = pathlib.Path(__file__).resolve().parent.parent / "docs" / "gpu" / "2026-11-26-h100-gpu_memory.json"
 
@@ -69,12 +69,12 @@ def test_predicted_peaks_match_the_h100s_measured_ones(recompute):
 
 def _optimizer(chunk_bytes, masters: bool, disk=None):
     """A ShardedOptimizer over three bf16 weights of one rank (float32 masters where
-    `masters`; kept in runtime.disk.DiskStore `disk` between steps where given), with
+    `masters`; kept in runtime.state.disk.DiskStore `disk` between steps where given), with
     gradients as backward leaves them."""
     from types import SimpleNamespace
 
-    from autopar.runtime.disk import wait
-    from autopar.runtime.sharded_optimizer import ShardedOptimizer
+    from autopar.runtime.state.disk import wait
+    from autopar.runtime.state.sharded_optimizer import ShardedOptimizer
 
     gen = torch.Generator().manual_seed(0)
     dtype = torch.bfloat16 if masters else torch.float32
@@ -127,7 +127,7 @@ def test_states_on_disk_step_in_runs_like_states_in_memory(tmp_path):
     read while this one steps) and written out after: the weights, masters and moments
     equal those of the same optimizer with everything in memory, and between steps the
     store holds every master and moment while memory holds none of them."""
-    from autopar.runtime.disk import DiskStore, wait
+    from autopar.runtime.state.disk import DiskStore, wait
     store = DiskStore(tmp_path, 0)
     runs = []
     for disk in (None, store):

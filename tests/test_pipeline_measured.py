@@ -24,9 +24,9 @@ import pp_cases
 import pytest
 import torch
 
-from autopar.runtime.pass_times import PassTimes, pass_times
+from autopar.runtime.pipeline.pass_times import PassTimes, pass_times
 from autopar.cost.schedules import Timeline
-from autopar.plan.gantt import gantt_svg
+from autopar.report.gantt import gantt_svg
 from autopar.cost.schedules import simulate
 
 BUBBLE_TOL = 0.10

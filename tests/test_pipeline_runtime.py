@@ -202,7 +202,7 @@ def test_random_stage_plans_train_like_one_device(pool4):
 def test_measured_gantt_of_a_compiled_pipeline(pool4, tmp_path):
     """A compiled 4-stage 1F1B run records every forward and backward pass of every rank;
     the passes of each rank follow the 1F1B order and the Gantt picture is written."""
-    from autopar.plan.gantt import gantt_svg
+    from autopar.report.gantt import gantt_svg
     from autopar.cost.schedules import simulate
     spec = _spec("gpt-tiny", 4)
     plan = pipelined_plan(spec, (4,), ("pp",), 4, "1f1b", microbatches=4)

@@ -1,4 +1,4 @@
-"""Pipeline stage search (autopar.solve.pipeline_search via autopar.plan(pipeline=True))."""
+"""Pipeline stage search (autopar.solve.pipeline.search via autopar.plan(pipeline=True))."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,10 +14,10 @@ import autopar
 from autopar.mesh import PRESETS, parse_bytes
 from autopar.models import build
 from autopar.solve.overlap import step_lower_bound
-from autopar.solve.pipeline_candidates import balanced_cuts, v_cuts
-from autopar.solve.pipeline_search import search
-from autopar.solve.solution import build_problem
-from autopar.solve.solved import SolveOptions
+from autopar.solve.pipeline.candidates import balanced_cuts, v_cuts
+from autopar.solve.pipeline.search import search
+from autopar.solve.built import build_problem
+from autopar.solve.ilp.solved import SolveOptions
 
 
 def test_balanced_cuts_minimise_the_slowest_stage():
@@ -109,7 +109,7 @@ def test_slow_network_gets_stages_across_nodes_and_the_node_splits_each_stage(sl
 
 def test_plain_plan_is_skipped_only_where_it_cannot_win(slow_network_plan):
     """With stages far ahead, the plain plan is not planned under the budget: the lower
-    bound on any plan without stages (solution.step_lower_bound) is above the pipeline's
+    bound on any plan without stages (overlap.step_lower_bound) is above the pipeline's
     step, and below the step of the plain plan it stood in for."""
     plan, _ = slow_network_plan
     model, example = build("gpt2-1.5b", device="meta", batch=16)
@@ -176,9 +176,9 @@ def test_split_pass_cuts_the_planned_graph_at_the_stage_boundaries(slow_network_
 def test_search_builds_each_problem_once(monkeypatch, fixed):
     """The planner reuses the problem the search built (and solved) for the winner: one
     Problem per (sub-mesh, microbatch) candidate plus the unpipelined one, none rebuilt."""
-    import autopar.solve.solution as solution
+    import autopar.solve.built as built_module
     built = []
-    original = solution.Problem.build
+    original = built_module.Problem.build
 
     def counting(traced, mesh, *args, **kwargs):
         inputs = tuple(tuple(n.meta["val"].shape) for n in traced.graph.graph.nodes
@@ -186,7 +186,7 @@ def test_search_builds_each_problem_once(monkeypatch, fixed):
         built.append((mesh.shape, inputs))
         return original(traced, mesh, *args, **kwargs)
 
-    monkeypatch.setattr(solution.Problem, "build", counting)
+    monkeypatch.setattr(built_module.Problem, "build", counting)
     model, example = build("gpt-tiny", device="meta", batch=8)
     mesh = autopar.Mesh((2, 2), ("node", "gpu"), device="h100", bandwidth=(2e9, 300e9))
     plan = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False), pipeline=fixed or True)
@@ -196,7 +196,7 @@ def test_search_builds_each_problem_once(monkeypatch, fixed):
 
 
 def test_forked_workers_build_each_problem_once_and_export_once_each(monkeypatch, tmp_path):
-    """Costing candidates in three processes (autopar/solve/pipeline_workers.py), the
+    """Costing candidates in three processes (autopar/solve/pipeline/workers.py), the
     processes together build one Problem per (sub-mesh, microbatch rows) key, each in one
     process, and each process runs torch.export once: this one the whole batch, the first
     forked worker the largest other microbatch size, the second its own size (a trace is
@@ -206,9 +206,9 @@ def test_forked_workers_build_each_problem_once_and_export_once_each(monkeypatch
     besides the whole batch of 8: five keys in three microbatch sizes.  Each process
     appends a line per build and per export to a file, so the forked ones are counted."""
     import torch
-    import autopar.solve.solution as solution
+    import autopar.solve.built as built_module
     log = tmp_path / "calls"
-    original_problem, original_export = solution.Problem.build, torch.export.export
+    original_problem, original_export = built_module.Problem.build, torch.export.export
 
     def record(line):
         with open(log, "a") as f:
@@ -224,7 +224,7 @@ def test_forked_workers_build_each_problem_once_and_export_once_each(monkeypatch
         record("export")
         return original_export(*args, **kwargs)
 
-    monkeypatch.setattr(solution.Problem, "build", counting_problem)
+    monkeypatch.setattr(built_module.Problem, "build", counting_problem)
     monkeypatch.setattr(torch.export, "export", counting_export)
     model, example = build("gpt-tiny", device="meta", batch=8, n_layers=7)   # (a model no other test traced)
     mesh = autopar.Mesh((2, 2), ("node", "gpu"), device="h100", bandwidth=(2e9, 300e9))
@@ -428,7 +428,7 @@ def test_interleaving_tries_three_or_four_stages_a_group_where_they_split_the_la
     """Interleaved 1F1B is searched with 1 and 2 stages per device group, and 3 or 4 where
     that many split the layers evenly (GPT-530B: 105 layers over 35 groups runs 3 a group,
     as Korthikanti et al. 2022 did); a fixed count is kept; other schedules stay at theirs."""
-    from autopar.solve.pipeline_options import SearchSpace
+    from autopar.solve.pipeline.options import SearchSpace
     space = SearchSpace(autopar.Mesh((4,), ("pp",), device="h100"), 8, 80e9, ("interleaved-1f1b",), None, None,
                         ("none",))
     assert space.virtuals("interleaved-1f1b", 105, 35) == (1, 2, 3)
@@ -490,7 +490,7 @@ def test_each_group_synchronises_its_gradients_when_its_own_last_pass_ends():
     early does it while the others drain.  On CPU ranks (no overlap), and for the
     asynchronous schedules, it all follows the makespan."""
     from autopar.cost.schedules import Step
-    from autopar.solve.pipeline_candidates import step_seconds
+    from autopar.solve.pipeline.candidates import step_seconds
     tl = Step(makespan=10.0, bubble_fraction=0.1, in_flight=(2, 1), ends=(10.0, 8.0), last=(1.0, 1.0))
     once, sync = [2.0, 3.0], [1.5, 0.5]
     # group 0: 10 + 2 - min(1.5, 1) = 11; group 1: 8 + 3 - 0.5 = 10.5
@@ -506,8 +506,8 @@ def test_the_floor_stays_below_every_simulated_step_with_hidden_synchronisation(
     synchronisation hidden as it ends, the floor (every group's passes one after another,
     then what of its once-per-step work is not synchronisation) is still below the step
     evaluate simulates, for random stage costs, schedules and microbatch counts."""
-    from autopar.solve.pipeline_candidates import evaluate, floor
-    from autopar.solve.pipeline_costs import StageCost, StageParts
+    from autopar.solve.pipeline.candidates import evaluate, floor
+    from autopar.solve.pipeline.costs import StageCost, StageParts
     rng = random.Random(5)
 
     def cost():

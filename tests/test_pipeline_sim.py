@@ -14,7 +14,7 @@ import pytest
 from autopar.cost.bubbles import bubble_formula
 from autopar.cost.schedules import (SCHEDULES, SPLIT_BACKWARD, TWO_WAY, Event, Timeline, placement_of,
                                     stage_of)
-from autopar.plan.gantt import gantt_svg
+from autopar.report.gantt import gantt_svg
 from autopar.cost.schedules import ASYNCHRONOUS, makespan_floor, simulate, simulate_step
 
 EPS = 1e-9
@@ -317,8 +317,8 @@ def test_all_schedules_listed():
 def test_one_list_of_schedules_from_simulator_to_runtime():
     """The schedules a plan may name (the search's, the CLI's, autopar.Pipeline's) are the
     simulator's less "naive", and the runtime has a torch schedule class for each."""
-    from autopar.runtime.pipelined import SCHEDULES as RUNS
-    from autopar.solve.pipeline_options import SCHEDULE_CHOICES
+    from autopar.runtime.pipeline.pipelined import SCHEDULES as RUNS
+    from autopar.solve.pipeline.options import SCHEDULE_CHOICES
     assert SCHEDULE_CHOICES == tuple(s for s in SCHEDULES if s != "naive")
     assert set(RUNS) == set(SCHEDULE_CHOICES)
 
@@ -328,7 +328,7 @@ def test_chimera_receives_in_the_order_it_sends(S, monkeypatch):
     """Under NCCL (no message tags) every device group must receive from each neighbour in
     the order that neighbour sends: it holds for the chimera orders autopar runs, and a
     swapped order is refused by name."""
-    from autopar.runtime import two_way
+    from autopar.runtime.pipeline import two_way
     for k in (1, 2, 3):
         two_way.check_order(S, k * S)
     if S == 2:

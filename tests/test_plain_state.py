@@ -15,7 +15,7 @@ from rt_cases import ATOL, OPTIM, RTOL, _loss, build_case, plan_for
 
 import autopar
 import autopar.checkpoint
-from autopar.plan.plan import Plan
+from autopar.report.plan import Plan
 
 DP4 = ((4,), ("dp",))
 TP = ((2, 2), ("dp", "tp"))
@@ -54,7 +54,7 @@ def test_a_fused_weight_is_placed_off_the_dim_that_joins_its_parts():
     split the rows too; a bias has no other dim and is replicated where its parts split."""
     from torch.distributed.tensor import Replicate, Shard
 
-    from autopar.runtime.plain_state import placements_off_dim
+    from autopar.runtime.state.plain_state import placements_off_dim
     R, S0, S1 = Replicate(), Shard(0), Shard(1)
     assert placements_off_dim([(R, S1)] * 3, 1, (64, 192)) == (R, S0)
     assert placements_off_dim([(S0, S1)] * 3, 1, (64, 192)) == (S0, S0)
@@ -171,7 +171,7 @@ def save_for_plain(spec: tuple, plan_dict: dict, path: str) -> dict:
     On every rank, with the process group, the plain model loads the first through dcp.load;
     the format-1 one loads back into the compiled model after another step moved it.  Rank 0
     returns the saved state."""
-    from autopar.runtime.plain_state import sharded_state
+    from autopar.runtime.state.plain_state import sharded_state
     cm, args, kwargs = _compiled(spec, plan_dict)
     opt = cm.build_optimizer(torch.optim.AdamW, **OPTIM)
     cm.train_step(*args, **kwargs)

@@ -38,5 +38,5 @@ def test_printed_plan_reads_as_a_table():
     assert all(col in header for col in ("module", "op", "layout", "time", "memory"))
     # the repeated blocks collapse into one row per op, labelled with their index range
     assert any(l.startswith("blocks.0-1.attn.q ") for l in text.splitlines())
-    from autopar.plan.records import format_bytes
+    from autopar.report.records import format_bytes
     assert format_bytes(plan.predicted.memory_total) in text

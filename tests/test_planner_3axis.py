@@ -4,21 +4,21 @@ ILP over every choice.
 On a (2, 2, 2) mesh an op over [batch, seq, hidden] has ~5^3 = 125 layouts against ~5^2 = 25
 on (2, 4), so an edge between two such ops has ~15,000 layout pairs instead of ~600: the
 plain pair formulation of gpt-tiny grows from 15,813 ILP variables to 306,787.  The solver's
-presolve (autopar.solve.presolve.Presolve) folds into node costs what needs no ILP, exactly; these
+presolve (autopar.solve.ilp.presolve.Presolve) folds into node costs what needs no ILP, exactly; these
 tests hold it to the size and time bounds and to the optimum of the uncompressed ILP
-(autopar.solve.ilp.PRESOLVE = False builds that one).
+(autopar.solve.ilp.formulation.PRESOLVE = False builds that one).
 """
 import numpy as np
 import pytest
 from torch.distributed.tensor import Replicate, Shard
 
 import autopar
-import autopar.solve.ilp as S
+import autopar.solve.ilp.formulation as S
 from autopar.ops.strategy import crossed_axes
 from autopar.solve import layouts as baselines
 from autopar.models import build
-from autopar.plan.plan import Prediction
-from autopar.solve.ilp import InfeasibleError, evaluate, solve
+from autopar.report.plan import Prediction
+from autopar.solve.ilp.formulation import InfeasibleError, evaluate, solve
 from autopar.trace.export import trace
 
 MESH_2 = ((2, 4), ("dp", "tp"))

@@ -7,7 +7,7 @@ import pytest
 from torch.distributed.tensor import Shard
 
 import autopar
-from autopar.plan.plan import Prediction
+from autopar.report.plan import Prediction
 from autopar.models import build
 
 
@@ -90,9 +90,9 @@ def test_ilp_objective_is_the_predicted_step(name, shape):
     and less up to what input gradients' collectives hide behind weight gradients."""
     from autopar.solve.assemble import predict
     from autopar.solve.overlap import solve_problem
-    from autopar.solve.recompute_search import solve_summed
-    from autopar.solve.solution import build_problem
-    from autopar.solve.ilp import MEMORY_TIE_BREAK
+    from autopar.solve.recompute.search import solve_summed
+    from autopar.solve.built import build_problem
+    from autopar.solve.ilp.formulation import MEMORY_TIE_BREAK
     model, example = build(name, device="meta")
     mesh = autopar.Mesh(shape, ("dp", "tp")[-len(shape):], device="h100")
     problem = build_problem(model, mesh, example, {}).problem

@@ -73,7 +73,7 @@ def test_a_budget_below_the_minimum_names_the_minimum_and_the_fixes(sweep):
 
 def test_zero3_weights_are_priced_as_the_runtimes_buckets():
     """Under ZeRO-3 the runtime gathers a layer's weights in one call per bucket, and
-    reduce-scatters their gradients the same way on the bucket stream (autopar/runtime/reshard.py):
+    reduce-scatters their gradients the same way on the bucket stream (autopar/runtime/regions/reshard.py):
     each weight's gathers (forward and again in backward) and its reduce-scatter pay its
     bytes' share of a call's fixed seconds, no more; the solver's edge tables agree with
     the steps the plan lists, and a problem told the runtime does not group (pipeline
@@ -82,7 +82,7 @@ def test_zero3_weights_are_priced_as_the_runtimes_buckets():
     from autopar.cost.prices import bucket_share
     from autopar.solve.assemble import predict
     from autopar.solve.overlap import solve_problem
-    from autopar.solve.solution import build_problem
+    from autopar.solve.built import build_problem
     model, example = build("gpt-tiny", device="meta")
     mesh = autopar.Mesh((4,), ("dp",), device="h100")
     grouped = build_problem(model, mesh, example, {}).problem

@@ -9,12 +9,12 @@ import pytest
 
 import autopar
 from autopar.models import build
-from autopar.plan.plan import Plan
-from autopar.solve.recompute import layer_slots
-from autopar.solve.fitting import solve_modes
-from autopar.solve.recompute_search import HeldPlan, RecomputeCandidate, byte_price, mode_assignments, solve_summed
-from autopar.solve.solution import build_problem
-from autopar.solve.solved import SolveOptions
+from autopar.report.plan import Plan
+from autopar.solve.recompute.modes import layer_slots
+from autopar.solve.recompute.fitting import solve_modes
+from autopar.solve.recompute.search import HeldPlan, RecomputeCandidate, byte_price, mode_assignments, solve_summed
+from autopar.solve.built import build_problem
+from autopar.solve.ilp.solved import SolveOptions
 from rc_cases import losses_and_params, saved_bytes
 from rt_cases import build_case, check_mixed_precision, mixed_precision_vs_reference, train_and_compare
 
@@ -261,7 +261,7 @@ def test_budget_sweep_is_ordered():
     free = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False), mixed_precision="bf16",
                         recompute="none")
     # what the free plan holds with its gradients beside its activations: the planner's own
-    # measure (solve/recompute.beyond_linear), a little above the peak it reports
+    # measure (solve/recompute/modes.beyond_linear), a little above the peak it reports
     need = sum(free.predicted.memory.values())
     assert free.predicted.memory_total <= need
     steps = []

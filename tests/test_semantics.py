@@ -1,6 +1,6 @@
 """The compiled model keeps the module's semantics: frozen parameters stay frozen, train()
 and eval() switch dropout and batch norm as on the plain model, random ops draw from
-streams that make any plan a valid dropout model (autopar/runtime/rng.py), per-rank seeds change
+streams that make any plan a valid dropout model (autopar/runtime/regions/rng.py), per-rank seeds change
 nothing, and forward works under no_grad and inference_mode."""
 from __future__ import annotations
 

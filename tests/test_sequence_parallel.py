@@ -10,7 +10,7 @@ import torch
 
 import autopar
 from autopar.models import build
-from autopar.plan.report import megatron_sp_axes
+from autopar.report.text import megatron_sp_axes
 from rt_cases import build_case, plan_for, train_and_compare
 from seq_cases import ring_blocks_and_numerics, saved_activation_bytes
 from test_pipeline_runtime import pipelined_plan

@@ -4,7 +4,7 @@ import itertools
 import numpy as np
 import pytest
 
-from autopar.solve.ilp import InfeasibleError, evaluate, solve
+from autopar.solve.ilp.formulation import InfeasibleError, evaluate, solve
 
 
 def random_graph(rng, n_nodes, max_choices=4, edge_p=0.5):

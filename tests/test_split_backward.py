@@ -1,4 +1,4 @@
-"""Compiled regions with their backward in two passes (autopar/runtime/split_backward.py),
+"""Compiled regions with their backward in two passes (autopar/runtime/regions/split_backward.py),
 one process: the cut of a backward graph into the input and the weight passes, the weights'
 gradients arriving only when the deferred pass runs, and equal to eager autograd's."""
 import torch
@@ -7,7 +7,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from autopar.runtime.split_backward import WEIGHT, TwoPassRun, WeightPasses, mark_weights, split_gradients
+from autopar.runtime.regions.split_backward import WEIGHT, TwoPassRun, WeightPasses, mark_weights, split_gradients
 
 
 def _mlp(x, w1, b1, w2):

@@ -52,9 +52,9 @@ def test_the_checker_sees_faces_over_their_parameter_budget(tmp_path, monkeypatc
 def test_the_checker_sees_the_runtime_reach_into_the_solver():
     """Passes and runtime call the solver only through its face (autopar.solve.planner)."""
     import structure
-    edges = [("autopar.runtime.x", "autopar.solve.graph"), ("autopar.runtime.x", "autopar.solve.planner"),
+    edges = [("autopar.runtime.x", "autopar.solve.problem.graph"), ("autopar.runtime.x", "autopar.solve.planner"),
              ("autopar.passes.y", "autopar.ops.rules"), ("autopar.solve.a", "autopar.solve.b")]
-    assert structure.into_solve(edges) == ["autopar.runtime.x imports autopar.solve.graph"]
+    assert structure.into_solve(edges) == ["autopar.runtime.x imports autopar.solve.problem.graph"]
 
 
 def test_the_checker_sees_a_cycle(tmp_path, monkeypatch):

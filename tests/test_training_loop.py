@@ -106,7 +106,7 @@ def test_uneven_batches_end_cleanly_inside_join(pool4, layout):
 
 
 def test_plan_files_name_their_problem(tmp_path):
-    from autopar.plan.plan import PlanFileError
+    from autopar.report.plan import PlanFileError
     plan = autopar.Plan.from_dict(_plan(GPT, "megatron-tp x dp"))
     good = tmp_path / "plan.json"
     plan.save(good)

@@ -9,7 +9,7 @@ import os
 import torch
 
 import autopar
-from autopar.plan.plan import Plan
+from autopar.report.plan import Plan
 from rt_cases import OPTIM, build_case
 
 
@@ -72,7 +72,7 @@ def disk_capacity(spec: tuple, plan_dict: dict, steps: int = 2) -> dict:
     them in host memory; both runs' losses, the runtime's accounting after the last step
     (memory_report), the bytes the last step saved for backward (measure_saved) and the
     disk store's traffic."""
-    from autopar.runtime.recompute import measure_saved
+    from autopar.runtime.regions.recompute import measure_saved
     plan = Plan.from_dict(plan_dict)
     model, args, kwargs = build_case(spec)
     out = {}
@@ -124,7 +124,7 @@ def disk_errors(spec: tuple, plan_dict: dict, blocked: str) -> dict:
 
 def saved_by_tier(spec: tuple, plan_dict: dict) -> dict:
     """measure_saved_by_tier of one training step under `plan_dict`."""
-    from autopar.runtime.recompute import measure_saved_by_tier
+    from autopar.runtime.regions.recompute import measure_saved_by_tier
     plan = Plan.from_dict(plan_dict)
     model, args, kwargs = build_case(spec)
     cm = autopar.compile(model, plan.device_mesh(), args, example_kwargs=kwargs or None, plan=plan)

@@ -113,7 +113,7 @@ def price_columns(src: tuple, dst: tuple, mesh: Mesh) -> list:
     (algorithm, protocol) per collective that is the cheapest over some stretch of the
     tensor's sizes (`collectives.combine`).
 
-    An all-reduce over several axes is one call (autopar/runtime/grad_sync.py), listed per
+    An all-reduce over several axes is one call (autopar/runtime/grads/sync.py), listed per
     axis, fastest axis first.  Under NCCL it is priced as one call on the group of all those
     axes (the first row; the others cost 0 s).  Otherwise as a hierarchical one: the fastest
     axis reduce-scatters and all-gathers the whole local tensor, the next one all-reduces the

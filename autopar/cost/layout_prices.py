@@ -40,7 +40,7 @@ def menu(keys: list) -> Menu:
 @dataclass(frozen=True)
 class Bucketed:
     """What a parameter gradient's reduction costs where the runtime buckets it
-    (autopar/runtime/grad_sync.py), [choices, choices]: `paid_here` the fixed cost of the
+    (autopar/runtime/grads/sync.py), [choices, choices]: `paid_here` the fixed cost of the
     calls less the gradient's own share (what the step saves by bucketing, to subtract
     from the edge), `bucket_seconds` what the bucket stream runs for this gradient,
     `copy_bytes` what the bucket's flat buffer copies of it (prices.bucket_copy_bytes: in
@@ -72,7 +72,7 @@ class LayoutPrices:
     def one_reduction(self, src: Menu, dst: Menu, reverse: bool = False) -> np.ndarray:
         """[choices of src, choices of dst] booleans: the whole move is one all-reduce (over
         one axis or several, one call) or one reduce-scatter, the input-gradient moves the
-        runtime starts beside a linear's weight gradient (autopar/runtime/linear_grads.py)."""
+        runtime starts beside a linear's weight gradient (autopar/runtime/grads/linear.py)."""
         lines = self.lines(src, dst, reverse)
         only = (np.isclose(lines[C.Row.FIXED], lines[C.Row.ALL_REDUCE_FIXED], rtol=1e-9, atol=0.0)
                 & np.isclose(lines[C.Row.PER_BYTE], lines[C.Row.ALL_REDUCE_PER_BYTE], rtol=1e-9, atol=0.0)

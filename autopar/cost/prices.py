@@ -81,7 +81,7 @@ def routing_imbalance(rows: int, ranks: int) -> float:
 
 
 # The runtime steps an elementwise optimizer over runs of at most this many bytes of updated
-# tensors (autopar/runtime/sharded_optimizer.ShardedOptimizer.step), so the step's
+# tensors (autopar/runtime/state/sharded_optimizer.ShardedOptimizer.step), so the step's
 # temporaries take one run's size: 1 GiB of float32 masters under mixed precision makes
 # 2 GiB of temporaries, against 11 GB for a 1.4 B-parameter model stepped at once.
 STEP_CHUNK_BYTES = 1 << 30
@@ -183,7 +183,7 @@ def bucket_copy_bytes(kind: str, share: float, n: int) -> float:
     """Bytes a flat-buffer collective copies per byte of the whole tensor, one collective
     of `kind` over n ranks reading `share` of it (plan_rows' share: an all-gather's input,
     any other's): the local pieces copied into the flat buffer (a read and a write per
-    byte) and the result copied out of it (autopar/runtime/grad_sync.py: torch.cat into
+    byte) and the result copied out of it (autopar/runtime/grads/sync.py: torch.cat into
     the bucket, copy_from_flat back; reshard.py and zero.py: the same around their
     gathers and reduce-scatters).  An all-reduce moves s in and s out, a reduce-scatter s
     in and s / n out, an all-gather s in and n s out."""
@@ -207,7 +207,7 @@ def redistribute_price(src: tuple, dst: tuple, mesh: Mesh) -> np.ndarray:
     rest of its bucket (`bucket_share`), and their seconds per byte (*_PER_BYTE); 1.0 in
     ONE_ALL_GATHER where the whole move is one all-gather and in ONE_REDUCE_SCATTER where it
     is one reduce-scatter (the moves of a ZeRO-3 weight the runtime groups into
-    buckets, autopar/runtime/reshard.py).  Lets a whole table of layout pairs be priced once and
+    buckets, autopar/runtime/regions/reshard.py).  Lets a whole table of layout pairs be priced once and
     scaled to every tensor size, where the cheapest algorithm is taken.  The columns are
     `price_columns`': one per algorithm of a library priced in autopar.cost.collectives; under
     NCCL, collectives.NCCL_COLUMNS lines of (algorithm, protocol) choices, each the cheapest
@@ -243,7 +243,7 @@ GEMM_CHUNKS = 2   # a row-parallel linear's output computed in this many pieces,
 def gemm_chunk_dim(shape, kind: str, dim: int | None) -> int | None:
     """The dim a row-parallel linear's local output `shape` [.., out] is computed in
     GEMM_CHUNKS pieces along when its one collective (`kind` "all_reduce", or
-    "reduce_scatter" along `dim`) is started piece by piece (autopar/runtime/linear_grads.py):
+    "reduce_scatter" along `dim`) is started piece by piece (autopar/runtime/grads/linear.py):
     the first of its two leading dims (batch, then sequence) with at least GEMM_CHUNKS rows
     that the collective does not scatter along; None where there is none."""
     for c in (0, 1):
@@ -269,7 +269,7 @@ def gemm_pieces_extra(local_out, k: int, mesh: Mesh) -> float:
 
 def bucket_share(nbytes: float) -> float:
     """The share of one collective call's fixed cost a parameter gradient of `nbytes` pays:
-    the runtime joins gradients into buckets of BUCKET_BYTES (autopar/runtime/grad_sync.py) and
+    the runtime joins gradients into buckets of BUCKET_BYTES (autopar/runtime/grads/sync.py) and
     reduces each bucket in one call, so a gradient pays its bytes' share of that call's
     launch and latency."""
     return min(1.0, nbytes / BUCKET_BYTES)
@@ -296,14 +296,14 @@ def optimizer_seconds(elements: float, param_itemsize: int, mixed_precision: boo
     epsilon into a temporary, and the update: ADAMW_ACCESSES reads and writes of an element
     of the updated tensor (20 x 4 = 80 bytes per float32 element).  Under mixed precision
     the gradient is cast to float32 before and the float32 master copied into the weight
-    after (runtime/sharded_optimizer.py): 2 (4 + param bytes) more.  Measured on one H100
+    after (runtime/state/sharded_optimizer.py): 2 (4 + param bytes) more.  Measured on one H100
     (docs/gpu/2026-11-26-h100-host.txt): 26-29 ps per element in float32 and 33 with
     master weights, against 27 and 31 here.  A CPU rank runs the for-loop Adam, about ten
     eager ops per parameter, priced as one read and write of the weight, gradient and
     state.  A calibrated device has the step measured.
 
     fused: AdamW's fused kernel (what the runtime builds under backend "inductor",
-    runtime/optimizer.fused_options) reads the updated tensor, its gradient and both
+    runtime/state/optimizer.fused_options) reads the updated tensor, its gradient and both
     moments once and writes the tensor and the moments: FUSED_ADAMW_ACCESSES, one launch
     per device and dtype for all the parameters (none charged per parameter)."""
     if not elements:

@@ -285,7 +285,7 @@ RULES = {
 }
 # Random ops shaped like their input (noise, jitter: PhiMoE's router draws rand_like, uniform_
 # and exponential_): elementwise in shape; each piece draws from its own stream where the
-# output is split (autopar/runtime/rng.py), so splitting them is valid.
+# output is split (autopar/runtime/regions/rng.py), so splitting them is valid.
 for _name in ("aten.rand_like", "aten.randn_like", "aten.uniform", "aten.uniform_", "aten.exponential",
               "aten.exponential_", "aten.normal_", "aten.bernoulli_"):
     RULES.setdefault(_name, _elementwise_rule)

@@ -58,7 +58,7 @@ class Strategy:
     state and float32 master weights live in beyond the device: "host" or "disk" ("" on
     the device); offload_weights: the parameter's stored shard and its gradient live in that
     tier too (ZeRO-Infinity's parameter offload), copied to the device for each use
-    (runtime/reshard.py).
+    (runtime/regions/reshard.py).
     """
 
     split: tuple

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from autopar.ops import NO_OUTPUT, op_name, outputs_of
-from autopar.plan.plan import Plan
+from autopar.report.plan import Plan
 
 
 class PlanMismatch(ValueError):

@@ -8,7 +8,7 @@ else 0.0`), plus in-place updates of buffers that only training runs (batch norm
 the same model side by side and records exactly those differences; `ModeSwitch.apply`
 then turns any graph rewritten from the training graph (collectives, local shapes, pipeline
 stages: the original nodes keep their names) into the eval one and back.  A pass that
-replaces a node's ATen target by a wrapper (autopar/runtime/rng.py) keeps the op in
+replaces a node's ATen target by a wrapper (autopar/runtime/regions/rng.py) keeps the op in
 node.meta["aten_target"], whose schema names the arguments.
 
 Where the two graphs differ in anything else (a forward that adds or removes ops under

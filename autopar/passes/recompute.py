@@ -1,5 +1,5 @@
 """recompute: cut each layer the plan recomputes out of the per-rank graph into a region
-that runs under activation checkpointing (autopar/runtime/recompute.py).
+that runs under activation checkpointing (autopar/runtime/regions/recompute.py).
 
 A layer is the span of graph nodes from the first to the last node whose module path is
 the layer's ("blocks.3" or below it), in graph order, with whatever the passes inserted in
@@ -20,7 +20,7 @@ import operator
 
 import torch.fx as fx
 
-from autopar.plan.records import SELECTIVE_MODES
+from autopar.report.records import SELECTIVE_MODES
 from autopar.trace.paths import module_path
 
 

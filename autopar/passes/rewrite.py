@@ -21,11 +21,11 @@ group (`groups` is stored on the graph and read when it runs).  What the runtime
 the graph afterwards, and where (autopar/runtime/build.py unless named):
 
 - localize.place_on: tensor-making ops moved to this rank's device;
-- RandomStreams.install (autopar/runtime/rng.py): random ops draw from streams numbered
+- RandomStreams.install (autopar/runtime/regions/rng.py): random ops draw from streams numbered
   over the whole graph, so it runs before any cut below;
 - pipeline_split (plan.pipeline): `stage_graphs(rewritten, plan)` below, called by
-  autopar/runtime/pipelined.py after those two, so every stage's graph has them;
-- recompute.outline_layers (plan.recompute): autopar/runtime/recompute.apply_recompute,
+  autopar/runtime/pipeline/pipelined.py after those two, so every stage's graph has them;
+- recompute.outline_layers (plan.recompute): autopar/runtime/regions/recompute.apply_recompute,
   on the whole graph (autopar/runtime/compiled.py) or on each stage's graph (pipelined.py),
   after ZeRO-3's regathering has read the graph: its regions are runtime modules that run
   under activation checkpointing.
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from autopar.plan.plan import Plan
+from autopar.report.plan import Plan
 from autopar.trace.export import TraceError, Traced, graph_signature
 
 from autopar.passes.annotate import PlanMismatch, annotate

@@ -13,13 +13,13 @@ from autopar.passes.localize import place_on
 from autopar.passes.modes import ModeSwitch, mode_switch
 from autopar.passes.rewrite import Rewritten, rewrite
 from autopar.passes.shard_params import init_sharded, shard_full_model
-from autopar.plan.plan import Plan
+from autopar.report.plan import Plan
 from autopar.cost.precision import cast_for_trace, meta_inputs
 from autopar.trace.export import TraceError, trace
 
-from autopar.runtime.inputs import expected_inputs
+from autopar.runtime.checks.inputs import expected_inputs
 from autopar.runtime.process import device_of
-from autopar.runtime.rng import RandomStreams
+from autopar.runtime.regions.rng import RandomStreams
 
 log = logging.getLogger("autopar")
 
@@ -27,7 +27,7 @@ log = logging.getLogger("autopar")
 @dataclass(frozen=True, kw_only=True)
 class RankGraph(Rewritten):
     """The passes' Rewritten as this rank runs it: its graph placed on the device, random
-    ops drawing from `streams`; inputs: the runtime.inputs.Expected of each user input,
+    ops drawing from `streams`; inputs: the runtime.checks.inputs.Expected of each user input,
     read before the passes (global shapes)."""
 
     streams: RandomStreams
@@ -42,7 +42,7 @@ def rank_graph(model, plan: Plan, groups, example_inputs, example_kwargs, precis
     """Trace `model` (cast to param_dtype under mixed precision) in train mode (eval mode on
     the first eval(): eval_switch), run the passes on the training graph
     (autopar/passes/rewrite.py), then put the graph on this rank's device and its random ops
-    on their streams (autopar/runtime/rng.py)."""
+    on their streams (autopar/runtime/regions/rng.py)."""
     if precision is not None:
         example_inputs, example_kwargs = meta_inputs((tuple(example_inputs), example_kwargs))
         model = cast_for_trace(model, precision.param_dtype)

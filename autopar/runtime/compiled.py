@@ -26,22 +26,22 @@ from autopar.solve.planner import Pricing, SolveOptions, plan as make_plan
 from autopar.deprecations import moved_keywords
 from autopar.mesh import Mesh
 from autopar.passes.redistribute import MeshGroups
-from autopar.plan.plan import Plan
+from autopar.report.plan import Plan
 from autopar.cost.precision import MixedPrecision
 
 from autopar.runtime.build import initial_shards, rank_graph
-from autopar.runtime.disk import OFFLOAD_DIR_ENV
-from autopar.runtime.faults import CollectiveError, NonFiniteError, collectives_named, set_timeout
-from autopar.runtime.linear_grads import fold_linear_gradients, kept_nodes
-from autopar.runtime.join import UnevenInputs
+from autopar.runtime.state.disk import OFFLOAD_DIR_ENV
+from autopar.runtime.checks.faults import CollectiveError, NonFiniteError, collectives_named, set_timeout
+from autopar.runtime.grads.linear import fold_linear_gradients, kept_nodes
+from autopar.runtime.checks.join import UnevenInputs
 from autopar.runtime.model import CompiledModel
 from autopar.runtime.options import AUTO, RunOptions
-from autopar.runtime.pipelined import compile_pipelined
+from autopar.runtime.pipeline.pipelined import compile_pipelined
 from autopar.runtime.process import CompileError, device_mesh, device_of, ensure_process_group
-from autopar.runtime.recompute import apply_recompute
-from autopar.runtime.reshard import Regather, offloaded_weights
+from autopar.runtime.regions.recompute import apply_recompute
+from autopar.runtime.regions.reshard import Regather, offloaded_weights
 from autopar.runtime.runner import GraphRunner
-from autopar.runtime.state import build_rank_state
+from autopar.runtime.state.rank_state import build_rank_state
 
 __all__ = ["compile", "CompiledModel", "CompileError", "UnevenInputs", "CollectiveError", "NonFiniteError"]
 
@@ -138,7 +138,7 @@ def _compile(model, mesh, example_inputs, example_kwargs, plan, memory_budget, s
                                seed_of_job, local_inputs)
         shards = initial_shards(model, plan.param_placements, groups, on_meta, seed, rewritten.traced.parts)
         traced = rewritten.traced
-        if plan.tp_overlap:   # TP collectives beside their GEMMs (runtime/linear_grads.py)
+        if plan.tp_overlap:   # TP collectives beside their GEMMs (runtime/grads/linear.py)
             fold_linear_gradients(rewritten.graph, kept_nodes(plan))
         # ZeRO-3 weights whose gradient nothing else synchronises gather and reduce in buckets
         alone = frozenset(ph for ph, name in traced.params.items()
@@ -163,7 +163,7 @@ def auto_backend(plan: Plan | None, cuda: bool) -> str:
     ranks, where Inductor's gain depends on the model (0.82-1.23x eager's step,
     benchmarks/compiled.py) and its first step compiles for seconds to minutes; eager for a
     plan whose pipeline splits the backward (zero-bubble and DualPipe schedules), which
-    run compiled (runtime/split_backward.py) but are not measured on a GPU yet.  plan None: the backend compile plans for."""
+    run compiled (runtime/regions/split_backward.py) but are not measured on a GPU yet.  plan None: the backend compile plans for."""
     if not cuda:
         return "eager"
     if plan is not None and plan.pipeline is not None and plan.pipeline.pipelined \
@@ -209,7 +209,7 @@ def _check_frozen(model, plan: Plan) -> None:
 
 def _agree(plan: Plan, seed) -> int:
     """Check every rank holds the same plan; return the job's random seed (rank 0's: `seed`
-    if given, else its torch.initial_seed(); see autopar/runtime/rng.py)."""
+    if given, else its torch.initial_seed(); see autopar/runtime/regions/rng.py)."""
     mine = (plan.hash(), int(seed) if seed is not None else torch.initial_seed())
     told = [None] * dist.get_world_size()
     dist.all_gather_object(told, mine)

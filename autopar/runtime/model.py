@@ -1,18 +1,18 @@
 """CompiledModel: one rank's part of a compiled model, an nn.Module that trains like the plain one.
 
 The model runs steps: forward, train_step, backward, no_sync and join.  What it runs on is
-this rank's state (runtime/state.RankState: parameter shards, float32 masters, ZeRO
+this rank's state (runtime/state/rank_state.RankState: parameter shards, float32 masters, ZeRO
 layouts, buffers, names, process groups), the feed of the graph's placeholders
-(runtime/runner.GraphIO) and the gradient synchronisation (runtime/grad_sync.GradSync),
+(runtime/runner.GraphIO) and the gradient synchronisation (runtime/grads/sync.GradSync),
 all built before the model and handed to it whole.  How a step runs is its runner's:
 runtime/runner.GraphRunner runs the per-rank graph that runtime/build.py made (forward on
 the global batch, or on this rank's shards with run=RunOptions(local_inputs=True)),
 runtime/pipelined.PipelineRunner this rank's pipeline stages under the plan's schedule.
 
 The rest of its public methods are one-line doors to the modules that own each concern,
-all taking the RankState: the optimizer (runtime/optimizer.py), gradient norms
-(runtime/grad_norms.py), state dicts under the plain model's names (runtime/plain_state.py)
-and the memory report (runtime/memory_report.py).
+all taking the RankState: the optimizer (runtime/state/optimizer.py), gradient norms
+(runtime/grads/norms.py), state dicts under the plain model's names (runtime/state/plain_state.py)
+and the memory report (runtime/state/memory_report.py).
 """
 from __future__ import annotations
 
@@ -26,20 +26,20 @@ from torch.utils import _pytree as pytree
 from autopar.passes.redistribute import redistribute_local
 
 from autopar.runtime.build import RankGraph
-from autopar.runtime.faults import check_step, collectives_named
-from autopar.runtime.grad_norms import clip_grad_norm_, grad_norm
-from autopar.runtime.grad_pieces import pieces_of
-from autopar.runtime.grad_sync import GradSync
-from autopar.runtime.inputs import ShardedInputs, unpack_sharded
-from autopar.runtime.join import Join
-from autopar.runtime.memory_report import memory_report
-from autopar.runtime.optimizer import build_optimizer, load_state_dict_into, state_dict_of
+from autopar.runtime.checks.faults import check_step, collectives_named
+from autopar.runtime.grads.norms import clip_grad_norm_, grad_norm
+from autopar.runtime.grads.pieces import pieces_of
+from autopar.runtime.grads.sync import GradSync
+from autopar.runtime.checks.inputs import ShardedInputs, unpack_sharded
+from autopar.runtime.checks.join import Join
+from autopar.runtime.state.memory_report import memory_report
+from autopar.runtime.state.optimizer import build_optimizer, load_state_dict_into, state_dict_of
 from autopar.runtime.options import RunOptions
-from autopar.runtime.plain_state import (
+from autopar.runtime.state.plain_state import (
     full_grads, full_state, load_full_state, load_state, sharded_state, state_names)
 from autopar.runtime.process import CompileError
 from autopar.runtime.runner import graph_io
-from autopar.runtime.state import RankState
+from autopar.runtime.state.rank_state import RankState
 
 
 class CompiledModel(nn.Module):
@@ -48,16 +48,16 @@ class CompiledModel(nn.Module):
 
     plan, groups, device, device_type, name_of, parts, aliases, buffer_names, masters,
     zero_layouts and zero_grad_chunks (its zero_grads: key -> this rank's chunk of a ZeRO-2
-    parameter's summed gradient, runtime/grad_sync.py) are the RankState's (`rank_state`),
+    parameter's summed gradient, runtime/grads/sync.py) are the RankState's (`rank_state`),
     named here for callers."""
 
     def __init__(self, rewritten: RankGraph, state: RankState, options: RunOptions, runner, *,
                  batch_scale: int = 1, pieces: dict | None = None, hold=frozenset()):
         """runner: makes the runner from this model (runtime/runner.GraphRunner, or
-        runtime/pipelined.PipelineRunner), called once the rest is built.  batch_scale,
+        runtime/pipeline/pipelined.PipelineRunner), called once the rest is built.  batch_scale,
         pieces, hold: a pipelined plan's microbatches per batch, the gradients its device
         group holds only for its stages (key -> why) and the weights two of this rank's
-        stages read (runtime/grad_sync.GradSync reduces them after the schedule)."""
+        stages read (runtime/grads/sync.GradSync reduces them after the schedule)."""
         super().__init__()
         self.rank_state = state
         self.shards = state.shards
@@ -75,10 +75,10 @@ class CompiledModel(nn.Module):
         self.bucket_bytes = options.bucket_bytes
         self.timeout_s = options.timeout        # the collective timeout errors name
         self.check_finite = options.check_finite  # runtime/faults.check_step (the user may switch it)
-        self.backend = options.backend            # how the runner runs the graph (runtime/inductor.py)
+        self.backend = options.backend            # how the runner runs the graph (runtime/regions/inductor.py)
         self.steps = 0                            # train_step calls so far (errors name the step)
         self._optimizers: list = []
-        self.joining = Join(state.device)          # cm.join()'s flags (runtime/join.py)
+        self.joining = Join(state.device)          # cm.join()'s flags (runtime/checks/join.py)
         self.io = graph_io(rewritten, state.groups, options, batch_scale)
         precision = state.precision
         self.grad_sync = GradSync(state.shards, state.sync_axes, state.groups, options.bucket_mb, state.zero_layouts,
@@ -104,7 +104,7 @@ class CompiledModel(nn.Module):
         """Forward on the global batch (every rank passes the same full inputs), or on this
         rank's shards when compiled with run=RunOptions(local_inputs=True).  A pipelined plan returns the
         batch's loss on every rank (its stages' forward passes only).  Also takes what
-        `shard_inputs` returns, whole or star-unpacked (runtime/inputs.ShardedInputs)."""
+        `shard_inputs` returns, whole or star-unpacked (runtime/checks/inputs.ShardedInputs)."""
         args, kwargs = unpack_sharded(args, kwargs)
         with collectives_named("forward", self.timeout_s):
             return self.runner.forward(args, kwargs)
@@ -114,12 +114,12 @@ class CompiledModel(nn.Module):
         "gathered" in forward, of which "prefetched", and "regathered" in backward
         (reshard_after_forward); the collective calls of grouped buckets, "bucket_gathers"
         and "bucket_reduces"; "fetched": copies of offloaded weights made for a use
-        (autopar/runtime/reshard.py).  Pipelined: over this rank's stages, per microbatch."""
+        (autopar/runtime/regions/reshard.py).  Pipelined: over this rank's stages, per microbatch."""
         return self.runner.gather_counts()
 
     def shard_inputs(self, *args, **kwargs):
         """This rank's shards of global inputs, for a module compiled with
-        run=RunOptions(local_inputs=True): a ShardedInputs (autopar/runtime/inputs.py), the
+        run=RunOptions(local_inputs=True): a ShardedInputs (autopar/runtime/checks/inputs.py), the
         pair `args, kwargs` of the shards, which
         train_step and forward also take as it is (`cm.train_step(*cm.shard_inputs(*batch))`)."""
         if self.input_layouts is None:
@@ -144,16 +144,16 @@ class CompiledModel(nn.Module):
         raise UnevenInputs at that step, all of them, and the finished ranks end cleanly.
         (Every rank computes part of every step, so a rank without data cannot stand in for
         one; give all ranks the same number of batches, e.g. drop_last=True, to use them all.)
-        (runtime/join.py)"""
+        (runtime/checks/join.py)"""
         return self.joining.block(self)
 
     def train_step(self, *args, **kwargs) -> torch.Tensor:
         """Forward, backward and gradient synchronisation; returns the loss (detached).
         A pipelined plan runs one step of its schedule on the global batch.  With
         check_finite (compile's default) a NaN or infinite loss or gradient on any rank
-        raises NonFiniteError on every rank (autopar/runtime/faults.py); a collective that does not
+        raises NonFiniteError on every rank (autopar/runtime/checks/faults.py); a collective that does not
         finish within compile's timeout raises CollectiveError.  Also takes what shard_inputs
-        returns, whole or star-unpacked (runtime/inputs.ShardedInputs)."""
+        returns, whole or star-unpacked (runtime/checks/inputs.ShardedInputs)."""
         args, kwargs = unpack_sharded(args, kwargs)
         self.steps += 1
         with collectives_named(f"step {self.steps} (forward, backward, gradient synchronisation)", self.timeout_s):
@@ -200,7 +200,7 @@ class CompiledModel(nn.Module):
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """The norm of the whole model's gradient, as torch.nn.utils.get_total_norm computes
         it on one device: every shard counted once, one all-reduce over all ranks
-        (runtime/grad_norms.py).  Call after train_step."""
+        (runtime/grads/norms.py).  Call after train_step."""
         return grad_norm(self.rank_state, norm_type)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -211,8 +211,8 @@ class CompiledModel(nn.Module):
         return clip_grad_norm_(self.rank_state, max_norm, norm_type)
 
     def build_optimizer(self, cls=torch.optim.AdamW, elementwise: bool | None = None, **kwargs):
-        """Any torch optimizer over what this rank owns of the parameters (runtime/optimizer.py).
-        An elementwise one (runtime/whole_params.ELEMENTWISE, or elementwise=True) runs on
+        """Any torch optimizer over what this rank owns of the parameters (runtime/state/optimizer.py).
+        An elementwise one (runtime/state/whole_params.ELEMENTWISE, or elementwise=True) runs on
         this rank's shards, their ZeRO-1/2 chunks or their float32 master weights and
         computes exactly what it computes on the whole model; any other (Adafactor, ...) runs
         on whole parameters, each on one owner rank, unless every parameter is whole here
@@ -230,7 +230,7 @@ class CompiledModel(nn.Module):
     def memory_report(self) -> dict:
         """Bytes this rank holds of parameters, gradients and optimizer states, next to the
         plan's prediction ("predicted"); on CUDA also the peak allocated memory
-        (runtime/memory_report.py).  Measured after optimizer.step() and before zero_grad()
+        (runtime/state/memory_report.py).  Measured after optimizer.step() and before zero_grad()
         it is what the plan predicts."""
         optimizers = [opt for opt in (ref() for ref in self._optimizers) if opt is not None]
         return memory_report(self.rank_state, optimizers, self.predicted_memory())
@@ -240,7 +240,7 @@ class CompiledModel(nn.Module):
         (pipelined: its device group's, from the pipeline search)."""
         return self.runner.predicted_memory()
 
-    # --- state under the plain model's names (runtime/plain_state.py) ------------------------------
+    # --- state under the plain model's names (runtime/state/plain_state.py) ------------------------------
     def full_state_dict(self, master: bool = False) -> dict[str, torch.Tensor]:
         """The plain model's state_dict(), whole, on every rank: every parameter (tied ones
         under each of their names) and the persistent buffers (batch-norm statistics ...).
@@ -272,7 +272,7 @@ class CompiledModel(nn.Module):
         Under mixed precision or offload a parameter's value is its float32 master weights
         (what the optimizer updates), so a checkpoint loses nothing and loads into a plan
         with or without mixed precision.  A fused weight whose parts this plan splits along
-        the dim that joins them costs one collective over those axes (autopar/runtime/plain_state.py).
+        the dim that joins them costs one collective over those axes (autopar/runtime/state/plain_state.py).
         """
         return sharded_state(self.rank_state)
 
@@ -293,7 +293,7 @@ class CompiledModel(nn.Module):
 
     def optimizer_state_dict(self, optimizer) -> dict:
         """The state of an optimizer over this model's shards under parameter names, per-element
-        state as DTensors (runtime/sharded_optimizer.py): saved with torch.distributed.checkpoint
+        state as DTensors (runtime/state/sharded_optimizer.py): saved with torch.distributed.checkpoint
         beside state_dict(), it loads into another plan or mesh with load_optimizer_state_dict.
         (An optimizer from build_optimizer gives the same from its own state_dict().)"""
         return state_dict_of(self.rank_state, optimizer)

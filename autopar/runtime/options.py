@@ -6,9 +6,9 @@ import math
 import numbers
 from dataclasses import dataclass
 
-from autopar.plan.records import check_backend
-from autopar.runtime.faults import DEFAULT_TIMEOUT_S
-from autopar.runtime.inputs import CHECKED_CALLS, SAMPLE_EVERY
+from autopar.report.records import check_backend
+from autopar.runtime.checks.faults import DEFAULT_TIMEOUT_S
+from autopar.runtime.checks.inputs import CHECKED_CALLS, SAMPLE_EVERY
 
 # timeout's least value.  The timeout bounds every wait of a collective for its slowest
 # peer, compile's own included: setting up the gloo or NCCL groups of the mesh, and
@@ -25,26 +25,26 @@ class RunOptions:
 
     timeout: seconds any collective may wait (every process group of the job, compile's
     own included): a stalled rank ends every rank with a CollectiveError naming the
-    collective (autopar/runtime/faults.py).  At least MIN_TIMEOUT_S (1 s); a minute or more
+    collective (autopar/runtime/checks/faults.py).  At least MIN_TIMEOUT_S (1 s); a minute or more
     leaves room for ranks that load data or evaluate at different speeds.
     check_finite: train_step raises NonFiniteError on every rank when the loss or a
     gradient is NaN or infinite (one scalar all-reduce per step; cm.check_finite switches
     it later).
     check_inputs: during the first this many calls the ranks compare a hash of their inputs
-    (autopar/runtime/inputs.py): without local_inputs every rank must pass the same global
+    (autopar/runtime/checks/inputs.py): without local_inputs every rank must pass the same global
     batch (0 turns it off).  check_inputs_every: after those, every this many-th call's
     inputs are compared by a hash that rides in the step's NaN-check all-reduce (0: off).
     local_inputs: the compiled module takes each rank's own shard of every input (laid out
     as `cm.input_layouts` says, see `cm.shard_inputs`) instead of the global batch.
-    bucket_mb: the gradient bucket size (runtime/grad_sync.py; 25 is DDP's default).
+    bucket_mb: the gradient bucket size (runtime/grads/sync.py; 25 is DDP's default).
     reshard_after_forward: ZeRO-3 weights gathered for forward are dropped and gathered
     again in backward (False: kept from forward to backward, one gather fewer).
     backend: "eager" runs the rank's graph op by op; "inductor" compiles its compute
-    between collectives with torch.compile (autopar/runtime/inductor.py: results match
+    between collectives with torch.compile (autopar/runtime/regions/inductor.py: results match
     eager to float rounding, not bit for bit); "auto" (the default) takes Inductor on GPUs
     and eager on CPU ranks and for split-backward schedules (compiled.auto_backend).
     offload_dir: a directory on a local disk (NVMe) where a plan that keeps optimizer
-    states on disk writes them (autopar/runtime/disk.py); None: $AUTOPAR_OFFLOAD_DIR."""
+    states on disk writes them (autopar/runtime/state/disk.py); None: $AUTOPAR_OFFLOAD_DIR."""
 
     timeout: float = DEFAULT_TIMEOUT_S
     check_finite: bool = True

@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autopar.mesh import Mesh
 
-from autopar.runtime.faults import DEFAULT_TIMEOUT_S
+from autopar.runtime.checks.faults import DEFAULT_TIMEOUT_S
 
 log = logging.getLogger("autopar")
 

@@ -2,13 +2,13 @@
 of an unpipelined plan.
 
 A CompiledModel (autopar/runtime/model.py) holds what every plan has: this rank's state
-(runtime/state.RankState: shards, buffers, master weights), the gradient synchronisation,
+(runtime/state/rank_state.RankState: shards, buffers, master weights), the gradient synchronisation,
 the feed of the graph.  What differs between a plan without stages and one with them is how a step
 runs, and that is a runner's job:
 
 - `GraphRunner` (here) runs the one per-rank graph: forward on the global batch (or this
   rank's shards of it), backward, the loss's all-reduce overlapped with backward.
-- `PipelineRunner` (autopar/runtime/pipelined.py) runs this rank's stages under the plan's
+- `PipelineRunner` (autopar/runtime/pipeline/pipelined.py) runs this rank's stages under the plan's
   schedule, over microbatches, and broadcasts the loss.
 
 Both meet the caller through a `GraphIO`: the check of the inputs' structure, shapes and
@@ -27,11 +27,11 @@ from torch.utils import _pytree as pytree
 
 from autopar.passes.collectives import move
 
-from autopar.runtime.inductor import compile_regions
-from autopar.runtime.inputs import InputCheck
+from autopar.runtime.regions.inductor import compile_regions
+from autopar.runtime.checks.inputs import InputCheck
 from autopar.runtime.options import RunOptions
 from autopar.runtime.process import CompileError
-from autopar.runtime.state import param_key
+from autopar.runtime.state.rank_state import param_key
 from autopar.trace.loss import not_a_loss, pick_loss
 
 
@@ -109,12 +109,12 @@ class GraphRunner:
 
     def __init__(self, model, regather=None):
         """model: the CompiledModel whose graph, shards, buffers, io and grad_sync it runs on;
-        regather: the runtime.reshard.Regather of the graph's ZeRO-3 gathers (None: none)."""
+        regather: the runtime.regions.reshard.Regather of the graph's ZeRO-3 gathers (None: none)."""
         self.model = model
         self.graph_module = model.graph_module
         self.regather = regather
         self.compiled: dict = {}   # backend "inductor": training mode -> (split module, its regions)
-        self.loss_axes: tuple = ()   # mesh axes the last train_step summed the loss over (runtime/faults.seen_alike)
+        self.loss_axes: tuple = ()   # mesh axes the last train_step summed the loss over (checks/faults.seen_alike)
 
     def graphs(self) -> list:
         return [self.graph_module]
@@ -199,7 +199,7 @@ class GraphRunner:
 
 
 def gather_counts_of(regathers) -> dict:
-    """ZeRO-3 gather counts summed over runtime.reshard.Regathers (None: none)."""
+    """ZeRO-3 gather counts summed over runtime.regions.reshard.Regathers (None: none)."""
     out = {"sites": 0, "gathered": 0, "prefetched": 0, "regathered": 0, "bucket_gathers": 0, "bucket_reduces": 0,
            "fetched": 0, "regather_prefetched": 0, "recompute_gathered": 0, "recompute_buckets": 0}
     for r in regathers:

@@ -8,12 +8,12 @@ from dataclasses import dataclass
 
 from autopar.cost import prices as C
 from autopar import placements as P
-from autopar.plan.plan import Collective, NodeChoice, Prediction
-from autopar.solve.gradient_paths import bucket_kinds
-from autopar.solve.problem import Problem
-from autopar.plan.records import RECOMPUTING
-from autopar.solve.recompute import beyond_linear, mode_costs
-from autopar.solve.tiers import tier_bytes
+from autopar.report.plan import Collective, NodeChoice, Prediction
+from autopar.solve.problem.gradient_paths import bucket_kinds
+from autopar.solve.problem.problem import Problem
+from autopar.report.records import RECOMPUTING
+from autopar.solve.recompute.modes import beyond_linear, mode_costs
+from autopar.solve.recompute.tiers import tier_bytes
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "working")
 
@@ -199,7 +199,7 @@ class _Tally:
 
     def _linear_readers(self, e) -> tuple:
         """The linears whose weight gradients the runtime computes while edge e's backward
-        collective runs (autopar/runtime/linear_grads.py folds exactly these): one
+        collective runs (autopar/runtime/grads/linear.py folds exactly these): one
         all-reduce or reduce-scatter into the input gradient of a tensor, not a parameter,
         read only as the input of aten.linear ops; () for any other edge."""
         nodes = self.problem.nodes
@@ -216,7 +216,7 @@ class _Tally:
 
     def _row_parallel(self, e) -> tuple:
         """(the linear,) whose output edge e's forward collective the runtime starts piece by
-        piece while the next piece of the GEMM computes (autopar/runtime/linear_grads.py
+        piece while the next piece of the GEMM computes (autopar/runtime/grads/linear.py
         folds exactly these): one all-reduce or reduce-scatter of the only reader's copy of
         an aten.linear's output that has a dim to cut in pieces (prices.gemm_chunk_dim); ()
         for any other edge."""
@@ -244,7 +244,7 @@ class _Tally:
         by mesh axis name (nothing where the device is not asynchronous).  kept: the ops
         selective recomputation keeps; the runtime does not fold an input gradient whose
         linears are some kept and some not, nor a kept row-parallel linear
-        (runtime/linear_grads.fold_linear_gradients): their collectives stay whole."""
+        (runtime/grads/linear.fold_linear_gradients): their collectives stay whole."""
         hidden, self.folded_at = {}, {}
         names = self.problem.mesh.axis_names
         for axis, on, seconds, owner, linears, forward in self.folded:
@@ -424,7 +424,7 @@ def _segments(value) -> tuple:
 
 
 def hidden_prefetch_seconds(forward: dict, gathers: dict) -> float:
-    """How much of the weight gathers forward hides (autopar/runtime/reshard.py): two streams, the
+    """How much of the weight gathers forward hides (autopar/runtime/regions/reshard.py): two streams, the
     device running each op's forward (its compute, then its synchronous communication) in
     order, and the communication stream gathering weights one ahead: the first gather runs
     when its op is reached, and each gather starts the next one, which runs while the ops up

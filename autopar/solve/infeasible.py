@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 
 from autopar.solve.assemble import predict
-from autopar.solve.ilp import InfeasibleError
+from autopar.solve.ilp.formulation import InfeasibleError
 from autopar.solve.overlap import solve_problem
-from autopar.solve.recompute import layer_slots
-from autopar.solve.solved import SolveOptions
+from autopar.solve.recompute.modes import layer_slots
+from autopar.solve.ilp.solved import SolveOptions
 
 
 def infeasible_error(problem, model, mesh, limit, options: SolveOptions, recompute=None) -> InfeasibleError:

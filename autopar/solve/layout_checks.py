@@ -8,9 +8,9 @@ import logging
 from autopar.mesh import Mesh
 from autopar.solve import layouts as B
 from autopar.solve.assemble import predict
-from autopar.solve.ilp import InfeasibleError
-from autopar.solve.recompute_search import solve_summed
-from autopar.solve.solved import SolveOptions
+from autopar.solve.ilp.formulation import InfeasibleError
+from autopar.solve.recompute.search import solve_summed
+from autopar.solve.ilp.solved import SolveOptions
 
 log = logging.getLogger("autopar")
 

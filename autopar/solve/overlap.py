@@ -1,6 +1,6 @@
 """The ILP's objective is a sum and cannot see overlap: gradient buckets reduced behind
 backward and weight gathers prefetched one op ahead (assemble.hidden_gradient_seconds,
-hidden_prefetch_seconds).  solve_problem solves once (recompute_search.solve_summed) and
+hidden_prefetch_seconds).  solve_problem solves once (recompute/search.solve_summed) and
 once more with those shares priced at what the first plan hides, keeping the plan whose
 step, overlap counted, is faster; step_lower_bound is what no plan can beat.
 """
@@ -9,15 +9,15 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from autopar.plan.plan import Prediction
+from autopar.report.plan import Prediction
 from autopar.solve.assemble import predict
-from autopar.solve.fitting import solve_modes
-from autopar.solve.ilp import InfeasibleError, solve
-from autopar.solve.problem import Problem
-from autopar.solve.recompute import beyond_linear, mode_costs
-from autopar.solve.recompute_search import solve_summed
-from autopar.solve.reduce import reduce_problem
-from autopar.solve.solved import SolveOptions, Solved
+from autopar.solve.recompute.fitting import solve_modes
+from autopar.solve.ilp.formulation import InfeasibleError, solve
+from autopar.solve.problem.problem import Problem
+from autopar.solve.recompute.modes import beyond_linear, mode_costs
+from autopar.solve.recompute.search import solve_summed
+from autopar.solve.ilp.reduce import reduce_problem
+from autopar.solve.ilp.solved import SolveOptions, Solved
 
 log = logging.getLogger("autopar")
 

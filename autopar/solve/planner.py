@@ -17,23 +17,23 @@ import torch
 from autopar.cost.precision import MixedPrecision
 from autopar.deprecations import REMOVED_IN, AutoparDeprecationWarning, moved_keywords
 from autopar.mesh import Mesh, parse_bytes
-from autopar.plan.plan import ParamState, Plan, SolverStats, Timing
+from autopar.report.plan import ParamState, Plan, SolverStats, Timing
 from autopar.solve.assemble import assemble
 from autopar.solve.infeasible import infeasible_error
 from autopar.solve.layout_checks import check_layout, compare_layouts, faster_layout
-from autopar.solve.ilp import InfeasibleError
+from autopar.solve.ilp.formulation import InfeasibleError
 from autopar.placements import same_local_shape
-from autopar.solve.menus import HEADS_NOTE
+from autopar.solve.problem.menus import HEADS_NOTE
 from autopar.solve.overlap import solve_problem, step_lower_bound
-from autopar.solve.pipeline_options import Pipeline
-from autopar.solve.pipeline_costs import stage_problem
-from autopar.solve.pipeline_search import search
-from autopar.solve.pricing import Pricing
-from autopar.solve.problem import Problem
-from autopar.solve.recompute import check_mode, recompute_record
-from autopar.solve.solution import Built, build_problem
-from autopar.solve.solved import SolveOptions
-from autopar.solve.tiers import TierCapacityError, fill_device, within_tiers
+from autopar.solve.pipeline.options import Pipeline
+from autopar.solve.pipeline.costs import stage_problem
+from autopar.solve.pipeline.search import search
+from autopar.solve.problem.pricing import Pricing
+from autopar.solve.problem.problem import Problem
+from autopar.solve.recompute.modes import check_mode, recompute_record
+from autopar.solve.built import Built, build_problem
+from autopar.solve.ilp.solved import SolveOptions
+from autopar.solve.recompute.tiers import TierCapacityError, fill_device, within_tiers
 from autopar.trace.batching import batch_size
 from autopar.ops import op_arg
 from autopar.trace.experts import measure_routing
@@ -87,13 +87,13 @@ def plan(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, example_kwarg
     ('70GiB' works); None means the device's memory.
     mixed_precision: an autopar.MixedPrecision (or "bf16", "fp16", a torch dtype); costs and
     memory are then those of the low-precision compute with float32 master weights.
-    pipeline: True to also search pipeline stages (autopar.solve.pipeline_search): when cutting
+    pipeline: True to also search pipeline stages (autopar.solve.pipeline.search): when cutting
     the model into stages is faster, the plan returned is each stage's plan on its sub-mesh
     for one microbatch, and `plan.pipeline` says how many stages, where they are cut, the
     schedule and the microbatch count.  An autopar.Pipeline fixes some of those (axis,
     groups, schedule, microbatches, virtual) and always pipelines.
     recompute: None lets the ILP choose activation recomputation per set of identical
-    layers (autopar/solve/recompute.py) when the budget needs it; "none", "selective" or "full"
+    layers (autopar/solve/recompute/modes.py) when the budget needs it; "none", "selective" or "full"
     forces that policy on every repeated layer (for comparisons).  With pipeline=..., the
     search picks one policy for every layer of the stages (the fastest that fits).
     pricing: an autopar.Pricing, what the step is priced for and runs as: the backend

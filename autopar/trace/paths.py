@@ -74,6 +74,6 @@ def layer_of(path: str, prefix: str | None = None) -> int | None:
 
 def block_of(path: str) -> tuple[str, int] | None:
     """'blocks.3.attn.q' -> ('blocks', 3): the repeated layer a node belongs to, if any (the
-    key identical layers are grouped by, autopar/solve/layers.py)."""
+    key identical layers are grouped by, autopar/solve/problem/layers.py)."""
     m = _match(path, None)
     return None if m is None else (m["prefix"], int(m["index"]))
