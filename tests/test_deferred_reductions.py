@@ -44,7 +44,7 @@ def test_the_loss_is_summed_in_the_last_bucket_and_split_weights_pay_the_finite_
         assert loss.nbytes == 4 and loss.seconds < 0.05 * whole   # a bucket's share of one call's fixed cost
         assert not [c for c in dp.collectives if c.tensor == "finite check"]   # every rank sees everyone's sum
         # Megatron TP's weights are split: a NaN in one rank's piece is that rank's alone, so the
-        # step runs the finite check's all-reduce (runtime/faults.check_step), and the plan prices it
+        # step runs the finite check's all-reduce (runtime/checks/faults.check_step), and the plan prices it
         tp = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False, layout="megatron-tp"))
         (check,) = [c for c in tp.collectives if c.tensor == "finite check"]
         assert check.nbytes == 8 and check.phase == "step" and check.seconds == pytest.approx(

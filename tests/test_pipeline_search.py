@@ -79,7 +79,7 @@ def slow_network_plan():
 def test_slow_network_gets_stages_across_nodes_and_the_node_splits_each_stage(slow_network_plan):
     """Stages go across the slow links and each keeps a whole node, whose 8 GPUs split every
     microbatch.  A stage's gradients sum once per step over NVLink (its problem is priced
-    for the step's microbatches, pipeline_costs.stage_problem), so with memory to spare the
+    for the step's microbatches, solve/pipeline/costs.stage_problem), so with memory to spare the
     weights stay whole on the node and attention splits the sequence (ring); under a budget
     the replicated weights do not fit and the node runs tensor parallelism instead: every
     MLP matrix split on gpu (fc1 by column, fc2 by row; the 25 heads do not divide 8 ways,

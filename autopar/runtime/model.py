@@ -74,7 +74,7 @@ class CompiledModel(nn.Module):
         self.graph_module = rewritten.graph.to(state.device)
         self.bucket_bytes = options.bucket_bytes
         self.timeout_s = options.timeout        # the collective timeout errors name
-        self.check_finite = options.check_finite  # runtime/faults.check_step (the user may switch it)
+        self.check_finite = options.check_finite  # runtime/checks/faults.check_step (the user may switch it)
         self.backend = options.backend            # how the runner runs the graph (runtime/regions/inductor.py)
         self.steps = 0                            # train_step calls so far (errors name the step)
         self._optimizers: list = []

@@ -67,7 +67,7 @@ class Solved:
     """One solve's answer.  choice: the strategy of every node (an Assignment); solution:
     the ILP's (objective seconds, bound, size, time) of the reduced problem it came from;
     memory: bytes per device the plan needs, the ILP's linear sum plus `beyond`; beyond:
-    what it needs past that sum (recompute.beyond_linear: the working memory of its busiest
+    what it needs past that sum (recompute/modes.beyond_linear: the working memory of its busiest
     op or recomputed layer, activations counted storage by storage), where the next solve
     of the same problem starts its working-memory reserve.  kept: where this plan recomputes
     layers, the plan the same budget fits keeping every activation (when one fits), whose
