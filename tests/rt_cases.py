@@ -3,6 +3,7 @@ plan, train a few AdamW steps and compare with the same model trained on one dev
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import math
 
@@ -721,9 +722,9 @@ def under_backend(backend: str, job, *args):
     above, unchanged, under another backend."""
     original = autopar.compile
 
-    def compile_with(*a, **kw):
-        kw.setdefault("backend", backend)
-        return original(*a, **kw)
+    def compile_with(*a, run=None, **kw):
+        run = run or autopar.RunOptions()
+        return original(*a, run=dataclasses.replace(run, backend=backend) if run.backend == "auto" else run, **kw)
     return _run_with(autopar, "compile", compile_with, job, *args)
 
 
