@@ -403,7 +403,7 @@ def test_inductor_keeps_the_planned_saved_bytes(pool4, mode):
     under eager."""
     from rc_cases import saved_bytes
     from rt_cases import under_backend
-    plan = _gpt_plan("megatron-tp x dp", recompute=mode, backend="inductor")
+    plan = _gpt_plan("megatron-tp x dp", recompute=mode, pricing=autopar.Pricing(backend="inductor"))
     rows = pool4.run(under_backend, "inductor", saved_bytes, GPT, plan)
     bad = [(r["measured"], r["predicted"]) for r in rows if abs(r["predicted"] - r["measured"]) > 0.05 * r["measured"]]
     assert not bad, bad
