@@ -129,9 +129,7 @@ def random_plans(model: torch.nn.Module, mesh: Mesh, example_inputs=(), *, seeds
     if request.get("pipeline", False) is not False and len(drawn) != 1:
         raise ValueError(f"random_plans with pipeline=... draws one plan of the stages, not {len(drawn)}: "
                          f"pass one seed")
-    args = {k: request.get(k, p.default) for k, p in inspect.signature(plan).parameters.items()
-            if k in REQUEST_KEYWORDS}
-    built = _request(model, example_inputs, seeds=drawn, **args)
+    built = _request(model, example_inputs, seeds=drawn, **request)   # (_request's defaults are plan's)
     with _collector_spared():
         return _warned(_plan(model, mesh, built))
 
