@@ -1,12 +1,12 @@
 """Tensor-parallel collectives beside their GEMMs, against the same plan with the linears
 unfolded: median step on gloo ranks.
 
-- folded: `autopar.compile` as it runs (autopar/runtime/grads/linear.py: each
+- folded: `autopar.compile` as it runs (autopar/passes/fold_linears.py: each
   column-parallel input's gradient collective starts before the weight gradients compute,
   each row-parallel output's GEMM runs in two pieces, the first reduced while the second
   computes);
-- unfolded: the same plan with the folds turned off, as autograd orders the linears'
-  backward and the move follows the whole GEMM.
+- unfolded: the same plan with tp_overlap=False (the passes leave the linears unfolded),
+  as autograd orders the linears' backward and the move follows the whole GEMM.
 
 The same model (seed 0), Megatron TP or Megatron-SP over every rank, AdamW, every step
 between barriers, median of `--steps` after `--warmup`, the two variants alternated
@@ -20,6 +20,7 @@ GPUs NCCL's stream runs beside the GEMMs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 
@@ -29,9 +30,8 @@ import torch
 import torch.distributed as dist
 
 import autopar
-import autopar.runtime.compiled as compiled_module
 from autopar.models import build
-from autopar.runtime.grads.linear import fold_linear_gradients, linear_then_reduce, linears_then_gradient
+from autopar.passes.fold_linears import linear_then_reduce, linears_then_gradient
 from compiled import _timed as timed   # (benchmarks/compiled.py: every step between barriers)
 
 MODELS = {"gpt": ("gpt-tiny", dict(hidden=512, n_heads=8, n_layers=4, max_seq=256)),
@@ -50,11 +50,8 @@ def median_step(name: str, layout: str, folded: bool, args) -> tuple[float, str]
     model, example = build(preset, batch=args.batch, seq=args.seq, **size)
     mesh = autopar.Mesh((dist.get_world_size(),), ("tp",), device="cpu")
     plan = autopar.plan(model, mesh, example, solve=autopar.SolveOptions(compare=False, layout=layout))
-    compiled_module.fold_linear_gradients = fold_linear_gradients if folded else (lambda gm, keep=frozenset(): 0)
-    try:
-        cm = autopar.compile(model, mesh, example, plan=plan, run=autopar.RunOptions(backend="eager"))
-    finally:
-        compiled_module.fold_linear_gradients = fold_linear_gradients
+    plan = plan if folded else dataclasses.replace(plan, tp_overlap=False)
+    cm = autopar.compile(model, mesh, example, plan=plan, run=autopar.RunOptions(backend="eager"))
     nodes = [n for g in cm.graphs() for n in g.graph.nodes]
     calls = f"{sum(n.target is linears_then_gradient for n in nodes)} + {sum(n.target is linear_then_reduce for n in nodes)}"
     opt = cm.build_optimizer(torch.optim.AdamW, lr=1e-4)

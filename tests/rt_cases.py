@@ -250,9 +250,9 @@ def train_and_compare(spec: tuple, plan_dict: dict, steps: int = 3, clip: float 
 def folded_linears(graphs) -> tuple:
     """(moves folded with their linear readers, linears folded with the move of their
     output) in the compiled graphs and the recomputed regions inside them
-    (runtime/grads/linear.py)."""
+    (passes/fold_linears.py)."""
     import torch.fx as fx
-    from autopar.runtime.grads.linear import ABSORBS, linear_then_reduce
+    from autopar.passes.fold_linears import ABSORBS, linear_then_reduce
     nodes = [n for g in graphs for m in g.modules() if isinstance(m, fx.GraphModule) for n in m.graph.nodes
              if n.op == "call_function" and n.meta.get(ABSORBS)]   # (a kept call's target is wrapped)
     return (sum(n.target is not linear_then_reduce for n in nodes), sum(n.target is linear_then_reduce for n in nodes))
@@ -293,10 +293,10 @@ def torch_clip_over_parameters(spec: tuple, plan_dict: dict) -> dict:
 def _moves_run(gm) -> list:
     """(Move, the moved tensor's name, the first node reading the moved tensor) of every move
     the graph runs: its `move` nodes and the moves folded with linears
-    (runtime/grads/linear.py: an input's move inside linears_then_gradient, a row-parallel
+    (passes/fold_linears.py: an input's move inside linears_then_gradient, a row-parallel
     output's inside linear_then_reduce)."""
     from autopar.passes.collectives import move
-    from autopar.runtime.grads.linear import linear_then_reduce, linears_then_gradient
+    from autopar.passes.fold_linears import linear_then_reduce, linears_then_gradient
     out = []
     for node in gm.graph.nodes:
         if node.op != "call_function":

@@ -181,25 +181,24 @@ def test_a_dropout_that_draws_nothing_does_not_cut_a_region(p, train, cut):
     around it (run as the plain op, even where the runtime routes it through its random
     stream), where a dropout that draws runs eagerly between two regions."""
     from torch.fx.experimental.proxy_tensor import make_fx
-    from autopar.runtime.regions.rng import RandomStreams, draws_nothing
+    from autopar.passes.random_ops import draw, draws_nothing, route_random
+    from autopar.passes.slots import STREAMS, bind
+    from autopar.runtime.regions.rng import RandomStreams
 
     def f(x, w):
         h = torch.ops.aten.native_dropout(torch.relu(x @ w), p, train)[0]
         return (h.sin() * 2).sum()
     x, w = torch.randn(4, 8), torch.randn(8, 3)
     gm = make_fx(f)(x, w)
-    streams = RandomStreams(0, None, torch.device("cpu"))
-    streams.sites.append((torch.ops.aten.native_dropout.default, 0))   # (what install records, without groups)
-    (node,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.native_dropout.default]
-    node.meta["aten_target"], node.target = node.target, streams.draw
-    node.kwargs = {**node.kwargs, "_autopar_site": 0}
-    gm.recompile()
+    streams = RandomStreams(0, None, torch.device("cpu"), route_random(gm))   # (no split axes: no groups read)
+    assert bind(gm, STREAMS, streams) == 1
+    (node,) = [n for n in gm.graph.nodes if n.meta.get("aten_target") is torch.ops.aten.native_dropout.default]
     assert (draws_nothing(node) is None) == cut
     state = torch.get_rng_state()
     expected = gm(x, w)
     split, regions = compile_regions(gm)
     assert len(regions) == (2 if cut else 1)
-    assert node.target == streams.draw   # (the graph itself still routes it)
+    assert node.target is draw   # (the graph itself still routes it)
     got = split(x, w)
     assert torch.equal(torch.get_rng_state(), state)   # neither moved the user's random state
     if not cut:

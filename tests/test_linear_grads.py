@@ -1,4 +1,4 @@
-"""Tensor-parallel collectives beside the GEMMs (autopar/runtime/grads/linear.py): input
+"""Tensor-parallel collectives beside the GEMMs (autopar/passes/fold_linears.py): input
 gradients reduced while the weight gradients compute, row-parallel outputs reduced in
 pieces while the next piece computes.  The folds on small graphs, their prices, and
 Megatron TP, Megatron-SP and TP x ZeRO-3 training like one device with them, on 4 gloo
@@ -14,11 +14,13 @@ from torch.distributed.tensor import Partial, Replicate
 
 import autopar
 from autopar.passes.collectives import Move, move
-from autopar.runtime.grads.linear import fold_linear_gradients, linears_then_gradient
+from autopar.passes.fold_linears import fold_linear_gradients, linears_then_gradient
 from rt_cases import build_case, train_and_compare
 
 
 class _OneAxis:
+    ndim = 1
+
     def size(self, axis):
         return 2
 
@@ -47,14 +49,14 @@ def test_the_fold_makes_one_call_of_the_move_and_its_linears_and_keeps_the_value
     args = (torch.randn(4, 8), torch.randn(3, 8), torch.randn(3), torch.randn(5, 8))
     gm = _graph(third_reader=False)
     want = gm(*args)
-    assert fold_linear_gradients(gm) == 1
+    assert fold_linear_gradients(gm, (2,)) == 1
     calls = [n for n in gm.graph.nodes if n.op == "call_function"]
     assert [n.target for n in calls] == [linears_then_gradient, operator.getitem, operator.getitem]
     assert calls[0].args[3] == (True, False)   # which linears have a bias
     for got, w in zip(gm(*args), want):
         torch.testing.assert_close(got, w, rtol=0, atol=0)
     other = _graph(third_reader=True)   # a reader that is not a linear: left as it is
-    assert fold_linear_gradients(other) == 0
+    assert fold_linear_gradients(other, (2,)) == 0
     assert sum(n.target is move for n in other.graph.nodes) == 1
 
 # (model, mesh, layout, whether a row-parallel linear's output is reduced right after it:

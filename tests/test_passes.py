@@ -11,6 +11,7 @@ the whole ones only in round-off.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 
@@ -30,14 +31,18 @@ from autopar.models import build
 from autopar.passes.annotate import PlanMismatch, annotate
 from autopar.passes.attention_ops import ring_attention, ulysses_attention
 from autopar.passes.collectives import insert_collectives, move
+from autopar.passes.fold_linears import linear_then_reduce
 from autopar.passes.local_ops import local_cross_entropy, scaled_op, shard_offset, vocab_parallel_embedding
 from autopar.passes.localize import localize
 from autopar.passes.modes import ModeError, mode_switch
 from autopar.passes.pipeline_split import assign_stages, split_stages
 from autopar.passes.recompute import outline_layers
 from autopar.passes.redistribute import redistribute, redistribute_local
-from autopar.passes.rewrite import param_names, rewrite, stage_graphs
+from autopar.passes.rewrite import param_names, rewrite
 from autopar.passes.shard_params import init_sharded, shard_full_model, shard_of
+from autopar.passes.slots import GATHERS, GROUPS, bind
+from autopar.runtime.build import bind_rank
+from autopar.runtime.regions.rng import RandomStreams
 from autopar.trace.batching import first_microbatch
 from autopar.trace.export import TraceError, trace
 from autopar.trace.paths import module_path
@@ -53,6 +58,8 @@ COMMUNICATING = {"all_gather", "all_reduce", "reduce_scatter", "all_to_all"}
 
 class WorldAxis:
     """AxisGroups of a 1-D mesh over the whole world: on a thread of on_ranks, its rank."""
+
+    ndim = 1
 
     def size(self, axis: int) -> int:
         return dist.get_world_size()
@@ -197,12 +204,24 @@ def collectives(gm: fx.GraphModule, sizes: tuple) -> dict:
     return out
 
 
+class PlainGathers:
+    """A graph's ZeRO-3 gathers run as the plain moves they were (no prefetch, no buckets)."""
+
+    def gather(self, k, x, m, groups):
+        return move(x, m, groups)
+
+    def fetch(self, x):
+        return x
+
+
 def run_per_rank(traced, plan, model, inputs: dict, backward: bool = True):
     """On two thread ranks: this rank's shards of `model`'s parameters (as the plan places
     them), the rewritten graph run on them and `inputs`, and (backward) the shards'
     gradients of the first output's sum.  Returns [(outputs, {name: grad})] per rank."""
     gm = traced.graph
     order = placeholders(gm)
+    bind(gm, GROUPS, WorldAxis())
+    bind(gm, GATHERS, PlainGathers())
 
     def job(rank):
         shards = {name: t.requires_grad_() for name, t in
@@ -259,7 +278,7 @@ def test_megatron_mlp_has_one_forward_all_reduce_and_trains_like_one_device(mega
     traced = trace(model, (X,))
     gm = traced.graph
     annotate(gm, plan, traced.params, traced.tied)
-    inserted = insert_collectives(gm, plan, WorldAxis(), defer=param_names(traced))
+    inserted = insert_collectives(gm, plan, defer=param_names(traced))
     assert collectives(gm, (2,)) == {"forward": ["all_reduce"], "backward": []}
     assert [(c.kind, c.phase, c.nbytes) for c in plan.collectives if c.tensor != "finite check"] == \
         [("all_reduce", "forward", 4 * 8 * 8)]
@@ -283,7 +302,7 @@ def test_data_parallel_leaves_the_gradient_all_reduce_to_the_runtime():
     plan = autopar.plan(model, DP, (X, T), solve=autopar.SolveOptions(compare=False, layout="data-parallel"))
     traced = trace(model, (X, T))
     annotate(traced.graph, plan, traced.params, traced.tied)
-    inserted = insert_collectives(traced.graph, plan, WorldAxis(), defer=param_names(traced))
+    inserted = insert_collectives(traced.graph, plan, defer=param_names(traced))
     assert collectives(traced.graph, (2,)) == {"forward": [], "backward": []}
     assert inserted.grad_sync == {name: (0,) for name, _ in model.named_parameters()}
     assert list(inserted.output_reduce) == [0]
@@ -302,7 +321,7 @@ def test_localize_divides_view_sizes_by_the_split_and_keeps_the_values(megatron)
     traced = trace(model, (X,))
     gm = traced.graph
     annotate(gm, plan, traced.params, traced.tied)
-    insert_collectives(gm, plan, WorldAxis(), defer=param_names(traced))
+    insert_collectives(gm, plan, defer=param_names(traced))
     views = [n for n in gm.graph.nodes if n.target is torch.ops.aten.view.default]
     assert [list(n.args[1]) for n in views] == [[4, 4, 4], [4, 16]]
     localize(gm, plan)
@@ -322,7 +341,7 @@ def test_localize_scales_a_mean_over_split_rows_to_its_share():
     traced = trace(model, (X, T))
     gm = traced.graph
     annotate(gm, plan, traced.params, traced.tied)
-    insert_collectives(gm, plan, WorldAxis(), defer=param_names(traced))
+    insert_collectives(gm, plan, defer=param_names(traced))
     localize(gm, plan)
     scaled = [n for n in gm.graph.nodes if n.target is scaled_op]
     assert [(n.args[0], n.args[1]) for n in scaled] == [(torch.ops.aten.mean.default, 0.5)]
@@ -337,14 +356,21 @@ def test_localize_scales_a_mean_over_split_rows_to_its_share():
 
 def test_rewrite_runs_the_passes_in_order_and_the_graph_trains_like_one_device(megatron):
     """rewrite = annotate, collectives, localize on the trace (and the eval switch from the
-    eval trace): the Megatron MLP's per-rank graph, forward and backward, on two ranks."""
+    eval trace), then the row-parallel linear folded with its all-reduce: the Megatron
+    MLP's per-rank graph, forward and backward, on two ranks.  Without tp_overlap the
+    move stays as collectives made it."""
     model, plan = megatron
     traced = trace(model, (X,))
-    rewritten = rewrite(traced, plan, WorldAxis(), evaluated=trace(model, (X,), mode="eval"))
-    assert rewritten.graph is traced.graph
+    rewritten = rewrite(traced, plan, evaluated=trace(model, (X,), mode="eval"))
+    assert rewritten.graph is traced.graph and [p.graph for p in rewritten.parts] == [traced.graph]
     assert rewritten.modes.reason == "" and rewritten.modes.switches == {}
-    assert collectives(rewritten.graph, (2,)) == {"forward": ["all_reduce"], "backward": []}
-    assert "2 moves" in str(rewritten)
+    assert rewritten.parts[0].folded == 1
+    assert sum(n.target is linear_then_reduce for n in rewritten.graph.graph.nodes) == 1
+    assert collectives(rewritten.graph, (2,)) == {"forward": [], "backward": []}
+    assert "1 moves" in str(rewritten)
+    unfolded = rewrite(trace(model, (X,)), dataclasses.replace(plan, tp_overlap=False))
+    assert unfolded.parts[0].folded == 0
+    assert collectives(unfolded.graph, (2,)) == {"forward": ["all_reduce"], "backward": []}
     want, grads = model(X), full_grads(model, X)
     for rank, (out, got) in enumerate(run_per_rank(traced, plan, model, {"x": X})):
         torch.testing.assert_close(out[0], want.detach())
@@ -356,10 +382,10 @@ def test_rewrite_refuses_a_plan_for_another_size_and_says_why_eval_is_missing(me
     model, plan = megatron
     wider = trace(made(MLP, 32), (X,))
     with pytest.raises(PlanMismatch, match="graph signature .* Plan again"):
-        rewrite(wider, plan, WorldAxis())
-    without = rewrite(trace(model, (X,)), plan, WorldAxis())
+        rewrite(wider, plan)
+    without = rewrite(trace(model, (X,)), plan)
     assert "without an eval-mode trace" in without.modes.reason
-    failed = rewrite(trace(model, (X,)), plan, WorldAxis(), evaluated=TraceError("data-dependent branch"))
+    failed = rewrite(trace(model, (X,)), plan, evaluated=TraceError("data-dependent branch"))
     assert "could not be traced in eval mode (data-dependent branch)" in failed.modes.reason
 
 
@@ -456,8 +482,10 @@ def test_pipeline_split_stages_in_sequence_compute_the_whole_graph():
     assert plan.pipeline.stages == ((0, 1), (1, 2)) and plan.mesh.shape == (1,)
     args, _ = first_microbatch((tuple(example), None), 4, 2)
     traced = trace(model, args)
-    rewritten = rewrite(traced, plan, OneRank((1,), (0,)))
-    stages = stage_graphs(rewritten, plan)
+    rewritten = rewrite(traced, plan)
+    bind_rank(rewritten, OneRank((1,), (0,)), RandomStreams(0, OneRank((1,), (0,)), torch.device("cpu"),
+                                                            rewritten.random))
+    stages = [part.stage for part in rewritten.parts]
     values = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     inputs = dict(zip(traced.user_inputs, args))
     whole = rewritten.graph(*feed(traced, placeholders(rewritten.graph), values, inputs))[0]
@@ -735,7 +763,7 @@ def test_a_moved_attention_output_keeps_the_traced_layout_so_its_view_runs():
     mesh = autopar.Mesh((2,), ("tp",), device="cpu")
     for plan in autopar.random_plans(model, mesh, (x,), solve=autopar.SolveOptions(compare=False), seeds=range(40)):
         traced = trace(model, (x,))
-        rewritten = rewrite(traced, plan, WorldAxis())
+        rewritten = rewrite(traced, plan)
         moved = [n for n in rewritten.graph.graph.nodes if n.op == "call_function" and n.target is move
                  and n.args[0].target is torch.ops.aten.scaled_dot_product_attention.default]
         if moved:

@@ -72,7 +72,7 @@ class LayoutPrices:
     def one_reduction(self, src: Menu, dst: Menu, reverse: bool = False) -> np.ndarray:
         """[choices of src, choices of dst] booleans: the whole move is one all-reduce (over
         one axis or several, one call) or one reduce-scatter, the input-gradient moves the
-        runtime starts beside a linear's weight gradient (autopar/runtime/grads/linear.py)."""
+        runtime starts beside a linear's weight gradient (autopar/passes/fold_linears.py)."""
         lines = self.lines(src, dst, reverse)
         only = (np.isclose(lines[C.Row.FIXED], lines[C.Row.ALL_REDUCE_FIXED], rtol=1e-9, atol=0.0)
                 & np.isclose(lines[C.Row.PER_BYTE], lines[C.Row.ALL_REDUCE_PER_BYTE], rtol=1e-9, atol=0.0)

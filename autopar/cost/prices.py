@@ -243,7 +243,7 @@ GEMM_CHUNKS = 2   # a row-parallel linear's output computed in this many pieces,
 def gemm_chunk_dim(shape, kind: str, dim: int | None) -> int | None:
     """The dim a row-parallel linear's local output `shape` [.., out] is computed in
     GEMM_CHUNKS pieces along when its one collective (`kind` "all_reduce", or
-    "reduce_scatter" along `dim`) is started piece by piece (autopar/runtime/grads/linear.py):
+    "reduce_scatter" along `dim`) is started piece by piece (autopar/passes/fold_linears.py):
     the first of its two leading dims (batch, then sequence) with at least GEMM_CHUNKS rows
     that the collective does not scatter along; None where there is none."""
     for c in (0, 1):

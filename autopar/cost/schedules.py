@@ -40,7 +40,7 @@ KINDS = ("F", "B", "W")
 
 def folds_tp(schedule: str) -> bool:
     """Whether a stage under `schedule` runs its tensor-parallel collectives beside their
-    GEMMs (runtime/grads/linear.py): not where backward splits off the weight gradients
+    GEMMs (passes/fold_linears.py): not where backward splits off the weight gradients
     itself (SPLIT_BACKWARD); "none", the plan without stages, does."""
     return schedule not in SPLIT_BACKWARD
 

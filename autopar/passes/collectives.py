@@ -15,7 +15,6 @@ move hands its gradient back in w: autograd adds them, then one reduction runs.
 from __future__ import annotations
 
 import operator
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +27,7 @@ from autopar.placements import grad_targets, same_local_shape
 
 from autopar.passes.local_ops import dim_order, in_dim_order
 from autopar.passes.redistribute import redistribute
+from autopar.passes.slots import GROUPS, get_attr, slot
 
 
 @dataclass(frozen=True)
@@ -83,14 +83,6 @@ def local_input_layouts(gm: fx.GraphModule, user_inputs) -> list:
     return layouts
 
 
-def get_attr(graph: fx.Graph, name: str) -> fx.Node:
-    """A get_attr node for a plain (non-tensor, non-module) attribute of the GraphModule;
-    fx warns about those, but they work and keep the generated code readable."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        return graph.get_attr(name)
-
-
 def layout_of(node: fx.Node, index: int = 0, ndim: int = 1) -> tuple:
     """The layout of tensor `node[index]` as the plan produces it."""
     if node.op == "call_function" and node.target is operator.getitem:
@@ -125,15 +117,15 @@ class Inserted:
     output_reduce: dict
 
 
-def insert_collectives(gm: fx.GraphModule, plan, groups, defer: dict | None = None) -> Inserted:
-    """Rewrite gm in place; `groups` (an AxisGroups) is stored on gm and read at run time.
+def insert_collectives(gm: fx.GraphModule, plan, defer: dict | None = None) -> Inserted:
+    """Rewrite gm in place; the moves read their process groups from gm's GROUPS slot,
+    which the runtime binds (passes/slots.py).
 
     defer: placeholder name -> parameter name for parameters whose gradient all-reduce the
     runtime runs itself (bucketed, overlapped with backward).  For those, a move that would
     end the gradient's journey with Partial -> Replicate leaves it Partial instead, and the
     result's grad_sync[parameter] lists the mesh axes still to reduce."""
     graph = gm.graph
-    gm._autopar_groups = groups
     output_reduce: dict = {}
     writer = _MoveWriter(gm, plan, defer or {})
     for node in list(graph.nodes):
@@ -162,7 +154,7 @@ def insert_collectives(gm: fx.GraphModule, plan, groups, defer: dict | None = No
                 replacement.append(src)
                 continue
             with graph.inserting_before(node):
-                groups_node = get_attr(graph, "_autopar_groups")
+                groups_node = slot(gm, GROUPS)
                 moved = graph.call_function(move, _move_args(src, writer.attr(m), groups_node))
             moved.meta["val"] = x.meta.get("val")  # the same global tensor, in another layout
             replacement.append(moved)
@@ -226,7 +218,7 @@ class _MoveWriter:
             if x.op == "placeholder":  # keep the placeholders together at the top
                 anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]
             with graph.inserting_after(anchor):
-                groups_node = get_attr(graph, "_autopar_groups")
+                groups_node = slot(self.gm, GROUPS)
             with graph.inserting_after(groups_node):
                 spec = self.attr(Move(p, p, tuple(w), self.deferred(x, tuple(w), grad_targets(p))))
             with graph.inserting_after(spec):

@@ -22,7 +22,8 @@ from autopar.ops.strategy import passes_partial
 from autopar.placements import local_shape_even as local_shape
 
 from autopar.passes import grid_ops, local_ops
-from autopar.passes.collectives import get_attr, move
+from autopar.passes.collectives import move
+from autopar.passes.slots import GROUPS, slot
 
 SIZE_ARG = {"aten.view": 1, "aten.reshape": 1, "aten._unsafe_view": 1, "aten.expand": 1}
 MEANS = {"aten.mean"}
@@ -241,4 +242,4 @@ def _global_shape(node, k):
 
 def _groups_node(node):
     with node.graph.inserting_before(node):
-        return get_attr(node.graph, "_autopar_groups")
+        return slot(node.graph.owning_module, GROUPS)

@@ -1,5 +1,5 @@
 """recompute: cut each layer the plan recomputes out of the per-rank graph into a region
-that runs under activation checkpointing (autopar/runtime/regions/recompute.py).
+body that the runtime runs under activation checkpointing (autopar/runtime/regions/recompute.py).
 
 A layer is the span of graph nodes from the first to the last node whose module path is
 the layer's ("blocks.3" or below it), in graph order, with whatever the passes inserted in
@@ -17,11 +17,102 @@ and one after them and run in the main graph, so backward does not communicate a
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
+import torch
 import torch.fx as fx
 
+from autopar.ops import op_name
+from autopar.ops.rules import PRODUCTS
+from autopar.passes.fold_linears import ABSORBS
 from autopar.report.records import SELECTIVE_MODES
 from autopar.trace.paths import module_path
+
+_aten = torch.ops.aten
+# the kernels whose outputs a kept op's result lives in: a product's matrix multiply (the
+# views around it alias it), attention's fused kernel (output and log-sum-exp); anything
+# else a kept op dispatches (a transposed weight, the math path's s x s scores) is made
+# again in backward like the cheap ops
+PRODUCT_KERNELS = frozenset(getattr(_aten, k) for k in ("mm", "addmm", "bmm", "baddbmm", "_grouped_mm")
+                            if hasattr(_aten, k))
+ATTENTION_KERNELS = frozenset(getattr(_aten, k) for k in (
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_fused_attention_overrideable") if hasattr(_aten, k))
+ALL_KERNELS = object()   # a kept op whose kernels are not known here: every op it dispatches
+_KEEPING = {"kernels": None}   # while a kept op runs: the kernels whose outputs the policy keeps
+
+
+@dataclass(frozen=True)
+class RegionSite:
+    """One recomputed layer cut out of a graph: the submodule `name` (its body, a
+    GraphModule) computes layer `path` under `mode`."""
+
+    name: str
+    path: str
+    mode: str
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.path} ({self.mode})"
+
+
+def keeping():
+    """The kernels (ALL_KERNELS, or a set of ATen overload packets) whose outputs the
+    selective policy keeps now: those of the kept op running, else None."""
+    return _KEEPING["kernels"]
+
+
+def kernels_of(node: fx.Node):
+    """The dispatched ops whose outputs the selective policy keeps while `node` runs (None:
+    every op it dispatches, for a kept op whose kernels are not known here)."""
+    name = op_name(node)
+    if name in PRODUCTS or node.meta.get(ABSORBS):   # (a folded call: its linears' products, passes/fold_linears.py)
+        return PRODUCT_KERNELS
+    if name == "aten.scaled_dot_product_attention":
+        return ATTENTION_KERNELS
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload) and target.namespace == "autopar":
+        return frozenset({target.overloadpacket})   # one custom op (experts, window attention)
+    return None
+
+
+def kept(target, kernels):
+    """Wrap a graph node's target: while it runs, keeping() names `kernels` (see
+    kernels_of).  (A plain function, not functools.wraps: the graph's code would call the op
+    by its own name and skip the wrapper.)"""
+    keep = ALL_KERNELS if kernels is None else kernels
+
+    def kept_op(*args, **kwargs):
+        outer, _KEEPING["kernels"] = _KEEPING["kernels"], keep
+        try:
+            return target(*args, **kwargs)
+        finally:
+            _KEEPING["kernels"] = outer
+    kept_op._autopar_kept = (target, kernels)   # (what a layer compiled whole runs instead: inductor.py)
+    return kept_op
+
+
+def outline_recompute(gm: fx.GraphModule, recompute) -> tuple:
+    """Cut the layers `recompute` (a plan's Recompute; None: none) names out of gm into
+    region bodies (outline_layers); under a selective mode the nodes recompute.kept names
+    (or a folded call absorbing one of them) run wrapped by `kept`.  The runtime wraps each
+    body in its checkpointed Region (autopar/runtime/regions/recompute.py).  Returns the
+    RegionSites."""
+    if recompute is None or not recompute.layers:
+        return ()
+    keep = set(recompute.kept)
+    sites = []
+
+    def make(path, mode, body, nodes):
+        if mode in SELECTIVE_MODES:
+            for name, node in nodes.items():
+                if (name in keep or any(a in keep for a in node.meta.get(ABSORBS, ()))) and node.op == "call_function":
+                    node.target = kept(node.target, kernels_of(node))
+            body.recompile()
+        sites.append((path, mode))
+        return body
+    names = outline_layers(gm, dict(recompute.layers), make, frozenset(recompute.whole))
+    return tuple(RegionSite(name, path, mode) for name, (path, mode) in zip(names, sites))
 
 
 class RecomputeError(ValueError):

@@ -1,6 +1,6 @@
 """rewrite: the per-rank graph from a traced training graph and a plan, every pass in one place.
 
-    rewritten = rewrite(traced, plan, groups, evaluated=...)
+    rewritten = rewrite(traced, plan, evaluated=..., device=...)
 
 runs, in this order, on `traced.graph` (in place):
 
@@ -14,36 +14,65 @@ runs, in this order, on `traced.graph` (in place):
 5. collectives.insert_collectives: a `move` on every edge whose layouts differ (the
    runtime all-reduces the parameters' Partial gradients itself: Rewritten.grad_sync);
 6. localize: view/reshape sizes, means and losses, embeddings, attention and experts
-   in their per-rank forms.
+   in their per-rank forms;
+7. localize.place_on (device given): tensor-making ops on the rank's device;
+8. random_ops.route_random: every random op draws from its stream, numbered over the
+   whole graph (so before the cut below);
+9. pipeline_split (a pipelined plan): the graph cut into plan.pipeline's stages;
 
-The result holds only what the passes made; nothing here touches a device or a process
-group (`groups` is stored on the graph and read when it runs).  What the runtime does to
-the graph afterwards, and where (autopar/runtime/build.py unless named):
+then on each graph the runtime runs (the whole graph, or each stage's: Rewritten.parts):
 
-- localize.place_on: tensor-making ops moved to this rank's device;
-- RandomStreams.install (autopar/runtime/regions/rng.py): random ops draw from streams numbered
-  over the whole graph, so it runs before any cut below;
-- pipeline_split (plan.pipeline): `stage_graphs(rewritten, plan)` below, called by
-  autopar/runtime/pipeline/pipelined.py after those two, so every stage's graph has them;
-- recompute.outline_layers (plan.recompute): autopar/runtime/regions/recompute.apply_recompute,
-  on the whole graph (autopar/runtime/compiled.py) or on each stage's graph (pipelined.py),
-  after ZeRO-3's regathering has read the graph: its regions are runtime modules that run
-  under activation checkpointing.
+10. fold_linears.fold_linear_gradients (plan.tp_overlap, and a schedule that keeps
+    backward whole): tensor-parallel collectives beside their linears' GEMMs;
+11. gathers.mark_gathers: ZeRO-3's weight gathers and offloaded weights' fetches;
+12. recompute.outline_recompute (plan.recompute): each recomputed layer cut into a region
+    body, after 11 so that a layer's gathers run again with it.
+
+The result holds only what the passes made: nothing here touches a process group or a
+random generator.  What the graphs read at run time they read from named slots
+(passes/slots.py: the process groups, the random streams, the gathers), which the runtime
+binds (autopar/runtime/build.py), where it also wraps each region body in its
+checkpointed Region.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.fx as fx
 
+from autopar.cost.schedules import folds_tp
 from autopar.report.plan import Plan
 from autopar.trace.export import TraceError, Traced, graph_signature
 
 from autopar.passes.annotate import PlanMismatch, annotate
 from autopar.passes.collectives import insert_collectives, local_input_layouts, move
-from autopar.passes.localize import localize
+from autopar.passes.fold_linears import fold_linear_gradients, kept_nodes
+from autopar.passes.gathers import GatherSites, mark_gathers
+from autopar.passes.localize import localize, place_on
 from autopar.passes.modes import ModeSwitch, mode_switch
 from autopar.passes.pipeline_split import StageGraph, assign_stages, layer_stages, split_stages
+from autopar.passes.random_ops import route_random
+from autopar.passes.recompute import outline_recompute
+
+
+@dataclass(frozen=True)
+class Part:
+    """One graph the runtime runs: the whole per-rank graph (stage None) or one pipeline
+    stage's (stage: its StageGraph, whose graph_module is `graph`).  folded: the linears'
+    collectives folded beside their GEMMs; gathers: the GatherSites of its ZeRO-3 gathers;
+    regions: the RegionSites of its recomputed layers."""
+
+    graph: fx.GraphModule
+    stage: StageGraph | None
+    folded: int
+    gathers: GatherSites
+    regions: tuple
+
+    def __str__(self) -> str:
+        where = "whole graph" if self.stage is None else f"stage {self.stage.index}"
+        return (f"{where}: {len(self.graph.graph.nodes)} nodes, {self.folded} folded linears, {self.gathers}, "
+                f"{len(self.regions)} recomputed regions")
 
 
 @dataclass(frozen=True)
@@ -56,7 +85,9 @@ class Rewritten:
     and back; grad_sync: parameter name -> mesh axes its gradient is still Partial on (the
     runtime all-reduces it, bucketed); output_reduce: output index -> the Move of a Partial
     scalar (the loss) the runtime sums; input_layouts: each user input's layout, when the
-    caller passes shards (None: global inputs)."""
+    caller passes shards (None: global inputs); random: the RandomSites of the graph's
+    random ops (passes/random_ops.py); parts: the graphs the runtime runs (Part: the whole
+    graph, or each pipeline stage's)."""
 
     traced: Traced
     graph: fx.GraphModule
@@ -64,12 +95,14 @@ class Rewritten:
     grad_sync: dict
     output_reduce: dict
     input_layouts: list | None = None
+    random: tuple = ()
+    parts: tuple = ()
 
     def __str__(self) -> str:
         moves = sum(1 for n in self.graph.graph.nodes if n.op == "call_function" and n.target is move)
-        return (f"per-rank graph of {len(self.graph.graph.nodes)} nodes, {moves} moves; gradient all-reduce "
-                f"of {len(self.grad_sync)} parameters and {len(self.output_reduce)} outputs left to the runtime; "
-                f"{self.modes}")
+        return (f"per-rank graph of {len(self.graph.graph.nodes)} nodes, {moves} moves, {len(self.random)} random "
+                f"ops on streams, {len(self.parts)} part(s); gradient all-reduce of {len(self.grad_sync)} parameters "
+                f"and {len(self.output_reduce)} outputs left to the runtime; {self.modes}")
 
 
 def param_names(traced: Traced) -> dict:
@@ -77,16 +110,16 @@ def param_names(traced: Traced) -> dict:
     return {ph: traced.tied.get(name, name) for ph, name in traced.params.items()}
 
 
-def rewrite(traced: Traced, plan: Plan, groups, *, evaluated: Traced | TraceError | ModeSwitch | None = None,
-            local_inputs: bool = False) -> Rewritten:
+def rewrite(traced: Traced, plan: Plan, *, evaluated: Traced | TraceError | ModeSwitch | None = None,
+            local_inputs: bool = False, device: torch.device | None = None) -> Rewritten:
     """Run the passes on `traced.graph` in place (see the module docstring).
 
-    groups: the AxisGroups the moves run over (stored on the graph, used only when it
-    runs). evaluated: the same model traced in eval mode, or the TraceError tracing it
-    raised, or the ModeSwitch itself (one that traces eval mode when first asked), or None:
-    without an eval graph the result trains but cannot switch to eval (modes.reason says
-    why). local_inputs: lay user inputs out as their first readers read them
-    (Rewritten.input_layouts)."""
+    evaluated: the same model traced in eval mode, or the TraceError tracing it raised, or
+    the ModeSwitch itself (one that traces eval mode when first asked), or None: without an
+    eval graph the result trains but cannot switch to eval (modes.reason says why).
+    local_inputs: lay user inputs out as their first readers read them
+    (Rewritten.input_layouts).  device: where the rank runs (None: tensor-making ops stay
+    on the device they were traced on)."""
     gm = traced.graph
     if plan.graph and plan.graph != graph_signature(gm):
         raise PlanMismatch(f"the plan was made for another graph than this model traces to (graph signature "
@@ -102,9 +135,39 @@ def rewrite(traced: Traced, plan: Plan, groups, *, evaluated: Traced | TraceErro
         modes = ModeSwitch(reason="it was compiled without an eval-mode trace")
     annotate(gm, plan, traced.params, traced.tied)
     input_layouts = local_input_layouts(gm, set(traced.user_inputs)) if local_inputs else None
-    inserted = insert_collectives(gm, plan, groups, defer=param_names(traced))
+    inserted = insert_collectives(gm, plan, defer=param_names(traced))
     localize(gm, plan)
-    return Rewritten(traced, gm, modes, inserted.grad_sync, inserted.output_reduce, input_layouts)
+    if device is not None:
+        place_on(gm, device)
+    random = route_random(gm)
+    rewritten = Rewritten(traced, gm, modes, inserted.grad_sync, inserted.output_reduce, input_layouts, random)
+    pipelined = plan.pipeline is not None and plan.pipeline.pipelined
+    graphs = [(st.graph_module, st) for st in stage_graphs(rewritten, plan)] if pipelined else [(gm, None)]
+    fold = plan.tp_overlap and (not pipelined or folds_tp(plan.pipeline.schedule))
+    grouped = frozenset() if pipelined else bucketable(traced, plan, inserted.grad_sync)
+    parts = tuple(_part(g, st, plan, traced, fold, grouped) for g, st in graphs)
+    return Rewritten(traced, gm, modes, inserted.grad_sync, inserted.output_reduce, input_layouts, random, parts)
+
+
+def _part(gm: fx.GraphModule, stage, plan: Plan, traced: Traced, fold: bool, grouped: frozenset) -> Part:
+    """Steps 10-12 of the module docstring on one graph the runtime runs."""
+    sizes = tuple(plan.mesh.shape)
+    folded = fold_linear_gradients(gm, sizes, kept_nodes(plan)) if fold else 0
+    gathers = mark_gathers(gm, set(traced.params), sizes, grouped=grouped, offloaded=offloaded(traced, plan))
+    return Part(gm, stage, folded, gathers, outline_recompute(gm, plan.recompute))
+
+
+def bucketable(traced: Traced, plan: Plan, grad_sync: dict) -> frozenset:
+    """The parameter placeholders whose ZeRO-3 gathers may share buckets: those whose
+    gradient nothing else synchronises (no all-reduce left to the runtime, no ZeRO stage)."""
+    return frozenset(ph for ph, name in traced.params.items()
+                     if not grad_sync.get(name) and not getattr(plan.param_states.get(name), "stage", 0))
+
+
+def offloaded(traced: Traced, plan: Plan) -> frozenset:
+    """The parameter placeholders whose plan keeps the stored weight off the device (host or disk)."""
+    return frozenset(ph for ph, name in traced.params.items()
+                     if getattr(plan.param_states.get(traced.tied.get(name, name)), "weights", False))
 
 
 def stage_graphs(rewritten: Rewritten, plan: Plan) -> list[StageGraph]:

@@ -103,7 +103,7 @@ class Prediction:
     hide more if their transfers did not wait while the device's own collectives hold the
     same links (the network where a group spans nodes, else NVLink; contention).
     linear_hidden_s: mesh axis -> seconds of tensor-parallel collectives run beside GEMMs
-    (autopar/runtime/grads/linear.py), part of hidden_s: the input gradients' (Megatron's
+    (autopar/passes/fold_linears.py), part of hidden_s: the input gradients' (Megatron's
     f, Megatron-SP's reduce-scatter) while the same linears' weight gradients compute, and
     row-parallel outputs' all-reduces and reduce-scatters piece by piece while the next
     piece of the GEMM computes.  host_bound_s: what the step's compute was raised by to

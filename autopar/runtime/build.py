@@ -1,6 +1,12 @@
 """What compile builds before the model class: this rank's graph (the model traced, the
-passes run on it by autopar/passes/rewrite.py, then placed on this rank's device with its
-random ops on their streams) and this rank's initial parameter shards."""
+passes run on it by autopar/passes/rewrite.py) with its run-time objects bound, and this
+rank's initial parameter shards.
+
+Binding (passes/slots.py): the passes' graphs read the process groups, the random
+streams and the ZeRO-3 gathers from named slots; rank_graph binds the first two on every
+graph the rank runs and wraps each recomputed layer's body in its checkpointed Region;
+bind_gathers binds each graph's Regather once the rank's state (its disk store) exists.
+Nothing here edits a graph."""
 from __future__ import annotations
 
 import logging
@@ -9,9 +15,9 @@ from dataclasses import dataclass, fields
 import torch
 import torch.distributed as dist
 
-from autopar.passes.localize import place_on
 from autopar.passes.modes import ModeSwitch, mode_switch
-from autopar.passes.rewrite import Rewritten, rewrite
+from autopar.passes.rewrite import Part, Rewritten, rewrite
+from autopar.passes.slots import GATHERS, GROUPS, STREAMS, bind
 from autopar.passes.shard_params import init_sharded, shard_full_model
 from autopar.report.plan import Plan
 from autopar.cost.precision import cast_for_trace, meta_inputs
@@ -19,6 +25,8 @@ from autopar.trace.export import TraceError, trace
 
 from autopar.runtime.checks.inputs import expected_inputs
 from autopar.runtime.process import device_of
+from autopar.runtime.regions.recompute import wrap_regions
+from autopar.runtime.regions.reshard import Regather, offloaded_weights
 from autopar.runtime.regions.rng import RandomStreams
 
 log = logging.getLogger("autopar")
@@ -26,9 +34,9 @@ log = logging.getLogger("autopar")
 
 @dataclass(frozen=True, kw_only=True)
 class RankGraph(Rewritten):
-    """The passes' Rewritten as this rank runs it: its graph placed on the device, random
-    ops drawing from `streams`; inputs: the runtime.checks.inputs.Expected of each user input,
-    read before the passes (global shapes)."""
+    """The passes' Rewritten as this rank runs it: its graphs' process groups and random
+    `streams` bound, its recomputed layers Regions; inputs: the runtime.checks.inputs.Expected
+    of each user input, read before the passes (global shapes)."""
 
     streams: RandomStreams
     inputs: list
@@ -41,21 +49,41 @@ def rank_graph(model, plan: Plan, groups, example_inputs, example_kwargs, precis
                seed_of_job: int, local_inputs: bool = False) -> RankGraph:
     """Trace `model` (cast to param_dtype under mixed precision) in train mode (eval mode on
     the first eval(): eval_switch), run the passes on the training graph
-    (autopar/passes/rewrite.py), then put the graph on this rank's device and its random ops
-    on their streams (autopar/runtime/regions/rng.py)."""
+    (autopar/passes/rewrite.py), then bind the graphs' process groups and random streams
+    (autopar/runtime/regions/rng.py) and wrap their recomputed layers."""
     if precision is not None:
         example_inputs, example_kwargs = meta_inputs((tuple(example_inputs), example_kwargs))
         model = cast_for_trace(model, precision.param_dtype)
     traced = trace(model, tuple(example_inputs), example_kwargs)
     expected = expected_inputs(traced.graph, traced.user_inputs)
     evaluated = eval_switch(model, tuple(example_inputs), example_kwargs)
-    rewritten = rewrite(traced, plan, groups, evaluated=evaluated, local_inputs=local_inputs)
     device = device_of(device_type)
-    place_on(rewritten.graph, device)
-    streams = RandomStreams(seed_of_job, groups, device)
-    streams.install(rewritten.graph)
+    rewritten = rewrite(traced, plan, evaluated=evaluated, local_inputs=local_inputs, device=device)
+    streams = RandomStreams(seed_of_job, groups, device, rewritten.random)
+    bind_rank(rewritten, groups, streams)
     return RankGraph(**{f.name: getattr(rewritten, f.name) for f in fields(Rewritten)}, streams=streams,
                      inputs=expected)
+
+
+def bind_rank(rewritten: Rewritten, groups, streams: RandomStreams) -> None:
+    """Bind the process groups and the random streams on every graph of `rewritten` (the
+    whole graph and the parts) and wrap each part's recomputed layers in their Regions."""
+    for gm in {id(g): g for g in [rewritten.graph, *(p.graph for p in rewritten.parts)]}.values():
+        bind(gm, GROUPS, groups)
+        bind(gm, STREAMS, streams)
+    for part in rewritten.parts:
+        wrap_regions(part.graph, part.regions, streams, replays=part.stage is not None)
+
+
+def bind_gathers(part: Part, rewritten: Rewritten, plan: Plan, groups, options, device, disk) -> Regather:
+    """The Regather of one graph's ZeRO-3 gathers and host fetches (part.gathers), bound to
+    its GATHERS slot; options: the job's RunOptions (reshard_after_forward, bucket size);
+    disk: the rank's DiskStore (None: no disk tier)."""
+    traced = rewritten.traced
+    regather = Regather(part.gathers, options.reshard_after_forward, groups, options.bucket_bytes,
+                        offloaded_weights(plan, traced.params, traced.tied), device, disk)
+    bind(part.graph, GATHERS, regather)
+    return regather
 
 
 # Models holding at most this many bytes of weights and buffers off the meta device trace

@@ -1,10 +1,13 @@
 """autopar.compile: a per-rank module that trains like the plain model, on a device mesh.
 
 Under torchrun every rank calls `autopar.compile(model, mesh, example_inputs, plan=...)`
-with the same arguments.  The model is traced again, the plan's choices written into the
-graph (passes.annotate), moves inserted between layouts (passes.collectives), shapes made
-local (passes.localize), and each rank keeps only its shards of the parameters
-(passes.shard_params).  The result is an nn.Module: `cm(*inputs)` runs forward on the
+with the same arguments.  The model is traced again and every pass runs on it
+(passes/rewrite.py: the plan's choices, the moves between layouts, local shapes, random
+streams, the pipeline cut, the linears' fold, ZeRO-3's gathers, recomputed regions); the
+runtime binds what the graphs read at run time (runtime/build.py) and each rank keeps only
+its shards of the parameters (passes.shard_params).  Two assemblies, one per kind of
+plan and alike in shape: compile_plain here, compile_pipelined (runtime/pipeline/pipelined.py).
+The result is an nn.Module: `cm(*inputs)` runs forward on the
 global batch, `cm.train_step(*inputs)` runs forward and backward and synchronises
 gradients, `cm.build_optimizer(torch.optim.AdamW, lr=...)` builds any optimizer over the
 local shards.
@@ -29,17 +32,14 @@ from autopar.passes.redistribute import MeshGroups
 from autopar.report.plan import Plan
 from autopar.cost.precision import MixedPrecision
 
-from autopar.runtime.build import initial_shards, rank_graph
+from autopar.runtime.build import bind_gathers, initial_shards, rank_graph
 from autopar.runtime.state.disk import OFFLOAD_DIR_ENV
 from autopar.runtime.checks.faults import CollectiveError, NonFiniteError, collectives_named, set_timeout
-from autopar.runtime.grads.linear import fold_linear_gradients, kept_nodes
 from autopar.runtime.checks.join import UnevenInputs
 from autopar.runtime.model import CompiledModel
 from autopar.runtime.options import AUTO, RunOptions
 from autopar.runtime.pipeline.pipelined import compile_pipelined
-from autopar.runtime.process import CompileError, device_mesh, device_of, ensure_process_group
-from autopar.runtime.regions.recompute import apply_recompute
-from autopar.runtime.regions.reshard import Regather, offloaded_weights
+from autopar.runtime.process import CompileError, device_mesh, ensure_process_group
 from autopar.runtime.runner import GraphRunner
 from autopar.runtime.state.rank_state import build_rank_state
 
@@ -113,8 +113,7 @@ def _compile(model, mesh, example_inputs, example_kwargs, plan, memory_budget, s
     if mixed_precision is not None and precision != mixed_precision:
         raise CompileError(f"the plan was made for {precision or 'full precision'}, not {mixed_precision}; "
                            f"plan with mixed_precision={mixed_precision!r} or compile without it")
-    local_inputs = options.local_inputs
-    if pipelined and local_inputs:
+    if pipelined and options.local_inputs:
         raise CompileError("a pipelined plan takes the global batch (its schedule splits it into microbatches); "
                            "compile it without RunOptions(local_inputs=True)")
     if not pipelined and (plan.mesh.shape != mesh.shape or plan.mesh.axis_names != mesh.axis_names):
@@ -128,33 +127,29 @@ def _compile(model, mesh, example_inputs, example_kwargs, plan, memory_budget, s
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if device_type == "cuda":
         torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
-    if pipelined:
-        cm = compile_pipelined(model, mesh, example_inputs, example_kwargs, plan, on_meta=on_meta, seed=seed,
-                               options=options, precision=precision, device_type=device_type,
-                               seed_of_job=seed_of_job)
-    else:
-        groups = MeshGroups(device_mesh(device_type, mesh))
-        rewritten = rank_graph(model, plan, groups, example_inputs, example_kwargs, precision, device_type,
-                               seed_of_job, local_inputs)
-        shards = initial_shards(model, plan.param_placements, groups, on_meta, seed, rewritten.traced.parts)
-        traced = rewritten.traced
-        if plan.tp_overlap:   # TP collectives beside their GEMMs (runtime/grads/linear.py)
-            fold_linear_gradients(rewritten.graph, kept_nodes(plan))
-        # ZeRO-3 weights whose gradient nothing else synchronises gather and reduce in buckets
-        alone = frozenset(ph for ph, name in traced.params.items()
-                          if not rewritten.grad_sync.get(name) and not getattr(plan.param_states.get(name), "stage", 0))
-        regather = Regather(rewritten.graph, set(traced.params), options.reshard_after_forward, groups, alone,
-                            options.bucket_bytes, offloaded_weights(plan, traced.params, traced.tied),
-                            device_of(device_type))
-        apply_recompute(rewritten.graph, plan, rewritten.streams)
-        state = build_rank_state(rewritten, plan, groups, shards, model, device_type, precision,
-                                 offload_dir=options.offload_dir)
-        regather.disk = state.disk
-        cm = CompiledModel(rewritten, state, options, lambda m: GraphRunner(m, regather))
+    assemble = compile_pipelined if pipelined else compile_plain
+    cm = assemble(model, mesh, example_inputs, example_kwargs, plan, on_meta=on_meta, seed=seed, options=options,
+                  precision=precision, device_type=device_type, seed_of_job=seed_of_job)
     cm.train(model.training)
     log.info("compiled %s for %s on rank %d in %.2fs", type(model).__name__, mesh, dist.get_rank(),
              time.perf_counter() - start)
     return cm
+
+
+def compile_plain(model, mesh: Mesh, example_inputs, example_kwargs, plan, *, on_meta: bool, seed,
+                  options: RunOptions, precision, device_type: str, seed_of_job: int) -> CompiledModel:
+    """compile() for a plan without stages: the rank's graph (passes run, slots bound), its
+    parameter shards and state, its ZeRO-3 gathers bound, run by a GraphRunner.  (The
+    pipelined twin: runtime/pipeline/pipelined.compile_pipelined.)"""
+    groups = MeshGroups(device_mesh(device_type, mesh))
+    rewritten = rank_graph(model, plan, groups, example_inputs, example_kwargs, precision, device_type,
+                           seed_of_job, options.local_inputs)
+    shards = initial_shards(model, plan.param_placements, groups, on_meta, seed, rewritten.traced.parts)
+    state = build_rank_state(rewritten, plan, groups, shards, model, device_type, precision,
+                             offload_dir=options.offload_dir)
+    (part,) = rewritten.parts
+    regather = bind_gathers(part, rewritten, plan, groups, options, state.device, state.disk)
+    return CompiledModel(rewritten, state, options, lambda m: GraphRunner(m, regather))
 
 
 def auto_backend(plan: Plan | None, cuda: bool) -> str:

@@ -199,7 +199,7 @@ class _Tally:
 
     def _linear_readers(self, e) -> tuple:
         """The linears whose weight gradients the runtime computes while edge e's backward
-        collective runs (autopar/runtime/grads/linear.py folds exactly these): one
+        collective runs (autopar/passes/fold_linears.py folds exactly these): one
         all-reduce or reduce-scatter into the input gradient of a tensor, not a parameter,
         read only as the input of aten.linear ops; () for any other edge."""
         nodes = self.problem.nodes
@@ -216,7 +216,7 @@ class _Tally:
 
     def _row_parallel(self, e) -> tuple:
         """(the linear,) whose output edge e's forward collective the runtime starts piece by
-        piece while the next piece of the GEMM computes (autopar/runtime/grads/linear.py
+        piece while the next piece of the GEMM computes (autopar/passes/fold_linears.py
         folds exactly these): one all-reduce or reduce-scatter of the only reader's copy of
         an aten.linear's output that has a dim to cut in pieces (prices.gemm_chunk_dim); ()
         for any other edge."""
@@ -244,7 +244,7 @@ class _Tally:
         by mesh axis name (nothing where the device is not asynchronous).  kept: the ops
         selective recomputation keeps; the runtime does not fold an input gradient whose
         linears are some kept and some not, nor a kept row-parallel linear
-        (runtime/grads/linear.fold_linear_gradients): their collectives stay whole."""
+        (passes/fold_linears.fold_linear_gradients): their collectives stay whole."""
         hidden, self.folded_at = {}, {}
         names = self.problem.mesh.axis_names
         for axis, on, seconds, owner, linears, forward in self.folded:

@@ -48,21 +48,19 @@ from torch.distributed import pipelining
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                          ScheduleInterleavedZeroBubble)
 
-from autopar.cost.schedules import ASYNCHRONOUS, SPLIT_BACKWARD, folds_tp, group_stages, stage_group, stage_groups
+from autopar.cost.schedules import ASYNCHRONOUS, SPLIT_BACKWARD, group_stages, stage_group, stage_groups
 
 from autopar.trace.batching import batch_size, first_microbatch
 from autopar.mesh import Mesh
 from autopar.passes.collectives import move
 from autopar.passes.redistribute import MeshGroups
-from autopar.passes.rewrite import param_names, stage_graphs
+from autopar.passes.rewrite import param_names
 
-from autopar.runtime.build import initial_shards, rank_graph
+from autopar.runtime.build import bind_gathers, initial_shards, rank_graph
 from autopar.runtime.regions.inductor import compile_regions
-from autopar.runtime.grads.linear import fold_linear_gradients, kept_nodes
 from autopar.runtime.model import CompiledModel
 from autopar.runtime.options import RunOptions
 from autopar.runtime.process import STAGE_AXIS, CompileError, group_mesh
-from autopar.runtime.regions.recompute import apply_recompute
 from autopar.runtime.regions.reshard import Regather
 from autopar.runtime.regions.split_backward import WeightPasses
 from autopar.runtime.runner import gather_counts_of, loss_of
@@ -114,7 +112,7 @@ def compile_pipelined(model, mesh: Mesh, example_inputs, example_kwargs, plan, *
     args, kwargs = first_microbatch((tuple(example_inputs), example_kwargs), batch, batch // n_mb)
     rewritten = rank_graph(model, plan, groups, args, kwargs, precision, device_type, seed_of_job)
     traced = rewritten.traced
-    stages = stage_graphs(rewritten, plan)
+    stages = [part.stage for part in rewritten.parts]
     name_of = param_names(traced)
     readers: dict = {}   # parameter name -> device groups whose stages read it
     for st in stages:
@@ -141,7 +139,7 @@ def compile_pipelined(model, mesh: Mesh, example_inputs, example_kwargs, plan, *
               for key in read_by if state.shards[key].requires_grad}   # one device group's part of the model's
 
     def runner(cm: CompiledModel) -> PipelineRunner:
-        return PipelineRunner(cm, dm, group, stages, feeds, readers, meta, options.reshard_after_forward)
+        return PipelineRunner(cm, dm, group, rewritten, feeds, readers, meta, options)
 
     return CompiledModel(rewritten, state, options, runner, batch_scale=n_mb, pieces=pieces,
                          hold=frozenset(key for key, n in read_by.items() if n > 1))
@@ -233,17 +231,18 @@ class PipelineRunner:
 
     pipelined = True
 
-    def __init__(self, model: CompiledModel, dm, group: int, stages: list, feeds: dict, readers: dict, meta: dict,
-                 reshard_after_forward: bool):
-        """feeds: stage index -> its parameter placeholders' feed (stage_feeds), for this
-        rank's stages; readers: parameter name -> device groups whose stages read it; meta:
-        name -> (whole shape, compute dtype)."""
+    def __init__(self, model: CompiledModel, dm, group: int, rewritten, feeds: dict, readers: dict, meta: dict,
+                 options: RunOptions):
+        """rewritten: the rank's graphs (runtime/build.RankGraph), one part per stage; feeds:
+        stage index -> its parameter placeholders' feed (stage_feeds), for this rank's
+        stages; readers: parameter name -> device groups whose stages read it; meta: name
+        -> (whole shape, compute dtype)."""
         info = model.plan.pipeline
         self.model = model
         self.dm = dm
         self.group = group
         self.n_groups = info.groups
-        self.n_stages = len(stages)
+        self.n_stages = len(rewritten.parts)
         self.n_mb = info.microbatches
         self.schedule_name = info.schedule
         self.pp_group = dm.get_group(STAGE_AXIS)
@@ -256,18 +255,12 @@ class PipelineRunner:
         self.stage_modules = []
         pipeline_stages = []
         own = self.schedule_name in OWN
-        by_index = {st.index: st for st in stages}   # this group's stages in chunk order
+        by_index = {part.stage.index: part for part in rewritten.parts}   # this group's stages in chunk order
         mine = [by_index[i] for i in group_stages(group, self.n_groups, self.n_stages, self.schedule_name)]
-        for st in mine:
-            state = model.rank_state
-            offloaded = {ph: f"{key}.weight" if state.offloaded_weights[key] == "disk" else ""
-                         for ph, (kind, key) in zip(st.params, feeds[st.index])
-                         if kind == "param" and key in state.offloaded_weights}
-            if folds_tp(self.schedule_name) and model.plan.tp_overlap:
-                fold_linear_gradients(st.graph_module, kept_nodes(model.plan))
-            regather = Regather(st.graph_module, set(st.params), reshard_after_forward, model.groups,
-                                offloaded=offloaded, device=model.device, disk=state.disk)
-            apply_recompute(st.graph_module, model.plan, model.streams, pipelined=True)
+        for part in mine:
+            st = part.stage
+            regather = bind_gathers(part, rewritten, model.plan, model.groups, options, model.device,
+                                    model.rank_state.disk)
             module = _StageModule(st, model, feeds[st.index], regather, self.schedule_name in SPLIT_BACKWARD)
             self.stage_modules.append(module)
             if not own:
@@ -277,7 +270,7 @@ class PipelineRunner:
                                                      group=self.pp_group, **dw))
         self.pipeline_stages = pipeline_stages
         log.info("pipelined %d stages (%s, %d microbatches); this rank holds stages %s of device group %d",
-                 self.n_stages, self.schedule_name, self.n_mb, [st.index for st in mine], group)
+                 self.n_stages, self.schedule_name, self.n_mb, [part.stage.index for part in mine], group)
         if own:
             received = [len(m.placeholders) - len(m.inputs) - len(m.feed) for m in self.stage_modules]
             self.schedule = OWN[self.schedule_name](self.stage_modules, group, self.n_groups, self.n_mb, self.pp_group,

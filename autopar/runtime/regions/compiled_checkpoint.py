@@ -57,7 +57,7 @@ def _tagged(target, kernels):
     nodes and AOTAutograd's trace of the checkpoint shows the policy (_kept_policy) as each
     kernel is dispatched; outside a trace (a region that failed to compile runs eagerly)
     the annotation is set just the same while the op runs.  kernels: the ATen packets
-    whose outputs are kept (runtime/regions/recompute._kernels), None for all."""
+    whose outputs are kept (passes/recompute.kernels_of), None for all."""
     code = "*" if kernels is None else ",".join(sorted(str(k) for k in kernels))
 
     def kept_in_layer(*args, **kwargs):
@@ -81,7 +81,7 @@ def _kept_recomputed():
 
 
 def with_kept_tagged(body: fx.GraphModule) -> fx.GraphModule:
-    """A copy of a selective layer's body whose kept ops (runtime/regions/recompute._kept) call
+    """A copy of a selective layer's body whose kept ops (passes/recompute.kept) call
     their ATen op under its annotation (_tagged): compute that a compiled region can run."""
     graph = fx.Graph()
     graph.output(graph.graph_copy(body.graph, {}))

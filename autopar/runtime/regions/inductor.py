@@ -77,8 +77,8 @@ from autopar.report.records import SELECTIVE_MODES
 from autopar.runtime.regions.compiled_checkpoint import as_checkpointed, with_kept_tagged
 from autopar.runtime.regions.functional_moves import functional_move
 from autopar.runtime.regions.recompute import Region
-from autopar.runtime.regions.reshard import Regather
-from autopar.runtime.regions.rng import draws_nothing, is_random
+from autopar.passes.gathers import gather
+from autopar.passes.random_ops import draws_nothing, is_random, plain_op
 from autopar.runtime.regions.sigmoid_gelu import with_sigmoid_gelus
 from autopar.runtime.regions.split_backward import WEIGHT, TwoPassRun, WeightPasses, mark_weights
 from autopar.ops.rules import VIEWS
@@ -246,8 +246,7 @@ def with_functional_moves(gm: fx.GraphModule, moves: bool = True) -> tuple[fx.Gr
     for node in out.graph.nodes:
         op = draws_nothing(node)
         if op is not None and node.target is not op:   # (runs as the plain op: it draws nothing)
-            node.target = op
-            node.kwargs = {k: v for k, v in node.kwargs.items() if k != "_autopar_site"}
+            plain_op(node)
         if not moves or node.op != "call_function" or node.target is not move:
             continue
         x, spec, groups_node, *rest = node.args
@@ -265,11 +264,11 @@ def with_functional_moves(gm: fx.GraphModule, moves: bool = True) -> tuple[fx.Gr
 
 def _weight_gather(node: fx.Node) -> bool:
     """Whether a node makes a weight ready for its reader and reads nothing computed: a
-    ZeRO-3 gather (Regather.gather) or a move of a placeholder (a tied weight's
+    ZeRO-3 gather (passes/gathers.gather) or a move of a placeholder (a tied weight's
     gradient-sum point, a weight's local slice)."""
     if node.op != "call_function":
         return False
-    if isinstance(getattr(node.target, "__self__", None), Regather) and node.target.__name__ == "gather":
+    if node.target is gather:
         return True
     return node.target is move and _from_input(node)
 

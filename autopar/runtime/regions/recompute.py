@@ -39,64 +39,17 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from autopar.ops import op_name
-from autopar.passes.recompute import outline_layers
+from autopar.passes.recompute import ALL_KERNELS, keeping
 from autopar.report.records import SELECTIVE_MODES
-from autopar.runtime.grads.linear import ABSORBS
-from autopar.ops.rules import PRODUCTS
 
-
-_STATE = {"keep": None, "probe": None, "region": None}   # region: the recomputed layer whose forward runs
 
 _aten = torch.ops.aten
-# the kernels whose outputs a kept op's result lives in: a product's matrix multiply (the
-# views around it alias it), attention's fused kernel (output and log-sum-exp); anything
-# else a kept op dispatches (a transposed weight, the math path's s x s scores) is made
-# again in backward like the cheap ops
-_PRODUCT_KERNELS = frozenset(getattr(_aten, k) for k in ("mm", "addmm", "bmm", "baddbmm", "_grouped_mm")
-                             if hasattr(_aten, k))
-_ATTENTION_KERNELS = frozenset(getattr(_aten, k) for k in (
-    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-    "_scaled_dot_product_fused_attention_overrideable") if hasattr(_aten, k))
-
-
-def _kernels(node: fx.Node):
-    """The dispatched ops whose outputs the selective policy keeps while `node` runs (None:
-    every op it dispatches, for a kept op whose kernels are not known here)."""
-    name = op_name(node)
-    if name in PRODUCTS or node.meta.get(ABSORBS):   # (a folded call: its linears' products, runtime/grads/linear.py)
-        return _PRODUCT_KERNELS
-    if name == "aten.scaled_dot_product_attention":
-        return _ATTENTION_KERNELS
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload) and target.namespace == "autopar":
-        return frozenset({target.overloadpacket})   # one custom op (experts, window attention)
-    return None
-
-
-def _kept(target, kernels):
-    """Wrap a graph node's target: while it runs, the selective policy keeps the outputs of
-    `kernels` (see _kernels).  (A plain function, not functools.wraps: the graph's code
-    would call the op by its own name and skip the wrapper.)"""
-    keep = _ALL if kernels is None else kernels
-
-    def kept_op(*args, **kwargs):
-        outer, _STATE["keep"] = _STATE["keep"], keep
-        try:
-            return target(*args, **kwargs)
-        finally:
-            _STATE["keep"] = outer
-    kept_op._autopar_kept = (target, kernels)   # (what a layer compiled whole runs instead: inductor.py)
-    return kept_op
-
-
-_ALL = object()
+_STATE = {"probe": None, "region": None}   # region: the recomputed layer whose forward runs
 
 
 def _keeps(func) -> bool:
-    keep = _STATE["keep"]
-    return keep is not None and (keep is _ALL or func.overloadpacket in keep)
+    keep = keeping()
+    return keep is not None and (keep is ALL_KERNELS or func.overloadpacket in keep)
 
 
 def _policy(ctx, func, *args, **kwargs):
@@ -288,21 +241,15 @@ def _from_host(packed):
     return torch.empty(0, dtype=dtype, device=device).set_(back.untyped_storage(), offset, size, stride)
 
 
-def apply_recompute(gm: fx.GraphModule, plan, streams, pipelined: bool = False) -> list:
-    """Cut the layers plan.recompute names out of `gm` into checkpointed Regions."""
-    info = plan.recompute
-    if info is None or not info.layers:
-        return []
-    kept = set(info.kept)
-
-    def make(path, mode, region_gm, nodes):
-        if mode in SELECTIVE_MODES:
-            for name, node in nodes.items():
-                if (name in kept or any(a in kept for a in node.meta.get(ABSORBS, ()))) and node.op == "call_function":
-                    node.target = _kept(node.target, _kernels(node))
-            region_gm.recompile()
-        return Region(path, mode, region_gm, streams, replays=pipelined)
-    return outline_layers(gm, dict(info.layers), make, frozenset(info.whole))
+def wrap_regions(gm: fx.GraphModule, sites, streams, replays: bool = False) -> list:
+    """Run each region body the pass cut out of gm (autopar/passes/recompute.outline_recompute:
+    its RegionSites) as a checkpointed Region; the Regions, in order."""
+    regions = []
+    for site in sites:
+        region = Region(site.path, site.mode, gm.get_submodule(site.name), streams, replays=replays)
+        gm.add_submodule(site.name, region)
+        regions.append(region)
+    return regions
 
 
 class SavedProbe:

@@ -40,11 +40,10 @@ import contextlib
 
 import torch
 import torch.distributed as dist
-import torch.fx as fx
 from torch.utils._python_dispatch import _disable_current_modes
 
 from autopar.passes.collectives import move
-from autopar.passes.redistribute import plan_redistribute, redistribute_local, reduce_scatter_rows
+from autopar.passes.redistribute import redistribute_local, reduce_scatter_rows
 
 from autopar.runtime.regions.gathered import Fetched, Gathered, GroupGathered, Recipe
 from autopar.runtime.regions.recompute import in_recomputed_forward, note_saved
@@ -62,12 +61,6 @@ def offloaded_weights(plan, placeholders: dict, tied: dict) -> dict:
         if state is not None and state.weights:
             out[ph] = f"{param_key(name)}.weight" if state.offload == "disk" else ""
     return out
-
-
-def _identity(gm: fx.GraphModule, node: fx.Node) -> bool:
-    """Whether a move node's forward leaves its tensor as it is (same layout on both sides)."""
-    m = getattr(gm, node.args[1].target)
-    return tuple(m.src) == tuple(m.dst)
 
 
 def _bucketed(order: list, flat: dict, feed: dict, groups, bucket_bytes: int) -> tuple[list, dict]:
@@ -104,26 +97,26 @@ def _split_rows(flat: dict, members: list, shards: list, buf: torch.Tensor) -> d
 
 
 class Regather:
-    """Per compiled module: which forward gathers are parameters, their prefetch and the
-    saved-tensor hooks.  Graph nodes `move(param, m, groups)` whose forward is only
-    all-gathers become `regather.gather(k, param, m, groups)`."""
+    """Per compiled graph: what its ZeRO-3 gathers and host fetches do at run time (the
+    module docstring).  The pass autopar/passes/gathers.py marks them in the graph
+    (`gather(<slot>, k, param, m, groups)`, `fetch(<slot>, param)`) and returns their
+    GatherSites; the runtime binds this object to the graph's GATHERS slot."""
 
-    def __init__(self, gm: fx.GraphModule, param_placeholders: set, reshard_after_forward: bool, groups,
-                 grouped: frozenset = frozenset(), bucket_bytes: int = 25 * 2**20, offloaded: dict | None = None,
-                 device=None, disk=None):
-        """grouped: the placeholders whose gathers may share buckets (see the module
-        docstring); bucket_bytes: the most gathered bytes a bucket holds; offloaded:
-        placeholder -> disk file name ("" for host memory) of the parameters whose stored
-        shard lives off `device` (disk: the runtime.state.disk.DiskStore of those files)."""
+    def __init__(self, sites, reshard_after_forward: bool, groups, bucket_bytes: int = 25 * 2**20,
+                 offloaded: dict | None = None, device=None, disk=None):
+        """sites: the graph's GatherSites; bucket_bytes: the most gathered bytes a bucket
+        holds; offloaded: placeholder -> disk file name ("" for host memory) of the
+        parameters whose stored shard lives off `device` (disk: the runtime.state.disk.DiskStore
+        of those files)."""
         self.reshard = reshard_after_forward
         self.offloaded = dict(offloaded or {})
         self.device = device
         self.disk = disk
         self.off_ids: set = set()            # ids of this forward's offloaded shards (copied at each use)
-        self.fetches = 0                      # fetch nodes in the graph
+        self.fetches = sites.fetches          # fetch nodes in the graph
         self.groups = groups
         self.sources: dict[int, tuple] = {}   # storage pointer of a gathered weight -> how to gather it
-        self.order: list = []                 # (placeholder name, Move) of the gathers, in graph order
+        self.order: list = list(sites.order)  # (placeholder name, Move, steps) of the gathers, in graph order
         self.pending: dict[int, tuple] = {}   # k -> (work, buffer) of a prefetched gather
         self.feed: dict = {}                  # placeholder name -> this forward's shard tensor
         self.active = False                   # inside forward (a recomputed layer gathers in backward too)
@@ -133,45 +126,7 @@ class Regather:
         # calls that did)
         self.counts = {"gathered": 0, "prefetched": 0, "regathered": 0, "bucket_gathers": 0, "bucket_reduces": 0,
                        "fetched": 0, "regather_prefetched": 0, "recompute_gathered": 0, "recompute_buckets": 0}
-        self.flat: dict[int, tuple] = {}      # k -> (mesh axis, dim) of a groupable gather
-        sizes = [groups.size(a) for a in range(groups.ndim)]
-        for node in list(gm.graph.nodes):
-            if node.op != "call_function" or node.target is not move:
-                continue
-            src = node.args[0]
-            while src.op == "call_function" and src.target is move and _identity(gm, src):
-                src = src.args[0]   # (a tied weight's gradient-sum point: forward is the weight)
-            if src.op != "placeholder" or src.target not in param_placeholders:
-                continue
-            m = getattr(gm, node.args[1].target)
-            steps = plan_redistribute(m.src, m.dst, sizes)  # local slices too: a prefetch must do all
-            collective = [s for s in steps if s.is_collective]
-            if not collective or any(s.kind != "all_gather" for s in collective):
-                continue
-            k = len(self.order)
-            self.order.append((src.target, m, steps))
-            node.target = self.gather
-            node.args = (k,) + tuple(node.args)
-            back = plan_redistribute(m.grad_src, m.grad_dst, sizes)
-            if (src.target in grouped and len(steps) == 1 and len(back) == 1 and back[0].kind == "reduce_scatter"
-                    and (back[0].axis, back[0].dim) == (steps[0].axis, steps[0].dim)):
-                self.flat[k] = (steps[0].axis, steps[0].dim)
-        position = {n: i for i, n in enumerate(gm.graph.nodes)}
-        for node in list(gm.graph.nodes):   # readers of an offloaded weight without a gather read a copy
-            if node.op != "placeholder" or node.target not in self.offloaded:
-                continue
-            sources = [node]   # the weight, and the identity moves of it (a tied weight's gradient-sum point)
-            for src in sources:
-                sources += [u for u in src.users if u.target is move and _identity(gm, u)]
-            for src in sources:
-                direct = [u for u in src.users if u.target != self.gather and u not in sources]
-                if direct:
-                    with gm.graph.inserting_before(min(direct, key=position.__getitem__)):   # (made when first read)
-                        copy = gm.graph.call_function(self.fetch, (src,))
-                    for u in direct:
-                        u.replace_input_with(src, copy)
-                    self.fetches += 1
-        gm.recompile()
+        self.flat: dict[int, tuple] = dict(sites.flat)   # k -> (mesh axis, dim) of a groupable gather
         self.bucket_bytes = bucket_bytes
         self.buckets: list | None = None     # lists of gather indices, made on the first forward
         self.bucket_of: dict[int, int] = {}

@@ -18,17 +18,15 @@ habit) changes nothing of the above, and a fixed seed on rank 0 makes two runs o
 plan bit-identical.  Masks are not those of the plain model on one device (that would
 need every rank to draw the whole tensor's mask); their distribution is.
 
-Mechanism: each random call runs with the device's default generator set to the stream's
+Mechanism: the pass autopar/passes/random_ops.py routes each random op through the graph's
+streams slot, numbered over the whole graph; this module's RandomStreams is what the
+runtime binds there.  Each random call runs with the device's default generator set to the stream's
 seed and restored afterwards, so the op itself (aten.dropout, aten.bernoulli, ...) runs
 unchanged and the user's own random state is untouched.
 """
 from __future__ import annotations
 
 import torch
-import torch.fx as fx
-from torch.distributed.tensor import Shard
-
-from autopar.ops import op_arg
 
 MASK64 = (1 << 64) - 1
 
@@ -41,67 +39,22 @@ def _mix(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def is_random(node: fx.Node) -> bool:
-    """Whether a graph node draws random numbers (ATen tags such ops nondeterministic_seeded).
-    Attention counts only with a dropout probability that is not a constant 0."""
-    if node.op != "call_function" or not hasattr(node.target, "tags"):
-        return False
-    if torch.Tag.nondeterministic_seeded not in node.target.tags:
-        return False
-    if node.target is torch.ops.aten.scaled_dot_product_attention.default:
-        p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
-        return p != 0.0
-    return True
-
-
-def draws_nothing(node: fx.Node):
-    """The ATen op of a random node (routed through a stream or not) that draws nothing
-    here: a dropout whose probability is the constant 0, or whose `train` flag is the
-    constant False (eval mode), returns its input and an all-true mask.  Else None.  The
-    op stays routed through its stream (so running it never moves the user's own random
-    state), but a compiled region may run it as the plain op, which Inductor reduces to
-    its input."""
-    op = node.meta.get("aten_target", node.target) if node.op == "call_function" else None
-    if op not in (torch.ops.aten.native_dropout.default, torch.ops.aten.dropout.default):
-        return None
-    p, train = op_arg(node, 1, "p"), op_arg(node, 2, "train")   # (both dropouts: input, p, train)
-    if isinstance(p, (int, float)) and p == 0 or train is False:
-        return op
-    return None
-
-
 class RandomStreams:
     """The streams of one compiled module (see the module docstring).  `calls` counts the
     forward calls of its graphs (each pipeline stage's call of a microbatch is one)."""
 
-    def __init__(self, seed: int, groups, device: torch.device):
+    def __init__(self, seed: int, groups, device: torch.device, sites: tuple = ()):
+        """sites: the graph's RandomSites (autopar/passes/random_ops.route_random), in site order."""
         self.seed = int(seed)
         self.groups = groups
         self.device = device
         self.calls = 0
         self.sites: list = []   # k -> (op, this rank's stream key on the op's split axes)
-
-    def install(self, gm: fx.GraphModule) -> int:
-        """Route every random op of `gm` through its stream; returns how many there are."""
-        found = 0
-        for node in gm.graph.nodes:
-            if not is_random(node):
-                continue
-            choice = node.meta.get("autopar")
-            outputs = choice.outputs[0] if choice is not None and choice.outputs else ()
-            split = tuple(a for a, p in enumerate(outputs) if isinstance(p, Shard))
+        for site in sites:
             key = 0
-            for a in split:
-                key = _mix(key ^ _mix((a << 32) | self.groups.coordinate(a)))
-            k = len(self.sites)
-            self.sites.append((node.target, key))
-            node.meta["aten_target"] = node.target
-            node.target = self.draw
-            node.kwargs = {**node.kwargs, "_autopar_site": k}
-            found += 1
-        if found:
-            gm.recompile()
-        return found
+            for a in site.split:
+                key = _mix(key ^ _mix((a << 32) | groups.coordinate(a)))
+            self.sites.append((site.op, key))
 
     def seed_of(self, k: int) -> int:
         _, key = self.sites[k]

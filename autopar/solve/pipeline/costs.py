@@ -45,7 +45,7 @@ class StageCost:
     working: float = 0.0  # the most any one op needs beyond them while it runs (recompute/modes.working_bytes)
     host: float = 0.0     # bytes per microbatch its layers' offloaded activations keep in host memory
     # what the tensor-parallel collectives the runtime runs hidden beside their GEMMs
-    # (runtime/grads/linear.py; solve/assemble's Assembled.folded) take off forward_s and
+    # (passes/fold_linears.py; solve/assemble's Assembled.folded) take off forward_s and
     # backward_s (a node's hidden seconds split as its seconds are), where the schedule's
     # stages fold them (cost.schedules.folds_tp)
     folded_forward: float = 0.0

@@ -198,7 +198,7 @@ class EdgePrices:
 
     def _folds(self, reader: PNode, operand: int) -> bool:
         """Whether the runtime computes `reader`'s weight gradient while its input gradient's
-        collective runs (autopar/runtime/grads/linear.py: the input of an aten.linear), on a
+        collective runs (autopar/passes/fold_linears.py: the input of an aten.linear), on a
         device that overlaps them, where the plan asks for it (Pricing.tp_overlap)."""
         return self.folds_tp and reader.kind == "op" and reader.op == "aten.linear" and operand == 0
 

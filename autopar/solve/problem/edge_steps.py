@@ -78,7 +78,7 @@ class EdgeSteps:
     def reduction(self, e: EdgeKey, i: int, j: int, backward: bool):
         """The one redistribution step (autopar.cost.redistribution.Step, with its dim) of
         edge e's forward or backward move when that move is exactly one all-reduce or one
-        reduce-scatter, as the runtime runs it (autopar/runtime/grads/linear.py folds those
+        reduce-scatter, as the runtime runs it (autopar/passes/fold_linears.py folds those
         beside linears' GEMMs), else None; e between representatives, choices i and j."""
         a, b = self.nodes[e.a], self.nodes[e.b]
         if e.kind == "grad_out" and backward:

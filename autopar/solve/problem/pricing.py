@@ -27,7 +27,7 @@ class Pricing:
     already (Pipeline(microbatches=...)).
 
     tp_overlap: True runs tensor-parallel collectives beside the GEMMs of their linears
-    (runtime/grads/linear.py) and prices what that hides on GPUs; False runs and prices them
+    (passes/fold_linears.py) and prices what that hides on GPUs; False runs and prices them
     whole.
 
     moe_imbalance: for mixture-of-experts models, the busiest expert-holding rank's routed

@@ -55,15 +55,19 @@ LINEAR = torch.ops.aten.linear.default
 ABSORBS = "autopar_absorbs"   # node.meta key of a folded call: the names of the linears it absorbed
 
 
-def one_reduction(src, dst, groups, ndim: int):
+def one_reduction(src, dst, sizes, ndim: int):
     """The one step of the move src -> dst when it is one all-reduce or one reduce-scatter,
-    else None."""
+    else None; sizes: the mesh axes' sizes."""
     src = normalize_placements(src, ndim, "src")
     dst = normalize_placements(dst, ndim, "dst")
-    steps = plan_redistribute(src, dst, [groups.size(a) for a in range(len(src))])
+    steps = plan_redistribute(src, dst, list(sizes))
     if len(steps) != 1 or steps[0].kind not in ("all_reduce", "reduce_scatter"):
         return None
     return steps[0]
+
+
+def _sizes(groups) -> list:
+    return [groups.size(a) for a in range(groups.ndim)]
 
 
 def start_reduction(grad: torch.Tensor, step, groups):
@@ -118,7 +122,7 @@ class LinearsThenGradient(torch.autograd.Function):
                     dx = part if dx is None else dx + part
             if dx is None:
                 dx = torch.zeros_like(xm)
-            step = one_reduction(ctx.m.grad_src, ctx.m.grad_dst, ctx.groups, dx.dim())
+            step = one_reduction(ctx.m.grad_src, ctx.m.grad_dst, _sizes(ctx.groups), dx.dim())
             finish = start_reduction(dx, step, ctx.groups)
         flat_x = xm.reshape(-1, xm.size(-1))
         out, k = [], 0
@@ -141,7 +145,7 @@ class LinearThenReduce(torch.autograd.Function):
     def forward(ctx, h, w, b, m, groups):
         ctx.m, ctx.groups, ctx.biased = m, groups, b is not None
         ctx.save_for_backward(h, w)
-        step = one_reduction(m.src, m.dst, groups, h.dim())
+        step = one_reduction(m.src, m.dst, _sizes(groups), h.dim())
         c = gemm_chunk_dim(tuple(h.shape), step.kind, step.dim)
         pieces = h.tensor_split(GEMM_CHUNKS, c) if c is not None else (h,)
         waits = [start_reduction(F.linear(piece, w, b), step, groups) for piece in pieces]
@@ -197,10 +201,11 @@ def kept_nodes(plan) -> frozenset:
     return frozenset(plan.recompute.kept) if plan.recompute is not None else frozenset()
 
 
-def fold_linear_gradients(gm: fx.GraphModule, keep: frozenset = frozenset()) -> int:
-    """Fold every move that qualifies (module docstring) with its linear readers; `keep`:
-    the node names selective recomputation keeps (a move whose readers are kept and not
-    kept is left alone: one call keeps all of its products or none).  Returns how many."""
+def fold_linear_gradients(gm: fx.GraphModule, sizes, keep: frozenset = frozenset()) -> int:
+    """Fold every move that qualifies (module docstring) with its linear readers; sizes:
+    the mesh axes' sizes the graph runs on; `keep`: the node names selective recomputation
+    keeps (a move whose readers are kept and not kept is left alone: one call keeps all of
+    its products or none).  Returns how many."""
     folded = 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not move or len(node.args) != 3 or not node.users:
@@ -213,8 +218,8 @@ def fold_linear_gradients(gm: fx.GraphModule, keep: frozenset = frozenset()) -> 
         val = x.meta.get("val") if isinstance(x, fx.Node) else None
         if not isinstance(val, torch.Tensor):
             continue
-        m, groups = getattr(gm, spec.target), getattr(gm, groups_node.target)
-        if one_reduction(m.grad_src, m.grad_dst, groups, val.dim()) is None:
+        m = getattr(gm, spec.target)
+        if one_reduction(m.grad_src, m.grad_dst, sizes, val.dim()) is None:
             continue
         biased = tuple(len(r.args) > 2 and r.args[2] is not None for r in readers)
         params = [a for r in readers for a in (r.args[1:3] if len(r.args) > 2 and r.args[2] is not None
@@ -234,14 +239,14 @@ def fold_linear_gradients(gm: fx.GraphModule, keep: frozenset = frozenset()) -> 
             gm.graph.erase_node(r)
         gm.graph.erase_node(node)
         folded += 1
-    folded += _fold_row_parallel(gm, keep)
+    folded += _fold_row_parallel(gm, sizes, keep)
     if folded:
         gm.graph.lint()
         gm.recompile()
     return folded
 
 
-def _fold_row_parallel(gm: fx.GraphModule, keep: frozenset) -> int:
+def _fold_row_parallel(gm: fx.GraphModule, sizes, keep: frozenset) -> int:
     """Fold each aten.linear whose only reader is a move whose forward is one all-reduce or
     reduce-scatter (module docstring) into linear_then_reduce, unless selective
     recomputation keeps it (`keep`: the pieces are reduced in place, and a kept product
@@ -255,8 +260,8 @@ def _fold_row_parallel(gm: fx.GraphModule, keep: frozenset) -> int:
         if mv.op != "call_function" or mv.target is not move or len(mv.args) != 3 or mv.args[0] is not node:
             continue
         val = node.meta.get("val")
-        m, groups = getattr(gm, mv.args[1].target), getattr(gm, mv.args[2].target)
-        if not isinstance(val, torch.Tensor) or one_reduction(m.src, m.dst, groups, val.dim()) is None:
+        m = getattr(gm, mv.args[1].target)
+        if not isinstance(val, torch.Tensor) or one_reduction(m.src, m.dst, sizes, val.dim()) is None:
             continue
         h, w, b = (tuple(node.args) + (None,))[:3]
         with gm.graph.inserting_before(mv):
