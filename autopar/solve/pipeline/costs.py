@@ -21,7 +21,7 @@ from autopar.solve import layouts as B
 from autopar.solve.assemble import assemble
 from autopar.solve.ilp.formulation import InfeasibleError
 from autopar.report.records import RECOMPUTING
-from autopar.solve.recompute.modes import ModeCosts, layer_paths
+from autopar.solve.recompute.modes import layer_paths, mode_costs
 from autopar.solve.problem.pricing import Pricing
 from autopar.solve.built import Built, build_problem
 from autopar.solve.ilp.solved import SolveOptions
@@ -318,7 +318,7 @@ class _Split:
         problem, choice = self.problem, self.choice
         got = {k: dict(b) for k, b in self.buckets.items()}
         if mode != "none":
-            costs = ModeCosts(problem, {f"{prefix_name}.{i}": mode for i in indices})
+            costs = mode_costs(problem, {f"{prefix_name}.{i}": mode for i in indices})   # (once per candidate)
             layer = layer_paths(problem)
             remade = costs.remade(problem, choice)
             for b in got.values():

@@ -70,6 +70,7 @@ class Problem:
     counts: dict
     edge_costs: dict
     remembered: Remembered
+    edge_reps: dict   # concrete edge -> the edge between its ends' representatives (rep_edge)
 
     @classmethod
     def build(cls, traced: Traced, mesh: Mesh, precision=None, grouped_gathers: bool = True,
@@ -87,9 +88,10 @@ class Problem:
         paths = GradientPaths(nodes, readers, gradsum_of, remembered)
         edges = concrete_edges(nodes, gradsum_of)
         edge_classes: dict[EdgeKey, int] = {}
+        edge_reps: dict[EdgeKey, EdgeKey] = {}
         counts: dict[int, int] = {}
         for e in edges:
-            key = e._replace(a=nodes[e.a].rep, b=nodes[e.b].rep)
+            key = edge_reps[e] = e._replace(a=nodes[e.a].rep, b=nodes[e.b].rep)
             edge_classes[key] = edge_classes.get(key, 0) + 1
         for pn in nodes:
             counts[pn.rep] = counts.get(pn.rep, 0) + 1
@@ -97,7 +99,7 @@ class Problem:
         return cls(traced, mesh, precision, pricing, grouped_gathers, pipelined, nodes, by_fx, readers, gradsum_of,
                    shared.layer_groups, shared.tie, shared.block, fallback_ops, warnings, saved, prices, paths,
                    EdgeSteps(nodes, pricing, grouped_gathers, paths, remembered), edge_prices, edges, edge_classes,
-                   counts, edge_prices.costs, remembered)
+                   counts, edge_prices.costs, remembered, edge_reps)
 
     @property
     def choices(self) -> dict:
@@ -121,7 +123,8 @@ class Problem:
 
     def rep_edge(self, e: EdgeKey) -> EdgeKey:
         """Edge e between the representatives of its ends."""
-        return e._replace(a=self.nodes[e.a].rep, b=self.nodes[e.b].rep)
+        rep = self.edge_reps.get(e)
+        return rep if rep is not None else e._replace(a=self.nodes[e.a].rep, b=self.nodes[e.b].rep)
 
     def node_cost(self, rep: int) -> np.ndarray:
         return np.array([c.time for c in self.choices[rep]])
