@@ -26,7 +26,7 @@ from autopar.solve.recompute.fitting import priced_solve, solve_modes
 from autopar.solve.forked import forked_map, worker_count
 from autopar.solve.ilp.formulation import InfeasibleError
 from autopar.solve.problem.problem import Problem
-from autopar.solve.recompute.modes import MODES, SEARCHED, ModeCosts, check_mode, layer_slots, mode_costs
+from autopar.solve.recompute.modes import SEARCHED, ModeCosts, check_mode, layer_slots, mode_costs
 from autopar.solve.ilp.reduce import reduce_problem
 from autopar.solve.ilp.solved import SolveOptions, Solved
 
