@@ -25,7 +25,7 @@ from autopar.runtime.regions.recompute import Region, wrap_regions
 from autopar.runtime.regions.rng import RandomStreams
 from autopar.trace.export import trace
 from autopar.passes.shard_params import shard_full_model
-from test_passes import X, OneRank, WorldAxis, feed, on_ranks, placeholders
+from test_passes import X, OneRank, PlainGathers, WorldAxis, feed, on_ranks, placeholders
 from test_passes import megatron   # noqa: F401 (a fixture)
 
 R, S0, P = Replicate(), Shard(0), Partial()
@@ -103,7 +103,7 @@ def test_place_on_runs_tensor_making_ops_on_the_rank_device():
     torch.testing.assert_close(gm(x)[0], x + torch.arange(4.0))
 
 
-class _Recorded:
+class _Recorded(PlainGathers):
     """A GATHERS slot that runs each gather as its plain move and notes the calls."""
 
     def __init__(self):
@@ -111,7 +111,7 @@ class _Recorded:
 
     def gather(self, k, x, m, groups):
         self.calls.append(("gather", k))
-        return move(x, m, groups)
+        return super().gather(k, x, m, groups)
 
     def fetch(self, x):
         self.calls.append(("fetch",))

@@ -140,21 +140,19 @@ def rewrite(traced: Traced, plan: Plan, *, evaluated: Traced | TraceError | Mode
     if device is not None:
         place_on(gm, device)
     random = route_random(gm)
-    rewritten = Rewritten(traced, gm, modes, inserted.grad_sync, inserted.output_reduce, input_layouts, random)
     pipelined = plan.pipeline is not None and plan.pipeline.pipelined
-    graphs = [(st.graph_module, st) for st in stage_graphs(rewritten, plan)] if pipelined else [(gm, None)]
+    graphs = [(st.graph_module, st) for st in stage_graphs(gm, traced.user_inputs, plan)] if pipelined \
+        else [(gm, None)]
     fold = plan.tp_overlap and (not pipelined or folds_tp(plan.pipeline.schedule))
+    sizes, params, off_device = tuple(plan.mesh.shape), set(traced.params), offloaded(traced, plan)
     grouped = frozenset() if pipelined else bucketable(traced, plan, inserted.grad_sync)
-    parts = tuple(_part(g, st, plan, traced, fold, grouped) for g, st in graphs)
-    return Rewritten(traced, gm, modes, inserted.grad_sync, inserted.output_reduce, input_layouts, random, parts)
-
-
-def _part(gm: fx.GraphModule, stage, plan: Plan, traced: Traced, fold: bool, grouped: frozenset) -> Part:
-    """Steps 10-12 of the module docstring on one graph the runtime runs."""
-    sizes = tuple(plan.mesh.shape)
-    folded = fold_linear_gradients(gm, sizes, kept_nodes(plan)) if fold else 0
-    gathers = mark_gathers(gm, set(traced.params), sizes, grouped=grouped, offloaded=offloaded(traced, plan))
-    return Part(gm, stage, folded, gathers, outline_recompute(gm, plan.recompute))
+    parts = []
+    for g, stage in graphs:   # steps 10-12 on each graph the runtime runs
+        folded = fold_linear_gradients(g, sizes, kept_nodes(plan)) if fold else 0
+        gathers = mark_gathers(g, params, sizes, grouped=grouped, offloaded=off_device)
+        parts.append(Part(g, stage, folded, gathers, outline_recompute(g, plan.recompute)))
+    return Rewritten(traced, gm, modes, inserted.grad_sync, inserted.output_reduce, input_layouts, random,
+                     tuple(parts))
 
 
 def bucketable(traced: Traced, plan: Plan, grad_sync: dict) -> frozenset:
@@ -170,13 +168,11 @@ def offloaded(traced: Traced, plan: Plan) -> frozenset:
                      if getattr(plan.param_states.get(traced.tied.get(name, name)), "weights", False))
 
 
-def stage_graphs(rewritten: Rewritten, plan: Plan) -> list[StageGraph]:
-    """The per-rank graph cut into plan.pipeline's stages (passes/pipeline_split.py): stage
+def stage_graphs(gm: fx.GraphModule, user_inputs, plan: Plan) -> list[StageGraph]:
+    """The per-rank graph gm cut into plan.pipeline's stages (passes/pipeline_split.py): stage
     s computes the layers plan.pipeline.stages[s] names and sends what later stages read."""
     info = plan.pipeline
     if info is None or not info.stages:
         raise ValueError("the plan has no pipeline stages; plan with pipeline=True (or an autopar.Pipeline)")
-    user_inputs = rewritten.traced.user_inputs
-    stage_of = assign_stages(rewritten.graph, user_inputs, info.layer_prefix,
-                             layer_stages(info.stages, info.layer_indices))
-    return split_stages(rewritten.graph, user_inputs, stage_of, len(info.stages))
+    stage_of = assign_stages(gm, user_inputs, info.layer_prefix, layer_stages(info.stages, info.layer_indices))
+    return split_stages(gm, user_inputs, stage_of, len(info.stages))

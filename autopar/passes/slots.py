@@ -78,7 +78,7 @@ def bind(gm: fx.GraphModule, name: str, value) -> int:
         raise ValueError(f"unknown graph slot {name!r}; the slots are {SLOTS}")
     count = 0
     for mod in gm.modules():
-        if name in vars(mod) or isinstance(getattr(mod, name, None), Unbound):
+        if name in vars(mod):   # (declared by `slot`, or copied into a region body cut from it)
             setattr(mod, name, value)
             count += 1
     return count
