@@ -8,6 +8,19 @@ import operator
 import torch
 import torch.fx as fx
 
+RETURNED_SPLIT_BYTES = 256 * 2**20   # a model output this large (and not a scalar) is returned as it lies
+
+
+def returned_split(node) -> bool:
+    """Whether a model output is returned in the layout the plan leaves it, not gathered whole
+    to every rank: a tensor of more than one element and at least RETURNED_SPLIT_BYTES whole
+    (a causal LM's logits beside its loss: 250 GiB for DeepSeek-V3's 1M tokens).  The planner
+    prices no move for it and the runtime returns it as a DTensor (`.full_tensor()` gathers
+    it); the loss and small outputs come back whole, as before."""
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return (isinstance(val, torch.Tensor) and val.numel() > 1
+            and val.numel() * val.element_size() >= RETURNED_SPLIT_BYTES)
+
 
 def tensor_args(node: fx.Node) -> list[fx.Node]:
     """The node's tensor operands in argument order, repeats kept (sdpa(q, q, q) has three)."""

@@ -223,8 +223,18 @@ def _broadcast_tensors_rule(node, ins, outs):
 
 
 def _factory_rule(node, ins, outs):
-    """arange, ones, zeros, full: made whole on every rank (a later slice is free)."""
+    """arange, random draws, tensors made from tensors: made whole on every rank (a later
+    slice is free)."""
     return Annotation(tuple(tuple(None for _ in s) for s in ins), tuple(tuple(None for _ in s) for s in outs))
+
+
+def _made_rule(node, ins, outs):
+    """empty, zeros, ones, full of a size (no tensor operand): every value alike, so each rank
+    may make only its piece, split on any dim (localize gives the local size).  Made whole,
+    a large one costs its full size on every rank (multi-head latent attention's keys)."""
+    if ins:
+        return _factory_rule(node, ins, outs)
+    return Annotation((), tuple(tuple(f"m{d}" for d in range(len(s))) for s in outs))
 
 
 RULES = {
@@ -275,8 +285,8 @@ RULES = {
     "aten.index": _index_rule, "aten.gather": _gather_rule, "autopar.grouped_linear": grouped_linear_rule,
     "aten.scatter": _scatter_rule, "aten.scatter_add": _scatter_rule, "aten.index_add": _scatter_rule,
     "aten.slice_scatter": _slice_scatter_rule,
-    "aten.arange": _factory_rule, "aten.ones": _factory_rule, "aten.zeros": _factory_rule,
-    "aten.full": _factory_rule, "aten.empty": _factory_rule, "aten.new_ones": _factory_rule,
+    "aten.arange": _factory_rule, "aten.ones": _made_rule, "aten.zeros": _made_rule,
+    "aten.full": _made_rule, "aten.empty": _made_rule, "aten.new_ones": _factory_rule,
     "aten.new_zeros": _factory_rule, "aten.new_full": _factory_rule, "aten.new_empty": _factory_rule,
     "aten.scalar_tensor": _factory_rule, "aten.randn": _factory_rule, "aten.rand": _factory_rule,
     # A no-grad region (Hugging Face's rotary tables): small, computed whole on every rank.

@@ -15,14 +15,14 @@ move hands its gradient back in w: autograd adds them, then one reduction runs.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.utils import _pytree as pytree
 
-from autopar.ops import tensor_args
+from autopar.ops import returned_split, tensor_args
 from autopar.placements import grad_targets, same_local_shape
 
 from autopar.passes.local_ops import dim_order, in_dim_order
@@ -110,11 +110,14 @@ def tensor_key(node: fx.Node) -> tuple[fx.Node, int]:
 class Inserted:
     """What insert_collectives leaves to the runtime.  grad_sync: parameter name -> mesh axes
     its gradient is still Partial on (the runtime all-reduces it, bucketed); output_reduce:
-    output index -> the Move of a Partial scalar (the loss) the runtime sums itself."""
+    output index -> the Move of a Partial scalar (the loss) the runtime sums itself;
+    output_layouts: output index -> placements of a large output returned as it lies
+    (ops.returned_split: the runtime returns it as a DTensor)."""
 
     graph: fx.GraphModule
     grad_sync: dict
     output_reduce: dict
+    output_layouts: dict = field(default_factory=dict)
 
 
 def insert_collectives(gm: fx.GraphModule, plan, defer: dict | None = None) -> Inserted:
@@ -127,6 +130,7 @@ def insert_collectives(gm: fx.GraphModule, plan, defer: dict | None = None) -> I
     result's grad_sync[parameter] lists the mesh axes still to reduce."""
     graph = gm.graph
     output_reduce: dict = {}
+    output_layouts: dict = {}
     writer = _MoveWriter(gm, plan, defer or {})
     for node in list(graph.nodes):
         choice = node.meta.get("autopar")
@@ -134,13 +138,19 @@ def insert_collectives(gm: fx.GraphModule, plan, defer: dict | None = None) -> I
             continue
         operands = tensor_args(node) if node.op == "call_function" else [
             a for a in pytree.tree_leaves(node.args) if isinstance(a, fx.Node)]
-        if len(operands) != len(choice.inputs):
-            raise ValueError(f"{node.name}: plan lists {len(choice.inputs)} operands, graph has {len(operands)}")
+        planned = [k for k, x in enumerate(operands) if node.op != "output" or not returned_split(x)]
+        if len(planned) != len(choice.inputs):
+            raise ValueError(f"{node.name}: plan lists {len(choice.inputs)} operands, graph has {len(planned)}")
+        at = {k: j for j, k in enumerate(planned)}
         replacement = []
         for k, x in enumerate(operands):
             src, p, back = writer.source_for(x)
-            q = tuple(choice.inputs[k])
-            g = choice.grads[k] if k < len(choice.grads) else None
+            if k not in at:   # a large output, returned as it lies
+                output_layouts[k] = tuple(p)
+                replacement.append(src)
+                continue
+            q = tuple(choice.inputs[at[k]])
+            g = choice.grads[at[k]] if at[k] < len(choice.grads) else None
             if g is not None and src is x and (x.op == "placeholder" or x in writer.cones):
                 back = writer.deferred(x, tuple(g), back)
             m = Move(p, q, tuple(g) if g is not None else q, back if g is not None else q)
@@ -161,7 +171,7 @@ def insert_collectives(gm: fx.GraphModule, plan, defer: dict | None = None) -> I
         _replace_operands(node, replacement)
     graph.lint()
     gm.recompile()
-    return Inserted(gm, writer.grad_sync, output_reduce)
+    return Inserted(gm, writer.grad_sync, output_reduce, output_layouts)
 
 
 class _MoveWriter:

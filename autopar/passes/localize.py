@@ -25,7 +25,8 @@ from autopar.passes import grid_ops, local_ops
 from autopar.passes.collectives import move
 from autopar.passes.slots import GROUPS, slot
 
-SIZE_ARG = {"aten.view": 1, "aten.reshape": 1, "aten._unsafe_view": 1, "aten.expand": 1}
+SIZE_ARG = {"aten.view": 1, "aten.reshape": 1, "aten._unsafe_view": 1, "aten.expand": 1,
+            "aten.empty": 0, "aten.zeros": 0, "aten.ones": 0, "aten.full": 0}   # (made split: ops/rules.py)
 MEANS = {"aten.mean"}
 MEAN_LOSSES = {"aten.mse_loss", "aten.l1_loss", "aten.smooth_l1_loss", "aten.huber_loss",
                "aten.binary_cross_entropy", "aten.binary_cross_entropy_with_logits"}

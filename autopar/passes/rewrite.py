@@ -36,7 +36,7 @@ checkpointed Region.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
@@ -84,7 +84,8 @@ class Rewritten:
     global (or this rank's shards, see input_layouts); modes: how to switch it to eval mode
     and back; grad_sync: parameter name -> mesh axes its gradient is still Partial on (the
     runtime all-reduces it, bucketed); output_reduce: output index -> the Move of a Partial
-    scalar (the loss) the runtime sums; input_layouts: each user input's layout, when the
+    scalar (the loss) the runtime sums; output_layouts: output index -> placements of a large
+    output returned as it lies (ops.returned_split); input_layouts: each user input's layout, when the
     caller passes shards (None: global inputs); random: the RandomSites of the graph's
     random ops (passes/random_ops.py); parts: the graphs the runtime runs (Part: the whole
     graph, or each pipeline stage's)."""
@@ -97,6 +98,7 @@ class Rewritten:
     input_layouts: list | None = None
     random: tuple = ()
     parts: tuple = ()
+    output_layouts: dict = field(default_factory=dict)
 
     def __str__(self) -> str:
         moves = sum(1 for n in self.graph.graph.nodes if n.op == "call_function" and n.target is move)
@@ -152,7 +154,7 @@ def rewrite(traced: Traced, plan: Plan, *, evaluated: Traced | TraceError | Mode
         gathers = mark_gathers(g, params, sizes, grouped=grouped, offloaded=off_device)
         parts.append(Part(g, stage, folded, gathers, outline_recompute(g, plan.recompute)))
     return Rewritten(traced, gm, modes, inserted.grad_sync, inserted.output_reduce, input_layouts, random,
-                     tuple(parts))
+                     tuple(parts), dict(inserted.output_layouts))
 
 
 def bucketable(traced: Traced, plan: Plan, grad_sync: dict) -> frozenset:

@@ -23,6 +23,7 @@ predicted_memory().
 from __future__ import annotations
 
 import torch
+import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from autopar.passes.collectives import move
@@ -31,6 +32,7 @@ from autopar.runtime.regions.inductor import compile_regions
 from autopar.runtime.checks.inputs import InputCheck
 from autopar.runtime.options import RunOptions
 from autopar.runtime.process import CompileError
+from autopar.runtime.state.plain_state import as_dtensor
 from autopar.runtime.state.rank_state import param_key
 from autopar.trace.loss import not_a_loss, pick_loss
 
@@ -40,13 +42,15 @@ class GraphIO:
     placeholder's feed ("param", key) / ("buffer", key) / ("input", None), the outputs'
     structure, and output index -> Move of a Partial scalar (the loss) summed by the runtime."""
 
-    def __init__(self, order: list, placeholders: list, in_spec, out_spec, output_reduce: dict, check: InputCheck):
+    def __init__(self, order: list, placeholders: list, in_spec, out_spec, output_reduce: dict, check: InputCheck,
+                 output_layouts: dict | None = None):
         self.order = order
         self.placeholders = placeholders
         self.in_spec = in_spec
         self.out_spec = out_spec
         self.output_reduce = dict(output_reduce)
         self.check = check
+        self.output_layouts = dict(output_layouts or {})   # output index -> (placements, global shape)
 
     def flatten(self, args, kwargs) -> list:
         """The user inputs flattened, after checking their structure, shapes and values."""
@@ -98,8 +102,11 @@ def graph_io(rewritten, groups, options: RunOptions, batch_scale: int = 1) -> Gr
             order.append(("input", None))
     check = InputCheck(rewritten.inputs, groups, batch_scale, rewritten.input_layouts, options.check_inputs,
                        options.check_inputs_every)
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    operands = [a for a in pytree.tree_leaves(out.args) if isinstance(a, fx.Node)]
+    layouts = {k: (p, tuple(operands[k].meta["val"].shape)) for k, p in rewritten.output_layouts.items()}
     return GraphIO(order, [n.target for n in gm.graph.nodes if n.op == "placeholder"], traced.in_spec,
-                   traced.out_spec, rewritten.output_reduce, check)
+                   traced.out_spec, rewritten.output_reduce, check, layouts)
 
 
 class GraphRunner:
@@ -154,6 +161,8 @@ class GraphRunner:
         groups = self.model.groups
         for k, mv in self.model.io.output_reduce.items():  # Partial scalars summed here (autograd-aware)
             flat[k] = move(flat[k], mv, groups)
+        for k, (placements, shape) in self.model.io.output_layouts.items():   # large ones, as they lie
+            flat[k] = as_dtensor(flat[k], groups.mesh, placements, shape)
         return self.model.io.structure(flat)
 
     def train_step(self, args, kwargs) -> torch.Tensor:

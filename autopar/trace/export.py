@@ -20,7 +20,7 @@ import torch.fx as fx
 from autopar.trace.cache import TRACES, batch_family, fingerprint
 from autopar.trace.experts import experts_as_op
 from autopar.trace.grouped_linear import grouped_linears_as_op
-from autopar.trace.functional import functionalize_writes
+from autopar.trace.functional import functionalize_writes, untie_factories
 from autopar.trace.fused import Parts, as_linear, split_fused
 from autopar.trace.patches import while_tracing
 from autopar.trace.paths import module_path
@@ -165,6 +165,7 @@ def _trace(model: torch.nn.Module | fx.GraphModule, example_inputs: tuple, examp
              if isinstance(ep.constants.get(name), torch.Tensor) and not ep.constants[name].is_meta}
     refuse_data_dependent_shapes(gm, type(model).__name__)
     functionalize_writes(gm)
+    untie_factories(gm)
     as_linear(gm, params)
     parts = split_fused(gm, params, tied, known)
     share_reads(gm)

@@ -27,7 +27,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 
-def _dtensor(local: torch.Tensor, mesh, placements: tuple, shape) -> DTensor:
+def as_dtensor(local: torch.Tensor, mesh, placements: tuple, shape) -> DTensor:
     """`local` as this rank's block of a DTensor of global `shape` (no communication)."""
     shape = torch.Size(shape)
     return DTensor.from_local(local, mesh, tuple(placements), run_check=False, shape=shape,
@@ -61,7 +61,7 @@ def _join(mesh, pieces: list) -> DTensor:
     target = placements_off_dim([t.placements for _, t in pieces], dim, shape)
     local = torch.cat([(t.redistribute(mesh, target) if tuple(t.placements) != target else t).to_local()
                        for _, t in pieces], dim=dim)
-    return _dtensor(local, mesh, target, shape)
+    return as_dtensor(local, mesh, target, shape)
 
 
 def split_whole(state, name: str, value) -> dict:
@@ -78,7 +78,7 @@ def split_whole(state, name: str, value) -> dict:
         for p in pieces:
             shape = list(value.shape)
             shape[dim] = p.stop - p.start
-            out[p.name] = _dtensor(p.of(local), mesh, target, shape)
+            out[p.name] = as_dtensor(p.of(local), mesh, target, shape)
         return out
     whole = value.full_tensor() if isinstance(value, DTensor) else value
     return {p.name: p.of(whole) for p in pieces}
@@ -95,7 +95,7 @@ def sharded_state(state, *, fused_whole: bool = True, aliases: bool = True) -> d
     planned = {}
     for key in state.shards:
         name = state.name_of[key]
-        planned[name] = _dtensor(state.local_value(key, master=True).detach(), mesh,
+        planned[name] = as_dtensor(state.local_value(key, master=True).detach(), mesh,
                                  tuple(state.plan.param_placements[name]), state.full_shape(key))
     out = {}
     for name, value in planned.items():

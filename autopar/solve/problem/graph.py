@@ -9,7 +9,7 @@ from typing import NamedTuple
 import torch
 import torch.fx as fx
 
-from autopar.ops import NO_OUTPUT, op_name, outputs_of, tensor_args
+from autopar.ops import NO_OUTPUT, op_name, outputs_of, returned_split, tensor_args
 from autopar.ops.rules import LINEAR_ELEMENTWISE, VIEWS
 from autopar.trace.export import Traced
 from autopar.trace.paths import module_path
@@ -122,7 +122,7 @@ def build_nodes(traced: Traced) -> tuple[list, dict]:
                 pn.requires_grad = False
         elif node.op == "output":
             flat = [a for a in torch.utils._pytree.tree_leaves(node.args) if isinstance(a, fx.Node)]
-            ins = [by_fx[a] for a in flat if a in by_fx]
+            ins = [by_fx[a] for a in flat if a in by_fx and not returned_split(a)]   # (those: as they lie)
             pn = PNode(len(nodes), node, "output", "output", "", inputs=ins)
         else:
             continue

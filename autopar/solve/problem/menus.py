@@ -22,6 +22,7 @@ from autopar.solve.problem.graph import PNode
 
 log = logging.getLogger("autopar")
 
+PLANNED_WITHOUT_GRAD = 256 * 2**20   # bytes: a tensor without gradient this large is planned, not made whole
 HEADS_NOTE = "cannot be split by heads"   # in the note an attention's head count leaves (see _say_why_heads_stay_whole)
 
 
@@ -44,10 +45,12 @@ def build_menus(nodes: list, readers: dict, mesh: Mesh) -> tuple[list, list]:
             pn.strategies = [replicated(len(pn.inputs), 0, mesh.ndim, [False] * len(pn.inputs))]
         elif pn.kind == "gradsum":
             continue  # after the other menus: it lists the layouts they can produce
-        elif not pn.requires_grad:
+        elif not pn.requires_grad and _whole_bytes(pn) < PLANNED_WITHOUT_GRAD:
             # masks, positions, token ids: no gradient and no parameter behind them, so
             # they are made whole on every rank and each consumer slices what it needs
-            # (free); planning them would only grow the ILP
+            # (free); planning them would only grow the ILP.  A large one is planned (a
+            # router's per-token masks, attention keys made by `empty`): whole, it would
+            # hold its full size on every rank while it lives
             pn.strategies = [replicated(len(pn.inputs), len(pn.out_shapes), mesh.ndim, needs)]
         elif pn.op == "autopar.experts":
             pn.strategies = experts_strategies(in_shapes, mesh.shape, mesh.axis_names, needs)
@@ -89,6 +92,12 @@ def build_menus(nodes: list, readers: dict, mesh: Mesh) -> tuple[list, list]:
         messages.append(msg)
         warnings.warn(msg, stacklevel=3)
     return sorted(fallback_ops), messages
+
+
+def _whole_bytes(pn: PNode) -> int:
+    """Bytes of the node's outputs, whole."""
+    return sum(math.prod(shape) * (dtype.itemsize if isinstance(dtype, torch.dtype) else 4)
+               for shape, dtype in zip(pn.out_shapes, pn.out_dtypes))
 
 
 def _say_why_heads_stay_whole(pn: PNode, in_shapes, mesh: Mesh, messages: list) -> None:
