@@ -8,7 +8,7 @@ import math
 import warnings
 
 import torch
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar.placements import grad_target
 from autopar.mesh import Mesh
@@ -26,10 +26,11 @@ PLANNED_WITHOUT_GRAD = 256 * 2**20   # bytes: a tensor without gradient this lar
 HEADS_NOTE = "cannot be split by heads"   # in the note an attention's head count leaves (see _say_why_heads_stay_whole)
 
 
-def build_menus(nodes: list, readers: dict, mesh: Mesh) -> tuple[list, list]:
+def build_menus(nodes: list, readers: dict, mesh: Mesh, data_axes: tuple = ()) -> tuple[list, list]:
     """Every representative node's strategies (ops from their annotation, parameters their
     storage layouts, gradient sums the layouts their gradients arrive in); returns the ops
-    without a rule (run replicated) and the warnings said about them."""
+    without a rule (run replicated) and the warnings said about them.  data_axes: mesh axes
+    that only split the batch (keep_data_parallel)."""
     fallback_ops: dict[str, list[str]] = {}
     messages: list[str] = []
     for pn in nodes:
@@ -83,6 +84,8 @@ def build_menus(nodes: list, readers: dict, mesh: Mesh) -> tuple[list, list]:
                 internal = [(l, INTERNAL_COMM[(pn.op, l)]) for l in ann.letters() if (pn.op, l) in INTERNAL_COMM]
                 if internal:
                     pn.strategies = [with_internal(s, internal) for s in pn.strategies]
+    if data_axes:
+        keep_data_parallel(nodes, data_axes, mesh)
     for pn in nodes:
         if pn.kind == "gradsum" and pn.rep == pn.index:
             pn.strategies = gradsum_menu(nodes, readers, pn)
@@ -92,6 +95,52 @@ def build_menus(nodes: list, readers: dict, mesh: Mesh) -> tuple[list, list]:
         messages.append(msg)
         warnings.warn(msg, stacklevel=3)
     return sorted(fallback_ops), messages
+
+
+def stage_data_axes(mesh: Mesh) -> tuple:
+    """The axes a pipeline stage's problem uses for data parallelism alone: what is left of
+    the axis named "pp" inside a stage, on a stage mesh of three or more axes.  The user
+    named it for pipelining (Megatron-LM's and torchtitan's pp x dp x tp), and on three
+    axes every op's menu is the cube of its letters: DeepSeek-V3's stage problems on
+    2 x 8 x 8 devices were CP-SAT models of a million variables (a minute each, dozens of
+    them); with the batch alone on that axis they are a few times smaller."""
+    names = tuple(mesh.axis_names)
+    if "pp" not in names or sum(1 for n in mesh.shape if n > 1) < 3 or mesh.shape[names.index("pp")] == 1:
+        return ()
+    return (names.index("pp"),)
+
+
+def keep_data_parallel(nodes: list, axes: tuple, mesh: Mesh) -> None:
+    """Cut every op's menu to the strategies that are data parallel on `axes`: the
+    parameters it reads used whole there (stored whole or ZeRO-3 sharded and gathered) and
+    its output split there by its first dim (the batch, as the tokens lead every tensor
+    of a transformer) or whole, or, for a scalar (the loss), summed; or, for a mixture of
+    experts, expert parallel there (the tokens split, the experts spread, all-to-all
+    between: DeepSeek-V3's EP 64 spans nodes).  On the gradient path
+    an op that reads the batch must split it.  Parameters keep their whole menu (whole,
+    ZeRO-1/2/3, offloaded).  A node none of whose strategies qualifies (a microbatch that
+    does not divide) keeps its menu."""
+    axes = tuple(a for a in axes if mesh.shape[a] > 1)
+
+    def expert_parallel(pn, s, a) -> bool:   # tokens split, experts spread over the axis (all-to-all)
+        return pn.op == "autopar.experts" and s.split[a] == "te"
+
+    def batch_split(s, a, scalar) -> bool:
+        p = s.outputs[0][a] if s.outputs else Replicate()
+        return (isinstance(p, Shard) and p.dim == 0) or (scalar and isinstance(p, Partial))
+
+    for pn in nodes:
+        if pn.rep != pn.index or pn.kind != "op" or len(pn.strategies) < 2 or not axes:
+            continue
+        params = [k for k, (src, _) in enumerate(pn.inputs) if nodes[src].kind == "param"]
+        must = pn.requires_grad and pn.from_input
+        scalar = not pn.out_shapes or math.prod(pn.out_shapes[0]) == 1
+        kept = [s for s in pn.strategies
+                if all(expert_parallel(pn, s, a) or (all(isinstance(s.inputs[k][a], Replicate) for k in params)
+                                                     and (batch_split(s, a, scalar) or (not must and s.split[a] is None)))
+                       for a in axes)]
+        if kept:
+            pn.strategies = kept
 
 
 def _whole_bytes(pn: PNode) -> int:

@@ -23,7 +23,7 @@ from autopar.solve.problem.fusion import fused_chains
 from autopar.solve.problem.gradient_paths import GradientPaths
 from autopar.solve.problem.graph import EdgeKey, add_gradient_sums, build_nodes, concrete_edges
 from autopar.solve.problem.layers import share_layers
-from autopar.solve.problem.menus import build_menus
+from autopar.solve.problem.menus import build_menus, stage_data_axes
 from autopar.solve.problem.node_prices import NodePrices
 from autopar.solve.problem.pricing import Pricing, Remembered
 from autopar.solve.problem.saved_memory import SavedMemory
@@ -81,7 +81,7 @@ class Problem:
         nodes, by_fx = build_nodes(traced)
         readers, gradsum_of = add_gradient_sums(nodes)
         shared = share_layers(nodes, readers, gradsum_of)
-        fallback_ops, warnings = build_menus(nodes, readers, mesh)
+        fallback_ops, warnings = build_menus(nodes, readers, mesh, stage_data_axes(mesh) if pipelined else ())
         saved = SavedMemory(nodes, mesh, pricing.backend, shared.block, remembered)
         prices = NodePrices(nodes, mesh, pricing, precision is not None,
                             fused_chains(nodes, readers, pricing.backend), saved, remembered)
