@@ -99,8 +99,9 @@ def search(model, mesh, example_inputs, example_kwargs=None, *, memory_budget=No
         if choice.memory[0] <= space.limit and fixed is None:
             found.add(choice)
     for axes in (first, tuple(a for a in range(mesh.ndim) if a not in first)):
-        if not axes or found.pipelined:
-            break   # (the other axes only when no layout over the stage axes fits)
+        if not axes or found.pipelined or found.rejected.get(SLOWER_REASON):
+            break   # (the other axes only when no layout over the stage axes fits: none was
+            # simulated and fit, and none was left out for being slower than what fits)
         _search_axes(space, costs, axes, found, start)
     if not found.choices:
         raise _nothing_fits(model, space, found, base)

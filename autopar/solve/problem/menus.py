@@ -61,7 +61,9 @@ def build_menus(nodes: list, readers: dict, mesh: Mesh, data_axes: tuple = ()) -
             except Exception as exc:  # a rule that does not fit this call: replicate, say so
                 log.debug("rule for %s failed on %s: %s", pn.op, pn.name, exc)
                 ann = None
-            if ann is None:
+            if ann is None and not pn.requires_grad:   # (a large mask without a rule: whole, as the small ones)
+                pn.strategies = [replicated(len(pn.inputs), len(pn.out_shapes), mesh.ndim, needs)]
+            elif ann is None:
                 pn.fallback = True
                 fallback_ops.setdefault(pn.op, []).append(pn.module or pn.name)
                 pn.strategies = [replicated(len(pn.inputs), len(pn.out_shapes), mesh.ndim, needs)]
