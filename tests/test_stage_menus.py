@@ -1,6 +1,6 @@
-"""A pipeline stage's problem on three or more mesh axes uses what is left of the axis named
-"pp" for data parallelism alone (solve/problem/menus.stage_data_axes, keep_data_parallel):
-the menus shrink, every op that reads a parameter reads it whole on that axis, the
+"""A pipeline stage's problem on three or more mesh axes whose menus exceed a planning budget
+uses what is left of the axis named "pp" for data parallelism alone
+(solve/problem/menus.stage_data_axes, keep_data_parallel, STAGE_MENU_BUDGET): the menus shrink, every op that reads a parameter reads it whole on that axis, the
 batch splits there, and the plans of two-axis meshes are untouched."""
 from __future__ import annotations
 
@@ -35,7 +35,9 @@ def test_the_axes_a_stage_uses_for_data_alone():
     assert stage_data_axes(mesh((2, 4, 2), ("a", "dp", "tp"))) == ()      # no axis named pp
 
 
-def test_stage_menus_on_three_axes_are_data_parallel_on_pp():
+def test_stage_menus_on_three_axes_are_data_parallel_on_pp(monkeypatch):
+    import autopar.solve.problem.menus as menus
+    monkeypatch.setattr(menus, "STAGE_MENU_BUDGET", 0)   # (GPT-2's menus are well within it)
     free = _problem((2, 4, 2), ("pp", "dp", "tp"), pipelined=False)
     stage = _problem((2, 4, 2), ("pp", "dp", "tp"), pipelined=True)
     assert _choices(stage) < 0.5 * _choices(free)
@@ -61,7 +63,11 @@ def test_stage_menus_on_three_axes_are_data_parallel_on_pp():
     assert stage.summed(options).objective <= free.summed(options).objective * 1.05
 
 
-def test_two_axis_stage_menus_are_the_full_ones():
+def test_menus_within_the_budget_and_on_two_axes_are_the_full_ones(monkeypatch):
+    stage = _problem((2, 4, 2), ("pp", "dp", "tp"), pipelined=True)
+    assert _choices(stage) == _choices(_problem((2, 4, 2), ("pp", "dp", "tp"), pipelined=False))
+    import autopar.solve.problem.menus as menus
+    monkeypatch.setattr(menus, "STAGE_MENU_BUDGET", 0)
     free = _problem((4, 2), ("pp", "tp"), pipelined=False)
     stage = _problem((4, 2), ("pp", "tp"), pipelined=True)
     assert _choices(stage) == _choices(free)

@@ -22,6 +22,7 @@ from autopar.solve.problem.graph import PNode
 
 log = logging.getLogger("autopar")
 
+STAGE_MENU_BUDGET = 40_000   # choices: a pipeline stage's problem beyond it keeps pp's remainder for data
 PLANNED_WITHOUT_GRAD = 256 * 2**20   # bytes: a tensor without gradient this large is planned, not made whole
 HEADS_NOTE = "cannot be split by heads"   # in the note an attention's head count leaves (see _say_why_heads_stay_whole)
 
@@ -30,7 +31,7 @@ def build_menus(nodes: list, readers: dict, mesh: Mesh, data_axes: tuple = ()) -
     """Every representative node's strategies (ops from their annotation, parameters their
     storage layouts, gradient sums the layouts their gradients arrive in); returns the ops
     without a rule (run replicated) and the warnings said about them.  data_axes: mesh axes
-    that only split the batch (keep_data_parallel)."""
+    that only split the batch (keep_data_parallel) where the menus exceed STAGE_MENU_BUDGET."""
     fallback_ops: dict[str, list[str]] = {}
     messages: list[str] = []
     for pn in nodes:
@@ -86,7 +87,7 @@ def build_menus(nodes: list, readers: dict, mesh: Mesh, data_axes: tuple = ()) -
                 internal = [(l, INTERNAL_COMM[(pn.op, l)]) for l in ann.letters() if (pn.op, l) in INTERNAL_COMM]
                 if internal:
                     pn.strategies = [with_internal(s, internal) for s in pn.strategies]
-    if data_axes:
+    if data_axes and sum(len(pn.strategies) for pn in nodes if pn.rep == pn.index) > STAGE_MENU_BUDGET:
         keep_data_parallel(nodes, data_axes, mesh)
     for pn in nodes:
         if pn.kind == "gradsum" and pn.rep == pn.index:
@@ -100,12 +101,15 @@ def build_menus(nodes: list, readers: dict, mesh: Mesh, data_axes: tuple = ()) -
 
 
 def stage_data_axes(mesh: Mesh) -> tuple:
-    """The axes a pipeline stage's problem uses for data parallelism alone: what is left of
-    the axis named "pp" inside a stage, on a stage mesh of three or more axes.  The user
+    """The axes a pipeline stage's problem may use for data parallelism alone: what is left
+    of the axis named "pp" inside a stage, on a stage mesh of three or more axes.  The user
     named it for pipelining (Megatron-LM's and torchtitan's pp x dp x tp), and on three
     axes every op's menu is the cube of its letters: DeepSeek-V3's stage problems on
-    2 x 8 x 8 devices were CP-SAT models of a million variables (a minute each, dozens of
-    them); with the batch alone on that axis they are a few times smaller."""
+    2 x 8 x 8 devices (67,000 choices) were CP-SAT models of a million variables, a minute
+    each, dozens of them; with the batch (or the experts) alone on that axis they are a few
+    times smaller.  build_menus restricts them only beyond STAGE_MENU_BUDGET choices: the
+    405B-shaped Llama's stages (19,000) keep their full menus, which its best plan needs
+    (2.49 s a step; 5.45 s restricted)."""
     names = tuple(mesh.axis_names)
     if "pp" not in names or sum(1 for n in mesh.shape if n > 1) < 3 or mesh.shape[names.index("pp")] == 1:
         return ()
