@@ -152,9 +152,17 @@ class StageCosts:
                 built.unbudgeted(self.options)
         return self._costs[key]
 
-    def share(self, groups) -> dict:
-        """{key: costs} over groups of keys (workers.deal), costed here."""
-        return {key: self(key) for group in groups for key in group}
+    def share(self, groups, keep: bool = True) -> dict:
+        """{key: costs} over groups of keys (workers.deal), costed here.  keep=False: each
+        problem dropped once costed (a forked worker, which sends back only the costs: a
+        DeepSeek-V3 worker held 11.5 GB of problems it never used again)."""
+        out = {}
+        for group in groups:
+            for key in group:
+                out[key] = self(key)
+                if not keep and key != self.whole:
+                    self._problems.pop(key, None)
+        return out
 
     def missing(self, keys) -> list:
         return [k for k in keys if k not in self._costs]

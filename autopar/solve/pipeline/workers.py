@@ -112,14 +112,14 @@ def trace_and_cost(costs: StageCosts, keys: list, workers: int | None) -> None:
                 peer.send(pickle.dumps(TRACES.exported_outlines(traced)))
             except Exception:   # (costed below, where the error is raised again and reported)
                 peer.send(None)
-            got = costs.share(shares[1][:1])   # (its own size needs nothing from the others)
+            got = costs.share(shares[1][:1], keep=False)   # (its own size needs nothing from the others)
             found = [peer.recv()]
         else:
             got, found = {}, [peer.recv(), peer.recv()]
         for outlines in found:
             if outlines is not None:
                 TRACES.adopt_outlines(pickle.loads(outlines))
-        got.update(costs.share(shares[k][1:] if k == 1 else shares[k]))
+        got.update(costs.share(shares[k][1:] if k == 1 else shares[k], keep=False))
         return Costed(k, got, time.perf_counter() - start)
 
     start = time.perf_counter()
@@ -145,7 +145,7 @@ def cost_in_parallel(costs: StageCosts, keys: list, workers: int | None) -> None
 
     def cost(lane) -> Costed:
         began = time.perf_counter()
-        return Costed(lane, costs.share(shares[lane]), time.perf_counter() - began)
+        return Costed(lane, costs.share(shares[lane], keep=lane == 0), time.perf_counter() - began)
 
     for costed in forked_map(cost, range(lanes), lanes):
         costs.adopt(costed.costs)   # (this process's share is cached already)
