@@ -7,5 +7,5 @@ from autopar.ops.rules import INTERNAL_COMM, NO_OUTPUT, TRIVIAL, annotate
 from autopar.ops.strategy import Strategy, enumerate_strategies, replicated
 from autopar.placements import show_placements
 
-__all__ = ["Annotation", "Strategy", "annotate", "op_arg", "returned_split", "enumerate_strategies", "replicated", "op_name",
-           "tensor_args", "outputs_of", "show_placements", "TRIVIAL", "NO_OUTPUT", "INTERNAL_COMM"]
+__all__ = ["Annotation", "Strategy", "annotate", "op_arg", "enumerate_strategies", "replicated", "op_name",
+           "returned_split", "tensor_args", "outputs_of", "show_placements", "TRIVIAL", "NO_OUTPUT", "INTERNAL_COMM"]

@@ -118,7 +118,7 @@ def untie_factories(gm: fx.GraphModule) -> int:
     as an operand it would tie the made tensor's layout to x's.  Without it the planner may
     make the tensor already split (each rank only its piece: ops/rules.py `_made_rule`)
     instead of whole on every rank; multi-head latent attention's keys made by `new_empty`
-    are 112 GiB whole for DeepSeek-V3 at 256 x 4096 tokens.  Returns how many."""
+    are 48 GiB whole for DeepSeek-V3 at 256 x 4096 tokens.  Returns how many."""
     done = 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or _packet(node) not in UNTIED or not isinstance(node.args[0], fx.Node):

@@ -154,8 +154,8 @@ class StageCosts:
 
     def share(self, groups, keep: bool = True) -> dict:
         """{key: costs} over groups of keys (workers.deal), costed here.  keep=False: each
-        problem dropped once costed (a forked worker, which sends back only the costs: a
-        DeepSeek-V3 worker held 11.5 GB of problems it never used again)."""
+        problem dropped once costed (a forked worker, which sends back only the costs and
+        has no use for the problems after)."""
         out = {}
         for group in groups:
             for key in group:

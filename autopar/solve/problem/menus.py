@@ -141,10 +141,10 @@ def keep_data_parallel(nodes: list, axes: tuple, mesh: Mesh) -> None:
         params = [k for k, (src, _) in enumerate(pn.inputs) if nodes[src].kind == "param"]
         must = pn.requires_grad and pn.from_input
         scalar = not pn.out_shapes or math.prod(pn.out_shapes[0]) == 1
-        kept = [s for s in pn.strategies
-                if all(expert_parallel(pn, s, a) or (all(isinstance(s.inputs[k][a], Replicate) for k in params)
-                                                     and (batch_split(s, a, scalar) or (not must and s.split[a] is None)))
-                       for a in axes)]
+        def data_parallel(s, a) -> bool:
+            return (all(isinstance(s.inputs[k][a], Replicate) for k in params)
+                    and (batch_split(s, a, scalar) or (not must and s.split[a] is None)))
+        kept = [s for s in pn.strategies if all(expert_parallel(pn, s, a) or data_parallel(s, a) for a in axes)]
         if kept:
             pn.strategies = kept
 
