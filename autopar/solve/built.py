@@ -19,6 +19,7 @@ from autopar.solve.recompute.search import solve_summed
 from autopar.solve.ilp.solved import SolveOptions, Solved
 from autopar.trace.cache import TRACES
 from autopar.trace.export import trace
+from autopar.trace.shortened import shortened
 from autopar.trace.loss import check_loss_output
 
 log = logging.getLogger("autopar")
@@ -37,6 +38,12 @@ class Built:
         self._summed: Solved | None = None
         self._solved: Solved | None = None
         self._laid_out: dict = {}   # hand-written layout name -> its summed optimum (laid_out)
+
+    @property
+    def short(self) -> bool:
+        """Whether its trace is shortened (build_problem(short=True)): its solves' choices
+        give each layer's costs; their totals and memory are not the model's."""
+        return bool(self.problem.traced.weights)
 
     def __repr__(self) -> str:
         return (f"Built({len(self.problem.nodes)} nodes on {self.problem.mesh}, traced in {self.trace_s:.2f}s, "
@@ -83,15 +90,20 @@ class Built:
 
 
 def build_problem(model, mesh, args, kwargs, mixed_precision=None, grouped_gathers=True, pricing=None,
-                  pipelined=False) -> Built:
+                  pipelined=False, short=False) -> Built:
     """Trace `model` on (args, kwargs) and build its strategy menus and costs on `mesh`
     (grouped_gathers, pricing, pipelined: see Problem).
     Under mixed precision what runs is traced: the model cast to param_dtype on meta inputs.
     Repeated layers are traced three of them and written out (autopar/trace/unroll.py): the same
-    graph the runtime traces, checked by its signature when the plan is compiled."""
+    graph the runtime traces, checked by its signature when the plan is compiled.
+    short: the trace cut to four or five of its alike layers where it has them
+    (autopar/trace/shortened.py), for a problem whose summed optimum is asked only for its
+    per-layer costs (Built.short; no plan is made of it)."""
     start = time.perf_counter()
     traced = planning_trace(model, args, kwargs, mixed_precision)
     check_loss_output(model, traced)
+    if short:
+        traced = shortened(traced) or traced
     t_trace = time.perf_counter() - start
     problem = Problem.build(traced, mesh, mixed_precision, grouped_gathers, pricing, pipelined)
     t_build = time.perf_counter() - start - t_trace

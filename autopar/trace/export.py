@@ -47,10 +47,16 @@ class Traced:
     out_spec: object = None  # pytree structure the graph's outputs unflatten into
     constants: dict = field(default_factory=dict)  # name in `buffers` -> value of a tensor the forward creates
     parts: Parts = field(default_factory=Parts)  # fused weights planned as parts (autopar/trace/fused.py)
+    # (module path, count) of the repeated layers written from three (autopar/trace/unroll.py),
+    # and of a shortened trace (autopar/trace/shortened.py) each kept layer index -> how many
+    # of the model's layers it stands for
+    layers: tuple = ()
+    weights: dict = field(default_factory=dict)
 
     def copy(self) -> "Traced":
         return Traced(copy.deepcopy(self.graph), dict(self.params), dict(self.buffers), list(self.user_inputs),
-                      dict(self.tied), self.in_spec, self.out_spec, dict(self.constants), self.parts)
+                      dict(self.tied), self.in_spec, self.out_spec, dict(self.constants), self.parts, self.layers,
+                      dict(self.weights))
 
 
 def _module_of_error(exc: BaseException, model: torch.nn.Module) -> str:
@@ -172,7 +178,7 @@ def _trace(model: torch.nn.Module | fx.GraphModule, example_inputs: tuple, examp
     constants = {name: value.detach().clone() for name, value in ep.constants.items()
                  if name in set(lifted.values()) and isinstance(value, torch.Tensor) and not value.is_meta}
     return Traced(gm, params, buffers, list(sig.user_inputs), tied, ep.call_spec.in_spec, ep.call_spec.out_spec,
-                  constants, parts)
+                  constants, parts, (found.path, found.count) if written is not None else ())
 
 
 def refuse_data_dependent_shapes(gm: fx.GraphModule, model_name: str) -> None:

@@ -107,7 +107,8 @@ def rebatched(first, second, batches: tuple, batch: int):
         return None
     gm = planning_module(first.graph, graph)
     return type(first)(gm, dict(first.params), dict(first.buffers), list(first.user_inputs), dict(first.tied),
-                       first.in_spec, first.out_spec, dict(first.constants), first.parts)
+                       first.in_spec, first.out_spec, dict(first.constants), first.parts, first.layers,
+                       dict(first.weights))
 
 
 class _Scale:

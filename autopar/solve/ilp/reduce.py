@@ -47,8 +47,9 @@ def reduce_problem(problem: Problem, allowed_fn=None, period: int = SHARE_PERIOD
 
     reps = sorted({canon(pn.rep) for pn in nodes})
     counts: dict[int, int] = {}
+    weight = problem.stand_ins.weight   # (1, but in a shortened trace)
     for pn in nodes:
-        counts[canon(pn.rep)] = counts.get(canon(pn.rep), 0) + 1
+        counts[canon(pn.rep)] = counts.get(canon(pn.rep), 0) + weight(pn.index)
     classes, edge_costs, extra_edges = _edge_classes(problem, canon, modes)
     mask = {r: _allowed(problem, nodes[r], allowed_fn) for r in reps}
     tables = _node_tables(problem, reps, counts, canon, modes)
@@ -75,7 +76,7 @@ def _edge_classes(problem: Problem, canon, modes) -> tuple:
     for e in problem.edges:
         rep = problem.rep_edge(e)
         key = rep._replace(a=canon(rep.a), b=canon(rep.b))
-        classes[key] = classes.get(key, 0) + 1
+        classes[key] = classes.get(key, 0) + problem.stand_ins.edge_weight(e.a, e.b)
         edge_costs.setdefault(key, problem.edge_costs[rep])
     extra_edges: dict = {}
     if modes is not None:

@@ -104,7 +104,7 @@ class LayerCosts:
 
 
 def stage_problem(model, mesh, example_inputs, example_kwargs, mixed_precision, sub_shape, mb_size,
-                  pricing=None) -> Built:
+                  pricing=None, short: bool = False) -> Built:
     """The traced and costed problem of one stage candidate: the model on a sub-mesh of
     `mesh` shaped `sub_shape` (same links), for a microbatch of `mb_size` rows.  Pipeline
     stages gather their ZeRO-3 weights one by one (autopar/runtime/pipeline/pipelined.py): only the whole
@@ -114,20 +114,24 @@ def stage_problem(model, mesh, example_inputs, example_kwargs, mixed_precision, 
     (Pricing.accumulation): the ILP weighs the once-per-step gradient reductions, the
     optimizer step and ZeRO-1/2's gathers at their share of one microbatch, and a ZeRO-2
     stage keeps its whole local gradient until the last; _Split counts them back whole,
-    once per step."""
+    once per step.  short: traced through four or five of its alike layers
+    (build_problem(short=True)), for the search's costs alone."""
     sub = Mesh(sub_shape, mesh.axis_names, device=mesh.device, bandwidth=mesh.bandwidth, latency=mesh.latency)
     batch = batch_size(example_inputs, example_kwargs)
     pricing = replace(pricing or Pricing(), accumulation=max(batch // mb_size, 1))
     args, kwargs = first_microbatch((tuple(example_inputs), example_kwargs), batch, mb_size)
     return build_problem(model, sub, args, kwargs, mixed_precision, tuple(sub_shape) == tuple(mesh.shape),
-                         pricing, pipelined=True)
+                         pricing, pipelined=True, short=short)
 
 
 class StageCosts:
     """(sub-mesh shape, microbatch rows) -> LayerCosts of the candidate stage, each built,
     solved and split once in this process (forked workers fill their own copies and send
-    back what they costed: adopt).  The problems built here are kept only for the whole
-    mesh and the best candidate so far (keep_only): the planner reuses them."""
+    back what they costed: adopt).  Every candidate but the whole mesh is costed on its
+    shortened trace (build_problem(short=True): the same per-layer costs from a problem of
+    four or five layers); the planner plans the winner's whole.  The problems built here are
+    kept only for the whole mesh and the best candidate so far, where whole (keep_only):
+    the planner reuses them."""
 
     def __init__(self, model, mesh: Mesh, example_inputs, example_kwargs, mixed_precision, options: SolveOptions,
                  modes: tuple, pricing=None, layout: str | None = None):
@@ -143,8 +147,10 @@ class StageCosts:
         if key not in self._costs:
             built = self._problems[key] = stage_problem(self.model, self.mesh, self.example_inputs,
                                                         self.example_kwargs, self.mixed_precision, *key,
-                                                        self.pricing)
+                                                        self.pricing, short=key != self.whole)
             self._costs[key] = layer_costs(built, self.model, self.options, self.modes, self.layout)
+            if built.short:
+                del self._problems[key]   # (no plan is made of it)
             if key == self.whole and self._costs[key] is not None:
                 # the plan without stages as the planner solves it with no budget (the
                 # overlap-aware second solve; Built.unbudgeted), while the other processes
@@ -251,10 +257,21 @@ def stage_layouts(problem) -> dict:
 def _split_costs(problem, choice, modes, layout) -> LayerCosts:
     """A plan's costs split per repeated layer under each recompute mode."""
     assembled = assemble(problem, choice)
-    prefix_name, indices = max(problem.layer_groups, key=lambda g: len(g[1]))
+    short = problem.traced.layers if problem.traced.weights else None
+    prefix_name, indices = next((g for g in problem.layer_groups if g[0] == short[0]), (None, ())) if short \
+        else (None, ())
+    if prefix_name is None:
+        short = None
+        prefix_name, indices = max(problem.layer_groups, key=lambda g: len(g[1]))
     position = {i: k for k, i in enumerate(sorted(indices))}
     split = _Split(problem, choice, assembled, prefix_name, position)
     by_mode = {mode: split.parts(mode, prefix_name, indices) for mode in modes}
+    if short:   # each kept layer's costs copied to the layers it stands for (trace/shortened.py)
+        count = short[1]
+        at = [position[0] if k == 0 else position[count - 1] if k == count - 1 else position[2 - k % 2]
+              for k in range(count)]
+        by_mode = {m: replace(p, layers=tuple(p.layers[k] for k in at)) for m, p in by_mode.items()}
+        indices = range(count)
     return LayerCosts(by_mode, _boundary_bytes(problem, choice, prefix_name), prefix_name, tuple(sorted(indices)),
                       StageCost(**split.buckets["copies"]), layout)
 

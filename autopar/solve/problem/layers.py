@@ -85,3 +85,54 @@ def share_layers(nodes: list, readers: dict, gradsum_of: dict) -> LayerSharing:
         if gs_odd is not None and gs_even is not None and nodes[gs_odd].rep == gs_odd:
             tie[gs_odd] = gs_even
     return LayerSharing(layer_groups, tie, block)
+
+
+@dataclass(frozen=True)
+class StandIns:
+    """What each node of a shortened trace (autopar/trace/shortened.py) stands for:
+    weights, node index -> how many of the model's nodes it counts as (those of a kept
+    layer standing for several; absent: one); places, node index -> its place in the
+    layers' order (its layer's index; `after` past them, for a node that reads what they
+    made; absent: before them).  An edge
+    counts as the later of its ends (edge_weight).  Empty for a whole trace."""
+
+    weights: dict
+    places: dict
+    after: int = 0
+
+    def weight(self, index: int) -> int:
+        return self.weights.get(index, 1)
+
+    def holders(self, owner: int, holder: int) -> int:
+        """How many holders of one storage `holder` stands for (SavedMemory.savers): those
+        of every layer it stands for where the storage is made before or past the layers
+        (each layer's ops hold it), one where a layer made it (one copy of that layer's)."""
+        at = self.places.get(owner)
+        return 1 if at is not None and at < self.after else self.weight(holder)
+
+    def edge_weight(self, a: int, b: int) -> int:
+        if not self.weights:
+            return 1
+        pa, pb = self.places.get(a, -1), self.places.get(b, -1)
+        return self.weight(a if pa > pb else b)
+
+
+def stand_ins(nodes: list, block: dict, layers: tuple, weights: dict) -> StandIns:
+    """The StandIns of a problem's nodes (`block` from share_layers) traced with
+    Traced.layers and Traced.weights."""
+    if not weights:
+        return StandIns({}, {})
+    path, count = layers
+    places, out = {}, {}
+    for pn in nodes:   # (in graph order, gradient sums last)
+        src = pn.source[0] if pn.kind == "gradsum" else pn.index
+        at = block.get(src)
+        if at is not None and at[0] == path:
+            places[pn.index] = at[1]
+            if weights.get(at[1], 1) != 1:
+                out[pn.index] = weights[at[1]]
+        elif src in places:   # (a gradient sum of a tensor made past the layers)
+            places[pn.index] = places[src]
+        elif pn.kind in ("op", "output") and any(i in places and nodes[i].kind != "param" for i, _ in pn.inputs):
+            places[pn.index] = count   # past the layers: it reads what they made
+    return StandIns(out, places, count)

@@ -22,7 +22,7 @@ from autopar.solve.problem.edge_steps import EdgeSteps
 from autopar.solve.problem.fusion import fused_chains
 from autopar.solve.problem.gradient_paths import GradientPaths
 from autopar.solve.problem.graph import EdgeKey, add_gradient_sums, build_nodes, concrete_edges
-from autopar.solve.problem.layers import share_layers
+from autopar.solve.problem.layers import StandIns, share_layers, stand_ins
 from autopar.solve.problem.menus import build_menus, stage_data_axes
 from autopar.solve.problem.node_prices import NodePrices
 from autopar.solve.problem.pricing import Pricing, Remembered
@@ -71,6 +71,9 @@ class Problem:
     edge_costs: dict
     remembered: Remembered
     edge_reps: dict   # concrete edge -> the edge between its ends' representatives (rep_edge)
+    # what each node stands for in a shortened trace (autopar/trace/shortened.py): the ILP
+    # counts its costs that many times (reduce_problem)
+    stand_ins: StandIns = StandIns({}, {})
 
     @classmethod
     def build(cls, traced: Traced, mesh: Mesh, precision=None, grouped_gathers: bool = True,
@@ -82,7 +85,8 @@ class Problem:
         readers, gradsum_of = add_gradient_sums(nodes)
         shared = share_layers(nodes, readers, gradsum_of)
         fallback_ops, warnings = build_menus(nodes, readers, mesh, stage_data_axes(mesh) if pipelined else ())
-        saved = SavedMemory(nodes, mesh, pricing.backend, shared.block, remembered)
+        ins = stand_ins(nodes, shared.block, traced.layers, traced.weights)
+        saved = SavedMemory(nodes, mesh, pricing.backend, shared.block, remembered, ins.holders)
         prices = NodePrices(nodes, mesh, pricing, precision is not None,
                             fused_chains(nodes, readers, pricing.backend), saved, remembered)
         paths = GradientPaths(nodes, readers, gradsum_of, remembered)
@@ -99,7 +103,7 @@ class Problem:
         return cls(traced, mesh, precision, pricing, grouped_gathers, pipelined, nodes, by_fx, readers, gradsum_of,
                    shared.layer_groups, shared.tie, shared.block, fallback_ops, warnings, saved, prices, paths,
                    EdgeSteps(nodes, pricing, grouped_gathers, paths, remembered), edge_prices, edges, edge_classes,
-                   counts, edge_prices.costs, remembered, edge_reps)
+                   counts, edge_prices.costs, remembered, edge_reps, ins)
 
     @property
     def choices(self) -> dict:

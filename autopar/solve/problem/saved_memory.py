@@ -24,12 +24,14 @@ from autopar.solve.problem.pricing import Remembered
 class SavedMemory:
     """holdings[n]: (key, kind, index, global bytes) of every tensor op n keeps for backward
     (autopar/cost/saved.py); key names the storage (None: its own), and savers[key] counts
-    its holders in kept_holdings, so a storage several ops keep is charged once.
+    its holders in kept_holdings (each counted as `holders(owner, holder)`:
+    StandIns.holders), so a storage several ops keep is charged once.
     kept_holdings: what a step keeps when nothing is recomputed: what the derivatives read
     under eager; under Inductor, less what the compiled graphs' partitioner runs again
     (partitioned.py)."""
 
-    def __init__(self, nodes: list, mesh: Mesh, backend: str, block: dict, remembered: Remembered):
+    def __init__(self, nodes: list, mesh: Mesh, backend: str, block: dict, remembered: Remembered,
+                 holders=lambda owner, holder: 1):
         self.nodes, self.mesh, self.remembered = nodes, mesh, remembered
         gpu = not mesh.device.name.lower().startswith("cpu")
         self.holdings: dict[int, list] = {}
@@ -39,10 +41,10 @@ class SavedMemory:
         self.kept_holdings = (partitioned_holdings(nodes, self.holdings, block, self.storage_root)
                               if backend == "inductor" else self.holdings)
         self.savers: dict = {}
-        for held in self.kept_holdings.values():
+        for n, held in self.kept_holdings.items():
             for key, *_ in held:
                 if key is not None:
-                    self.savers[key] = self.savers.get(key, 0) + 1
+                    self.savers[key] = self.savers.get(key, 0) + holders(key[0], n)
 
     def _held_by(self, pn: PNode, gpu: bool) -> list:
         """The holdings of op pn (see the class)."""

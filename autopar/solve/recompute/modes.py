@@ -276,8 +276,8 @@ def _holdings(problem, modes: dict, layer: dict, kept: set, compiled: set = froz
 
     def hold(n, item):
         entries.append((n, item))
-        if item[0] is not None:
-            holders[item[0]] = holders.get(item[0], 0) + 1
+        if item[0] is not None:   # (a node of a shortened trace: as many as it stands for, StandIns.holders)
+            holders[item[0]] = holders.get(item[0], 0) + problem.stand_ins.holders(item[0][0], n)
 
     for n in sorted(set(problem.saved.holdings) | set(problem.saved.kept_holdings)):
         mode = modes.get(layer.get(n), "none")
