@@ -1,15 +1,15 @@
 """Planning time held by checks (the slow tier): the large plans of benchmarks/plan_time.py
-timed in one process against llama3-8b on 64 H100 timed beside them, as ratios that do
-not depend on the machine, so the next change that slows planning fails here.
+against llama3-8b on 64 H100 planned beside them, as ratios of the CPU seconds planning
+takes (the process's and its forked planners'), so the next change that slows planning
+fails here on any machine, loaded or not: wall-clock ratios moved with the load (CI's
+8b-8x8-pp read 7.2x the 8B plan where a quiet machine reads 4.7x, its two planning
+processes sharing the cores with other jobs), CPU seconds hardly do.
 
-The bounds are today's quiet-machine ratios with room for a loaded one (2026-12-07, 2
-cores: 8b-8x8 1.41 s, 8b-8x8-pp 6.57 s (4.7x), 405b-16k-pp 59.6 s (42x), dsv3-2048 18.0 s
-(12.7x), qwen3-235b-2048 13.6 s (9.7x); docs/PERFORMANCE.md#planning-time-at-scale).  The
-issue's target for the pipeline search is 2x plain planning: not met today, the bound
-holds what is.  Every case is planned in a fresh process, as the benchmark plans it, and
-each ratio is against the fastest of three plans of the 8B case.  The predicted
-steps are held too (plan quality must not drop for speed): 405b-16k-pp 2.488 s,
-dsv3-2048 1.201 s."""
+The bounds are today's ratios with a quarter's room (see BOUNDS; the wall-clock
+figures, and the issue's targets for them, are docs/PERFORMANCE.md#planning-time-at-scale).
+Every case is planned in a fresh process, as the benchmark plans it, and each ratio is
+against the least of three plans of the 8B case.  The predicted steps are held too (plan
+quality must not drop for speed): 405b-16k-pp 2.488 s, dsv3-2048 1.201 s."""
 from __future__ import annotations
 
 import os
@@ -27,17 +27,17 @@ BOUNDS = {"8b-8x8-pp": 7.0, "405b-16k-pp": 65.0, "dsv3-2048": 20.0, "qwen3-235b-
 
 
 def _plan_seconds(name: str) -> tuple[float, dict]:
-    """Planning seconds (plan.timing: no imports, no model build) of one case in a fresh
-    process, as the benchmark times it: in this process a second plan of the same model
-    reuses its trace, which made the 8B plan 20 % quicker and the ratios unfair."""
+    """CPU seconds of planning (no imports, no model build; plan_time's cpu_s) of one case
+    in a fresh process, as the benchmark plans it: in this process a second plan of the same
+    model reuses its trace, which made the 8B plan 20 % quicker and the ratios unfair."""
     row = plan_time.run_case_subprocess(name, False, timeout=900)
     assert "error" not in row, row
-    return row["total_s"], row
+    return row["cpu_s"], row
 
 
 @pytest.fixture(scope="module")
 def eight_b() -> float:
-    """The 8B case's planning time: the fastest of three (a loaded machine slows some)."""
+    """The 8B case's planning CPU seconds: the least of three."""
     return min(_plan_seconds("8b-8x8")[0] for _ in range(3))
 
 
@@ -47,6 +47,7 @@ def test_large_plans_stay_within_their_share_of_the_8b_plan(case, eight_b):
         pytest.importorskip("transformers")
     seconds, row = _plan_seconds(case)
     ratio = seconds / eight_b
-    assert ratio <= BOUNDS[case], f"{case}: {seconds:.1f} s, {ratio:.1f}x the 8B plan ({eight_b:.2f} s)"
+    assert ratio <= BOUNDS[case], (f"{case}: {seconds:.1f} CPU seconds ({row['total_s']:.1f} s wall), {ratio:.1f}x "
+                                   f"the 8B plan's {eight_b:.2f}")
     if case in STEPS:
         assert row["step_s"] == pytest.approx(STEPS[case], rel=1e-3)
