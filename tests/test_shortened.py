@@ -27,8 +27,22 @@ def _model(family: str, layers: int):
         model, inputs = build("llama3-8b", device="meta", batch=4, seq=16, n_layers=layers, dim=64, n_heads=4,
                               n_kv_heads=2, vocab=128)
         return model, tuple(inputs), None
+    if family == "deepseek_v3":   # two dense lead layers before its mixture-of-experts layers, as DeepSeek-V3's three
+        model, kwargs = lead_layers(family, layers, 2)
+        return model, (), kwargs
     model, kwargs = hf_archs.build(family, layers=layers)
     return model, (), kwargs
+
+
+def lead_layers(family: str, layers: int, lead: int):
+    """(model, kwargs) of a Hugging Face mixture-of-experts family whose first `lead` layers
+    are dense (first_k_dense_replace)."""
+    _, cls, config = hf_archs._configs(layers)[family]
+    cfg = config()
+    cfg.first_k_dense_replace = lead
+    torch.manual_seed(0)
+    ids = torch.randint(0, hf_archs.VOCAB, (4, 16), generator=torch.Generator().manual_seed(1))
+    return cls(cfg), {"input_ids": ids, "labels": ids}
 
 
 def _costs(model, args, kwargs, short: bool):
@@ -39,20 +53,21 @@ def _costs(model, args, kwargs, short: bool):
 
 
 @pytest.mark.parametrize("layers", [8, 9])
-@pytest.mark.parametrize("family", ["ours", "llama", "gpt2", "mixtral"])
+@pytest.mark.parametrize("family", ["ours", "llama", "gpt2", "mixtral", "deepseek_v3"])
 def test_stage_costs_from_the_short_trace_are_the_whole_traces(family, layers):
     model, args, kwargs = _model(family, layers)
     whole, whole_nodes = _costs(model, args, kwargs, False)
     short, short_nodes = _costs(model, args, kwargs, True)
-    assert short_nodes < whole_nodes * (len(kept_layers(layers)) + 2) / layers
-    assert short.layer_indices == whole.layer_indices == tuple(range(layers))
+    lead = 2 if family == "deepseek_v3" else 0
+    assert short_nodes < whole_nodes * (lead + len(kept_layers(layers - lead)) + 2) / layers
+    assert short.layer_indices == whole.layer_indices == tuple(range(lead, layers))
     assert short.boundary == whole.boundary
     assert [v.layout for v in short.variants()] == [v.layout for v in whole.variants()]
     for s, w in zip(short.variants(), whole.variants()):
         assert set(s.by_mode) == set(w.by_mode) == set(MODES)
         for mode in MODES:
             got, want = s.by_mode[mode].members, w.by_mode[mode].members
-            assert len(got) == len(want) == layers + 2
+            assert len(got) == len(want) == layers - lead + 2
             for k, (a, b) in enumerate(zip(got, want)):
                 for f in dataclasses.fields(a):
                     assert getattr(a, f.name) == pytest.approx(getattr(b, f.name), rel=1e-9, abs=1e-15), \
@@ -62,7 +77,7 @@ def test_stage_costs_from_the_short_trace_are_the_whole_traces(family, layers):
 def test_the_short_trace_keeps_the_layers_it_names_and_their_weights():
     model, args, _ = _model("ours", 10)
     traced = trace(model, args, unroll=True, shared=True)
-    assert traced.layers == ("layers", 10)
+    assert traced.layers == ("layers", 10, 0)
     short = shortened(traced)
     assert short.weights == {0: 1, 1: 4, 2: 4, 9: 1}
     assert {int(name.split(".")[1]) for name in short.params.values() if name.startswith("layers.")} == {0, 1, 2, 9}

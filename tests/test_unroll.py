@@ -15,7 +15,7 @@ import autopar
 from autopar.models import build
 from autopar.trace.paths import LayerPath, block_of, layer_of, layer_path, module_path
 from autopar.trace.export import graph_signature, trace
-from autopar.trace.unroll import MIN_LAYERS, repeated_layers
+from autopar.trace.unroll import MAX_LEAD, MIN_LAYERS, repeated_layers
 
 LAYERS = 7
 
@@ -83,6 +83,27 @@ def test_unrolled_graph_is_the_full_export(family, caplog):
         assert per_layer > 10
 
 
+@pytest.mark.parametrize("lead", [1, 3])
+def test_lead_layers_built_differently_are_traced_as_they_are_and_the_rest_written(lead, caplog):
+    """DeepSeek-V3's first three layers are dense, its other 58 mixtures of experts: the
+    layers alike from the first mixture on are written from two of them and the last, the
+    dense ones exported as they are; the result is the full export, node for node."""
+    count = lead + MIN_LAYERS + 1
+    _, cls, config = hf_archs._configs(count)["deepseek_v3"]
+    cfg = config()
+    cfg.first_k_dense_replace = lead
+    torch.manual_seed(0)
+    model = cls(cfg)
+    ids = torch.randint(0, hf_archs.VOCAB, (4, 16), generator=torch.Generator().manual_seed(1))
+    found = repeated_layers(model)
+    assert (found.path, found.count, found.first) == ("model.layers", count, lead)
+    with caplog.at_level(logging.INFO, logger="autopar"):
+        _assert_same(model, (), {"input_ids": ids, "labels": ids})
+    assert any(f"({lead + 3} of its {count} layers exported)" in r.getMessage() for r in caplog.records)
+    written = trace(model, (), {"input_ids": ids, "labels": ids}, cache=False, unroll=True)
+    assert written.layers == ("model.layers", count, lead)
+
+
 class _Alternating(torch.nn.Module):
     """Alike layers, but the forward gives every other layer an extra op: the three-layer
     graph shows layers 0 and 1 differ, so the model is traced in full."""
@@ -125,7 +146,12 @@ def test_layers_that_differ_in_the_forward_are_traced_in_full(cls, caplog):
 def test_layers_built_differently_or_few_are_not_unrolled():
     model = _Skip()
     model.layers[3] = torch.nn.Linear(16, 16, bias=False)
-    assert repeated_layers(model) is None
+    assert repeated_layers(model) is None   # (a layer among the alike ones: not a lead layer)
+    lead = _Skip(n=MAX_LEAD + MIN_LAYERS)
+    lead.layers[MAX_LEAD - 1] = torch.nn.Linear(16, 16, bias=False)
+    assert repeated_layers(lead).first == MAX_LEAD
+    lead.layers[MAX_LEAD] = torch.nn.Linear(16, 16, bias=False)
+    assert repeated_layers(lead) is None   # (more lead layers than MAX_LEAD)
     assert repeated_layers(_Skip(n=MIN_LAYERS - 1)) is None
     tied = _Skip()
     tied.layers[2].weight = tied.layers[1].weight

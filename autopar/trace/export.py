@@ -47,7 +47,7 @@ class Traced:
     out_spec: object = None  # pytree structure the graph's outputs unflatten into
     constants: dict = field(default_factory=dict)  # name in `buffers` -> value of a tensor the forward creates
     parts: Parts = field(default_factory=Parts)  # fused weights planned as parts (autopar/trace/fused.py)
-    # (module path, count) of the repeated layers written from three (autopar/trace/unroll.py),
+    # (module path, count, first alike) of the repeated layers written from three (autopar/trace/unroll.py),
     # and of a shortened trace (autopar/trace/shortened.py) each kept layer index -> how many
     # of the model's layers it stands for
     layers: tuple = ()
@@ -162,7 +162,7 @@ def _trace(model: torch.nn.Module | fx.GraphModule, example_inputs: tuple, examp
         gm = planning_module(ep.graph_module, written.graph)
     sig = ep.graph_signature
     log.info("traced %s in %.2fs: %d nodes%s", type(model).__name__, time.perf_counter() - start,
-             len(gm.graph.nodes), f" (3 of its {found.count} layers exported)" if written is not None else "")
+             len(gm.graph.nodes), f" ({found.first + 3} of its {found.count} layers exported)" if written is not None else "")
     first: dict[int, str] = {}
     tied = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -178,7 +178,7 @@ def _trace(model: torch.nn.Module | fx.GraphModule, example_inputs: tuple, examp
     constants = {name: value.detach().clone() for name, value in ep.constants.items()
                  if name in set(lifted.values()) and isinstance(value, torch.Tensor) and not value.is_meta}
     return Traced(gm, params, buffers, list(sig.user_inputs), tied, ep.call_spec.in_spec, ep.call_spec.out_spec,
-                  constants, parts, (found.path, found.count) if written is not None else ())
+                  constants, parts, (found.path, found.count, found.first) if written is not None else ())
 
 
 def refuse_data_dependent_shapes(gm: fx.GraphModule, model_name: str) -> None:

@@ -31,7 +31,8 @@ from autopar.trace.unroll import planning_module
 
 
 def kept_layers(count: int) -> tuple:
-    """The layer indices a trace of `count` alike layers keeps (the module doc)."""
+    """The layer indices a trace of `count` alike layers keeps (the module doc), counted
+    from the first alike one (lead layers built differently are all kept, each itself)."""
     return (0, 1, 2, 3, count - 1) if count % 2 else (0, 1, 2, count - 1)
 
 
@@ -41,8 +42,8 @@ def shortened(traced):
     is not shorter or its graph is not laid out as the module doc says (then plan it whole)."""
     if not traced.layers or traced.weights:
         return None
-    path, count = traced.layers
-    kept = kept_layers(count)
+    path, count, lead = traced.layers
+    kept = (*range(lead), *(lead + i for i in kept_layers(count - lead)))
     if len(kept) >= count:
         return None
     names = {**traced.params, **traced.buffers}
@@ -71,13 +72,13 @@ def shortened(traced):
             env[nd] = graph.node_copy(nd, read)
         except _Unplaced:
             return None
-    weight = (count - len(kept) + 2) // 2
+    weight = (count - len(kept) + 2) // 2   # (lead layers stand for themselves)
     return type(traced)(planning_module(traced.graph, graph),
                         {k: v for k, v in traced.params.items() if _kept(v, path, kept)},
                         {k: v for k, v in traced.buffers.items() if _kept(v, path, kept)},
                         list(traced.user_inputs), dict(traced.tied), traced.in_spec, traced.out_spec,
                         {k: v for k, v in traced.constants.items() if _kept(k, path, kept)},
-                        traced.parts, traced.layers, {i: (weight if i in (1, 2) else 1) for i in kept})
+                        traced.parts, traced.layers, {i: (weight if i - lead in (1, 2) else 1) for i in kept})
 
 
 def _outside_at_the_ends(nodes: list, layer: dict, count: int) -> bool:

@@ -43,6 +43,7 @@ except ImportError:   # pragma: no cover - older torch
     _PlanningModule = fx.GraphModule
 
 MIN_LAYERS = 6     # below this a full export is cheap enough
+MAX_LEAD = 8       # lead layers built differently before the alike ones (DeepSeek-V3's three dense)
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
 _NUMBERED = re.compile(r"^(.*)_(\d+)$")
 
@@ -57,33 +58,42 @@ def planning_module(root: torch.nn.Module, graph: fx.Graph) -> fx.GraphModule:
 @dataclass(frozen=True)
 class Layers:
     """The repeated layers found: `owner.<attr>` is the ModuleList at `path` (a module path
-    such as "model.layers") holding `count` layers."""
+    such as "model.layers") holding `count` layers, alike from layer `first` on (the
+    layers before it, built differently, are traced as they are: lead layers)."""
 
     owner: torch.nn.Module
     attr: str
     path: str
     count: int
+    first: int = 0
 
 
 def repeated_layers(model: torch.nn.Module) -> Layers | None:
-    """The longest ModuleList of at least MIN_LAYERS alike layers (see the module doc), or
-    None."""
+    """The ModuleList with the most alike layers, at least MIN_LAYERS of them, from some
+    layer to its last, after at most MAX_LEAD lead layers built differently (see the module
+    doc), or None."""
     shared = _shared_tensors(model)
     best = None
     for path, mod in model.named_modules():
-        if not isinstance(mod, torch.nn.ModuleList) or len(mod) < MIN_LAYERS:
-            continue
-        if best is not None and len(mod) <= best.count:
+        if not isinstance(mod, torch.nn.ModuleList) or len(mod) < MIN_LAYERS or not path:
             continue
         layers = list(mod)
-        if len({id(m) for m in layers}) != len(layers) or not path:
+        if len({id(m) for m in layers}) != len(layers):
             continue
-        index = _index_attributes(layers[0], layers[1])
+        n = len(layers)
+        index = _index_attributes(layers[n - 2], layers[n - 1], n - 2)
         prints = [_layer_print(m, i, shared, index) for i, m in enumerate(layers)]
-        if prints[0] is None or any(p != prints[0] for p in prints):
+        if any(p is None for p in prints):
+            continue
+        first = n - 1
+        while first > 0 and prints[first - 1] == prints[-1]:
+            first -= 1
+        if first > MAX_LEAD or n - first < MIN_LAYERS:
+            continue
+        if best is not None and n - first <= best.count - best.first:
             continue
         owner_path, _, attr = path.rpartition(".")
-        best = Layers(model.get_submodule(owner_path), attr, path, len(layers))
+        best = Layers(model.get_submodule(owner_path), attr, path, n, first)
     return best
 
 
@@ -102,13 +112,13 @@ def plain_attributes(mod: torch.nn.Module) -> dict:
             if k not in _MODULE_INTERNALS and not isinstance(v, (torch.Tensor, torch.nn.Module))}
 
 
-def _index_attributes(first: torch.nn.Module, second: torch.nn.Module) -> set:
-    """(submodule, attribute) pairs holding the layer's own index in the first two layers
-    (0 and 1: Hugging Face's `layer_idx`, say)."""
+def _index_attributes(first: torch.nn.Module, second: torch.nn.Module, i: int) -> set:
+    """(submodule, attribute) pairs holding the layer's own index in two consecutive layers
+    (i and i + 1: Hugging Face's `layer_idx`, say)."""
     out = set()
     for (name, a), (_, b) in zip(first.named_modules(remove_duplicate=False), second.named_modules(remove_duplicate=False)):
         va, vb = plain_attributes(a), plain_attributes(b)
-        out |= {(name, k) for k, v in va.items() if type(v) is int and v == 0 and type(vb.get(k)) is int and vb[k] == 1}
+        out |= {(name, k) for k, v in va.items() if type(v) is int and v == i and type(vb.get(k)) is int and vb[k] == i + 1}
     return out
 
 
@@ -129,9 +139,11 @@ def _layer_print(layer: torch.nn.Module, index: int, shared: set, index_attrs: s
 
 @contextlib.contextmanager
 def cut_to_three(found: Layers):
-    """The model with its layer list holding layers 0, 1 and n-1 while the body runs."""
+    """The model with its layer list holding its lead layers, then layers `first`,
+    `first` + 1 and n-1, while the body runs."""
     full = getattr(found.owner, found.attr)
-    setattr(found.owner, found.attr, torch.nn.ModuleList([full[0], full[1], full[len(full) - 1]]))
+    k = found.first
+    setattr(found.owner, found.attr, torch.nn.ModuleList([*full[:k], full[k], full[k + 1], full[len(full) - 1]]))
     try:
         yield
     finally:
@@ -154,7 +166,7 @@ def unroll(graph: fx.Graph, params: dict, buffers: dict, found: Layers) -> Unrol
     path = found.path
     names = {**params, **buffers}
     nodes = list(graph.nodes)
-    in_layer = {nd: _layer_index(nd, path, names) for nd in nodes}
+    in_layer = {nd: _layer_index(nd, path, names, found.first) for nd in nodes}
     compute = [nd for nd in nodes if nd.op not in ("placeholder", "output")]
     starts = []
     for want in range(3):
@@ -191,11 +203,12 @@ def unroll(graph: fx.Graph, params: dict, buffers: dict, found: Layers) -> Unrol
     return _write(nodes, prefix, seg0, seg1, seg2, suffix, place, in_layer, names, params, found, numbering)
 
 
-def _layer_index(node: fx.Node, path: str, names: dict):
-    """0, 1 or 2: the layer of the three-layer graph a node belongs to (a placeholder by its
-    model name, an op by its module), else None."""
+def _layer_index(node: fx.Node, path: str, names: dict, first: int = 0):
+    """0, 1 or 2: the alike layer of the three-layer graph a node belongs to (a placeholder
+    by its model name, an op by its module), else None (a lead layer's too: `first` of them)."""
     where = names.get(node.name) if node.op == "placeholder" else module_path(node)
-    return layer_of(where, path) if where else None
+    at = layer_of(where, path) if where else None
+    return None if at is None or at < first else at - first
 
 
 def _alike(seg0: list, seg1: list, place: dict, in_layer: dict, names: dict, path: str) -> bool:
@@ -272,7 +285,7 @@ def _write(nodes, prefix, seg0, seg1, seg2, suffix, place, in_layer, names, para
     """The full graph: placeholders (layer 1's repeated as layers 2 .. n-2 right after its
     own, layer 2's renamed to n-1), then prefix, layers 0 and 1, the copies, the last layer
     and the suffix, each op named by its op name's running number."""
-    n, path = found.count, found.path
+    n, path, lead = found.count - found.first, found.path, found.first   # (layers counted from the first alike one)
     out = fx.Graph()
     new: dict = {}      # (node of the three-layer graph, layer it is written as) -> new node
     counts = dict(numbering)
@@ -291,8 +304,8 @@ def _write(nodes, prefix, seg0, seg1, seg2, suffix, place, in_layer, names, para
                                name=base if num == 0 else f"{base}_{num}")
         made.meta = dict(nd.meta)
         if layer is not None and layer not in (0, 1) and "nn_module_stack" in nd.meta:
-            made.meta["nn_module_stack"] = _restack(nd.meta["nn_module_stack"], path, 2 if layer == n - 1 else 1,
-                                                    layer)
+            made.meta["nn_module_stack"] = _restack(nd.meta["nn_module_stack"], path,
+                                                    lead + (2 if layer == n - 1 else 1), lead + layer)
         new[(nd, layer)] = made
 
     for nd in prefix:
@@ -318,12 +331,12 @@ def _write_placeholders(out: fx.Graph, new: dict, placeholders: list, in_layer: 
     order, layer 1's repeated as layers 2 .. n-2 right after its own last parameter (and
     buffer), layer 2's renamed to n-1: (placeholder -> parameter name, placeholder -> buffer
     name) of the written graph."""
-    n, path = found.count, found.path
+    n, path, lead = found.count - found.first, found.path, found.first
     out_params, out_buffers = {}, {}
 
     def renamed(model_name: str, layer: int) -> str:
         rest = model_name[len(path) + 1:].split(".", 1)
-        return f"{path}.{layer}.{rest[1]}" if len(rest) == 2 else f"{path}.{layer}"
+        return f"{path}.{lead + layer}.{rest[1]}" if len(rest) == 2 else f"{path}.{lead + layer}"
 
     def add_placeholder(nd: fx.Node, layer):
         is_param = nd.name in params

@@ -258,8 +258,8 @@ def _split_costs(problem, choice, modes, layout) -> LayerCosts:
     """A plan's costs split per repeated layer under each recompute mode."""
     assembled = assemble(problem, choice)
     short = problem.traced.layers if problem.traced.weights else None
-    prefix_name, indices = next((g for g in problem.layer_groups if g[0] == short[0]), (None, ())) if short \
-        else (None, ())
+    prefix_name, indices = next((g for g in problem.layer_groups if g[0] == short[0] and short[2] + 1 in g[1]),
+                                (None, ())) if short else (None, ())
     if prefix_name is None:
         short = None
         prefix_name, indices = max(problem.layer_groups, key=lambda g: len(g[1]))
@@ -267,11 +267,11 @@ def _split_costs(problem, choice, modes, layout) -> LayerCosts:
     split = _Split(problem, choice, assembled, prefix_name, position)
     by_mode = {mode: split.parts(mode, prefix_name, indices) for mode in modes}
     if short:   # each kept layer's costs copied to the layers it stands for (trace/shortened.py)
-        count = short[1]
-        at = [position[0] if k == 0 else position[count - 1] if k == count - 1 else position[2 - k % 2]
-              for k in range(count)]
+        _, count, lead = short
+        at = [position[i] if i in (lead, count - 1) else position[lead + 2 - (i - lead) % 2]
+              for i in range(lead, count)]
         by_mode = {m: replace(p, layers=tuple(p.layers[k] for k in at)) for m, p in by_mode.items()}
-        indices = range(count)
+        indices = range(lead, count)
     return LayerCosts(by_mode, _boundary_bytes(problem, choice, prefix_name), prefix_name, tuple(sorted(indices)),
                       StageCost(**split.buckets["copies"]), layout)
 

@@ -122,7 +122,7 @@ def stand_ins(nodes: list, block: dict, layers: tuple, weights: dict) -> StandIn
     Traced.layers and Traced.weights."""
     if not weights:
         return StandIns({}, {})
-    path, count = layers
+    path, count, _ = layers
     places, out = {}, {}
     for pn in nodes:   # (in graph order, gradient sums last)
         src = pn.source[0] if pn.kind == "gradsum" else pn.index
