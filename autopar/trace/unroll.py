@@ -21,8 +21,13 @@ graphs' signatures (autopar.trace.export.graph_signature) and module paths on se
 families.  A plan records its graph's signature, and the runtime, which always traces
 every layer, refuses a plan whose graph differs.
 
-Anything this cannot show is the same is traced in full: layers built differently (a
-mixture-of-experts layer among dense ones, sliding-window layers among global ones),
+Lead layers: where the list's first few layers (at most MAX_LEAD) are built differently
+from the rest, as DeepSeek-V3's three dense layers before its 58 mixtures of experts, they
+stay in the export as they are and count as the prefix; layers 0, 1 and n-1 above are then
+the first two alike layers and the last (Layers.first: the first alike one).
+
+Anything this cannot show is the same is traced in full: layers built differently past
+the lead (a mixture-of-experts layer among dense ones, sliding-window layers among global ones),
 a layer that reads a layer other than the one before it, parameters shared between
 layers, fewer than MIN_LAYERS layers, or names torch.export did not number in order.
 """
