@@ -18,6 +18,7 @@ from autopar.solve.ilp.solved import SolveOptions
 from autopar.solve.pipeline.costs import layer_costs, stage_problem
 from autopar.trace.export import trace
 from autopar.trace.shortened import kept_layers, shortened
+from test_unroll import _Skip
 
 MODES = ("none", "selective", "full", "offload")
 
@@ -85,22 +86,8 @@ def test_the_short_trace_keeps_the_layers_it_names_and_their_weights():
     assert kept_layers(11) == (0, 1, 2, 3, 10)
 
 
-class _Residual(torch.nn.Module):
-    """Alike layers that trace alike, but each reads the output of the layer two before."""
-
-    def __init__(self, n=8, width=16):
-        super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(n))
-
-    def forward(self, x):
-        before, x = x, self.layers[0](x)
-        for layer in self.layers[1:]:
-            before, x = x, layer(x) + before
-        return x.sum()
-
-
 def test_a_trace_not_written_from_three_layers_is_not_shortened():
-    traced = trace(_Residual(), (torch.randn(4, 16),), unroll=True, shared=True)
+    traced = trace(_Skip(), (torch.randn(4, 16),), unroll=True, shared=True)   # (reads two layers back)
     assert traced.layers == () and shortened(traced) is None
 
 
