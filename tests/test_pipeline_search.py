@@ -438,6 +438,27 @@ def test_interleaving_tries_three_or_four_stages_a_group_where_they_split_the_la
     assert fixed.virtuals("interleaved-1f1b", 105, 35) == (5,)
 
 
+def test_one_row_per_data_rank_counts_what_is_left_of_pp():
+    """The microbatch of one row per data-parallel rank counts, besides the axes named for
+    data, what a stage keeps of the axis named "pp" (its stage problem may use it for data
+    alone): DeepSeek-V3's 256 rows on 32 x 8 x 8 cut in 2 are never 8-row microbatches
+    for 16 x 8 data ranks (a candidate no data-parallel menu could split)."""
+    from autopar.solve.pipeline.options import SearchSpace
+    mesh = autopar.Mesh((32, 8, 8), ("pp", "dp", "ep"), device="h100")
+    space = SearchSpace(mesh, 256, 80e9, ("1f1b",), None, None, ("none",))
+    assert space.microbatch_counts(2, 0) == [4, 8]          # 128 data ranks: no row each to spare
+    assert space.microbatch_counts(32, 0) == [64, 128]      # 8 data ranks: 32 rows beside 4p = 128
+    assert space.microbatch_counts(4, 0) == [8, 16]
+    keys = space.keys((0,))
+    assert ((16, 8, 8), 8) not in keys and all(rows % shape[0] == 0 for shape, rows in keys), keys
+    other = SearchSpace(autopar.Mesh((2, 64), ("dp", "pp"), device="h100"), 1024, 80e9, ("1f1b",), None, None,
+                        ("none",))
+    assert other.microbatch_counts(2, 1) == [4, 8, 16]      # 2 x 32 data ranks: 16 rows a microbatch
+    plain = SearchSpace(autopar.Mesh((2, 64), ("dp", "tp"), device="h100"), 1024, 80e9, ("1f1b",), None, None,
+                        ("none",))
+    assert plain.microbatch_counts(2, 1) == [4, 8, 512]     # tp's remainder splits no rows
+
+
 def test_one_stage_schedules_need_a_microbatch_per_stage():
     """GPipe and 1F1B run at least one microbatch per stage (torch's schedules refuse fewer
     at compile): a fixed layout that asks for fewer is refused when planned, naming the

@@ -11,9 +11,10 @@ import autopar
 from autopar.models import build
 from autopar.report.plan import Plan
 from autopar.solve.recompute.modes import layer_slots
-from autopar.solve.recompute.fitting import solve_modes
+from autopar.solve.recompute.fitting import priced_solve, solve_modes
 from autopar.solve.recompute.search import HeldPlan, RecomputeCandidate, byte_price, mode_assignments, solve_summed
 from autopar.solve.built import build_problem
+from autopar.solve.ilp.reduce import reduce_problem
 from autopar.solve.ilp.solved import SolveOptions
 from rc_cases import losses_and_params, saved_bytes
 from rt_cases import build_case, check_mixed_precision, mixed_precision_vs_reference, train_and_compare
@@ -381,6 +382,35 @@ def test_recompute_bounds_hold_from_the_keep_everything_reserve(frac):
         # limit, the keep-everything plan at 0.85 no longer lowers a cap, so the witness
         # path is not exercised here: a budget that does is to be found)
         pytest.skip("the plan keeping every activation lowered no cap at 0.85: the witness path is not exercised")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("frac", [0.99, 0.9])
+def test_least_added_seconds_bound_every_assignment(frac):
+    """An assignment's plans take at least the least seconds of any plan with no budget
+    (alternating layers allowed) plus the least its recomputation adds, node by node: no
+    assignment's budgeted solve finds less.  Where the budget barely binds (0.99) that
+    settles every assignment against the plan keeping every activation, no bound solved,
+    and the search returns what solving them all would."""
+    model, example = build("llama3-8b", device="meta", batch=16, seq=2048, n_layers=4, dim=2048, n_heads=16)
+    mesh = autopar.Mesh((4, 2), ("dp", "tp"), device="h100")
+    problem = build_problem(model, mesh, example, None, autopar.MixedPrecision.of("bf16")).problem
+    options = SolveOptions()
+    free = solve_summed(problem, None, None, options)
+    least = priced_solve(reduce_problem(problem, None, 2), 0.0, options)[0].objective
+    budget = free.memory * frac
+    keep = solve_modes(problem, None, budget, options, reserve=free.beyond)
+    settled, best = 0, keep.objective
+    tried = mode_assignments(problem, layer_slots(problem), None)
+    for candidate in tried:
+        floor = least + candidate.least_added(problem)
+        found = solve_modes(problem, None, budget, options, candidate.modes, periods=candidate.periods,
+                            reserve=keep.beyond)
+        assert floor <= found.objective * (1 + 1e-9), (candidate.modes, floor, found.objective)
+        settled += floor >= keep.objective
+        best = min(best, found.objective)
+    assert settled == len(tried) if frac == 0.99 else 2 <= settled < len(tried)
+    assert solve_summed(problem, None, budget, options).objective == pytest.approx(best, rel=1e-9)
 
 
 def test_keeping_every_activation_wins_when_its_overlap_does():

@@ -83,6 +83,11 @@ class Built:
             return self._solved
         return None
 
+    def free(self) -> Solved | None:
+        """The summed optimum with no budget, when solved already (the budgeted search's
+        first solve: solve_summed's `free`)."""
+        return self._summed
+
     def first_step(self, limit: float) -> Solved | None:
         """The summed optimum with no budget when solved already and within `limit`: the
         budgeted solve's first step (solve_problem's `summed`)."""

@@ -49,7 +49,7 @@ class HiddenShares:
 
 
 def solve_problem(problem: Problem, rule, budget, options: SolveOptions = SolveOptions(), *, minimise_memory=False,
-                  recompute=None, summed: Solved | None = None) -> Solved:
+                  recompute=None, summed: Solved | None = None, free: Solved | None = None) -> Solved:
     """`solve_summed`, then once more with gradient buckets and prefetched weight gathers
     priced at the shares the first plan hides (Problem.overlapped), keeping whichever
     plan's step, overlap counted (assemble), is faster.  The second solve lets plans whose
@@ -63,9 +63,9 @@ def solve_problem(problem: Problem, rule, budget, options: SolveOptions = SolveO
     solves cost 5-50 s for a plan then rejected.  Where the summed plan recomputes and the
     budget also fits a plan keeping every activation (Solved.kept), that one is taken when
     its step, overlap counted, is faster.  summed: solve_summed's result for these
-    arguments, when the caller has it."""
+    arguments, when the caller has it; free: its plan with no budget (solve_summed's)."""
     best = summed or solve_summed(problem, rule, budget, options, minimise_memory=minimise_memory,
-                                  recompute=recompute)
+                                  recompute=recompute, free=free)
     if minimise_memory or not problem.mesh.device.asynchronous or not problem.edge_prices.bucketed:
         return best
     first = predict(problem, best.choice)

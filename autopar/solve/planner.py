@@ -250,7 +250,8 @@ def _plan_built(built: Built, model, mesh: Mesh, request: Request, start, recomp
             # (the unbudgeted summed optimum, when it fits, is the budgeted one's first step)
             best = solve_problem(problem, rule, None if layout or staged else limit, options,
                                  recompute=recompute,
-                                 summed=built.first_step(limit) if plain_modes and rule is None else None)
+                                 summed=built.first_step(limit) if plain_modes and rule is None else None,
+                                 free=built.free() if plain_modes and rule is None else None)
         best = within_tiers(problem, best, rule, lambda allowed: solve_problem(
             problem, allowed, None if layout or staged else limit, options, recompute=recompute))
         best = fill_device(problem, best, rule, None if layout or staged else limit)

@@ -419,28 +419,36 @@ class Presolve:
 
 def min_through(ma: np.ndarray, cost: np.ndarray, mb: np.ndarray):
     """Eliminating a middle node: for each pair (i of a, k of b), the middle choice j that
-    minimises ma[i, j] + cost[j] + mb[j, k], and that minimum."""
-    rows = max(1, _CHUNK // max(1, ma.shape[1] * mb.shape[1]))
-    pick = np.empty((ma.shape[0], mb.shape[1]), dtype=int)
-    best = np.empty((ma.shape[0], mb.shape[1]))
-    for lo in range(0, ma.shape[0], rows):
-        t = (ma[lo:lo + rows] + cost[None, :])[:, :, None] + mb[None, :, :]
-        pick[lo:lo + rows] = t.argmin(axis=1)
-        best[lo:lo + rows] = np.take_along_axis(t, pick[lo:lo + rows, None, :], axis=1)[:, 0, :]
-    return pick, best
+    minimises ma[i, j] + cost[j] + mb[j, k], and that minimum.  Computed once per distinct
+    row of ma and column of mb (a node's choices that differ only in what the other
+    neighbour never sees meet it alike), the middle choices along contiguous memory: on
+    DeepSeek-V3's whole-mesh problem 3-8x faster than over the matrices as given (often
+    transposed views)."""
+    ra, row_of = distinct(ma, 0)
+    cb, col_of = distinct(mb, 1)
+    a = ra + cost[None, :]
+    bt = np.ascontiguousarray(cb.T)   # [k, j]
+    rows = max(1, _CHUNK // max(1, a.shape[1] * bt.shape[0]))
+    pick = np.empty((a.shape[0], bt.shape[0]), dtype=int)
+    best = np.empty((a.shape[0], bt.shape[0]))
+    for lo in range(0, a.shape[0], rows):
+        t = a[lo:lo + rows, None, :] + bt[None, :, :]   # [i, k, j]
+        got = pick[lo:lo + rows] = t.argmin(axis=2)
+        best[lo:lo + rows] = np.take_along_axis(t, got[:, :, None], axis=2)[:, :, 0]
+    return pick[np.ix_(row_of, col_of)], best[np.ix_(row_of, col_of)]
 
 
 def max_increase(m: np.ndarray) -> np.ndarray:
     """[j, i]: max over the neighbour's choices c of m[j, c] - m[i, c], leaving out the c
     that row i cannot meet (UNUSABLE there: that pair never happens)."""
     m, row_of = distinct(m, 0)   # equal rows, equal columns: once
-    m = distinct(m, 1)[0]
+    m = np.ascontiguousarray(distinct(m, 1)[0])
     k = m.shape[0]
     rows = max(1, _CHUNK // max(1, k * m.shape[1]))
     out = np.empty((k, k))
     for lo in range(0, k, rows):
         with np.errstate(invalid="ignore"):
             d = m[lo:lo + rows, None, :] - m[None, :, :]
-        d[np.isnan(d)] = -np.inf   # both UNUSABLE
-        out[lo:lo + rows] = d.max(axis=2)
+        out[lo:lo + rows] = np.fmax.reduce(d, axis=2)   # (NaN, both UNUSABLE: left out)
+    out[np.isnan(out)] = -np.inf   # (no column either row can meet)
     return out[np.ix_(row_of, row_of)]

@@ -148,12 +148,20 @@ class SearchSpace:
         """2p and 4p microbatches, and microbatches of one row per data-parallel rank of the
         stage (the least activation memory in flight and the smallest bubble, what
         Megatron-LM runs at scale, Narayanan et al. 2021): the stage's axes named for data
-        parallelism (DATA_AXES) split its rows, the others (tensor parallelism) do not."""
+        parallelism (DATA_AXES) split its rows, the others (tensor parallelism) do not; so does
+        what is left inside a stage of an axis named "pp" (a stage problem may keep it for
+        data alone: problem/menus.stage_data_axes).  Without that remainder, DeepSeek-V3's
+        2 stages of 16 x 8 x 8 on 256 rows took microbatches of 8 rows, which no data-parallel
+        menu on 16 x 8 ranks can split: its full menus, a CP-SAT model of 1.1 million
+        variables, were 300 of the search's 341 s."""
         if self.microbatches is not None:
             return [m for m in self.microbatches if self.batch % m == 0]
         counts = [m for m in (2 * p, 4 * p) if m <= self.batch and self.batch % m == 0]  # B = p: a large bubble
-        rows = math.prod(n for a, (n, name) in enumerate(zip(self.mesh.shape, self.mesh.axis_names))
+        names = self.mesh.axis_names
+        rows = math.prod(n for a, (n, name) in enumerate(zip(self.mesh.shape, names))
                          if a != axis and name.lower() in DATA_AXES)
+        if axis is not None and names[axis] == "pp":
+            rows *= self.mesh.shape[axis] // p
         if self.batch % rows == 0 and self.batch // rows > 4 * p:
             counts.append(self.batch // rows)
         return counts or ([p] if self.batch % p == 0 else [])

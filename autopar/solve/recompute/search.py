@@ -9,10 +9,12 @@ of seconds + price x (bytes - cap) over its plans, at the price of a byte (byte_
 where the plan keeping every activation meets the budget, cap being what the assignment's
 solve leaves its ILP bytes (a solve with no budget, exact eliminations that rarely need
 an ILP: a fraction of a second where a budgeted solve takes seconds).  The plan keeping
-every activation is solved under the budget while those bounds are computed; then the
-assignments are solved in the order of their bounds, and those whose bound is already no
-better than the best plan found are skipped.  The bounds, and the solves of as many
-assignments as there are workers at a time, run in forked processes
+every activation is solved under the budget while the byte price is found; an assignment
+whose plans cannot beat it even before a solve (the least seconds of any plan, plus the
+least its recomputation adds) is settled there, the others get their Lagrangian bound;
+then the assignments are solved in the order of their bounds, and those whose bound is
+already no better than the best plan found are skipped.  The bounds, and the solves of as
+many assignments as there are workers at a time, run in forked processes
 (autopar/solve/forked.py); each solve starts from what the plan keeping every activation
 needed beyond the ILP's sum, so the plan returned is the same for any number of workers.
 """
@@ -21,6 +23,8 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, replace
+
+import numpy as np
 
 from autopar.solve.recompute.fitting import priced_solve, solve_modes
 from autopar.solve.forked import forked_map, worker_count
@@ -34,6 +38,7 @@ log = logging.getLogger("autopar")
 
 PRICE_CUTS = 4      # cutting-plane steps of byte_price once the budget is bracketed
 PRICE_DOUBLINGS = 8  # times the first price is multiplied by 4 to bracket it
+FLOOR_MARGIN = 1e-6  # an assignment's least seconds, lowered by this fraction (each solve rounds its terms)
 
 
 @dataclass(frozen=True)
@@ -106,6 +111,14 @@ class RecomputeCandidate:
     def costs(self, problem: Problem) -> ModeCosts:
         return mode_costs(problem, self.modes)
 
+    def least_added(self, problem: Problem) -> float:
+        """The least seconds this assignment adds to any plan's ILP objective: the cheapest
+        of each node's and edge class's forward run again (and of an offloaded layer's
+        copies) over their strategies, summed (ModeCosts.extra and edge_extra)."""
+        costs = self.costs(problem)
+        return float(sum(float(np.min(a)) for a in costs.extra.values() if np.size(a))
+                     + sum(float(np.min(m)) for m in costs.edge_extra.values() if np.size(m)))
+
     def lagrangian(self, problem: Problem, rule, price: float, options: SolveOptions) -> LagrangianPiece | None:
         """Its LagrangianPiece over its finest period (alternating layers admit every plan of
         identical ones): a solve with no budget (exact eliminations, rarely an ILP).  None:
@@ -153,11 +166,12 @@ def mode_assignments(problem: Problem, slots: list, forced) -> list[RecomputeCan
 
 
 def solve_summed(problem: Problem, rule, budget, options: SolveOptions = SolveOptions(), *,
-                 minimise_memory=False, recompute=None) -> Solved:
+                 minimise_memory=False, recompute=None, free: Solved | None = None) -> Solved:
     """Solve with every identical layer alike (period 1); when the answer moves data between
     consecutive layers, try alternating layouts (period 2) too and keep the faster plan.
     `recompute` forces one mode on every repeated layer; None lets the solve choose per set
-    of identical layers among MODES (the module docstring says how)."""
+    of identical layers among MODES (the module docstring says how).  free: this problem's
+    plan under `rule` with no budget, when the caller solved it already."""
     forced = check_mode(recompute)
     slots = layer_slots(problem)
     if not slots or forced == "none" or budget is None or minimise_memory:
@@ -169,28 +183,34 @@ def solve_summed(problem: Problem, rule, budget, options: SolveOptions = SolveOp
     # the fastest plan first (a solve with no budget: eliminations, rarely an ILP): when it
     # fits, it is the answer; else what it needs beyond the ILP's sum is where the budgeted
     # solve's reserve starts
-    free = solve_modes(problem, rule, None, options)
+    free = free or solve_modes(problem, rule, None, options)
     if free.memory <= budget:
         return free
-    keep, pieces = _keep_all_and_bounds(problem, rule, budget, options, tried, free)
+    keep, bounds = _keep_all_and_bounds(problem, rule, budget, options, tried, free)
     log.debug("no recompute: plan %s, with no budget %.6f", f"{keep.objective:.6f}" if keep else "none fits",
               free.objective)
     if keep is not None and keep.objective <= free.objective * (1 + 1e-9):
         return keep
     reserve = keep.beyond if keep is not None else 0.0
-    held = HeldPlan.of(problem, keep.choice) if keep is not None else None
-    bounds = [float("inf") if piece is None else piece.bound_under(budget, reserve, held) for piece in pieces]
     found = _search(problem, rule, budget, options, tried, bounds, keep, reserve)
     return replace(found, kept=keep) if keep is not None and found is not keep else found
 
 
 def _keep_all_and_bounds(problem: Problem, rule, budget, options: SolveOptions, tried: list,
                          free: Solved) -> tuple:
-    """(the plan keeping every activation under the budget, or None; each assignment's
-    LagrangianPiece), side by side in two processes.  The bounds price bytes where the
-    solves will cap the ILP's sum: the budget less what the fastest plan needs beyond that
-    sum (where the budgeted solve starts)."""
+    """(the plan keeping every activation under the budget, or None; a lower bound on each
+    assignment's plans).  First, side by side in two processes, that plan and the byte
+    price (byte_price, whose first solve is the least seconds of any plan with no budget,
+    alternating layers allowed).  An assignment's plans are then at least that least plus
+    the least its recomputation adds (RecomputeCandidate.least_added: the cheapest forward
+    run again, node by node): where that is no better than the plan keeping every
+    activation, the assignment is settled without a solve (DeepSeek-V3 on 32 x 8 x 8: all
+    eleven, whose Lagrangian bounds took 148 s).  The others get their Lagrangian bound
+    (LagrangianPiece.bound_under) too, as many at a time as there are workers.  The bounds
+    price bytes where the solves will cap the ILP's sum: the budget less what the fastest
+    plan needs beyond that sum (where the budgeted solve starts)."""
     cap = budget - free.beyond if free.beyond < budget else budget
+    lines: dict = {}
 
     def keep_all():
         try:
@@ -198,13 +218,26 @@ def _keep_all_and_bounds(problem: Problem, rule, budget, options: SolveOptions, 
         except InfeasibleError:
             return None
 
-    def bound_all():
-        price = byte_price(problem, rule, cap, options)
-        return [candidate.lagrangian(problem, rule, price, options) for candidate in tried]
+    def priced():
+        return byte_price(problem, rule, cap, options, lines), lines
 
-    # (this process computes the bounds: the assignments' costs it builds stay for the solves it forks next)
-    pieces, keep = forked_map(lambda task: task(), [bound_all, keep_all], worker_count(options.workers))
-    return keep, pieces
+    (price, lines), keep = forked_map(lambda task: task(), [priced, keep_all], worker_count(options.workers))
+    least = lines[0.0][0]
+    floors = [(least + candidate.least_added(problem)) * (1 - FLOOR_MARGIN) for candidate in tried]
+    best = keep.objective * (1 - 1e-9) if keep is not None else float("inf")
+    open_ = [k for k, floor in enumerate(floors) if floor < best]
+    if len(open_) < len(tried):
+        log.info("recompute: %d of %d assignments settled by their least added seconds (their plans take at "
+                 "least %.6f; keeping every activation: %s)", len(tried) - len(open_), len(tried), min(floors),
+                 f"{keep.objective:.6f}" if keep is not None else "none fits")
+    pieces = forked_map(lambda k: tried[k].lagrangian(problem, rule, price, options), open_,
+                        worker_count(options.workers))
+    reserve = keep.beyond if keep is not None else 0.0
+    held = HeldPlan.of(problem, keep.choice) if keep is not None else None
+    bounds = list(floors)
+    for k, piece in zip(open_, pieces):
+        bounds[k] = float("inf") if piece is None else max(floors[k], piece.bound_under(budget, reserve, held))
+    return keep, bounds
 
 
 def _search(problem: Problem, rule, budget, options: SolveOptions, tried: list, bounds: list,
@@ -242,14 +275,14 @@ def _search(problem: Problem, rule, budget, options: SolveOptions, tried: list, 
     return best
 
 
-def byte_price(problem: Problem, rule, budget, options: SolveOptions) -> float:
+def byte_price(problem: Problem, rule, budget, options: SolveOptions, lines: dict | None = None) -> float:
     """The seconds a byte is worth where `budget` binds on the ILP's sum of the plan
     keeping every activation: the Lagrange multiplier that maximises min over plans of
     (seconds + price * (bytes - budget)), found by cutting planes (each solve with no
     budget gives a plan, a line in the price; the next price is where the nearest lines
     over and under the budget cross) over a few solves with no budget."""
     red = reduce_problem(problem, rule, 2)
-    lines: dict = {}   # price -> (the plan's seconds less price x its bytes, its bytes)
+    lines = {} if lines is None else lines   # price -> (the plan's seconds less price x its bytes, its bytes)
 
     def line(price) -> tuple:
         if price not in lines:
