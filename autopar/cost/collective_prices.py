@@ -104,7 +104,7 @@ def collective_choice(kind: str, nbytes: float, axis: int, mesh: Mesh) -> tuple:
     return best.algorithm, best.seconds(nbytes)
 
 
-def price_columns(src: tuple, dst: tuple, mesh: Mesh) -> list:
+def price_columns(src: tuple, dst: tuple, mesh: Mesh, rows: list | None = None) -> list:
     """The planned steps' collectives priced, as columns (`collectives.columns`): each a list
     of (kind, axis, share, fixed s, s per byte of the whole tensor, algorithm) per
     collective, share being the fraction of the whole tensor `collective_time` reads (an
@@ -117,10 +117,11 @@ def price_columns(src: tuple, dst: tuple, mesh: Mesh) -> list:
     axis, fastest axis first.  Under NCCL it is priced as one call on the group of all those
     axes (the first row; the others cost 0 s).  Otherwise as a hierarchical one: the fastest
     axis reduce-scatters and all-gathers the whole local tensor, the next one all-reduces the
-    1/n left, and so on; one launch in all."""
+    1/n left, and so on; one launch in all.  rows: plan_rows(src, dst, mesh.shape), where
+    the caller has them."""
     algorithms = mesh.device.algorithms
     steps = []   # (kind, axis, share, lines in the whole tensor's bytes; None: priced with the step before)
-    for kind, a, _, _, share, span in plan_rows(src, dst, mesh.shape):
+    for kind, a, _, _, share, span in (plan_rows(src, dst, mesh.shape) if rows is None else rows):
         if kind not in COLLECTIVES:
             continue
         if kind == "all_reduce":

@@ -12,7 +12,9 @@ code among them: `menu(codes)`); a None code stands for no tensor and is priced 
 """
 from __future__ import annotations
 
+import collections
 import math
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,12 +60,21 @@ class LayoutPrices:
         self.mesh = mesh
         self.ids: dict = {}
         self.table = np.full((C.PRICE_ROWS, collectives.columns(mesh.device), 0, 0), np.nan)
+        self._lock = threading.Lock()   # (a table shared by plans in several threads: shared_prices)
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def lines(self, src: Menu, dst: Menu, reverse: bool = False) -> np.ndarray:
         """[PRICE_ROWS, algorithms, distinct src, distinct dst] redistribute_price lines
         (`reverse`: each priced from the dst layout to the src one)."""
-        rows, cols = self._ids(src.codes), self._ids(dst.codes)
-        return self._priced(cols, rows).transpose(0, 1, 3, 2) if reverse else self._priced(rows, cols)
+        with self._lock:
+            rows, cols = self._ids(src.codes), self._ids(dst.codes)
+            return self._priced(cols, rows).transpose(0, 1, 3, 2) if reverse else self._priced(rows, cols)
 
     def flags(self, src: Menu, dst: Menu, row: int, reverse: bool = False) -> np.ndarray:
         """[choices of src, choices of dst] booleans of the flag row `row` (prices.Row.ONE_*)."""
@@ -151,3 +162,24 @@ class LayoutPrices:
                     s, d, self.mesh)
             sub = self.table[:, :, src[:, None], dst[None, :]]
         return sub
+
+
+SHARED_MESHES = 4   # meshes whose price tables shared_prices keeps
+_SHARED: collections.OrderedDict = collections.OrderedDict()
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_prices(mesh: Mesh) -> LayoutPrices:
+    """The price table of `mesh`, one for every problem built on an equal mesh in this
+    process (of the last SHARED_MESHES meshes met): a pair's price depends on the two
+    layouts and the mesh alone, and the pipeline search builds a problem per microbatch
+    size on each sub-mesh, then the planner the winner's again (a 3-axis table prices
+    36,000 pairs, most of building the 405B-shaped Llama's stage problems)."""
+    with _SHARED_LOCK:
+        table = _SHARED.pop(mesh, None)
+        if table is None:
+            table = LayoutPrices(mesh)
+        _SHARED[mesh] = table
+        while len(_SHARED) > SHARED_MESHES:
+            _SHARED.popitem(last=False)
+        return table

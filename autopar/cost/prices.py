@@ -221,7 +221,7 @@ def redistribute_price(src: tuple, dst: tuple, mesh: Mesh) -> np.ndarray:
     for kind, a, _, _, share, span in steps:   # (an all-reduce over several axes: one call, one copy)
         if kind in COPY_ROWS:
             out[COPY_ROWS[kind]] += bucket_copy_bytes(kind, share, mesh.shape[a])
-    for j, column in enumerate(price_columns(src, dst, mesh)):
+    for j, column in enumerate(price_columns(src, dst, mesh, steps)):
         for kind, _, _, f, b, _ in column:
             out[Row.FIXED, j] += f
             out[Row.PER_BYTE, j] += b

@@ -10,7 +10,7 @@ import numpy as np
 
 from autopar import placements as P
 from autopar.cost import prices as C
-from autopar.cost.layout_prices import LayoutPrices, menu
+from autopar.cost.layout_prices import menu, shared_prices
 from autopar.solve.problem.gradient_paths import GradientPaths, grad_destination, loss_summed
 from autopar.solve.problem.graph import EdgeKey, PNode
 from autopar.solve.problem.pricing import Pricing
@@ -32,7 +32,7 @@ class EdgePrices:
         self.nodes, self.readers, self.pricing = nodes, readers, pricing
         self.grouped_gathers, self.choices, self.paths = grouped_gathers, choices, paths
         self.mesh = paths.mesh
-        self.prices = LayoutPrices(self.mesh)   # each pair of layouts priced once for every edge
+        self.prices = shared_prices(self.mesh)   # each pair of layouts priced once for every edge
         # TP collectives beside their GEMMs: where the plan asks for them and the device overlaps
         self.folds_tp = pricing.tp_overlap and self.mesh.device.asynchronous
         self.forward: dict[EdgeKey, np.ndarray] = {}
