@@ -32,6 +32,7 @@ from autopar.solve.problem.pricing import Pricing
 from autopar.solve.problem.problem import Problem
 from autopar.solve.recompute.modes import check_mode, recompute_record
 from autopar.solve.built import Built, build_problem
+from autopar.solve.forked import forked_map, worker_count
 from autopar.solve.ilp.solved import SolveOptions
 from autopar.solve.recompute.tiers import TierCapacityError, fill_device, within_tiers
 from autopar.trace.batching import batch_size
@@ -276,14 +277,22 @@ def _plan_built(built: Built, model, mesh: Mesh, request: Request, start, recomp
 
 def _plan_with_pipeline(model, mesh, request: Request) -> Plan:
     """The pipeline search's plan: the winner's stage plan with its PipelineLayout, or the
-    plan without stages when that is not slower."""
+    plan without stages when that is not slower.  Where the plan without stages must first
+    be bounded (_plain_plan), the bound's three solves run in a forked process while this
+    one plans the stages (405B-shaped on 16,384 devices: 5 s of the plan's 37)."""
     start = time.perf_counter()
     fixed = None if request.searched else request.pipeline
     choice = search(model, mesh, request.example_inputs, request.example_kwargs, memory_budget=request.budget,
                     options=request.options, fixed=fixed, mixed_precision=request.mixed_precision,
                     recompute=request.recompute, pricing=request.pricing, layout=request.layout)
-    if choice.axis is not None and fixed is None and choice.plain is not None:
-        plain = _plain_plan(model, mesh, request, choice)
+    contest = choice.axis is not None and fixed is None and choice.plain is not None
+    staged = bound = None
+    if contest and _clearly_slower(choice):
+        staged, bound = forked_map(lambda task: task(), [
+            lambda: _staged_or_error(model, mesh, request, choice),
+            lambda: step_lower_bound(choice.plain.problem, request.options)], worker_count(request.options.workers))
+    if contest:
+        plain = _plain_plan(model, mesh, request, choice, bound)
         if plain is not None and plain.predicted.step_s <= choice.step_s:
             log.info("the plan without stages (%.4g ms) is not slower than the best pipeline (%.4g ms): keeping it",
                      plain.predicted.step_s * 1e3, choice.step_s * 1e3)
@@ -295,28 +304,46 @@ def _plan_with_pipeline(model, mesh, request: Request) -> Plan:
             return dataclasses.replace(plain, pipeline=info, timing=timing)
         if plain is not None:
             choice = dataclasses.replace(choice, no_pipeline_s=plain.predicted.step_s)
-    built = choice.built  # the winner's problem, as the search traced, costed and solved it
-    if built is None:  # (a candidate whose problem was dropped while a better one led, or a worker's)
-        built = stage_problem(model, mesh, request.example_inputs, request.example_kwargs, request.mixed_precision,
-                              tuple(choice.submesh),
-                              batch_size(request.example_inputs, request.example_kwargs) // choice.n_microbatches,
-                              request.pricing)
-    staged = choice.axis is not None
-    result = _plans_built(built, model, built.problem.mesh, request, time.perf_counter(),
-                          choice.recompute if staged else request.recompute, staged,
-                          choice.stage_layout if staged else None)[0]
+    result = staged if staged is not None else _staged_or_error(model, mesh, request, choice)
+    if isinstance(result, Exception):
+        raise result
     timing = dataclasses.replace(result.timing, pipeline_search_s=choice.seconds, total_s=time.perf_counter() - start)
     return dataclasses.replace(result, pipeline=choice.layout(mesh), timing=timing)
 
 
-def _plain_plan(model, mesh, request: Request, choice) -> Plan | None:
+def _staged_or_error(model, mesh, request: Request, choice) -> Plan | Exception:
+    """The plan of the search's winner (one stage's problem, or the whole mesh's without
+    stages), or the error planning it raised (raised by the caller where it is kept)."""
+    try:
+        built = choice.built  # the winner's problem, as the search traced, costed and solved it
+        if built is None:  # (a candidate whose problem was dropped while a better one led, or a worker's)
+            built = stage_problem(model, mesh, request.example_inputs, request.example_kwargs,
+                                  request.mixed_precision, tuple(choice.submesh),
+                                  batch_size(request.example_inputs, request.example_kwargs) // choice.n_microbatches,
+                                  request.pricing)
+        staged = choice.axis is not None
+        return _plans_built(built, model, built.problem.mesh, request, time.perf_counter(),
+                            choice.recompute if staged else request.recompute, staged,
+                            choice.stage_layout if staged else None)[0]
+    except Exception as exc:   # noqa: BLE001 (kept for the caller, which raises it where the plan is kept)
+        return exc
+
+
+def _clearly_slower(choice) -> bool:
+    """Whether the search's own estimate of the plan without stages is clearly slower than
+    the best pipeline: only then is it bounded before it is planned (_plain_plan)."""
+    return choice.no_pipeline_s > 1.1 * choice.step_s
+
+
+def _plain_plan(model, mesh, request: Request, choice, bound: float | None = None) -> Plan | None:
     """The search never loses: the plain plan, planned as pipeline=False plans it (under the
     budget, with ZeRO and recomputation chosen by the ILP), to keep when it is not slower
     than the best pipeline; None where it is not planned: no plan without stages can be as
     fast as the pipeline (the bound costs three solves: asked only where the search's own
-    estimate of the plain plan is clearly slower than the pipeline), or none fits."""
-    clearly = choice.no_pipeline_s > 1.1 * choice.step_s
-    bound = step_lower_bound(choice.plain.problem, request.options) if clearly else 0.0
+    estimate of the plain plan is clearly slower than the pipeline; `bound`, where the
+    caller computed it), or none fits."""
+    if bound is None:
+        bound = step_lower_bound(choice.plain.problem, request.options) if _clearly_slower(choice) else 0.0
     if bound > choice.step_s * (1 + 1e-6):
         log.info("no plan without stages can beat the best pipeline (%.4g ms): any takes at least %.4g ms "
                  "(overlap.step_lower_bound)", choice.step_s * 1e3, bound * 1e3)
