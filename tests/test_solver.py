@@ -66,3 +66,32 @@ def test_same_inputs_same_answer():
     rng = np.random.default_rng(7)
     costs, memory, edges = random_graph(rng, 12, max_choices=6, edge_p=0.3)
     assert solve(costs, edges, memory, None).choice == solve(costs, edges, memory, None).choice
+
+
+def test_price_tables_shared_between_problems_on_equal_meshes_price_alike():
+    """Problems built on equal meshes share one table of layout-pair prices
+    (cost/layout_prices.shared_prices); the second problem's edge costs are those a fresh
+    table gives, for another batch size too (a pair's price depends on the layouts and the
+    mesh alone), and an unequal mesh gets its own table."""
+    import autopar
+    from autopar.cost import layout_prices
+    from autopar.models import build
+    from autopar.solve.built import build_problem
+
+    def costs(batch):
+        model, example = build("gpt-tiny", device="meta", batch=batch)
+        problem = build_problem(model, autopar.Mesh((2, 4), ("dp", "tp"), device="h100"), example, None).problem
+        return problem, {key: m.copy() for key, m in problem.edge_prices.costs.items()}
+
+    layout_prices._SHARED.clear()
+    first, _ = costs(8)
+    shared, got = costs(16)
+    assert shared.edge_prices.prices is first.edge_prices.prices
+    layout_prices._SHARED.clear()
+    fresh, expected = costs(16)
+    assert fresh.edge_prices.prices is not first.edge_prices.prices
+    assert got.keys() == expected.keys()
+    for key in got:
+        np.testing.assert_array_equal(got[key], expected[key])
+    other = autopar.Mesh((2, 4), ("dp", "tp"), device="h100", bandwidth=(1e9, 1e9))
+    assert layout_prices.shared_prices(other) is not fresh.edge_prices.prices
