@@ -1,6 +1,7 @@
 """A traced and costed problem (Built) and its solves: build_problem traces the model and
-costs its strategy menus; a Built remembers the two solves with no layout rule and no
-budget that both the pipeline search and the planner ask for, so neither is solved twice.
+costs its strategy menus; a Built remembers the solves with no budget that both the
+pipeline search and the planner ask for (the summed optimum, the hand-written layouts'), so
+none is solved twice.
 
 Solving itself is in three modules, each calling the one before: recompute/fitting.py (one
 recompute assignment under the budget), recompute/search.py (which layers recompute: the
@@ -13,7 +14,6 @@ import logging
 import time
 
 from autopar.cost.precision import cast_for_trace, meta_inputs
-from autopar.solve.overlap import solve_problem
 from autopar.solve.problem.problem import Problem
 from autopar.solve.recompute.search import solve_summed
 from autopar.solve.ilp.solved import SolveOptions, Solved
@@ -28,15 +28,14 @@ log = logging.getLogger("autopar")
 class Built:
     """A traced and costed problem (a candidate the planner or the pipeline search solves),
     with how long each took.  It remembers its summed optimum with no layout rule and no
-    budget (what the pipeline search prices a stage by) and its overlap-aware optimum
-    (solve_problem's, likewise), each solved once, when first asked for."""
+    budget (what the pipeline search prices a stage by) and its hand-written layouts'
+    (likewise), each solved once, when first asked for."""
 
     def __init__(self, problem: Problem, trace_s: float, costs_s: float):
         self.problem = problem
         self.trace_s = trace_s
         self.costs_s = costs_s
         self._summed: Solved | None = None
-        self._solved: Solved | None = None
         self._laid_out: dict = {}   # hand-written layout name -> its summed optimum (laid_out)
 
     @property
@@ -63,24 +62,18 @@ class Built:
             self._laid_out[name] = solve_summed(self.problem, rule, None, options)
         return self._laid_out[name]
 
-    def unbudgeted(self, options: SolveOptions) -> Solved:
-        """solve_problem with no layout rule and no budget (its first step: `summed`)."""
-        if self._solved is None:
-            self._solved = solve_problem(self.problem, None, None, options, summed=self.summed(options))
-        return self._solved
-
-    def known(self, limit: float, staged: bool, layout: str | None = None) -> Solved | None:
+    def known(self, staged: bool, layout: str | None = None) -> Solved | None:
         """A plan solved already that is the planner's answer with no layout rule and no
         forced recomputation, or None: staged (one microbatch of a pipeline whose stages'
         memory the search checked), the summed plan the search priced the stages by (under
-        the hand-written `layout` it priced them in, when it did); else the unbudgeted
-        optimum when it fits `limit` (the budgeted one is then the same)."""
+        the hand-written `layout` it priced them in, when it did).  The plan without stages
+        is solved when the planner asks for it (the search no longer solves its
+        overlap-aware optimum ahead: on the 405B-shaped Llama and DeepSeek-V3 that took 6
+        and 12 s of the search's busiest process for a plan never used)."""
         if staged and layout is not None:
             return self._laid_out.get(layout)
         if staged and self._summed is not None:
             return self._summed
-        if self._solved is not None and self._solved.memory <= limit:
-            return self._solved
         return None
 
     def free(self) -> Solved | None:

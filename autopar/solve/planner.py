@@ -246,7 +246,7 @@ def _plan_built(built: Built, model, mesh: Mesh, request: Request, start, recomp
     rule = every.get(layout if layout is not None or not staged else stage_layout)
     try:
         plain_modes = layout is None and recompute in (None, "none")
-        best = built.known(limit, staged, stage_layout if staged else None) if plain_modes else None
+        best = built.known(staged, stage_layout if staged else None) if plain_modes else None
         if best is None:
             # (the unbudgeted summed optimum, when it fits, is the budgeted one's first step)
             best = solve_problem(problem, rule, None if layout or staged else limit, options,

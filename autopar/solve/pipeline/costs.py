@@ -151,11 +151,6 @@ class StageCosts:
             self._costs[key] = layer_costs(built, self.model, self.options, self.modes, self.layout)
             if built.short:
                 del self._problems[key]   # (no plan is made of it)
-            if key == self.whole and self._costs[key] is not None:
-                # the plan without stages as the planner solves it with no budget (the
-                # overlap-aware second solve; Built.unbudgeted), while the other processes
-                # cost candidates: the planner takes it when it fits
-                built.unbudgeted(self.options)
         return self._costs[key]
 
     def share(self, groups, keep: bool = True) -> dict:

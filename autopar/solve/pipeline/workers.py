@@ -27,7 +27,7 @@ from autopar.trace.cache import TRACES
 log = logging.getLogger("autopar")
 
 TRACE_WEIGHT = 0.2   # what writing a group's trace adds to its load in deal (one per key)
-WHOLE_WEIGHT = 4.0   # per key of the whole batch's group: planned whole, and solved once more (Built.unbudgeted)
+WHOLE_WEIGHT = 2.5   # per key of the whole batch's group: planned whole (its trace is 4-5 times the others')
 
 
 @dataclass(frozen=True)
