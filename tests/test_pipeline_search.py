@@ -440,8 +440,9 @@ def test_interleaving_tries_three_or_four_stages_a_group_where_they_split_the_la
 
 def test_one_row_per_data_rank_counts_what_is_left_of_pp():
     """The microbatch of one row per data-parallel rank counts, besides the axes named for
-    data, what a stage keeps of the axis named "pp" (its stage problem may use it for data
-    alone): DeepSeek-V3's 256 rows on 32 x 8 x 8 cut in 2 are never 8-row microbatches
+    data, what a stage keeps of the axis it cuts where that is named "pp" (its stage
+    problem may use it for data alone) or for data (llama3-8b's 64 rows on dp 8 x tp 8 cut
+    in 2 are 16 microbatches of 4 rows, not 64 of one row on 4 data ranks): DeepSeek-V3's 256 rows on 32 x 8 x 8 cut in 2 are never 8-row microbatches
     for 16 x 8 data ranks (a candidate no data-parallel menu could split)."""
     from autopar.solve.pipeline.options import SearchSpace
     mesh = autopar.Mesh((32, 8, 8), ("pp", "dp", "ep"), device="h100")
@@ -457,6 +458,10 @@ def test_one_row_per_data_rank_counts_what_is_left_of_pp():
     plain = SearchSpace(autopar.Mesh((2, 64), ("dp", "tp"), device="h100"), 1024, 80e9, ("1f1b",), None, None,
                         ("none",))
     assert plain.microbatch_counts(2, 1) == [4, 8, 512]     # tp's remainder splits no rows
+    cut_dp = SearchSpace(autopar.Mesh((8, 8), ("dp", "tp"), device="h100"), 64, 80e9, ("1f1b",), None, None,
+                         ("none",))
+    assert cut_dp.microbatch_counts(2, 0) == [4, 8, 16]    # dp's remainder of 4 splits rows: 4 a microbatch
+    assert cut_dp.microbatch_counts(8, 0) == [16, 32, 64]
 
 
 def test_one_stage_schedules_need_a_microbatch_per_stage():
@@ -552,3 +557,72 @@ def test_the_floor_stays_below_every_simulated_step_with_hidden_synchronisation(
             assert low <= got.step_s * (1 + 1e-9), (schedule, p, n_mb, overlap, low, got.step_s)
             checked += 1
     assert checked >= 60
+
+
+def test_memory_ceiling_is_never_below_what_a_simulated_layout_holds():
+    """The search prices a candidate's hand-written stage layouts only where some layout of
+    it might not fit under the free plan (search._tight, by memory_ceiling: every forward a
+    device group runs in flight at once).  So the ceiling must be at or above the memory
+    evaluate finds, for random stage costs and every schedule, virtual count and
+    microbatch count (asynchronous schedules' stashed weights, chimera's two copies and the
+    V-shaped schedules' two chunks included)."""
+    from autopar.cost.schedules import least_microbatches
+    from autopar.solve.pipeline.candidates import evaluate, memory_ceiling
+    from autopar.solve.pipeline.costs import StageCost, StageParts
+    from autopar.solve.pipeline.options import SCHEDULE_CHOICES, SearchSpace
+    rng = random.Random(11)
+    space = SearchSpace(autopar.Mesh((8,), ("pp",), device="h100"), 64, 80e9, SCHEDULE_CHOICES, None, None, ("none",))
+
+    def cost():
+        return StageCost(forward_s=rng.uniform(0.1, 1.0), backward_s=rng.uniform(0.2, 2.0), once_s=0.1,
+                         params=rng.uniform(1, 4), grads=rng.uniform(1, 4), optimizer=rng.uniform(2, 8),
+                         activations=rng.uniform(0.5, 3.0), working=rng.uniform(0, 2))
+
+    checked, tight = 0, 0
+    for trial in range(40):
+        layers = tuple(cost() for _ in range(rng.choice([4, 6, 8, 12])))
+        parts = StageParts(layers, cost(), cost())
+        copies = StageCost(0.0, 0.0, 0.0, params=0.5, grads=0.5, optimizer=1.0, activations=0.0)
+        p = rng.choice([2, 4])
+        for schedule in SCHEDULE_CHOICES:
+            for v in space.virtuals(schedule, len(layers), p):
+                n_mb = rng.choice([p, 2 * p, 4 * p])
+                if len(layers) < p * v or n_mb < least_microbatches(schedule, p) or (
+                        schedule == "chimera" and (p % 2 or n_mb % p)) or (
+                        schedule == "interleaved-1f1b" and n_mb % p):
+                    continue
+                got = evaluate(parts, copies, 0.01, p * v, p, v, schedule, n_mb, float("inf"), True)
+                ceiling = memory_ceiling(parts, copies, p * v, p, v, schedule, n_mb)
+                assert max(got.memory) <= ceiling * (1 + 1e-12), (schedule, p, v, n_mb, got.memory, ceiling)
+                tight += max(got.memory) >= 0.5 * ceiling
+                checked += 1
+    assert checked >= 200 and tight >= checked // 4   # (and not so loose that it always prices them)
+
+
+@pytest.mark.slow   # (four pipeline searches: 15 s)
+def test_hand_written_stage_layouts_priced_only_where_the_free_plan_may_not_fit():
+    """Where every layout of a candidate fits under its free stage plan, the hand-written
+    stage layouts (Megatron-SP, Megatron x ZeRO-1), which keep less but run no faster, are not
+    priced; where the budget binds they are, and one wins.  Either way the search returns
+    what it returns pricing them for every candidate."""
+    from autopar.solve.pipeline import search as searching
+    model, example = build("llama3-8b", device="meta", batch=32, seq=1024, dim=1024, n_layers=8, n_heads=8,
+                           n_kv_heads=4, vocab=32000, max_seq=1024)
+    mesh = autopar.Mesh((2, 4, 2), ("pp", "dp", "tp"), device="h100", bandwidth=(25e9, 25e9, 450e9))
+    options = SolveOptions(compare=False, workers=1)
+    tight = searching._tight
+    for budget, priced in ((None, False), ("0.6GiB", True)):
+        seen = []
+        searching._tight = lambda space, key, free, seen=seen: seen.append(tight(space, key, free)) or seen[-1]
+        try:
+            lazy = search(model, mesh, example, memory_budget=budget, options=options,
+                          mixed_precision=autopar.MixedPrecision())
+            searching._tight = lambda space, key, free: True
+            eager = search(model, mesh, example, memory_budget=budget, options=options,
+                           mixed_precision=autopar.MixedPrecision())
+        finally:
+            searching._tight = tight
+        assert any(seen) == priced and len(seen) >= 2, (budget, seen)
+        assert (lazy.step_s, lazy.schedule, lazy.n_microbatches, lazy.stage_layout, lazy.recompute) == (
+            eager.step_s, eager.schedule, eager.n_microbatches, eager.stage_layout, eager.recompute)
+        assert (lazy.stage_layout is not None) == priced, (budget, lazy)

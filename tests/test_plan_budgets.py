@@ -8,7 +8,8 @@ processes sharing the cores with other jobs), CPU seconds hardly do.
 The bounds are today's ratios with room (2026-12-07, third session, CPU seconds over the
 8B plan's 1.57: 8b-8x8-pp 8.5, 5.4x; 405b-16k-pp 58.9, 37.5x (was 52-65x); dsv3-2048 6.8,
 4.3x; dsv3-2048-pp 176, 112x (was 680 CPU seconds); qwen3-235b-2048 28.9, 18.4x (16-17x
-before); the wall-clock figures, and the issue's targets for them, are
+before); fourth session, over the 8B plan's 1.41-1.42: 8b-8x8-pp 5.9-6.0, 4.2x;
+405b-16k-pp 45.4, 32x; dsv3-2048-pp 130, 92x; the wall-clock figures, and the issue's targets for them, are
 docs/PERFORMANCE.md#planning-time-at-scale).  qwen3-235b-2048-pp (75 CPU seconds, 48x) is
 held by the benchmark alone: two minutes of CI for what dsv3-2048-pp already guards.
 Every case is planned in a fresh process, as the benchmark plans it, and each ratio is
@@ -28,7 +29,7 @@ import plan_time  # noqa: E402
 pytestmark = pytest.mark.slow
 
 STEPS = {"405b-16k-pp": 2.48786, "dsv3-2048": 1.20146, "dsv3-2048-pp": 1.37406}
-BOUNDS = {"8b-8x8-pp": 7.5, "405b-16k-pp": 55.0, "dsv3-2048": 8.0, "dsv3-2048-pp": 150.0, "qwen3-235b-2048": 24.0}
+BOUNDS = {"8b-8x8-pp": 6.0, "405b-16k-pp": 45.0, "dsv3-2048": 8.0, "dsv3-2048-pp": 125.0, "qwen3-235b-2048": 24.0}
 
 
 def _plan_seconds(name: str) -> tuple[float, dict]:

@@ -257,6 +257,22 @@ def evaluate(parts: StageParts, copies, send, n_stages, p, v, schedule, n_mb, li
                           send_s=send, sends_overlap=overlap)
 
 
+def memory_ceiling(parts: StageParts, copies, n_stages, p, v, schedule, n_mb) -> float:
+    """The most any device group of this layout could hold, whatever the simulator finds:
+    evaluate's memory with every forward a group runs (n_mb per stage it holds) in flight
+    at once; the simulator's peak (Timeline.max_in_flight) is never more.  The search asks
+    it of a candidate's free plan before pricing the hand-written layouts beside it
+    (costs.layer_costs), which can only win where the free plan does not fit."""
+    _, _, _, _, held_states, acts, work, _, _ = _stages(parts, copies, 0.0, n_stages, False, schedule)
+    most = 0.0
+    for g in range(p):
+        mine = group_stages(g, p, n_stages, schedule)
+        states = sum(sum(held_states[k][s] for s in mine) * (3 if k == "params" and schedule in ASYNCHRONOUS else 1)
+                     for k in STATES)
+        most = max(most, states + max(acts[s] for s in mine) * n_mb * len(mine) + max(work[s] for s in mine))
+    return most
+
+
 def v_cuts(units, n_stages, head, tail):
     """Contiguous runs of layers for a V-shaped schedule, where device group g runs stages g
     and n_stages-1-g: the cuts that minimise the slowest group's two stages together.  From

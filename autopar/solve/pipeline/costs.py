@@ -134,8 +134,8 @@ class StageCosts:
     the planner reuses them."""
 
     def __init__(self, model, mesh: Mesh, example_inputs, example_kwargs, mixed_precision, options: SolveOptions,
-                 modes: tuple, pricing=None, layout: str | None = None):
-        self.model, self.mesh = model, mesh
+                 modes: tuple, pricing=None, layout: str | None = None, wants=None):
+        self.model, self.mesh, self.wants = model, mesh, wants   # wants(key, free costs): price the alternatives
         self.pricing, self.layout = pricing, layout
         self.example_inputs, self.example_kwargs = example_inputs, example_kwargs
         self.mixed_precision, self.options, self.modes = mixed_precision, options, modes
@@ -148,7 +148,8 @@ class StageCosts:
             built = self._problems[key] = stage_problem(self.model, self.mesh, self.example_inputs,
                                                         self.example_kwargs, self.mixed_precision, *key,
                                                         self.pricing, short=key != self.whole)
-            self._costs[key] = layer_costs(built, self.model, self.options, self.modes, self.layout)
+            wants = None if self.wants is None else (lambda free: key != self.whole and self.wants(key, free))
+            self._costs[key] = layer_costs(built, self.model, self.options, self.modes, self.layout, wants)
             if built.short:
                 del self._problems[key]   # (no plan is made of it)
         return self._costs[key]
@@ -182,8 +183,8 @@ class StageCosts:
             del self._problems[key]
 
 
-def layer_costs(built: Built, model, options: SolveOptions, modes=("none",), layout: str | None = None
-                ) -> LayerCosts | None:
+def layer_costs(built: Built, model, options: SolveOptions, modes=("none",), layout: str | None = None,
+                alternatives=None) -> LayerCosts | None:
     """Plan the built problem by its summed optimum (Built.summed: the stage costs below add
     up the plan's seconds, so that is the plan they price best) and split the plan's costs
     per repeated layer; None when nothing fits.  With `layout` (a hand-written layout the
@@ -198,7 +199,11 @@ def layer_costs(built: Built, model, options: SolveOptions, modes=("none",), lay
     slower layout that keeps less may win (Megatron-SP splits the norms' and residuals'
     activations by sequence, so selective recomputation fits where the free plan needs full;
     Korthikanti et al. 2022).  So the candidate is priced under each of stage_layouts too
-    (LayerCosts.alternatives), and the search takes whichever is fastest once it fits."""
+    (LayerCosts.alternatives), and the search takes whichever is fastest once it fits;
+    `alternatives(free)`, where given, says whether the free plan's costs need them (the
+    search asks whether every layout of the candidate fits under the free plan: then the
+    free plan, the fastest, wins; llama3-8b on 64 H100 prices 9 candidates once, not three
+    times)."""
     problem = built.problem
     if layout is not None:
         rule = B.layouts(problem.mesh, every=True).get(layout)
@@ -218,14 +223,17 @@ def layer_costs(built: Built, model, options: SolveOptions, modes=("none",), lay
                          f"blocks.1, ...) to cut into pipeline stages")
     if layout is not None:
         return _split_costs(problem, choice, modes, layout)
-    alternatives = []
+    free = _split_costs(problem, choice, modes, None)
+    if alternatives is not None and not alternatives(free):
+        return free
+    others = []
     for name, rule in stage_layouts(problem).items():
         try:
             ruled = built.laid_out(name, rule, options).choice
         except InfeasibleError:
             continue
-        alternatives.append(_split_costs(problem, ruled, modes, name))
-    return dataclasses.replace(_split_costs(problem, choice, modes, None), alternatives=tuple(alternatives))
+        others.append(_split_costs(problem, ruled, modes, name))
+    return dataclasses.replace(free, alternatives=tuple(others))
 
 
 def stage_layouts(problem) -> dict:

@@ -29,7 +29,7 @@ import time
 from autopar.cost.collective_prices import send_time
 from autopar.cost.schedules import ASYNCHRONOUS, least_microbatches
 from autopar.mesh import parse_bytes
-from autopar.solve.pipeline.candidates import SLOWER, PipelineChoice, evaluate, floor, plain_choices
+from autopar.solve.pipeline.candidates import SLOWER, PipelineChoice, evaluate, floor, memory_ceiling, plain_choices
 from autopar.solve.pipeline.costs import StageCosts
 from autopar.solve.pipeline.options import SCHEDULE_CHOICES, Cut, Pipeline, SearchSpace
 from autopar.solve.pipeline.workers import cost_in_parallel, trace_and_cost
@@ -85,7 +85,7 @@ def search(model, mesh, example_inputs, example_kwargs=None, *, memory_budget=No
     space = _space(mesh, batch_size(example_inputs, example_kwargs), memory_budget, schedules, microbatches, fixed,
                    recompute)
     costs = StageCosts(model, mesh, example_inputs, example_kwargs, mixed_precision, options, space.modes,
-                       pricing, layout)
+                       pricing, layout, functools.partial(_tight, space))
     first = space.first_axes()
     # the whole batch on the whole mesh (this process: the planner plans it again) and the
     # candidates over the stage axes, costed side by side; the whole batch and one
@@ -123,6 +123,26 @@ def _space(mesh, batch, memory_budget, schedules, microbatches, fixed, recompute
             microbatches = [fixed.microbatches]
     return SearchSpace(mesh, batch, limit, tuple(schedules), None if microbatches is None else tuple(microbatches),
                        fixed, ("none", *SEARCHED, "offload") if recompute is None else (recompute,))
+
+
+def _tight(space: SearchSpace, key, free) -> bool:
+    """Whether some layout of the candidates costed at `key` might not fit the budget under
+    the free stage plan's fastest recompute mode (memory_ceiling: every forward in flight):
+    only then are the hand-written stage layouts priced beside it (costs.layer_costs), since
+    they keep less but run no faster."""
+    modes = ["none"] if "none" in free.by_mode else list(free.by_mode)
+    for cut in space.cuts(range(space.mesh.ndim)):
+        if space.key(cut) != key:
+            continue
+        p = cut.groups
+        for schedule in space.schedules:
+            for v in space.virtuals(schedule, len(free.layer_indices), p):
+                if len(free.layer_indices) < p * v:
+                    continue
+                if any(memory_ceiling(free.by_mode[m], free.copies, p * v, p, v, schedule, cut.microbatches)
+                       > space.limit for m in modes):
+                    return True
+    return False
 
 
 def _fastest_plain(plain: list, limit) -> PipelineChoice | None:
