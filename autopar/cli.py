@@ -24,6 +24,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 from collections import Counter
 
@@ -445,8 +446,21 @@ def _add_calibrate(sub) -> None:
     p.set_defaults(func=_cmd_calibrate)
 
 
+def _joined(argv: list) -> list:
+    """`--budget -5GiB` as `--budget=-5GiB`: argparse takes a value that starts with a dash
+    and a digit but is not a plain number for an option of its own ("expected one
+    argument"); joined, the option's own check names what is wrong with it."""
+    out = []
+    for arg in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and re.match(r"-[0-9.]", arg):
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_joined(list(sys.argv[1:] if argv is None else argv)))
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
     log.addHandler(handler)

@@ -86,7 +86,7 @@ def rng_round_trip(spec: tuple, plan_dict: dict, path: str) -> dict:
             "plan_hash": Plan.from_dict(info["plan"]).hash() == plan.hash()}
 
 
-def non_finite_step(spec: tuple, plan_dict: dict, poison: str, check: bool = True) -> dict:
+def non_finite_step(spec: tuple, plan_dict: dict, poison: str, check: bool = True, via: str = "train_step") -> dict:
     """Two good steps, then `poison` (a parameter name) gets an infinite entry: the third
     train_step's error on this rank, and the first parameter (in the model's order) whose
     gradient one device finds non-finite on the same weights."""
@@ -109,10 +109,16 @@ def non_finite_step(spec: tuple, plan_dict: dict, poison: str, check: bool = Tru
     first = next((n for n, p in plain.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()),
                  None)
     try:
-        loss = cm.train_step(*args, **kwargs)
+        if via == "train_step":
+            loss = cm.train_step(*args, **kwargs)
+        else:   # two accumulated micro-steps: the one under no_sync is not checked, the last is
+            with cm.no_sync():
+                cm.backward(_loss(cm(*args, **kwargs)) / 2)
+            loss = _loss(cm(*args, **kwargs)) / 2
+            cm.backward(loss)
     except NonFiniteError as exc:
         return {"error": str(exc), "first": first}
-    return {"error": "", "loss": loss.item(), "first": first}
+    return {"error": "", "loss": float(loss.item()), "first": first}
 
 
 def mixed_precision_round_trip(spec: tuple, plan_dict: dict, other_dict: dict, path: str) -> dict:
@@ -159,3 +165,104 @@ def batch_check_window(spec: tuple, plan_dict: dict, check_inputs: int, differ_a
     except Exception as exc:  # noqa: BLE001 - the error is the result
         return f"{type(exc).__name__}: {exc}"
     return ""
+
+
+def _raised(fn) -> str:
+    """The CheckpointError fn() raises here, as text ('' where it returns)."""
+    try:
+        fn()
+    except autopar.checkpoint.CheckpointError as exc:
+        return str(exc)
+    return ""
+
+
+def failed_saves(spec: tuple, plan_dict: dict, root: str) -> dict:
+    """Saves that fail never block a resume: an `extra` JSON cannot hold is refused on every
+    rank before a shard is written; a record rank 0 cannot write (a full disk) fails the
+    save on every rank, naming rank 0; a stale `*.partial` with a truncated record and a
+    complete save whose record was damaged later are passed over by latest(); load(None)
+    (a first run) says there is nothing to resume; a flipped byte in a shard is found."""
+    import os
+    import warnings
+    plan = Plan.from_dict(plan_dict)
+    model, args, kwargs = build_case(spec)
+    cm = autopar.compile(model, plan.device_mesh(), args, example_kwargs=kwargs or None, plan=plan)
+    opt = cm.build_optimizer(torch.optim.AdamW, **OPTIM)
+    rank = dist.get_rank()
+    out = {"first_run": _raised(lambda: autopar.checkpoint.load(autopar.checkpoint.latest(root), cm, opt))}
+    autopar.checkpoint.save(f"{root}/step1", cm, opt, step=1)
+    out["bad_extra"] = _raised(lambda: autopar.checkpoint.save(f"{root}/step2", cm, opt, step=2,
+                                                                  extra={"lr": torch.tensor(0.1)}))
+    out["left_behind"] = sorted(os.listdir(root))
+    replace = os.replace
+
+    def full_disk(*a, **k):
+        raise OSError(28, "No space left on device")
+    if rank == 0:
+        os.replace = full_disk
+    try:
+        out["full_disk"] = _raised(lambda: autopar.checkpoint.save(f"{root}/step3", cm, opt, step=3))
+    finally:
+        os.replace = replace
+    dist.barrier()
+    if rank == 0:   # a save killed while rank 0 wrote its record, and a record damaged later
+        os.makedirs(f"{root}/step4.partial", exist_ok=True)
+        with open(f"{root}/step4.partial/autopar.json", "w") as f:
+            f.write('{"format": 2, "step": 4, "ext')
+    dist.barrier()
+    autopar.checkpoint.save(f"{root}/step5", cm, opt, step=5)
+    if rank == 0:
+        with open(f"{root}/step5/autopar.json", "w") as f:
+            f.write('{"format": 2, "st')
+    dist.barrier()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out["latest"] = os.path.basename(autopar.checkpoint.latest(root))
+    out["warned"] = [str(w.message) for w in caught]
+    out["damaged_record"] = _raised(lambda: autopar.checkpoint.load(f"{root}/step5", cm, opt))
+    out["loads"] = autopar.checkpoint.load(f"{root}/step1", cm, opt)["step"]
+    dist.barrier()
+    if rank == 0:
+        shard = sorted(n for n in os.listdir(f"{root}/step1") if n.endswith(".distcp"))[-1]
+        with open(f"{root}/step1/{shard}", "r+b") as f:
+            f.seek(os.path.getsize(f"{root}/step1/{shard}") // 2)
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    dist.barrier()
+    out["flipped"] = _raised(lambda: autopar.checkpoint.load(f"{root}/step1", cm, opt))
+    return out
+
+
+def stalled_optimizer_step(spec: tuple, plan_dict: dict) -> dict:
+    """A ZeRO gather after the optimizer's update that fails as a stalled peer makes it fail
+    (the backend's timeout, raised where the gather waits): the error names the optimizer
+    step; an LR scheduler over the same optimizer steps as usual."""
+    import warnings
+    from autopar.runtime.checks.faults import CollectiveError
+    from autopar.runtime.state import sharded_optimizer
+    plan = Plan.from_dict(plan_dict)
+    model, args, kwargs = build_case(spec)
+    cm = autopar.compile(model, plan.device_mesh(), args, example_kwargs=kwargs or None, plan=plan)
+    opt = cm.build_optimizer(torch.optim.AdamW, **OPTIM)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+    cm.train_step(*args, **kwargs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+        sched.step()
+    out = {"lr": opt.param_groups[0]["lr"], "warned": [str(w.message) for w in caught if "lr_scheduler" in str(w.message)]}
+    cm.train_step(*args, **kwargs)
+    gather = sharded_optimizer.all_gather_chunks
+
+    def stalled(*a, **k):
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:534] Timed out waiting 600000ms for recv operation")
+    sharded_optimizer.all_gather_chunks = stalled
+    try:
+        opt.step()
+        out["error"] = ""
+    except CollectiveError as exc:
+        out["error"] = str(exc)
+    finally:
+        sharded_optimizer.all_gather_chunks = gather
+    return out

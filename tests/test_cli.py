@@ -152,3 +152,13 @@ def test_accumulation_prices_the_optimizer_once_per_micro_steps(tmp_path, capsys
     assert optimizer[0] > 0 and optimizer[1] < optimizer[0]
     assert main(["-q", "plan", "--model", "gpt-tiny", "--mesh", "4", "--accumulation", "0"]) == 2
     assert "accumulation=0" in capsys.readouterr().err
+
+
+def test_a_negative_or_malformed_size_is_named(capsys):
+    """`--budget -5GiB` reaches the budget's own check (argparse alone took the value for an
+    option and said "expected one argument"), as does a unit it cannot read."""
+    for value, says in (("-5GiB", "not a positive, finite number of bytes"), ("5XB", "cannot read --budget"),
+                        ("-0.5", "not a positive")):
+        assert main(["-q", "plan", "--model", "gpt-tiny", "--mesh", "4", "--budget", value]) == 2
+        err = capsys.readouterr().err
+        assert says in err and value in err and "expected one argument" not in err, err

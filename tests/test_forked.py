@@ -73,3 +73,50 @@ def test_a_value_that_cannot_be_sent_is_an_error_here():
     with pytest.raises(RuntimeError, match="could not send its function"):
         forked_lanes(here, there, 2)
 
+
+
+def _gone(pid: int) -> bool:
+    """Whether process `pid` has ended (a zombie counts: it runs nothing)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc") or worker_count(2) < 2, reason="Linux forked workers")
+@pytest.mark.parametrize("how", ["map", "lanes"])
+def test_forked_planners_die_with_the_process_that_forked_them(tmp_path, how):
+    """A planner killed while its forked workers compute (killed for memory, or by hand)
+    leaves none of them running: they get the parent-death signal."""
+    import subprocess
+    import sys
+    import time
+    script = f"""
+import os, sys, time
+from autopar.solve.forked import forked_lanes, forked_map
+main = os.getpid()
+def work(k, *rest):
+    if os.getpid() != main:
+        open(os.path.join(sys.argv[1], str(os.getpid())), "w").close()
+    time.sleep(120)
+if {how!r} == "map":
+    forked_map(work, range(2), 2)
+else:
+    forked_lanes(lambda peers: time.sleep(120), work, 2)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)])
+    try:
+        deadline = time.monotonic() + 60
+        while not os.listdir(tmp_path) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        workers = [int(n) for n in os.listdir(tmp_path)]
+        assert workers, "no forked worker started"
+        assert not any(_gone(w) for w in workers)
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 10
+    while not all(_gone(w) for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(_gone(w) for w in workers), f"forked workers {workers} outlived their parent"

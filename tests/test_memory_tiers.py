@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -125,7 +126,7 @@ def test_states_go_to_disk_only_beyond_host_memory():
 def test_a_disk_too_small_is_named_with_the_bytes_it_lacks():
     model, args, _ = build_case(GPT)
     mesh = autopar.Mesh((2,), ("dp",), device=_device(0.1 * 2**20, disk_memory=0.1 * 2**20))
-    with pytest.raises(TierCapacityError, match=r"in disk memory \(offloaded model states\), more than the 0\.00 GiB.*disk_memory"):
+    with pytest.raises(TierCapacityError, match=r"in disk memory \(offloaded model states\), more than the 102\.40KiB.*disk_memory"):
         autopar.plan(model, mesh, args, memory_budget=1.1 * 2**20, recompute="none",
                      solve=autopar.SolveOptions(compare=False))
 
@@ -441,3 +442,19 @@ def test_a_tied_weight_offloaded_under_zero3_trains_like_one_device(pool2):
     plan = _all_weights_in_host_memory(plan, model)
     result = pool2.run(train_and_compare, GPT, plan, 3, 0.05)[0]
     assert result["ok"], result
+
+
+def test_the_host_memory_the_disk_tier_needs_is_named():
+    """Weights kept on disk still have their gradients in host memory while the optimizer
+    steps: where host memory cannot hold them, the error says that the disk tier needs it
+    and how much (issue 78: it said only that host memory was over)."""
+    model, args, _ = build_case(GPT)
+    mesh = autopar.Mesh((2,), ("dp",), device=_device(0.02 * 2**20, disk_memory=2**30))
+    with pytest.raises(TierCapacityError) as got:
+        autopar.plan(model, mesh, args, memory_budget=0.5 * 2**20, recompute="none",
+                     solve=autopar.SolveOptions(compare=False))
+    text = str(got.value)
+    need = re.search(r"with the disk tier this plan needs at least ([0-9.]+)KiB of host memory", text)
+    held = re.search(r"keeps ([0-9.]+)KiB per device in host memory", text)
+    assert need and held and "more than the 20.48KiB" in text, text
+    assert 20.48 < float(need.group(1)) <= float(held.group(1)), text

@@ -16,6 +16,8 @@ and the memory report (runtime/state/memory_report.py).
 """
 from __future__ import annotations
 
+import functools
+import types
 import weakref
 
 import torch
@@ -187,9 +189,19 @@ class CompiledModel(nn.Module):
                 with cm.no_sync():
                     cm.backward(cm(*micro) / k)
             cm.backward(cm(*batches[-1]) / k)     # reduces the accumulated sum once
-        """
-        with collectives_named("backward and gradient synchronisation", self.timeout_s):
+
+        A backward that synchronises (not under no_sync) is a step: with check_finite a NaN
+        or infinite loss or gradient on any rank raises NonFiniteError on every rank, as
+        train_step's does (runtime/checks/faults.check_step)."""
+        syncs = bool(getattr(self.grad_sync, "enabled", True))   # (False inside no_sync)
+        if syncs:
+            self.steps += 1
+        with collectives_named(f"step {self.steps} (backward, gradient synchronisation)" if syncs else
+                               "backward (no_sync: gradients accumulated)", self.timeout_s):
             self.runner.backward(loss)
+            if syncs:
+                local = loss.to_local() if hasattr(loss, "to_local") else loss
+                check_step(self, local.detach(), self.steps, self.check_finite, None)
 
     def no_sync(self):
         """Micro-steps inside `with cm.no_sync():` accumulate gradients without reducing them;
@@ -225,6 +237,7 @@ class CompiledModel(nn.Module):
         optimizer = build_optimizer(self.rank_state, cls, elementwise, pipelined=self.runner.pipelined,
                                     bucket_bytes=self.bucket_bytes, fuse=self.backend == "inductor", **kwargs)
         self._optimizers.append(weakref.ref(optimizer))
+        optimizer.step = types.MethodType(_named_step(type(optimizer).step, self), optimizer)
         return optimizer
 
     def memory_report(self) -> dict:
@@ -300,3 +313,16 @@ class CompiledModel(nn.Module):
 
     def load_optimizer_state_dict(self, optimizer, state: dict) -> None:
         load_state_dict_into(self.rank_state, optimizer, state)
+
+
+def _named_step(step, cm):
+    """An optimizer's step whose collectives (ZeRO-1/2's all-gathers of the updated chunks,
+    a whole-parameter optimizer's gathers and broadcasts) are named when one stalls: "the
+    optimizer step after step N", not a bare backend timeout.  A bound method still
+    (LR schedulers wrap optimizer.step through its __func__)."""
+    @functools.wraps(step)
+    def named(optimizer, *args, **kwargs):
+        with collectives_named(f"the optimizer step after step {cm.steps} (ZeRO chunks or whole parameters "
+                               f"gathered after the update)", cm.timeout_s):
+            return step(optimizer, *args, **kwargs)
+    return named

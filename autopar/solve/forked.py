@@ -5,13 +5,15 @@ assignments' ILPs run side by side.  The results come back in the items' order a
 depend on how many processes computed them: the callers merge them in that order.
 forked_lanes adds a pipe between each forked process and this one, for work that trades
 values while it runs (the pipeline search's traces: each process exports one batch size
-and sends the other its outline).
+and sends the other its outline).  A forked process dies with the one that forked it
+(_die_with_parent), so a planner killed for memory or by hand leaves nothing running.
 """
 from __future__ import annotations
 
 import multiprocessing
 import os
 import pickle
+import signal
 import sys
 import threading
 
@@ -40,13 +42,27 @@ def forked_map(fn, items, workers: int) -> list:
     global _TASK
     _TASK = (fn, items)
     try:
-        with multiprocessing.get_context("fork").Pool(lanes - 1) as pool:
+        with multiprocessing.get_context("fork").Pool(lanes - 1, _die_with_parent, (os.getpid(),)) as pool:
             pending = {k: pool.apply_async(_run, (k,)) for k in range(len(items)) if k % lanes}
             out = {k: fn(items[k]) for k in range(0, len(items), lanes)}
             out.update({k: got.get() for k, got in pending.items()})
     finally:
         _TASK = ()
     return [out[k] for k in range(len(items))]
+
+
+def _die_with_parent(parent: int) -> None:
+    """Run first in every forked planning process: it is killed when the process that forked
+    it ends (Linux's parent-death signal), so a planner killed for memory or by hand leaves
+    no worker computing on; and it exits at once if that process is gone already."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):   # (no prctl: the worker may outlive a killed parent)
+        pass
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def _run(k: int):
@@ -67,7 +83,7 @@ def forked_lanes(here, there, lanes: int) -> list:
     try:
         for k in range(1, lanes):
             mine, theirs = ctx.Pipe()
-            proc = ctx.Process(target=_lane, args=(there, k, theirs), daemon=True)
+            proc = ctx.Process(target=_lane, args=(there, k, theirs, os.getpid()), daemon=True)
             proc.start()
             theirs.close()
             procs.append(proc)
@@ -125,7 +141,8 @@ class Peer:
         return value
 
 
-def _lane(there, k, conn) -> None:
+def _lane(there, k, conn, parent: int) -> None:
+    _die_with_parent(parent)
     peer = Peer(conn)
     try:
         result = there(k, peer)

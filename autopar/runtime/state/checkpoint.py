@@ -14,6 +14,8 @@ import os
 import random
 import re
 import shutil
+import warnings
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -91,20 +93,65 @@ def _set_rng_state(saved: dict, device_type: str) -> None:
         torch.cuda.set_rng_state(saved["cuda"])
 
 
+def _record_text(record: dict, path: str) -> str:
+    """The record as JSON, or a CheckpointError naming what JSON cannot hold."""
+    try:
+        return json.dumps(record)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"not saving {path}: extra={record.get('extra')!r} is not something JSON can hold "
+                              f"({exc}); pass numbers, strings, lists and dicts (a tensor as .item() or "
+                              f".tolist())") from None
+
+
+def _agreed(error: str | None, what: str) -> None:
+    """Every rank's `error` (None: fine) gathered; where any rank has one, every rank
+    raises the same CheckpointError naming the ranks, so none waits for a peer that left."""
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, error)
+    bad = [(r, e) for r, e in enumerate(every) if e is not None]
+    if bad:
+        ranks = ", ".join(str(r) for r, _ in bad)
+        raise CheckpointError(f"{what} failed on rank{'s' if len(bad) > 1 else ''} {ranks}: {bad[0][1]}")
+
+
+def _checksums(directory: str, rank: int, world: int) -> dict:
+    """CRC-32 of each shard file this rank checks (every world-th in name order)."""
+    names = sorted(n for n in os.listdir(directory) if n.endswith(".distcp"))
+    out = {}
+    for name in names[rank::world]:
+        crc = 0
+        with open(os.path.join(directory, name), "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                crc = zlib.crc32(block, crc)
+        out[name] = crc
+    return out
+
+
 def save(path, cm, optimizer=None, *, step: int | None = None, extra: dict | None = None) -> str:
     """Save the compiled model's (and `optimizer`'s) sharded state to directory `path` with
     torch.distributed.checkpoint, beside the plan, the step, `extra` (anything JSON can
-    hold: the data loader's position, a config) and every rank's RNG states.  Every rank
-    calls it; no rank holds a whole tensor it does not own.  The directory appears whole or
-    not at all: it is written under a temporary name and renamed once every rank is done,
-    so a job killed while saving keeps its previous checkpoint.  Returns `path`."""
+    hold: the data loader's position, a config), every rank's RNG states and a CRC-32 of
+    every shard file (checked by load).  Every rank calls it; no rank holds a whole tensor
+    it does not own.  The directory appears whole or not at all: it is written under a
+    temporary name (`path`.partial, which `latest` never reads) and renamed once every rank
+    is done, so a job killed while saving, or a save that fails on any rank (every rank
+    then raises the same CheckpointError), keeps its previous checkpoint the latest.
+    `extra` is checked before any shard is written.  Returns `path`."""
     path = os.fspath(path)
+    rank = dist.get_rank()
+    record = {"format": FORMAT, "step": step, "extra": extra, "world_size": dist.get_world_size(),
+              "optimizer": optimizer is not None}
+    try:
+        _record_text(record, path)
+        error = None
+    except CheckpointError as exc:
+        error = str(exc)
+    _agreed(error if rank == 0 else None, "checking extra=")
     pending = getattr(getattr(cm.runner, "schedule", None), "any_pending", None)
     if pending is not None and pending():   # (asked of every rank: the last stage has nothing pending)
         raise CheckpointError(f"not saving {path}: the asynchronous pipeline (pipedream-2bw) still has the last "
                               f"step's backwards to run and its gradient to apply; call cm.drain() and the "
                               f"optimizer step first, then save")
-    rank = dist.get_rank()
     partial = f"{path}.partial"
     if rank == 0 and os.path.isdir(partial):
         shutil.rmtree(partial)
@@ -113,14 +160,25 @@ def save(path, cm, optimizer=None, *, step: int | None = None, extra: dict | Non
     if optimizer is not None:
         state["optim"] = cm.optimizer_state_dict(optimizer)
     dcp.save(state, checkpoint_id=partial)
-    os.makedirs(os.path.join(partial, "rng"), exist_ok=True)
-    torch.save(_rng_state(cm.device_type), os.path.join(partial, "rng", f"rank{rank}.pt"))
+    sums, error = {}, None
+    try:
+        os.makedirs(os.path.join(partial, "rng"), exist_ok=True)
+        torch.save(_rng_state(cm.device_type), os.path.join(partial, "rng", f"rank{rank}.pt"))
+        sums = _checksums(partial, rank, dist.get_world_size())
+    except OSError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, sums)
+    _agreed(error, f"saving {path}")
     if rank == 0:
-        record = {"format": FORMAT, "step": step, "extra": extra, "world_size": dist.get_world_size(),
-                  "optimizer": optimizer is not None, "plan": cm.plan.to_dict()}
-        with open(os.path.join(partial, META), "w") as f:
-            json.dump(record, f)
-    dist.barrier()
+        try:
+            record.update(plan=cm.plan.to_dict(), checksums={k: v for got in every for k, v in got.items()})
+            with open(os.path.join(partial, META + ".tmp"), "w") as f:
+                f.write(_record_text(record, path))
+            os.replace(os.path.join(partial, META + ".tmp"), os.path.join(partial, META))
+        except OSError as exc:
+            error = f"writing its record {os.path.join(partial, META)}: {type(exc).__name__}: {exc}"
+    _agreed(error, f"saving {path}")
     if rank == 0:
         if os.path.isdir(path):
             old = f"{path}.old"
@@ -140,14 +198,19 @@ def load(path, cm, optimizer=None) -> dict:
     world size).  Returns {"step", "extra", "plan"} as saved (the plan as a dict).  A
     checkpoint of another model raises CheckpointError naming the first entry that does not
     fit; one saved without the optimizer, when `optimizer` is given, too."""
+    if path is None:
+        raise CheckpointError("nothing to load: the path is None (autopar.checkpoint.latest found no complete "
+                              "checkpoint, as on a first run); resume only where there is one: "
+                              "`last = latest(dir); start = load(last, cm, opt)['step'] + 1 if last else 0`")
     path = os.fspath(path)
     meta_path = os.path.join(path, META)
     if not os.path.isfile(meta_path):
-        raise CheckpointError(f"{path} is not a checkpoint written by autopar.checkpoint.save (no {META}); "
-                              f"a bare torch.distributed.checkpoint directory loads with dcp.load + "
-                              f"cm.load_state_dict")
-    with open(meta_path) as f:
-        record = json.load(f)
+        hint = (f"; it is a save that never finished (latest() skips those): load {path[:-len('.partial')]} or "
+                f"another complete one" if path.endswith(".partial") else
+                "; a bare torch.distributed.checkpoint directory loads with dcp.load + cm.load_state_dict")
+        raise CheckpointError(f"{path} is not a checkpoint written by autopar.checkpoint.save (no {META}){hint}")
+    record = _read_record(meta_path)
+    _verify(path, record)
     if optimizer is not None and not record.get("optimizer"):
         raise CheckpointError(f"checkpoint {path} was saved without an optimizer; load it with optimizer=None "
                               f"and start the optimizer afresh")
@@ -167,20 +230,62 @@ def load(path, cm, optimizer=None) -> dict:
     return {"step": record.get("step"), "extra": record.get("extra"), "plan": record.get("plan")}
 
 
+def _read_record(meta_path: str) -> dict:
+    """A checkpoint's record, or a CheckpointError naming the damaged file and the fix."""
+    try:
+        with open(meta_path) as f:
+            record = json.load(f)
+        if not isinstance(record, dict):
+            raise ValueError(f"a JSON {type(record).__name__}, not an object")
+        return record
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint record {meta_path} is damaged ({type(exc).__name__}: {exc}); load "
+                              f"another checkpoint (autopar.checkpoint.latest skips damaged ones)") from None
+
+
+def _verify(path: str, record: dict) -> None:
+    """Each shard file's CRC-32 against the record's (checkpoints saved before autopar kept
+    them have none); every rank checks its share of the files and all agree."""
+    sums = record.get("checksums")
+    if not sums:
+        return
+    error = None
+    try:
+        got = _checksums(path, dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else \
+            _checksums(path, 0, 1)
+        missing = sorted(set(sums) - set(n for n in os.listdir(path) if n.endswith(".distcp")))
+        bad = [n for n, crc in got.items() if sums.get(n) != crc] + missing
+        if bad:
+            error = (f"checkpoint {path}: shard {bad[0]} is {'missing' if bad[0] in missing else 'damaged'} "
+                     f"(its CRC-32 differs from the one saved); load an earlier checkpoint")
+    except OSError as exc:
+        error = f"checkpoint {path}: {type(exc).__name__}: {exc}"
+    if dist.is_initialized():
+        _agreed(error, f"checking {path}")
+    elif error:
+        raise CheckpointError(error)
+
+
 def latest(directory) -> str | None:
     """The complete checkpoint with the highest step (then the newest) among the
-    subdirectories of `directory` that `save` wrote, or None: where a restarted job resumes."""
+    subdirectories of `directory` that `save` wrote, or None (a first run): where a
+    restarted job resumes.  Saves that never finished (`*.partial`, `*.old`) are never
+    read; a damaged record is skipped with a warning naming it."""
     directory = os.fspath(directory)
     if not os.path.isdir(directory):
         return None
-    done = [os.path.join(directory, d) for d in os.listdir(directory)
-            if os.path.isfile(os.path.join(directory, d, META))]
-
-    def order(d):
-        with open(os.path.join(d, META)) as f:
-            step = json.load(f).get("step")
-        return (step if isinstance(step, int) else -1, os.path.getmtime(os.path.join(d, META)))
-    return max(done, key=order, default=None)
+    found = []
+    for d in sorted(os.listdir(directory)):
+        meta = os.path.join(directory, d, META)
+        if d.endswith((".partial", ".old")) or not os.path.isfile(meta):
+            continue
+        try:
+            step = _read_record(meta).get("step")
+        except CheckpointError as exc:
+            warnings.warn(f"autopar: {exc}", stacklevel=2)
+            continue
+        found.append(((step if isinstance(step, int) else -1, os.path.getmtime(meta)), os.path.join(directory, d)))
+    return max(found)[1] if found else None
 
 
 # --- the plain model's state dict in one file -------------------------------------------------------

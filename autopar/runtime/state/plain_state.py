@@ -204,13 +204,20 @@ def full_state(state, whole, master: bool = False) -> dict:
     under each of their names) and the persistent buffers, on the CPU.  whole: the runner's
     whole(local, dtype) (runtime/runner.py: a pipelined plan broadcasts each weight from the
     device group holding it).  master=True: the float32 master weights where the optimizer
-    keeps them (mixed precision, offload), gathered from their ZeRO chunks."""
+    keeps them (mixed precision, offload), gathered from their ZeRO chunks.  Copies: later
+    steps do not change them (a whole parameter on the CPU is otherwise the live one)."""
     mine = {state.name_of[k]: state.whole(k, state.local_value(k, master)) for k in state.shards}
     out = state.parts.join(whole(mine, torch.float32 if master and state.masters else None))
-    params = {n: t.cpu() for n, t in out.items()}
+    params = {n: _copy(t) for n, t in out.items()}
     params.update({alias: params[name] for alias, name in state.aliases.items() if name in params})
-    params.update({name: state.buffers[key].detach().cpu() for name, key in state.buffer_names.items()})
+    params.update({name: _copy(state.buffers[key]) for name, key in state.buffer_names.items()})
     return params
+
+
+def _copy(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` on the CPU, never sharing its memory (.cpu() of a CPU tensor is itself)."""
+    tensor = tensor.detach()
+    return tensor.clone() if tensor.device.type == "cpu" else tensor.cpu()
 
 
 def full_grads(state, whole) -> dict:

@@ -135,17 +135,34 @@ def check_capacity(problem, choice) -> None:
     the activations of layers offloaded to it)."""
     device = problem.mesh.device
     used = used_tiers(problem, choice)
-    modes = getattr(choice, "modes", None)
-    gib = 2**30
     for tier, capacity, field in (("host", device.host_memory, "host_memory"), ("disk", device.disk_memory,
                                                                                "disk_memory")):
         if used[tier] > 0 and capacity > 0 and used[tier] > capacity:
             raise TierCapacityError(
-                f"the plan keeps {used[tier] / gib:.2f} GiB per device in {tier} memory (offloaded model states"
-                f"{' and activations' if tier == 'host' and modes and 'offload' in modes.values() else ''}), more "
-                f"than the {capacity / gib:.2f} GiB the device description gives ({device.name}.{field}); use more "
-                f"devices (states shrink with ZeRO over more ranks), a larger memory_budget, or a device "
+                f"the plan keeps {format_bytes(used[tier])} per device in {tier} memory ("
+                + (_host_parts(problem, choice, used[tier]) if tier == "host" else "offloaded model states")
+                + f"), more than the {format_bytes(capacity)} the device description gives ({device.name}.{field}); "
+                f"use more devices (states shrink with ZeRO over more ranks), a larger memory_budget, or a device "
                 f"description with more {tier} space (autopar calibrate --offload-dir measures the disk)")
+
+
+def _host_parts(problem, choice, total: float) -> str:
+    """What a plan's host memory holds, named: the states kept there, the gradients of the
+    weights kept off the device (in host memory while the optimizer steps, even where the
+    weights and states live on disk: the disk tier needs that much host memory), and the
+    activations of offloaded layers."""
+    states = grads = 0.0
+    for tier, nbytes, weight_grads in offloaded(problem, choice).values():
+        states += nbytes if tier == "host" else 0.0
+        grads += weight_grads
+    parts = [f"model states {format_bytes(states)}"]
+    if grads:
+        parts.append(f"gradients of the weights kept off the device {format_bytes(grads)}, which stay in host "
+                     f"memory even where the weights live on disk: with the disk tier this plan needs at least "
+                     f"{format_bytes(grads)} of host memory")
+    if total - states - grads > 0:
+        parts.append(f"offloaded activations {format_bytes(total - states - grads)}")
+    return "; ".join(parts)
 
 
 def device_twins(strategies, index: int) -> list:
