@@ -177,6 +177,8 @@ def hf_model(config: str, overrides: dict, batch: int | None, seq: int | None):
         try:
             with open(path) as f:
                 fields = json.load(f)
+            if not isinstance(fields, dict):
+                raise ValueError(f"it holds a JSON {type(fields).__name__}, not an object")
             kind = fields.pop("model_type")
         except (OSError, ValueError, KeyError, AttributeError) as exc:
             raise UsageError(f"cannot read the transformers config {path}: {type(exc).__name__} {exc}; give a "
@@ -446,6 +448,21 @@ def _add_calibrate(sub) -> None:
     p.set_defaults(func=_cmd_calibrate)
 
 
+def _file_problem(exc: OSError) -> str:
+    """What went wrong with a file the command was given, and the fix."""
+    name = exc.filename if exc.filename is not None else "a file"
+    if isinstance(exc, IsADirectoryError):
+        return f"{name!s} is a folder; give a file's path (a plan's JSON, as `autopar plan --save` writes it)"
+    if isinstance(exc, FileNotFoundError):
+        folder = os.path.dirname(os.fspath(name)) if exc.filename is not None else ""
+        if folder and not os.path.isdir(folder):
+            return f"cannot write {name!s}: its folder {folder} does not exist; create it first or choose another path"
+        return f"{name!s} does not exist"
+    if isinstance(exc, PermissionError):
+        return f"cannot open {name!s}: permission denied"
+    return f"{name!s}: {exc.strerror or exc}"
+
+
 def _joined(argv: list) -> list:
     """`--budget -5GiB` as `--budget=-5GiB`: argparse takes a value that starts with a dash
     and a digit but is not a plain number for an option of its own ("expected one
@@ -473,6 +490,9 @@ def main(argv=None) -> int:
     except BrokenPipeError:  # `autopar plan ... | head`: the reader left, nothing is wrong
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except OSError as exc:   # a file the command reads or writes: named, with what to do, not a traceback
+        print(f"autopar {args.command}: error: {_file_problem(exc)}", file=sys.stderr)
+        return 2
     finally:
         log.removeHandler(handler)
 

@@ -162,3 +162,23 @@ def test_a_negative_or_malformed_size_is_named(capsys):
         assert main(["-q", "plan", "--model", "gpt-tiny", "--mesh", "4", "--budget", value]) == 2
         err = capsys.readouterr().err
         assert says in err and value in err and "expected one argument" not in err, err
+
+
+def test_a_file_mistake_is_named_without_a_traceback(tmp_path, capsys):
+    """A plan or report written into a folder that does not exist, a folder given as the
+    plan to report, and a config file that is a JSON list: each is one line naming the path
+    and the fix, exit status 2, no traceback (they were FileNotFoundError, IsADirectoryError
+    and TypeError tracebacks)."""
+    missing = tmp_path / "no-such-folder"
+    cases = [(["plan", "--model", "gpt-tiny", "--mesh", "2", "--no-compare", "--save", str(missing / "p.json")],
+              f"its folder {missing} does not exist"),
+             (["plan", "--model", "gpt-tiny", "--mesh", "2", "--no-compare", "--html", str(missing / "p.html")],
+              f"its folder {missing} does not exist"),
+             (["report", str(tmp_path)], f"{tmp_path} is a folder")]
+    listed = tmp_path / "list.json"
+    listed.write_text("[1, 2]")
+    cases.append((["plan", "--hf", str(listed), "--mesh", "2"], "holds a JSON list, not an object"))
+    for argv, says in cases:
+        assert main(["-q", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err, (argv, err)
