@@ -458,9 +458,7 @@ def _file_problem(exc: OSError) -> str:
         if folder and not os.path.isdir(folder):
             return f"cannot write {name!s}: its folder {folder} does not exist; create it first or choose another path"
         return f"{name!s} does not exist"
-    if isinstance(exc, PermissionError):
-        return f"cannot open {name!s}: permission denied"
-    return f"{name!s}: {exc.strerror or exc}"
+    return f"cannot open {name!s}: {exc.strerror or exc}"
 
 
 def _joined(argv: list) -> list:
