@@ -103,15 +103,17 @@ def _record_text(record: dict, path: str) -> str:
                               f".tolist())") from None
 
 
-def _agreed(error: str | None, what: str) -> None:
-    """Every rank's `error` (None: fine) gathered; where any rank has one, every rank
-    raises the same CheckpointError naming the ranks, so none waits for a peer that left."""
+def _agreed(error: str | None, what: str, value=None) -> list:
+    """Every rank's `error` (None: fine) and `value` gathered in one call; where any rank
+    has an error, every rank raises the same CheckpointError naming the ranks, so none
+    waits for a peer that left.  Returns every rank's `value`, in rank order."""
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, error)
-    bad = [(r, e) for r, e in enumerate(every) if e is not None]
+    dist.all_gather_object(every, (error, value))
+    bad = [(r, e) for r, (e, _) in enumerate(every) if e is not None]
     if bad:
         ranks = ", ".join(str(r) for r, _ in bad)
         raise CheckpointError(f"{what} failed on rank{'s' if len(bad) > 1 else ''} {ranks}: {bad[0][1]}")
+    return [v for _, v in every]
 
 
 def _checksums(directory: str, rank: int, world: int) -> dict:
@@ -167,9 +169,7 @@ def save(path, cm, optimizer=None, *, step: int | None = None, extra: dict | Non
         sums = _checksums(partial, rank, dist.get_world_size())
     except OSError as exc:
         error = f"{type(exc).__name__}: {exc}"
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, sums)
-    _agreed(error, f"saving {path}")
+    every = _agreed(error, f"saving {path}", sums)
     if rank == 0:
         try:
             record.update(plan=cm.plan.to_dict(), checksums={k: v for got in every for k, v in got.items()})
@@ -251,8 +251,8 @@ def _verify(path: str, record: dict) -> None:
         return
     error = None
     try:
-        got = _checksums(path, dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else \
-            _checksums(path, 0, 1)
+        ranks = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        got = _checksums(path, *ranks)
         missing = sorted(set(sums) - set(n for n in os.listdir(path) if n.endswith(".distcp")))
         bad = [n for n, crc in got.items() if sums.get(n) != crc] + missing
         if bad:
